@@ -1,0 +1,10 @@
+//! egress-agent: confines the network egress of opted-in containers and commands.
+//!
+//! Layout (each module does one job):
+//! - [`config`]: the TOML configuration and the policy model shared by kernel and proxy.
+//! - `policy`: hostname normalisation/matching and the address deny list used by the proxy.
+//! - `proxy`: the co-located forward proxy (CONNECT + absolute-form HTTP), one listener per policy.
+//! - `events`: structured denial events (log + in-memory ring).
+//! - `bpf`: loading, pinning and adopting the eBPF programs; per-cgroup policy entries.
+//! - `exec`: `egress-agent exec`, run one command in a fresh enforced cgroup.
+#![forbid(unsafe_code)]
