@@ -1,0 +1,261 @@
+//! Idempotent machine setup: everything a fresh machine of this project's kind lacks.
+//!
+//! - Debian packages (build: libnftnl/libmnl/pkg-config; runtime and tests: nftables, iproute2,
+//!   docker.io, busybox-static; benchmark peers: squid, tinyproxy; unit check: systemd-analyze).
+//! - `rust-src` for the nightly toolchain (the eBPF object is built with `-Z build-std=core`).
+//! - bpf-linker 0.13, built against the nightly toolchain's own libLLVM with an rpath (a plain
+//!   `cargo install bpf-linker` can't find `-lLLVM` here).
+//! - bpffs mounted at /sys/fs/bpf.
+//!
+//! Each step checks first and does nothing when already satisfied.
+
+use std::{
+    path::{Path, PathBuf},
+    process::Command,
+};
+
+use anyhow::{Context, Result, bail};
+
+/// Debian packages the build, the tests and the benchmark need.
+const APT_PACKAGES: &[&str] = &[
+    "pkg-config",
+    "libnftnl-dev",
+    "libmnl-dev",
+    "nftables",
+    "iproute2",
+    "docker.io",
+    "busybox-static",
+    "squid",
+    "tinyproxy",
+    "systemd",
+];
+
+const BPF_LINKER_VERSION: &str = "0.13.0";
+
+/// Runs every setup step.
+pub fn run() -> Result<()> {
+    apt_packages()?;
+    nightly_rust_src()?;
+    bpf_linker()?;
+    bpffs()?;
+    eprintln!("xtask setup: done");
+    Ok(())
+}
+
+/// Whether a quick look says setup is complete (used by the other tasks to decide to run it).
+pub fn needed() -> bool {
+    missing_packages().map(|m| !m.is_empty()).unwrap_or(true)
+        || !bpf_linker_ok()
+        || !rust_src_installed().unwrap_or(false)
+        || !bpffs_mounted()
+}
+
+pub fn is_root() -> bool {
+    Command::new("id")
+        .arg("-u")
+        .output()
+        .map(|o| String::from_utf8_lossy(&o.stdout).trim() == "0")
+        .unwrap_or(false)
+}
+
+fn missing_packages() -> Result<Vec<&'static str>> {
+    let mut missing = Vec::new();
+    for pkg in APT_PACKAGES {
+        let out = Command::new("dpkg-query")
+            .args(["-W", "-f=${Status}", pkg])
+            .output()
+            .context("running dpkg-query (is this a Debian-based machine?)")?;
+        if !String::from_utf8_lossy(&out.stdout).contains("install ok installed") {
+            missing.push(*pkg);
+        }
+    }
+    Ok(missing)
+}
+
+fn apt_packages() -> Result<()> {
+    let missing = missing_packages()?;
+    if missing.is_empty() {
+        return Ok(());
+    }
+    if !is_root() {
+        bail!("xtask setup: packages {missing:?} are missing and installing them needs root");
+    }
+    eprintln!("xtask setup: installing {missing:?}");
+    // Package scripts must not start services (dockerd, squid, tinyproxy) on the host: tests
+    // start private instances of their own. policy-rc.d exit 101 = "action forbidden".
+    let policy = Path::new("/usr/sbin/policy-rc.d");
+    let created_policy = !policy.exists();
+    if created_policy {
+        std::fs::write(policy, "#!/bin/sh\n# written by cargo xtask setup\nexit 101\n")?;
+        sh("chmod", &["+x", "/usr/sbin/policy-rc.d"])?;
+    }
+    let result = (|| {
+        sh("apt-get", &["update", "-qq"])?;
+        let mut args = vec!["install", "-y", "-qq", "--no-install-recommends"];
+        args.extend(missing.iter().copied());
+        Command::new("apt-get")
+            .args(&args)
+            .env("DEBIAN_FRONTEND", "noninteractive")
+            .status()
+            .context("running apt-get install")?
+            .success()
+            .then_some(())
+            .context("apt-get install failed")
+    })();
+    if created_policy {
+        std::fs::remove_file(policy).ok();
+    }
+    result
+}
+
+fn rust_src_installed() -> Result<bool> {
+    let out = Command::new("rustup")
+        .args(["component", "list", "--toolchain", "nightly", "--installed"])
+        .output()
+        .context("running rustup (the nightly toolchain is needed for the eBPF build)")?;
+    Ok(String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .any(|l| l.starts_with("rust-src")))
+}
+
+fn nightly_rust_src() -> Result<()> {
+    if rust_src_installed()? {
+        return Ok(());
+    }
+    eprintln!("xtask setup: adding rust-src to the nightly toolchain");
+    sh(
+        "rustup",
+        &["component", "add", "rust-src", "--toolchain", "nightly"],
+    )
+}
+
+fn bpf_linker_ok() -> bool {
+    Command::new("bpf-linker")
+        .arg("--version")
+        .output()
+        .map(|o| o.status.success() && String::from_utf8_lossy(&o.stdout).contains(BPF_LINKER_VERSION))
+        .unwrap_or(false)
+}
+
+fn bpf_linker() -> Result<()> {
+    if bpf_linker_ok() {
+        return Ok(());
+    }
+    let sysroot = capture("rustc", &["+nightly", "--print", "sysroot"])?;
+    let sysroot = PathBuf::from(sysroot.trim());
+    let verbose = capture("rustc", &["+nightly", "-vV"])?;
+    let llvm_major = verbose
+        .lines()
+        .find_map(|l| l.strip_prefix("LLVM version: "))
+        .and_then(|v| v.split('.').next())
+        .context("`rustc +nightly -vV` printed no LLVM version")?
+        .to_owned();
+    let lib_dir = sysroot.join("lib");
+    let libllvm = std::fs::read_dir(&lib_dir)
+        .with_context(|| format!("reading {}", lib_dir.display()))?
+        .filter_map(|e| e.ok())
+        .map(|e| e.path())
+        .find(|p| {
+            p.file_name()
+                .and_then(|n| n.to_str())
+                .is_some_and(|n| n.starts_with("libLLVM") && n.contains(".so"))
+        })
+        .with_context(|| {
+            format!(
+                "no libLLVM shared library in {} (is the nightly toolchain complete?)",
+                lib_dir.display()
+            )
+        })?;
+    // bpf-linker's build looks for `<LLVM_PREFIX>/lib/libLLVM.so`.
+    let prefix = workspace_root().join("target/xtask/llvm-prefix");
+    std::fs::create_dir_all(prefix.join("lib"))?;
+    let link = prefix.join("lib/libLLVM.so");
+    std::fs::remove_file(&link).ok();
+    std::os::unix::fs::symlink(&libllvm, &link)
+        .with_context(|| format!("symlinking {}", link.display()))?;
+    eprintln!(
+        "xtask setup: building bpf-linker {BPF_LINKER_VERSION} against {} (about a minute)",
+        libllvm.display()
+    );
+    let status = Command::new("cargo")
+        .args([
+            "+nightly",
+            "install",
+            &format!("bpf-linker@{BPF_LINKER_VERSION}"),
+            "--locked",
+            "--force",
+            "--no-default-features",
+            "--features",
+            &format!("llvm-{llvm_major}"),
+        ])
+        .env("LLVM_PREFIX", &prefix)
+        .env(
+            "RUSTFLAGS",
+            format!("-C link-arg=-Wl,-rpath,{}", lib_dir.display()),
+        )
+        .status()
+        .context("running cargo install bpf-linker")?;
+    if !status.success() || !bpf_linker_ok() {
+        bail!("bpf-linker {BPF_LINKER_VERSION} did not install (see the cargo output above)");
+    }
+    Ok(())
+}
+
+fn bpffs_mounted() -> bool {
+    std::fs::read_to_string("/proc/self/mountinfo")
+        .map(|m| {
+            m.lines().any(|l| {
+                let mut parts = l.split(" - ");
+                let left = parts.next().unwrap_or("");
+                let right = parts.next().unwrap_or("");
+                left.split_whitespace().nth(4) == Some("/sys/fs/bpf")
+                    && right.split_whitespace().next() == Some("bpf")
+            })
+        })
+        .unwrap_or(false)
+}
+
+fn bpffs() -> Result<()> {
+    if bpffs_mounted() {
+        return Ok(());
+    }
+    if !is_root() {
+        eprintln!("xtask setup: /sys/fs/bpf is not a bpffs and mounting it needs root; skipped");
+        return Ok(());
+    }
+    std::fs::create_dir_all("/sys/fs/bpf").ok();
+    sh("mount", &["-t", "bpf", "bpf", "/sys/fs/bpf"])
+}
+
+pub fn workspace_root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .map(Path::to_path_buf)
+        .unwrap_or_else(|| PathBuf::from("."))
+}
+
+pub fn sh(program: &str, args: &[&str]) -> Result<()> {
+    let status = Command::new(program)
+        .args(args)
+        .status()
+        .with_context(|| format!("running {program}"))?;
+    if !status.success() {
+        bail!("`{program} {}` failed with {status}", args.join(" "));
+    }
+    Ok(())
+}
+
+fn capture(program: &str, args: &[&str]) -> Result<String> {
+    let out = Command::new(program)
+        .args(args)
+        .output()
+        .with_context(|| format!("running {program}"))?;
+    if !out.status.success() {
+        bail!(
+            "`{program} {}` failed: {}",
+            args.join(" "),
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+}

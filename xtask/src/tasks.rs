@@ -1,0 +1,157 @@
+//! The tasks behind `cargo xtask build | run | test | bench | install`.
+
+use std::{
+    path::{Path, PathBuf},
+    process::Command,
+};
+
+use anyhow::{Context, Result, bail};
+
+use crate::setup::{self, is_root, sh, workspace_root};
+
+fn ensure_setup() -> Result<()> {
+    if setup::needed() {
+        setup::run()?;
+    }
+    Ok(())
+}
+
+fn cargo(args: &[&str]) -> Result<()> {
+    let status = Command::new(env!("CARGO"))
+        .args(args)
+        .current_dir(workspace_root())
+        .status()
+        .context("running cargo")?;
+    if !status.success() {
+        bail!("`cargo {}` failed with {status}", args.join(" "));
+    }
+    Ok(())
+}
+
+fn release_bin(name: &str) -> PathBuf {
+    workspace_root().join("target/release").join(name)
+}
+
+pub fn build() -> Result<()> {
+    ensure_setup()?;
+    cargo(&["build", "--release", "-p", "egress-agent"])
+}
+
+pub fn run(args: &[String]) -> Result<()> {
+    build()?;
+    let bin = release_bin("egress-agent");
+    let mut cmd = if is_root() {
+        Command::new(&bin)
+    } else {
+        let mut c = Command::new("sudo");
+        c.arg("-E").arg(&bin);
+        c
+    };
+    let status = cmd
+        .args(args)
+        .current_dir(workspace_root())
+        .status()
+        .with_context(|| format!("running {}", bin.display()))?;
+    if !status.success() {
+        bail!("egress-agent exited with {status}");
+    }
+    Ok(())
+}
+
+pub fn test(filter: Option<&str>) -> Result<()> {
+    ensure_setup()?;
+    eprintln!("== unit tests (all crates but the eBPF object and the privileged suite)");
+    cargo(&[
+        "test",
+        "--workspace",
+        "--exclude",
+        "egress-ebpf",
+        "--exclude",
+        "egress-tests",
+    ])?;
+    eprintln!("== privileged integration tests (egress-tests)");
+    if !is_root() {
+        eprintln!("skipping privileged integration tests: needs root (each test says so too)");
+    }
+    // The integration tests drive the release binary like an operator would.
+    cargo(&["build", "--release", "-p", "egress-agent"])?;
+    let mut args = vec!["test", "-p", "egress-tests", "--"];
+    if let Some(f) = filter {
+        args.push(f);
+    }
+    // Tests share cgroups, netns names and one private dockerd: run them one at a time.
+    args.push("--test-threads=1");
+    cargo(&args)
+}
+
+pub fn bench(quick: bool) -> Result<()> {
+    ensure_setup()?;
+    if !is_root() {
+        bail!("the benchmarks load eBPF programs and pin CPUs: run as root");
+    }
+    cargo(&["build", "--release", "-p", "egress-agent", "-p", "egress-tests", "--bins"])?;
+    let mut failed = Vec::new();
+    for bench in ["connect-bench", "proxy-bench"] {
+        let bin = release_bin(bench);
+        if !bin.exists() {
+            failed.push(format!("{bench}: binary missing"));
+            continue;
+        }
+        eprintln!("== {bench}");
+        let mut cmd = Command::new(&bin);
+        cmd.arg("--agent").arg(release_bin("egress-agent"));
+        if quick {
+            cmd.arg("--quick");
+        }
+        let status = cmd.status().with_context(|| format!("running {bench}"))?;
+        if !status.success() {
+            failed.push(format!("{bench}: {status}"));
+        }
+    }
+    if !failed.is_empty() {
+        bail!("benchmarks failed: {}", failed.join("; "));
+    }
+    Ok(())
+}
+
+pub fn install(destdir: &Path) -> Result<()> {
+    build()?;
+    let root = workspace_root();
+    let place = |from: &Path, to: &str, mode: u32, overwrite: bool| -> Result<()> {
+        let to = destdir.join(to.trim_start_matches('/'));
+        if let Some(parent) = to.parent() {
+            std::fs::create_dir_all(parent)?;
+        }
+        if !overwrite && to.exists() {
+            eprintln!("kept existing {}", to.display());
+            return Ok(());
+        }
+        std::fs::copy(from, &to)
+            .with_context(|| format!("copying {} to {}", from.display(), to.display()))?;
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::set_permissions(&to, std::fs::Permissions::from_mode(mode))?;
+        eprintln!("installed {}", to.display());
+        Ok(())
+    };
+    place(&release_bin("egress-agent"), "/usr/local/bin/egress-agent", 0o755, true)?;
+    place(
+        &root.join("dist/egress-agent.service"),
+        "/etc/systemd/system/egress-agent.service",
+        0o644,
+        true,
+    )?;
+    // Never overwrite an operator's config on upgrade.
+    place(
+        &root.join("config/example.toml"),
+        "/etc/egress-agent/config.toml",
+        0o600,
+        false,
+    )?;
+    if destdir == Path::new("/") && Path::new("/run/systemd/system").exists() {
+        sh("systemctl", &["daemon-reload"])?;
+        eprintln!("next: systemctl enable --now egress-agent");
+    } else {
+        eprintln!("systemd is not PID 1 here: the unit is installed but not started");
+    }
+    Ok(())
+}
