@@ -1,0 +1,475 @@
+//! Prometheus metrics and the opt-in `/metrics` listener.
+//!
+//! Metric families (OpenMetrics text, prefix `egress_agent_`):
+//! - `decisions_total{verdict, reason, policy}`: proxy and kernel decisions (`verdict` = allow|deny).
+//! - `kernel_denials_total{hook}`: denials reported by the kernel programs (connect4, sendmsg6, ...).
+//! - `proxy_connections_total{policy}`: client connections accepted by the policy's listener.
+//! - `proxy_bytes_total{policy, direction}`: bytes relayed (`direction` = upstream|downstream).
+//! - `enforced_containers`: containers with a policy entry in the kernel (gauge).
+//! - `event_drops_total{source}`: events lost (`kernel` ring buffer overflow, `ring` in-memory ring).
+//! - `reconcile_errors_total`: Docker reconcile passes that failed.
+//!
+//! Label values are bounded by construction: `verdict`, `reason`, `hook`, `direction`, `source` are
+//! `&'static str` from typed enums; `policy` is a configured policy name. Never put hostnames,
+//! addresses or container names in a label (unbounded cardinality, and they are data, not metrics).
+//!
+//! The listener is opt-in and loopback-only: [`bind`] refuses any other address unless the caller
+//! passes `allow_non_loopback` (a config flag the operator has to set). It serves `GET /metrics` and
+//! nothing else, reads request heads under a timeout, and bounds concurrent connections.
+
+use std::future::Future;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use http_body_util::Full;
+use hyper::body::{Bytes, Incoming};
+use hyper::{Method, Request, Response, StatusCode};
+use hyper_util::rt::{TokioIo, TokioTimer};
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::registry::Registry;
+use tokio::net::TcpListener;
+use tokio::sync::Semaphore;
+
+/// Content type of the OpenMetrics text exposition.
+pub const CONTENT_TYPE: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
+/// Most scrapes served at once; more wait for a slot.
+const MAX_CONNECTIONS: usize = 16;
+/// A request head must arrive within this.
+const HEADER_TIMEOUT: Duration = Duration::from_secs(5);
+
+#[derive(Debug, thiserror::Error)]
+pub enum MetricsError {
+    #[error(
+        "metrics address {0} is not a loopback address; metrics are served on loopback only unless explicitly allowed"
+    )]
+    NotLoopback(SocketAddr),
+    #[error("cannot listen for metrics on {0}: {1}")]
+    Bind(SocketAddr, #[source] std::io::Error),
+    #[error("encoding metrics failed")]
+    Encode(#[from] std::fmt::Error),
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct DecisionLabels {
+    verdict: &'static str,
+    reason: &'static str,
+    policy: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct HookLabels {
+    hook: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct PolicyLabels {
+    policy: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct BytesLabels {
+    policy: String,
+    direction: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct SourceLabels {
+    source: &'static str,
+}
+
+/// Verdict label values.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Verdict {
+    Allow,
+    Deny,
+}
+
+impl Verdict {
+    fn as_str(self) -> &'static str {
+        match self {
+            Verdict::Allow => "allow",
+            Verdict::Deny => "deny",
+        }
+    }
+}
+
+/// Direction of relayed bytes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Direction {
+    /// Client → upstream.
+    Upstream,
+    /// Upstream → client.
+    Downstream,
+}
+
+/// Where events were lost.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DropSource {
+    /// The kernel ring buffer was full.
+    Kernel,
+    /// The in-memory event ring overwrote unread events.
+    Ring,
+}
+
+/// The agent's metrics. Cheap to update from any thread; share it as `Arc<Metrics>`.
+pub struct Metrics {
+    registry: Registry,
+    decisions: Family<DecisionLabels, Counter>,
+    kernel_denials: Family<HookLabels, Counter>,
+    proxy_connections: Family<PolicyLabels, Counter>,
+    proxy_bytes: Family<BytesLabels, Counter>,
+    enforced_containers: Gauge,
+    event_drops: Family<SourceLabels, Counter>,
+    reconcile_errors: Counter,
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl Metrics {
+    pub fn new() -> Self {
+        let mut registry = Registry::with_prefix("egress_agent");
+        let decisions = Family::default();
+        let kernel_denials = Family::default();
+        let proxy_connections = Family::default();
+        let proxy_bytes = Family::default();
+        let enforced_containers = Gauge::default();
+        let event_drops = Family::default();
+        let reconcile_errors = Counter::default();
+        registry.register(
+            "decisions",
+            "Egress decisions by verdict, reason and policy",
+            decisions.clone(),
+        );
+        registry.register(
+            "kernel_denials",
+            "Denials reported by the kernel programs, by hook",
+            kernel_denials.clone(),
+        );
+        registry.register(
+            "proxy_connections",
+            "Client connections accepted by the proxy, by policy",
+            proxy_connections.clone(),
+        );
+        registry.register(
+            "proxy_bytes",
+            "Bytes relayed by the proxy, by policy and direction",
+            proxy_bytes.clone(),
+        );
+        registry.register(
+            "enforced_containers",
+            "Containers with a policy entry in the kernel",
+            enforced_containers.clone(),
+        );
+        registry.register(
+            "event_drops",
+            "Denial events lost, by where they were lost",
+            event_drops.clone(),
+        );
+        registry.register(
+            "reconcile_errors",
+            "Docker reconcile passes that failed",
+            reconcile_errors.clone(),
+        );
+        Metrics {
+            registry,
+            decisions,
+            kernel_denials,
+            proxy_connections,
+            proxy_bytes,
+            enforced_containers,
+            event_drops,
+            reconcile_errors,
+        }
+    }
+
+    /// One decision. `reason` comes from a typed reason (`as_str()`), `policy` is a configured name.
+    pub fn decision(&self, verdict: Verdict, reason: &'static str, policy: &str) {
+        self.decisions
+            .get_or_create(&DecisionLabels {
+                verdict: verdict.as_str(),
+                reason,
+                policy: policy.to_owned(),
+            })
+            .inc();
+    }
+
+    /// A denial reported by the kernel program at `hook` (e.g. `connect4`).
+    pub fn kernel_denial(&self, hook: &'static str) {
+        self.kernel_denials
+            .get_or_create(&HookLabels { hook })
+            .inc();
+    }
+
+    /// A client connection accepted by `policy`'s listener.
+    pub fn proxy_connection(&self, policy: &str) {
+        self.proxy_connections
+            .get_or_create(&PolicyLabels {
+                policy: policy.to_owned(),
+            })
+            .inc();
+    }
+
+    /// `n` bytes relayed for `policy` in `direction`.
+    pub fn proxy_bytes(&self, policy: &str, direction: Direction, n: u64) {
+        let direction = match direction {
+            Direction::Upstream => "upstream",
+            Direction::Downstream => "downstream",
+        };
+        self.proxy_bytes
+            .get_or_create(&BytesLabels {
+                policy: policy.to_owned(),
+                direction,
+            })
+            .inc_by(n);
+    }
+
+    /// The number of containers currently enforced.
+    pub fn set_enforced_containers(&self, n: u64) {
+        self.enforced_containers
+            .set(i64::try_from(n).unwrap_or(i64::MAX));
+    }
+
+    /// `n` events lost at `source`.
+    pub fn event_drops(&self, source: DropSource, n: u64) {
+        let source = match source {
+            DropSource::Kernel => "kernel",
+            DropSource::Ring => "ring",
+        };
+        self.event_drops
+            .get_or_create(&SourceLabels { source })
+            .inc_by(n);
+    }
+
+    /// A reconcile pass failed.
+    pub fn reconcile_error(&self) {
+        self.reconcile_errors.inc();
+    }
+
+    /// The OpenMetrics text exposition (ends with `# EOF`).
+    pub fn encode(&self) -> Result<String, MetricsError> {
+        let mut s = String::new();
+        prometheus_client::encoding::text::encode(&mut s, &self.registry)?;
+        Ok(s)
+    }
+}
+
+/// Bind the metrics listener. Refuses a non-loopback address unless `allow_non_loopback`.
+pub async fn bind(addr: SocketAddr, allow_non_loopback: bool) -> Result<TcpListener, MetricsError> {
+    if !addr.ip().is_loopback() && !allow_non_loopback {
+        return Err(MetricsError::NotLoopback(addr));
+    }
+    if !addr.ip().is_loopback() {
+        tracing::warn!(%addr, "metrics served on a non-loopback address (explicitly allowed)");
+    }
+    TcpListener::bind(addr)
+        .await
+        .map_err(|e| MetricsError::Bind(addr, e))
+}
+
+fn respond(metrics: &Metrics, req: &Request<Incoming>) -> Response<Full<Bytes>> {
+    let plain = |status: StatusCode, body: &'static str| {
+        let mut r = Response::new(Full::new(Bytes::from_static(body.as_bytes())));
+        *r.status_mut() = status;
+        r.headers_mut().insert(
+            hyper::header::CONTENT_TYPE,
+            hyper::header::HeaderValue::from_static("text/plain"),
+        );
+        r
+    };
+    if req.uri().path() != "/metrics" {
+        return plain(StatusCode::NOT_FOUND, "not found\n");
+    }
+    if req.method() != Method::GET && req.method() != Method::HEAD {
+        let mut r = plain(StatusCode::METHOD_NOT_ALLOWED, "method not allowed\n");
+        r.headers_mut().insert(
+            hyper::header::ALLOW,
+            hyper::header::HeaderValue::from_static("GET, HEAD"),
+        );
+        return r;
+    }
+    match metrics.encode() {
+        Ok(text) => {
+            let mut r = Response::new(Full::new(Bytes::from(text)));
+            r.headers_mut().insert(
+                hyper::header::CONTENT_TYPE,
+                hyper::header::HeaderValue::from_static(CONTENT_TYPE),
+            );
+            r
+        }
+        Err(e) => {
+            tracing::warn!(error = %e, "metrics encoding failed");
+            plain(StatusCode::INTERNAL_SERVER_ERROR, "encoding failed\n")
+        }
+    }
+}
+
+/// Serve `GET /metrics` on `listener` until `shutdown` completes.
+pub async fn serve(
+    listener: TcpListener,
+    metrics: Arc<Metrics>,
+    shutdown: impl Future<Output = ()>,
+) {
+    let slots = Arc::new(Semaphore::new(MAX_CONNECTIONS));
+    tokio::pin!(shutdown);
+    loop {
+        let permit = tokio::select! {
+            _ = &mut shutdown => return,
+            p = Arc::clone(&slots).acquire_owned() => match p { Ok(p) => p, Err(_) => return },
+        };
+        let (stream, peer) = tokio::select! {
+            _ = &mut shutdown => return,
+            r = listener.accept() => match r {
+                Ok(x) => x,
+                Err(e) => {
+                    tracing::warn!(error = %e, "metrics accept failed");
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                    continue;
+                }
+            },
+        };
+        let metrics = Arc::clone(&metrics);
+        tokio::spawn(async move {
+            let _permit = permit;
+            let svc = hyper::service::service_fn(move |req| {
+                let r = respond(&metrics, &req);
+                async move { Ok::<_, std::convert::Infallible>(r) }
+            });
+            let conn = hyper::server::conn::http1::Builder::new()
+                .timer(TokioTimer::new())
+                .header_read_timeout(HEADER_TIMEOUT)
+                .keep_alive(false)
+                .serve_connection(TokioIo::new(stream), svc);
+            // A scrape that stalls mid-response is cut off too.
+            match tokio::time::timeout(Duration::from_secs(30), conn).await {
+                Ok(Ok(())) => {}
+                Ok(Err(e)) => tracing::debug!(%peer, error = %e, "metrics connection error"),
+                Err(_) => tracing::debug!(%peer, "metrics connection timed out"),
+            }
+        });
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn encodes_every_family() {
+        let m = Metrics::new();
+        m.decision(Verdict::Deny, "host_not_allowed", "ci");
+        m.decision(Verdict::Allow, "allowed", "ci");
+        m.kernel_denial("connect4");
+        m.proxy_connection("ci");
+        m.proxy_bytes("ci", Direction::Upstream, 100);
+        m.proxy_bytes("ci", Direction::Downstream, 2000);
+        m.set_enforced_containers(3);
+        m.event_drops(DropSource::Kernel, 7);
+        m.reconcile_error();
+        let text = m.encode().expect("encode");
+        for line in [
+            r#"egress_agent_decisions_total{verdict="deny",reason="host_not_allowed",policy="ci"} 1"#,
+            r#"egress_agent_kernel_denials_total{hook="connect4"} 1"#,
+            r#"egress_agent_proxy_connections_total{policy="ci"} 1"#,
+            r#"egress_agent_proxy_bytes_total{policy="ci",direction="downstream"} 2000"#,
+            "egress_agent_enforced_containers 3",
+            r#"egress_agent_event_drops_total{source="kernel"} 7"#,
+            "egress_agent_reconcile_errors_total 1",
+            "# EOF",
+        ] {
+            assert!(
+                text.lines().any(|l| l == line),
+                "missing {line:?} in\n{text}"
+            );
+        }
+    }
+
+    #[tokio::test]
+    async fn refuses_non_loopback_unless_allowed() {
+        let e = bind("0.0.0.0:0".parse().expect("addr"), false)
+            .await
+            .expect_err("must refuse");
+        assert!(matches!(e, MetricsError::NotLoopback(_)), "{e}");
+        assert!(
+            bind("127.0.0.1:0".parse().expect("addr"), false)
+                .await
+                .is_ok()
+        );
+        assert!(bind("[::1]:0".parse().expect("addr"), false).await.is_ok() || !ipv6_available());
+    }
+
+    async fn http(addr: SocketAddr, request: &str) -> String {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let mut s = tokio::net::TcpStream::connect(addr).await.expect("connect");
+        s.write_all(request.as_bytes()).await.expect("write");
+        let mut out = String::new();
+        tokio::time::timeout(Duration::from_secs(5), s.read_to_string(&mut out))
+            .await
+            .expect("response in time")
+            .expect("read");
+        out
+    }
+
+    #[tokio::test]
+    async fn scrape_over_loopback() {
+        let m = Arc::new(Metrics::new());
+        m.decision(Verdict::Deny, "ip_literal_denied", "reviewer");
+        m.set_enforced_containers(2);
+        let listener = bind("127.0.0.1:0".parse().expect("addr"), false)
+            .await
+            .expect("bind");
+        let addr = listener.local_addr().expect("addr");
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        let server = tokio::spawn(serve(listener, Arc::clone(&m), async move {
+            stopped.await.ok();
+        }));
+
+        let resp = http(
+            addr,
+            "GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n",
+        )
+        .await;
+        assert!(resp.starts_with("HTTP/1.1 200"), "{resp}");
+        assert!(resp.contains(CONTENT_TYPE), "{resp}");
+        assert!(resp.contains(r#"egress_agent_decisions_total{verdict="deny",reason="ip_literal_denied",policy="reviewer"} 1"#), "{resp}");
+        assert!(
+            resp.contains("egress_agent_enforced_containers 2"),
+            "{resp}"
+        );
+        assert!(resp.trim_end().ends_with("# EOF"), "{resp}");
+
+        // Updates show up in the next scrape.
+        m.set_enforced_containers(5);
+        let resp = http(addr, "GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n").await;
+        assert!(
+            resp.contains("egress_agent_enforced_containers 5"),
+            "{resp}"
+        );
+
+        let resp = http(addr, "GET / HTTP/1.1\r\nHost: x\r\n\r\n").await;
+        assert!(resp.starts_with("HTTP/1.1 404"), "{resp}");
+        let resp = http(
+            addr,
+            "POST /metrics HTTP/1.1\r\nHost: x\r\nContent-Length: 0\r\n\r\n",
+        )
+        .await;
+        assert!(resp.starts_with("HTTP/1.1 405"), "{resp}");
+
+        stop.send(()).expect("stop");
+        tokio::time::timeout(Duration::from_secs(5), server)
+            .await
+            .expect("server stops")
+            .expect("join");
+    }
+
+    fn ipv6_available() -> bool {
+        std::net::TcpListener::bind("[::1]:0").is_ok()
+    }
+}

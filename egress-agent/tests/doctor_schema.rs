@@ -1,0 +1,66 @@
+//! The `doctor --json` document is a stable interface: probe ids, their order, and the field names
+//! are pinned here. Adding a probe means appending its id to GOLDEN; renaming or removing one is a
+//! breaking change.
+use std::time::Duration;
+
+use egress_agent::doctor::{self, HostPaths, Options, PROBE_IDS};
+
+const GOLDEN: &[&str] = &[
+    "kernel.cgroup2",
+    "kernel.btf",
+    "kernel.bpf_lsm",
+    "kernel.cgroup_bpf",
+    "kernel.nf_tables",
+    "kernel.unprivileged_bpf",
+    "bpf.bpffs",
+    "bpf.pinned",
+    "proxy.listening",
+    "docker.reachable",
+    "docker.cgroup_driver",
+    "docker.net_raw",
+    "docker.privileged",
+    "nft.agent_table",
+    "host.firewall_input",
+    "host.firewall_forward",
+    "host.ip_forward",
+];
+
+#[test]
+fn probe_ids_are_the_golden_list() {
+    assert_eq!(PROBE_IDS, GOLDEN);
+}
+
+#[test]
+fn json_has_the_documented_shape() {
+    // A host with nothing: every file missing, no tools, no Docker, no netlink.
+    let root = std::env::temp_dir().join("egress-doctor-schema-nonexistent");
+    let opts = Options {
+        paths: HostPaths::under(&root, "0.0.0"),
+        pin_dir: root.join("bpf/egress-agent"),
+        docker_socket: root.join("docker.sock"),
+        docker_daemon_json: root.join("daemon.json"),
+        tool_path: Some("".into()),
+        netlink: false,
+        deadline: Duration::from_secs(5),
+        ..Options::default()
+    };
+    let report = doctor::run(opts);
+    let v: serde_json::Value = serde_json::from_str(&report.to_json()).expect("valid JSON");
+    let arr = v.as_array().expect("top level is an array");
+    assert_eq!(arr.len(), GOLDEN.len());
+    for (obj, id) in arr.iter().zip(GOLDEN) {
+        let o = obj.as_object().expect("each element is an object");
+        let mut keys: Vec<&str> = o.keys().map(String::as_str).collect();
+        keys.sort_unstable();
+        assert_eq!(keys, ["fix", "id", "status", "summary"], "{obj}");
+        assert_eq!(o["id"], *id);
+        let status = o["status"].as_str().expect("status is a string");
+        assert!(["pass", "warn", "fail", "skip"].contains(&status), "{obj}");
+        assert!(o["summary"].is_string(), "{obj}");
+        if status == "pass" {
+            assert!(o["fix"].is_null(), "{obj}");
+        } else {
+            assert!(o["fix"].is_string(), "{obj}");
+        }
+    }
+}
