@@ -7,4 +7,21 @@
 //! - `events`: structured denial events (log + in-memory ring).
 //! - `bpf`: loading, pinning and adopting the eBPF programs; per-cgroup policy entries.
 //! - `exec`: `egress-agent exec`, run one command in a fresh enforced cgroup.
-#![forbid(unsafe_code)]
+// `deny`, not `forbid`: the loader's two raw syscalls (bpf/sys.rs) are the one allowed exception.
+#![deny(unsafe_code)]
+pub mod api;
+pub mod doctor;
+pub mod metrics;
+pub mod notify;
+
+pub mod config;
+pub mod events;
+pub mod policy;
+pub mod proxy;
+pub mod docker;
+pub mod netif;
+pub mod nft;
+pub mod bpf;
+pub mod cgroup;
+pub mod exec;
+pub mod status;

@@ -1,1 +1,61 @@
-//! Helpers for the privileged integration tests.
+//! Helpers for the privileged integration tests (package `egress-tests`, run as root by
+//! `cargo xtask test`, one test thread).
+//!
+//! - [`netns`]: a network namespace + veth pair on a TEST-NET range, removed on drop.
+//! - [`canary`]: TCP/UDP listeners and an AF_PACKET capture that record what *arrived*.
+//! - [`agent`]: locating the built `egress-agent` / `egress-probe` binaries, running the probe
+//!   inside or outside `egress-agent exec`, test config files, attached-program counts.
+pub mod agent;
+pub mod canary;
+pub mod netns;
+
+/// Is the effective user root?
+pub fn is_root() -> bool {
+    nix::unistd::geteuid().is_root()
+}
+
+/// `true` when the group may run; otherwise prints `skipping: needs root` (once per call) so an
+/// unprivileged `cargo test` says clearly why nothing was checked.
+pub fn root_or_skip(group: &str) -> bool {
+    if is_root() {
+        true
+    } else {
+        // Straight to the stderr fd: libtest's output capture only intercepts `eprintln!`, and
+        // this line must be visible in a normal (captured) run.
+        use std::io::Write as _;
+        std::io::stderr().write_all(format!("skipping: needs root ({group})\n").as_bytes()).ok();
+        false
+    }
+}
+
+/// Run a command line through `sh -c`; panic with its output on failure; return stdout.
+pub fn sh(cmd: &str) -> String {
+    let out = std::process::Command::new("sh").args(["-c", cmd]).output().expect("spawn sh");
+    assert!(
+        out.status.success(),
+        "`{cmd}` failed ({}):\n{}{}",
+        out.status,
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+/// Run a command line through `sh -c`, ignoring failure (cleanup paths).
+pub fn sh_quiet(cmd: &str) -> bool {
+    std::process::Command::new("sh")
+        .args(["-c", cmd])
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .status()
+        .map(|s| s.success())
+        .unwrap_or(false)
+}
+
+/// A unique marker for one attempt (payload tag the canary looks for).
+pub fn marker(case: &str) -> String {
+    use std::sync::atomic::{AtomicU32, Ordering};
+    static N: AtomicU32 = AtomicU32::new(0);
+    format!("EGT-{}-{}-{case}", std::process::id(), N.fetch_add(1, Ordering::Relaxed))
+}
+pub mod docker;

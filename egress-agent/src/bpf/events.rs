@@ -1,0 +1,177 @@
+//! Kernel denial events: the ring buffer → [`DenialEvent`]s.
+//!
+//! A ring buffer has one consumer position: two readers would steal each other's events. The
+//! reader therefore takes an exclusive non-blocking `flock` on [`EVENTS_LOCK`]; whoever holds it
+//! (normally the daemon, otherwise a standalone `exec`) consumes. Totals never depend on this:
+//! the per-cgroup counters are kept in the kernel.
+use std::collections::BTreeMap;
+use std::fs::File;
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
+use std::path::Path;
+use std::time::SystemTime;
+
+use aya::maps::{Map, MapData, RingBuf};
+use egress_common::{Event, maps};
+use nix::fcntl::{Flock, FlockArg};
+
+use super::BpfError;
+use super::loader::maps_dir;
+use crate::events::{DenialEvent, Source};
+
+pub const EVENTS_LOCK: &str = "/run/egress-agent/events.lock";
+
+pub struct KernelEvents {
+    ring: RingBuf<MapData>,
+    _lock: Flock<File>,
+}
+
+impl KernelEvents {
+    /// Open the pinned ring buffer if no other process is consuming it (`Ok(None)` then).
+    pub fn try_open(bpffs: &Path) -> Result<Option<KernelEvents>, BpfError> {
+        let lock_path = Path::new(EVENTS_LOCK);
+        if let Some(dir) = lock_path.parent() {
+            std::fs::create_dir_all(dir).map_err(BpfError::io("creating", dir))?;
+        }
+        let file = File::options()
+            .create(true)
+            .truncate(false)
+            .write(true)
+            .open(lock_path)
+            .map_err(BpfError::io("opening", lock_path))?;
+        let lock = match Flock::lock(file, FlockArg::LockExclusiveNonblock) {
+            Ok(l) => l,
+            Err((_, nix::errno::Errno::EWOULDBLOCK)) => return Ok(None),
+            Err((_, e)) => {
+                return Err(BpfError::Io { what: "locking", path: lock_path.into(), source: e.into() });
+            }
+        };
+        let path = maps_dir(bpffs).join(maps::EVENTS);
+        let data = MapData::from_pin(&path).map_err(|source| BpfError::OpenMap { path: path.clone(), source })?;
+        let map = Map::from_map_data(data).map_err(|source| BpfError::OpenMap { path: path.clone(), source })?;
+        let ring: RingBuf<MapData> =
+            map.try_into().map_err(|source| BpfError::Map { map: maps::EVENTS, op: "open", source })?;
+        Ok(Some(KernelEvents { ring, _lock: lock }))
+    }
+
+    /// Drain what is in the ring now.
+    pub fn drain(&mut self) -> Vec<Event> {
+        let mut out = Vec::new();
+        while let Some(item) = self.ring.next() {
+            if item.len() >= size_of::<Event>() {
+                out.push(decode(&item[..size_of::<Event>()]));
+            }
+        }
+        out
+    }
+
+    /// Wall-clock time of an event: the time it is read (the ring is drained every ~200 ms;
+    /// `Event::ktime_ns` keeps the exact CLOCK_MONOTONIC stamp for ordering).
+    pub fn time_of(&self, _ev: &Event) -> SystemTime {
+        SystemTime::now()
+    }
+
+    /// The ring's fd, to wait for readiness (epoll / tokio `AsyncFd`).
+    pub fn as_fd(&self) -> std::os::fd::BorrowedFd<'_> {
+        use std::os::fd::AsFd;
+        self.ring.as_fd()
+    }
+}
+
+/// Field-by-field decode (no unsafe cast of ring memory); offsets follow `Event`'s layout.
+fn decode(bytes: &[u8]) -> Event {
+    let u64_at = |o: usize| u64::from_ne_bytes(bytes[o..o + 8].try_into().unwrap_or([0; 8]));
+    let u32_at = |o: usize| u32::from_ne_bytes(bytes[o..o + 4].try_into().unwrap_or([0; 4]));
+    let u16_at = |o: usize| u16::from_ne_bytes(bytes[o..o + 2].try_into().unwrap_or([0; 2]));
+    let mut comm = [0u8; 16];
+    comm.copy_from_slice(&bytes[56..72]);
+    Event {
+        ktime_ns: u64_at(0),
+        cgroup_id: u64_at(8),
+        pid: u32_at(16),
+        hook: u32_at(20),
+        family: u32_at(24),
+        protocol: u32_at(28),
+        port: u16_at(32),
+        _pad0: 0,
+        reason: u32_at(36),
+        addr: [u32_at(40), u32_at(44), u32_at(48), u32_at(52)],
+        comm,
+    }
+}
+
+pub fn hook_name(hook: u32) -> &'static str {
+    match hook {
+        egress_common::HOOK_CONNECT4 => "connect4",
+        egress_common::HOOK_CONNECT6 => "connect6",
+        egress_common::HOOK_SENDMSG4 => "sendmsg4",
+        egress_common::HOOK_SENDMSG6 => "sendmsg6",
+        egress_common::HOOK_SKB_EGRESS => "skb_egress",
+        egress_common::HOOK_SOCK_CREATE => "sock_create",
+        egress_common::HOOK_LSM_SOCKET_CREATE => "lsm_socket_create",
+        _ => "unknown",
+    }
+}
+
+pub fn reason_name(reason: u32) -> &'static str {
+    match reason {
+        egress_common::REASON_NOT_ALLOWED => "kernel-destination-not-allowed",
+        egress_common::REASON_NO_POLICY => "kernel-no-policy-entry",
+        egress_common::REASON_NO_LISTENER => "kernel-proxy-not-running",
+        egress_common::REASON_SOCKET_TYPE => "kernel-socket-type-not-allowed",
+        egress_common::REASON_HOST_LOOPBACK => "kernel-host-loopback",
+        egress_common::REASON_DENY_CIDR => "kernel-deny-cidr",
+        _ => "kernel-denied",
+    }
+}
+
+/// The destination IP of an event, if it has one.
+pub fn event_ip(ev: &Event) -> Option<IpAddr> {
+    match ev.family as i32 {
+        libc::AF_INET => Some(IpAddr::V4(Ipv4Addr::from(ev.addr[0].to_ne_bytes()))),
+        libc::AF_INET6 => {
+            let mut o = [0u8; 16];
+            for (i, w) in ev.addr.iter().enumerate() {
+                o[i * 4..i * 4 + 4].copy_from_slice(&w.to_ne_bytes());
+            }
+            Some(IpAddr::V6(Ipv6Addr::from(o)))
+        }
+        _ => None,
+    }
+}
+
+fn protocol_name(ev: &Event) -> String {
+    match ev.hook {
+        egress_common::HOOK_SOCK_CREATE | egress_common::HOOK_LSM_SOCKET_CREATE => {
+            format!("socket(family={}, type={})", ev.family, ev.protocol)
+        }
+        _ => match ev.protocol as i32 {
+            libc::IPPROTO_TCP => "tcp".into(),
+            libc::IPPROTO_UDP => "udp".into(),
+            libc::IPPROTO_ICMP => "icmp".into(),
+            libc::IPPROTO_ICMPV6 => "icmpv6".into(),
+            p => format!("ip-proto-{p}"),
+        },
+    }
+}
+
+/// A kernel event as a [`DenialEvent`]; `policy` is the name the caller knows for the cgroup.
+pub fn to_denial(ev: &Event, time: SystemTime, policy: &str) -> DenialEvent {
+    let comm_len = ev.comm.iter().position(|b| *b == 0).unwrap_or(ev.comm.len());
+    let mut context = BTreeMap::new();
+    context.insert("comm".to_owned(), String::from_utf8_lossy(&ev.comm[..comm_len]).into_owned());
+    context.insert("pid".to_owned(), ev.pid.to_string());
+    context.insert("hook".to_owned(), hook_name(ev.hook).to_owned());
+    DenialEvent {
+        time,
+        source: Source::Kernel,
+        cgroup_id: Some(ev.cgroup_id),
+        container: None,
+        context,
+        policy: policy.to_owned(),
+        host: None,
+        ip: event_ip(ev),
+        port: ev.port,
+        protocol: protocol_name(ev),
+        reason: reason_name(ev.reason).to_owned(),
+    }
+}

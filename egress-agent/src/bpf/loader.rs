@@ -1,0 +1,327 @@
+//! Load, pin and adopt the kernel programs.
+//!
+//! Pin layout under the configured bpffs directory (default `/sys/fs/bpf/egress-agent`):
+//! - `maps/<MAP>`: every map of the object (reused by every later load, see aya's
+//!   `default_map_pin_directory`), so any process can read and write policy state;
+//! - `roots/<cgroup id>/<program>`: one link per program per enforcement root.
+//!
+//! [`Loader::ensure_root`] never attaches a program twice to a root: links stack (a second copy
+//! would run twice), so an existing pinned link is adopted and only missing ones are attached.
+//! Loaders are serialised by an exclusive `flock` on [`LOCK_PATH`] (exec vs daemon).
+use std::fs::{self, File};
+use std::os::fd::AsFd;
+use std::path::{Path, PathBuf};
+
+use aya::Btf;
+use aya::programs::links::{FdLink, PinnedLink};
+use aya::programs::{
+    CgroupAttachMode, CgroupSkb, CgroupSkbAttachType, CgroupSock, CgroupSockAddr, LsmCgroup,
+};
+use aya::{Ebpf, EbpfLoader};
+use egress_common::programs as prog;
+use nix::fcntl::{Flock, FlockArg};
+
+use super::BpfError;
+use crate::cgroup;
+
+/// The eBPF object built by build.rs (aya-build), embedded in the binary.
+static OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/egress"));
+
+/// Serialises loaders on this host (regular file: bpffs cannot hold one).
+pub const LOCK_PATH: &str = "/run/egress-agent/loader.lock";
+
+/// `statfs` magic of bpffs.
+const BPF_FS_MAGIC: i64 = 0xcafe4a11;
+
+/// What happened to each program of a root.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RootReport {
+    pub root: PathBuf,
+    pub root_id: u64,
+    /// Programs whose pinned link was adopted.
+    pub adopted: Vec<&'static str>,
+    /// Programs attached (and pinned) by this call.
+    pub attached: Vec<&'static str>,
+    /// `None` when the BPF-LSM socket_create hook is enforcing; otherwise the reason it is not
+    /// (the AF_PACKET hole is then open).
+    pub lsm_unavailable: Option<String>,
+}
+
+/// Holds the loader lock; created by [`Loader::lock`].
+pub struct Loader {
+    bpffs: PathBuf,
+    _lock: Flock<File>,
+    ebpf: Option<Ebpf>,
+}
+
+/// Program kinds, for attaching.
+enum Kind {
+    SockAddr,
+    Skb,
+    Sock,
+    Lsm,
+}
+
+fn kind(name: &str) -> Kind {
+    match name {
+        prog::SKB_EGRESS => Kind::Skb,
+        prog::SOCK_CREATE => Kind::Sock,
+        prog::LSM_SOCKET_CREATE => Kind::Lsm,
+        _ => Kind::SockAddr,
+    }
+}
+
+/// Fail early and clearly when not root.
+pub fn require_root() -> Result<(), BpfError> {
+    let euid = nix::unistd::geteuid().as_raw();
+    if euid != 0 { Err(BpfError::NotRoot { euid }) } else { Ok(()) }
+}
+
+/// Is `path` on a bpf filesystem?
+fn is_bpffs(path: &Path) -> bool {
+    nix::sys::statfs::statfs(path)
+        .map(|s| s.filesystem_type() == nix::sys::statfs::FsType(BPF_FS_MAGIC as _))
+        .unwrap_or(false)
+}
+
+/// Make sure `dir` (e.g. `/sys/fs/bpf/egress-agent`) is on bpffs: mount bpffs on its nearest
+/// existing parent below `/sys/fs` if needed (the usual `/sys/fs/bpf`), then create `dir`.
+pub fn ensure_bpffs(dir: &Path) -> Result<(), BpfError> {
+    if dir.exists() {
+        return if is_bpffs(dir) { Ok(()) } else { Err(BpfError::NotBpffs { path: dir.to_owned() }) };
+    }
+    let parent = dir.parent().ok_or_else(|| BpfError::NotBpffs { path: dir.to_owned() })?;
+    if !is_bpffs(parent) {
+        fs::create_dir_all(parent).map_err(BpfError::io("creating", parent))?;
+        nix::mount::mount(
+            Some("bpf"),
+            parent,
+            Some("bpf"),
+            nix::mount::MsFlags::empty(),
+            None::<&str>,
+        )
+        .map_err(|e| BpfError::BpffsMount { path: parent.to_owned(), source: e.into() })?;
+        if !is_bpffs(parent) {
+            return Err(BpfError::NotBpffs { path: parent.to_owned() });
+        }
+    }
+    fs::create_dir_all(dir).map_err(BpfError::io("creating", dir))
+}
+
+pub fn maps_dir(bpffs: &Path) -> PathBuf {
+    bpffs.join("maps")
+}
+
+pub fn roots_dir(bpffs: &Path) -> PathBuf {
+    bpffs.join("roots")
+}
+
+pub fn root_pin_dir(bpffs: &Path, root_id: u64) -> PathBuf {
+    roots_dir(bpffs).join(root_id.to_string())
+}
+
+/// Can the BPF-LSM hook work here? Needs kernel BTF (the hook is found by BTF id) and the "bpf"
+/// LSM active (`/sys/kernel/security/lsm` when securityfs is mounted; else let the load tell).
+/// The cgroup programs need neither.
+fn lsm_active() -> Result<(), String> {
+    if let Err(e) = fs::metadata("/sys/kernel/btf/vmlinux") {
+        return Err(format!("no kernel BTF at /sys/kernel/btf/vmlinux ({e}); needs CONFIG_DEBUG_INFO_BTF=y"));
+    }
+    match fs::read_to_string("/sys/kernel/security/lsm") {
+        Ok(list) if list.trim().split(',').any(|l| l == "bpf") => Ok(()),
+        Ok(list) => Err(format!("\"bpf\" is not in the active LSM list ({})", list.trim())),
+        Err(_) => Ok(()),
+    }
+}
+
+impl Loader {
+    /// Check root, mount bpffs if needed, and take the loader lock (blocking).
+    pub fn lock(bpffs: &Path) -> Result<Loader, BpfError> {
+        require_root()?;
+        ensure_bpffs(bpffs)?;
+        let lock_path = Path::new(LOCK_PATH);
+        if let Some(dir) = lock_path.parent() {
+            fs::create_dir_all(dir).map_err(BpfError::io("creating", dir))?;
+        }
+        let file = File::options()
+            .create(true)
+            .truncate(false)
+            .write(true)
+            .open(lock_path)
+            .map_err(BpfError::io("opening", lock_path))?;
+        let lock = Flock::lock(file, FlockArg::LockExclusive)
+            .map_err(|(_, e)| BpfError::Io { what: "locking", path: lock_path.into(), source: e.into() })?;
+        Ok(Loader { bpffs: bpffs.to_owned(), _lock: lock, ebpf: None })
+    }
+
+    pub fn bpffs(&self) -> &Path {
+        &self.bpffs
+    }
+
+    /// Load the object (maps reuse/create pins under `maps/`), once per Loader.
+    fn ebpf(&mut self) -> Result<&mut Ebpf, BpfError> {
+        if self.ebpf.is_none() {
+            if OBJECT.is_empty() {
+                return Err(BpfError::NoObject);
+            }
+            let maps = maps_dir(&self.bpffs);
+            fs::create_dir_all(&maps).map_err(BpfError::io("creating", &maps))?;
+            let ebpf = EbpfLoader::new()
+                .default_map_pin_directory(&maps)
+                .load(OBJECT)
+                .map_err(|e| BpfError::Object(Box::new(e)))?;
+            self.ebpf = Some(ebpf);
+        }
+        self.ebpf.as_mut().ok_or(BpfError::NoObject)
+    }
+
+    /// Make sure every program is attached exactly once to `root` (a cgroup2 directory),
+    /// adopting pinned links. `require_lsm`: fail instead of warning when BPF-LSM is missing.
+    pub fn ensure_root(&mut self, root: &Path, require_lsm: bool) -> Result<RootReport, BpfError> {
+        let root_id = cgroup::cgroup_id(root).map_err(BpfError::io("reading cgroup", root))?;
+        let pin_dir = root_pin_dir(&self.bpffs, root_id);
+        fs::create_dir_all(&pin_dir).map_err(BpfError::io("creating", &pin_dir))?;
+        let mut report = RootReport {
+            root: root.to_owned(),
+            root_id,
+            adopted: Vec::new(),
+            attached: Vec::new(),
+            lsm_unavailable: None,
+        };
+
+        let mut wanted: Vec<&'static str> = prog::CGROUP.to_vec();
+        match lsm_active() {
+            Ok(()) => wanted.push(prog::LSM_SOCKET_CREATE),
+            Err(reason) => {
+                if require_lsm {
+                    return Err(BpfError::LsmUnavailable { reason });
+                }
+                report.lsm_unavailable = Some(reason);
+            }
+        }
+
+        for name in wanted {
+            let pin = pin_dir.join(name);
+            if pin.exists() {
+                self.adopt(&pin)?;
+                report.adopted.push(name);
+                continue;
+            }
+            match self.attach(name, root, &pin) {
+                Ok(()) => report.attached.push(name),
+                Err(err) if name == prog::LSM_SOCKET_CREATE && !require_lsm => {
+                    report.lsm_unavailable = Some(err.to_string());
+                }
+                Err(err) => return Err(err),
+            }
+        }
+        Ok(report)
+    }
+
+    /// Adopt a pinned link: it must open, and its program must use the pinned POLICIES map
+    /// (otherwise it enforces against maps nobody can write: everything denied).
+    fn adopt(&self, pin: &Path) -> Result<(), BpfError> {
+        let link = PinnedLink::from_pin(pin)
+            .map_err(|source| BpfError::Adopt { path: pin.to_owned(), source })?;
+        let fd_link: FdLink = link.into();
+        let info = fd_link
+            .info()
+            .map_err(|source| BpfError::Adopt { path: pin.to_owned(), source })?;
+        let policies_pin = maps_dir(&self.bpffs).join(egress_common::maps::POLICIES);
+        let map_id = aya::maps::MapData::from_pin(&policies_pin)
+            .and_then(|m| m.info())
+            .map(|i| i.id())
+            .map_err(|source| BpfError::OpenMap { path: policies_pin.clone(), source })?;
+        let prog_id = info.program_id();
+        let prog_maps = aya::programs::loaded_programs()
+            .filter_map(Result::ok)
+            .find(|p| p.id() == prog_id)
+            .and_then(|p| p.map_ids().ok().flatten())
+            .unwrap_or_default();
+        if !prog_maps.contains(&map_id) {
+            return Err(BpfError::StaleLink { path: pin.to_owned(), maps: maps_dir(&self.bpffs) });
+        }
+        // Dropping an FdLink that came from a pin only closes our fd; the pin keeps it attached.
+        drop(fd_link);
+        Ok(())
+    }
+
+    fn attach(&mut self, name: &'static str, root: &Path, pin: &Path) -> Result<(), BpfError> {
+        let cgroup_dir = File::open(root).map_err(BpfError::io("opening cgroup", root))?;
+        let attach_err =
+            |source| BpfError::Attach { program: name, cgroup: root.to_owned(), source };
+        let btf = match kind(name) {
+            Kind::Lsm => Some(
+                Btf::from_sys_fs().map_err(|e| BpfError::NoBtf {
+                    path: "/sys/kernel/btf/vmlinux".into(),
+                    source: std::io::Error::other(e.to_string()),
+                })?,
+            ),
+            _ => None,
+        };
+        let ebpf = self.ebpf()?;
+        let program = ebpf.program_mut(name).ok_or(BpfError::MissingProgram { program: name })?;
+        let link: FdLink = match kind(name) {
+            Kind::SockAddr => {
+                let p: &mut CgroupSockAddr =
+                    program.try_into().map_err(|e| BpfError::Load { program: name, source: e })?;
+                p.load().map_err(|e| BpfError::from_load(name, e))?;
+                let id = p.attach(cgroup_dir.as_fd(), CgroupAttachMode::Single).map_err(attach_err)?;
+                let link = p.take_link(id).map_err(attach_err)?;
+                FdLink::try_from(link).map_err(|e| pin_err(name, pin, e))?
+            }
+            Kind::Skb => {
+                let p: &mut CgroupSkb =
+                    program.try_into().map_err(|e| BpfError::Load { program: name, source: e })?;
+                p.load().map_err(|e| BpfError::from_load(name, e))?;
+                let id = p
+                    .attach(cgroup_dir.as_fd(), CgroupSkbAttachType::Egress, CgroupAttachMode::Single)
+                    .map_err(attach_err)?;
+                let link = p.take_link(id).map_err(attach_err)?;
+                FdLink::try_from(link).map_err(|e| pin_err(name, pin, e))?
+            }
+            Kind::Sock => {
+                let p: &mut CgroupSock =
+                    program.try_into().map_err(|e| BpfError::Load { program: name, source: e })?;
+                p.load().map_err(|e| BpfError::from_load(name, e))?;
+                let id = p.attach(cgroup_dir.as_fd(), CgroupAttachMode::Single).map_err(attach_err)?;
+                let link = p.take_link(id).map_err(attach_err)?;
+                FdLink::try_from(link).map_err(|e| pin_err(name, pin, e))?
+            }
+            Kind::Lsm => {
+                let btf = btf.ok_or(BpfError::MissingProgram { program: name })?;
+                let p: &mut LsmCgroup =
+                    program.try_into().map_err(|e| BpfError::Load { program: name, source: e })?;
+                p.load("socket_create", &btf).map_err(|e| BpfError::from_load(name, e))?;
+                let id = p.attach(cgroup_dir.as_fd()).map_err(attach_err)?;
+                let link = p.take_link(id).map_err(attach_err)?;
+                FdLink::from(link)
+            }
+        };
+        // If pinning fails the FdLink is dropped here, which detaches: nothing half-attached.
+        link.pin(pin).map_err(|e| pin_err(name, pin, e))?;
+        Ok(())
+    }
+}
+
+fn pin_err(name: &str, pin: &Path, e: impl std::fmt::Display) -> BpfError {
+    BpfError::Pin { what: format!("link of {name}"), path: pin.to_owned(), message: e.to_string() }
+}
+
+/// Roots with pinned links: `(root cgroup id, pinned program names)`.
+pub fn pinned_roots(bpffs: &Path) -> Vec<(u64, Vec<String>)> {
+    let mut out = Vec::new();
+    let Ok(dir) = fs::read_dir(roots_dir(bpffs)) else { return out };
+    for entry in dir.flatten() {
+        let Some(id) = entry.file_name().to_str().and_then(|s| s.parse::<u64>().ok()) else {
+            continue;
+        };
+        let mut progs: Vec<String> = fs::read_dir(entry.path())
+            .map(|d| d.flatten().filter_map(|e| e.file_name().into_string().ok()).collect())
+            .unwrap_or_default();
+        progs.sort();
+        out.push((id, progs));
+    }
+    out.sort();
+    out
+}

@@ -1,0 +1,139 @@
+//! The two syscalls aya 0.14 does not wrap: `getsockopt(SO_NETNS_COOKIE)` and `BPF_PROG_QUERY`
+//! on a cgroup. The only `unsafe` in the agent, kept small and checked.
+use std::io;
+use std::os::fd::{AsFd, AsRawFd};
+
+/// Network namespace cookie of the calling thread's netns (`SO_NETNS_COOKIE`, Linux 5.14):
+/// the same value `bpf_get_netns_cookie()` returns for sockets in that namespace.
+pub fn current_netns_cookie() -> io::Result<u64> {
+    let sock = std::net::UdpSocket::bind("127.0.0.1:0")
+        .or_else(|_| std::net::UdpSocket::bind("[::1]:0"))?;
+    let mut cookie: u64 = 0;
+    let mut len = std::mem::size_of::<u64>() as libc::socklen_t;
+    // SAFETY: valid socket fd, `cookie` is a u64 and `len` its size, as SO_NETNS_COOKIE expects.
+    let rc = unsafe {
+        libc::getsockopt(
+            sock.as_raw_fd(),
+            libc::SOL_SOCKET,
+            libc::SO_NETNS_COOKIE,
+            (&raw mut cookie).cast(),
+            &raw mut len,
+        )
+    };
+    if rc != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    if len as usize != std::mem::size_of::<u64>() || cookie == 0 {
+        return Err(io::Error::other("SO_NETNS_COOKIE returned no cookie"));
+    }
+    Ok(cookie)
+}
+
+/// `union bpf_attr` layout of the BPF_PROG_QUERY command (include/uapi/linux/bpf.h).
+#[repr(C)]
+#[derive(Default)]
+struct ProgQueryAttr {
+    target_fd: u32,
+    attach_type: u32,
+    query_flags: u32,
+    attach_flags: u32,
+    prog_ids: u64,
+    prog_cnt: u32,
+    _pad: u32,
+    prog_attach_flags: u64,
+    link_ids: u64,
+    link_attach_flags: u64,
+    revision: u64,
+}
+
+const BPF_PROG_QUERY: libc::c_long = 16;
+
+/// IDs of the programs attached directly to `cgroup` for one attach type (`BPF_PROG_QUERY`
+/// without `BPF_F_QUERY_EFFECTIVE`): what `bpftool cgroup show` lists.
+pub fn query_cgroup_programs(cgroup: impl AsFd, attach_type: u32) -> io::Result<Vec<u32>> {
+    let mut ids = vec![0u32; 64];
+    // BPF_LSM_CGROUP queries require per-program attach flags to be requested too.
+    let mut flags = vec![0u32; 64];
+    let mut attr = ProgQueryAttr {
+        target_fd: cgroup.as_fd().as_raw_fd() as u32,
+        attach_type,
+        prog_ids: ids.as_mut_ptr() as u64,
+        prog_cnt: ids.len() as u32,
+        prog_attach_flags: flags.as_mut_ptr() as u64,
+        ..Default::default()
+    };
+    // SAFETY: `attr` is a correctly laid out bpf_attr prefix with its size passed; `prog_ids`
+    // and `prog_attach_flags` point to `prog_cnt` writable u32s that outlive the call.
+    let rc = unsafe {
+        libc::syscall(
+            libc::SYS_bpf,
+            BPF_PROG_QUERY,
+            &raw mut attr,
+            std::mem::size_of::<ProgQueryAttr>() as libc::c_uint,
+        )
+    };
+    if rc != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    ids.truncate(attr.prog_cnt.min(64) as usize);
+    Ok(ids)
+}
+
+/// Kernel `enum bpf_attach_type` values used with [`query_cgroup_programs`].
+pub mod attach_type {
+    pub const CGROUP_INET_EGRESS: u32 = 1;
+    pub const CGROUP_INET_SOCK_CREATE: u32 = 2;
+    pub const CGROUP_INET4_CONNECT: u32 = 10;
+    pub const CGROUP_INET6_CONNECT: u32 = 11;
+    pub const CGROUP_UDP4_SENDMSG: u32 = 14;
+    pub const CGROUP_UDP6_SENDMSG: u32 = 15;
+    pub const LSM_CGROUP: u32 = 43;
+}
+
+/// Remove CAP_NET_RAW from this process for good, before it execs a confined command: from the
+/// bounding set (so neither root nor setuid/file-capability binaries regain it at execve), the
+/// ambient and inheritable sets, and the effective/permitted sets. Without CAP_NET_RAW the
+/// command cannot open AF_PACKET or raw sockets in the host network namespace — the hole the
+/// cgroup hooks cannot see when the BPF-LSM `socket_create` hook is unavailable.
+pub fn drop_cap_net_raw() -> io::Result<()> {
+    const CAP_NET_RAW: libc::c_ulong = 13;
+    // SAFETY: prctl with integer arguments only.
+    if unsafe { libc::prctl(libc::PR_CAPBSET_DROP, CAP_NET_RAW, 0, 0, 0) } != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: prctl with integer arguments only. EINVAL (no ambient support) is fine.
+    let rc = unsafe {
+        libc::prctl(libc::PR_CAP_AMBIENT, libc::PR_CAP_AMBIENT_LOWER, CAP_NET_RAW, 0, 0)
+    };
+    if rc != 0 && io::Error::last_os_error().raw_os_error() != Some(libc::EINVAL) {
+        return Err(io::Error::last_os_error());
+    }
+    #[repr(C)]
+    struct Header {
+        version: u32,
+        pid: i32,
+    }
+    #[repr(C)]
+    #[derive(Clone, Copy, Default)]
+    struct Data {
+        effective: u32,
+        permitted: u32,
+        inheritable: u32,
+    }
+    const VERSION_3: u32 = 0x2008_0522;
+    let mut hdr = Header { version: VERSION_3, pid: 0 };
+    let mut data = [Data::default(); 2];
+    // SAFETY: capget with a v3 header and two data structs, as the ABI requires.
+    if unsafe { libc::syscall(libc::SYS_capget, &raw mut hdr, data.as_mut_ptr()) } != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    let bit = 1u32 << CAP_NET_RAW;
+    data[0].effective &= !bit;
+    data[0].permitted &= !bit;
+    data[0].inheritable &= !bit;
+    // SAFETY: capset with the same v3 header and two data structs.
+    if unsafe { libc::syscall(libc::SYS_capset, &raw mut hdr, data.as_ptr()) } != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(())
+}

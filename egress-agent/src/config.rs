@@ -1,0 +1,790 @@
+//! The agent's TOML configuration and the policy model shared by the kernel and proxy sides.
+//!
+//! Default path: [`DEFAULT_CONFIG_PATH`]. Every struct refuses unknown fields; every field has a
+//! documented default (see `config/example.toml`). Loading is parse → [`Config::validate`]; any
+//! error names the file, the line and column, and the field, and nothing is half-applied.
+//!
+//! ```toml
+//! [agent]
+//! default_policy = "ci"          # default "deny_all"
+//! [proxy]
+//! endpoint = "127.0.0.1:3128"    # the stable address confined processes use
+//! [policies.ci]
+//! mode = "allowlist"             # allow_all | deny_all | allowlist (default allowlist)
+//! allow_hosts = ["github.com", "*.github.com"]
+//! allow_ports = [443]            # default [443]
+//! allow_cidrs = ["192.0.2.10/32", { cidr = "10.0.0.5/32", ports = [5432] }]
+//! deny_cidrs = ["203.0.113.0/24"]
+//! ```
+use std::collections::BTreeMap;
+use std::fmt;
+use std::net::{IpAddr, Ipv4Addr, SocketAddr};
+use std::ops::Range;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use ipnet::IpNet;
+use serde::de::{self, MapAccess, Visitor};
+use serde::{Deserialize, Deserializer, Serialize};
+
+pub use crate::policy::matcher::HostPattern;
+
+/// Where `egress-agent` looks for its configuration unless told otherwise.
+pub const DEFAULT_CONFIG_PATH: &str = "/etc/egress-agent/config.toml";
+/// Built-in policy names; always present, cannot be redefined.
+pub const ALLOW_ALL: &str = "allow_all";
+pub const DENY_ALL: &str = "deny_all";
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+pub struct Config {
+    #[serde(default)]
+    pub agent: AgentConfig,
+    #[serde(default)]
+    pub proxy: ProxyConfig,
+    #[serde(default)]
+    pub dns: DnsConfig,
+    /// Named policies. `allow_all` and `deny_all` are built in.
+    #[serde(default)]
+    pub policies: BTreeMap<String, Policy>,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct AgentConfig {
+    /// Where programs, maps and links are pinned. Default `/sys/fs/bpf/egress-agent`.
+    pub bpffs: PathBuf,
+    /// The global default policy (for opted-in containers that name none). Default `deny_all`.
+    pub default_policy: String,
+    /// Policy for containers without the opt-in label. Default `allow_all`.
+    pub unlabeled: String,
+}
+
+impl Default for AgentConfig {
+    fn default() -> Self {
+        AgentConfig {
+            bpffs: PathBuf::from("/sys/fs/bpf/egress-agent"),
+            default_policy: DENY_ALL.to_owned(),
+            unlabeled: ALLOW_ALL.to_owned(),
+        }
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct ProxyConfig {
+    /// The stable address confined processes use (HTTP(S)_PROXY); the kernel rewrites connections
+    /// to it to the policy's own listener. Default `127.0.0.1:3128`.
+    pub endpoint: SocketAddr,
+    /// Optional IPv6 endpoint. Default none.
+    pub endpoint_v6: Option<SocketAddr>,
+    /// Address the per-policy listeners bind (port 0). Default: the endpoint's IP.
+    pub listen: Option<IpAddr>,
+    /// Allow `listen` to be 0.0.0.0 / `::` (reachable from the LAN). Default false.
+    pub allow_unspecified_listen: bool,
+    /// Whole request head must arrive within this (slowloris bound). Default 10 000 ms.
+    pub header_timeout_ms: u64,
+    /// DNS + TCP connect to the upstream. Default 10 000 ms.
+    pub connect_timeout_ms: u64,
+    /// A tunnel or keep-alive connection with no bytes either way for this long is closed.
+    /// Default 300 000 ms.
+    pub idle_timeout_ms: u64,
+    /// Largest request head (request line + headers). Default 16 384 bytes.
+    pub max_header_bytes: usize,
+    /// Most client connections open at once, across all policies. Default 8 192.
+    pub max_connections: usize,
+    /// Largest copy buffer per tunnel direction. Buffers are allocated only while bytes flow (idle
+    /// tunnels hold none), start at 16 KiB and double up to this while reads fill them.
+    /// Default 262 144 bytes.
+    pub tunnel_buffer_bytes: usize,
+}
+
+impl Default for ProxyConfig {
+    fn default() -> Self {
+        ProxyConfig {
+            endpoint: SocketAddr::new(IpAddr::V4(Ipv4Addr::LOCALHOST), 3128),
+            endpoint_v6: None,
+            listen: None,
+            allow_unspecified_listen: false,
+            header_timeout_ms: 10_000,
+            connect_timeout_ms: 10_000,
+            idle_timeout_ms: 300_000,
+            max_header_bytes: 16 * 1024,
+            max_connections: 8192,
+            tunnel_buffer_bytes: 256 * 1024,
+        }
+    }
+}
+
+impl ProxyConfig {
+    /// The IP the per-policy listeners bind.
+    pub fn listen_ip(&self) -> IpAddr {
+        self.listen.unwrap_or(self.endpoint.ip())
+    }
+    pub fn header_timeout(&self) -> Duration {
+        Duration::from_millis(self.header_timeout_ms)
+    }
+    pub fn connect_timeout(&self) -> Duration {
+        Duration::from_millis(self.connect_timeout_ms)
+    }
+    pub fn idle_timeout(&self) -> Duration {
+        Duration::from_millis(self.idle_timeout_ms)
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct DnsConfig {
+    /// resolv.conf to read nameservers/search/options from. Default `/etc/resolv.conf`.
+    pub resolv_conf: PathBuf,
+    /// If set, these nameservers (port 53, UDP+TCP) replace resolv.conf's. `[]` = hosts file only.
+    pub nameservers: Option<Vec<IpAddr>>,
+    /// Static hosts file consulted before DNS. Default `/etc/hosts`.
+    pub hosts_file: PathBuf,
+    /// Per-query timeout. Default 5 000 ms.
+    pub timeout_ms: u64,
+    /// Attempts per query. Default 2.
+    pub attempts: usize,
+}
+
+impl Default for DnsConfig {
+    fn default() -> Self {
+        DnsConfig {
+            resolv_conf: PathBuf::from("/etc/resolv.conf"),
+            nameservers: None,
+            hosts_file: PathBuf::from("/etc/hosts"),
+            timeout_ms: 5_000,
+            attempts: 2,
+        }
+    }
+}
+
+/// Policy mode, shared with the kernel side.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "snake_case")]
+pub enum Mode {
+    /// Everything allowed (the proxy still refuses the built-in deny list: it runs in the host's
+    /// network namespace, so its loopback and private ranges are the host's).
+    AllowAll,
+    /// Nothing allowed.
+    DenyAll,
+    /// Only `allow_hosts` on `allow_ports` (through the proxy) and `allow_cidrs` (direct).
+    #[default]
+    Allowlist,
+}
+
+fn default_ports() -> Vec<u16> {
+    vec![443]
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Policy {
+    /// Default `allowlist`.
+    #[serde(default)]
+    pub mode: Mode,
+    /// Exact names and `*.suffix` wildcards (strictly below the suffix: `*.x` does not match `x`).
+    #[serde(default)]
+    pub allow_hosts: Vec<HostPattern>,
+    /// Ports allowed for `allow_hosts`. Default `[443]`.
+    #[serde(default = "default_ports")]
+    pub allow_ports: Vec<u16>,
+    /// Direct (kernel-level) allows; also the only way to reach a private or special address
+    /// through the proxy, or to CONNECT to an IP literal in allowlist mode.
+    #[serde(default)]
+    pub allow_cidrs: Vec<CidrRule>,
+    /// Added to the built-in deny list; wins over everything. May not overlap `allow_cidrs`.
+    #[serde(default)]
+    pub deny_cidrs: Vec<IpNet>,
+}
+
+impl Policy {
+    pub fn allow_all() -> Policy {
+        Policy {
+            mode: Mode::AllowAll,
+            ..Policy::deny_all()
+        }
+    }
+    pub fn deny_all() -> Policy {
+        Policy {
+            mode: Mode::DenyAll,
+            allow_hosts: Vec::new(),
+            allow_ports: default_ports(),
+            allow_cidrs: Vec::new(),
+            deny_cidrs: Vec::new(),
+        }
+    }
+}
+
+/// An `allow_cidrs` entry: `"10.0.0.5/32"` (all ports) or `{ cidr = "10.0.0.5/32", ports = [5432] }`.
+/// A bare address means a single host (/32 or /128).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CidrRule {
+    pub net: IpNet,
+    /// Empty = all ports.
+    pub ports: Vec<u16>,
+}
+
+impl CidrRule {
+    pub fn allows_port(&self, port: u16) -> bool {
+        self.ports.is_empty() || self.ports.contains(&port)
+    }
+}
+
+fn parse_net(s: &str) -> Result<IpNet, String> {
+    if let Ok(ip) = s.parse::<IpAddr>() {
+        return Ok(IpNet::from(ip));
+    }
+    let net: IpNet = s.parse().map_err(|_| format!("invalid CIDR {s:?}"))?;
+    if net.trunc() != net {
+        return Err(format!(
+            "CIDR {s:?} has host bits set; did you mean \"{}\"?",
+            net.trunc()
+        ));
+    }
+    Ok(net)
+}
+
+impl Serialize for CidrRule {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        use serde::ser::SerializeStruct;
+        if self.ports.is_empty() {
+            return s.collect_str(&self.net);
+        }
+        let mut st = s.serialize_struct("CidrRule", 2)?;
+        st.serialize_field("cidr", &self.net.to_string())?;
+        st.serialize_field("ports", &self.ports)?;
+        st.end()
+    }
+}
+
+impl<'de> Deserialize<'de> for CidrRule {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct V;
+        impl<'de> Visitor<'de> for V {
+            type Value = CidrRule;
+            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str("a CIDR string or { cidr = \"...\", ports = [...] }")
+            }
+            fn visit_str<E: de::Error>(self, s: &str) -> Result<CidrRule, E> {
+                Ok(CidrRule {
+                    net: parse_net(s).map_err(E::custom)?,
+                    ports: Vec::new(),
+                })
+            }
+            fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<CidrRule, A::Error> {
+                let mut cidr: Option<String> = None;
+                let mut ports: Option<Vec<u16>> = None;
+                while let Some(key) = map.next_key::<String>()? {
+                    match key.as_str() {
+                        "cidr" if cidr.is_none() => cidr = Some(map.next_value()?),
+                        "ports" if ports.is_none() => ports = Some(map.next_value()?),
+                        "cidr" | "ports" => return Err(de::Error::duplicate_field("cidr/ports")),
+                        other => return Err(de::Error::unknown_field(other, &["cidr", "ports"])),
+                    }
+                }
+                let cidr = cidr.ok_or_else(|| de::Error::missing_field("cidr"))?;
+                let net = parse_net(&cidr).map_err(de::Error::custom)?;
+                let ports = ports.unwrap_or_default();
+                if ports.contains(&0) {
+                    return Err(de::Error::custom("port 0 is not a port"));
+                }
+                Ok(CidrRule { net, ports })
+            }
+        }
+        d.deserialize_any(V)
+    }
+}
+
+/// A configuration error, always naming the file; line, column and field when known.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    #[error("{path}: cannot read: {source}")]
+    Read {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("{path}:{line}:{column}: {field}: {message}")]
+    Invalid {
+        path: PathBuf,
+        line: usize,
+        column: usize,
+        field: String,
+        message: String,
+    },
+}
+
+/// A semantic error found by [`Config::validate`], before it is located in the source.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{field}: {message}")]
+pub struct ValidationError {
+    /// Dotted path, e.g. `policies.ci.deny_cidrs[1]`.
+    pub field: String,
+    pub message: String,
+}
+
+fn verr(field: impl Into<String>, message: impl Into<String>) -> ValidationError {
+    ValidationError {
+        field: field.into(),
+        message: message.into(),
+    }
+}
+
+impl Config {
+    /// Read, parse and validate `path`.
+    pub fn load(path: &Path) -> Result<Config, ConfigError> {
+        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+            path: path.to_owned(),
+            source,
+        })?;
+        Config::from_toml_str(&text, path)
+    }
+
+    /// Parse and validate TOML text; `origin` names the file in errors.
+    pub fn from_toml_str(s: &str, origin: &Path) -> Result<Config, ConfigError> {
+        let config: Config = toml::from_str(s).map_err(|e| {
+            let located = e.span().and_then(|r| field_at(s, r, e.message()));
+            let start = located
+                .as_ref()
+                .map(|(_, r)| r.start)
+                .or(e.span().map(|r| r.start));
+            let (line, column) = start.map(|o| line_col(s, o)).unwrap_or((0, 0));
+            let field = located.map(|(f, _)| f).unwrap_or_else(|| {
+                // E.g. a duplicate key, where the document can't be re-parsed: name the text.
+                e.span()
+                    .and_then(|r| s.get(r))
+                    .filter(|t| !t.is_empty() && t.len() <= 64 && !t.contains('\n'))
+                    .unwrap_or("-")
+                    .to_owned()
+            });
+            ConfigError::Invalid {
+                path: origin.to_owned(),
+                line,
+                column,
+                field,
+                message: e.message().trim().to_owned(),
+            }
+        })?;
+        config.validate().map_err(|v| {
+            let (line, column) = span_of_path(s, &v.field)
+                .map(|r| line_col(s, r.start))
+                .unwrap_or((0, 0));
+            ConfigError::Invalid {
+                path: origin.to_owned(),
+                line,
+                column,
+                field: v.field,
+                message: v.message,
+            }
+        })?;
+        Ok(config)
+    }
+
+    /// A policy by name, including the built-ins `allow_all` and `deny_all`.
+    pub fn policy(&self, name: &str) -> Option<&Policy> {
+        static ALLOW: std::sync::LazyLock<Policy> = std::sync::LazyLock::new(Policy::allow_all);
+        static DENY: std::sync::LazyLock<Policy> = std::sync::LazyLock::new(Policy::deny_all);
+        match name {
+            ALLOW_ALL => Some(&ALLOW),
+            DENY_ALL => Some(&DENY),
+            other => self.policies.get(other),
+        }
+    }
+
+    /// All policy names, built-ins first.
+    pub fn policy_names(&self) -> impl Iterator<Item = &str> {
+        [ALLOW_ALL, DENY_ALL]
+            .into_iter()
+            .chain(self.policies.keys().map(String::as_str))
+    }
+
+    /// Cross-field and semantic checks.
+    pub fn validate(&self) -> Result<(), ValidationError> {
+        for (field, name) in [
+            ("agent.default_policy", &self.agent.default_policy),
+            ("agent.unlabeled", &self.agent.unlabeled),
+        ] {
+            if self.policy(name).is_none() {
+                return Err(verr(field, format!("no policy named {name:?}")));
+            }
+        }
+        let p = &self.proxy;
+        if p.endpoint.port() == 0 {
+            return Err(verr("proxy.endpoint", "port 0 is not a stable endpoint"));
+        }
+        if let Some(v6) = p.endpoint_v6 {
+            if !v6.is_ipv6() {
+                return Err(verr("proxy.endpoint_v6", "must be an IPv6 socket address"));
+            }
+            if v6.port() == 0 {
+                return Err(verr("proxy.endpoint_v6", "port 0 is not a stable endpoint"));
+            }
+        }
+        if p.listen_ip().is_unspecified() && !p.allow_unspecified_listen {
+            return Err(verr(
+                if p.listen.is_some() {
+                    "proxy.listen"
+                } else {
+                    "proxy.endpoint"
+                },
+                "refusing to listen on 0.0.0.0/:: (reachable from the network); set proxy.allow_unspecified_listen = true to insist",
+            ));
+        }
+        for (field, v) in [
+            ("proxy.header_timeout_ms", p.header_timeout_ms),
+            ("proxy.connect_timeout_ms", p.connect_timeout_ms),
+            ("proxy.idle_timeout_ms", p.idle_timeout_ms),
+            ("dns.timeout_ms", self.dns.timeout_ms),
+        ] {
+            if v == 0 {
+                return Err(verr(field, "must be > 0"));
+            }
+        }
+        if !(1024..=1024 * 1024).contains(&p.max_header_bytes) {
+            return Err(verr(
+                "proxy.max_header_bytes",
+                "must be between 1024 and 1048576",
+            ));
+        }
+        if p.max_connections == 0 {
+            return Err(verr("proxy.max_connections", "must be > 0"));
+        }
+        if !(1024..=4 * 1024 * 1024).contains(&p.tunnel_buffer_bytes) {
+            return Err(verr(
+                "proxy.tunnel_buffer_bytes",
+                "must be between 1024 and 4194304",
+            ));
+        }
+        if self.dns.attempts == 0 {
+            return Err(verr("dns.attempts", "must be > 0"));
+        }
+        for (name, policy) in &self.policies {
+            let base = format!("policies.{name}");
+            if name == ALLOW_ALL || name == DENY_ALL {
+                return Err(verr(base, "is a built-in policy and cannot be redefined"));
+            }
+            if name.is_empty()
+                || name.len() > 64
+                || !name
+                    .bytes()
+                    .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-')
+            {
+                return Err(verr(
+                    base,
+                    "policy names are 1-64 characters of [A-Za-z0-9_-]",
+                ));
+            }
+            policy.validate(&base)?;
+        }
+        Ok(())
+    }
+}
+
+impl Policy {
+    /// Checks one policy; `base` is its dotted path for error messages.
+    pub fn validate(&self, base: &str) -> Result<(), ValidationError> {
+        for (i, port) in self.allow_ports.iter().enumerate() {
+            if *port == 0 {
+                return Err(verr(
+                    format!("{base}.allow_ports[{i}]"),
+                    "port 0 is not a port",
+                ));
+            }
+        }
+        if self.mode == Mode::Allowlist
+            && !self.allow_hosts.is_empty()
+            && self.allow_ports.is_empty()
+        {
+            return Err(verr(
+                format!("{base}.allow_ports"),
+                "allow_hosts given but no allow_ports",
+            ));
+        }
+        for (i, net) in self.deny_cidrs.iter().enumerate() {
+            if net.trunc() != *net {
+                return Err(verr(
+                    format!("{base}.deny_cidrs[{i}]"),
+                    format!(
+                        "CIDR {net} has host bits set; did you mean \"{}\"?",
+                        net.trunc()
+                    ),
+                ));
+            }
+            for rule in &self.allow_cidrs {
+                if net.contains(&rule.net) || rule.net.contains(net) {
+                    return Err(verr(
+                        format!("{base}.deny_cidrs[{i}]"),
+                        format!(
+                            "{net} overlaps allow_cidrs entry {}; an address can't be both",
+                            rule.net
+                        ),
+                    ));
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+fn line_col(s: &str, offset: usize) -> (usize, usize) {
+    let offset = offset.min(s.len());
+    let before = &s[..offset];
+    let line = before.matches('\n').count() + 1;
+    let column = before.rfind('\n').map_or(offset, |nl| offset - nl - 1) + 1;
+    (line, column)
+}
+
+/// The dotted key path at `span` in `s` and its span (best effort, for parse errors). An error on
+/// a whole array whose message quotes one of its string items is narrowed to that item.
+fn field_at(s: &str, span: Range<usize>, message: &str) -> Option<(String, Range<usize>)> {
+    type Best = Option<(String, Range<usize>)>;
+    fn walk(
+        t: &toml::de::DeTable<'_>,
+        prefix: &str,
+        span: &Range<usize>,
+        msg: &str,
+        best: &mut Best,
+    ) {
+        for (k, v) in t.iter() {
+            let path = if prefix.is_empty() {
+                k.get_ref().to_string()
+            } else {
+                format!("{prefix}.{}", k.get_ref())
+            };
+            let ks = k.span();
+            if ks.start <= span.start && span.start < ks.end.max(ks.start + 1) {
+                *best = Some((path.clone(), ks));
+            }
+            visit(v, &path, span, msg, best);
+        }
+    }
+    fn visit(
+        v: &toml::Spanned<toml::de::DeValue<'_>>,
+        path: &str,
+        span: &Range<usize>,
+        msg: &str,
+        best: &mut Best,
+    ) {
+        let vs = v.span();
+        if vs.start <= span.start && span.start < vs.end.max(vs.start + 1) {
+            let narrower = best
+                .as_ref()
+                .is_none_or(|(_, b)| vs.end - vs.start <= b.end - b.start);
+            if narrower {
+                *best = Some((path.to_owned(), vs.clone()));
+            }
+        }
+        match v.get_ref() {
+            toml::de::DeValue::Table(t) => walk(t, path, span, msg, best),
+            toml::de::DeValue::Array(a) => {
+                let whole = vs == *span;
+                for (i, item) in a.iter().enumerate() {
+                    let item_path = format!("{path}[{i}]");
+                    if whole
+                        && let toml::de::DeValue::String(sv) = item.get_ref()
+                        && msg.contains(&format!("{:?}", sv.as_ref()))
+                    {
+                        *best = Some((item_path, item.span()));
+                        return;
+                    }
+                    visit(item, &item_path, span, msg, best);
+                }
+            }
+            _ => {}
+        }
+    }
+    let doc = toml::de::DeTable::parse(s).ok()?;
+    let mut best: Best = None;
+    walk(doc.get_ref(), "", &span, message, &mut best);
+    best
+}
+
+/// The span of a dotted path like `policies.ci.deny_cidrs[1]` (or its nearest existing parent).
+fn span_of_path(s: &str, path: &str) -> Option<Range<usize>> {
+    let doc = toml::de::DeTable::parse(s).ok()?;
+    let mut table = doc.get_ref();
+    let mut found: Option<Range<usize>> = None;
+    let segs: Vec<&str> = path.split('.').collect();
+    for (n, seg) in segs.iter().enumerate() {
+        let (key, index) = match seg.split_once('[') {
+            Some((k, rest)) => (k, rest.trim_end_matches(']').parse::<usize>().ok()),
+            None => (*seg, None),
+        };
+        let Some((k, v)) = table.iter().find(|(k, _)| k.get_ref().as_ref() == key) else {
+            break;
+        };
+        found = Some(k.span());
+        let mut value = v;
+        if let (Some(i), toml::de::DeValue::Array(a)) = (index, v.get_ref())
+            && let Some(item) = a.get(i)
+        {
+            found = Some(item.span());
+            value = item;
+        }
+        match value.get_ref() {
+            toml::de::DeValue::Table(t) if n + 1 < segs.len() => table = t,
+            _ => break,
+        }
+    }
+    found
+}
+
+#[cfg(test)]
+#[expect(clippy::unwrap_used, reason = "test assertions")]
+mod tests {
+    use super::*;
+
+    fn parse(s: &str) -> Result<Config, ConfigError> {
+        Config::from_toml_str(s, Path::new("/etc/egress-agent/test.toml"))
+    }
+
+    fn err(s: &str) -> String {
+        match parse(s) {
+            Ok(c) => panic!("accepted: {c:?}"),
+            Err(e) => e.to_string(),
+        }
+    }
+
+    #[test]
+    fn defaults() {
+        let c = parse("").unwrap();
+        assert_eq!(c.agent.default_policy, "deny_all");
+        assert_eq!(c.agent.unlabeled, "allow_all");
+        assert_eq!(c.agent.bpffs, PathBuf::from("/sys/fs/bpf/egress-agent"));
+        assert_eq!(c.proxy.endpoint, "127.0.0.1:3128".parse().unwrap());
+        assert_eq!(c.proxy.listen_ip(), "127.0.0.1".parse::<IpAddr>().unwrap());
+        assert!(c.policy("allow_all").is_some());
+        assert_eq!(c.policy("deny_all").unwrap().mode, Mode::DenyAll);
+        assert!(c.policy("nope").is_none());
+    }
+
+    #[test]
+    fn full_policy() {
+        let c = parse(
+            r#"
+[agent]
+default_policy = "ci"
+[policies.ci]
+mode = "allowlist"
+allow_hosts = ["GitHub.com.", "*.githubusercontent.com", "bücher.example"]
+allow_cidrs = ["192.0.2.10", { cidr = "10.0.0.0/24", ports = [5432] }]
+deny_cidrs = ["203.0.113.0/24"]
+"#,
+        )
+        .unwrap();
+        let p = c.policy("ci").unwrap();
+        assert_eq!(p.allow_ports, vec![443]);
+        assert_eq!(p.allow_hosts[0].to_string(), "github.com");
+        assert_eq!(p.allow_hosts[1].to_string(), "*.githubusercontent.com");
+        assert_eq!(p.allow_hosts[2].to_string(), "xn--bcher-kva.example");
+        assert_eq!(
+            p.allow_cidrs[0],
+            CidrRule {
+                net: "192.0.2.10/32".parse().unwrap(),
+                ports: vec![]
+            }
+        );
+        assert_eq!(p.allow_cidrs[1].ports, vec![5432]);
+        assert!(p.allow_cidrs[1].allows_port(5432) && !p.allow_cidrs[1].allows_port(5433));
+        // Round-trips through serde.
+        let again: Config = toml::from_str(&toml::to_string(&c).unwrap()).unwrap();
+        assert_eq!(again, c);
+    }
+
+    #[test]
+    fn unknown_field_names_file_line_and_field() {
+        let e = err("[proxy]\nendpoint = \"127.0.0.1:3128\"\nhedaer_timeout_ms = 5\n");
+        assert!(
+            e.starts_with("/etc/egress-agent/test.toml:3:1: proxy.hedaer_timeout_ms:"),
+            "{e}"
+        );
+        assert!(e.contains("unknown field"), "{e}");
+    }
+
+    #[test]
+    fn bad_host_pattern_is_located() {
+        let e = err("[policies.ci]\nallow_hosts = [\n  \"github.com\",\n  \"10.0.0.1\",\n]\n");
+        assert!(
+            e.starts_with("/etc/egress-agent/test.toml:4:3: policies.ci.allow_hosts[1]:"),
+            "{e}"
+        );
+        assert!(e.contains("allow_cidrs"), "{e}");
+        let e = err("[policies.ci]\nallow_hosts = [\"*github.com\"]\n");
+        assert!(e.contains(":2:") && e.contains("wildcard"), "{e}");
+    }
+
+    #[test]
+    fn bad_values() {
+        let e = err("[policies.ci]\nmode = \"allow-some\"\n");
+        assert!(e.contains(":2:") && e.contains("policies.ci.mode"), "{e}");
+        let e = err("[policies.ci]\nallow_cidrs = [\"10.0.0.1/8\"]\n");
+        assert!(e.contains("host bits") && e.contains("10.0.0.0/8"), "{e}");
+        let e = err("[policies.ci]\nallow_cidrs = [{ cidr = \"10.0.0.0/8\", port = [1] }]\n");
+        assert!(e.contains("unknown field"), "{e}");
+        let e = err("[policies.ci]\nallow_ports = [0]\n");
+        assert!(
+            e.contains("policies.ci.allow_ports[0]") && e.contains(":2:"),
+            "{e}"
+        );
+        let e = err("[policies.ci]\nallow_ports = [70000]\n");
+        assert!(e.contains("policies.ci.allow_ports"), "{e}");
+        let e = err("[proxy]\nendpoint = \"localhost:3128\"\n");
+        assert!(e.contains("proxy.endpoint"), "{e}");
+    }
+
+    #[test]
+    fn cross_field_errors_are_located() {
+        let e = err("[agent]\n\ndefault_policy = \"missing\"\n");
+        assert_eq!(
+            e,
+            "/etc/egress-agent/test.toml:3:1: agent.default_policy: no policy named \"missing\""
+        );
+        let e = err("[policies.allow_all]\nmode = \"deny_all\"\n");
+        assert!(e.contains("built-in"), "{e}");
+        let e = err(
+            "[policies.ci]\nallow_cidrs = [\"10.0.0.0/8\"]\ndeny_cidrs = [\"192.0.2.0/24\", \"10.1.0.0/16\"]\n",
+        );
+        assert!(
+            e.starts_with("/etc/egress-agent/test.toml:3:31: policies.ci.deny_cidrs[1]: "),
+            "{e}"
+        );
+        assert!(e.contains("overlaps"), "{e}");
+    }
+
+    #[test]
+    fn unspecified_listen_is_refused_unless_explicit() {
+        let e = err("[proxy]\nlisten = \"0.0.0.0\"\n");
+        assert!(e.contains("proxy.listen") && e.contains(":2:"), "{e}");
+        let e = err("[proxy]\nendpoint = \"[::]:3128\"\n");
+        assert!(e.contains("proxy.endpoint"), "{e}");
+        parse("[proxy]\nlisten = \"0.0.0.0\"\nallow_unspecified_listen = true\n").unwrap();
+    }
+
+    #[test]
+    fn duplicate_key_is_named() {
+        let e = err("[proxy]\nmax_connections = 5\nmax_connections = 6\n");
+        assert!(
+            e.starts_with("/etc/egress-agent/test.toml:3:1: max_connections:"),
+            "{e}"
+        );
+        assert!(e.contains("duplicate"), "{e}");
+    }
+
+    #[test]
+    fn load_reports_missing_file() {
+        let e = Config::load(Path::new("/nonexistent/egress.toml"))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.starts_with("/nonexistent/egress.toml: cannot read"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn shipped_example_is_valid() {
+        let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../config/example.toml");
+        let c = Config::load(&path).unwrap();
+        assert!(!c.policies.is_empty());
+    }
+}

@@ -1,0 +1,240 @@
+//! What the agent needs to know about a container, taken from `docker inspect`, and the checks
+//! that make an opted-in container impossible to confine (→ refused).
+use std::collections::HashMap;
+use std::net::Ipv4Addr;
+
+use bollard::models::ContainerInspectResponse;
+
+/// One network endpoint as Docker reports it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct NetEndpoint {
+    pub network: String,
+    pub mac: [u8; 6],
+    pub ipv4: Ipv4Addr,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ContainerInfo {
+    pub id: String,
+    /// Without the leading `/`.
+    pub name: String,
+    pub labels: HashMap<String, String>,
+    pub running: bool,
+    /// Main process pid while running.
+    pub pid: Option<u32>,
+    /// `HostConfig.CgroupParent` (empty: the daemon's default).
+    pub cgroup_parent: String,
+    /// `HostConfig.NetworkMode` (`default`, `bridge`, `host`, `none`, `container:<id>`, a network).
+    pub network_mode: String,
+    pub endpoints: Vec<NetEndpoint>,
+    /// `--rm`: removed after it exits (no restart to prepare for).
+    pub auto_remove: bool,
+    /// Reasons this container can't be confined (privileged, dangerous capabilities or mounts).
+    pub unconfinable: Vec<String>,
+}
+
+impl ContainerInfo {
+    pub fn from_inspect(c: &ContainerInspectResponse) -> Option<ContainerInfo> {
+        let id = c.id.clone()?;
+        let name = c
+            .name
+            .clone()
+            .unwrap_or_default()
+            .trim_start_matches('/')
+            .to_owned();
+        let labels = c
+            .config
+            .as_ref()
+            .and_then(|cfg| cfg.labels.clone())
+            .unwrap_or_default();
+        let state = c.state.as_ref();
+        let running = state.and_then(|s| s.running).unwrap_or(false);
+        let pid = state
+            .and_then(|s| s.pid)
+            .and_then(|p| u32::try_from(p).ok())
+            .filter(|p| running && *p > 0);
+        let hc = c.host_config.as_ref();
+        let cgroup_parent = hc.and_then(|h| h.cgroup_parent.clone()).unwrap_or_default();
+        let network_mode = hc.and_then(|h| h.network_mode.clone()).unwrap_or_default();
+        let auto_remove = hc.and_then(|h| h.auto_remove).unwrap_or(false);
+        let mut endpoints = Vec::new();
+        if let Some(nets) = c
+            .network_settings
+            .as_ref()
+            .and_then(|n| n.networks.as_ref())
+        {
+            for (network, ep) in nets {
+                let ip = ep
+                    .ip_address
+                    .as_deref()
+                    .and_then(|s| s.parse::<Ipv4Addr>().ok());
+                let mac = ep.mac_address.as_deref().and_then(parse_mac);
+                if let (Some(ipv4), Some(mac)) = (ip, mac) {
+                    endpoints.push(NetEndpoint {
+                        network: network.clone(),
+                        mac,
+                        ipv4,
+                    });
+                }
+            }
+        }
+        endpoints.sort_by(|a, b| a.network.cmp(&b.network));
+        let mut unconfinable = Vec::new();
+        if let Some(h) = hc {
+            if h.privileged == Some(true) {
+                unconfinable.push("privileged".to_owned());
+            }
+            for cap in h.cap_add.iter().flatten() {
+                let c = cap.to_ascii_uppercase();
+                let c = c.strip_prefix("CAP_").unwrap_or(&c);
+                if matches!(
+                    c,
+                    "ALL" | "NET_ADMIN" | "SYS_ADMIN" | "BPF" | "SYS_MODULE" | "SYS_PTRACE"
+                ) {
+                    unconfinable.push(format!("cap-add {c}"));
+                }
+            }
+            if h.pid_mode.as_deref() == Some("host") {
+                // Host pid namespace + root could ptrace/nsenter host processes outside the root.
+                unconfinable.push("pid=host".to_owned());
+            }
+        }
+        for m in c.mounts.iter().flatten() {
+            if let Some(src) = m.source.as_deref()
+                && dangerous_mount(src)
+            {
+                unconfinable.push(format!("mount of {src}"));
+            }
+        }
+        Some(ContainerInfo {
+            id,
+            name,
+            labels,
+            running,
+            pid,
+            cgroup_parent,
+            network_mode,
+            endpoints,
+            auto_remove,
+            unconfinable,
+        })
+    }
+
+    /// What a `create` event tells without asking the daemon (which holds the container's lock
+    /// while `start` runs: an inspect right after `create` would return only after the start).
+    /// Labels come from the event's attributes; the cgroup parent is assumed to be the default
+    /// (the full inspect that follows corrects it).
+    pub fn from_event(id: &str, attributes: &HashMap<String, String>) -> ContainerInfo {
+        ContainerInfo {
+            id: id.to_owned(),
+            name: attributes.get("name").cloned().unwrap_or_default(),
+            labels: attributes.clone(),
+            running: false,
+            pid: None,
+            cgroup_parent: String::new(),
+            network_mode: String::new(),
+            endpoints: Vec::new(),
+            auto_remove: false,
+            unconfinable: Vec::new(),
+        }
+    }
+
+    pub fn host_network(&self) -> bool {
+        self.network_mode == "host"
+    }
+}
+
+/// Host paths that would let a root process in the container leave its cgroup or edit the
+/// agent's maps and pins.
+fn dangerous_mount(src: &str) -> bool {
+    let p = src.trim_end_matches('/');
+    let p = if p.is_empty() { "/" } else { p };
+    p == "/"
+        || p == "/sys"
+        || p == "/sys/fs"
+        || p.starts_with("/sys/fs/cgroup")
+        || p.starts_with("/sys/fs/bpf")
+        || p == "/proc"
+        || p.starts_with("/run/egress-agent")
+}
+
+pub fn parse_mac(s: &str) -> Option<[u8; 6]> {
+    let mut out = [0u8; 6];
+    let mut parts = s.split(':');
+    for b in &mut out {
+        *b = u8::from_str_radix(parts.next()?, 16).ok()?;
+    }
+    parts.next().is_none().then_some(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use bollard::models::{ContainerConfig, ContainerState, HostConfig, MountPoint};
+
+    #[test]
+    fn unconfinable_reasons() {
+        let c = ContainerInspectResponse {
+            id: Some("abc".into()),
+            name: Some("/web".into()),
+            config: Some(ContainerConfig {
+                labels: Some(HashMap::from([("egress.policy".into(), "ci".into())])),
+                ..Default::default()
+            }),
+            state: Some(ContainerState {
+                running: Some(true),
+                pid: Some(42),
+                ..Default::default()
+            }),
+            host_config: Some(HostConfig {
+                privileged: Some(true),
+                cap_add: Some(vec![
+                    "net_admin".into(),
+                    "CAP_SYS_ADMIN".into(),
+                    "CHOWN".into(),
+                ]),
+                ..Default::default()
+            }),
+            mounts: Some(vec![
+                MountPoint {
+                    source: Some("/sys/fs/cgroup/".into()),
+                    ..Default::default()
+                },
+                MountPoint {
+                    source: Some("/srv/data".into()),
+                    ..Default::default()
+                },
+            ]),
+            ..Default::default()
+        };
+        let i = ContainerInfo::from_inspect(&c).expect("test value");
+        assert_eq!(i.name, "web");
+        assert_eq!(i.pid, Some(42));
+        assert_eq!(
+            i.unconfinable,
+            [
+                "privileged",
+                "cap-add NET_ADMIN",
+                "cap-add SYS_ADMIN",
+                "mount of /sys/fs/cgroup/"
+            ]
+        );
+        let plain = ContainerInspectResponse {
+            id: Some("x".into()),
+            ..Default::default()
+        };
+        let i = ContainerInfo::from_inspect(&plain).expect("test value");
+        assert!(i.unconfinable.is_empty() && !i.running && i.pid.is_none());
+    }
+
+    #[test]
+    fn macs() {
+        assert_eq!(
+            parse_mac("02:42:c6:12:00:02"),
+            Some([2, 0x42, 0xc6, 0x12, 0, 2])
+        );
+        assert_eq!(parse_mac("02:42:c6:12:00"), None);
+        assert_eq!(parse_mac("02:42:c6:12:00:02:03"), None);
+        assert_eq!(parse_mac(""), None);
+    }
+}

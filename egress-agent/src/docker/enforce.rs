@@ -1,0 +1,753 @@
+//! Applies resolved policies to containers: the kernel entry for the container's cgroup, its own
+//! proxy listener, and its nftables host rules.
+//!
+//! Fail closed everywhere: a container under the root with no entry is `deny_all` in the kernel;
+//! when an entry can't be written with the container's policy, `deny_all` is written instead;
+//! when the host layer can't be set up for an enforced container, its entry becomes `deny_all`
+//! too. Containers that can't be confined (privileged, dangerous capabilities or mounts, cgroup
+//! outside the root) are refused: the caller stops them.
+//!
+//! Proxy identity: every opted-in container gets a listener of its own (`proxy.listen`, port 0)
+//! serving its policy; the kernel rewrites connections to the stable endpoint to it. So the
+//! listener that accepted a connection *is* the container, and a second container can never use
+//! the first's policy (the kernel refuses connecting to a listener that is not the cgroup's own,
+//! and so does the nft layer). Unlabelled containers get `agent.unlabeled` without a listener.
+use std::collections::{BTreeMap, HashMap};
+use std::net::{IpAddr, SocketAddr, SocketAddrV4};
+use std::path::PathBuf;
+use std::sync::{Arc, RwLock};
+use std::time::SystemTime;
+
+use tokio::sync::oneshot;
+
+use super::cgroups::DockerRoot;
+use super::container::ContainerInfo;
+use super::labels::{self, Resolved};
+use super::netinfo;
+use crate::bpf::{KernelPolicy, PinnedState};
+use crate::cgroup;
+use crate::config::{Config, Mode, Policy};
+use crate::events::{ContainerRef, DenialEvent, EventSink, Source};
+use crate::nft;
+use crate::proxy::{PolicyProxy, ProxyContext};
+
+#[derive(Debug, thiserror::Error)]
+pub enum EnforceError {
+    #[error("kernel map: {0}")]
+    Kernel(#[from] crate::bpf::BpfError),
+    #[error("cgroup {path}: {source}")]
+    Cgroup {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("proxy listener: {0}")]
+    Listener(std::io::Error),
+    #[error("nftables: {0}")]
+    Nft(#[from] nft::NftError),
+    #[error("host-side interfaces: {0}")]
+    NetInfo(#[from] netinfo::NetInfoError),
+    #[error("the Docker proxy endpoint must be IPv4 (got {0})")]
+    Endpoint(SocketAddr),
+}
+
+/// What the caller must do after an enforcement step.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Outcome {
+    /// Enforced (or deliberately left as `agent.unlabeled`).
+    Ok,
+    /// The container can't be confined: stop it. Its cgroup (if under the root) is `deny_all`.
+    Refuse(String),
+}
+
+/// Shared view cgroup id → container, for attributing kernel events. Entries of released cgroups
+/// are kept for [`Directory::GRACE`] so events drained from the ring buffer after a container
+/// exits are still attributed (cgroup ids are inode numbers: not reused that fast).
+#[derive(Debug, Clone, Default)]
+pub struct Directory {
+    inner: Arc<RwLock<DirInner>>,
+}
+
+#[derive(Debug, Default)]
+struct DirInner {
+    live: HashMap<u64, DirEntry>,
+    released: std::collections::VecDeque<(std::time::Instant, u64)>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DirEntry {
+    pub container: ContainerRef,
+    pub policy: String,
+    pub context: BTreeMap<String, String>,
+}
+
+impl Directory {
+    pub const GRACE: std::time::Duration = std::time::Duration::from_secs(10);
+
+    pub fn get(&self, cgroup_id: u64) -> Option<DirEntry> {
+        self.inner.read().ok()?.live.get(&cgroup_id).cloned()
+    }
+    /// Fill container, context and policy of a kernel event from its cgroup id.
+    pub fn enrich(&self, ev: &mut DenialEvent) {
+        if let Some(id) = ev.cgroup_id
+            && let Some(e) = self.get(id)
+        {
+            ev.container = Some(e.container);
+            ev.context.extend(e.context);
+            ev.policy = e.policy;
+        }
+    }
+    fn set(&self, cgroup_id: u64, e: DirEntry) {
+        if let Ok(mut m) = self.inner.write() {
+            m.purge();
+            m.released.retain(|(_, id)| *id != cgroup_id);
+            m.live.insert(cgroup_id, e);
+        }
+    }
+    fn remove(&self, cgroup_id: u64) {
+        if let Ok(mut m) = self.inner.write() {
+            m.purge();
+            m.released.push_back((std::time::Instant::now(), cgroup_id));
+        }
+    }
+    /// Live (not released) cgroups.
+    pub fn len(&self) -> usize {
+        self.inner
+            .read()
+            .map(|m| m.live.len() - m.released.len().min(m.live.len()))
+            .unwrap_or(0)
+    }
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+impl DirInner {
+    fn purge(&mut self) {
+        while let Some((t, id)) = self.released.front().copied() {
+            if t.elapsed() < Directory::GRACE {
+                break;
+            }
+            self.released.pop_front();
+            self.live.remove(&id);
+        }
+    }
+}
+
+struct Listener {
+    addr: SocketAddr,
+    policy: String,
+    stop: Option<oneshot::Sender<()>>,
+}
+
+impl Drop for Listener {
+    fn drop(&mut self) {
+        if let Some(tx) = self.stop.take() {
+            // The receiver is gone only if the listener task already ended.
+            if tx.send(()).is_err() {
+                tracing::debug!(addr = %self.addr, "listener already stopped");
+            }
+        }
+    }
+}
+
+struct Tracked {
+    name: String,
+    resolved: Resolved,
+    /// The cgroup (dir, id) that has an entry written by us.
+    cgroup: Option<(PathBuf, u64)>,
+    /// A directory we created before `start` (removed on destroy if still empty).
+    precreated: Option<PathBuf>,
+    listener: Option<Listener>,
+    /// In the nftables ruleset.
+    in_nft: bool,
+    /// Refused for these reasons (the event was emitted).
+    refused: Option<String>,
+}
+
+/// Static settings of the Docker enforcer.
+#[derive(Debug, Clone)]
+pub struct Settings {
+    pub root: DockerRoot,
+    /// The stable proxy endpoint containers use (IPv4, non-loopback, e.g. 169.254.100.1:3128).
+    pub endpoint4: SocketAddrV4,
+    pub endpoint6: Option<SocketAddr>,
+    /// Where per-container listeners bind (port 0). Normally the endpoint's IP.
+    pub listen_ip: IpAddr,
+    /// Maintain the nftables host layer (the tables are created on the first change).
+    pub nft: bool,
+}
+
+pub struct Enforcer {
+    state: PinnedState,
+    settings: Settings,
+    config: Arc<Config>,
+    proxy: ProxyContext,
+    events: EventSink,
+    ruleset: nft::Ruleset,
+    tracked: HashMap<String, Tracked>,
+    directory: Directory,
+}
+
+impl Enforcer {
+    pub fn new(
+        state: PinnedState,
+        settings: Settings,
+        config: Arc<Config>,
+        proxy: ProxyContext,
+        events: EventSink,
+    ) -> Enforcer {
+        let ruleset = nft::Ruleset::new(*settings.endpoint4.ip());
+        Enforcer {
+            state,
+            settings,
+            config,
+            proxy,
+            events,
+            ruleset,
+            tracked: HashMap::new(),
+            directory: Directory::default(),
+        }
+    }
+
+    pub fn directory(&self) -> Directory {
+        self.directory.clone()
+    }
+
+    pub fn settings(&self) -> &Settings {
+        &self.settings
+    }
+
+    /// Ids of the containers the enforcer tracks.
+    pub fn tracked_ids(&self) -> Vec<String> {
+        self.tracked.keys().cloned().collect()
+    }
+
+    /// The listener serving container `id`, if any.
+    pub fn listener_of(&self, id: &str) -> Option<SocketAddr> {
+        self.tracked.get(id)?.listener.as_ref().map(|l| l.addr)
+    }
+
+    /// Write the nftables ruleset once (even empty) so the proxy address is protected from the
+    /// start, before any container is enforced.
+    pub fn init_host_layer(&mut self) -> Result<(), EnforceError> {
+        if self.settings.nft {
+            self.ruleset.apply()?;
+        }
+        Ok(())
+    }
+
+    /// Prepare a container that is not running (from `create`, after `die`, or found stopped):
+    /// pre-create its cgroup directory and write its entry, so the next `start` is enforced from
+    /// the first instruction.
+    pub async fn prepare(&mut self, info: &ContainerInfo) -> Outcome {
+        let resolved = labels::resolve(
+            info.labels.iter().map(|(k, v)| (k.as_str(), v.as_str())),
+            &self.config,
+        );
+        self.note_invalid(info, &resolved);
+        let Some(dir) = self
+            .settings
+            .root
+            .expected_dir(&info.id, &info.cgroup_parent)
+        else {
+            return self.outside_root(info, resolved, None);
+        };
+        let id = match self.settings.root.precreate(&dir) {
+            Ok(id) => id,
+            Err(source) => {
+                // runc will create it; `start` writes the entry. Until then: no entry = deny.
+                tracing::warn!(container = %info.id, dir = %dir.display(), error = %source, "cannot pre-create cgroup");
+                self.track(info, resolved);
+                return Outcome::Ok;
+            }
+        };
+        let precreated = Some(dir.clone());
+        self.apply_entry(info, resolved, dir, id, precreated).await
+    }
+
+    /// Enforce a running container (from `start`, or found running): its real cgroup from
+    /// /proc/<pid>/cgroup, then the host layer.
+    pub async fn started(&mut self, info: &ContainerInfo) -> Outcome {
+        let resolved = labels::resolve(
+            info.labels.iter().map(|(k, v)| (k.as_str(), v.as_str())),
+            &self.config,
+        );
+        self.note_invalid(info, &resolved);
+        let Some(pid) = info.pid else {
+            return self.prepare(info).await;
+        };
+        let dir = match cgroup::cgroup_of_pid(pid) {
+            Ok(d) => d,
+            Err(source) => {
+                // Exited already (or /proc unreadable): nothing runs; `die` follows.
+                tracing::warn!(container = %info.id, pid, error = %source, "cannot read the container's cgroup");
+                self.track(info, resolved);
+                return Outcome::Ok;
+            }
+        };
+        if !self.settings.root.contains(&dir) {
+            return self.outside_root(info, resolved, Some(dir));
+        }
+        let id = match cgroup::cgroup_id(&dir) {
+            Ok(id) => id,
+            Err(source) => {
+                tracing::warn!(container = %info.id, dir = %dir.display(), error = %source, "cgroup vanished");
+                self.track(info, resolved);
+                return Outcome::Ok;
+            }
+        };
+        let precreated = self
+            .tracked
+            .get(&info.id)
+            .and_then(|t| t.precreated.clone());
+        let outcome = self.apply_entry(info, resolved, dir, id, precreated).await;
+        if outcome != Outcome::Ok {
+            return outcome;
+        }
+        self.host_layer(info).await
+    }
+
+    /// The container stopped: release its entry, listener and host rules. Call [`Self::prepare`]
+    /// afterwards if it still exists (restart).
+    pub fn stopped(&mut self, container_id: &str) {
+        let Some(t) = self.tracked.get_mut(container_id) else {
+            return;
+        };
+        if let Some((dir, id)) = t.cgroup.take() {
+            if let Err(e) = self.state.remove_policy(id) {
+                tracing::error!(container = container_id, cgroup_id = id, error = %e, "removing kernel entry failed");
+            }
+            self.directory.remove(id);
+            // Keep `precreated` so destroy can remove a directory we made; runc removes its own.
+            if t.precreated.as_ref() != Some(&dir) {
+                t.precreated = None;
+            }
+        }
+        t.listener = None;
+        if t.in_nft {
+            t.in_nft = false;
+            self.ruleset.containers.remove(container_id);
+            if let Err(e) = self.ruleset.apply() {
+                // Stale rules only restrict the old IP further; they are rebuilt on the next change.
+                tracing::error!(container = container_id, error = %e, "removing nftables rules failed");
+            }
+        }
+    }
+
+    /// The container is gone: release everything and forget it.
+    pub fn destroyed(&mut self, container_id: &str) {
+        self.stopped(container_id);
+        if let Some(t) = self.tracked.remove(container_id)
+            && let Some(dir) = t.precreated
+            && let Err(e) = self.settings.root.remove_if_unused(&dir)
+        {
+            tracing::warn!(container = container_id, dir = %dir.display(), error = %e, "removing pre-created cgroup");
+        }
+    }
+
+    async fn apply_entry(
+        &mut self,
+        info: &ContainerInfo,
+        resolved: Resolved,
+        dir: PathBuf,
+        id: u64,
+        precreated: Option<PathBuf>,
+    ) -> Outcome {
+        let refuse = resolved.opted_in() && !info.unconfinable.is_empty();
+        // A new cgroup id (restart, or runc beat us to it): drop the old entry.
+        if let Some(old) = self.tracked.get_mut(&info.id).and_then(|t| t.cgroup.take())
+            && old.1 != id
+        {
+            if let Err(e) = self.state.remove_policy(old.1) {
+                tracing::warn!(container = %info.id, cgroup_id = old.1, error = %e, "removing stale entry");
+            }
+            self.directory.remove(old.1);
+        }
+        let (policy_name, policy) = if refuse {
+            (
+                crate::config::DENY_ALL.to_owned(),
+                Arc::new(Policy::deny_all()),
+            )
+        } else {
+            (resolved.name.clone(), resolved.policy.clone())
+        };
+        // deny_all needs no proxy (the kernel refuses even the endpoint).
+        let listener = if resolved.opted_in() && !refuse && policy.mode != Mode::DenyAll {
+            match self.listener_for(info, &policy_name, &policy).await {
+                Ok(l) => Some(l),
+                Err(e) => {
+                    // No listener: the kernel refuses the endpoint (listener None); still enforced.
+                    tracing::error!(container = %info.id, error = %e, "cannot start the container's proxy listener");
+                    None
+                }
+            }
+        } else {
+            None
+        };
+        let written = self.write_entry(id, &policy, listener.as_ref().map(|l| l.addr));
+        let written_name = match written {
+            Ok(()) => policy_name,
+            Err(e) => {
+                tracing::error!(container = %info.id, cgroup_id = id, error = %e, "writing policy entry failed; writing deny_all");
+                self.event(info, &resolved, Some(id), &format!("entry-failed: {e}"));
+                if let Err(e2) = self.write_entry(id, &Policy::deny_all(), None) {
+                    tracing::error!(container = %info.id, error = %e2, "writing deny_all failed too");
+                    self.track_with(info, resolved, None, precreated, None);
+                    return Outcome::Refuse(format!("cannot write a kernel entry: {e2}"));
+                }
+                crate::config::DENY_ALL.to_owned()
+            }
+        };
+        tracing::info!(container = %info.id, name = %info.name, cgroup_id = id, policy = %written_name,
+            source = %resolved.source, "container enforced");
+        self.directory.set(
+            id,
+            DirEntry {
+                container: ContainerRef {
+                    id: info.id.clone(),
+                    name: info.name.clone(),
+                },
+                policy: written_name,
+                context: resolved.context.clone(),
+            },
+        );
+        let reasons = info.unconfinable.join(", ");
+        let already_refused = self.tracked.get(&info.id).and_then(|t| t.refused.clone());
+        self.track_with(
+            info,
+            resolved.clone(),
+            Some((dir, id)),
+            precreated,
+            listener,
+        );
+        if refuse {
+            // One event per container and reason set (not one per create/die/prepare cycle).
+            if already_refused.as_deref() != Some(reasons.as_str()) {
+                self.event(
+                    info,
+                    &resolved,
+                    Some(id),
+                    &format!("refused-unconfinable: {reasons}"),
+                );
+            }
+            if let Some(t) = self.tracked.get_mut(&info.id) {
+                t.refused = Some(reasons.clone());
+            }
+            return Outcome::Refuse(reasons);
+        }
+        Outcome::Ok
+    }
+
+    fn write_entry(
+        &mut self,
+        cgroup_id: u64,
+        policy: &Policy,
+        listener: Option<SocketAddr>,
+    ) -> Result<(), EnforceError> {
+        let kp = KernelPolicy::from_config(
+            policy,
+            Some(SocketAddr::V4(self.settings.endpoint4)),
+            listener.filter(SocketAddr::is_ipv4),
+            self.settings.endpoint6,
+            None,
+        )?;
+        self.state.set_policy(cgroup_id, &kp)?;
+        Ok(())
+    }
+
+    /// Reuse the container's listener if it serves the same policy, else bind a new one.
+    async fn listener_for(
+        &mut self,
+        info: &ContainerInfo,
+        name: &str,
+        policy: &Arc<Policy>,
+    ) -> Result<Listener, EnforceError> {
+        if let Some(t) = self.tracked.get_mut(&info.id)
+            && let Some(l) = t.listener.take()
+            && l.policy == name
+        {
+            return Ok(l);
+        }
+        let addr = SocketAddr::new(self.settings.listen_ip, 0);
+        let proxy = PolicyProxy::bind(addr, name.to_owned(), policy.clone(), self.proxy.clone())
+            .await
+            .map_err(EnforceError::Listener)?;
+        let local = proxy.local_addr();
+        let (tx, rx) = oneshot::channel::<()>();
+        tokio::spawn(proxy.run(async move {
+            // Sender dropped or fired: either way, stop.
+            let _stopped = rx.await;
+        }));
+        tracing::debug!(container = %info.id, policy = name, %local, "container proxy listener");
+        Ok(Listener {
+            addr: local,
+            policy: name.to_owned(),
+            stop: Some(tx),
+        })
+    }
+
+    /// Host-side nftables rules for an opted-in container on bridge networks.
+    async fn host_layer(&mut self, info: &ContainerInfo) -> Outcome {
+        let Some(t) = self.tracked.get(&info.id) else {
+            return Outcome::Ok;
+        };
+        if !self.settings.nft || !t.resolved.opted_in() || info.host_network() {
+            return Outcome::Ok;
+        }
+        let policy = t.resolved.policy.clone();
+        let listener = match t.listener.as_ref().map(|l| l.addr) {
+            Some(SocketAddr::V4(l)) => l,
+            // deny_all: no listener; port 0 matches no connection, so the proxy stays closed.
+            None if policy.mode == Mode::DenyAll || t.resolved.invalid_reason().is_some() => {
+                SocketAddrV4::new(*self.settings.endpoint4.ip(), 0)
+            }
+            _ => return self.host_layer_failed(info, "no proxy listener").await,
+        };
+        let (Some(pid), false) = (info.pid, info.endpoints.is_empty()) else {
+            return Outcome::Ok; // --network none / container:<id>: no interface of its own
+        };
+        let eps = info.endpoints.clone();
+        let found = tokio::task::spawn_blocking(move || netinfo::host_endpoints(pid, &eps)).await;
+        let endpoints = match found {
+            Ok(Ok(e)) => e,
+            Ok(Err(e)) => return self.host_layer_failed(info, &e.to_string()).await,
+            Err(e) => return self.host_layer_failed(info, &e.to_string()).await,
+        };
+        let allow_cidrs = if policy.mode == Mode::AllowAll {
+            vec![crate::config::CidrRule {
+                net: "0.0.0.0/0".parse().expect("valid CIDR"),
+                ports: Vec::new(),
+            }]
+        } else if policy.mode == Mode::DenyAll {
+            Vec::new()
+        } else {
+            policy.allow_cidrs.clone()
+        };
+        self.ruleset.containers.insert(
+            info.id.clone(),
+            nft::Enforced {
+                listener,
+                allow_cidrs,
+                endpoints,
+            },
+        );
+        if let Err(e) = self.ruleset.apply() {
+            self.ruleset.containers.remove(&info.id);
+            return self.host_layer_failed(info, &e.to_string()).await;
+        }
+        if let Some(t) = self.tracked.get_mut(&info.id) {
+            t.in_nft = true;
+        }
+        tracing::info!(container = %info.id, name = %info.name, "host layer enforced");
+        Outcome::Ok
+    }
+
+    /// The host layer could not be set up for an enforced container: confine it as deny_all.
+    async fn host_layer_failed(&mut self, info: &ContainerInfo, why: &str) -> Outcome {
+        tracing::error!(container = %info.id, error = why, "host layer unavailable; confining as deny_all");
+        let Some(t) = self.tracked.get(&info.id) else {
+            return Outcome::Ok;
+        };
+        let resolved = t.resolved.clone();
+        let id = t.cgroup.as_ref().map(|c| c.1);
+        self.event(info, &resolved, id, &format!("host-layer-failed: {why}"));
+        if let Some(id) = id
+            && let Err(e) = self.write_entry(id, &Policy::deny_all(), None)
+        {
+            return Outcome::Refuse(format!(
+                "host layer failed ({why}) and deny_all could not be written: {e}"
+            ));
+        }
+        if let Some(id) = id {
+            self.directory.set(
+                id,
+                DirEntry {
+                    container: ContainerRef {
+                        id: info.id.clone(),
+                        name: info.name.clone(),
+                    },
+                    policy: crate::config::DENY_ALL.to_owned(),
+                    context: resolved.context.clone(),
+                },
+            );
+        }
+        Outcome::Ok
+    }
+
+    fn outside_root(
+        &mut self,
+        info: &ContainerInfo,
+        resolved: Resolved,
+        dir: Option<PathBuf>,
+    ) -> Outcome {
+        let opted_in = resolved.opted_in();
+        self.track(info, resolved.clone());
+        if opted_in {
+            let why = format!(
+                "cgroup {} is outside the enforcement root {}",
+                dir.map_or_else(
+                    || format!("parent {:?}", info.cgroup_parent),
+                    |d| d.display().to_string()
+                ),
+                self.settings.root.path().display()
+            );
+            self.event(
+                info,
+                &resolved,
+                None,
+                &format!("refused-cgroup-parent: {why}"),
+            );
+            return Outcome::Refuse(why);
+        }
+        Outcome::Ok
+    }
+
+    fn note_invalid(&self, info: &ContainerInfo, resolved: &Resolved) {
+        if let Some(reason) = resolved.invalid_reason() {
+            // Once per container lifetime is enough.
+            if self
+                .tracked
+                .get(&info.id)
+                .is_none_or(|t| t.resolved.invalid_reason() != Some(reason))
+            {
+                self.event(info, resolved, None, &format!("labels-invalid: {reason}"));
+            }
+        }
+    }
+
+    fn track(&mut self, info: &ContainerInfo, resolved: Resolved) {
+        let precreated = self
+            .tracked
+            .get(&info.id)
+            .and_then(|t| t.precreated.clone());
+        let listener = self
+            .tracked
+            .get_mut(&info.id)
+            .and_then(|t| t.listener.take());
+        let cgroup = self.tracked.get_mut(&info.id).and_then(|t| t.cgroup.take());
+        self.track_with(info, resolved, cgroup, precreated, listener);
+    }
+
+    fn track_with(
+        &mut self,
+        info: &ContainerInfo,
+        resolved: Resolved,
+        cgroup: Option<(PathBuf, u64)>,
+        precreated: Option<PathBuf>,
+        listener: Option<Listener>,
+    ) {
+        let in_nft = self.tracked.get(&info.id).is_some_and(|t| t.in_nft);
+        let refused = self.tracked.get(&info.id).and_then(|t| t.refused.clone());
+        self.tracked.insert(
+            info.id.clone(),
+            Tracked {
+                name: info.name.clone(),
+                resolved,
+                cgroup,
+                precreated,
+                listener,
+                in_nft,
+                refused,
+            },
+        );
+    }
+
+    /// An agent event about a container (refusals, invalid labels, failures).
+    fn event(
+        &self,
+        info: &ContainerInfo,
+        resolved: &Resolved,
+        cgroup_id: Option<u64>,
+        reason: &str,
+    ) {
+        self.events.emit(DenialEvent {
+            time: SystemTime::now(),
+            // TODO(events owner): a `Source::Agent` variant; lifecycle decisions are the agent's.
+            source: Source::Kernel,
+            cgroup_id,
+            container: Some(ContainerRef {
+                id: info.id.clone(),
+                name: info.name.clone(),
+            }),
+            context: resolved.context.clone(),
+            policy: resolved.name.clone(),
+            host: None,
+            ip: None,
+            port: 0,
+            protocol: "docker".to_owned(),
+            reason: reason.to_owned(),
+        });
+    }
+
+    /// Name of a tracked container.
+    pub fn name_of(&self, id: &str) -> Option<&str> {
+        self.tracked.get(id).map(|t| t.name.as_str())
+    }
+
+    /// Remove the kernel entries of cgroups that no longer exist (anywhere in the hierarchy).
+    pub fn prune(&mut self) {
+        // The cgroup listing must be taken after the map keys are read (bpf::PinnedState::prune):
+        // a listing taken first would prune entries written meanwhile for new cgroups.
+        let mount = self.settings.root.mount.clone();
+        match self.state.prune(|| cgroup::all_ids(&mount).into_keys().collect()) {
+            Ok(removed) if !removed.is_empty() => {
+                tracing::info!(?removed, "pruned entries of vanished cgroups")
+            }
+            Ok(_) => {}
+            Err(e) => tracing::warn!(error = %e, "prune failed"),
+        }
+    }
+
+    /// Give up everything (agent shutdown): the kernel entries stay (pinned, still enforcing),
+    /// listeners stop (the endpoint is then refused), nftables rules stay.
+    pub fn shutdown(&mut self) {
+        for t in self.tracked.values_mut() {
+            t.listener = None;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn entry(name: &str) -> DirEntry {
+        DirEntry {
+            container: ContainerRef {
+                id: format!("{name}-id"),
+                name: name.to_owned(),
+            },
+            policy: "web".to_owned(),
+            context: BTreeMap::from([("run".to_owned(), "7".to_owned())]),
+        }
+    }
+
+    #[test]
+    fn directory_attributes_kernel_events_and_keeps_released_entries_for_a_while() {
+        let d = Directory::default();
+        d.set(10, entry("a"));
+        let mut ev = DenialEvent::proxy("deny_all", None, None, 9000, "tcp", "x");
+        ev.cgroup_id = Some(10);
+        ev.context.insert("comm".to_owned(), "nc".to_owned());
+        d.enrich(&mut ev);
+        assert_eq!(ev.container.as_ref().map(|c| c.name.as_str()), Some("a"));
+        assert_eq!(ev.policy, "web");
+        assert_eq!(ev.context.get("run").map(String::as_str), Some("7"));
+        assert_eq!(
+            ev.context.get("comm").map(String::as_str),
+            Some("nc"),
+            "kernel context kept"
+        );
+        // Released: still attributed during the grace period.
+        d.remove(10);
+        assert!(d.get(10).is_some());
+        assert_eq!(d.len(), 0);
+        // Re-set (restart with the same id) cancels the release.
+        d.set(10, entry("a"));
+        assert_eq!(d.len(), 1);
+        let mut other = DenialEvent::proxy("deny_all", None, None, 1, "tcp", "x");
+        other.cgroup_id = Some(11);
+        d.enrich(&mut other);
+        assert!(other.container.is_none() && other.policy == "deny_all");
+    }
+}

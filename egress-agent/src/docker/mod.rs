@@ -1,0 +1,23 @@
+//! Docker integration: containers opt in by label and are confined from their first instruction.
+//!
+//! - [`labels`]: container labels → the policy a container gets (invalid → `deny_all` + reason).
+//! - [`container`]: what is taken from `docker inspect`, and what makes a container unconfinable.
+//! - [`cgroups`]: the enforcement root and the containers' cgroup2 directories (pre-created
+//!   before `start`).
+//! - [`netinfo`]: a container's host-side veth and bridge, for the nftables layer.
+//! - [`enforce`]: applies a resolved policy: kernel entry, per-container proxy listener, nftables.
+//! - [`watch`]: the bollard event stream + reconcile loop ([`watch::run`]).
+//! - [`serve`]: the whole setup for the daemon in one call ([`serve::serve`]).
+//!
+//! See `docs/architecture.md`, section Docker, for the lifecycle and why it is race-free.
+pub mod cgroups;
+pub mod container;
+pub mod enforce;
+pub mod labels;
+pub mod netinfo;
+pub mod serve;
+pub mod watch;
+
+pub use enforce::{Directory, Enforcer, Outcome, Settings};
+pub use serve::{DockerOptions, ServeError, cleanup_host, serve};
+pub use watch::run;

@@ -1,0 +1,169 @@
+//! Everything the daemon needs to run the Docker integration, in one call: [`serve`].
+use std::future::Future;
+use std::net::{IpAddr, SocketAddr};
+use std::sync::Arc;
+use std::time::Duration;
+
+use super::cgroups::DockerRoot;
+use super::enforce::{Directory, Enforcer, Settings};
+use crate::bpf;
+use crate::cgroup;
+use crate::config::Config;
+use crate::events::EventSink;
+use crate::netif;
+use crate::proxy::ProxyContext;
+
+/// Options that are not (yet) in the configuration file.
+#[derive(Debug, Clone)]
+pub struct DockerOptions {
+    /// Docker API socket (`/var/run/docker.sock` or `unix:///...`).
+    pub socket: String,
+    /// The daemon's cgroup parent, relative to the cgroup2 mount (`/docker` for the cgroupfs
+    /// driver's default, or dockerd's `--cgroup-parent`).
+    pub cgroup_parent: String,
+    /// Maintain the nftables host layer.
+    pub nft: bool,
+    /// Refuse to run without the BPF-LSM socket hook (AF_PACKET hole otherwise).
+    pub require_lsm: bool,
+    /// Consume the kernel's denial ring buffer and attribute events to containers.
+    pub kernel_events: bool,
+}
+
+impl Default for DockerOptions {
+    fn default() -> Self {
+        DockerOptions {
+            socket: "unix:///var/run/docker.sock".to_owned(),
+            cgroup_parent: "/docker".to_owned(),
+            nft: true,
+            require_lsm: false,
+            kernel_events: true,
+        }
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum ServeError {
+    #[error(
+        "proxy.endpoint {0} can't be used for Docker: containers need a non-loopback IPv4 endpoint reachable from every network (e.g. 169.254.100.1:3128)"
+    )]
+    Endpoint(SocketAddr),
+    #[error(transparent)]
+    Netif(#[from] netif::NetifError),
+    #[error(transparent)]
+    Cgroup(#[from] cgroup::CgroupError),
+    #[error("creating the Docker enforcement root {path}: {source}")]
+    Root {
+        path: std::path::PathBuf,
+        source: std::io::Error,
+    },
+    #[error(transparent)]
+    Bpf(#[from] bpf::BpfError),
+    #[error("proxy: {0}")]
+    Proxy(String),
+    #[error(transparent)]
+    Nft(#[from] crate::nft::NftError),
+}
+
+/// Set up (proxy address, enforcement root, programs, host layer) and watch Docker until
+/// `shutdown` completes.
+pub async fn serve(
+    config: Arc<Config>,
+    opts: DockerOptions,
+    events: EventSink,
+    shutdown: impl Future<Output = ()>,
+) -> Result<(), ServeError> {
+    let SocketAddr::V4(endpoint4) = config.proxy.endpoint else {
+        return Err(ServeError::Endpoint(config.proxy.endpoint));
+    };
+    if endpoint4.ip().is_loopback() || endpoint4.ip().is_unspecified() {
+        return Err(ServeError::Endpoint(config.proxy.endpoint));
+    }
+    netif::ensure(*endpoint4.ip())?;
+    let root = DockerRoot::new(cgroup::cgroup2_mount()?, &opts.cgroup_parent);
+    let root_path = root.ensure().map_err(|source| ServeError::Root {
+        path: root.path(),
+        source,
+    })?;
+    let enforcement = bpf::enforce_root(&config.agent.bpffs, &root_path, opts.require_lsm)?;
+    if let Some(why) = &enforcement.report.lsm_unavailable {
+        tracing::warn!(reason = %why, "BPF-LSM socket hook unavailable: AF_PACKET is stopped only by the nftables layer");
+    }
+    tracing::info!(root = %root_path.display(), adopted = ?enforcement.report.adopted,
+        attached = ?enforcement.report.attached, "docker enforcement root ready");
+    // `enforce_root` already released the loader lock; the links stay pinned and enforcing.
+    let bpf::Enforcement { state, .. } = enforcement;
+    let ctx =
+        ProxyContext::new(&config, events.clone()).map_err(|e| ServeError::Proxy(e.to_string()))?;
+    let settings = Settings {
+        root,
+        endpoint4,
+        endpoint6: config.proxy.endpoint_v6,
+        listen_ip: config.proxy.listen.unwrap_or(IpAddr::V4(*endpoint4.ip())),
+        nft: opts.nft,
+    };
+    let enforcer = Enforcer::new(state, settings, config.clone(), ctx, events.clone());
+    let directory = enforcer.directory();
+    let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+    let pump = opts.kernel_events.then(|| {
+        tokio::spawn(kernel_events(
+            config.agent.bpffs.clone(),
+            directory,
+            events,
+            stop_rx,
+        ))
+    });
+    let _enforcer = super::watch::run(&opts.socket, enforcer, shutdown).await;
+    if stop_tx.send(true).is_err() {
+        tracing::debug!("kernel event pump already stopped");
+    }
+    if let Some(p) = pump
+        && let Err(e) = p.await
+    {
+        tracing::warn!(error = %e, "kernel event pump ended abnormally");
+    }
+    Ok(())
+}
+
+/// Drain the kernel ring buffer every 200 ms, attributing events to containers.
+async fn kernel_events(
+    bpffs: std::path::PathBuf,
+    directory: Directory,
+    events: EventSink,
+    mut stop: tokio::sync::watch::Receiver<bool>,
+) {
+    let mut reader = match bpf::events::KernelEvents::try_open(&bpffs) {
+        Ok(Some(r)) => r,
+        Ok(None) => {
+            tracing::info!("another process consumes kernel events");
+            return;
+        }
+        Err(e) => {
+            tracing::warn!(error = %e, "kernel events unavailable");
+            return;
+        }
+    };
+    let mut tick = tokio::time::interval(Duration::from_millis(200));
+    loop {
+        tokio::select! {
+            _ = tick.tick() => {}
+            _ = stop.changed() => return,
+        }
+        for ev in reader.drain() {
+            let time = reader.time_of(&ev);
+            let policy = directory
+                .get(ev.cgroup_id)
+                .map_or_else(|| "deny_all".to_owned(), |e| e.policy);
+            let mut d = bpf::events::to_denial(&ev, time, &policy);
+            directory.enrich(&mut d);
+            events.emit(d);
+        }
+    }
+}
+
+/// Uninstall the Docker host pieces: the nftables tables and the `egress0` interface (in the
+/// caller's network namespace). The pinned programs/entries are removed by the loader's unload.
+pub fn cleanup_host() -> Result<(), ServeError> {
+    crate::nft::cleanup()?;
+    netif::cleanup()?;
+    Ok(())
+}

@@ -1,0 +1,227 @@
+//! The Docker watcher: event stream + reconcile loop.
+//!
+//! Each (re)connection subscribes to container events starting just before it lists the
+//! containers, so nothing that happens during the listing is missed (Docker replays events
+//! since the given time; handlers are idempotent). The stream dropping or the daemon
+//! restarting leads to a reconnect with backoff and a full reconcile. Nothing is opened in the
+//! meantime: the kernel keeps enforcing the pinned entries, and a container started while the
+//! agent is blind has no entry and is denied until the agent catches up (fail closed).
+//!
+//! | event     | action                                                               |
+//! |-----------|----------------------------------------------------------------------|
+//! | `create`  | resolve labels; pre-create the cgroup dir; write its entry (before `start`) |
+//! | `start`   | write/refresh the entry for the real cgroup; host-side nftables rules; refuse (stop) unconfinable containers |
+//! | `die`     | release entry, listener and rules; prepare again if the container still exists (restart) |
+//! | `destroy` | release everything, remove a pre-created dir                         |
+use std::collections::{HashMap, HashSet};
+use std::future::Future;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use bollard::Docker;
+use bollard::models::EventMessageTypeEnum;
+use bollard::query_parameters::{
+    EventsOptions, InspectContainerOptions, ListContainersOptions, StopContainerOptions,
+};
+use futures_util::StreamExt;
+use futures_util::stream::FuturesOrdered;
+
+use super::container::ContainerInfo;
+use super::enforce::{Enforcer, Outcome};
+
+const BACKOFF_MIN: Duration = Duration::from_millis(100);
+const BACKOFF_MAX: Duration = Duration::from_secs(5);
+/// HTTP timeout for API calls (the event stream itself is long-lived).
+const API_TIMEOUT_SECS: u64 = 120;
+
+#[derive(Debug, thiserror::Error)]
+pub enum WatchError {
+    #[error("docker API: {0}")]
+    Docker(#[from] bollard::errors::Error),
+    #[error("docker event stream ended")]
+    StreamEnded,
+}
+
+/// Watch `docker_socket` (a path or `unix://` URL) and enforce containers until `shutdown`
+/// completes. Returns the enforcer (its pinned entries and nftables rules stay in force).
+pub async fn run(
+    docker_socket: &str,
+    mut enforcer: Enforcer,
+    shutdown: impl Future<Output = ()>,
+) -> Enforcer {
+    tokio::pin!(shutdown);
+    if let Err(e) = enforcer.init_host_layer() {
+        tracing::error!(error = %e, "nftables host layer could not be initialised");
+    }
+    let mut backoff = BACKOFF_MIN;
+    loop {
+        let session = session(docker_socket, &mut enforcer, &mut backoff);
+        tokio::select! {
+            () = &mut shutdown => break,
+            r = session => {
+                match r {
+                    Ok(()) => tracing::warn!("docker event stream ended; reconnecting"),
+                    Err(e) => tracing::warn!(error = %e, backoff = ?backoff, "docker watcher: reconnecting"),
+                }
+            }
+        }
+        tokio::select! {
+            () = &mut shutdown => break,
+            () = tokio::time::sleep(backoff) => {}
+        }
+        backoff = (backoff * 2).min(BACKOFF_MAX);
+    }
+    enforcer.shutdown();
+    tracing::info!("docker watcher stopped");
+    enforcer
+}
+
+/// One connection: subscribe, reconcile, then follow events until the stream ends.
+///
+/// `create` is handled at once from the event itself (labels are in its attributes), so the
+/// cgroup and its entry exist before `start` gets to runc. Every event is then completed with a
+/// `docker inspect`; those run concurrently (an inspect waits while the daemon holds the
+/// container's lock during `start`) and are applied in event order.
+async fn session(
+    socket: &str,
+    enforcer: &mut Enforcer,
+    backoff: &mut Duration,
+) -> Result<(), WatchError> {
+    let docker = Docker::connect_with_unix(socket, API_TIMEOUT_SECS, bollard::API_DEFAULT_VERSION)?
+        .negotiate_version()
+        .await?;
+    let since = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_secs().saturating_sub(1))
+        .unwrap_or(0);
+    let filters = HashMap::from([
+        ("type".to_owned(), vec!["container".to_owned()]),
+        (
+            "event".to_owned(),
+            ["create", "start", "die", "destroy"]
+                .iter()
+                .map(|s| (*s).to_owned())
+                .collect(),
+        ),
+    ]);
+    let mut stream = docker.events(Some(EventsOptions {
+        since: Some(since.to_string()),
+        until: None,
+        filters: Some(filters),
+    }));
+    reconcile(&docker, enforcer).await?;
+    *backoff = BACKOFF_MIN;
+    let mut pending = FuturesOrdered::new();
+    loop {
+        tokio::select! {
+            msg = stream.next() => {
+                let Some(msg) = msg else { return Err(WatchError::StreamEnded) };
+                let msg = msg?;
+                if msg.typ != Some(EventMessageTypeEnum::CONTAINER) {
+                    continue;
+                }
+                let Some(actor) = msg.actor else { continue };
+                let (Some(action), Some(id)) = (msg.action, actor.id) else { continue };
+                tracing::debug!(action = %action, container = %id, "docker event");
+                if action == "create" {
+                    let attrs = actor.attributes.unwrap_or_default();
+                    let _fast = enforcer.prepare(&ContainerInfo::from_event(&id, &attrs)).await;
+                }
+                let d = docker.clone();
+                pending.push_back(async move {
+                    let info = inspect(&d, &id).await;
+                    (action, id, info)
+                });
+            }
+            Some((action, id, info)) = pending.next(), if !pending.is_empty() => {
+                apply(&docker, enforcer, &action, &id, info?).await;
+            }
+        }
+    }
+}
+
+async fn inspect(docker: &Docker, id: &str) -> Result<Option<ContainerInfo>, WatchError> {
+    match docker
+        .inspect_container(id, None::<InspectContainerOptions>)
+        .await
+    {
+        Ok(c) => Ok(ContainerInfo::from_inspect(&c)),
+        Err(bollard::errors::Error::DockerResponseServerError {
+            status_code: 404, ..
+        }) => Ok(None),
+        Err(e) => Err(e.into()),
+    }
+}
+
+/// Apply one event, given the container's state inspected after it.
+async fn apply(
+    docker: &Docker,
+    enforcer: &mut Enforcer,
+    action: &str,
+    id: &str,
+    info: Option<ContainerInfo>,
+) {
+    if action == "die" {
+        enforcer.stopped(id);
+    }
+    match (action, info) {
+        ("destroy", _) | (_, None) => enforcer.destroyed(id),
+        (_, Some(info)) if info.running => {
+            if let Outcome::Refuse(why) = enforcer.started(&info).await {
+                refuse(docker, &info, &why).await;
+            }
+        }
+        // `--rm` after it exited: destroy follows.
+        ("die", Some(info)) if info.auto_remove => {}
+        // Created or stopped: get the (next) start ready — restart policies, `docker start`.
+        (_, Some(info)) => {
+            let _prepared = enforcer.prepare(&info).await;
+        }
+    }
+}
+
+/// Stop a container that can't be confined (no grace period: SIGKILL right away; a stop, not a
+/// kill, so a restart policy does not bring it back).
+async fn refuse(docker: &Docker, info: &ContainerInfo, why: &str) {
+    tracing::warn!(container = %info.id, name = %info.name, reason = why, "refusing container: stopping it");
+    let opts = StopContainerOptions {
+        signal: None,
+        t: Some(0),
+    };
+    if let Err(e) = docker.stop_container(&info.id, Some(opts)).await {
+        tracing::error!(container = %info.id, error = %e, "stopping refused container failed");
+    }
+}
+
+/// Bring the enforcer in line with what Docker has now.
+async fn reconcile(docker: &Docker, enforcer: &mut Enforcer) -> Result<(), WatchError> {
+    let list = docker
+        .list_containers(Some(ListContainersOptions {
+            all: true,
+            ..Default::default()
+        }))
+        .await?;
+    let mut seen = HashSet::new();
+    for summary in list {
+        let Some(id) = summary.id else { continue };
+        seen.insert(id.clone());
+        let Some(info) = inspect(docker, &id).await? else {
+            continue;
+        };
+        if info.running {
+            if let Outcome::Refuse(why) = enforcer.started(&info).await {
+                refuse(docker, &info, &why).await;
+            }
+        } else {
+            enforcer.stopped(&id);
+            let _prepared = enforcer.prepare(&info).await;
+        }
+    }
+    for id in enforcer.tracked_ids() {
+        if !seen.contains(&id) {
+            enforcer.destroyed(&id);
+        }
+    }
+    enforcer.prune();
+    tracing::info!(containers = seen.len(), "docker reconcile done");
+    Ok(())
+}

@@ -1,0 +1,251 @@
+//! Structured denial events from both enforcement points (kernel hooks and the proxy).
+//!
+//! [`EventSink::emit`] writes one structured line through `tracing` (target
+//! [`DENIAL_TARGET`]; the daemon's subscriber formats it as JSON and writes it off the hot path),
+//! keeps the event in a bounded in-memory ring for `egress-agent events`, and broadcasts it to
+//! `events --follow` subscribers. It never blocks on a slow reader: the ring drops its oldest entry,
+//! the broadcast channel makes lagging receivers skip.
+//!
+//! What an event holds is fixed by its type: destination host (normalised name, never a URL),
+//! IP, port, protocol, policy, reason. There is no field for a path, query string, header or body,
+//! so none can leak into an event or its log line.
+use std::collections::{BTreeMap, VecDeque};
+use std::net::IpAddr;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::SystemTime;
+
+use serde::{Deserialize, Serialize};
+use tokio::sync::broadcast;
+
+/// `tracing` target of denial log lines.
+pub const DENIAL_TARGET: &str = "egress_agent::denial";
+/// Default ring size.
+pub const DEFAULT_RING: usize = 4096;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Source {
+    Kernel,
+    Proxy,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ContainerRef {
+    pub id: String,
+    pub name: String,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct DenialEvent {
+    /// RFC 3339 in JSON.
+    #[serde(with = "rfc3339")]
+    pub time: SystemTime,
+    pub source: Source,
+    pub cgroup_id: Option<u64>,
+    pub container: Option<ContainerRef>,
+    /// Extra labels (e.g. `exec` = command name). Never request data.
+    #[serde(default)]
+    pub context: BTreeMap<String, String>,
+    pub policy: String,
+    pub host: Option<String>,
+    pub ip: Option<IpAddr>,
+    pub port: u16,
+    /// `tcp`, `udp`, `http`, `connect`, ...
+    pub protocol: String,
+    /// Machine-readable, e.g. `host-not-allowed`.
+    pub reason: String,
+}
+
+impl DenialEvent {
+    /// A proxy denial with the current time.
+    pub fn proxy(
+        policy: &str,
+        host: Option<String>,
+        ip: Option<IpAddr>,
+        port: u16,
+        protocol: &str,
+        reason: &str,
+    ) -> Self {
+        DenialEvent {
+            time: SystemTime::now(),
+            source: Source::Proxy,
+            cgroup_id: None,
+            container: None,
+            context: BTreeMap::new(),
+            policy: policy.to_owned(),
+            host,
+            ip,
+            port,
+            protocol: protocol.to_owned(),
+            reason: reason.to_owned(),
+        }
+    }
+}
+
+mod rfc3339 {
+    use serde::{Deserialize, Deserializer, Serializer};
+    use std::time::SystemTime;
+
+    pub fn serialize<S: Serializer>(t: &SystemTime, s: S) -> Result<S::Ok, S::Error> {
+        s.collect_str(&humantime::format_rfc3339_micros(*t))
+    }
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<SystemTime, D::Error> {
+        let s = String::deserialize(d)?;
+        humantime::parse_rfc3339_weak(&s).map_err(serde::de::Error::custom)
+    }
+}
+
+struct Inner {
+    ring: Mutex<VecDeque<DenialEvent>>,
+    capacity: usize,
+    tx: broadcast::Sender<DenialEvent>,
+    total: AtomicU64,
+}
+
+/// Clone-able handle to the event ring and stream.
+#[derive(Clone)]
+pub struct EventSink {
+    inner: Arc<Inner>,
+}
+
+impl Default for EventSink {
+    fn default() -> Self {
+        EventSink::new(DEFAULT_RING)
+    }
+}
+
+impl std::fmt::Debug for EventSink {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("EventSink")
+            .field("capacity", &self.inner.capacity)
+            .field("total", &self.total())
+            .finish()
+    }
+}
+
+impl EventSink {
+    pub fn new(capacity: usize) -> EventSink {
+        let capacity = capacity.max(1);
+        let (tx, _) = broadcast::channel(capacity.min(1024));
+        EventSink {
+            inner: Arc::new(Inner {
+                ring: Mutex::new(VecDeque::with_capacity(capacity.min(1024))),
+                capacity,
+                tx,
+                total: AtomicU64::new(0),
+            }),
+        }
+    }
+
+    /// Record one denial: log line, ring, subscribers. Never blocks on readers.
+    pub fn emit(&self, ev: DenialEvent) {
+        self.inner.total.fetch_add(1, Ordering::Relaxed);
+        tracing::warn!(
+            target: DENIAL_TARGET,
+            source = ?ev.source,
+            policy = %ev.policy,
+            host = ev.host.as_deref(),
+            ip = ev.ip.map(tracing::field::display),
+            port = ev.port,
+            protocol = %ev.protocol,
+            reason = %ev.reason,
+            cgroup_id = ev.cgroup_id,
+            container_id = ev.container.as_ref().map(|c| c.id.as_str()),
+            container_name = ev.container.as_ref().map(|c| c.name.as_str()),
+            "denied"
+        );
+        {
+            let mut ring = match self.inner.ring.lock() {
+                Ok(g) => g,
+                Err(poisoned) => poisoned.into_inner(),
+            };
+            if ring.len() >= self.inner.capacity {
+                ring.pop_front();
+            }
+            ring.push_back(ev.clone());
+        }
+        // Err only means "no subscriber right now".
+        self.inner.tx.send(ev).ok();
+    }
+
+    /// The newest `n` events, oldest first.
+    pub fn recent(&self, n: usize) -> Vec<DenialEvent> {
+        let ring = match self.inner.ring.lock() {
+            Ok(g) => g,
+            Err(poisoned) => poisoned.into_inner(),
+        };
+        let skip = ring.len().saturating_sub(n);
+        ring.iter().skip(skip).cloned().collect()
+    }
+
+    /// Live stream of events emitted from now on (for `events --follow`). A receiver that falls
+    /// behind gets `RecvError::Lagged` and continues.
+    pub fn subscribe(&self) -> broadcast::Receiver<DenialEvent> {
+        self.inner.tx.subscribe()
+    }
+
+    /// Events emitted since start (including those the ring no longer holds).
+    pub fn total(&self) -> u64 {
+        self.inner.total.load(Ordering::Relaxed)
+    }
+}
+
+#[cfg(test)]
+#[expect(clippy::unwrap_used, reason = "test assertions")]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ring_is_bounded_and_ordered() {
+        let sink = EventSink::new(3);
+        for port in 1..=5 {
+            sink.emit(DenialEvent::proxy(
+                "p",
+                Some("h.example".into()),
+                None,
+                port,
+                "connect",
+                "host-not-allowed",
+            ));
+        }
+        let ports: Vec<u16> = sink.recent(10).iter().map(|e| e.port).collect();
+        assert_eq!(ports, vec![3, 4, 5]);
+        assert_eq!(sink.recent(1)[0].port, 5);
+        assert_eq!(sink.total(), 5);
+    }
+
+    #[tokio::test]
+    async fn subscribers_get_events() {
+        let sink = EventSink::new(8);
+        let mut rx = sink.subscribe();
+        sink.emit(DenialEvent::proxy(
+            "p",
+            None,
+            Some("10.0.0.1".parse().unwrap()),
+            443,
+            "connect",
+            "address-denied",
+        ));
+        let ev = rx.recv().await.unwrap();
+        assert_eq!(ev.reason, "address-denied");
+    }
+
+    #[test]
+    fn json_shape() {
+        let ev = DenialEvent::proxy(
+            "ci",
+            Some("evil.example".into()),
+            None,
+            443,
+            "connect",
+            "host-not-allowed",
+        );
+        let j = serde_json::to_value(&ev).unwrap();
+        assert_eq!(j["source"], "proxy");
+        assert_eq!(j["policy"], "ci");
+        assert!(j["time"].as_str().unwrap().ends_with('Z'));
+        let back: DenialEvent = serde_json::from_value(j).unwrap();
+        assert_eq!(back.host.as_deref(), Some("evil.example"));
+    }
+}

@@ -1,0 +1,295 @@
+//! `egress-agent exec --policy P [--config F] -- CMD ARGS...`: run one command confined.
+//!
+//! Standalone (no daemon needed), per docs/architecture.md:
+//! 1. load or adopt the programs on the exec root `<cgroup2>/egress-agent` (loader lock);
+//! 2. bind an in-process proxy listener for P on `proxy.listen` port 0 (allowlist policies);
+//! 3. create `<exec root>/exec-<pid>-<n>` and write its policy entry (listener = step 2);
+//! 4. start CMD through a tiny re-exec of this binary (`__exec-child`) that moves itself into the
+//!    cgroup, drops CAP_NET_RAW from all capability sets incl. the bounding set (unless the policy
+//!    is allow_all), and then `execvp`s CMD — so CMD's first instruction is already confined,
+//!    without `unsafe` pre_exec code. Dropping CAP_NET_RAW closes AF_PACKET/raw sockets even where
+//!    the BPF-LSM `socket_create` hook cannot be loaded (see docs/architecture.md);
+//! 5. stream I/O (inherited), forward SIGINT/SIGTERM/SIGHUP/SIGQUIT to CMD, return its exit code
+//!    (128+signal when killed by a signal);
+//! 6. kill what is left in the cgroup, delete the entry, remove the cgroup — on every exit path
+//!    (a guard), including errors and forwarded signals.
+//!
+//! If `exec` itself is killed with SIGKILL the cgroup and its entry stay: the command keeps
+//! running confined (fail closed); the next loader prunes the entry once the cgroup is gone, and
+//! removes abandoned empty `exec-*` cgroups.
+use std::ffi::OsString;
+use std::os::unix::process::CommandExt as _;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::time::Duration;
+
+use anyhow::{Context as _, anyhow, bail};
+
+use crate::bpf::{self, KernelPolicy, PinnedState};
+use crate::cgroup;
+use crate::config::{self, Config, Mode};
+use crate::events::EventSink;
+use crate::proxy::{PolicyProxy, ProxyContext};
+
+/// Name of the exec enforcement root under the cgroup2 mount.
+pub const EXEC_ROOT: &str = "egress-agent";
+/// Hidden subcommand used for step 4.
+pub const CHILD_SUBCOMMAND: &str = "__exec-child";
+
+/// Options of `egress-agent exec`.
+#[derive(Debug, Clone)]
+pub struct ExecOptions {
+    pub policy: String,
+    pub config: Option<PathBuf>,
+    pub command: Vec<OsString>,
+}
+
+/// `<cgroup2>/egress-agent`.
+pub fn exec_root() -> anyhow::Result<PathBuf> {
+    Ok(cgroup::cgroup2_mount()?.join(EXEC_ROOT))
+}
+
+/// Load the config: `--config` if given, else the default path if it exists, else defaults.
+pub fn load_config(path: Option<&Path>) -> anyhow::Result<Config> {
+    match path {
+        Some(p) => Ok(Config::load(p)?),
+        None => {
+            let p = Path::new(config::DEFAULT_CONFIG_PATH);
+            if p.exists() { Ok(Config::load(p)?) } else { Ok(Config::default()) }
+        }
+    }
+}
+
+static SEQ: AtomicU32 = AtomicU32::new(0);
+
+/// Removes the entry and the cgroup when dropped.
+struct CgroupGuard {
+    path: PathBuf,
+    id: u64,
+    bpffs: PathBuf,
+}
+
+impl Drop for CgroupGuard {
+    fn drop(&mut self) {
+        if let Err(e) = cgroup::kill_and_remove(&self.path, Duration::from_secs(5)) {
+            eprintln!("egress-agent: warning: could not remove cgroup {}: {e}", self.path.display());
+            // The entry stays (the cgroup still exists and must stay confined).
+            return;
+        }
+        match PinnedState::open(&self.bpffs).and_then(|mut s| s.remove_policy(self.id)) {
+            Ok(()) => {}
+            Err(e) => eprintln!("egress-agent: warning: removing policy entry {}: {e}", self.id),
+        }
+    }
+}
+
+/// Remove `exec-<pid>-*` cgroups whose `exec` process is gone and which are empty.
+fn reap_abandoned(root: &Path) {
+    let Ok(rd) = std::fs::read_dir(root) else { return };
+    for e in rd.flatten() {
+        let name = e.file_name();
+        let Some(pid) = name
+            .to_str()
+            .and_then(|n| n.strip_prefix("exec-"))
+            .and_then(|r| r.split('-').next())
+            .and_then(|p| p.parse::<u32>().ok())
+        else {
+            continue;
+        };
+        let alive = Path::new(&format!("/proc/{pid}")).exists();
+        if !alive && cgroup::pids(&e.path()).map(|p| p.is_empty()).unwrap_or(false) {
+            std::fs::remove_dir(e.path()).ok();
+        }
+    }
+}
+
+/// Run `egress-agent exec`; returns the exit code to exit with.
+pub fn run(opts: ExecOptions) -> anyhow::Result<i32> {
+    if opts.command.is_empty() {
+        bail!("exec: no command given (usage: egress-agent exec --policy P -- CMD ARGS...)");
+    }
+    bpf::loader::require_root()?;
+    let config = load_config(opts.config.as_deref())?;
+    let policy = config
+        .policy(&opts.policy)
+        .ok_or_else(|| anyhow!("exec: no policy named {:?} in the configuration", opts.policy))?
+        .clone();
+
+    let root = exec_root()?;
+    // The agent's own sockets must never be hooked: refuse to run inside an enforced subtree.
+    let own = cgroup::cgroup_of_pid(std::process::id()).context("reading own cgroup")?;
+    if own.starts_with(&root) {
+        bail!("exec: refusing to run inside the enforcement root {} (own cgroup {})", root.display(), own.display());
+    }
+    let bpffs = config.agent.bpffs.clone();
+
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .context("starting the tokio runtime")?;
+    runtime.block_on(run_async(opts, config, policy, root, bpffs))
+}
+
+async fn run_async(
+    opts: ExecOptions,
+    config: Config,
+    policy: config::Policy,
+    root: PathBuf,
+    bpffs: PathBuf,
+) -> anyhow::Result<i32> {
+    // 1. programs on the exec root.
+    let mut enforcement = bpf::enforce_root(&bpffs, &root, false)?;
+    if let Some(reason) = &enforcement.report.lsm_unavailable {
+        let closed_by = if policy.mode == Mode::AllowAll {
+            "nothing (allow_all)"
+        } else {
+            "dropping CAP_NET_RAW from the command's capability sets, bounding set included"
+        };
+        eprintln!(
+            "egress-agent: warning: BPF-LSM socket_create hook not active: {reason}. AF_PACKET and raw sockets are closed by {closed_by}"
+        );
+    }
+    reap_abandoned(&root);
+
+    // 2. the policy's proxy listener (allowlist only: deny_all/allow_all never use it).
+    let events = EventSink::default();
+    let (shutdown_tx, shutdown_rx) = tokio::sync::watch::channel(false);
+    let mut listener4 = None;
+    let mut listener6 = None;
+    let mut proxy_tasks = Vec::new();
+    if policy.mode == Mode::Allowlist {
+        let ctx = ProxyContext::new(&config, events.clone()).context("proxy context")?;
+        let shared_policy = Arc::new(policy.clone());
+        let mut addrs = vec![std::net::SocketAddr::new(config.proxy.listen_ip(), 0)];
+        if let Some(v6) = config.proxy.endpoint_v6 {
+            addrs.push(std::net::SocketAddr::new(v6.ip(), 0));
+        }
+        for addr in addrs {
+            let proxy = PolicyProxy::bind(addr, opts.policy.clone(), shared_policy.clone(), ctx.clone())
+                .await
+                .with_context(|| format!("binding the proxy listener for policy {} on {addr}", opts.policy))?;
+            let local = proxy.local_addr();
+            if local.is_ipv4() { listener4 = Some(local) } else { listener6 = Some(local) }
+            let mut rx = shutdown_rx.clone();
+            proxy_tasks.push(tokio::spawn(proxy.run(async move {
+                rx.wait_for(|v| *v).await.ok();
+            })));
+        }
+    }
+    let endpoint4 = Some(config.proxy.endpoint).filter(|e| e.is_ipv4());
+    let endpoint6 = config.proxy.endpoint_v6;
+    let kpolicy = KernelPolicy::from_config(&policy, endpoint4, listener4, endpoint6, listener6)?;
+
+    // 3. the cgroup and its entry. The guard removes both on every path from here on.
+    let name = format!("exec-{}-{}", std::process::id(), SEQ.fetch_add(1, Ordering::Relaxed));
+    let path = root.join(&name);
+    std::fs::create_dir(&path).with_context(|| format!("creating cgroup {}", path.display()))?;
+    let id = cgroup::cgroup_id(&path)?;
+    let guard = CgroupGuard { path: path.clone(), id, bpffs: bpffs.clone() };
+    enforcement.state.set_policy(id, &kpolicy)?;
+    enforcement.state.set_name(id, &opts.policy, &format!("exec:{}", std::process::id()))?;
+    let names = enforcement.state;
+
+    // Kernel denial events of this run (if no daemon consumes the ring buffer).
+    let mut kernel_events = bpf::events::KernelEvents::try_open(&bpffs).unwrap_or(None);
+
+    // 4. the command.
+    // /proc/self/exe, not current_exe(): the running image, even if the file was replaced
+    // (upgrade, rebuild) since exec started — the helper is always this very version.
+    let mut cmd = tokio::process::Command::new("/proc/self/exe");
+    cmd.arg(CHILD_SUBCOMMAND);
+    if policy.mode != Mode::AllowAll {
+        cmd.arg("--drop-net-raw");
+    }
+    cmd.arg(&path).arg("--").args(&opts.command);
+    if policy.mode == Mode::Allowlist {
+        let url = format!("http://{}", config.proxy.endpoint);
+        for var in ["HTTP_PROXY", "HTTPS_PROXY", "http_proxy", "https_proxy"] {
+            cmd.env(var, &url);
+        }
+        for var in ["NO_PROXY", "no_proxy", "ALL_PROXY", "all_proxy"] {
+            cmd.env_remove(var);
+        }
+    }
+    let mut child = cmd.spawn().context("starting the command")?;
+    let pid = child.id().ok_or_else(|| anyhow!("child has no pid"))?;
+
+    // 5. wait, forwarding signals; drain kernel events meanwhile.
+    use tokio::signal::unix::{SignalKind, signal};
+    let mut sigint = signal(SignalKind::interrupt())?;
+    let mut sigterm = signal(SignalKind::terminate())?;
+    let mut sighup = signal(SignalKind::hangup())?;
+    let mut sigquit = signal(SignalKind::quit())?;
+    let forward = |sig: nix::sys::signal::Signal| {
+        nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid as i32), sig).ok();
+    };
+    let mut tick = tokio::time::interval(Duration::from_millis(200));
+    let status = loop {
+        tokio::select! {
+            s = child.wait() => break s.context("waiting for the command")?,
+            _ = sigint.recv() => forward(nix::sys::signal::Signal::SIGINT),
+            _ = sigterm.recv() => forward(nix::sys::signal::Signal::SIGTERM),
+            _ = sighup.recv() => forward(nix::sys::signal::Signal::SIGHUP),
+            _ = sigquit.recv() => forward(nix::sys::signal::Signal::SIGQUIT),
+            _ = tick.tick() => drain_events(kernel_events.as_mut(), &events, &names),
+        }
+    };
+    drain_events(kernel_events.as_mut(), &events, &names);
+
+    // 6. cleanup (guard), proxy shutdown.
+    shutdown_tx.send(true).ok();
+    drop(guard);
+    for t in proxy_tasks {
+        tokio::time::timeout(Duration::from_secs(2), t).await.ok();
+    }
+    use std::os::unix::process::ExitStatusExt as _;
+    Ok(match (status.code(), status.signal()) {
+        (Some(code), _) => code,
+        (None, Some(sig)) => 128 + sig,
+        _ => 1,
+    })
+}
+
+fn drain_events(ring: Option<&mut bpf::events::KernelEvents>, sink: &EventSink, names: &PinnedState) {
+    let Some(ring) = ring else { return };
+    for ev in ring.drain() {
+        // This exec holds the ring: no daemon runs, so events of other cgroups (other execs)
+        // would be lost otherwise; they are logged with the policy their writer recorded.
+        let policy = names.name(ev.cgroup_id).map_or_else(|| "unknown".to_owned(), |(p, _)| p);
+        sink.emit(bpf::events::to_denial(&ev, ring.time_of(&ev), &policy));
+    }
+}
+
+/// The `__exec-child` half: move into `cgroup_dir`, drop CAP_NET_RAW (`drop_net_raw`), then
+/// become `command` (never returns on success). Any failure exits 127 before the command runs:
+/// nothing runs unconfined.
+pub fn child(cgroup_dir: &Path, drop_net_raw: bool, command: &[OsString]) -> i32 {
+    if drop_net_raw && let Err(e) = bpf::sys::drop_cap_net_raw() {
+        eprintln!("egress-agent: cannot drop CAP_NET_RAW: {e}");
+        return 127;
+    }
+    if let Err(e) = cgroup::move_pid(cgroup_dir, 0) {
+        eprintln!("egress-agent: cannot enter cgroup {}: {e}", cgroup_dir.display());
+        return 127;
+    }
+    match cgroup::cgroup_of_pid(std::process::id()) {
+        Ok(now) if now == cgroup_dir => {}
+        Ok(now) => {
+            eprintln!("egress-agent: not in {} after moving (in {})", cgroup_dir.display(), now.display());
+            return 127;
+        }
+        Err(e) => {
+            eprintln!("egress-agent: cannot verify own cgroup: {e}");
+            return 127;
+        }
+    }
+    let Some((prog, args)) = command.split_first() else {
+        eprintln!("egress-agent: no command");
+        return 127;
+    };
+    let err = std::process::Command::new(prog).args(args).exec();
+    eprintln!("egress-agent: cannot execute {}: {err}", Path::new(prog).display());
+    if err.kind() == std::io::ErrorKind::NotFound { 127 } else { 126 }
+}

@@ -1,0 +1,82 @@
+//! Resolve → check every address → connect to a checked address. No second lookup.
+use std::io;
+use std::net::{IpAddr, SocketAddr};
+use std::time::Duration;
+
+use tokio::net::TcpStream;
+
+use super::request::Target;
+use super::resolve::{DnsResolver, ResolveError};
+use crate::policy::name::Destination;
+use crate::policy::{CompiledPolicy, DenyReason};
+
+#[derive(Debug, thiserror::Error)]
+pub enum DialError {
+    #[error("denied: {reason} ({ip:?})")]
+    Denied {
+        reason: DenyReason,
+        ip: Option<IpAddr>,
+    },
+    #[error("dns: {0}")]
+    Dns(#[from] ResolveError),
+    #[error("connect timed out after {0:?}")]
+    Timeout(Duration),
+    #[error("connect failed: {0}")]
+    Connect(io::Error),
+}
+
+impl DialError {
+    /// Short machine-readable code for the 502 `X-Egress-Error` header.
+    pub fn code(&self) -> &'static str {
+        match self {
+            DialError::Denied { reason, .. } => reason.as_str(),
+            DialError::Dns(_) => "dns-failure",
+            DialError::Timeout(_) => "connect-timeout",
+            DialError::Connect(_) => "connect-failed",
+        }
+    }
+}
+
+/// Resolve (if a name), check each address, connect. `policy.check_target` must already have passed.
+pub async fn dial(
+    policy: &CompiledPolicy,
+    resolver: &DnsResolver,
+    target: &Target,
+    connect_timeout: Duration,
+) -> Result<(TcpStream, SocketAddr), DialError> {
+    let deadline = tokio::time::Instant::now() + connect_timeout;
+    let (addrs, via_name) = match &target.dest {
+        Destination::Ip(ip) => (vec![*ip], false),
+        Destination::Name(name) => {
+            let addrs = tokio::time::timeout_at(deadline, resolver.lookup(name))
+                .await
+                .map_err(|_| DialError::Timeout(connect_timeout))??;
+            (addrs, true)
+        }
+    };
+    // Every address is checked before any connect: a name with one denied address is refused whole
+    // (a rebinding answer mixing public and private addresses gets nothing).
+    for ip in &addrs {
+        policy
+            .check_addr(*ip, target.port, via_name)
+            .map_err(|reason| DialError::Denied {
+                reason,
+                ip: Some(*ip),
+            })?;
+    }
+    let mut last_err = None;
+    for ip in addrs {
+        let sa = SocketAddr::new(crate::policy::addr::unmap(ip), target.port);
+        match tokio::time::timeout_at(deadline, TcpStream::connect(sa)).await {
+            Err(_) => return Err(DialError::Timeout(connect_timeout)),
+            Ok(Ok(stream)) => {
+                stream.set_nodelay(true).ok();
+                return Ok((stream, sa));
+            }
+            Ok(Err(e)) => last_err = Some(e),
+        }
+    }
+    Err(DialError::Connect(
+        last_err.unwrap_or_else(|| io::Error::other("no address")),
+    ))
+}

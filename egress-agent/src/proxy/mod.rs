@@ -1,0 +1,541 @@
+//! The co-located forward proxy: one listener per policy, CONNECT tunnels and absolute-form HTTP.
+//!
+//! Identity: the listener that accepted a connection *is* the policy. The kernel rewrites a
+//! confined process's connection to the stable endpoint to its own policy's listener and refuses
+//! connections to any other policy's listener (see docs/architecture.md), so nothing the client
+//! sends (headers, ports, env) selects a policy.
+//!
+//! Per connection: read one request head under a deadline and a size bound (httparse,
+//! [`request`]); `CONNECT` → policy check → resolve → check every address → connect to a checked
+//! address → `200` → [`tunnel`]. Anything else goes to [`http`] (hyper), which checks **every**
+//! request on the keep-alive connection the same way. Every error path answers and closes; nothing
+//! is forwarded before the checks pass.
+pub mod dial;
+pub mod http;
+pub mod request;
+pub mod resolve;
+pub mod response;
+pub mod tunnel;
+
+use std::collections::BTreeMap;
+use std::future::Future;
+use std::io;
+use std::net::{IpAddr, SocketAddr};
+use std::sync::Arc;
+use std::time::Duration;
+
+use arc_swap::ArcSwap;
+use tokio::io::AsyncWriteExt;
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::{Semaphore, watch};
+use tokio::task::JoinSet;
+
+use crate::config::{Config, Policy, ProxyConfig};
+use crate::events::{DenialEvent, EventSink};
+use crate::policy::name::Destination;
+use crate::policy::{CompiledPolicy, DenyReason};
+use dial::DialError;
+use request::{Head, Request, RequestError, Target};
+use resolve::{DnsResolver, ResolveError};
+
+#[derive(Debug, thiserror::Error)]
+pub enum ProxyError {
+    #[error("resolver: {0}")]
+    Resolver(#[from] ResolveError),
+    #[error("binding the listener for policy {policy} on {addr}: {source}")]
+    Bind {
+        policy: String,
+        addr: SocketAddr,
+        source: io::Error,
+    },
+    #[error("no policy named {0:?}")]
+    UnknownPolicy(String),
+}
+
+/// Timeouts and bounds (from [`ProxyConfig`]).
+#[derive(Debug, Clone)]
+pub struct Limits {
+    pub header_timeout: Duration,
+    pub connect_timeout: Duration,
+    pub idle_timeout: Duration,
+    pub max_header_bytes: usize,
+    pub max_connections: usize,
+    pub tunnel_buffer_bytes: usize,
+}
+
+impl From<&ProxyConfig> for Limits {
+    fn from(p: &ProxyConfig) -> Self {
+        Limits {
+            header_timeout: p.header_timeout(),
+            connect_timeout: p.connect_timeout(),
+            idle_timeout: p.idle_timeout(),
+            max_header_bytes: p.max_header_bytes,
+            max_connections: p.max_connections,
+            tunnel_buffer_bytes: p.tunnel_buffer_bytes,
+        }
+    }
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Limits::from(&ProxyConfig::default())
+    }
+}
+
+struct CtxInner {
+    resolver: DnsResolver,
+    events: EventSink,
+    limits: Limits,
+    conns: Arc<Semaphore>,
+}
+
+/// What every listener shares: resolver, event sink, limits, the connection bound. Cheap to clone.
+#[derive(Clone)]
+pub struct ProxyContext {
+    inner: Arc<CtxInner>,
+}
+
+impl std::fmt::Debug for ProxyContext {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ProxyContext")
+            .field("limits", &self.inner.limits)
+            .finish_non_exhaustive()
+    }
+}
+
+impl ProxyContext {
+    /// Build from the config: resolver from `[dns]`, limits from `[proxy]`.
+    pub fn new(config: &Config, events: EventSink) -> Result<ProxyContext, ProxyError> {
+        let resolver = DnsResolver::from_config(&config.dns)?;
+        Ok(ProxyContext::with_parts(
+            Limits::from(&config.proxy),
+            resolver,
+            events,
+        ))
+    }
+
+    pub fn with_parts(limits: Limits, resolver: DnsResolver, events: EventSink) -> ProxyContext {
+        let conns = Arc::new(Semaphore::new(limits.max_connections));
+        ProxyContext {
+            inner: Arc::new(CtxInner {
+                resolver,
+                events,
+                limits,
+                conns,
+            }),
+        }
+    }
+
+    pub fn events(&self) -> &EventSink {
+        &self.inner.events
+    }
+
+    pub fn limits(&self) -> &Limits {
+        &self.inner.limits
+    }
+
+    pub fn resolver(&self) -> &DnsResolver {
+        &self.inner.resolver
+    }
+
+    /// Client connections currently open (all listeners).
+    pub fn open_connections(&self) -> usize {
+        self.inner.limits.max_connections - self.inner.conns.available_permits()
+    }
+}
+
+/// Swaps the policy of a running listener atomically (config reload). Connections already past
+/// their check keep going; every new request (including the next one on a keep-alive connection)
+/// sees the new policy.
+#[derive(Clone)]
+pub struct PolicyHandle {
+    current: Arc<ArcSwap<CompiledPolicy>>,
+}
+
+impl PolicyHandle {
+    pub fn set(&self, policy: &Policy) {
+        self.current.store(Arc::new(CompiledPolicy::new(policy)));
+    }
+}
+
+/// Per-listener state shared by its connections.
+pub(crate) struct Shared {
+    pub(crate) name: Arc<str>,
+    pub(crate) policy: Arc<ArcSwap<CompiledPolicy>>,
+    pub(crate) ctx: ProxyContext,
+}
+
+impl Shared {
+    pub(crate) fn deny_event(
+        &self,
+        target: &Target,
+        ip: Option<IpAddr>,
+        protocol: &str,
+        reason: DenyReason,
+    ) {
+        let (host, ip) = match &target.dest {
+            Destination::Name(n) => (Some(n.as_str().to_owned()), ip),
+            Destination::Ip(lit) => (None, Some(ip.unwrap_or(*lit))),
+        };
+        self.ctx.events().emit(DenialEvent::proxy(
+            &self.name,
+            host,
+            ip,
+            target.port,
+            protocol,
+            reason.as_str(),
+        ));
+    }
+
+    /// Policy check + dial, with the denial event on refusal.
+    pub(crate) async fn check_and_dial(
+        &self,
+        target: &Target,
+        protocol: &str,
+    ) -> Result<TcpStream, Refusal> {
+        let policy = self.policy.load_full();
+        if let Err(reason) = policy.check_target(&target.dest, target.port) {
+            self.deny_event(target, None, protocol, reason);
+            return Err(Refusal::Denied(reason));
+        }
+        let limits = self.ctx.limits();
+        match dial::dial(&policy, self.ctx.resolver(), target, limits.connect_timeout).await {
+            Ok((stream, _)) => Ok(stream),
+            Err(DialError::Denied { reason, ip }) => {
+                self.deny_event(target, ip, protocol, reason);
+                Err(Refusal::Denied(reason))
+            }
+            Err(e) => {
+                tracing::debug!(policy = %self.name, target = %target, error = %e, "upstream unreachable");
+                Err(Refusal::Upstream(e.code()))
+            }
+        }
+    }
+}
+
+/// Why a request was not forwarded.
+#[derive(Debug, Clone, Copy)]
+pub(crate) enum Refusal {
+    Denied(DenyReason),
+    Upstream(&'static str),
+}
+
+/// One policy's listener.
+pub struct PolicyProxy {
+    listener: TcpListener,
+    local: SocketAddr,
+    shared: Arc<Shared>,
+}
+
+impl PolicyProxy {
+    /// Bind `addr` (use port 0 for a kernel-chosen port) for `policy_name`.
+    pub async fn bind(
+        addr: SocketAddr,
+        policy_name: String,
+        policy: Arc<Policy>,
+        ctx: ProxyContext,
+    ) -> io::Result<Self> {
+        let listener = TcpListener::bind(addr).await?;
+        let local = listener.local_addr()?;
+        let shared = Arc::new(Shared {
+            name: Arc::from(policy_name),
+            policy: Arc::new(ArcSwap::from_pointee(CompiledPolicy::new(&policy))),
+            ctx,
+        });
+        Ok(PolicyProxy {
+            listener,
+            local,
+            shared,
+        })
+    }
+
+    /// A second listener (e.g. the IPv6 one) for the same policy: same name, same swappable policy.
+    pub async fn bind_sibling(&self, addr: SocketAddr) -> io::Result<PolicyProxy> {
+        let listener = TcpListener::bind(addr).await?;
+        let local = listener.local_addr()?;
+        Ok(PolicyProxy {
+            listener,
+            local,
+            shared: self.shared.clone(),
+        })
+    }
+
+    pub fn local_addr(&self) -> SocketAddr {
+        self.local
+    }
+
+    pub fn policy_name(&self) -> &str {
+        &self.shared.name
+    }
+
+    /// Handle to swap this listener's policy while it runs.
+    pub fn policy_handle(&self) -> PolicyHandle {
+        PolicyHandle {
+            current: self.shared.policy.clone(),
+        }
+    }
+
+    /// Accept until `shutdown` completes; then stop accepting and end open connections.
+    pub async fn run(self, shutdown: impl Future<Output = ()>) {
+        let (stop_tx, stop_rx) = watch::channel(false);
+        let conns = self.shared.ctx.inner.conns.clone();
+        tokio::pin!(shutdown);
+        loop {
+            // Backpressure: at the connection bound, stop accepting (the kernel backlog holds the rest).
+            let permit = tokio::select! {
+                p = conns.clone().acquire_owned() => match p { Ok(p) => p, Err(_) => break },
+                () = &mut shutdown => break,
+            };
+            let accepted = tokio::select! {
+                r = self.listener.accept() => r,
+                () = &mut shutdown => break,
+            };
+            match accepted {
+                Ok((stream, peer)) => {
+                    let shared = self.shared.clone();
+                    let stop = stop_rx.clone();
+                    tokio::spawn(async move {
+                        handle_connection(stream, peer, &shared, stop).await;
+                        drop(permit);
+                    });
+                }
+                Err(e) => {
+                    // EMFILE/ENFILE and friends: back off instead of spinning.
+                    tracing::warn!(policy = %self.shared.name, error = %e, "accept failed");
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                }
+            }
+        }
+        stop_tx.send(true).ok();
+    }
+}
+
+async fn stopped(mut stop: watch::Receiver<bool>) {
+    // Ends when `true` is sent or the sender is gone.
+    stop.wait_for(|v| *v).await.ok();
+}
+
+/// Find the end of a request head in the bytes just read (window includes 3 earlier bytes).
+fn head_may_be_complete(buf: &[u8], new_from: usize) -> bool {
+    let start = new_from.saturating_sub(3);
+    let w = &buf[start..];
+    w.windows(2).any(|p| p == b"\n\n") || w.windows(3).any(|p| p == b"\n\r\n")
+}
+
+async fn refuse(stream: &mut TcpStream, bytes: &[u8]) {
+    let write = async {
+        stream.write_all(bytes).await?;
+        stream.shutdown().await
+    };
+    if let Ok(Err(e)) = tokio::time::timeout(Duration::from_secs(1), write).await {
+        tracing::trace!(error = %e, "refusal not delivered");
+    }
+}
+
+async fn handle_connection(
+    mut stream: TcpStream,
+    peer: SocketAddr,
+    shared: &Arc<Shared>,
+    stop: watch::Receiver<bool>,
+) {
+    let limits = shared.ctx.limits().clone();
+    stream.set_nodelay(true).ok();
+    // Read one head: bounded in size (`max_header_bytes`) and in total time (`header_timeout`).
+    let mut buf: Vec<u8> = Vec::with_capacity(limits.max_header_bytes);
+    let deadline = tokio::time::Instant::now() + limits.header_timeout;
+    let head = loop {
+        if buf.len() >= limits.max_header_bytes {
+            refuse(&mut stream, &response::error(431, "header-too-large")).await;
+            return;
+        }
+        let before = buf.len();
+        let read = tokio::select! {
+            r = tokio::time::timeout_at(deadline, tokio::io::AsyncReadExt::read_buf(&mut stream, &mut buf)) => r,
+            () = stopped(stop.clone()) => return,
+        };
+        match read {
+            Err(_) => {
+                tracing::debug!(%peer, "request head timed out");
+                if before > 0 {
+                    refuse(&mut stream, &response::error(408, "header-timeout")).await;
+                }
+                return;
+            }
+            Ok(Err(_)) | Ok(Ok(0)) => return,
+            Ok(Ok(_)) => {}
+        }
+        if !head_may_be_complete(&buf, before) {
+            // Still catch garbage early (e.g. a TLS ClientHello sent without CONNECT).
+            if before == 0
+                && httparse::Request::new(&mut [])
+                    .parse(&buf)
+                    .is_err_and(|e| e != httparse::Error::TooManyHeaders)
+            {
+                refuse(&mut stream, &response::error(400, "malformed-request")).await;
+                return;
+            }
+            continue;
+        }
+        match request::parse_head(&buf) {
+            Ok(Head::Partial) => continue,
+            Ok(Head::Complete { len, request }) => break (len, request),
+            Err(RequestError::TooLarge) => {
+                refuse(&mut stream, &response::error(431, "header-too-large")).await;
+                return;
+            }
+            Err(RequestError::Malformed(why)) => {
+                tracing::debug!(%peer, why, "malformed request");
+                refuse(&mut stream, &response::error(400, "malformed-request")).await;
+                return;
+            }
+            Err(RequestError::Denied(reason)) => {
+                shared.ctx.events().emit(DenialEvent::proxy(
+                    &shared.name,
+                    None,
+                    None,
+                    0,
+                    "http",
+                    reason.as_str(),
+                ));
+                refuse(&mut stream, &response::forbidden(reason, &shared.name)).await;
+                return;
+            }
+        }
+    };
+    match head {
+        (len, Request::Connect(target)) => {
+            let upstream = match shared.check_and_dial(&target, "connect").await {
+                Ok(s) => s,
+                Err(Refusal::Denied(reason)) => {
+                    refuse(&mut stream, &response::forbidden(reason, &shared.name)).await;
+                    return;
+                }
+                Err(Refusal::Upstream(code)) => {
+                    refuse(&mut stream, &response::error(502, code)).await;
+                    return;
+                }
+            };
+            if tunnel::write_all(&stream, response::CONNECT_OK)
+                .await
+                .is_err()
+            {
+                return;
+            }
+            // Bytes the client pipelined after the head (e.g. a TLS ClientHello) go first.
+            if buf.len() > len && tunnel::write_all(&upstream, &buf[len..]).await.is_err() {
+                return;
+            }
+            drop(buf);
+            let (up, down, end) = tunnel::run(
+                &stream,
+                &upstream,
+                limits.tunnel_buffer_bytes,
+                limits.idle_timeout,
+                stopped(stop),
+            )
+            .await;
+            tracing::debug!(policy = %shared.name, %target, up, down, ?end, "tunnel closed");
+        }
+        (_, Request::Http { .. }) => {
+            // hyper re-parses from the start and checks every request on the connection.
+            http::serve(stream, buf, shared.clone(), stopped(stop)).await;
+        }
+    }
+}
+
+/// The running set of per-policy listeners started by [`serve`].
+pub struct ProxyServer {
+    addrs: BTreeMap<String, SocketAddr>,
+    addrs_v6: BTreeMap<String, SocketAddr>,
+    handles: BTreeMap<String, PolicyHandle>,
+    tasks: JoinSet<()>,
+}
+
+impl ProxyServer {
+    /// Bound address of each policy's listener (built-ins included), on `proxy.listen`.
+    pub fn addrs(&self) -> &BTreeMap<String, SocketAddr> {
+        &self.addrs
+    }
+
+    /// Bound address of each policy's IPv6 listener, when `proxy.endpoint_v6` is set (and
+    /// `proxy.listen` is IPv4); empty otherwise.
+    pub fn addrs_v6(&self) -> &BTreeMap<String, SocketAddr> {
+        &self.addrs_v6
+    }
+
+    /// Swap handle of a policy's listener(s), for config reload.
+    pub fn policy_handle(&self, name: &str) -> Option<&PolicyHandle> {
+        self.handles.get(name)
+    }
+
+    /// Wait until every listener has stopped (after the shutdown future completed).
+    pub async fn join(mut self) {
+        while self.tasks.join_next().await.is_some() {}
+    }
+}
+
+/// Bind one [`PolicyProxy`] per policy (built-ins `allow_all` and `deny_all` included) on
+/// `proxy.listen` (default: the endpoint's IP) with kernel-chosen ports — plus one on the IP of
+/// `proxy.endpoint_v6` when that is set and `listen` is IPv4 — and run them until `shutdown`
+/// completes. Returns once all are bound; nothing runs if any bind fails.
+pub async fn serve(
+    config: Arc<Config>,
+    ctx: ProxyContext,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> Result<ProxyServer, ProxyError> {
+    let ip = config.proxy.listen_ip();
+    let ip6 = config
+        .proxy
+        .endpoint_v6
+        .map(|e| e.ip())
+        .filter(|_| ip.is_ipv4());
+    let mut proxies = Vec::new();
+    let mut addrs = BTreeMap::new();
+    let mut addrs_v6 = BTreeMap::new();
+    let mut handles = BTreeMap::new();
+    for name in config.policy_names() {
+        let policy = config
+            .policy(name)
+            .ok_or_else(|| ProxyError::UnknownPolicy(name.to_owned()))?;
+        let addr = SocketAddr::new(ip, 0);
+        let proxy = PolicyProxy::bind(addr, name.to_owned(), Arc::new(policy.clone()), ctx.clone())
+            .await
+            .map_err(|source| ProxyError::Bind {
+                policy: name.to_owned(),
+                addr,
+                source,
+            })?;
+        addrs.insert(name.to_owned(), proxy.local_addr());
+        handles.insert(name.to_owned(), proxy.policy_handle());
+        if let Some(ip6) = ip6 {
+            let addr = SocketAddr::new(ip6, 0);
+            let v6 = proxy
+                .bind_sibling(addr)
+                .await
+                .map_err(|source| ProxyError::Bind {
+                    policy: name.to_owned(),
+                    addr,
+                    source,
+                })?;
+            addrs_v6.insert(name.to_owned(), v6.local_addr());
+            proxies.push(v6);
+        }
+        proxies.push(proxy);
+    }
+    let (tx, rx) = watch::channel(false);
+    let mut tasks = JoinSet::new();
+    for proxy in proxies {
+        tracing::info!(policy = proxy.policy_name(), addr = %proxy.local_addr(), "proxy listening");
+        tasks.spawn(proxy.run(stopped(rx.clone())));
+    }
+    tasks.spawn(async move {
+        shutdown.await;
+        tx.send(true).ok();
+    });
+    Ok(ProxyServer {
+        addrs,
+        addrs_v6,
+        handles,
+        tasks,
+    })
+}

@@ -1,0 +1,193 @@
+//! Driving the built binaries: `egress-agent` (exec, status) and `egress-probe`.
+//!
+//! The binaries are found next to the test executable (`target/<profile>/`), or through
+//! `EGRESS_AGENT_BIN` / `EGRESS_PROBE_BIN`. `cargo test -p egress-tests` builds the probe;
+//! the agent binary must be built first (`cargo build -p egress-agent`, which `cargo xtask test`
+//! does) — a nested cargo build from inside a test would deadlock on the target-dir lock.
+use std::ffi::OsStr;
+use std::fs::File;
+use std::io::Write as _;
+use std::os::fd::AsRawFd;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output, Stdio};
+
+fn profile_dir() -> PathBuf {
+    let exe = std::env::current_exe().expect("current_exe");
+    // target/<profile>/deps/<test>-<hash>
+    let deps = exe.parent().expect("deps dir");
+    if deps.file_name() == Some(OsStr::new("deps")) {
+        deps.parent().expect("profile dir").to_owned()
+    } else {
+        deps.to_owned()
+    }
+}
+
+fn locate(env: &str, name: &str, hint: &str) -> PathBuf {
+    if let Some(p) = std::env::var_os(env) {
+        return PathBuf::from(p);
+    }
+    let p = profile_dir().join(name);
+    assert!(p.exists(), "{} not found at {} (set {env}, or build it: {hint})", name, p.display());
+    p
+}
+
+/// The `egress-agent` binary under test.
+pub fn agent_bin() -> PathBuf {
+    locate("EGRESS_AGENT_BIN", "egress-agent", "cargo build -p egress-agent")
+}
+
+/// The `egress-probe` binary.
+pub fn probe_bin() -> PathBuf {
+    locate("EGRESS_PROBE_BIN", "egress-probe", "cargo build -p egress-tests --bins")
+}
+
+/// The cgroup2 mount, from /proc/self/mountinfo.
+pub fn cgroup2_mount() -> PathBuf {
+    let info = std::fs::read_to_string("/proc/self/mountinfo").expect("mountinfo");
+    for line in info.lines() {
+        if let Some((left, right)) = line.split_once(" - ")
+            && right.split_whitespace().next() == Some("cgroup2")
+            && let Some(mp) = left.split_whitespace().nth(4)
+        {
+            return PathBuf::from(mp.replace("\\040", " "));
+        }
+    }
+    panic!("no cgroup2 mount");
+}
+
+/// The exec enforcement root (`<cgroup2>/egress-agent`).
+pub fn exec_root() -> PathBuf {
+    cgroup2_mount().join("egress-agent")
+}
+
+/// Default bpffs pin directory of the agent.
+pub const BPFFS: &str = "/sys/fs/bpf/egress-agent";
+
+/// A config file in a temp dir, removed on drop.
+pub struct TestConfig {
+    dir: PathBuf,
+    pub path: PathBuf,
+    /// The stable proxy endpoint written into it.
+    pub endpoint_port: u16,
+}
+
+impl TestConfig {
+    /// `[proxy] endpoint = 127.0.0.1:<free port>` plus `extra` TOML (policies).
+    pub fn new(extra: &str) -> TestConfig {
+        let dir = std::env::temp_dir().join(format!("egress-tests-{}-{}", std::process::id(), crate::marker("cfg")));
+        std::fs::create_dir_all(&dir).expect("temp dir");
+        // A port nothing listens on: the endpoint is only ever rewritten, never bound.
+        let endpoint_port = std::net::TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).expect("port").port();
+        let path = dir.join("config.toml");
+        let text = format!("[proxy]\nendpoint = \"127.0.0.1:{endpoint_port}\"\n\n{extra}\n");
+        File::create(&path).and_then(|mut f| f.write_all(text.as_bytes())).expect("write config");
+        TestConfig { dir, path, endpoint_port }
+    }
+}
+
+impl Drop for TestConfig {
+    fn drop(&mut self) {
+        std::fs::remove_dir_all(&self.dir).ok();
+    }
+}
+
+/// Result of one probe run.
+#[derive(Debug)]
+pub struct ProbeOut {
+    /// The probe reported `ok`.
+    pub ok: bool,
+    pub stdout: String,
+    pub stderr: String,
+    pub code: Option<i32>,
+}
+
+impl From<Output> for ProbeOut {
+    fn from(o: Output) -> Self {
+        let stdout = String::from_utf8_lossy(&o.stdout).into_owned();
+        ProbeOut {
+            ok: o.status.success() && stdout.lines().any(|l| l == "ok"),
+            stdout,
+            stderr: String::from_utf8_lossy(&o.stderr).into_owned(),
+            code: o.status.code(),
+        }
+    }
+}
+
+/// Run the probe in the caller's cgroup (unconfined).
+pub fn probe_outside(args: &[&str]) -> ProbeOut {
+    Command::new(probe_bin()).args(args).stdin(Stdio::null()).output().expect("run probe").into()
+}
+
+/// Run the probe under `egress-agent exec --policy <policy> [--config <config>]`.
+pub fn probe_exec(policy: &str, config: Option<&Path>, args: &[&str]) -> ProbeOut {
+    let mut cmd = exec_cmd(policy, config);
+    cmd.arg(probe_bin()).args(args);
+    cmd.stdin(Stdio::null()).output().expect("run egress-agent exec").into()
+}
+
+/// `egress-agent exec --policy P [--config F] --` (append the command).
+pub fn exec_cmd(policy: &str, config: Option<&Path>) -> Command {
+    let mut cmd = Command::new(agent_bin());
+    cmd.arg("exec").arg("--policy").arg(policy);
+    if let Some(c) = config {
+        cmd.arg("--config").arg(c);
+    }
+    cmd.arg("--");
+    cmd
+}
+
+/// `egress-agent status --json`, parsed.
+pub fn status_json() -> serde_json::Value {
+    let out = Command::new(agent_bin()).args(["status", "--json"]).output().expect("status");
+    assert!(out.status.success(), "status failed: {}", String::from_utf8_lossy(&out.stderr));
+    serde_json::from_slice(&out.stdout).expect("status json")
+}
+
+/// Kernel attach types (`enum bpf_attach_type`) of the agent's cgroup programs.
+pub const ATTACH_TYPES: [(&str, u32); 7] = [
+    ("skb_egress", 1),
+    ("sock_create", 2),
+    ("connect4", 10),
+    ("connect6", 11),
+    ("sendmsg4", 14),
+    ("sendmsg6", 15),
+    ("lsm_cgroup", 43),
+];
+
+/// Program ids attached directly to `cgroup` for `attach_type` (BPF_PROG_QUERY, what
+/// `bpftool cgroup show` lists), independent of the agent's own bookkeeping.
+pub fn attached_programs(cgroup: &Path, attach_type: u32) -> Vec<u32> {
+    #[repr(C)]
+    #[derive(Default)]
+    struct Attr {
+        target_fd: u32,
+        attach_type: u32,
+        query_flags: u32,
+        attach_flags: u32,
+        prog_ids: u64,
+        prog_cnt: u32,
+        _pad: u32,
+        prog_attach_flags: u64,
+        link_ids: u64,
+        link_attach_flags: u64,
+        revision: u64,
+    }
+    let dir = File::open(cgroup).expect("open cgroup");
+    let mut ids = vec![0u32; 64];
+    // BPF_LSM_CGROUP queries require per-program attach flags to be requested too.
+    let mut flags = vec![0u32; 64];
+    let mut attr = Attr {
+        target_fd: dir.as_raw_fd() as u32,
+        attach_type,
+        prog_ids: ids.as_mut_ptr() as u64,
+        prog_cnt: 64,
+        prog_attach_flags: flags.as_mut_ptr() as u64,
+        ..Default::default()
+    };
+    // SAFETY: BPF_PROG_QUERY (16) with a correctly laid out attr; prog_ids and prog_attach_flags
+    // have prog_cnt slots.
+    let rc = unsafe { libc::syscall(libc::SYS_bpf, 16, &raw mut attr, size_of::<Attr>() as u32) };
+    assert!(rc == 0, "BPF_PROG_QUERY: {}", std::io::Error::last_os_error());
+    ids.truncate(attr.prog_cnt.min(64) as usize);
+    ids
+}

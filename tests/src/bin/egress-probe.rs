@@ -1,0 +1,415 @@
+//! `egress-probe MODE [ARGS]`: one egress attempt per invocation, for the bypass matrix.
+//!
+//! Prints one line: `ok` (the attempt went through as far as the sender can tell) or
+//! `err <errno> <message>`; exits 0 / 1 accordingly. Whether anything *arrived* is decided by
+//! the test's canary, never by this exit code. Every payload carries MARKER so the canary can
+//! recognise it among other traffic.
+//!
+//! Modes (ADDR is an IP literal, PORT a number):
+//! - `tcp ADDR PORT MARKER`              connect() (v4 or v6 socket per ADDR), then send MARKER
+//! - `tcp-mapped V4ADDR PORT MARKER`     AF_INET6 socket to ::ffff:V4ADDR (dual stack)
+//! - `tcp-scoped V6ADDR IFACE PORT MARKER` link-local with scope id
+//! - `udp ADDR PORT MARKER`              unconnected sendto()
+//! - `udp-connected ADDR PORT MARKER`    connect() + send()
+//! - `udp-mapped V4ADDR PORT MARKER`     AF_INET6 sendto ::ffff:V4ADDR
+//! - `tfo ADDR PORT MARKER`              sendto(MSG_FASTOPEN) on a fresh TCP socket
+//! - `uring-connect ADDR PORT MARKER`    io_uring IORING_OP_CONNECT, then IORING_OP_SEND
+//! - `uring-sendto ADDR PORT MARKER`     io_uring IORING_OP_SENDMSG on an unconnected UDP socket
+//! - `icmp-raw V4ADDR MARKER`            SOCK_RAW/IPPROTO_ICMP echo request
+//! - `ping V4ADDR MARKER`                SOCK_DGRAM/IPPROTO_ICMP ("ping socket")
+//! - `tcp-raw-syn V4ADDR PORT MARKER`    SOCK_RAW/IPPROTO_TCP hand-made SYN carrying MARKER
+//! - `hdrincl V4ADDR PORT MARKER`        SOCK_RAW/IPPROTO_RAW (IP_HDRINCL), hand-made IPv4+UDP
+//! - `packet IFACE V4ADDR PORT MARKER`   AF_PACKET frame (broadcast MAC, IPv4+UDP) on IFACE
+//! - `http-connect PROXY_ADDR PROXY_PORT TARGET MARKER`: CONNECT TARGET through a proxy, then
+//!   send MARKER
+//! - `serve PORT MARKER`: TCP server on [::]:PORT (dual stack): prints `listening`, answers one
+//!   client with MARKER, exits
+//! - `cgroup`                            prints /proc/self/cgroup's v2 line, then `ok`
+//! - `sleep-then SECS MODE ARGS...`      sleep, then run MODE (for lifecycle tests)
+
+use std::ffi::CString;
+use std::io::{self, Read, Write};
+use std::mem::{size_of, zeroed};
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, TcpListener, TcpStream, UdpSocket};
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::time::Duration;
+
+fn main() {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let result = run(&args);
+    match result {
+        Ok(()) => {
+            println!("ok");
+            std::process::exit(0);
+        }
+        Err(e) => {
+            println!("err {} {}", e.raw_os_error().unwrap_or(0), e);
+            std::process::exit(1);
+        }
+    }
+}
+
+fn arg(args: &[String], i: usize) -> io::Result<&str> {
+    args.get(i).map(String::as_str).ok_or_else(|| io::Error::other(format!("missing argument {i}")))
+}
+
+fn ip(s: &str) -> io::Result<IpAddr> {
+    s.parse().map_err(|_| io::Error::other(format!("bad address {s}")))
+}
+
+fn port(s: &str) -> io::Result<u16> {
+    s.parse().map_err(|_| io::Error::other(format!("bad port {s}")))
+}
+
+fn cvt(rc: libc::c_int) -> io::Result<libc::c_int> {
+    if rc < 0 { Err(io::Error::last_os_error()) } else { Ok(rc) }
+}
+
+fn cvt_l(rc: isize) -> io::Result<isize> {
+    if rc < 0 { Err(io::Error::last_os_error()) } else { Ok(rc) }
+}
+
+fn socket(domain: i32, ty: i32, proto: i32) -> io::Result<OwnedFd> {
+    let fd = cvt(unsafe { libc::socket(domain, ty | libc::SOCK_CLOEXEC, proto) })?;
+    Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+}
+
+/// A sockaddr for `addr` (v4 or v6, optional scope id).
+fn sockaddr(addr: SocketAddr, scope: u32) -> (libc::sockaddr_storage, libc::socklen_t) {
+    let mut ss: libc::sockaddr_storage = unsafe { zeroed() };
+    match addr {
+        SocketAddr::V4(a) => {
+            let sin = unsafe { &mut *(&raw mut ss).cast::<libc::sockaddr_in>() };
+            sin.sin_family = libc::AF_INET as u16;
+            sin.sin_port = a.port().to_be();
+            sin.sin_addr.s_addr = u32::from_ne_bytes(a.ip().octets());
+            (ss, size_of::<libc::sockaddr_in>() as u32)
+        }
+        SocketAddr::V6(a) => {
+            let sin6 = unsafe { &mut *(&raw mut ss).cast::<libc::sockaddr_in6>() };
+            sin6.sin6_family = libc::AF_INET6 as u16;
+            sin6.sin6_port = a.port().to_be();
+            sin6.sin6_addr.s6_addr = a.ip().octets();
+            sin6.sin6_scope_id = scope;
+            (ss, size_of::<libc::sockaddr_in6>() as u32)
+        }
+    }
+}
+
+fn connect_fd(fd: RawFd, addr: SocketAddr, scope: u32) -> io::Result<()> {
+    let (ss, len) = sockaddr(addr, scope);
+    cvt(unsafe { libc::connect(fd, (&raw const ss).cast(), len) }).map(drop)
+}
+
+fn sendto_fd(fd: RawFd, buf: &[u8], flags: i32, addr: SocketAddr) -> io::Result<()> {
+    let (ss, len) = sockaddr(addr, 0);
+    cvt_l(unsafe { libc::sendto(fd, buf.as_ptr().cast(), buf.len(), flags, (&raw const ss).cast(), len) })
+        .map(drop)
+}
+
+fn family(a: &IpAddr) -> i32 {
+    if a.is_ipv4() { libc::AF_INET } else { libc::AF_INET6 }
+}
+
+fn mapped(v4: &str) -> io::Result<IpAddr> {
+    match ip(v4)? {
+        IpAddr::V4(a) => Ok(IpAddr::V6(a.to_ipv6_mapped())),
+        IpAddr::V6(_) => Err(io::Error::other("expected an IPv4 address")),
+    }
+}
+
+fn tcp_send(fd: OwnedFd, marker: &str) -> io::Result<()> {
+    let mut s = TcpStream::from(fd);
+    s.write_all(marker.as_bytes())?;
+    s.flush()?;
+    std::thread::sleep(Duration::from_millis(50));
+    Ok(())
+}
+
+fn iface_index(name: &str) -> io::Result<u32> {
+    let c = CString::new(name).map_err(io::Error::other)?;
+    let idx = unsafe { libc::if_nametoindex(c.as_ptr()) };
+    if idx == 0 { Err(io::Error::last_os_error()) } else { Ok(idx) }
+}
+
+fn checksum(data: &[u8]) -> u16 {
+    let mut sum: u32 = 0;
+    for chunk in data.chunks(2) {
+        let word = if chunk.len() == 2 { u16::from_be_bytes([chunk[0], chunk[1]]) } else { u16::from_be_bytes([chunk[0], 0]) };
+        sum += u32::from(word);
+    }
+    while sum >> 16 != 0 {
+        sum = (sum & 0xffff) + (sum >> 16);
+    }
+    !(sum as u16)
+}
+
+/// IPv4 header + UDP datagram carrying `payload`.
+fn ipv4_udp(src: Ipv4Addr, dst: Ipv4Addr, dport: u16, payload: &[u8]) -> Vec<u8> {
+    let udp_len = 8 + payload.len();
+    let total = 20 + udp_len;
+    let mut p = vec![0u8; total];
+    p[0] = 0x45;
+    p[2..4].copy_from_slice(&(total as u16).to_be_bytes());
+    p[8] = 64;
+    p[9] = libc::IPPROTO_UDP as u8;
+    p[12..16].copy_from_slice(&src.octets());
+    p[16..20].copy_from_slice(&dst.octets());
+    let c = checksum(&p[..20]);
+    p[10..12].copy_from_slice(&c.to_be_bytes());
+    p[20..22].copy_from_slice(&40000u16.to_be_bytes());
+    p[22..24].copy_from_slice(&dport.to_be_bytes());
+    p[24..26].copy_from_slice(&(udp_len as u16).to_be_bytes());
+    p[28..].copy_from_slice(payload);
+    p
+}
+
+/// A TCP SYN segment (no IP header) carrying `payload`, checksummed for src/dst.
+fn tcp_syn(src: Ipv4Addr, dst: Ipv4Addr, dport: u16, payload: &[u8]) -> Vec<u8> {
+    let mut t = vec![0u8; 20 + payload.len()];
+    t[0..2].copy_from_slice(&40001u16.to_be_bytes());
+    t[2..4].copy_from_slice(&dport.to_be_bytes());
+    t[4..8].copy_from_slice(&0x1234_5678u32.to_be_bytes());
+    t[12] = 5 << 4;
+    t[13] = 0x02; // SYN
+    t[14..16].copy_from_slice(&65535u16.to_be_bytes());
+    t[20..].copy_from_slice(payload);
+    let mut pseudo = Vec::with_capacity(12 + t.len());
+    pseudo.extend_from_slice(&src.octets());
+    pseudo.extend_from_slice(&dst.octets());
+    pseudo.push(0);
+    pseudo.push(libc::IPPROTO_TCP as u8);
+    pseudo.extend_from_slice(&(t.len() as u16).to_be_bytes());
+    pseudo.extend_from_slice(&t);
+    let c = checksum(&pseudo);
+    t[16..18].copy_from_slice(&c.to_be_bytes());
+    t
+}
+
+/// The local source address the kernel would use towards `dst`.
+fn source_for(dst: Ipv4Addr) -> Ipv4Addr {
+    // A UDP connect only does a route lookup; it may itself be refused when confined, in
+    // which case any source will do for a packet that must not arrive anyway.
+    UdpSocket::bind("0.0.0.0:0")
+        .and_then(|s| {
+            s.connect((dst, 9))?;
+            s.local_addr()
+        })
+        .ok()
+        .and_then(|a| match a.ip() {
+            IpAddr::V4(v4) => Some(v4),
+            IpAddr::V6(_) => None,
+        })
+        .unwrap_or(Ipv4Addr::UNSPECIFIED)
+}
+
+fn run(args: &[String]) -> io::Result<()> {
+    let mode = arg(args, 0)?;
+    match mode {
+        "tcp" => {
+            let a = ip(arg(args, 1)?)?;
+            let fd = socket(family(&a), libc::SOCK_STREAM, 0)?;
+            connect_fd(fd.as_raw_fd(), SocketAddr::new(a, port(arg(args, 2)?)?), 0)?;
+            tcp_send(fd, arg(args, 3)?)
+        }
+        "tcp-mapped" => {
+            let a = mapped(arg(args, 1)?)?;
+            let fd = socket(libc::AF_INET6, libc::SOCK_STREAM, 0)?;
+            connect_fd(fd.as_raw_fd(), SocketAddr::new(a, port(arg(args, 2)?)?), 0)?;
+            tcp_send(fd, arg(args, 3)?)
+        }
+        "tcp-scoped" => {
+            let a = ip(arg(args, 1)?)?;
+            let scope = iface_index(arg(args, 2)?)?;
+            let fd = socket(libc::AF_INET6, libc::SOCK_STREAM, 0)?;
+            connect_fd(fd.as_raw_fd(), SocketAddr::new(a, port(arg(args, 3)?)?), scope)?;
+            tcp_send(fd, arg(args, 4)?)
+        }
+        "udp" => {
+            let a = ip(arg(args, 1)?)?;
+            let fd = socket(family(&a), libc::SOCK_DGRAM, 0)?;
+            sendto_fd(fd.as_raw_fd(), arg(args, 3)?.as_bytes(), 0, SocketAddr::new(a, port(arg(args, 2)?)?))
+        }
+        "udp-connected" => {
+            let a = ip(arg(args, 1)?)?;
+            let fd = socket(family(&a), libc::SOCK_DGRAM, 0)?;
+            connect_fd(fd.as_raw_fd(), SocketAddr::new(a, port(arg(args, 2)?)?), 0)?;
+            let m = arg(args, 3)?;
+            cvt_l(unsafe { libc::send(fd.as_raw_fd(), m.as_ptr().cast(), m.len(), 0) }).map(drop)
+        }
+        "udp-mapped" => {
+            let a = mapped(arg(args, 1)?)?;
+            let fd = socket(libc::AF_INET6, libc::SOCK_DGRAM, 0)?;
+            sendto_fd(fd.as_raw_fd(), arg(args, 3)?.as_bytes(), 0, SocketAddr::new(a, port(arg(args, 2)?)?))
+        }
+        "tfo" => {
+            let a = ip(arg(args, 1)?)?;
+            let fd = socket(family(&a), libc::SOCK_STREAM, 0)?;
+            sendto_fd(
+                fd.as_raw_fd(),
+                arg(args, 3)?.as_bytes(),
+                libc::MSG_FASTOPEN,
+                SocketAddr::new(a, port(arg(args, 2)?)?),
+            )?;
+            std::thread::sleep(Duration::from_millis(100));
+            Ok(())
+        }
+        "uring-connect" => uring_connect(ip(arg(args, 1)?)?, port(arg(args, 2)?)?, arg(args, 3)?),
+        "uring-sendto" => uring_sendto(ip(arg(args, 1)?)?, port(arg(args, 2)?)?, arg(args, 3)?),
+        "icmp-raw" | "ping" => {
+            let a = ip(arg(args, 1)?)?;
+            let marker = arg(args, 2)?;
+            let ty = if mode == "ping" { libc::SOCK_DGRAM } else { libc::SOCK_RAW };
+            let fd = socket(libc::AF_INET, ty, libc::IPPROTO_ICMP)?;
+            let mut msg = vec![8u8, 0, 0, 0, 0x12, 0x34, 0, 1];
+            msg.extend_from_slice(marker.as_bytes());
+            let c = checksum(&msg);
+            msg[2..4].copy_from_slice(&c.to_be_bytes());
+            sendto_fd(fd.as_raw_fd(), &msg, 0, SocketAddr::new(a, 0))
+        }
+        "tcp-raw-syn" => {
+            let IpAddr::V4(dst) = ip(arg(args, 1)?)? else { return Err(io::Error::other("v4 only")) };
+            let p = port(arg(args, 2)?)?;
+            let fd = socket(libc::AF_INET, libc::SOCK_RAW, libc::IPPROTO_TCP)?;
+            let seg = tcp_syn(source_for(dst), dst, p, arg(args, 3)?.as_bytes());
+            sendto_fd(fd.as_raw_fd(), &seg, 0, SocketAddr::new(IpAddr::V4(dst), 0))
+        }
+        "hdrincl" => {
+            let IpAddr::V4(dst) = ip(arg(args, 1)?)? else { return Err(io::Error::other("v4 only")) };
+            let p = port(arg(args, 2)?)?;
+            let fd = socket(libc::AF_INET, libc::SOCK_RAW, libc::IPPROTO_RAW)?;
+            let one: libc::c_int = 1;
+            cvt(unsafe {
+                libc::setsockopt(
+                    fd.as_raw_fd(),
+                    libc::IPPROTO_IP,
+                    libc::IP_HDRINCL,
+                    (&raw const one).cast(),
+                    size_of::<libc::c_int>() as u32,
+                )
+            })?;
+            let pkt = ipv4_udp(source_for(dst), dst, p, arg(args, 3)?.as_bytes());
+            sendto_fd(fd.as_raw_fd(), &pkt, 0, SocketAddr::new(IpAddr::V4(dst), 0))
+        }
+        "packet" => {
+            let ifindex = iface_index(arg(args, 1)?)?;
+            let IpAddr::V4(dst) = ip(arg(args, 2)?)? else { return Err(io::Error::other("v4 only")) };
+            let p = port(arg(args, 3)?)?;
+            let fd = socket(libc::AF_PACKET, libc::SOCK_RAW, i32::from((libc::ETH_P_ALL as u16).to_be()))?;
+            let mut frame = vec![0xffu8; 6];
+            frame.extend_from_slice(&[0x02, 0, 0, 0, 0, 1]);
+            frame.extend_from_slice(&(libc::ETH_P_IP as u16).to_be_bytes());
+            frame.extend_from_slice(&ipv4_udp(Ipv4Addr::new(198, 18, 255, 254), dst, p, arg(args, 4)?.as_bytes()));
+            let mut sll: libc::sockaddr_ll = unsafe { zeroed() };
+            sll.sll_family = libc::AF_PACKET as u16;
+            sll.sll_ifindex = ifindex as i32;
+            sll.sll_halen = 6;
+            sll.sll_addr[..6].copy_from_slice(&[0xff; 6]);
+            cvt_l(unsafe {
+                libc::sendto(
+                    fd.as_raw_fd(),
+                    frame.as_ptr().cast(),
+                    frame.len(),
+                    0,
+                    (&raw const sll).cast(),
+                    size_of::<libc::sockaddr_ll>() as u32,
+                )
+            })
+            .map(drop)
+        }
+        "http-connect" => {
+            let proxy = SocketAddr::new(ip(arg(args, 1)?)?, port(arg(args, 2)?)?);
+            let target = arg(args, 3)?;
+            let marker = arg(args, 4)?;
+            let mut s = TcpStream::connect_timeout(&proxy, Duration::from_secs(5))?;
+            s.set_read_timeout(Some(Duration::from_secs(10)))?;
+            write!(s, "CONNECT {target} HTTP/1.1\r\nHost: {target}\r\n\r\n")?;
+            let mut head = Vec::new();
+            let mut byte = [0u8; 1];
+            while !head.ends_with(b"\r\n\r\n") && head.len() < 8192 {
+                if s.read(&mut byte)? == 0 {
+                    break;
+                }
+                head.push(byte[0]);
+            }
+            let status = String::from_utf8_lossy(&head);
+            let code = status.split_whitespace().nth(1).unwrap_or("");
+            if code != "200" {
+                return Err(io::Error::other(format!("proxy answered {:?}", status.lines().next())));
+            }
+            s.write_all(marker.as_bytes())?;
+            std::thread::sleep(Duration::from_millis(100));
+            Ok(())
+        }
+        "serve" => {
+            let p = port(arg(args, 1)?)?;
+            let marker = arg(args, 2)?.to_owned();
+            let l = TcpListener::bind(SocketAddr::new(IpAddr::V6(Ipv6Addr::UNSPECIFIED), p))
+                .or_else(|_| TcpListener::bind(SocketAddr::new(IpAddr::V4(Ipv4Addr::UNSPECIFIED), p)))?;
+            println!("listening");
+            io::stdout().flush()?;
+            let (mut c, _) = l.accept()?;
+            c.write_all(marker.as_bytes())?;
+            c.flush()?;
+            std::thread::sleep(Duration::from_millis(100));
+            Ok(())
+        }
+        "cgroup" => {
+            let text = std::fs::read_to_string("/proc/self/cgroup")?;
+            for l in text.lines().filter(|l| l.starts_with("0::")) {
+                println!("{l}");
+            }
+            Ok(())
+        }
+        "sleep-then" => {
+            let secs: f64 = arg(args, 1)?.parse().map_err(io::Error::other)?;
+            std::thread::sleep(Duration::from_secs_f64(secs));
+            run(&args[2..])
+        }
+        other => Err(io::Error::other(format!("unknown mode {other}"))),
+    }
+}
+
+fn uring_connect(a: IpAddr, p: u16, marker: &str) -> io::Result<()> {
+    use io_uring::{IoUring, opcode, types};
+    let fd = socket(family(&a), libc::SOCK_STREAM, 0)?;
+    let (ss, len) = sockaddr(SocketAddr::new(a, p), 0);
+    let mut ring = IoUring::new(8)?;
+    let connect = opcode::Connect::new(types::Fd(fd.as_raw_fd()), (&raw const ss).cast(), len).build().user_data(1);
+    unsafe { ring.submission().push(&connect).map_err(io::Error::other)? };
+    ring.submit_and_wait(1)?;
+    let cqe = ring.completion().next().ok_or_else(|| io::Error::other("no completion"))?;
+    if cqe.result() < 0 {
+        return Err(io::Error::from_raw_os_error(-cqe.result()));
+    }
+    let send = opcode::Send::new(types::Fd(fd.as_raw_fd()), marker.as_ptr(), marker.len() as u32).build().user_data(2);
+    unsafe { ring.submission().push(&send).map_err(io::Error::other)? };
+    ring.submit_and_wait(1)?;
+    let cqe = ring.completion().next().ok_or_else(|| io::Error::other("no completion"))?;
+    if cqe.result() < 0 {
+        return Err(io::Error::from_raw_os_error(-cqe.result()));
+    }
+    std::thread::sleep(Duration::from_millis(50));
+    Ok(())
+}
+
+fn uring_sendto(a: IpAddr, p: u16, marker: &str) -> io::Result<()> {
+    use io_uring::{IoUring, opcode, types};
+    let fd = socket(family(&a), libc::SOCK_DGRAM, 0)?;
+    let (mut ss, len) = sockaddr(SocketAddr::new(a, p), 0);
+    let mut iov = libc::iovec { iov_base: marker.as_ptr() as *mut _, iov_len: marker.len() };
+    let mut msg: libc::msghdr = unsafe { zeroed() };
+    msg.msg_name = (&raw mut ss).cast();
+    msg.msg_namelen = len;
+    msg.msg_iov = &raw mut iov;
+    msg.msg_iovlen = 1;
+    let mut ring = IoUring::new(8)?;
+    let op = opcode::SendMsg::new(types::Fd(fd.as_raw_fd()), &raw const msg).build().user_data(1);
+    unsafe { ring.submission().push(&op).map_err(io::Error::other)? };
+    ring.submit_and_wait(1)?;
+    let cqe = ring.completion().next().ok_or_else(|| io::Error::other("no completion"))?;
+    if cqe.result() < 0 {
+        return Err(io::Error::from_raw_os_error(-cqe.result()));
+    }
+    Ok(())
+}

@@ -1,0 +1,707 @@
+//! Privileged harness for the Docker tests: network namespaces and a **private** dockerd.
+//!
+//! Nothing here touches the host's network: the private dockerd runs inside a network namespace
+//! the test creates (its bridge, its containers' veths, the agent's `egress0` and nftables tables
+//! all live there), with its own data-root, exec-root, pidfile, unix socket and cgroup parent,
+//! `--iptables=false --ip6tables=false --bridge=none`, plus one bridge network on a TEST-NET
+//! subnet (198.18.0.0/24) created by the test. The image is built locally from busybox-static
+//! (`docker import` of a rootfs tar); nothing is pulled. Everything is stopped and removed in
+//! `Drop`.
+use std::fs::File;
+use std::io::Write;
+use std::net::{SocketAddr, TcpListener};
+use std::os::unix::fs::PermissionsExt;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Output, Stdio};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+/// Docker tests share one fixed subnet and socket naming; run them one at a time per process.
+pub static SERIAL: Mutex<()> = Mutex::new(());
+
+pub fn is_root() -> bool {
+    nix::unistd::geteuid().is_root()
+}
+
+/// `true` when the test may run; prints the skip reason otherwise.
+pub fn require_root() -> bool {
+    if is_root() {
+        true
+    } else {
+        eprintln!("skipping: needs root");
+        false
+    }
+}
+
+/// Run a shell command; panic with its output on failure. Returns stdout.
+pub fn sh(cmd: &str) -> String {
+    let out = Command::new("bash")
+        .args(["-c", cmd])
+        .output()
+        .expect("spawn bash");
+    assert!(
+        out.status.success(),
+        "`{cmd}` failed ({}):\n{}{}",
+        out.status,
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+/// Run a shell command; return whether it succeeded.
+pub fn sh_ok(cmd: &str) -> bool {
+    Command::new("bash")
+        .args(["-c", cmd])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .status()
+        .is_ok_and(|s| s.success())
+}
+
+/// A named network namespace (`ip netns add`), deleted on drop.
+pub struct NetNs {
+    pub name: String,
+}
+
+impl NetNs {
+    pub fn new(name: &str) -> NetNs {
+        if sh_ok(&format!("ip netns pids {name} >/dev/null 2>&1")) {
+            sh(&format!("ip netns del {name}"));
+        }
+        sh(&format!(
+            "ip netns add {name} && ip -n {name} link set lo up"
+        ));
+        NetNs {
+            name: name.to_owned(),
+        }
+    }
+    pub fn path(&self) -> PathBuf {
+        PathBuf::from(format!("/run/netns/{}", self.name))
+    }
+    /// `ip netns exec <name> <cmd>` through bash.
+    pub fn sh(&self, cmd: &str) -> String {
+        sh(&format!(
+            "ip netns exec {} bash -c {}",
+            self.name,
+            shell_quote(cmd)
+        ))
+    }
+    pub fn sh_ok(&self, cmd: &str) -> bool {
+        sh_ok(&format!(
+            "ip netns exec {} bash -c {}",
+            self.name,
+            shell_quote(cmd)
+        ))
+    }
+    /// Run `f` on a thread inside this namespace (sockets it creates belong here).
+    pub fn run<T: Send>(&self, f: impl FnOnce() -> T + Send) -> T {
+        in_netns(&self.path(), f)
+    }
+}
+
+impl Drop for NetNs {
+    fn drop(&mut self) {
+        let _deleted = sh_ok(&format!("ip netns del {}", self.name));
+    }
+}
+
+pub fn shell_quote(s: &str) -> String {
+    format!("'{}'", s.replace('\'', "'\\''"))
+}
+
+/// Run `f` on a scoped thread that first enters the network namespace at `path`.
+pub fn in_netns<T: Send>(path: &Path, f: impl FnOnce() -> T + Send) -> T {
+    let ns = File::open(path).unwrap_or_else(|e| panic!("open {}: {e}", path.display()));
+    std::thread::scope(|s| {
+        s.spawn(|| {
+            nix::sched::setns(&ns, nix::sched::CloneFlags::CLONE_NEWNET).expect("setns");
+            f()
+        })
+        .join()
+        .expect("netns thread panicked")
+    })
+}
+
+/// Install docker.io and busybox-static if missing, without starting any service
+/// (a policy-rc.d that refuses, removed afterwards if we created it).
+pub fn ensure_installed() {
+    let have = |bin: &str| sh_ok(&format!("command -v {bin}"));
+    if have("dockerd")
+        && have("docker")
+        && Path::new("/bin/busybox").exists()
+        && have("docker-proxy")
+    {
+        return;
+    }
+    let rc = Path::new("/usr/sbin/policy-rc.d");
+    let created = !rc.exists();
+    if created {
+        let mut f = File::create(rc).expect("policy-rc.d");
+        f.write_all(
+            b"#!/bin/sh\n# egress-agent tests: never start services while installing\nexit 101\n",
+        )
+        .expect("write policy-rc.d");
+        std::fs::set_permissions(rc, std::fs::Permissions::from_mode(0o755))
+            .expect("chmod policy-rc.d");
+    }
+    let install = "DEBIAN_FRONTEND=noninteractive apt-get install -y -q docker.io busybox-static";
+    let ok = sh_ok(install) || (sh_ok("apt-get update -q") && sh_ok(install));
+    if created {
+        let _removed = std::fs::remove_file(rc);
+    }
+    assert!(ok, "installing docker.io busybox-static failed");
+}
+
+pub const IMAGE: &str = "egress-test-busybox:latest";
+pub const NETWORK: &str = "egress-test";
+pub const BRIDGE: &str = "egd-br0";
+pub const SUBNET: &str = "198.18.0.0/24";
+pub const GATEWAY: &str = "198.18.0.1";
+
+/// A private dockerd in its own network namespace.
+pub struct Dockerd {
+    pub netns: NetNs,
+    pub dir: PathBuf,
+    /// `unix:///run/egress-test-docker-<pid>.sock`
+    pub host: String,
+    pub socket: PathBuf,
+    /// cgroup parent (relative to the cgroup2 mount) of all its containers.
+    pub cgroup_parent: String,
+    child: Option<Child>,
+}
+
+impl Dockerd {
+    /// Start it, build the image and create the test network.
+    pub fn start() -> Dockerd {
+        Dockerd::start_with(&[])
+    }
+
+    /// Like [`Dockerd::start`], with extra host binaries in the image's `/bin` (their shared
+    /// libraries, found with `ldd`, are copied too).
+    pub fn start_with(extra_bins: &[&Path]) -> Dockerd {
+        ensure_installed();
+        let pid = std::process::id();
+        let dir = PathBuf::from(format!("/tmp/egress-test-docker-{pid}"));
+        let socket = PathBuf::from(format!("/run/egress-test-docker-{pid}.sock"));
+        std::fs::remove_dir_all(&dir).ok();
+        std::fs::create_dir_all(dir.join("data")).expect("data-root");
+        std::fs::create_dir_all(dir.join("exec")).expect("exec-root");
+        let netns = NetNs::new(&format!("egd-docker-{pid}"));
+        let mut d = Dockerd {
+            netns,
+            host: format!("unix://{}", socket.display()),
+            socket,
+            cgroup_parent: format!("egress-test-{pid}"),
+            dir,
+            child: None,
+        };
+        d.spawn_daemon();
+        d.build_image(extra_bins);
+        d.docker_ok(&[
+            "network",
+            "create",
+            "--driver",
+            "bridge",
+            "--subnet",
+            SUBNET,
+            "--gateway",
+            GATEWAY,
+            "-o",
+            &format!("com.docker.network.bridge.name={BRIDGE}"),
+            NETWORK,
+        ]);
+        d
+    }
+
+    fn spawn_daemon(&mut self) {
+        let log = File::create(self.dir.join("dockerd.log")).expect("dockerd.log");
+        let log2 = log.try_clone().expect("log fd");
+        let child = Command::new("nsenter")
+            .arg(format!("--net={}", self.netns.path().display()))
+            .arg("dockerd")
+            .arg(format!("--data-root={}", self.dir.join("data").display()))
+            .arg(format!("--exec-root={}", self.dir.join("exec").display()))
+            .arg(format!(
+                "--pidfile={}",
+                self.dir.join("docker.pid").display()
+            ))
+            .arg(format!("--host={}", self.host))
+            .arg("--iptables=false")
+            .arg("--ip6tables=false")
+            .arg("--bridge=none")
+            .arg("--exec-opt=native.cgroupdriver=cgroupfs")
+            .arg(format!("--cgroup-parent=/{}", self.cgroup_parent))
+            .stdout(Stdio::from(log))
+            .stderr(Stdio::from(log2))
+            .spawn()
+            .expect("spawn dockerd");
+        self.child = Some(child);
+        let deadline = Instant::now() + Duration::from_secs(60);
+        while Instant::now() < deadline {
+            if self.socket.exists() && self.docker(&["version"]).status.success() {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(200));
+        }
+        panic!("dockerd did not come up:\n{}", self.log_tail());
+    }
+
+    fn stop_daemon(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let pid = nix::unistd::Pid::from_raw(child.id() as i32);
+            nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGTERM).ok();
+            let deadline = Instant::now() + Duration::from_secs(30);
+            loop {
+                if let Ok(Some(_)) = child.try_wait() {
+                    break;
+                }
+                if Instant::now() > deadline {
+                    child.kill().ok();
+                    child.wait().ok();
+                    break;
+                }
+                std::thread::sleep(Duration::from_millis(100));
+            }
+        }
+    }
+
+    /// Stop and start the daemon (containers without a restart policy stay stopped).
+    pub fn restart(&mut self) {
+        self.stop_daemon();
+        self.spawn_daemon();
+    }
+
+    pub fn log_tail(&self) -> String {
+        let text = std::fs::read_to_string(self.dir.join("dockerd.log")).unwrap_or_default();
+        let lines: Vec<&str> = text.lines().collect();
+        lines[lines.len().saturating_sub(40)..].join("\n")
+    }
+
+    fn build_image(&self, extra_bins: &[&Path]) {
+        let rootfs = self.dir.join("rootfs");
+        std::fs::create_dir_all(rootfs.join("bin")).expect("rootfs");
+        for d in ["etc", "tmp", "proc", "sys", "dev"] {
+            std::fs::create_dir_all(rootfs.join(d)).expect("rootfs dir");
+        }
+        std::fs::copy("/bin/busybox", rootfs.join("bin/busybox")).expect("copy busybox");
+        let list = sh("/bin/busybox --list");
+        for applet in list.lines().filter(|a| !a.is_empty() && *a != "busybox") {
+            std::os::unix::fs::symlink("busybox", rootfs.join("bin").join(applet)).ok();
+        }
+        for bin in extra_bins {
+            let name = bin.file_name().expect("binary name");
+            std::fs::copy(bin, rootfs.join("bin").join(name)).expect("copy binary");
+            let libs = sh(&format!("ldd {} | grep -o '/[^ ]*' || true", bin.display()));
+            for lib in libs.lines().filter(|l| l.starts_with('/')) {
+                let dst = rootfs.join(lib.trim_start_matches('/'));
+                std::fs::create_dir_all(dst.parent().expect("lib dir")).expect("lib dir");
+                std::fs::copy(lib, &dst).unwrap_or_else(|e| panic!("copy {lib}: {e}"));
+            }
+        }
+        std::fs::write(
+            rootfs.join("etc/passwd"),
+            "root:x:0:0:root:/root:/bin/sh\nnobody:x:65534:65534:nobody:/:/bin/sh\n",
+        )
+        .expect("passwd");
+        std::fs::write(rootfs.join("etc/group"), "root:x:0:\nnogroup:x:65534:\n").expect("group");
+        let tar = self.dir.join("rootfs.tar");
+        sh(&format!(
+            "tar -C {} -cf {} .",
+            rootfs.display(),
+            tar.display()
+        ));
+        self.docker_ok(&[
+            "import",
+            "-c",
+            "ENV PATH=/bin",
+            "-c",
+            "CMD [\"/bin/sh\"]",
+            &tar.display().to_string(),
+            IMAGE,
+        ]);
+    }
+
+    pub fn docker(&self, args: &[&str]) -> Output {
+        Command::new("docker")
+            .arg("-H")
+            .arg(&self.host)
+            .args(args)
+            .output()
+            .expect("spawn docker")
+    }
+
+    /// Run docker; panic on failure; return trimmed stdout.
+    pub fn docker_ok(&self, args: &[&str]) -> String {
+        let out = self.docker(args);
+        assert!(
+            out.status.success(),
+            "docker {args:?} failed: {}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        String::from_utf8_lossy(&out.stdout).trim().to_owned()
+    }
+
+    /// `docker inspect -f <format> <id>`.
+    pub fn inspect(&self, id: &str, format: &str) -> String {
+        self.docker_ok(&["inspect", "-f", format, id])
+    }
+
+    /// The container's IPv4 on the test network.
+    pub fn ip_of(&self, id: &str) -> String {
+        self.inspect(
+            id,
+            &format!("{{{{(index .NetworkSettings.Networks \"{NETWORK}\").IPAddress}}}}"),
+        )
+    }
+
+    /// Absolute cgroup2 path of the container's main process.
+    pub fn cgroup_of(&self, id: &str) -> PathBuf {
+        let pid = self.inspect(id, "{{.State.Pid}}");
+        let text = std::fs::read_to_string(format!("/proc/{pid}/cgroup")).expect("read cgroup");
+        let rel = text
+            .lines()
+            .find_map(|l| l.strip_prefix("0::"))
+            .expect("cgroup2 line")
+            .to_owned();
+        cgroup2_mount().join(rel.trim_start_matches('/'))
+    }
+}
+
+impl Drop for Dockerd {
+    fn drop(&mut self) {
+        let ids = String::from_utf8_lossy(&self.docker(&["ps", "-aq"]).stdout).into_owned();
+        let ids: Vec<&str> = ids.split_whitespace().collect();
+        if !ids.is_empty() {
+            let mut args = vec!["rm", "-f"];
+            args.extend(ids);
+            let _out = self.docker(&args);
+        }
+        self.stop_daemon();
+        // Leftover mounts (overlay, netns bind mounts) under our directories.
+        let dir = self.dir.display().to_string();
+        let _unmounted = sh_ok(&format!(
+            "findmnt -rn -o TARGET | grep '^{dir}' | sort -r | xargs -r -n1 umount -l"
+        ));
+        std::fs::remove_dir_all(&self.dir).ok();
+        std::fs::remove_file(&self.socket).ok();
+        // The cgroup parent exists in cgroup2 and in every v1 hierarchy (hybrid hosts).
+        for mount in cgroup_mounts() {
+            let parent = mount.join(&self.cgroup_parent);
+            if parent.exists() {
+                let _removed = sh_ok(&format!(
+                    "find {} -mindepth 1 -depth -type d -exec rmdir {{}} \\;",
+                    parent.display()
+                ));
+                std::fs::remove_dir(&parent).ok();
+            }
+        }
+    }
+}
+
+/// Mount points of every cgroup filesystem (v1 hierarchies and cgroup2).
+pub fn cgroup_mounts() -> Vec<PathBuf> {
+    let info = std::fs::read_to_string("/proc/self/mountinfo").unwrap_or_default();
+    info.lines()
+        .filter_map(|line| {
+            let (left, right) = line.split_once(" - ")?;
+            let fstype = right.split_whitespace().next()?;
+            (fstype == "cgroup" || fstype == "cgroup2")
+                .then(|| left.split_whitespace().nth(4).map(PathBuf::from))?
+        })
+        .collect()
+}
+
+/// The cgroup2 mount point, from /proc/self/mountinfo.
+pub fn cgroup2_mount() -> PathBuf {
+    let info = std::fs::read_to_string("/proc/self/mountinfo").expect("mountinfo");
+    for line in info.lines() {
+        if let Some((left, right)) = line.split_once(" - ")
+            && right.split_whitespace().next() == Some("cgroup2")
+            && let Some(mp) = left.split_whitespace().nth(4)
+        {
+            return PathBuf::from(mp);
+        }
+    }
+    panic!("no cgroup2 mount");
+}
+
+// ---------------------------------------------------------------------------------------------
+// The agent under test against the private dockerd.
+
+pub const PROXY: &str = "169.254.100.1:3128";
+pub const UPSTREAM_IP: &str = "198.18.0.10";
+pub const CANARY: &str = "198.18.0.1:9000";
+
+/// Counts TCP connections accepted on the canary address.
+pub struct Canary {
+    n: Arc<AtomicUsize>,
+    stop: Arc<AtomicBool>,
+}
+
+impl Canary {
+    pub fn start(d: &Dockerd) -> Canary {
+        let addr: SocketAddr = CANARY.parse().expect("test value");
+        let l = d
+            .netns
+            .run(|| TcpListener::bind(addr))
+            .expect("bind canary");
+        l.set_nonblocking(true).expect("nonblocking");
+        let n = Arc::new(AtomicUsize::new(0));
+        let stop = Arc::new(AtomicBool::new(false));
+        let (n2, stop2) = (n.clone(), stop.clone());
+        std::thread::spawn(move || {
+            while !stop2.load(Ordering::SeqCst) {
+                match l.accept() {
+                    Ok(_) => {
+                        n2.fetch_add(1, Ordering::SeqCst);
+                    }
+                    Err(_) => std::thread::sleep(Duration::from_millis(2)),
+                }
+            }
+        });
+        Canary { n, stop }
+    }
+    pub fn count(&self) -> usize {
+        // Let in-flight handshakes land.
+        std::thread::sleep(Duration::from_millis(200));
+        self.n.load(Ordering::SeqCst)
+    }
+}
+
+impl Drop for Canary {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::SeqCst);
+    }
+}
+
+pub struct Env {
+    pub agent: Option<Child>,
+    pub canary: Canary,
+    pub dir: PathBuf,
+    pub bpffs: PathBuf,
+    agent_bin: PathBuf,
+    pub d: Dockerd,
+}
+
+impl Env {
+    /// A private dockerd, the upstream container, the canary and a running agent. `agent_bin`
+    /// is `egress-test-docker-agent`; `extra_bins` go into the image.
+    pub fn new(agent_bin: &Path, extra_bins: &[&Path]) -> Env {
+        let d = Dockerd::start_with(extra_bins);
+        let pid = std::process::id();
+        let dir = PathBuf::from(format!("/tmp/egress-test-docker-agent-{pid}"));
+        std::fs::create_dir_all(&dir).expect("agent dir");
+        let bpffs = PathBuf::from(format!("/sys/fs/bpf/egress-test-docker-{pid}"));
+        std::fs::write(
+            dir.join("hosts"),
+            format!("{UPSTREAM_IP} allowed.test\n{UPSTREAM_IP} denied.test\n"),
+        )
+        .expect("hosts");
+        std::fs::write(
+            dir.join("config.toml"),
+            format!(
+                r#"
+[agent]
+bpffs = "{}"
+[proxy]
+endpoint = "{PROXY}"
+[dns]
+hosts_file = "{}"
+nameservers = []
+[policies.web]
+allow_hosts = ["allowed.test"]
+allow_ports = [8080]
+allow_cidrs = ["{UPSTREAM_IP}/32"]
+[policies.canary]
+allow_cidrs = ["198.18.0.1/32"]
+"#,
+                bpffs.display(),
+                dir.join("hosts").display()
+            ),
+        )
+        .expect("config");
+        // The upstream web server (unlabelled).
+        d.docker_ok(&[
+            "run", "-d", "--name", "upstream", "--restart", "always", "--network", NETWORK, "--ip", UPSTREAM_IP, IMAGE, "sh", "-c",
+            "mkdir -p /www && echo hello-upstream > /www/index.html && exec httpd -f -p 8080 -h /www",
+        ]);
+        let canary = Canary::start(&d);
+        let mut env = Env {
+            agent: None,
+            canary,
+            dir,
+            bpffs,
+            agent_bin: agent_bin.to_owned(),
+            d,
+        };
+        env.start_agent();
+        env
+    }
+
+    pub fn log_path(&self) -> PathBuf {
+        self.dir.join("agent.log")
+    }
+
+    pub fn log(&self) -> String {
+        std::fs::read_to_string(self.log_path()).unwrap_or_default()
+    }
+
+    pub fn start_agent(&mut self) {
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(self.log_path())
+            .expect("log");
+        let before = self.log().matches("docker reconcile done").count();
+        let child = Command::new("nsenter")
+            .arg(format!("--net={}", self.d.netns.path().display()))
+            .arg(&self.agent_bin)
+            .args([
+                "--config",
+                &self.dir.join("config.toml").display().to_string(),
+            ])
+            .args(["--socket", &self.d.host])
+            .args(["--cgroup-parent", &format!("/{}", self.d.cgroup_parent)])
+            .args([
+                "--events",
+                &self.dir.join("events.jsonl").display().to_string(),
+            ])
+            .env("RUST_LOG", "info,egress_agent=debug")
+            .stdout(Stdio::null())
+            .stderr(Stdio::from(log))
+            .spawn()
+            .expect("spawn agent");
+        self.agent = Some(child);
+        assert!(
+            self.wait_log(
+                |l| l.matches("docker reconcile done").count() > before,
+                Duration::from_secs(60)
+            ),
+            "agent did not come up:\n{}",
+            self.log()
+        );
+    }
+
+    pub fn kill_agent(&mut self) {
+        if let Some(mut c) = self.agent.take() {
+            c.kill().ok(); // SIGKILL
+            c.wait().ok();
+        }
+    }
+
+    /// Denial events written so far (one JSON object each).
+    pub fn events(&self) -> Vec<serde_json::Value> {
+        std::fs::read_to_string(self.dir.join("events.jsonl"))
+            .unwrap_or_default()
+            .lines()
+            .filter_map(|l| serde_json::from_str(l).ok())
+            .collect()
+    }
+
+    /// Wait for an event matching `f`.
+    pub fn wait_event(&self, f: impl Fn(&serde_json::Value) -> bool, timeout: Duration) -> bool {
+        let deadline = Instant::now() + timeout;
+        while Instant::now() < deadline {
+            if self.events().iter().any(&f) {
+                return true;
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        false
+    }
+
+    pub fn wait_log(&self, f: impl Fn(&str) -> bool, timeout: Duration) -> bool {
+        let deadline = Instant::now() + timeout;
+        while Instant::now() < deadline {
+            if f(&self.log()) {
+                return true;
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        false
+    }
+
+    /// `docker run --rm` on the test network with the proxy variables set.
+    pub fn run(&self, extra: &[&str], script: &str) -> Output {
+        let mut args = vec!["run", "--rm", "--network", NETWORK, "-e"];
+        let proxy = format!("http_proxy=http://{PROXY}");
+        args.push(&proxy);
+        args.extend_from_slice(extra);
+        args.extend_from_slice(&[IMAGE, "sh", "-c", script]);
+        self.d.docker(&args)
+    }
+
+    pub fn run_out(&self, extra: &[&str], script: &str) -> String {
+        let o = self.run(extra, script);
+        format!(
+            "{}{}",
+            String::from_utf8_lossy(&o.stdout),
+            String::from_utf8_lossy(&o.stderr)
+        )
+    }
+
+    pub fn exec_out(&self, container: &str, script: &str) -> String {
+        let proxy = format!("http_proxy=http://{PROXY}");
+        let o = self
+            .d
+            .docker(&["exec", "-e", &proxy, container, "sh", "-c", script]);
+        format!(
+            "{}{}",
+            String::from_utf8_lossy(&o.stdout),
+            String::from_utf8_lossy(&o.stderr)
+        )
+    }
+
+    /// Wait until a container's state is `want` (`running`, `exited`).
+    pub fn wait_state(&self, name: &str, want: &str, timeout: Duration) -> bool {
+        let deadline = Instant::now() + timeout;
+        while Instant::now() < deadline {
+            let o = self.d.docker(&["inspect", "-f", "{{.State.Status}}", name]);
+            if String::from_utf8_lossy(&o.stdout).trim() == want {
+                return true;
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        false
+    }
+
+    /// Wait until the agent logged "container enforced" for `name` `n` times in total.
+    pub fn wait_enforced(&self, name: &str, n: usize) -> bool {
+        let needle = format!("\"name\":\"{name}\"");
+        self.wait_log(
+            |l| {
+                l.lines()
+                    .filter(|x| x.contains("container enforced") && x.contains(&needle))
+                    .count()
+                    >= n
+            },
+            Duration::from_secs(30),
+        )
+    }
+
+    /// Ports of the proxy listeners on the proxy address.
+    pub fn listener_ports(&self) -> Vec<u16> {
+        let out = self.d.netns.sh("ss -Hltn 'src 169.254.100.1'");
+        out.lines()
+            .filter_map(|l| l.split_whitespace().nth(3))
+            .filter_map(|a| a.rsplit(':').next()?.parse().ok())
+            .filter(|p| *p != 3128)
+            .collect()
+    }
+}
+
+impl Drop for Env {
+    fn drop(&mut self) {
+        self.kill_agent();
+        if std::thread::panicking() {
+            eprintln!("--- agent log ---\n{}", self.log());
+            eprintln!("--- dockerd log ---\n{}", self.d.log_tail());
+        }
+        // Unpinning the links detaches the programs from the test's cgroup parent.
+        std::fs::remove_dir_all(&self.bpffs).ok();
+        std::fs::remove_dir_all(&self.dir).ok();
+    }
+}

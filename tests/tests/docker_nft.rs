@@ -1,0 +1,380 @@
+//! The nftables host layer against real packets, inside network namespaces this test creates
+//! (the host's ruleset is never touched: checked at the end).
+//!
+//! Topology ("H" plays the Docker host):
+//! ```text
+//!   C1 (enforced) 198.18.1.2 ─ ev1 ┐
+//!   C2 (unlabelled) 198.18.1.3 ─ ev2 ┴ ebr0 198.18.1.1 ── H ── eu0 198.18.2.1 ─ U 198.18.2.2
+//!   H also holds the proxy address 169.254.100.1 (on egress0)
+//! ```
+use std::io::{Read, Write};
+use std::net::{Ipv4Addr, SocketAddr, SocketAddrV4, TcpListener, TcpStream, UdpSocket};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Duration;
+
+use egress_agent::config::CidrRule;
+use egress_agent::nft::{self, Endpoint, Enforced, Ruleset};
+use egress_tests::docker::{NetNs, require_root, sh};
+
+const PROXY: Ipv4Addr = Ipv4Addr::new(169, 254, 100, 1);
+const C1_MAC: [u8; 6] = [0x02, 0, 0, 0, 1, 2];
+const C2_MAC: [u8; 6] = [0x02, 0, 0, 0, 1, 3];
+
+struct Topo {
+    h: NetNs,
+    c1: NetNs,
+    c2: NetNs,
+    u: NetNs,
+}
+
+fn mac(m: &[u8; 6]) -> String {
+    m.iter()
+        .map(|b| format!("{b:02x}"))
+        .collect::<Vec<_>>()
+        .join(":")
+}
+
+impl Topo {
+    fn new() -> Topo {
+        let p = std::process::id();
+        let t = Topo {
+            h: NetNs::new(&format!("egd-h-{p}")),
+            c1: NetNs::new(&format!("egd-c1-{p}")),
+            c2: NetNs::new(&format!("egd-c2-{p}")),
+            u: NetNs::new(&format!("egd-u-{p}")),
+        };
+        let h = &t.h.name;
+        sh(&format!(
+            "ip -n {h} link add ebr0 type bridge && ip -n {h} addr add 198.18.1.1/24 dev ebr0 && ip -n {h} link set ebr0 up \
+             && ip -n {h} link add egress0 type bridge && ip -n {h} addr add {PROXY}/32 dev egress0 && ip -n {h} link set egress0 up \
+             && ip netns exec {h} sysctl -qw net.ipv4.ip_forward=1"
+        ));
+        for (ns, veth, ip, m) in [
+            (&t.c1, "ev1", "198.18.1.2", C1_MAC),
+            (&t.c2, "ev2", "198.18.1.3", C2_MAC),
+        ] {
+            let c = &ns.name;
+            sh(&format!(
+                "ip -n {h} link add {veth} type veth peer name eth0 netns {c} \
+                 && ip -n {h} link set {veth} master ebr0 up \
+                 && ip -n {c} link set eth0 address {} && ip -n {c} addr add {ip}/24 dev eth0 \
+                 && ip -n {c} link set eth0 up && ip -n {c} route add default via 198.18.1.1",
+                mac(&m)
+            ));
+        }
+        let u = &t.u.name;
+        sh(&format!(
+            "ip -n {h} link add eu0 type veth peer name eth0 netns {u} \
+             && ip -n {h} addr add 198.18.2.1/24 dev eu0 && ip -n {h} link set eu0 up \
+             && ip -n {u} addr add 198.18.2.2/24 dev eth0 && ip -n {u} link set eth0 up \
+             && ip -n {u} route add default via 198.18.2.1"
+        ));
+        t
+    }
+
+    fn ruleset(&self, with_c1: bool) -> Ruleset {
+        let mut r = Ruleset::new(PROXY);
+        if with_c1 {
+            r.containers.insert(
+                "c1".repeat(32),
+                Enforced {
+                    listener: SocketAddrV4::new(PROXY, 4001),
+                    allow_cidrs: vec![CidrRule {
+                        net: "198.18.2.2/32".parse().expect("test value"),
+                        ports: vec![80],
+                    }],
+                    endpoints: vec![Endpoint {
+                        bridge: "ebr0".into(),
+                        veth: "ev1".into(),
+                        mac: C1_MAC,
+                        ipv4: Ipv4Addr::new(198, 18, 1, 2),
+                    }],
+                },
+            );
+        }
+        r
+    }
+
+    fn apply(&self, r: &Ruleset) {
+        self.h.run(|| r.apply()).expect("apply ruleset");
+    }
+}
+
+/// A TCP server in `ns` answering "ok"; counts accepted connections.
+fn tcp_server(ns: &NetNs, addr: &str) -> Arc<AtomicUsize> {
+    let addr: SocketAddr = addr.parse().expect("test value");
+    let l = ns
+        .run(|| TcpListener::bind(addr))
+        .unwrap_or_else(|e| panic!("bind {addr}: {e}"));
+    let n = Arc::new(AtomicUsize::new(0));
+    let n2 = n.clone();
+    std::thread::spawn(move || {
+        for s in l.incoming().flatten() {
+            n2.fetch_add(1, Ordering::SeqCst);
+            let mut s = s;
+            s.write_all(b"ok").ok();
+        }
+    });
+    n
+}
+
+/// A UDP sink in `ns`; counts datagrams.
+fn udp_sink(ns: &NetNs, addr: &str) -> Arc<AtomicUsize> {
+    let addr: SocketAddr = addr.parse().expect("test value");
+    let s = ns.run(|| UdpSocket::bind(addr)).expect("bind udp");
+    let n = Arc::new(AtomicUsize::new(0));
+    let n2 = n.clone();
+    std::thread::spawn(move || {
+        let mut buf = [0u8; 2048];
+        while s.recv(&mut buf).is_ok() {
+            n2.fetch_add(1, Ordering::SeqCst);
+        }
+    });
+    n
+}
+
+/// Can `ns` open a TCP connection to `addr` and read "ok"?
+fn reach(ns: &NetNs, addr: &str) -> bool {
+    let addr: SocketAddr = addr.parse().expect("test value");
+    ns.run(|| {
+        let Ok(mut s) = TcpStream::connect_timeout(&addr, Duration::from_millis(700)) else {
+            return false;
+        };
+        s.set_read_timeout(Some(Duration::from_millis(700))).ok();
+        let mut buf = [0u8; 2];
+        s.read_exact(&mut buf).is_ok() && &buf == b"ok"
+    })
+}
+
+fn ifindex(name: &str) -> i32 {
+    nix::net::if_::if_nametoindex(name).expect("ifindex") as i32
+}
+
+fn checksum(data: &[u8]) -> u16 {
+    let mut sum: u32 = 0;
+    for c in data.chunks(2) {
+        let w = if c.len() == 2 {
+            u16::from_be_bytes([c[0], c[1]])
+        } else {
+            u16::from(c[0]) << 8
+        };
+        sum += u32::from(w);
+    }
+    while sum > 0xffff {
+        sum = (sum & 0xffff) + (sum >> 16);
+    }
+    !(sum as u16)
+}
+
+/// Send one hand-made Ethernet/IPv4/UDP frame with AF_PACKET from `ns`'s eth0: what the cgroup
+/// hooks can't see.
+fn send_raw_udp(ns: &NetNs, src_mac: [u8; 6], dst_mac: [u8; 6], src: Ipv4Addr, dst: SocketAddrV4) {
+    let mut frame = Vec::new();
+    frame.extend_from_slice(&dst_mac);
+    frame.extend_from_slice(&src_mac);
+    frame.extend_from_slice(&0x0800u16.to_be_bytes());
+    let payload = b"exfiltrated";
+    let udp_len = 8 + payload.len() as u16;
+    let mut ip = vec![0x45, 0, 0, 0, 0, 1, 0x40, 0, 64, 17, 0, 0];
+    ip[2..4].copy_from_slice(&(20 + udp_len).to_be_bytes());
+    ip.extend_from_slice(&src.octets());
+    ip.extend_from_slice(&dst.ip().octets());
+    let c = checksum(&ip);
+    ip[10..12].copy_from_slice(&c.to_be_bytes());
+    frame.extend_from_slice(&ip);
+    frame.extend_from_slice(&40000u16.to_be_bytes());
+    frame.extend_from_slice(&dst.port().to_be_bytes());
+    frame.extend_from_slice(&udp_len.to_be_bytes());
+    frame.extend_from_slice(&[0, 0]);
+    frame.extend_from_slice(payload);
+    ns.run(|| {
+        let idx = ifindex("eth0");
+        // SAFETY: plain libc calls with a correctly sized sockaddr_ll and a live buffer.
+        unsafe {
+            let fd = libc::socket(
+                libc::AF_PACKET,
+                libc::SOCK_RAW,
+                i32::from((libc::ETH_P_ALL as u16).to_be()),
+            );
+            assert!(
+                fd >= 0,
+                "AF_PACKET socket: {}",
+                std::io::Error::last_os_error()
+            );
+            let mut sll: libc::sockaddr_ll = std::mem::zeroed();
+            sll.sll_family = libc::AF_PACKET as u16;
+            sll.sll_ifindex = idx;
+            sll.sll_halen = 6;
+            sll.sll_addr[..6].copy_from_slice(&dst_mac);
+            for _ in 0..3 {
+                let n = libc::sendto(
+                    fd,
+                    frame.as_ptr().cast(),
+                    frame.len(),
+                    0,
+                    (&raw const sll).cast(),
+                    std::mem::size_of::<libc::sockaddr_ll>() as u32,
+                );
+                assert_eq!(
+                    n,
+                    frame.len() as isize,
+                    "sendto: {}",
+                    std::io::Error::last_os_error()
+                );
+            }
+            libc::close(fd);
+        }
+    });
+}
+
+fn bridge_mac(h: &NetNs) -> [u8; 6] {
+    let s = h.sh(
+        "cat /sys/class/net/ebr0/address 2>/dev/null || ip -br link show ebr0 | awk '{print $3}'",
+    );
+    // /sys in `ip netns exec` is remounted for the namespace, so this is ebr0 of H.
+    let s = s.trim();
+    let mut m = [0u8; 6];
+    for (i, p) in s.split(':').enumerate() {
+        m[i] = u8::from_str_radix(p, 16).expect("test value");
+    }
+    m
+}
+
+fn settle() {
+    std::thread::sleep(Duration::from_millis(300));
+}
+
+#[test]
+fn host_layer_filters_real_packets() {
+    if !require_root() {
+        return;
+    }
+    let host_before = sh("nft list ruleset");
+    let t = Topo::new();
+    let own = tcp_server(&t.h, "169.254.100.1:4001");
+    let _other = tcp_server(&t.h, "169.254.100.1:4002");
+    let _host_port = tcp_server(&t.h, "198.18.1.1:2222");
+    let _u80 = tcp_server(&t.u, "198.18.2.2:80");
+    let _u81 = tcp_server(&t.u, "198.18.2.2:81");
+    let _c1_server = tcp_server(&t.c1, "198.18.1.2:8080");
+    let udp = udp_sink(&t.u, "198.18.2.2:9999");
+
+    // Without rules everything is reachable (the topology works).
+    for (ns, addr) in [
+        (&t.c1, "169.254.100.1:4002"),
+        (&t.c1, "198.18.1.1:2222"),
+        (&t.c1, "198.18.2.2:81"),
+    ] {
+        assert!(reach(ns, addr), "baseline: {} -> {addr}", ns.name);
+    }
+
+    t.apply(&t.ruleset(true));
+    // Applying twice is an atomic replace, not a duplicate.
+    t.apply(&t.ruleset(true));
+    let listing = t.h.sh("nft list tables");
+    assert_eq!(listing.matches("egress_agent").count(), 2, "{listing}");
+    eprintln!("{}", t.h.sh("nft list ruleset"));
+
+    // (a) the proxy address: C1 only its own listener; C2 (unlabelled) nothing; loopback yes.
+    assert!(
+        reach(&t.c1, "169.254.100.1:4001"),
+        "enforced container reaches its listener"
+    );
+    assert!(
+        !reach(&t.c1, "169.254.100.1:4002"),
+        "enforced container must not reach another policy's listener"
+    );
+    assert!(
+        !reach(&t.c2, "169.254.100.1:4001"),
+        "unlabelled container must not reach the proxy"
+    );
+    assert!(
+        reach(&t.h, "169.254.100.1:4001"),
+        "host loopback reaches the proxy"
+    );
+    assert!(
+        !reach(&t.u, "169.254.100.1:4001"),
+        "the LAN must not reach the proxy"
+    );
+    // (c) no other host port for C1; C2 unaffected.
+    assert!(
+        !reach(&t.c1, "198.18.1.1:2222"),
+        "enforced container must not reach host ports"
+    );
+    assert!(reach(&t.c2, "198.18.1.1:2222"));
+    // (b) forwarded: only allow_cidrs (198.18.2.2:80).
+    assert!(reach(&t.c1, "198.18.2.2:80"), "allow_cidrs entry");
+    assert!(!reach(&t.c1, "198.18.2.2:81"), "port outside allow_cidrs");
+    assert!(
+        reach(&t.c2, "198.18.2.2:81"),
+        "unlabelled container unaffected"
+    );
+    // Inbound to the enforced container (published-port path) and its replies work.
+    assert!(
+        reach(&t.u, "198.18.1.2:8080"),
+        "inbound connection + replies to an enforced container"
+    );
+    // Same bridge: C1 can't reach C2 (not in allow_cidrs); C2 -> C1 replies are dropped too.
+    let _c2_server = tcp_server(&t.c2, "198.18.1.3:8081");
+    assert!(
+        !reach(&t.c1, "198.18.1.3:8081"),
+        "container to container on the same bridge"
+    );
+
+    // AF_PACKET frames: own addresses, and spoofing the unlabelled neighbour. Nothing arrives.
+    let br = bridge_mac(&t.h);
+    let dst = SocketAddrV4::new(Ipv4Addr::new(198, 18, 2, 2), 9999);
+    send_raw_udp(&t.c1, C1_MAC, br, Ipv4Addr::new(198, 18, 1, 2), dst);
+    send_raw_udp(&t.c1, C2_MAC, br, Ipv4Addr::new(198, 18, 1, 3), dst);
+    send_raw_udp(&t.c1, C1_MAC, br, Ipv4Addr::new(198, 18, 1, 3), dst);
+    settle();
+    assert_eq!(
+        udp.load(Ordering::SeqCst),
+        0,
+        "raw frames from the enforced container arrived"
+    );
+    // Control: the same frame from the unlabelled container does arrive (the frame is valid).
+    send_raw_udp(&t.c2, C2_MAC, br, Ipv4Addr::new(198, 18, 1, 3), dst);
+    settle();
+    assert!(
+        udp.load(Ordering::SeqCst) > 0,
+        "control frame from the unlabelled container did not arrive"
+    );
+    // A spoofed source address over a normal socket: dropped as well.
+    let before = udp.load(Ordering::SeqCst);
+    sh(&format!(
+        "ip -n {} addr add 198.18.1.50/24 dev eth0",
+        t.c1.name
+    ));
+    t.c1.run(|| {
+        let s = UdpSocket::bind("198.18.1.50:0").expect("bind spoofed");
+        for _ in 0..3 {
+            s.send_to(b"x", "198.18.2.2:9999").ok();
+        }
+    });
+    settle();
+    assert_eq!(
+        udp.load(Ordering::SeqCst),
+        before,
+        "spoofed source address arrived"
+    );
+
+    // The container leaves: its rules go, the proxy stays protected.
+    t.apply(&t.ruleset(false));
+    assert!(reach(&t.c1, "198.18.2.2:81"), "rules follow containers out");
+    assert!(!reach(&t.c1, "169.254.100.1:4001"), "unenforced: no proxy");
+    assert!(own.load(Ordering::SeqCst) >= 2);
+
+    // Uninstall removes both tables.
+    t.h.run(nft::cleanup).expect("cleanup");
+    let listing = t.h.sh("nft list tables");
+    assert!(!listing.contains("egress_agent"), "{listing}");
+    t.h.run(nft::cleanup).expect("cleanup is idempotent");
+
+    assert_eq!(
+        sh("nft list ruleset"),
+        host_before,
+        "the host's ruleset changed"
+    );
+}
