@@ -209,6 +209,12 @@ impl Enforcer {
         }
     }
 
+    /// Use a directory shared with the caller (e.g. a kernel event reader of its own).
+    pub fn with_directory(mut self, directory: Directory) -> Enforcer {
+        self.directory = directory;
+        self
+    }
+
     pub fn directory(&self) -> Directory {
         self.directory.clone()
     }
@@ -531,9 +537,17 @@ impl Enforcer {
                 endpoints,
             },
         );
-        if let Err(e) = self.ruleset.apply() {
+        // The netlink round trip grows with the ruleset: keep it off the async workers.
+        let ruleset = self.ruleset.clone();
+        let applied = tokio::task::spawn_blocking(move || ruleset.apply()).await;
+        let failure = match applied {
+            Ok(Ok(())) => None,
+            Ok(Err(e)) => Some(e.to_string()),
+            Err(e) => Some(e.to_string()),
+        };
+        if let Some(why) = failure {
             self.ruleset.containers.remove(&info.id);
-            return self.host_layer_failed(info, &e.to_string()).await;
+            return self.host_layer_failed(info, &why).await;
         }
         if let Some(t) = self.tracked.get_mut(&info.id) {
             t.in_nft = true;
@@ -689,7 +703,10 @@ impl Enforcer {
         // The cgroup listing must be taken after the map keys are read (bpf::PinnedState::prune):
         // a listing taken first would prune entries written meanwhile for new cgroups.
         let mount = self.settings.root.mount.clone();
-        match self.state.prune(|| cgroup::all_ids(&mount).into_keys().collect()) {
+        match self
+            .state
+            .prune(|| cgroup::all_ids(&mount).into_keys().collect())
+        {
             Ok(removed) if !removed.is_empty() => {
                 tracing::info!(?removed, "pruned entries of vanished cgroups")
             }

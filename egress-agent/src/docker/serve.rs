@@ -25,8 +25,11 @@ pub struct DockerOptions {
     pub nft: bool,
     /// Refuse to run without the BPF-LSM socket hook (AF_PACKET hole otherwise).
     pub require_lsm: bool,
-    /// Consume the kernel's denial ring buffer and attribute events to containers.
+    /// Consume the kernel's denial ring buffer and attribute events to containers. With
+    /// `false`, the caller consumes it and attributes events with [`DockerOptions::directory`].
     pub kernel_events: bool,
+    /// cgroup id → container, filled by the enforcer (clone it before calling [`serve`]).
+    pub directory: Directory,
 }
 
 impl Default for DockerOptions {
@@ -37,6 +40,7 @@ impl Default for DockerOptions {
             nft: true,
             require_lsm: false,
             kernel_events: true,
+            directory: Directory::default(),
         }
     }
 }
@@ -101,8 +105,9 @@ pub async fn serve(
         listen_ip: config.proxy.listen.unwrap_or(IpAddr::V4(*endpoint4.ip())),
         nft: opts.nft,
     };
-    let enforcer = Enforcer::new(state, settings, config.clone(), ctx, events.clone());
-    let directory = enforcer.directory();
+    let directory = opts.directory.clone();
+    let enforcer = Enforcer::new(state, settings, config.clone(), ctx, events.clone())
+        .with_directory(directory.clone());
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
     let pump = opts.kernel_events.then(|| {
         tokio::spawn(kernel_events(
@@ -152,7 +157,7 @@ async fn kernel_events(
             let time = reader.time_of(&ev);
             let policy = directory
                 .get(ev.cgroup_id)
-                .map_or_else(|| "deny_all".to_owned(), |e| e.policy);
+                .map_or_else(|| "unknown".to_owned(), |e| e.policy);
             let mut d = bpf::events::to_denial(&ev, time, &policy);
             directory.enrich(&mut d);
             events.emit(d);
@@ -166,4 +171,34 @@ pub fn cleanup_host() -> Result<(), ServeError> {
     crate::nft::cleanup()?;
     netif::cleanup()?;
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn serve_is_spawnable() {
+        fn is_send<T: Send + 'static>(_: &T) {}
+        // Only built, never polled: the daemon must be able to `tokio::spawn` it.
+        let f = serve(
+            Arc::new(Config::default()),
+            DockerOptions::default(),
+            EventSink::default(),
+            std::future::pending::<()>(),
+        );
+        is_send(&f);
+    }
+
+    #[tokio::test]
+    async fn loopback_endpoint_is_refused_for_docker() {
+        let r = serve(
+            Arc::new(Config::default()), // endpoint 127.0.0.1:3128
+            DockerOptions::default(),
+            EventSink::default(),
+            std::future::ready(()),
+        )
+        .await;
+        assert!(matches!(r, Err(ServeError::Endpoint(_))), "{r:?}");
+    }
 }
