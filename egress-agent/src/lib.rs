@@ -25,3 +25,6 @@ pub mod bpf;
 pub mod cgroup;
 pub mod exec;
 pub mod status;
+pub mod check;
+pub mod cleanup;
+pub mod daemon;

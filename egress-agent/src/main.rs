@@ -1,9 +1,14 @@
 //! `egress-agent` command line: parse, then dispatch into the library modules.
 use std::ffi::OsString;
-use std::path::PathBuf;
+use std::io::IsTerminal;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
+use anyhow::Context;
 use clap::{Parser, Subcommand};
+use egress_agent::{api, config::DEFAULT_CONFIG_PATH, docker::DockerOptions};
+use hyper::Method;
 
 /// Network egress policy for containers and commands: eBPF confinement + hostname-checking proxy.
 #[derive(Debug, Parser)]
@@ -15,6 +20,35 @@ struct Cli {
 
 #[derive(Debug, Subcommand)]
 enum Command {
+    /// Run the daemon: enforce Docker containers by label, serve the proxy and the control API.
+    Run {
+        /// Configuration file.
+        #[arg(long, default_value = DEFAULT_CONFIG_PATH)]
+        config: PathBuf,
+        /// Docker API socket.
+        #[arg(long, default_value = "unix:///var/run/docker.sock")]
+        docker_socket: String,
+        /// Docker's cgroup parent, relative to the cgroup2 mount (dockerd's --cgroup-parent;
+        /// `/docker` for the cgroupfs driver's default).
+        #[arg(long, default_value = "/docker")]
+        cgroup_parent: String,
+        /// Don't maintain the nftables host layer (not recommended: AF_PACKET frames are then
+        /// stopped only by the BPF-LSM hook).
+        #[arg(long)]
+        no_nft: bool,
+        /// Refuse to start without the BPF-LSM socket hook (closes AF_PACKET/raw in the kernel).
+        #[arg(long)]
+        require_lsm: bool,
+        /// Control API socket.
+        #[arg(long, default_value = api::DEFAULT_SOCKET)]
+        api_socket: PathBuf,
+        /// Serve Prometheus metrics on this address (e.g. 127.0.0.1:9464). Off by default.
+        #[arg(long)]
+        metrics_listen: Option<SocketAddr>,
+        /// Allow a non-loopback metrics address.
+        #[arg(long)]
+        metrics_allow_non_loopback: bool,
+    },
     /// Run CMD in a fresh cgroup confined by a policy (standalone: no daemon needed).
     Exec {
         /// Policy name (from the config, or the built-ins allow_all / deny_all).
@@ -28,6 +62,7 @@ enum Command {
         command: Vec<OsString>,
     },
     /// Show what is pinned and attached, and each enforced cgroup with its policy and counters.
+    /// Asks the daemon; without one, reads the pins directly.
     Status {
         /// Configuration file (for `agent.bpffs`).
         #[arg(long)]
@@ -35,6 +70,55 @@ enum Command {
         /// Machine-readable output.
         #[arg(long)]
         json: bool,
+        /// Control API socket.
+        #[arg(long, default_value = api::DEFAULT_SOCKET)]
+        api_socket: PathBuf,
+    },
+    /// Print recent denial events (JSON lines) from the daemon.
+    Events {
+        /// How many recent events.
+        #[arg(short = 'n', long, default_value_t = 100)]
+        count: usize,
+        /// Keep streaming new events.
+        #[arg(short, long)]
+        follow: bool,
+        /// Control API socket.
+        #[arg(long, default_value = api::DEFAULT_SOCKET)]
+        api_socket: PathBuf,
+    },
+    /// Ask the daemon to re-read its configuration (a bad file is refused, the running policy stays).
+    Reload {
+        /// Control API socket.
+        #[arg(long, default_value = api::DEFAULT_SOCKET)]
+        api_socket: PathBuf,
+    },
+    /// Validate a configuration file and print the effective policies.
+    Check {
+        /// Configuration file.
+        #[arg(long, default_value = DEFAULT_CONFIG_PATH)]
+        config: PathBuf,
+        /// Also show the policy this container would get, and why.
+        #[arg(long)]
+        container: Option<String>,
+        /// Docker API socket (for --container).
+        #[arg(long, default_value = "unix:///var/run/docker.sock")]
+        docker_socket: String,
+    },
+    /// Survey the host: kernel features, pins, proxy, Docker, firewall. Changes nothing.
+    Doctor {
+        /// Configuration file (pin directory, proxy endpoint).
+        #[arg(long)]
+        config: Option<PathBuf>,
+        /// Stable JSON output.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Uninstall: remove the pinned programs and maps, the nftables tables, the proxy interface and
+    /// the agent's cgroups. Stopping the agent does not do this, on purpose.
+    Cleanup {
+        /// Configuration file (for `agent.bpffs`).
+        #[arg(long)]
+        config: Option<PathBuf>,
     },
     /// Internal: second half of `exec` (enter the cgroup, then exec CMD).
     #[command(name = "__exec-child", hide = true)]
@@ -54,13 +138,110 @@ fn main() -> ExitCode {
             return ExitCode::from(egress_agent::exec::child(&cgroup, drop_net_raw, &command) as u8);
         }
         Command::Exec { policy, config, command } => {
-            init_tracing();
+            init_cli_tracing();
             egress_agent::exec::run(egress_agent::exec::ExecOptions { policy, config, command })
                 .map(|code| ExitCode::from(code.clamp(0, 255) as u8))
         }
-        Command::Status { config, json } => egress_agent::exec::load_config(config.as_deref())
-            .and_then(|c| egress_agent::status::run(&c.agent.bpffs, json))
-            .map(|()| ExitCode::SUCCESS),
+        Command::Run {
+            config,
+            docker_socket,
+            cgroup_parent,
+            no_nft,
+            require_lsm,
+            api_socket,
+            metrics_listen,
+            metrics_allow_non_loopback,
+        } => {
+            let _log_flush = init_daemon_tracing();
+            let opts = egress_agent::daemon::RunOptions {
+                config,
+                docker: DockerOptions {
+                    socket: docker_socket,
+                    cgroup_parent,
+                    nft: !no_nft,
+                    require_lsm,
+                    ..DockerOptions::default()
+                },
+                api_socket,
+                metrics: metrics_listen,
+                metrics_allow_non_loopback,
+            };
+            runtime().and_then(|rt| rt.block_on(egress_agent::daemon::run(opts))).map(|()| ExitCode::SUCCESS)
+        }
+        Command::Status { config, json, api_socket } => {
+            init_cli_tracing();
+            status(config.as_deref(), json, &api_socket)
+        }
+        Command::Events { count, follow, api_socket } => {
+            init_cli_tracing();
+            runtime()
+                .and_then(|rt| {
+                    rt.block_on(async {
+                        if follow {
+                            api::client::stream_to_stdout(&api_socket, "/v1/events?follow=1").await?;
+                        } else {
+                            let body =
+                                api::client::request(&api_socket, Method::GET, &format!("/v1/events?n={count}"))
+                                    .await?;
+                            let events: Vec<serde_json::Value> = serde_json::from_str(&body)?;
+                            for e in events {
+                                println!("{e}");
+                            }
+                        }
+                        anyhow::Ok(())
+                    })
+                })
+                .map(|()| ExitCode::SUCCESS)
+        }
+        Command::Reload { api_socket } => {
+            init_cli_tracing();
+            runtime()
+                .and_then(|rt| {
+                    rt.block_on(async {
+                        let body = api::client::request(&api_socket, Method::POST, "/v1/reload").await?;
+                        print!("{body}");
+                        anyhow::Ok(())
+                    })
+                })
+                .map(|()| ExitCode::SUCCESS)
+        }
+        Command::Check { config, container, docker_socket } => {
+            init_cli_tracing();
+            runtime()
+                .and_then(|rt| rt.block_on(egress_agent::check::run(&config, container.as_deref(), &docker_socket)))
+                .map(|()| ExitCode::SUCCESS)
+        }
+        Command::Doctor { config, json } => {
+            init_cli_tracing();
+            let opts = match egress_agent::exec::load_config(config.as_deref()) {
+                Ok(c) => egress_agent::doctor::Options::from_config(&c),
+                Err(e) => {
+                    eprintln!("egress-agent: warning: {e:#}; using default paths");
+                    egress_agent::doctor::Options::default()
+                }
+            };
+            let report = egress_agent::doctor::run(opts);
+            report.print(json);
+            Ok(ExitCode::from(report.exit_code().clamp(0, 255) as u8))
+        }
+        Command::Cleanup { config } => {
+            init_cli_tracing();
+            egress_agent::exec::load_config(config.as_deref())
+                .and_then(|c| egress_agent::cleanup::run(&c.agent.bpffs))
+                .and_then(|report| {
+                    for r in &report.removed {
+                        println!("removed {r}");
+                    }
+                    for f in &report.failed {
+                        eprintln!("egress-agent: cleanup: could not remove {f}");
+                    }
+                    if report.failed.is_empty() {
+                        Ok(ExitCode::SUCCESS)
+                    } else {
+                        Err(anyhow::anyhow!("cleanup left {} item(s) behind", report.failed.len()))
+                    }
+                })
+        }
     };
     match result {
         Ok(code) => code,
@@ -71,8 +252,64 @@ fn main() -> ExitCode {
     }
 }
 
-fn init_tracing() {
+/// `status`: the daemon's view if it answers, else the pins read directly.
+fn status(config: Option<&Path>, json: bool, api_socket: &Path) -> anyhow::Result<ExitCode> {
+    if api_socket.exists() {
+        let answer = runtime()?.block_on(api::client::request(api_socket, Method::GET, "/v1/status"));
+        match answer {
+            Ok(body) if json => {
+                print!("{body}");
+                return Ok(ExitCode::SUCCESS);
+            }
+            Ok(body) => {
+                let v: serde_json::Value = serde_json::from_str(&body).context("daemon status")?;
+                println!(
+                    "daemon: running {}s, config {}, proxy endpoint {}, {} denial events",
+                    v["uptime_s"], v["config"], v["proxy_endpoint"], v["events_total"]
+                );
+            }
+            Err(e) => eprintln!("egress-agent: daemon not reachable ({e}); reading the pins directly"),
+        }
+    } else if !json {
+        println!("daemon: not running (no {}); reading the pins directly", api_socket.display());
+    }
+    let c = egress_agent::exec::load_config(config)?;
+    egress_agent::status::run(&c.agent.bpffs, json)?;
+    Ok(ExitCode::SUCCESS)
+}
+
+fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {
+    tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .context("starting the async runtime")
+}
+
+/// CLI commands: human-readable warnings on stderr.
+fn init_cli_tracing() {
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn"));
-    tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).try_init().ok();
+    if tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).try_init().is_err() {
+        eprintln!("egress-agent: logging was already initialised");
+    }
+}
+
+/// The daemon: JSON lines on stdout (journald keeps them), human format on a terminal.
+/// Lines go through a non-blocking writer (a bounded queue drained by its own thread), so
+/// logging never sits on the proxy's hot path; the guard flushes it at exit.
+fn init_daemon_tracing() -> tracing_appender::non_blocking::WorkerGuard {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let tty = std::io::stdout().is_terminal();
+    let (writer, guard) = tracing_appender::non_blocking(std::io::stdout());
+    let builder = tracing_subscriber::fmt().with_env_filter(filter).with_writer(writer);
+    let result = if tty {
+        builder.try_init()
+    } else {
+        builder.json().flatten_event(true).with_current_span(false).try_init()
+    };
+    if result.is_err() {
+        eprintln!("egress-agent: logging was already initialised");
+    }
+    guard
 }

@@ -56,13 +56,13 @@ pub enum MetricsError {
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct DecisionLabels {
     verdict: &'static str,
-    reason: &'static str,
+    reason: String,
     policy: String,
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct HookLabels {
-    hook: &'static str,
+    hook: String,
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -125,6 +125,7 @@ pub struct Metrics {
     enforced_containers: Gauge,
     event_drops: Family<SourceLabels, Counter>,
     reconcile_errors: Counter,
+    reload_errors: Counter,
 }
 
 impl Default for Metrics {
@@ -143,6 +144,7 @@ impl Metrics {
         let enforced_containers = Gauge::default();
         let event_drops = Family::default();
         let reconcile_errors = Counter::default();
+        let reload_errors = Counter::default();
         registry.register(
             "decisions",
             "Egress decisions by verdict, reason and policy",
@@ -178,6 +180,11 @@ impl Metrics {
             "Docker reconcile passes that failed",
             reconcile_errors.clone(),
         );
+        registry.register(
+            "reload_errors",
+            "Configuration reloads rejected (the running policy stayed in force)",
+            reload_errors.clone(),
+        );
         Metrics {
             registry,
             decisions,
@@ -187,6 +194,7 @@ impl Metrics {
             enforced_containers,
             event_drops,
             reconcile_errors,
+            reload_errors,
         }
     }
 
@@ -195,7 +203,7 @@ impl Metrics {
         self.decisions
             .get_or_create(&DecisionLabels {
                 verdict: verdict.as_str(),
-                reason,
+                reason: reason.to_owned(),
                 policy: policy.to_owned(),
             })
             .inc();
@@ -204,7 +212,7 @@ impl Metrics {
     /// A denial reported by the kernel program at `hook` (e.g. `connect4`).
     pub fn kernel_denial(&self, hook: &'static str) {
         self.kernel_denials
-            .get_or_create(&HookLabels { hook })
+            .get_or_create(&HookLabels { hook: hook.to_owned() })
             .inc();
     }
 
@@ -251,6 +259,29 @@ impl Metrics {
     /// A reconcile pass failed.
     pub fn reconcile_error(&self) {
         self.reconcile_errors.inc();
+    }
+
+    /// A configuration reload was rejected (the running policy stayed in force).
+    pub fn reload_error(&self) {
+        self.reload_errors.inc();
+    }
+
+    /// Counts one denial event: a `deny` decision by reason and policy, and for kernel events the
+    /// hook. Reasons and hooks come from typed enums on both sides, so label values stay bounded.
+    pub fn record_denial(&self, ev: &crate::events::DenialEvent) {
+        self.decisions
+            .get_or_create(&DecisionLabels {
+                verdict: Verdict::Deny.as_str(),
+                reason: ev.reason.clone(),
+                policy: ev.policy.clone(),
+            })
+            .inc();
+        if ev.source == crate::events::Source::Kernel {
+            let hook = ev.context.get("hook").map_or("unknown", String::as_str);
+            self.kernel_denials
+                .get_or_create(&HookLabels { hook: hook.to_owned() })
+                .inc();
+        }
     }
 
     /// The OpenMetrics text exposition (ends with `# EOF`).

@@ -136,6 +136,8 @@ impl DirInner {
 struct Listener {
     addr: SocketAddr,
     policy: String,
+    /// Swaps the listener's policy in place (reload with the same policy name).
+    handle: crate::proxy::PolicyHandle,
     stop: Option<oneshot::Sender<()>>,
 }
 
@@ -152,6 +154,8 @@ impl Drop for Listener {
 
 struct Tracked {
     name: String,
+    /// What Docker last told us about the container (labels, state): a reload re-applies from it.
+    info: ContainerInfo,
     resolved: Resolved,
     /// The cgroup (dir, id) that has an entry written by us.
     cgroup: Option<(PathBuf, u64)>,
@@ -472,6 +476,8 @@ impl Enforcer {
             && let Some(l) = t.listener.take()
             && l.policy == name
         {
+            // Same name, possibly new content (reload): every new request sees it.
+            l.handle.set(policy);
             return Ok(l);
         }
         let addr = SocketAddr::new(self.settings.listen_ip, 0);
@@ -479,6 +485,7 @@ impl Enforcer {
             .await
             .map_err(EnforceError::Listener)?;
         let local = proxy.local_addr();
+        let handle = proxy.policy_handle();
         let (tx, rx) = oneshot::channel::<()>();
         tokio::spawn(proxy.run(async move {
             // Sender dropped or fired: either way, stop.
@@ -488,6 +495,7 @@ impl Enforcer {
         Ok(Listener {
             addr: local,
             policy: name.to_owned(),
+            handle,
             stop: Some(tx),
         })
     }
@@ -656,6 +664,7 @@ impl Enforcer {
             info.id.clone(),
             Tracked {
                 name: info.name.clone(),
+                info: info.clone(),
                 resolved,
                 cgroup,
                 precreated,
@@ -717,6 +726,30 @@ impl Enforcer {
 
     /// Give up everything (agent shutdown): the kernel entries stay (pinned, still enforcing),
     /// listeners stop (the endpoint is then refused), nftables rules stay.
+    /// Apply a new configuration to every tracked container (reload). Each container is
+    /// re-resolved from its labels and re-applied exactly like on `start`/`create`: its kernel entry
+    /// is overwritten in place (the cgroup always has an entry: never a moment without policy),
+    /// a listener serving the same policy name gets the new policy atomically, a different policy
+    /// gets a new listener. Returns the containers that must now be refused (stopped).
+    pub async fn reconfigure(&mut self, config: Arc<Config>) -> Vec<(ContainerInfo, String)> {
+        self.config = config;
+        let infos: Vec<ContainerInfo> = self.tracked.values().map(|t| t.info.clone()).collect();
+        let mut refuse = Vec::new();
+        for info in infos {
+            let outcome = if info.running { self.started(&info).await } else { self.prepare(&info).await };
+            if let Outcome::Refuse(why) = outcome {
+                refuse.push((info, why));
+            }
+        }
+        tracing::info!(containers = self.tracked.len(), "configuration applied to tracked containers");
+        refuse
+    }
+
+    /// The configuration currently applied.
+    pub fn config(&self) -> &Arc<Config> {
+        &self.config
+    }
+
     pub fn shutdown(&mut self) {
         for t in self.tracked.values_mut() {
             t.listener = None;

@@ -19,5 +19,12 @@ pub mod serve;
 pub mod watch;
 
 pub use enforce::{Directory, Enforcer, Outcome, Settings};
-pub use serve::{DockerOptions, ServeError, cleanup_host, serve};
+pub use serve::{DockerOptions, Hooks, ServeError, cleanup_host, serve, serve_with};
 pub use watch::run;
+
+/// A configuration reload for the Docker enforcer: `done` gets `Ok` once every tracked container
+/// runs under `config`, or the reason nothing was applied.
+pub struct ReloadRequest {
+    pub config: std::sync::Arc<crate::config::Config>,
+    pub done: tokio::sync::oneshot::Sender<Result<(), String>>,
+}

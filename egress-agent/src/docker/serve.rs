@@ -68,12 +68,35 @@ pub enum ServeError {
     Nft(#[from] crate::nft::NftError),
 }
 
+/// How the daemon talks to a running [`serve_with`].
+#[derive(Default)]
+pub struct Hooks {
+    /// Told once the programs are loaded or adopted, the proxy address is up and the enforcer
+    /// is ready (before Docker is reached: a Docker outage must not delay enforcement).
+    pub ready: Option<tokio::sync::oneshot::Sender<serde_json::Value>>,
+    /// Configuration reloads.
+    pub reload: Option<tokio::sync::mpsc::Receiver<super::ReloadRequest>>,
+    /// Kept up to date: enforced containers, kernel event losses.
+    pub metrics: Option<Arc<crate::metrics::Metrics>>,
+}
+
 /// Set up (proxy address, enforcement root, programs, host layer) and watch Docker until
 /// `shutdown` completes.
 pub async fn serve(
     config: Arc<Config>,
     opts: DockerOptions,
     events: EventSink,
+    shutdown: impl Future<Output = ()>,
+) -> Result<(), ServeError> {
+    serve_with(config, opts, events, Hooks::default(), shutdown).await
+}
+
+/// [`serve`] with readiness, reload and metrics hooks (the daemon's entry point).
+pub async fn serve_with(
+    config: Arc<Config>,
+    opts: DockerOptions,
+    events: EventSink,
+    hooks: Hooks,
     shutdown: impl Future<Output = ()>,
 ) -> Result<(), ServeError> {
     let SocketAddr::V4(endpoint4) = config.proxy.endpoint else {
@@ -95,6 +118,7 @@ pub async fn serve(
     tracing::info!(root = %root_path.display(), adopted = ?enforcement.report.adopted,
         attached = ?enforcement.report.attached, "docker enforcement root ready");
     // `enforce_root` already released the loader lock; the links stay pinned and enforcing.
+    let enforcement_lsm = enforcement.report.lsm_unavailable.as_ref().map(|w| w.to_string());
     let bpf::Enforcement { state, .. } = enforcement;
     let ctx =
         ProxyContext::new(&config, events.clone()).map_err(|e| ServeError::Proxy(e.to_string()))?;
@@ -114,10 +138,22 @@ pub async fn serve(
             config.agent.bpffs.clone(),
             directory,
             events,
+            hooks.metrics.clone(),
             stop_rx,
         ))
     });
-    let _enforcer = super::watch::run(&opts.socket, enforcer, shutdown).await;
+    if let Some(ready) = hooks.ready {
+        let info = serde_json::json!({
+            "root": root_path.display().to_string(),
+            "endpoint": endpoint4.to_string(),
+            "lsm": enforcement_lsm.is_none(),
+            "lsm_unavailable": enforcement_lsm,
+        });
+        if ready.send(info).is_err() {
+            tracing::debug!("nobody waits for readiness");
+        }
+    }
+    let _enforcer = super::watch::run_with_reload(&opts.socket, enforcer, hooks.reload, shutdown).await;
     if stop_tx.send(true).is_err() {
         tracing::debug!("kernel event pump already stopped");
     }
@@ -134,6 +170,7 @@ async fn kernel_events(
     bpffs: std::path::PathBuf,
     directory: Directory,
     events: EventSink,
+    metrics: Option<Arc<crate::metrics::Metrics>>,
     mut stop: tokio::sync::watch::Receiver<bool>,
 ) {
     let mut reader = match bpf::events::KernelEvents::try_open(&bpffs) {
@@ -152,6 +189,9 @@ async fn kernel_events(
         tokio::select! {
             _ = tick.tick() => {}
             _ = stop.changed() => return,
+        }
+        if let Some(m) = &metrics {
+            m.set_enforced_containers(directory.len() as u64);
         }
         for ev in reader.drain() {
             let time = reader.time_of(&ev);

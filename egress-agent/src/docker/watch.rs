@@ -26,6 +26,9 @@ use futures_util::StreamExt;
 use futures_util::stream::FuturesOrdered;
 
 use super::container::ContainerInfo;
+use tokio::sync::mpsc;
+
+use super::ReloadRequest;
 use super::enforce::{Enforcer, Outcome};
 
 const BACKOFF_MIN: Duration = Duration::from_millis(100);
@@ -45,7 +48,18 @@ pub enum WatchError {
 /// completes. Returns the enforcer (its pinned entries and nftables rules stay in force).
 pub async fn run(
     docker_socket: &str,
+    enforcer: Enforcer,
+    shutdown: impl Future<Output = ()>,
+) -> Enforcer {
+    run_with_reload(docker_socket, enforcer, None, shutdown).await
+}
+
+/// [`run`], also applying configuration reloads sent on `reload` (in between Docker events, so a
+/// reload never races an event for the same container).
+pub async fn run_with_reload(
+    docker_socket: &str,
     mut enforcer: Enforcer,
+    mut reload: Option<mpsc::Receiver<ReloadRequest>>,
     shutdown: impl Future<Output = ()>,
 ) -> Enforcer {
     tokio::pin!(shutdown);
@@ -54,7 +68,7 @@ pub async fn run(
     }
     let mut backoff = BACKOFF_MIN;
     loop {
-        let session = session(docker_socket, &mut enforcer, &mut backoff);
+        let session = session(docker_socket, &mut enforcer, &mut backoff, &mut reload);
         tokio::select! {
             () = &mut shutdown => break,
             r = session => {
@@ -64,15 +78,77 @@ pub async fn run(
                 }
             }
         }
-        tokio::select! {
-            () = &mut shutdown => break,
-            () = tokio::time::sleep(backoff) => {}
+        let sleep = tokio::time::sleep(backoff);
+        tokio::pin!(sleep);
+        loop {
+            tokio::select! {
+                () = &mut shutdown => {
+                    enforcer.shutdown();
+                    tracing::info!("docker watcher stopped");
+                    return enforcer;
+                }
+                () = &mut sleep => break,
+                req = next_reload(&mut reload) => {
+                    if let Some(req) = req {
+                        apply_reload(None, &mut enforcer, req).await;
+                    }
+                }
+            }
         }
         backoff = (backoff * 2).min(BACKOFF_MAX);
     }
     enforcer.shutdown();
     tracing::info!("docker watcher stopped");
     enforcer
+}
+
+/// The next reload request; pending forever once the sender is gone (or there is none).
+async fn next_reload(reload: &mut Option<mpsc::Receiver<ReloadRequest>>) -> Option<ReloadRequest> {
+    let Some(rx) = reload.as_mut() else {
+        return std::future::pending().await;
+    };
+    let req = rx.recv().await;
+    if req.is_none() {
+        *reload = None;
+    }
+    req
+}
+
+/// Apply a new configuration to the tracked containers. Settings that can't change under
+/// running listeners and pins (`[proxy]`, `[dns]`, `agent.bpffs`) need a restart: such a
+/// configuration is refused whole and the running one stays in force.
+async fn apply_reload(docker: Option<&Docker>, enforcer: &mut Enforcer, req: ReloadRequest) {
+    let old = enforcer.config().clone();
+    let new = req.config;
+    let needs_restart = [
+        (old.proxy != new.proxy, "[proxy]"),
+        (old.dns != new.dns, "[dns]"),
+        (old.agent.bpffs != new.agent.bpffs, "agent.bpffs"),
+    ]
+    .into_iter()
+    .filter_map(|(changed, what)| changed.then_some(what))
+    .collect::<Vec<_>>();
+    if !needs_restart.is_empty() {
+        let msg = format!(
+            "{} changed: these settings take effect only on a restart (systemctl restart egress-agent); nothing was applied",
+            needs_restart.join(", ")
+        );
+        if req.done.send(Err(msg)).is_err() {
+            tracing::debug!("reload requester went away");
+        }
+        return;
+    }
+    let refused = enforcer.reconfigure(new).await;
+    for (info, why) in &refused {
+        match docker {
+            Some(d) => refuse(d, info, why).await,
+            // Not connected: the entry is already deny_all; the next reconcile stops it.
+            None => tracing::warn!(container = %info.id, reason = %why, "refused on reload; will stop it on reconnect"),
+        }
+    }
+    if req.done.send(Ok(())).is_err() {
+        tracing::debug!("reload requester went away");
+    }
 }
 
 /// One connection: subscribe, reconcile, then follow events until the stream ends.
@@ -85,6 +161,7 @@ async fn session(
     socket: &str,
     enforcer: &mut Enforcer,
     backoff: &mut Duration,
+    reload: &mut Option<mpsc::Receiver<ReloadRequest>>,
 ) -> Result<(), WatchError> {
     let docker = Docker::connect_with_unix(socket, API_TIMEOUT_SECS, bollard::API_DEFAULT_VERSION)?
         .negotiate_version()
@@ -134,6 +211,11 @@ async fn session(
             }
             Some((action, id, info)) = pending.next(), if !pending.is_empty() => {
                 apply(&docker, enforcer, &action, &id, info?).await;
+            }
+            req = next_reload(reload) => {
+                if let Some(req) = req {
+                    apply_reload(Some(&docker), enforcer, req).await;
+                }
             }
         }
     }

@@ -1,0 +1,282 @@
+//! `egress-agent run`: the daemon.
+//!
+//! Start order (every step fails the start with a clear error; nothing runs half-configured):
+//! root check → config load + validate → control API socket → Docker enforcement (programs
+//! loaded or adopted at the Docker root, proxy address, nftables layer, watcher) → READY=1.
+//! Then SIGHUP (or `POST /v1/reload`) re-reads the config: a bad file is refused and the running
+//! policy stays; SIGINT/SIGTERM stop the daemon, leaving the pinned programs enforcing.
+
+use std::{
+    net::SocketAddr,
+    path::PathBuf,
+    sync::{Arc, Mutex},
+    time::Instant,
+};
+
+use anyhow::{Context, Result};
+use arc_swap::ArcSwap;
+use serde_json::{Value, json};
+use tokio::{
+    signal::unix::{SignalKind, signal},
+    sync::{mpsc, oneshot, watch},
+};
+use tracing::{error, info, warn};
+
+use crate::{
+    api::{BoxFuture, Control, server::ApiServer},
+    bpf, check,
+    config::Config,
+    docker::{self, DockerOptions, ReloadRequest},
+    events::EventSink,
+    metrics::{self, Metrics},
+    notify, status,
+};
+
+/// Options of `egress-agent run`.
+#[derive(Debug, Clone)]
+pub struct RunOptions {
+    pub config: PathBuf,
+    pub docker: DockerOptions,
+    pub api_socket: PathBuf,
+    /// Serve Prometheus metrics here (loopback unless `metrics_allow_non_loopback`).
+    pub metrics: Option<SocketAddr>,
+    pub metrics_allow_non_loopback: bool,
+}
+
+struct Daemon {
+    config_path: PathBuf,
+    config: ArcSwap<Config>,
+    events: EventSink,
+    started: Instant,
+    reload_tx: mpsc::Sender<ReloadRequest>,
+    /// Serialises reloads (SIGHUP and API at once).
+    reload_lock: tokio::sync::Mutex<()>,
+    ready: Mutex<Option<Value>>,
+}
+
+impl Daemon {
+    async fn reload(&self) -> Result<Value, String> {
+        let _guard = self.reload_lock.lock().await;
+        if let Err(e) = notify::reloading() {
+            warn!(error = %e, "sd_notify RELOADING failed");
+        }
+        let result = self.reload_inner().await;
+        match &result {
+            Ok(_) => info!(config = %self.config_path.display(), "configuration reloaded"),
+            Err(e) => error!(config = %self.config_path.display(), error = %e,
+                "configuration rejected; the running policy stays in force"),
+        }
+        if let Err(e) = notify::ready("enforcing") {
+            warn!(error = %e, "sd_notify READY failed");
+        }
+        result
+    }
+
+    async fn reload_inner(&self) -> Result<Value, String> {
+        let new = Config::load(&self.config_path).map_err(|e| e.to_string())?;
+        let new = Arc::new(new);
+        let (done_tx, done_rx) = oneshot::channel();
+        self.reload_tx
+            .send(ReloadRequest { config: new.clone(), done: done_tx })
+            .await
+            .map_err(|_| "the enforcement task is not running".to_owned())?;
+        done_rx
+            .await
+            .map_err(|_| "the enforcement task stopped during the reload".to_owned())??;
+        self.config.store(new.clone());
+        Ok(json!({ "reloaded": true, "policies": new.policy_names().collect::<Vec<_>>() }))
+    }
+}
+
+impl Control for Daemon {
+    fn status(&self) -> Value {
+        let config = self.config.load();
+        let kernel = status::collect(&config.agent.bpffs)
+            .map(|s| serde_json::to_value(s).unwrap_or(Value::Null))
+            .unwrap_or_else(|e| json!({ "error": e.to_string() }));
+        json!({
+            "version": env!("CARGO_PKG_VERSION"),
+            "config": self.config_path.display().to_string(),
+            "uptime_s": self.started.elapsed().as_secs(),
+            "proxy_endpoint": config.proxy.endpoint.to_string(),
+            "docker": self.ready.lock().ok().and_then(|r| r.clone()),
+            "events_total": self.events.total(),
+            "kernel": kernel,
+        })
+    }
+
+    fn containers(&self) -> Value {
+        let config = self.config.load();
+        match status::collect(&config.agent.bpffs) {
+            Ok(s) => serde_json::to_value(s.cgroups).unwrap_or(Value::Null),
+            Err(e) => json!({ "error": e.to_string() }),
+        }
+    }
+
+    fn policies(&self) -> Value {
+        check::effective_policies(&self.config.load())
+    }
+
+    fn events(&self, n: usize) -> Vec<Value> {
+        self.events
+            .recent(n)
+            .into_iter()
+            .filter_map(|e| serde_json::to_value(e).ok())
+            .collect()
+    }
+
+    fn subscribe(&self) -> mpsc::Receiver<Value> {
+        let mut rx = self.events.subscribe();
+        let (tx, out) = mpsc::channel(256);
+        tokio::spawn(async move {
+            loop {
+                match rx.recv().await {
+                    Ok(ev) => {
+                        let Ok(v) = serde_json::to_value(ev) else { continue };
+                        if tx.send(v).await.is_err() {
+                            return;
+                        }
+                    }
+                    Err(tokio::sync::broadcast::error::RecvError::Lagged(n)) => {
+                        if tx.send(json!({ "lagged": n })).await.is_err() {
+                            return;
+                        }
+                    }
+                    Err(tokio::sync::broadcast::error::RecvError::Closed) => return,
+                }
+            }
+        });
+        out
+    }
+
+    fn reload(&self) -> BoxFuture<'_, Result<Value, String>> {
+        Box::pin(Daemon::reload(self))
+    }
+}
+
+/// Counts denial events into the metrics (both sources), off the hot path.
+fn spawn_event_metrics(events: &EventSink, metrics: Arc<Metrics>) {
+    let mut rx = events.subscribe();
+    tokio::spawn(async move {
+        loop {
+            match rx.recv().await {
+                Ok(ev) => metrics.record_denial(&ev),
+                Err(tokio::sync::broadcast::error::RecvError::Lagged(n)) => {
+                    metrics.event_drops(metrics::DropSource::Ring, n);
+                }
+                Err(tokio::sync::broadcast::error::RecvError::Closed) => return,
+            }
+        }
+    });
+}
+
+/// Runs the daemon until SIGINT/SIGTERM.
+pub async fn run(opts: RunOptions) -> Result<()> {
+    bpf::loader::require_root()?;
+    let config = Arc::new(Config::load(&opts.config)?);
+    info!(config = %opts.config.display(), policies = ?config.policy_names().collect::<Vec<_>>(),
+        "configuration loaded");
+    let events = EventSink::new(crate::events::DEFAULT_RING);
+    let api = ApiServer::bind(&opts.api_socket).await?;
+
+    let (stop_tx, stop_rx) = watch::channel(false);
+    let stopped = |mut rx: watch::Receiver<bool>| async move {
+        while !*rx.borrow() {
+            if rx.changed().await.is_err() {
+                return;
+            }
+        }
+    };
+
+    let metrics = Arc::new(Metrics::new());
+    spawn_event_metrics(&events, metrics.clone());
+    let metrics_task = match opts.metrics {
+        Some(addr) => {
+            let listener = metrics::bind(addr, opts.metrics_allow_non_loopback)
+                .await
+                .with_context(|| format!("metrics listener on {addr}"))?;
+            let m = metrics.clone();
+            Some(tokio::spawn(metrics::serve(listener, m, stopped(stop_rx.clone()))))
+        }
+        None => None,
+    };
+
+    let (reload_tx, reload_rx) = mpsc::channel(1);
+    let (ready_tx, ready_rx) = oneshot::channel();
+    let hooks = docker::Hooks { ready: Some(ready_tx), reload: Some(reload_rx), metrics: Some(metrics.clone()) };
+    let mut enforcement = tokio::spawn(docker::serve_with(
+        config.clone(),
+        opts.docker.clone(),
+        events.clone(),
+        hooks,
+        stopped(stop_rx.clone()),
+    ));
+
+    // READY once programs are loaded/adopted and the proxy listens (or fail the start).
+    let ready = tokio::select! {
+        r = ready_rx => r.context("the enforcement task ended before it was ready")?,
+        r = &mut enforcement => {
+            return match r {
+                Ok(Ok(())) => Err(anyhow::anyhow!("the enforcement task ended before it was ready")),
+                Ok(Err(e)) => Err(e).context("starting enforcement"),
+                Err(e) => Err(anyhow::anyhow!("enforcement task panicked: {e}")),
+            };
+        }
+    };
+    info!(?ready, "egress-agent enforcing");
+
+    let daemon = Arc::new(Daemon {
+        config_path: opts.config.clone(),
+        config: ArcSwap::new(config),
+        events,
+        started: Instant::now(),
+        reload_tx,
+        reload_lock: tokio::sync::Mutex::new(()),
+        ready: Mutex::new(Some(ready)),
+    });
+    let api_task = tokio::spawn(api.run(daemon.clone(), stopped(stop_rx.clone())));
+    if let Err(e) = notify::ready("enforcing") {
+        warn!(error = %e, "sd_notify READY failed");
+    }
+
+    let mut hup = signal(SignalKind::hangup())?;
+    let mut term = signal(SignalKind::terminate())?;
+    let mut int = signal(SignalKind::interrupt())?;
+    let result = loop {
+        tokio::select! {
+            _ = hup.recv() => {
+                info!("SIGHUP: reloading the configuration");
+                // The outcome is logged by reload(); a rejected file changes nothing.
+                if daemon.reload().await.is_err() {
+                    metrics.reload_error();
+                }
+            }
+            _ = term.recv() => break Ok(()),
+            _ = int.recv() => break Ok(()),
+            r = &mut enforcement => {
+                break match r {
+                    Ok(Ok(())) => Err(anyhow::anyhow!("the enforcement task stopped")),
+                    Ok(Err(e)) => Err(e).context("enforcement failed"),
+                    Err(e) => Err(anyhow::anyhow!("enforcement task panicked: {e}")),
+                };
+            }
+        }
+    };
+    info!("stopping; the pinned programs keep enforcing");
+    if let Err(e) = notify::stopping() {
+        warn!(error = %e, "sd_notify STOPPING failed");
+    }
+    stop_tx.send(true).ok();
+    if !enforcement.is_finished() {
+        match enforcement.await {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => warn!(error = %e, "enforcement ended with an error"),
+            Err(e) => warn!(error = %e, "enforcement task panicked"),
+        }
+    }
+    api_task.await.ok();
+    if let Some(t) = metrics_task {
+        t.await.ok();
+    }
+    result
+}
