@@ -28,6 +28,9 @@ pub const DEFAULT_RING: usize = 4096;
 pub enum Source {
     Kernel,
     Proxy,
+    /// The agent's own lifecycle decisions about a container (refused, invalid labels, host layer
+    /// failed): not a connection attempt.
+    Agent,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -141,6 +144,10 @@ impl EventSink {
     /// Record one denial: log line, ring, subscribers. Never blocks on readers.
     pub fn emit(&self, ev: DenialEvent) {
         self.inner.total.fetch_add(1, Ordering::Relaxed);
+        // Context labels as one JSON object in a string field (tracing fields have static names).
+        let context = (!ev.context.is_empty())
+            .then(|| serde_json::to_string(&ev.context).ok())
+            .flatten();
         tracing::warn!(
             target: DENIAL_TARGET,
             source = ?ev.source,
@@ -153,6 +160,7 @@ impl EventSink {
             cgroup_id = ev.cgroup_id,
             container_id = ev.container.as_ref().map(|c| c.id.as_str()),
             container_name = ev.container.as_ref().map(|c| c.name.as_str()),
+            context = context.as_deref(),
             "denied"
         );
         {

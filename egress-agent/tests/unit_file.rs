@@ -38,10 +38,19 @@ fn unit_has_the_directives_the_agent_relies_on() {
     assert_eq!(one("ExecReload"), "/bin/kill -HUP $MAINPID");
     assert_eq!(one("Restart"), "on-failure");
     assert_eq!(one("Wants"), "docker.service");
+    // Before Docker, not after: at boot the programs must be on the Docker cgroup root before
+    // Docker restarts containers (an unclassified container is then deny_all, never unconfined).
     assert!(
-        one("After")
+        one("Before")
             .split_whitespace()
             .any(|u| u == "docker.service")
+    );
+    assert!(
+        !values(&u, "After")
+            .iter()
+            .flat_map(|v| v.split_whitespace())
+            .any(|u| u == "docker.service"),
+        "After=docker.service would leave containers restarted at boot unconfined"
     );
     assert!(
         values(&u, "Requires").is_empty(),
@@ -96,8 +105,10 @@ fn systemd_analyze() -> Option<PathBuf> {
 
 /// The unit, with ExecStart pointing at the binary this test run built (verify checks that the
 /// executable exists), in a scratch directory named like the unit.
-fn unit_for_verify() -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("egress-unit-verify-{}", std::process::id()));
+/// A copy of the unit pointing at the built binary, in a directory of the calling test's own
+/// (tests run in parallel and each removes its directory).
+fn unit_for_verify(test: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("egress-unit-{test}-{}", std::process::id()));
     std::fs::create_dir_all(&dir).expect("mkdir");
     let bin = env!("CARGO_BIN_EXE_egress-agent");
     let text = unit().replace("/usr/local/bin/egress-agent", bin);
@@ -112,7 +123,7 @@ fn systemd_analyze_verify_passes() {
         eprintln!("skipping: systemd-analyze not installed");
         return;
     };
-    let p = unit_for_verify();
+    let p = unit_for_verify("verify");
     let out = Command::new(&sa)
         .arg("verify")
         .arg(&p)
@@ -133,7 +144,7 @@ fn systemd_analyze_security_exposure_is_low() {
         eprintln!("skipping: systemd-analyze not installed");
         return;
     };
-    let p = unit_for_verify();
+    let p = unit_for_verify("security");
     let out = Command::new(&sa)
         .args(["security", "--offline=yes", "--no-pager"])
         .arg(&p)

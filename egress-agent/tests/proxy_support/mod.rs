@@ -106,14 +106,30 @@ pub async fn upstreams() -> Upstreams {
 
 static N: AtomicU32 = AtomicU32::new(0);
 
-pub fn temp_dir() -> PathBuf {
+/// A directory removed when dropped.
+pub struct TempDir(PathBuf);
+
+impl std::ops::Deref for TempDir {
+    type Target = Path;
+    fn deref(&self) -> &Path {
+        &self.0
+    }
+}
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        std::fs::remove_dir_all(&self.0).ok();
+    }
+}
+
+pub fn temp_dir() -> TempDir {
     let d = std::env::temp_dir().join(format!(
         "egress-proxy-test-{}-{}",
         std::process::id(),
         N.fetch_add(1, Ordering::Relaxed)
     ));
     std::fs::create_dir_all(&d).unwrap();
-    d
+    TempDir(d)
 }
 
 /// Names the tests resolve, all on loopback or special addresses; nothing reaches a real resolver.
@@ -134,6 +150,7 @@ pub struct Harness {
     pub up: Upstreams,
     pub config: Arc<Config>,
     stop: Option<oneshot::Sender<()>>,
+    _dir: TempDir,
 }
 
 impl Drop for Harness {
@@ -207,6 +224,7 @@ pub async fn harness_with(proxy_extra: &str, policy_extra: &str, policy: &str) -
         up,
         config,
         stop: Some(tx),
+        _dir: dir,
     }
 }
 
