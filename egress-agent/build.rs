@@ -11,7 +11,9 @@ fn main() -> anyhow::Result<()> {
         .parent()
         .ok_or_else(|| anyhow!("no workspace dir"))?
         .join("egress-ebpf");
-    let ebpf_dir = ebpf_dir.to_str().ok_or_else(|| anyhow!("non-UTF-8 path {ebpf_dir:?}"))?;
+    let ebpf_dir = ebpf_dir
+        .to_str()
+        .ok_or_else(|| anyhow!("non-UTF-8 path {ebpf_dir:?}"))?;
     let out_dir = std::env::var("OUT_DIR").context("OUT_DIR")?;
     let object = std::path::Path::new(&out_dir).join("egress");
     let skip = std::env::var("AYA_BUILD_SKIP")
@@ -24,7 +26,11 @@ fn main() -> anyhow::Result<()> {
         }
     }
     aya_build::build_ebpf(
-        [Package { name: "egress-ebpf", root_dir: ebpf_dir, ..Default::default() }],
+        [Package {
+            name: "egress-ebpf",
+            root_dir: ebpf_dir,
+            ..Default::default()
+        }],
         Toolchain::default(),
     )
 }

@@ -26,7 +26,9 @@ pub fn cgroup2_mount() -> Result<PathBuf, CgroupError> {
 fn parse_mountinfo(info: &str) -> Option<PathBuf> {
     for line in info.lines() {
         // "<id> <parent> <maj:min> <root> <mount point> <opts> [optional...] - <fstype> <src> <opts>"
-        let Some((left, right)) = line.split_once(" - ") else { continue };
+        let Some((left, right)) = line.split_once(" - ") else {
+            continue;
+        };
         if right.split_whitespace().next() != Some("cgroup2") {
             continue;
         }
@@ -43,7 +45,10 @@ fn unescape(s: &str) -> String {
     let mut out = Vec::with_capacity(b.len());
     let mut i = 0;
     while i < b.len() {
-        if b[i] == b'\\' && i + 3 < b.len() && b[i + 1..i + 4].iter().all(|c| (b'0'..=b'7').contains(c)) {
+        if b[i] == b'\\'
+            && i + 3 < b.len()
+            && b[i + 1..i + 4].iter().all(|c| (b'0'..=b'7').contains(c))
+        {
             out.push((b[i + 1] - b'0') * 64 + (b[i + 2] - b'0') * 8 + (b[i + 3] - b'0'));
             i += 4;
         } else {
@@ -124,7 +129,8 @@ pub fn kill_and_remove(path: &Path, timeout: Duration) -> io::Result<()> {
                 nix::sys::signal::kill(
                     nix::unistd::Pid::from_raw(pid as i32),
                     nix::sys::signal::Signal::SIGKILL,
-                ).ok();
+                )
+                .ok();
             }
         }
         std::thread::sleep(Duration::from_millis(10));
@@ -140,13 +146,19 @@ mod tests {
         let info = "25 30 0:23 / /sys rw - sysfs sysfs rw\n\
                     41 31 0:38 / /sys/fs/cgroup/unified rw,relatime shared:9 - cgroup2 cgroup2 rw\n\
                     42 31 0:39 / /sys/fs/cgroup/cpu rw - cgroup cgroup rw,cpu\n";
-        assert_eq!(parse_mountinfo(info), Some(PathBuf::from("/sys/fs/cgroup/unified")));
+        assert_eq!(
+            parse_mountinfo(info),
+            Some(PathBuf::from("/sys/fs/cgroup/unified"))
+        );
     }
 
     #[test]
     fn unescapes_mount_points() {
         let info = "41 31 0:38 / /mnt/my\\040cg rw - cgroup2 none rw\n";
         assert_eq!(parse_mountinfo(info), Some(PathBuf::from("/mnt/my cg")));
-        assert_eq!(parse_mountinfo("25 30 0:23 / /sys rw - sysfs sysfs rw\n"), None);
+        assert_eq!(
+            parse_mountinfo("25 30 0:23 / /sys rw - sysfs sysfs rw\n"),
+            None
+        );
     }
 }

@@ -56,7 +56,11 @@ pub fn load_config(path: Option<&Path>) -> anyhow::Result<Config> {
         Some(p) => Ok(Config::load(p)?),
         None => {
             let p = Path::new(config::DEFAULT_CONFIG_PATH);
-            if p.exists() { Ok(Config::load(p)?) } else { Ok(Config::default()) }
+            if p.exists() {
+                Ok(Config::load(p)?)
+            } else {
+                Ok(Config::default())
+            }
         }
     }
 }
@@ -73,20 +77,28 @@ struct CgroupGuard {
 impl Drop for CgroupGuard {
     fn drop(&mut self) {
         if let Err(e) = cgroup::kill_and_remove(&self.path, Duration::from_secs(5)) {
-            eprintln!("egress-agent: warning: could not remove cgroup {}: {e}", self.path.display());
+            eprintln!(
+                "egress-agent: warning: could not remove cgroup {}: {e}",
+                self.path.display()
+            );
             // The entry stays (the cgroup still exists and must stay confined).
             return;
         }
         match PinnedState::open(&self.bpffs).and_then(|mut s| s.remove_policy(self.id)) {
             Ok(()) => {}
-            Err(e) => eprintln!("egress-agent: warning: removing policy entry {}: {e}", self.id),
+            Err(e) => eprintln!(
+                "egress-agent: warning: removing policy entry {}: {e}",
+                self.id
+            ),
         }
     }
 }
 
 /// Remove `exec-<pid>-*` cgroups whose `exec` process is gone and which are empty.
 fn reap_abandoned(root: &Path) {
-    let Ok(rd) = std::fs::read_dir(root) else { return };
+    let Ok(rd) = std::fs::read_dir(root) else {
+        return;
+    };
     for e in rd.flatten() {
         let name = e.file_name();
         let Some(pid) = name
@@ -98,7 +110,11 @@ fn reap_abandoned(root: &Path) {
             continue;
         };
         let alive = Path::new(&format!("/proc/{pid}")).exists();
-        if !alive && cgroup::pids(&e.path()).map(|p| p.is_empty()).unwrap_or(false) {
+        if !alive
+            && cgroup::pids(&e.path())
+                .map(|p| p.is_empty())
+                .unwrap_or(false)
+        {
             std::fs::remove_dir(e.path()).ok();
         }
     }
@@ -113,14 +129,23 @@ pub fn run(opts: ExecOptions) -> anyhow::Result<i32> {
     let config = load_config(opts.config.as_deref())?;
     let policy = config
         .policy(&opts.policy)
-        .ok_or_else(|| anyhow!("exec: no policy named {:?} in the configuration", opts.policy))?
+        .ok_or_else(|| {
+            anyhow!(
+                "exec: no policy named {:?} in the configuration",
+                opts.policy
+            )
+        })?
         .clone();
 
     let root = exec_root()?;
     // The agent's own sockets must never be hooked: refuse to run inside an enforced subtree.
     let own = cgroup::cgroup_of_pid(std::process::id()).context("reading own cgroup")?;
     if own.starts_with(&root) {
-        bail!("exec: refusing to run inside the enforcement root {} (own cgroup {})", root.display(), own.display());
+        bail!(
+            "exec: refusing to run inside the enforcement root {} (own cgroup {})",
+            root.display(),
+            own.display()
+        );
     }
     let bpffs = config.agent.bpffs.clone();
 
@@ -167,11 +192,25 @@ async fn run_async(
             addrs.push(std::net::SocketAddr::new(v6.ip(), 0));
         }
         for addr in addrs {
-            let proxy = PolicyProxy::bind(addr, opts.policy.clone(), shared_policy.clone(), ctx.clone())
-                .await
-                .with_context(|| format!("binding the proxy listener for policy {} on {addr}", opts.policy))?;
+            let proxy = PolicyProxy::bind(
+                addr,
+                opts.policy.clone(),
+                shared_policy.clone(),
+                ctx.clone(),
+            )
+            .await
+            .with_context(|| {
+                format!(
+                    "binding the proxy listener for policy {} on {addr}",
+                    opts.policy
+                )
+            })?;
             let local = proxy.local_addr();
-            if local.is_ipv4() { listener4 = Some(local) } else { listener6 = Some(local) }
+            if local.is_ipv4() {
+                listener4 = Some(local)
+            } else {
+                listener6 = Some(local)
+            }
             let mut rx = shutdown_rx.clone();
             proxy_tasks.push(tokio::spawn(proxy.run(async move {
                 rx.wait_for(|v| *v).await.ok();
@@ -183,13 +222,23 @@ async fn run_async(
     let kpolicy = KernelPolicy::from_config(&policy, endpoint4, listener4, endpoint6, listener6)?;
 
     // 3. the cgroup and its entry. The guard removes both on every path from here on.
-    let name = format!("exec-{}-{}", std::process::id(), SEQ.fetch_add(1, Ordering::Relaxed));
+    let name = format!(
+        "exec-{}-{}",
+        std::process::id(),
+        SEQ.fetch_add(1, Ordering::Relaxed)
+    );
     let path = root.join(&name);
     std::fs::create_dir(&path).with_context(|| format!("creating cgroup {}", path.display()))?;
     let id = cgroup::cgroup_id(&path)?;
-    let guard = CgroupGuard { path: path.clone(), id, bpffs: bpffs.clone() };
+    let guard = CgroupGuard {
+        path: path.clone(),
+        id,
+        bpffs: bpffs.clone(),
+    };
     enforcement.state.set_policy(id, &kpolicy)?;
-    enforcement.state.set_name(id, &opts.policy, &format!("exec:{}", std::process::id()))?;
+    enforcement
+        .state
+        .set_name(id, &opts.policy, &format!("exec:{}", std::process::id()))?;
     let names = enforcement.state;
 
     // Kernel denial events of this run (if no daemon consumes the ring buffer).
@@ -252,12 +301,18 @@ async fn run_async(
     })
 }
 
-fn drain_events(ring: Option<&mut bpf::events::KernelEvents>, sink: &EventSink, names: &PinnedState) {
+fn drain_events(
+    ring: Option<&mut bpf::events::KernelEvents>,
+    sink: &EventSink,
+    names: &PinnedState,
+) {
     let Some(ring) = ring else { return };
     for ev in ring.drain() {
         // This exec holds the ring: no daemon runs, so events of other cgroups (other execs)
         // would be lost otherwise; they are logged with the policy their writer recorded.
-        let policy = names.name(ev.cgroup_id).map_or_else(|| "unknown".to_owned(), |(p, _)| p);
+        let policy = names
+            .name(ev.cgroup_id)
+            .map_or_else(|| "unknown".to_owned(), |(p, _)| p);
         sink.emit(bpf::events::to_denial(&ev, ring.time_of(&ev), &policy));
     }
 }
@@ -271,13 +326,20 @@ pub fn child(cgroup_dir: &Path, drop_net_raw: bool, command: &[OsString]) -> i32
         return 127;
     }
     if let Err(e) = cgroup::move_pid(cgroup_dir, 0) {
-        eprintln!("egress-agent: cannot enter cgroup {}: {e}", cgroup_dir.display());
+        eprintln!(
+            "egress-agent: cannot enter cgroup {}: {e}",
+            cgroup_dir.display()
+        );
         return 127;
     }
     match cgroup::cgroup_of_pid(std::process::id()) {
         Ok(now) if now == cgroup_dir => {}
         Ok(now) => {
-            eprintln!("egress-agent: not in {} after moving (in {})", cgroup_dir.display(), now.display());
+            eprintln!(
+                "egress-agent: not in {} after moving (in {})",
+                cgroup_dir.display(),
+                now.display()
+            );
             return 127;
         }
         Err(e) => {
@@ -290,6 +352,13 @@ pub fn child(cgroup_dir: &Path, drop_net_raw: bool, command: &[OsString]) -> i32
         return 127;
     };
     let err = std::process::Command::new(prog).args(args).exec();
-    eprintln!("egress-agent: cannot execute {}: {err}", Path::new(prog).display());
-    if err.kind() == std::io::ErrorKind::NotFound { 127 } else { 126 }
+    eprintln!(
+        "egress-agent: cannot execute {}: {err}",
+        Path::new(prog).display()
+    );
+    if err.kind() == std::io::ErrorKind::NotFound {
+        127
+    } else {
+        126
+    }
 }

@@ -89,7 +89,9 @@ pub fn attached_programs(cgroup_dir: &Path) -> std::io::Result<BTreeMap<String, 
         ("sock_create", at::CGROUP_INET_SOCK_CREATE),
         ("lsm_cgroup", at::LSM_CGROUP),
     ] {
-        let n = bpf::sys::query_cgroup_programs(&dir, t).map(|v| v.len()).unwrap_or(0);
+        let n = bpf::sys::query_cgroup_programs(&dir, t)
+            .map(|v| v.len())
+            .unwrap_or(0);
         out.insert(name.to_owned(), n);
     }
     Ok(out)
@@ -97,13 +99,23 @@ pub fn attached_programs(cgroup_dir: &Path) -> std::io::Result<BTreeMap<String, 
 
 /// Collect the status from the pins under `bpffs`.
 pub fn collect(bpffs: &Path) -> Result<Status, bpf::BpfError> {
-    let ids = cgroup::cgroup2_mount().map(|m| cgroup::all_ids(&m)).unwrap_or_default();
+    let ids = cgroup::cgroup2_mount()
+        .map(|m| cgroup::all_ids(&m))
+        .unwrap_or_default();
     let roots: Vec<RootStatus> = bpf::loader::pinned_roots(bpffs)
         .into_iter()
         .map(|(id, links)| {
             let path = ids.get(&id).cloned();
-            let attached = path.as_deref().and_then(|p| attached_programs(p).ok()).unwrap_or_default();
-            RootStatus { cgroup_id: id, path, pinned_links: links, attached }
+            let attached = path
+                .as_deref()
+                .and_then(|p| attached_programs(p).ok())
+                .unwrap_or_default();
+            RootStatus {
+                cgroup_id: id,
+                path,
+                pinned_links: links,
+                attached,
+            }
         })
         .collect();
     let st = match PinnedState::open(bpffs) {
@@ -129,7 +141,9 @@ pub fn collect(bpffs: &Path) -> Result<Status, bpf::BpfError> {
     for id in all {
         let c = st.counters(id)?;
         let entry = policies.get(&id);
-        let (policy, owner) = st.name(id).map_or((None, None), |(p, o)| (Some(p), Some(o)));
+        let (policy, owner) = st
+            .name(id)
+            .map_or((None, None), |(p, o)| (Some(p), Some(o)));
         cgroups.push(CgroupStatus {
             cgroup_id: id,
             policy,
@@ -165,10 +179,30 @@ pub fn collect(bpffs: &Path) -> Result<Status, bpf::BpfError> {
 pub fn render(s: &Status) -> String {
     use std::fmt::Write as _;
     let mut out = String::new();
-    writeln!(out, "bpffs: {} ({})", s.bpffs.display(), if s.loaded { "maps pinned" } else { "nothing loaded" }).ok();
+    writeln!(
+        out,
+        "bpffs: {} ({})",
+        s.bpffs.display(),
+        if s.loaded {
+            "maps pinned"
+        } else {
+            "nothing loaded"
+        }
+    )
+    .ok();
     for r in &s.roots {
-        let path = r.path.as_ref().map_or("(gone)".to_owned(), |p| p.display().to_string());
-        writeln!(out, "root {} {}: links [{}]", r.cgroup_id, path, r.pinned_links.join(", ")).ok();
+        let path = r
+            .path
+            .as_ref()
+            .map_or("(gone)".to_owned(), |p| p.display().to_string());
+        writeln!(
+            out,
+            "root {} {}: links [{}]",
+            r.cgroup_id,
+            path,
+            r.pinned_links.join(", ")
+        )
+        .ok();
         let attached: Vec<String> = r.attached.iter().map(|(k, v)| format!("{k}={v}")).collect();
         writeln!(out, "  attached: {}", attached.join(" ")).ok();
     }
@@ -181,14 +215,18 @@ pub fn render(s: &Status) -> String {
                 p.name,
                 p.run_count,
                 p.run_time_ns as f64 / p.run_count as f64
-            ).ok();
+            )
+            .ok();
         }
     }
     if s.cgroups.is_empty() {
         writeln!(out, "no enforced cgroups").ok();
     }
     for c in &s.cgroups {
-        let path = c.path.as_ref().map_or("(gone)".to_owned(), |p| p.display().to_string());
+        let path = c
+            .path
+            .as_ref()
+            .map_or("(gone)".to_owned(), |p| p.display().to_string());
         writeln!(
             out,
             "cgroup {} {}: policy {} ({}) owner {} listener [{}] allowed {} denied {} proxied {} events_lost {}",

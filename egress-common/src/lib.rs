@@ -40,7 +40,14 @@ pub mod programs {
     pub const LSM_SOCKET_CREATE: &str = "egress_lsm_socket_create";
 
     /// Programs attached to every enforcement root (the LSM one is attached when available).
-    pub const CGROUP: [&str; 6] = [CONNECT4, CONNECT6, SENDMSG4, SENDMSG6, SKB_EGRESS, SOCK_CREATE];
+    pub const CGROUP: [&str; 6] = [
+        CONNECT4,
+        CONNECT6,
+        SENDMSG4,
+        SENDMSG6,
+        SKB_EGRESS,
+        SOCK_CREATE,
+    ];
 }
 
 /// Capacity of [`maps::POLICIES`] and [`maps::COUNTERS`].
@@ -143,13 +150,19 @@ pub const CIDR_ID_BITS: u32 = 64;
 
 impl Cidr4Data {
     pub const fn new(rules_id: u64, addr_be: u32) -> Self {
-        Self { id: split_id(rules_id), addr: addr_be }
+        Self {
+            id: split_id(rules_id),
+            addr: addr_be,
+        }
     }
 }
 
 impl Cidr6Data {
     pub const fn new(rules_id: u64, addr_be: [u32; 4]) -> Self {
-        Self { id: split_id(rules_id), addr: addr_be }
+        Self {
+            id: split_id(rules_id),
+            addr: addr_be,
+        }
     }
 }
 
@@ -181,7 +194,12 @@ pub struct CidrRule {
 
 impl Default for CidrRule {
     fn default() -> Self {
-        Self { action: CIDR_DENY, protos: 0, nports: 0, ports: [0; MAX_RULE_PORTS] }
+        Self {
+            action: CIDR_DENY,
+            protos: 0,
+            nports: 0,
+            ports: [0; MAX_RULE_PORTS],
+        }
     }
 }
 

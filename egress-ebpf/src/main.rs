@@ -12,7 +12,7 @@
 //!   Open `sendto(MSG_FASTOPEN)`, which goes through `__inet_stream_connect` → `pre_connect`, and
 //!   io_uring `IORING_OP_CONNECT`, which calls `__sys_connect_file`) and a UDP connect can be
 //!   refused with EPERM and the proxy endpoint rewritten to the cgroup's own listener.
-//!   https://github.com/torvalds/linux/blob/v6.18/net/ipv4/af_inet.c#L736 (`__inet_stream_connect`)
+//!   https://github.com/torvalds/linux/blob/v6.18/net/ipv4/af_inet.c (`__inet_stream_connect` → `pre_connect`)
 //! - `cgroup/sendmsg4`, `cgroup/sendmsg6` (4.18): unconnected UDP `sendto`/`sendmsg` (connected
 //!   UDP skips them, hence the UDP checks in connect4/6).
 //!   https://github.com/torvalds/linux/blob/v6.18/net/ipv4/udp.c (`udp_sendmsg`)
@@ -53,8 +53,8 @@ use egress_common::{
     Event, GlobalConfig, HOOK_CONNECT4, HOOK_CONNECT6, HOOK_LSM_SOCKET_CREATE, HOOK_SENDMSG4,
     HOOK_SENDMSG6, HOOK_SKB_EGRESS, HOOK_SOCK_CREATE, MAX_CGROUP_DEPTH, MAX_CGROUPS, MAX_CIDRS,
     MAX_RULE_PORTS, MODE_ALLOW_ALL, MODE_ALLOWLIST, POLICY_FLAG_V6, PROTO_BIT_TCP, PROTO_BIT_UDP,
-    PolicyEntry, PolicyName, REASON_DENY_CIDR, REASON_HOST_LOOPBACK, REASON_NO_LISTENER, REASON_NO_POLICY,
-    REASON_NOT_ALLOWED, REASON_SOCKET_TYPE,
+    PolicyEntry, PolicyName, REASON_DENY_CIDR, REASON_HOST_LOOPBACK, REASON_NO_LISTENER,
+    REASON_NO_POLICY, REASON_NOT_ALLOWED, REASON_SOCKET_TYPE,
 };
 
 // Verdicts of cgroup programs and BPF_LSM_CGROUP programs: 1 = allow, 0 = deny (EPERM / drop).
@@ -154,7 +154,10 @@ fn find_policy(ancestor: impl Fn(i32) -> u64) -> Result<Found, u64> {
         if id != 0
             && let Some(entry) = POLICIES.get_ptr(&id)
         {
-            return Ok(Found { cgroup_id: id, entry });
+            return Ok(Found {
+                cgroup_id: id,
+                entry,
+            });
         }
         level -= 1;
     }
@@ -167,7 +170,10 @@ fn policy_of_current() -> Result<Found, u64> {
     // SAFETY: helper without arguments.
     let own = unsafe { bpf_get_current_cgroup_id() };
     if let Some(entry) = POLICIES.get_ptr(&own) {
-        return Ok(Found { cgroup_id: own, entry });
+        return Ok(Found {
+            cgroup_id: own,
+            entry,
+        });
     }
     // SAFETY: helper without pointer arguments.
     find_policy(|level| unsafe { bpf_get_current_ancestor_cgroup_id(level) })
@@ -178,7 +184,10 @@ fn policy_of_skb(skb: *mut __sk_buff) -> Result<Found, u64> {
     // SAFETY: `skb` is the program context.
     let own = unsafe { bpf_skb_cgroup_id(skb) };
     if let Some(entry) = POLICIES.get_ptr(&own) {
-        return Ok(Found { cgroup_id: own, entry });
+        return Ok(Found {
+            cgroup_id: own,
+            entry,
+        });
     }
     // SAFETY: `skb` is the program context.
     find_policy(|level| unsafe { bpf_skb_ancestor_cgroup_id(skb, level) })
@@ -289,7 +298,11 @@ fn is_docker_dns(addr_be: u32) -> bool {
 /// `::ffff:a.b.c.d` → `Some(a.b.c.d)` (network order).
 #[inline(always)]
 fn unmap_v4(a: &[u32; 4]) -> Option<u32> {
-    if a[0] == 0 && a[1] == 0 && u32::from_be(a[2]) == 0x0000_ffff { Some(a[3]) } else { None }
+    if a[0] == 0 && a[1] == 0 && u32::from_be(a[2]) == 0x0000_ffff {
+        Some(a[3])
+    } else {
+        None
+    }
 }
 
 /// `::1` or `::`.
@@ -420,13 +433,32 @@ pub fn egress_connect4(ctx: SockAddrContext) -> i32 {
 fn try_connect4(ctx: &SockAddrContext) -> Result<i32, i32> {
     let sa: *mut bpf_sock_addr = ctx.sock_addr;
     // SAFETY: ctx fields readable in connect4 (4-byte loads); user_ip4/user_port writable.
-    let (addr, port_be, sock_type, protocol) =
-        unsafe { ((*sa).user_ip4, (*sa).user_port as u16, (*sa).type_, (*sa).protocol) };
+    let (addr, port_be, sock_type, protocol) = unsafe {
+        (
+            (*sa).user_ip4,
+            (*sa).user_port as u16,
+            (*sa).type_,
+            (*sa).protocol,
+        )
+    };
     let port = u16::from_be(port_be);
-    let dst = |protocol| Dst { family: AF_INET, protocol, port, addr: [addr, 0, 0, 0] };
+    let dst = |protocol| Dst {
+        family: AF_INET,
+        protocol,
+        port,
+        addr: [addr, 0, 0, 0],
+    };
     let found = match policy_of_current() {
         Ok(f) => f,
-        Err(own) => return Ok(deny(own, HOOK_CONNECT4, REASON_NO_POLICY, &dst(protocol), true)),
+        Err(own) => {
+            return Ok(deny(
+                own,
+                HOOK_CONNECT4,
+                REASON_NO_POLICY,
+                &dst(protocol),
+                true,
+            ));
+        }
     };
     // SAFETY: map value pointer returned by a successful lookup.
     let p = unsafe { &*found.entry };
@@ -435,12 +467,24 @@ fn try_connect4(ctx: &SockAddrContext) -> Result<i32, i32> {
         return Ok(allow(cg));
     }
     let Some((bit, proto)) = proto_bit(sock_type, protocol) else {
-        return Ok(deny(cg, HOOK_CONNECT4, REASON_SOCKET_TYPE, &dst(protocol), true));
+        return Ok(deny(
+            cg,
+            HOOK_CONNECT4,
+            REASON_SOCKET_TYPE,
+            &dst(protocol),
+            true,
+        ));
     };
     if p.mode == MODE_ALLOWLIST && bit == PROTO_BIT_TCP {
         if addr == p.endpoint4_addr && port_be == p.endpoint4_port && p.endpoint4_port != 0 {
             if p.listener4_port == 0 {
-                return Ok(deny(cg, HOOK_CONNECT4, REASON_NO_LISTENER, &dst(proto), true));
+                return Ok(deny(
+                    cg,
+                    HOOK_CONNECT4,
+                    REASON_NO_LISTENER,
+                    &dst(proto),
+                    true,
+                ));
             }
             // SAFETY: user_ip4 and user_port are writable in connect4.
             unsafe {
@@ -475,17 +519,35 @@ fn try_connect6(ctx: &SockAddrContext) -> Result<i32, i32> {
     // SAFETY: ctx fields readable in connect6.
     let (addr, port_be, sock_type, protocol) = unsafe {
         (
-            [(*sa).user_ip6[0], (*sa).user_ip6[1], (*sa).user_ip6[2], (*sa).user_ip6[3]],
+            [
+                (*sa).user_ip6[0],
+                (*sa).user_ip6[1],
+                (*sa).user_ip6[2],
+                (*sa).user_ip6[3],
+            ],
             (*sa).user_port as u16,
             (*sa).type_,
             (*sa).protocol,
         )
     };
     let port = u16::from_be(port_be);
-    let dst = |protocol| Dst { family: AF_INET6, protocol, port, addr };
+    let dst = |protocol| Dst {
+        family: AF_INET6,
+        protocol,
+        port,
+        addr,
+    };
     let found = match policy_of_current() {
         Ok(f) => f,
-        Err(own) => return Ok(deny(own, HOOK_CONNECT6, REASON_NO_POLICY, &dst(protocol), true)),
+        Err(own) => {
+            return Ok(deny(
+                own,
+                HOOK_CONNECT6,
+                REASON_NO_POLICY,
+                &dst(protocol),
+                true,
+            ));
+        }
     };
     // SAFETY: map value pointer returned by a successful lookup.
     let p = unsafe { &*found.entry };
@@ -494,7 +556,13 @@ fn try_connect6(ctx: &SockAddrContext) -> Result<i32, i32> {
         return Ok(allow(cg));
     }
     let Some((bit, proto)) = proto_bit(sock_type, protocol) else {
-        return Ok(deny(cg, HOOK_CONNECT6, REASON_SOCKET_TYPE, &dst(protocol), true));
+        return Ok(deny(
+            cg,
+            HOOK_CONNECT6,
+            REASON_SOCKET_TYPE,
+            &dst(protocol),
+            true,
+        ));
     };
     // SAFETY: sock_addr context (bpf_get_netns_cookie since 5.7).
     let cookie = || unsafe { bpf_get_netns_cookie(ctx.as_ptr()) };
@@ -504,7 +572,13 @@ fn try_connect6(ctx: &SockAddrContext) -> Result<i32, i32> {
         if p.mode == MODE_ALLOWLIST && bit == PROTO_BIT_TCP {
             if v4 == p.endpoint4_addr && port_be == p.endpoint4_port && p.endpoint4_port != 0 {
                 if p.listener4_port == 0 {
-                    return Ok(deny(cg, HOOK_CONNECT6, REASON_NO_LISTENER, &dst(proto), true));
+                    return Ok(deny(
+                        cg,
+                        HOOK_CONNECT6,
+                        REASON_NO_LISTENER,
+                        &dst(proto),
+                        true,
+                    ));
                 }
                 // SAFETY: user_ip6 and user_port are writable in connect6.
                 unsafe {
@@ -527,7 +601,13 @@ fn try_connect6(ctx: &SockAddrContext) -> Result<i32, i32> {
     if p.mode == MODE_ALLOWLIST && bit == PROTO_BIT_TCP && p.flags & POLICY_FLAG_V6 != 0 {
         if addr == p.endpoint6_addr && port_be == p.endpoint6_port && p.endpoint6_port != 0 {
             if p.listener6_port == 0 {
-                return Ok(deny(cg, HOOK_CONNECT6, REASON_NO_LISTENER, &dst(proto), true));
+                return Ok(deny(
+                    cg,
+                    HOOK_CONNECT6,
+                    REASON_NO_LISTENER,
+                    &dst(proto),
+                    true,
+                ));
             }
             // SAFETY: user_ip6 and user_port are writable in connect6.
             unsafe {
@@ -576,14 +656,26 @@ fn try_sendmsg(ctx: &SockAddrContext, v6: bool) -> Result<i32, i32> {
     // SAFETY: ctx fields readable in sendmsg4/6 (user_ip6 only in sendmsg6).
     let (addr, port_be) = unsafe {
         if v6 {
-            ([(*sa).user_ip6[0], (*sa).user_ip6[1], (*sa).user_ip6[2], (*sa).user_ip6[3]],
-             (*sa).user_port as u16)
+            (
+                [
+                    (*sa).user_ip6[0],
+                    (*sa).user_ip6[1],
+                    (*sa).user_ip6[2],
+                    (*sa).user_ip6[3],
+                ],
+                (*sa).user_port as u16,
+            )
         } else {
             ([(*sa).user_ip4, 0, 0, 0], (*sa).user_port as u16)
         }
     };
     let port = u16::from_be(port_be);
-    let dst = Dst { family: if v6 { AF_INET6 } else { AF_INET }, protocol: IPPROTO_UDP, port, addr };
+    let dst = Dst {
+        family: if v6 { AF_INET6 } else { AF_INET },
+        protocol: IPPROTO_UDP,
+        port,
+        addr,
+    };
     let found = match policy_of_current() {
         Ok(f) => f,
         Err(own) => return Ok(deny(own, hook, REASON_NO_POLICY, &dst, true)),
@@ -639,7 +731,12 @@ fn try_sock_create(ctx: &SockContext) -> Result<i32, i32> {
     if socket_allowed(family, sock_type, protocol) {
         return Ok(ALLOW);
     }
-    let dst = Dst { family, protocol: sock_type, port: 0, addr: [0; 4] };
+    let dst = Dst {
+        family,
+        protocol: sock_type,
+        port: 0,
+        addr: [0; 4],
+    };
     let found = match policy_of_current() {
         Ok(f) => f,
         Err(own) => return Ok(deny(own, HOOK_SOCK_CREATE, REASON_NO_POLICY, &dst, true)),
@@ -649,7 +746,13 @@ fn try_sock_create(ctx: &SockContext) -> Result<i32, i32> {
     if p.mode == MODE_ALLOW_ALL {
         return Ok(ALLOW);
     }
-    Ok(deny(found.cgroup_id, HOOK_SOCK_CREATE, REASON_SOCKET_TYPE, &dst, true))
+    Ok(deny(
+        found.cgroup_id,
+        HOOK_SOCK_CREATE,
+        REASON_SOCKET_TYPE,
+        &dst,
+        true,
+    ))
 }
 
 /// `int security_socket_create(int family, int type, int protocol, int kern)`.
@@ -674,17 +777,36 @@ fn try_lsm_socket_create(ctx: &LsmContext) -> Result<i32, i32> {
     if socket_allowed(family, sock_type, protocol) {
         return Ok(ALLOW);
     }
-    let dst = Dst { family, protocol: sock_type, port: 0, addr: [0; 4] };
+    let dst = Dst {
+        family,
+        protocol: sock_type,
+        port: 0,
+        addr: [0; 4],
+    };
     let found = match policy_of_current() {
         Ok(f) => f,
-        Err(own) => return Ok(deny(own, HOOK_LSM_SOCKET_CREATE, REASON_NO_POLICY, &dst, true)),
+        Err(own) => {
+            return Ok(deny(
+                own,
+                HOOK_LSM_SOCKET_CREATE,
+                REASON_NO_POLICY,
+                &dst,
+                true,
+            ));
+        }
     };
     // SAFETY: map value pointer returned by a successful lookup.
     let p = unsafe { &*found.entry };
     if p.mode == MODE_ALLOW_ALL {
         return Ok(ALLOW);
     }
-    Ok(deny(found.cgroup_id, HOOK_LSM_SOCKET_CREATE, REASON_SOCKET_TYPE, &dst, true))
+    Ok(deny(
+        found.cgroup_id,
+        HOOK_LSM_SOCKET_CREATE,
+        REASON_SOCKET_TYPE,
+        &dst,
+        true,
+    ))
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -723,7 +845,12 @@ fn try_skb(ctx: &SkBuffContext) -> Result<i32, i32> {
     let found = match policy_of_skb(skb) {
         Ok(f) => f,
         Err(own) => {
-            let dst = Dst { family: 0, protocol: 0, port: 0, addr: [0; 4] };
+            let dst = Dst {
+                family: 0,
+                protocol: 0,
+                port: 0,
+                addr: [0; 4],
+            };
             return Ok(deny(own, HOOK_SKB_EGRESS, REASON_NO_POLICY, &dst, false));
         }
     };
@@ -750,7 +877,15 @@ fn try_skb(ctx: &SkBuffContext) -> Result<i32, i32> {
             } else {
                 Err(REASON_SOCKET_TYPE)
             };
-            (Dst { family: AF_INET, protocol: proto as u32, port, addr: [daddr, 0, 0, 0] }, verdict)
+            (
+                Dst {
+                    family: AF_INET,
+                    protocol: proto as u32,
+                    port,
+                    addr: [daddr, 0, 0, 0],
+                },
+                verdict,
+            )
         }
         6 => {
             let next: u8 = ctx.load(6).map_err(|_| DENY)?;
@@ -768,9 +903,25 @@ fn try_skb(ctx: &SkBuffContext) -> Result<i32, i32> {
             } else {
                 Err(REASON_SOCKET_TYPE)
             };
-            (Dst { family: AF_INET6, protocol: next as u32, port, addr: a }, verdict)
+            (
+                Dst {
+                    family: AF_INET6,
+                    protocol: next as u32,
+                    port,
+                    addr: a,
+                },
+                verdict,
+            )
         }
-        _ => (Dst { family: 0, protocol: 0, port: 0, addr: [0; 4] }, Err(REASON_SOCKET_TYPE)),
+        _ => (
+            Dst {
+                family: 0,
+                protocol: 0,
+                port: 0,
+                addr: [0; 4],
+            },
+            Err(REASON_SOCKET_TYPE),
+        ),
     };
     match verdict {
         Ok(()) => Ok(ALLOW),

@@ -22,23 +22,48 @@ fn profile_dir() -> PathBuf {
     }
 }
 
+/// `$env`, else the most recently built of `target/{debug,release}/<name>` (`cargo xtask test`
+/// builds the release agent and runs the tests in the debug profile).
 fn locate(env: &str, name: &str, hint: &str) -> PathBuf {
     if let Some(p) = std::env::var_os(env) {
         return PathBuf::from(p);
     }
-    let p = profile_dir().join(name);
-    assert!(p.exists(), "{} not found at {} (set {env}, or build it: {hint})", name, p.display());
-    p
+    let own = profile_dir();
+    let target = own.parent().map(Path::to_path_buf).unwrap_or_else(|| own.clone());
+    let candidates = [
+        own.join(name),
+        target.join("debug").join(name),
+        target.join("release").join(name),
+    ];
+    candidates
+        .into_iter()
+        .filter_map(|p| {
+            let t = std::fs::metadata(&p).and_then(|m| m.modified()).ok()?;
+            Some((t, p))
+        })
+        .max_by_key(|(t, _)| *t)
+        .map(|(_, p)| p)
+        .unwrap_or_else(|| {
+            panic!("{name} not found near {} (set {env}, or build it: {hint})", own.display())
+        })
 }
 
 /// The `egress-agent` binary under test.
 pub fn agent_bin() -> PathBuf {
-    locate("EGRESS_AGENT_BIN", "egress-agent", "cargo build -p egress-agent")
+    locate(
+        "EGRESS_AGENT_BIN",
+        "egress-agent",
+        "cargo build -p egress-agent",
+    )
 }
 
 /// The `egress-probe` binary.
 pub fn probe_bin() -> PathBuf {
-    locate("EGRESS_PROBE_BIN", "egress-probe", "cargo build -p egress-tests --bins")
+    locate(
+        "EGRESS_PROBE_BIN",
+        "egress-probe",
+        "cargo build -p egress-tests --bins",
+    )
 }
 
 /// The cgroup2 mount, from /proc/self/mountinfo.
@@ -74,14 +99,27 @@ pub struct TestConfig {
 impl TestConfig {
     /// `[proxy] endpoint = 127.0.0.1:<free port>` plus `extra` TOML (policies).
     pub fn new(extra: &str) -> TestConfig {
-        let dir = std::env::temp_dir().join(format!("egress-tests-{}-{}", std::process::id(), crate::marker("cfg")));
+        let dir = std::env::temp_dir().join(format!(
+            "egress-tests-{}-{}",
+            std::process::id(),
+            crate::marker("cfg")
+        ));
         std::fs::create_dir_all(&dir).expect("temp dir");
         // A port nothing listens on: the endpoint is only ever rewritten, never bound.
-        let endpoint_port = std::net::TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).expect("port").port();
+        let endpoint_port = std::net::TcpListener::bind("127.0.0.1:0")
+            .and_then(|l| l.local_addr())
+            .expect("port")
+            .port();
         let path = dir.join("config.toml");
         let text = format!("[proxy]\nendpoint = \"127.0.0.1:{endpoint_port}\"\n\n{extra}\n");
-        File::create(&path).and_then(|mut f| f.write_all(text.as_bytes())).expect("write config");
-        TestConfig { dir, path, endpoint_port }
+        File::create(&path)
+            .and_then(|mut f| f.write_all(text.as_bytes()))
+            .expect("write config");
+        TestConfig {
+            dir,
+            path,
+            endpoint_port,
+        }
     }
 }
 
@@ -115,14 +153,22 @@ impl From<Output> for ProbeOut {
 
 /// Run the probe in the caller's cgroup (unconfined).
 pub fn probe_outside(args: &[&str]) -> ProbeOut {
-    Command::new(probe_bin()).args(args).stdin(Stdio::null()).output().expect("run probe").into()
+    Command::new(probe_bin())
+        .args(args)
+        .stdin(Stdio::null())
+        .output()
+        .expect("run probe")
+        .into()
 }
 
 /// Run the probe under `egress-agent exec --policy <policy> [--config <config>]`.
 pub fn probe_exec(policy: &str, config: Option<&Path>, args: &[&str]) -> ProbeOut {
     let mut cmd = exec_cmd(policy, config);
     cmd.arg(probe_bin()).args(args);
-    cmd.stdin(Stdio::null()).output().expect("run egress-agent exec").into()
+    cmd.stdin(Stdio::null())
+        .output()
+        .expect("run egress-agent exec")
+        .into()
 }
 
 /// `egress-agent exec --policy P [--config F] --` (append the command).
@@ -138,8 +184,15 @@ pub fn exec_cmd(policy: &str, config: Option<&Path>) -> Command {
 
 /// `egress-agent status --json`, parsed.
 pub fn status_json() -> serde_json::Value {
-    let out = Command::new(agent_bin()).args(["status", "--json"]).output().expect("status");
-    assert!(out.status.success(), "status failed: {}", String::from_utf8_lossy(&out.stderr));
+    let out = Command::new(agent_bin())
+        .args(["status", "--json"])
+        .output()
+        .expect("status");
+    assert!(
+        out.status.success(),
+        "status failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     serde_json::from_slice(&out.stdout).expect("status json")
 }
 
@@ -187,7 +240,11 @@ pub fn attached_programs(cgroup: &Path, attach_type: u32) -> Vec<u32> {
     // SAFETY: BPF_PROG_QUERY (16) with a correctly laid out attr; prog_ids and prog_attach_flags
     // have prog_cnt slots.
     let rc = unsafe { libc::syscall(libc::SYS_bpf, 16, &raw mut attr, size_of::<Attr>() as u32) };
-    assert!(rc == 0, "BPF_PROG_QUERY: {}", std::io::Error::last_os_error());
+    assert!(
+        rc == 0,
+        "BPF_PROG_QUERY: {}",
+        std::io::Error::last_os_error()
+    );
     ids.truncate(attr.prog_cnt.min(64) as usize);
     ids
 }

@@ -41,7 +41,8 @@ fn bind_tcp(addr: SocketAddr) -> TcpListener {
 
 fn bind_udp(addr: SocketAddr) -> UdpSocket {
     let u = UdpSocket::bind(addr).unwrap_or_else(|e| panic!("canary: bind udp {addr}: {e}"));
-    u.set_read_timeout(Some(Duration::from_millis(50))).expect("timeout");
+    u.set_read_timeout(Some(Duration::from_millis(50)))
+        .expect("timeout");
     u
 }
 
@@ -49,8 +50,18 @@ fn bind_udp(addr: SocketAddr) -> UdpSocket {
 fn packet_capture(ifname: &str) -> OwnedFd {
     let proto = (libc::ETH_P_ALL as u16).to_be();
     // SAFETY: plain socket(2).
-    let fd = unsafe { libc::socket(libc::AF_PACKET, libc::SOCK_RAW | libc::SOCK_CLOEXEC, i32::from(proto)) };
-    assert!(fd >= 0, "capture socket: {}", std::io::Error::last_os_error());
+    let fd = unsafe {
+        libc::socket(
+            libc::AF_PACKET,
+            libc::SOCK_RAW | libc::SOCK_CLOEXEC,
+            i32::from(proto),
+        )
+    };
+    assert!(
+        fd >= 0,
+        "capture socket: {}",
+        std::io::Error::last_os_error()
+    );
     // SAFETY: fd is a fresh socket we own.
     let fd = unsafe { OwnedFd::from_raw_fd(fd) };
     let name = std::ffi::CString::new(ifname).expect("ifname");
@@ -64,10 +75,17 @@ fn packet_capture(ifname: &str) -> OwnedFd {
     sll.sll_ifindex = idx as i32;
     // SAFETY: valid sockaddr_ll and its size.
     let rc = unsafe {
-        libc::bind(fd.as_raw_fd(), (&raw const sll).cast(), size_of::<libc::sockaddr_ll>() as u32)
+        libc::bind(
+            fd.as_raw_fd(),
+            (&raw const sll).cast(),
+            size_of::<libc::sockaddr_ll>() as u32,
+        )
     };
     assert!(rc == 0, "bind capture: {}", std::io::Error::last_os_error());
-    let tv = libc::timeval { tv_sec: 0, tv_usec: 50_000 };
+    let tv = libc::timeval {
+        tv_sec: 0,
+        tv_usec: 50_000,
+    };
     // SAFETY: valid timeval and its size.
     unsafe {
         libc::setsockopt(
@@ -96,7 +114,8 @@ fn syn_port(frame: &[u8]) -> Option<u16> {
         return None;
     }
     let flags = frame[l4 + 13];
-    (flags & 0x02 != 0 && flags & 0x10 == 0).then(|| u16::from_be_bytes([frame[l4 + 2], frame[l4 + 3]]))
+    (flags & 0x02 != 0 && flags & 0x10 == 0)
+        .then(|| u16::from_be_bytes([frame[l4 + 2], frame[l4 + 3]]))
 }
 
 impl Canary {
@@ -104,8 +123,14 @@ impl Canary {
         let rec = Arc::new(Mutex::new(Record::default()));
         let stop = Arc::new(AtomicBool::new(false));
         let mut threads = Vec::new();
-        let tcp_ports = tcps.iter().map(|l| l.local_addr().expect("addr").port()).collect();
-        let udp_ports = udps.iter().map(|u| u.local_addr().expect("addr").port()).collect();
+        let tcp_ports = tcps
+            .iter()
+            .map(|l| l.local_addr().expect("addr").port())
+            .collect();
+        let udp_ports = udps
+            .iter()
+            .map(|u| u.local_addr().expect("addr").port())
+            .collect();
         for l in tcps {
             let (rec, stop) = (rec.clone(), stop.clone());
             threads.push(std::thread::spawn(move || {
@@ -151,7 +176,9 @@ impl Canary {
                 let mut buf = vec![0u8; 65536];
                 while !stop.load(Ordering::Relaxed) {
                     // SAFETY: buffer and its length.
-                    let n = unsafe { libc::recv(fd.as_raw_fd(), buf.as_mut_ptr().cast(), buf.len(), 0) };
+                    let n = unsafe {
+                        libc::recv(fd.as_raw_fd(), buf.as_mut_ptr().cast(), buf.len(), 0)
+                    };
                     if n > 0 {
                         let frame = buf[..n as usize].to_vec();
                         let mut r = rec.lock().expect("lock");
@@ -163,7 +190,13 @@ impl Canary {
                 }
             }));
         }
-        Canary { rec, stop, threads, tcp_ports, udp_ports }
+        Canary {
+            rec,
+            stop,
+            threads,
+            tcp_ports,
+            udp_ports,
+        }
     }
 
     /// Listeners inside `ns` on [::]:port (dual stack) for each port, plus a capture on the
@@ -171,8 +204,14 @@ impl Canary {
     pub fn in_netns(ns: &Netns, tcp: &[u16], udp: &[u16]) -> Canary {
         let (tcp, udp, ifname) = (tcp.to_vec(), udp.to_vec(), ns.ns_if.clone());
         let (tcps, udps, cap) = ns.run(move || {
-            let tcps: Vec<TcpListener> = tcp.iter().map(|p| bind_tcp(format!("[::]:{p}").parse().expect("addr"))).collect();
-            let udps: Vec<UdpSocket> = udp.iter().map(|p| bind_udp(format!("[::]:{p}").parse().expect("addr"))).collect();
+            let tcps: Vec<TcpListener> = tcp
+                .iter()
+                .map(|p| bind_tcp(format!("[::]:{p}").parse().expect("addr")))
+                .collect();
+            let udps: Vec<UdpSocket> = udp
+                .iter()
+                .map(|p| bind_udp(format!("[::]:{p}").parse().expect("addr")))
+                .collect();
             (tcps, udps, packet_capture(&ifname))
         });
         Canary::start(tcps, udps, Some(cap))
@@ -181,14 +220,24 @@ impl Canary {
     /// Listeners on the host's loopback: TCP and UDP on 127.0.0.1 and [::1], kernel-chosen
     /// ports (see `tcp_ports` / `udp_ports`: [v4, v6]).
     pub fn loopback() -> Canary {
-        let tcps = vec![bind_tcp("127.0.0.1:0".parse().expect("a")), bind_tcp("[::1]:0".parse().expect("a"))];
-        let udps = vec![bind_udp("127.0.0.1:0".parse().expect("a")), bind_udp("[::1]:0".parse().expect("a"))];
+        let tcps = vec![
+            bind_tcp("127.0.0.1:0".parse().expect("a")),
+            bind_tcp("[::1]:0".parse().expect("a")),
+        ];
+        let udps = vec![
+            bind_udp("127.0.0.1:0".parse().expect("a")),
+            bind_udp("[::1]:0".parse().expect("a")),
+        ];
         Canary::start(tcps, udps, None)
     }
 
     /// Listeners on specific addresses in the caller's namespace.
     pub fn on(tcp: &[SocketAddr], udp: &[SocketAddr]) -> Canary {
-        Canary::start(tcp.iter().map(|a| bind_tcp(*a)).collect(), udp.iter().map(|a| bind_udp(*a)).collect(), None)
+        Canary::start(
+            tcp.iter().map(|a| bind_tcp(*a)).collect(),
+            udp.iter().map(|a| bind_udp(*a)).collect(),
+            None,
+        )
     }
 
     /// Did anything carrying `marker` arrive (TCP data, UDP datagram, captured frame)?
@@ -221,7 +270,13 @@ impl Canary {
 
     /// TCP SYNs to `port` seen by the capture so far.
     pub fn syns_to(&self, port: u16) -> usize {
-        self.rec.lock().expect("lock").syns.iter().filter(|p| **p == port).count()
+        self.rec
+            .lock()
+            .expect("lock")
+            .syns
+            .iter()
+            .filter(|p| **p == port)
+            .count()
     }
 }
 

@@ -27,7 +27,10 @@ pub struct Netns {
 static SEQ: AtomicU32 = AtomicU32::new(0);
 
 impl Netns {
-    #[expect(clippy::new_without_default, reason = "creating a namespace is not a default value")]
+    #[expect(
+        clippy::new_without_default,
+        reason = "creating a namespace is not a default value"
+    )]
     pub fn new() -> Netns {
         let n = SEQ.fetch_add(1, Ordering::Relaxed);
         let pid = std::process::id();
@@ -46,18 +49,33 @@ impl Netns {
             ns_v6_ll: "fe80::19:2".parse().expect("v6"),
         };
         sh(&format!("ip netns add {}", ns.name));
-        sh(&format!("ip link add {} type veth peer name {}", ns.host_if, ns.ns_if));
+        sh(&format!(
+            "ip link add {} type veth peer name {}",
+            ns.host_if, ns.ns_if
+        ));
         sh(&format!("ip link set {} netns {}", ns.ns_if, ns.name));
         sh(&format!("ip addr add {}/24 dev {}", ns.host_v4, ns.host_if));
-        sh(&format!("ip -6 addr add {}/64 dev {} nodad", ns.host_v6, ns.host_if));
+        sh(&format!(
+            "ip -6 addr add {}/64 dev {} nodad",
+            ns.host_v6, ns.host_if
+        ));
         sh(&format!("ip link set {} up", ns.host_if));
         let inside = |c: &str| sh(&format!("ip netns exec {} {c}", ns.name));
         inside("ip link set lo up");
         inside(&format!("ip addr add {}/24 dev {}", ns.ns_v4, ns.ns_if));
         inside(&format!("ip addr add {}/24 dev {}", ns.ns_v4_alt, ns.ns_if));
-        inside(&format!("ip -6 addr add {}/64 dev {} nodad", ns.ns_v6, ns.ns_if));
-        inside(&format!("ip -6 addr add {}/64 dev {} nodad", ns.ns_v6_alt, ns.ns_if));
-        inside(&format!("ip -6 addr add {}/64 dev {} nodad", ns.ns_v6_ll, ns.ns_if));
+        inside(&format!(
+            "ip -6 addr add {}/64 dev {} nodad",
+            ns.ns_v6, ns.ns_if
+        ));
+        inside(&format!(
+            "ip -6 addr add {}/64 dev {} nodad",
+            ns.ns_v6_alt, ns.ns_if
+        ));
+        inside(&format!(
+            "ip -6 addr add {}/64 dev {} nodad",
+            ns.ns_v6_ll, ns.ns_if
+        ));
         inside(&format!("ip link set {} up", ns.ns_if));
         inside(&format!("ip route add default dev {}", ns.ns_if));
         inside(&format!("ip -6 route add default dev {}", ns.ns_if));

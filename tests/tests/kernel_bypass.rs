@@ -30,14 +30,25 @@ struct Case {
 }
 
 fn case(name: &'static str, threat: u8, args: &[&str], tcp_port: Option<u16>) -> Case {
-    Case { name, threat, args: args.iter().map(|s| s.to_string()).collect(), tcp_port, lo: false }
+    Case {
+        name,
+        threat,
+        args: args.iter().map(|s| s.to_string()).collect(),
+        tcp_port,
+        lo: false,
+    }
 }
 
 fn matrix(ns: &Netns, lo: &Canary) -> Vec<Case> {
     let v4 = ns.ns_v4.to_string();
     let v6 = ns.ns_v6.to_string();
     let ll = ns.ns_v6_ll.to_string();
-    let (tcp, udp, dns, quic) = (TCP.to_string(), UDP.to_string(), DNS.to_string(), QUIC.to_string());
+    let (tcp, udp, dns, quic) = (
+        TCP.to_string(),
+        UDP.to_string(),
+        DNS.to_string(),
+        QUIC.to_string(),
+    );
     let (lo_tcp4, lo_tcp6) = (lo.tcp_ports[0].to_string(), lo.tcp_ports[1].to_string());
     let (lo_udp4, lo_udp6) = (lo.udp_ports[0].to_string(), lo.udp_ports[1].to_string());
     let mut cases = vec![
@@ -45,35 +56,87 @@ fn matrix(ns: &Netns, lo: &Canary) -> Vec<Case> {
         case("tcp-v4", 1, &["tcp", &v4, &tcp, "{M}"], Some(TCP)),
         case("tcp-v6", 1, &["tcp", &v6, &tcp, "{M}"], Some(TCP)),
         // 2. v4-mapped v6, dual stack, link-local, loopback.
-        case("tcp-v4-mapped", 2, &["tcp-mapped", &v4, &tcp, "{M}"], Some(TCP)),
-        case("tcp-v6-link-local", 2, &["tcp-scoped", &ll, &ns.host_if, &tcp, "{M}"], Some(TCP)),
+        case(
+            "tcp-v4-mapped",
+            2,
+            &["tcp-mapped", &v4, &tcp, "{M}"],
+            Some(TCP),
+        ),
+        case(
+            "tcp-v6-link-local",
+            2,
+            &["tcp-scoped", &ll, &ns.host_if, &tcp, "{M}"],
+            Some(TCP),
+        ),
         case("udp-v4-mapped", 2, &["udp-mapped", &v4, &udp, "{M}"], None),
         // 3. UDP: sendto, connected, DNS, QUIC port.
         case("udp-v4-sendto", 3, &["udp", &v4, &udp, "{M}"], None),
         case("udp-v6-sendto", 3, &["udp", &v6, &udp, "{M}"], None),
-        case("udp-v4-connected", 3, &["udp-connected", &v4, &udp, "{M}"], None),
-        case("udp-v6-connected", 3, &["udp-connected", &v6, &udp, "{M}"], None),
+        case(
+            "udp-v4-connected",
+            3,
+            &["udp-connected", &v4, &udp, "{M}"],
+            None,
+        ),
+        case(
+            "udp-v6-connected",
+            3,
+            &["udp-connected", &v6, &udp, "{M}"],
+            None,
+        ),
         case("udp-dns", 3, &["udp", &v4, &dns, "{M}"], None),
         case("udp-quic", 3, &["udp", &v6, &quic, "{M}"], None),
         // 4. raw sockets and AF_PACKET.
         case("raw-icmp", 4, &["icmp-raw", &v4, "{M}"], None),
         case("ping", 4, &["ping", &v4, "{M}"], None),
-        case("raw-tcp-syn", 4, &["tcp-raw-syn", &v4, &tcp, "{M}"], Some(TCP)),
+        case(
+            "raw-tcp-syn",
+            4,
+            &["tcp-raw-syn", &v4, &tcp, "{M}"],
+            Some(TCP),
+        ),
         case("ip-hdrincl", 4, &["hdrincl", &v4, &udp, "{M}"], None),
-        case("af-packet", 4, &["packet", &ns.host_if, &v4, &udp, "{M}"], None),
+        case(
+            "af-packet",
+            4,
+            &["packet", &ns.host_if, &v4, &udp, "{M}"],
+            None,
+        ),
         // 5. TCP Fast Open, io_uring.
         case("tcp-fast-open", 5, &["tfo", &v4, &tcp, "{M}"], Some(TCP)),
-        case("io-uring-connect", 5, &["uring-connect", &v4, &tcp, "{M}"], Some(TCP)),
-        case("io-uring-sendmsg", 5, &["uring-sendto", &v4, &udp, "{M}"], None),
+        case(
+            "io-uring-connect",
+            5,
+            &["uring-connect", &v4, &tcp, "{M}"],
+            Some(TCP),
+        ),
+        case(
+            "io-uring-sendmsg",
+            5,
+            &["uring-sendto", &v4, &udp, "{M}"],
+            None,
+        ),
     ];
     // 2. the host's own loopback (exec runs in the host network namespace).
     for (name, args) in [
-        ("host-loopback-tcp-v4", vec!["tcp", "127.0.0.1", &lo_tcp4, "{M}"]),
+        (
+            "host-loopback-tcp-v4",
+            vec!["tcp", "127.0.0.1", &lo_tcp4, "{M}"],
+        ),
         ("host-loopback-tcp-v6", vec!["tcp", "::1", &lo_tcp6, "{M}"]),
-        ("host-loopback-tcp-mapped", vec!["tcp-mapped", "127.0.0.1", &lo_tcp4, "{M}"]),
-        ("host-loopback-udp-v4", vec!["udp", "127.0.0.1", &lo_udp4, "{M}"]),
+        (
+            "host-loopback-tcp-mapped",
+            vec!["tcp-mapped", "127.0.0.1", &lo_tcp4, "{M}"],
+        ),
+        (
+            "host-loopback-udp-v4",
+            vec!["udp", "127.0.0.1", &lo_udp4, "{M}"],
+        ),
         ("host-loopback-udp-v6", vec!["udp", "::1", &lo_udp6, "{M}"]),
-        ("host-loopback-udp-connected", vec!["udp-connected", "127.0.0.1", &lo_udp4, "{M}"]),
+        (
+            "host-loopback-udp-connected",
+            vec!["udp-connected", "127.0.0.1", &lo_udp4, "{M}"],
+        ),
     ] {
         let mut c = case(name, 2, &args, None);
         c.lo = true;
@@ -83,7 +146,10 @@ fn matrix(ns: &Netns, lo: &Canary) -> Vec<Case> {
 }
 
 fn args_with(c: &Case, m: &str) -> Vec<String> {
-    c.args.iter().map(|a| if a == "{M}" { m.to_owned() } else { a.clone() }).collect()
+    c.args
+        .iter()
+        .map(|a| if a == "{M}" { m.to_owned() } else { a.clone() })
+        .collect()
 }
 
 /// Run the whole matrix for `policy`; returns a report of failures (empty = all closed).
@@ -112,13 +178,24 @@ fn run_matrix(policy: &str, config: Option<&TestConfig>, extra: Vec<Case>) {
         let target = if c.lo { &lo } else { &canary };
         // Outside: must arrive (proves the canary sees this kind of traffic).
         let m_out = marker(c.name);
-        let out = probe_outside(&args_with(c, &m_out).iter().map(String::as_str).collect::<Vec<_>>());
+        let out = probe_outside(
+            &args_with(c, &m_out)
+                .iter()
+                .map(String::as_str)
+                .collect::<Vec<_>>(),
+        );
         if !target.wait_for(&m_out, Duration::from_secs(3)) {
             if c.name == "ping" {
-                eprintln!("note: {}: ping sockets disabled on this host (net.ipv4.ping_group_range), case not applicable", c.name);
+                eprintln!(
+                    "note: {}: ping sockets disabled on this host (net.ipv4.ping_group_range), case not applicable",
+                    c.name
+                );
                 continue;
             }
-            failures.push(format!("{}: canary did not see the unconfined attempt ({:?})", c.name, out));
+            failures.push(format!(
+                "{}: canary did not see the unconfined attempt ({:?})",
+                c.name, out
+            ));
             continue;
         }
         // Let late parts of the unconfined attempt land (the capture can see the marker before
@@ -129,7 +206,14 @@ fn run_matrix(policy: &str, config: Option<&TestConfig>, extra: Vec<Case>) {
         let syns_before = c.tcp_port.map(|p| target.syns_to(p)).unwrap_or(0);
         let m_in = marker(c.name);
         let cfg = config.map(|c| c.path.as_path());
-        let res = probe_exec(policy, cfg, &args_with(c, &m_in).iter().map(String::as_str).collect::<Vec<_>>());
+        let res = probe_exec(
+            policy,
+            cfg,
+            &args_with(c, &m_in)
+                .iter()
+                .map(String::as_str)
+                .collect::<Vec<_>>(),
+        );
         std::thread::sleep(Duration::from_millis(400));
         let leaked = target.saw(&m_in);
         let new_accepts = target.accepts() - accepts_before;
@@ -157,8 +241,16 @@ fn run_matrix(policy: &str, config: Option<&TestConfig>, extra: Vec<Case>) {
         );
         checked += 1;
     }
-    assert!(failures.is_empty(), "bypass matrix for {policy}:\n{}", failures.join("\n"));
-    assert!(checked >= cases.len() - 1, "only {checked} of {} cases were checked", cases.len());
+    assert!(
+        failures.is_empty(),
+        "bypass matrix for {policy}:\n{}",
+        failures.join("\n")
+    );
+    assert!(
+        checked >= cases.len() - 1,
+        "only {checked} of {} cases were checked",
+        cases.len()
+    );
 }
 
 fn allowlist_config() -> TestConfig {
@@ -188,12 +280,42 @@ fn bypass_matrix_allowlist() {
     // Allowlist-specific: the allowed address on a port that is not allowed, and non-TCP/UDP
     // ways to the allowed address and port.
     let extra = vec![
-        case("allowed-addr-other-port-tcp", 1, &["tcp", "{ALT4}", &TCP.to_string(), "{M}"], Some(TCP)),
-        case("allowed-addr-other-port-udp", 3, &["udp", "{ALT6}", &UDP.to_string(), "{M}"], None),
-        case("allowed-dst-raw-tcp-syn", 4, &["tcp-raw-syn", "{ALT4}", &allowed, "{M}"], Some(ALLOWED)),
-        case("allowed-dst-hdrincl", 4, &["hdrincl", "{ALT4}", &allowed, "{M}"], None),
-        case("allowed-dst-af-packet", 4, &["packet", "{IF}", "{ALT4}", &allowed, "{M}"], None),
-        case("allowed-dst-raw-icmp", 4, &["icmp-raw", "{ALT4}", "{M}"], None),
+        case(
+            "allowed-addr-other-port-tcp",
+            1,
+            &["tcp", "{ALT4}", &TCP.to_string(), "{M}"],
+            Some(TCP),
+        ),
+        case(
+            "allowed-addr-other-port-udp",
+            3,
+            &["udp", "{ALT6}", &UDP.to_string(), "{M}"],
+            None,
+        ),
+        case(
+            "allowed-dst-raw-tcp-syn",
+            4,
+            &["tcp-raw-syn", "{ALT4}", &allowed, "{M}"],
+            Some(ALLOWED),
+        ),
+        case(
+            "allowed-dst-hdrincl",
+            4,
+            &["hdrincl", "{ALT4}", &allowed, "{M}"],
+            None,
+        ),
+        case(
+            "allowed-dst-af-packet",
+            4,
+            &["packet", "{IF}", "{ALT4}", &allowed, "{M}"],
+            None,
+        ),
+        case(
+            "allowed-dst-raw-icmp",
+            4,
+            &["icmp-raw", "{ALT4}", "{M}"],
+            None,
+        ),
     ];
     run_matrix("bypass-allowlist", Some(&cfg), extra);
 }

@@ -7,20 +7,28 @@ use std::path::{Path, PathBuf};
 use std::process::Stdio;
 use std::time::{Duration, Instant};
 
-use egress_tests::agent::{ATTACH_TYPES, BPFFS, agent_bin, attached_programs, exec_cmd, exec_root, probe_bin, probe_exec, status_json};
+use egress_tests::agent::{
+    ATTACH_TYPES, BPFFS, agent_bin, attached_programs, exec_cmd, exec_root, probe_bin, probe_exec,
+    status_json,
+};
 use egress_tests::canary::Canary;
 use egress_tests::netns::Netns;
 use egress_tests::{marker, root_or_skip};
 
 /// Attached program ids per attach type on the exec root.
 fn attached(root: &Path) -> BTreeMap<&'static str, Vec<u32>> {
-    ATTACH_TYPES.iter().map(|(name, t)| (*name, attached_programs(root, *t))).collect()
+    ATTACH_TYPES
+        .iter()
+        .map(|(name, t)| (*name, attached_programs(root, *t)))
+        .collect()
 }
 
 /// Entry of the exec with pid `pid` in `status --json`, if any.
 fn entry_of(pid: u32) -> Option<serde_json::Value> {
     let owner = format!("exec:{pid}");
-    status_json()["cgroups"].as_array().and_then(|a| a.iter().find(|c| c["owner"] == owner.as_str()).cloned())
+    status_json()["cgroups"]
+        .as_array()
+        .and_then(|a| a.iter().find(|c| c["owner"] == owner.as_str()).cloned())
 }
 
 fn wait_entry(child: &mut std::process::Child) -> serde_json::Value {
@@ -35,7 +43,10 @@ fn wait_entry(child: &mut std::process::Child) -> serde_json::Value {
         }
         std::thread::sleep(Duration::from_millis(50));
     }
-    panic!("no entry for exec:{pid} after 20 s; status: {}", status_json());
+    panic!(
+        "no entry for exec:{pid} after 20 s; status: {}",
+        status_json()
+    );
 }
 
 #[test]
@@ -45,17 +56,39 @@ fn exec_returns_exit_code_and_removes_cgroup() {
     }
     let out = probe_exec("deny_all", None, &["cgroup"]);
     assert!(out.ok, "{out:?}");
-    let rel = out.stdout.lines().find_map(|l| l.strip_prefix("0::")).expect("cgroup line").to_owned();
-    assert!(rel.starts_with("/egress-agent/exec-"), "command ran in {rel}, not a fresh exec cgroup");
+    let rel = out
+        .stdout
+        .lines()
+        .find_map(|l| l.strip_prefix("0::"))
+        .expect("cgroup line")
+        .to_owned();
+    assert!(
+        rel.starts_with("/egress-agent/exec-"),
+        "command ran in {rel}, not a fresh exec cgroup"
+    );
     let dir = egress_tests::agent::cgroup2_mount().join(rel.trim_start_matches('/'));
-    assert!(!dir.exists(), "cgroup {} still exists after exec returned", dir.display());
+    assert!(
+        !dir.exists(),
+        "cgroup {} still exists after exec returned",
+        dir.display()
+    );
 
-    let child = exec_cmd("deny_all", None).args(["sh", "-c", "exit 7"]).spawn().expect("spawn");
+    let child = exec_cmd("deny_all", None)
+        .args(["sh", "-c", "exit 7"])
+        .spawn()
+        .expect("spawn");
     let pid = child.id();
     let status = child.wait_with_output().expect("wait").status;
     assert_eq!(status.code(), Some(7), "exit code not propagated");
-    assert!(entry_of(pid).is_none(), "policy entry of exec:{pid} left behind");
-    let missing = exec_cmd("deny_all", None).arg("/nonexistent/cmd").stderr(Stdio::null()).status().expect("spawn");
+    assert!(
+        entry_of(pid).is_none(),
+        "policy entry of exec:{pid} left behind"
+    );
+    let missing = exec_cmd("deny_all", None)
+        .arg("/nonexistent/cmd")
+        .stderr(Stdio::null())
+        .status()
+        .expect("spawn");
     assert_eq!(missing.code(), Some(127), "missing command should exit 127");
 }
 
@@ -64,14 +97,25 @@ fn signals_are_forwarded_and_cleanup_runs() {
     if !root_or_skip("kernel lifecycle: signals") {
         return;
     }
-    let mut child = exec_cmd("deny_all", None).args(["sleep", "30"]).spawn().expect("spawn");
+    let mut child = exec_cmd("deny_all", None)
+        .args(["sleep", "30"])
+        .spawn()
+        .expect("spawn");
     let pid = child.id();
     let entry = wait_entry(&mut child);
     let dir = PathBuf::from(entry["path"].as_str().expect("path"));
     assert!(dir.exists());
-    nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid as i32), nix::sys::signal::Signal::SIGTERM).expect("kill");
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(pid as i32),
+        nix::sys::signal::Signal::SIGTERM,
+    )
+    .expect("kill");
     let status = child.wait_with_output().expect("wait").status;
-    assert_eq!(status.code(), Some(128 + 15), "SIGTERM should reach the command (exit 143), got {status}");
+    assert_eq!(
+        status.code(),
+        Some(128 + 15),
+        "SIGTERM should reach the command (exit 143), got {status}"
+    );
     assert!(!dir.exists(), "cgroup left behind after SIGTERM");
     assert!(entry_of(pid).is_none(), "entry left behind after SIGTERM");
 }
@@ -92,15 +136,27 @@ fn kill9_agent_keeps_blocking() {
         "{p} sleep-then 1.5 tcp {v4} 7401 {m}; {p} udp {v4} 7401 {m}",
         p = probe_bin().display()
     );
-    let mut child = exec_cmd("deny_all", None).args(["sh", "-c", &script]).stdout(f).spawn().expect("spawn");
+    let mut child = exec_cmd("deny_all", None)
+        .args(["sh", "-c", &script])
+        .stdout(f)
+        .spawn()
+        .expect("spawn");
     let pid = child.id();
     let entry = wait_entry(&mut child);
     let dir = PathBuf::from(entry["path"].as_str().expect("path"));
-    nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid as i32), nix::sys::signal::Signal::SIGKILL).expect("kill -9");
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(pid as i32),
+        nix::sys::signal::Signal::SIGKILL,
+    )
+    .expect("kill -9");
     child.wait().ok();
     // The command outlives the agent and keeps running in its cgroup.
     let deadline = Instant::now() + Duration::from_secs(10);
-    while Instant::now() < deadline && std::fs::read_to_string(&out_file).map(|s| s.lines().count() < 2).unwrap_or(true) {
+    while Instant::now() < deadline
+        && std::fs::read_to_string(&out_file)
+            .map(|s| s.lines().count() < 2)
+            .unwrap_or(true)
+    {
         std::thread::sleep(Duration::from_millis(100));
     }
     std::thread::sleep(Duration::from_millis(300));
@@ -110,13 +166,26 @@ fn kill9_agent_keeps_blocking() {
     std::fs::write(dir.join("cgroup.kill"), "1").ok();
     std::thread::sleep(Duration::from_millis(200));
     std::fs::remove_dir(&dir).ok();
-    assert_eq!(results.lines().count(), 2, "the command did not run to the end: {results:?}");
-    assert!(results.lines().all(|l| l.starts_with("err 1 ")), "direct egress after kill -9 was not refused: {results:?}");
-    assert!(!canary.saw(&m) && canary.accepts() == 0, "traffic arrived after the agent was killed");
+    assert_eq!(
+        results.lines().count(),
+        2,
+        "the command did not run to the end: {results:?}"
+    );
+    assert!(
+        results.lines().all(|l| l.starts_with("err 1 ")),
+        "direct egress after kill -9 was not refused: {results:?}"
+    );
+    assert!(
+        !canary.saw(&m) && canary.accepts() == 0,
+        "traffic arrived after the agent was killed"
+    );
     // Restart: the stale entry of the removed cgroup is pruned.
     let again = probe_exec("deny_all", None, &["cgroup"]);
     assert!(again.ok, "{again:?}");
-    assert!(entry_of(pid).is_none(), "stale entry of a removed cgroup was not pruned on restart");
+    assert!(
+        entry_of(pid).is_none(),
+        "stale entry of a removed cgroup was not pruned on restart"
+    );
 }
 
 #[test]
@@ -131,38 +200,82 @@ fn restart_adopts_pinned_links_without_duplicates() {
     let pinned_links: Vec<String> = std::fs::read_dir(Path::new(BPFFS).join("roots"))
         .expect("roots pinned")
         .flatten()
-        .flat_map(|r| std::fs::read_dir(r.path()).into_iter().flatten().flatten().map(|e| e.file_name().to_string_lossy().into_owned()))
+        .flat_map(|r| {
+            std::fs::read_dir(r.path())
+                .into_iter()
+                .flatten()
+                .flatten()
+                .map(|e| e.file_name().to_string_lossy().into_owned())
+        })
         .collect();
     for (name, ids) in &before {
-        let expected = if *name == "lsm_cgroup" && !pinned_links.iter().any(|l| l.contains("lsm")) { 0 } else { 1 };
-        assert_eq!(ids.len(), expected, "{name}: {} programs attached to {} (expected {expected})", ids.len(), root.display());
+        let expected = if *name == "lsm_cgroup" && !pinned_links.iter().any(|l| l.contains("lsm")) {
+            0
+        } else {
+            1
+        };
+        assert_eq!(
+            ids.len(),
+            expected,
+            "{name}: {} programs attached to {} (expected {expected})",
+            ids.len(),
+            root.display()
+        );
     }
     // Several restarts, one of them concurrent with a running exec.
-    let running = exec_cmd("deny_all", None).args(["sleep", "5"]).spawn().expect("spawn");
+    let running = exec_cmd("deny_all", None)
+        .args(["sleep", "5"])
+        .spawn()
+        .expect("spawn");
     for _ in 0..3 {
         assert!(probe_exec("deny_all", None, &["cgroup"]).ok);
     }
     let mut running = running;
-    nix::sys::signal::kill(nix::unistd::Pid::from_raw(running.id() as i32), nix::sys::signal::Signal::SIGTERM).ok();
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(running.id() as i32),
+        nix::sys::signal::Signal::SIGTERM,
+    )
+    .ok();
     running.wait().ok();
     let after = attached(&root);
-    assert_eq!(before, after, "restarts changed the attached programs (duplicate or reload)");
+    assert_eq!(
+        before, after,
+        "restarts changed the attached programs (duplicate or reload)"
+    );
 
     // Partial state: one link pin lost (its link is destroyed with it). The next start attaches
     // exactly the missing program and adopts the rest.
     let st = status_json();
-    let root_id = st["roots"].as_array().and_then(|r| r.iter().find(|r| r["path"].as_str() == Some(root.to_str().expect("utf8")))).expect("root in status")["cgroup_id"].as_u64().expect("id");
-    let pin = Path::new(BPFFS).join("roots").join(root_id.to_string()).join("egress_sendmsg6");
+    let root_id = st["roots"]
+        .as_array()
+        .and_then(|r| {
+            r.iter()
+                .find(|r| r["path"].as_str() == Some(root.to_str().expect("utf8")))
+        })
+        .expect("root in status")["cgroup_id"]
+        .as_u64()
+        .expect("id");
+    let pin = Path::new(BPFFS)
+        .join("roots")
+        .join(root_id.to_string())
+        .join("egress_sendmsg6");
     std::fs::remove_file(&pin).expect("remove one link pin");
     std::thread::sleep(Duration::from_millis(200));
-    assert_eq!(attached(&root)["sendmsg6"].len(), 0, "removing the pin should detach sendmsg6");
+    assert_eq!(
+        attached(&root)["sendmsg6"].len(),
+        0,
+        "removing the pin should detach sendmsg6"
+    );
     assert!(probe_exec("deny_all", None, &["cgroup"]).ok);
     let repaired = attached(&root);
     for (name, ids) in &repaired {
         if *name == "sendmsg6" {
             assert_eq!(ids.len(), 1, "sendmsg6 not re-attached exactly once");
         } else {
-            assert_eq!(ids, &before[name], "{name} changed while repairing sendmsg6");
+            assert_eq!(
+                ids, &before[name],
+                "{name} changed while repairing sendmsg6"
+            );
         }
     }
     assert!(pin.exists(), "sendmsg6 link not re-pinned");
@@ -174,7 +287,11 @@ fn status_shows_pins_and_counters() {
         return;
     }
     let mut child = exec_cmd("deny_all", None)
-        .args(["sh", "-c", &format!("{} udp 198.51.100.1 9 x; sleep 20", probe_bin().display())])
+        .args([
+            "sh",
+            "-c",
+            &format!("{} udp 198.51.100.1 9 x; sleep 20", probe_bin().display()),
+        ])
         .stdout(Stdio::null())
         .spawn()
         .expect("spawn");
@@ -187,16 +304,29 @@ fn status_shows_pins_and_counters() {
         std::thread::sleep(Duration::from_millis(100));
         e = entry_of(pid).expect("entry");
     }
-    let text = std::process::Command::new(agent_bin()).arg("status").output().expect("status");
-    nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid as i32), nix::sys::signal::Signal::SIGTERM).ok();
+    let text = std::process::Command::new(agent_bin())
+        .arg("status")
+        .output()
+        .expect("status");
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(pid as i32),
+        nix::sys::signal::Signal::SIGTERM,
+    )
+    .ok();
     child.wait().ok();
     assert_eq!(e["policy"], "deny_all");
     assert_eq!(e["mode"], "deny_all");
-    assert!(e["denied"].as_u64().unwrap_or(0) >= 1, "denial not counted: {e}");
+    assert!(
+        e["denied"].as_u64().unwrap_or(0) >= 1,
+        "denial not counted: {e}"
+    );
     let st = status_json();
     assert_eq!(st["loaded"], true);
     let text = String::from_utf8_lossy(&text.stdout);
-    assert!(text.contains("root ") && text.contains("egress_connect4"), "status text lacks the root/links: {text}");
+    assert!(
+        text.contains("root ") && text.contains("egress_connect4"),
+        "status text lacks the root/links: {text}"
+    );
 }
 
 #[test]
@@ -222,12 +352,18 @@ fn not_root_is_a_clear_error() {
     std::fs::remove_dir_all(&dir).ok();
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success(), "exec as nobody succeeded");
-    assert!(err.contains("must run as root"), "unclear error as non-root: {err}");
+    assert!(
+        err.contains("must run as root"),
+        "unclear error as non-root: {err}"
+    );
 }
 
 /// Is the kernel event ring free for an exec to consume (no daemon or other exec holds it)?
 fn events_ring_free() -> bool {
-    let Ok(f) = std::fs::File::options().read(true).open("/run/egress-agent/events.lock") else {
+    let Ok(f) = std::fs::File::options()
+        .read(true)
+        .open("/run/egress-agent/events.lock")
+    else {
         return true;
     };
     match nix::fcntl::Flock::lock(f, nix::fcntl::FlockArg::LockExclusiveNonblock) {
@@ -245,7 +381,10 @@ fn denials_are_counted_and_reported_as_events() {
         return;
     }
     let ring_free = events_ring_free();
-    let script = format!("{p} udp 198.51.100.7 9 x; {p} tcp 198.51.100.7 9 x; sleep 20", p = probe_bin().display());
+    let script = format!(
+        "{p} udp 198.51.100.7 9 x; {p} tcp 198.51.100.7 9 x; sleep 20",
+        p = probe_bin().display()
+    );
     let mut child = exec_cmd("deny_all", None)
         .args(["sh", "-c", &script])
         .stdout(Stdio::null())
@@ -260,10 +399,17 @@ fn denials_are_counted_and_reported_as_events() {
         std::thread::sleep(Duration::from_millis(100));
         e = entry_of(pid).expect("entry");
     }
-    nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid as i32), nix::sys::signal::Signal::SIGTERM).expect("kill");
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(pid as i32),
+        nix::sys::signal::Signal::SIGTERM,
+    )
+    .expect("kill");
     let out = child.wait_with_output().expect("wait");
     let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(e["denied"].as_u64().unwrap_or(0) >= 2, "denials not counted: {e}");
+    assert!(
+        e["denied"].as_u64().unwrap_or(0) >= 2,
+        "denials not counted: {e}"
+    );
     if ring_free {
         for proto in ["udp", "tcp"] {
             let line = stderr
@@ -275,6 +421,8 @@ fn denials_are_counted_and_reported_as_events() {
             }
         }
     } else {
-        eprintln!("note: another process (daemon/exec) consumes the kernel event ring; only counters checked");
+        eprintln!(
+            "note: another process (daemon/exec) consumes the kernel event ring; only counters checked"
+        );
     }
 }

@@ -7,7 +7,9 @@ use std::net::{SocketAddr, TcpStream};
 use std::process::{Child, Stdio};
 use std::time::{Duration, Instant};
 
-use egress_tests::agent::{TestConfig, exec_cmd, probe_bin, probe_exec, probe_outside, status_json, cgroup2_mount};
+use egress_tests::agent::{
+    TestConfig, cgroup2_mount, exec_cmd, probe_bin, probe_exec, probe_outside, status_json,
+};
 use egress_tests::canary::Canary;
 use egress_tests::netns::Netns;
 use egress_tests::{marker, root_or_skip, sh_quiet};
@@ -31,7 +33,11 @@ fn allow_cidrs_destination_is_reachable() {
     let ns = Netns::new();
     let canary = Canary::in_netns(&ns, &[ALLOWED], &[ALLOWED]);
     let cfg = allowlist_config();
-    let (alt4, alt6, port) = (ns.ns_v4_alt.to_string(), ns.ns_v6_alt.to_string(), ALLOWED.to_string());
+    let (alt4, alt6, port) = (
+        ns.ns_v4_alt.to_string(),
+        ns.ns_v6_alt.to_string(),
+        ALLOWED.to_string(),
+    );
     for (name, args) in [
         ("tcp-v4", vec!["tcp", alt4.as_str(), &port]),
         ("tcp-v6", vec!["tcp", alt6.as_str(), &port]),
@@ -46,7 +52,10 @@ fn allow_cidrs_destination_is_reachable() {
         a.push(&m);
         let out = probe_exec("pos-allow", Some(&cfg.path), &a);
         assert!(out.ok, "{name}: allowed destination refused: {out:?}");
-        assert!(canary.wait_for(&m, Duration::from_secs(3)), "{name}: allowed traffic did not arrive");
+        assert!(
+            canary.wait_for(&m, Duration::from_secs(3)),
+            "{name}: allowed traffic did not arrive"
+        );
         eprintln!("[pos-allow] {name:<14} to allow_cidrs destination: arrived");
     }
 }
@@ -64,15 +73,44 @@ fn proxy_endpoint_is_rewritten_to_the_policy_listener() {
     let ep = cfg.endpoint_port.to_string();
     // Nothing listens on the endpoint port: only the kernel's rewrite to this policy's in-process
     // listener can make this CONNECT succeed.
-    let out = probe_exec("pos-allow", Some(&cfg.path), &["http-connect", "127.0.0.1", &ep, &target, &m]);
+    let out = probe_exec(
+        "pos-allow",
+        Some(&cfg.path),
+        &["http-connect", "127.0.0.1", &ep, &target, &m],
+    );
     assert!(out.ok, "CONNECT through the endpoint failed: {out:?}");
-    assert!(canary.wait_for(&m, Duration::from_secs(3)), "tunnelled bytes did not arrive");
+    assert!(
+        canary.wait_for(&m, Duration::from_secs(3)),
+        "tunnelled bytes did not arrive"
+    );
     // Outside the cgroup the endpoint is just a closed port (no rewrite).
-    let outside = probe_outside(&["http-connect", "127.0.0.1", &ep, &target, &marker("ep-outside")]);
-    assert!(!outside.ok, "endpoint port answered outside the cgroup: {outside:?}");
+    let outside = probe_outside(&[
+        "http-connect",
+        "127.0.0.1",
+        &ep,
+        &target,
+        &marker("ep-outside"),
+    ]);
+    assert!(
+        !outside.ok,
+        "endpoint port answered outside the cgroup: {outside:?}"
+    );
     // The proxy itself still refuses what the policy does not allow (IP literal not in allow_cidrs).
-    let denied = probe_exec("pos-allow", Some(&cfg.path), &["http-connect", "127.0.0.1", &ep, &format!("{}:{OTHER}", ns.ns_v4), &marker("deny")]);
-    assert!(!denied.ok, "proxy tunnelled to a destination the policy does not allow: {denied:?}");
+    let denied = probe_exec(
+        "pos-allow",
+        Some(&cfg.path),
+        &[
+            "http-connect",
+            "127.0.0.1",
+            &ep,
+            &format!("{}:{OTHER}", ns.ns_v4),
+            &marker("deny"),
+        ],
+    );
+    assert!(
+        !denied.ok,
+        "proxy tunnelled to a destination the policy does not allow: {denied:?}"
+    );
 }
 
 /// Wait until the running exec `pid` has written its entry; returns (cgroup path, listeners).
@@ -81,9 +119,19 @@ fn wait_entry(pid: u32) -> (String, Vec<String>) {
     let deadline = Instant::now() + Duration::from_secs(10);
     while Instant::now() < deadline {
         let st = status_json();
-        if let Some(c) = st["cgroups"].as_array().and_then(|a| a.iter().find(|c| c["owner"] == owner.as_str())) {
+        if let Some(c) = st["cgroups"]
+            .as_array()
+            .and_then(|a| a.iter().find(|c| c["owner"] == owner.as_str()))
+        {
             let path = c["path"].as_str().unwrap_or("").to_owned();
-            let listeners = c["listener"].as_array().map(|l| l.iter().filter_map(|v| v.as_str().map(str::to_owned)).collect()).unwrap_or_default();
+            let listeners = c["listener"]
+                .as_array()
+                .map(|l| {
+                    l.iter()
+                        .filter_map(|v| v.as_str().map(str::to_owned))
+                        .collect()
+                })
+                .unwrap_or_default();
             return (path, listeners);
         }
         std::thread::sleep(Duration::from_millis(50));
@@ -92,7 +140,11 @@ fn wait_entry(pid: u32) -> (String, Vec<String>) {
 }
 
 fn kill_wait(mut child: Child) {
-    nix::sys::signal::kill(nix::unistd::Pid::from_raw(child.id() as i32), nix::sys::signal::Signal::SIGTERM).ok();
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(child.id() as i32),
+        nix::sys::signal::Signal::SIGTERM,
+    )
+    .ok();
     child.wait().ok();
 }
 
@@ -102,16 +154,35 @@ fn other_policys_listener_is_unreachable() {
         return;
     }
     let cfg = allowlist_config();
-    let a = exec_cmd("pos-other", Some(&cfg.path)).arg("sleep").arg("20").stdout(Stdio::null()).spawn().expect("exec A");
+    let a = exec_cmd("pos-other", Some(&cfg.path))
+        .arg("sleep")
+        .arg("20")
+        .stdout(Stdio::null())
+        .spawn()
+        .expect("exec A");
     let (_, listeners) = wait_entry(a.id());
-    let listener: SocketAddr = listeners.first().expect("A has a listener").parse().expect("addr");
+    let listener: SocketAddr = listeners
+        .first()
+        .expect("A has a listener")
+        .parse()
+        .expect("addr");
     let port = listener.port().to_string();
-    let b = probe_exec("pos-allow", Some(&cfg.path), &["tcp", &listener.ip().to_string(), &port, &marker("steal")]);
+    let b = probe_exec(
+        "pos-allow",
+        Some(&cfg.path),
+        &["tcp", &listener.ip().to_string(), &port, &marker("steal")],
+    );
     let outside = probe_outside(&["tcp", &listener.ip().to_string(), &port, &marker("outside")]);
     kill_wait(a);
-    assert!(!b.ok, "policy pos-allow reached pos-other's listener {listener} directly: {b:?}");
+    assert!(
+        !b.ok,
+        "policy pos-allow reached pos-other's listener {listener} directly: {b:?}"
+    );
     assert!(b.stdout.contains("err 1 "), "expected EPERM, got {b:?}");
-    assert!(outside.ok, "the listener should be reachable from outside the cgroups: {outside:?}");
+    assert!(
+        outside.ok,
+        "the listener should be reachable from outside the cgroups: {outside:?}"
+    );
 }
 
 /// Start `probe serve` confined; returns the child once it listens.
@@ -133,7 +204,8 @@ fn serve_confined(port: u16, m: &str) -> Child {
 }
 
 fn read_reply(mut s: TcpStream) -> String {
-    s.set_read_timeout(Some(Duration::from_secs(5))).expect("timeout");
+    s.set_read_timeout(Some(Duration::from_secs(5)))
+        .expect("timeout");
     let mut buf = String::new();
     s.read_to_string(&mut buf).ok();
     buf
@@ -149,18 +221,33 @@ fn server_in_cgroup_answers_outside_clients() {
     let port = 7310;
     let m = marker("reply-lo");
     let mut server = serve_confined(port, &m);
-    let reply = read_reply(TcpStream::connect(("127.0.0.1", port)).expect("connect to confined server"));
-    assert!(reply.contains(&m), "no reply from the confined server over loopback: {reply:?}");
+    let reply =
+        read_reply(TcpStream::connect(("127.0.0.1", port)).expect("connect to confined server"));
+    assert!(
+        reply.contains(&m),
+        "no reply from the confined server over loopback: {reply:?}"
+    );
     assert!(server.wait().expect("wait").success());
 
     // A client in another namespace (like a published port), over the veth, v4 and v6.
-    for (i, host) in [ns.host_v4.to_string(), format!("[{}]", ns.host_v6)].into_iter().enumerate() {
+    for (i, host) in [ns.host_v4.to_string(), format!("[{}]", ns.host_v6)]
+        .into_iter()
+        .enumerate()
+    {
         let port = 7311 + i as u16;
         let m = marker("reply-ns");
         let mut server = serve_confined(port, &m);
         let addr: SocketAddr = format!("{host}:{port}").parse().expect("addr");
-        let reply = ns.run(move || read_reply(TcpStream::connect_timeout(&addr, Duration::from_secs(5)).expect("connect from netns")));
-        assert!(reply.contains(&m), "no reply from the confined server to {addr}: {reply:?}");
+        let reply = ns.run(move || {
+            read_reply(
+                TcpStream::connect_timeout(&addr, Duration::from_secs(5))
+                    .expect("connect from netns"),
+            )
+        });
+        assert!(
+            reply.contains(&m),
+            "no reply from the confined server to {addr}: {reply:?}"
+        );
         assert!(server.wait().expect("wait").success());
     }
 }
@@ -173,25 +260,48 @@ fn other_cgroups_are_untouched() {
     let ns = Netns::new();
     let canary = Canary::in_netns(&ns, &[OTHER], &[OTHER]);
     // An enforced command runs meanwhile.
-    let running = exec_cmd("deny_all", None).arg("sleep").arg("20").stdout(Stdio::null()).spawn().expect("exec");
+    let running = exec_cmd("deny_all", None)
+        .arg("sleep")
+        .arg("20")
+        .stdout(Stdio::null())
+        .spawn()
+        .expect("exec");
     let _ = wait_entry(running.id());
     // A sibling cgroup outside the enforcement root.
     let sibling = cgroup2_mount().join(format!("egress-tests-{}", std::process::id()));
     std::fs::create_dir_all(&sibling).expect("sibling cgroup");
     let (v4, port) = (ns.ns_v4.to_string(), OTHER.to_string());
     let mut results = Vec::new();
-    for (name, args) in [("tcp", vec!["tcp", v4.as_str(), &port]), ("udp", vec!["udp", v4.as_str(), &port])] {
+    for (name, args) in [
+        ("tcp", vec!["tcp", v4.as_str(), &port]),
+        ("udp", vec!["udp", v4.as_str(), &port]),
+    ] {
         // Same cgroup as the test.
         let m = marker(name);
         let mut a = args.clone();
         a.push(&m);
         let out = probe_outside(&a);
-        results.push((format!("{name} from the test's cgroup"), out.ok && canary.wait_for(&m, Duration::from_secs(3))));
+        results.push((
+            format!("{name} from the test's cgroup"),
+            out.ok && canary.wait_for(&m, Duration::from_secs(3)),
+        ));
         // Sibling cgroup.
         let m = marker(name);
-        let script = format!("echo $$ > {}/cgroup.procs && exec {} {} {m}", sibling.display(), probe_bin().display(), args.join(" "));
-        let ok = std::process::Command::new("sh").args(["-c", &script]).status().map(|s| s.success()).unwrap_or(false);
-        results.push((format!("{name} from a sibling cgroup"), ok && canary.wait_for(&m, Duration::from_secs(3))));
+        let script = format!(
+            "echo $$ > {}/cgroup.procs && exec {} {} {m}",
+            sibling.display(),
+            probe_bin().display(),
+            args.join(" ")
+        );
+        let ok = std::process::Command::new("sh")
+            .args(["-c", &script])
+            .status()
+            .map(|s| s.success())
+            .unwrap_or(false);
+        results.push((
+            format!("{name} from a sibling cgroup"),
+            ok && canary.wait_for(&m, Duration::from_secs(3)),
+        ));
     }
     kill_wait(running);
     sh_quiet(&format!("rmdir {}", sibling.display()));
@@ -215,26 +325,65 @@ fn own_netns_loopback_works_but_not_dockers_resolver() {
             Some(p) => exec_cmd(p, None),
             None => std::process::Command::new("env"),
         };
-        cmd.args(["ip", "netns", "exec", &ns.name, &probe]).args(args);
+        cmd.args(["ip", "netns", "exec", &ns.name, &probe])
+            .args(args);
         let out = cmd.stdin(Stdio::null()).output().expect("run");
         String::from_utf8_lossy(&out.stdout).into_owned()
     };
-    for (name, args) in [("tcp", ["tcp", "127.0.0.1", "7320"]), ("udp", ["udp", "127.0.0.1", "7320"])] {
+    for (name, args) in [
+        ("tcp", ["tcp", "127.0.0.1", "7320"]),
+        ("udp", ["udp", "127.0.0.1", "7320"]),
+    ] {
         let m = marker(name);
         let out = in_ns(Some("deny_all"), &[args[0], args[1], args[2], &m]);
-        assert!(canary.wait_for(&m, Duration::from_secs(3)), "own-netns loopback {name} blocked under deny_all: {out}");
+        assert!(
+            canary.wait_for(&m, Duration::from_secs(3)),
+            "own-netns loopback {name} blocked under deny_all: {out}"
+        );
         eprintln!("own-netns loopback {name} under deny_all: arrived");
     }
     // 127.0.0.11 is Docker's embedded resolver (forwards to the host's resolvers): not "own".
-    for (name, args) in [("dns-udp", ["udp", "127.0.0.11", "53"]), ("dns-tcp", ["tcp", "127.0.0.11", "7320"])] {
+    for (name, args) in [
+        ("dns-udp", ["udp", "127.0.0.11", "53"]),
+        ("dns-tcp", ["tcp", "127.0.0.11", "7320"]),
+    ] {
         let m_out = marker(name);
         in_ns(None, &[args[0], args[1], args[2], &m_out]);
-        assert!(canary.wait_for(&m_out, Duration::from_secs(3)), "{name}: canary did not see the unconfined attempt");
+        assert!(
+            canary.wait_for(&m_out, Duration::from_secs(3)),
+            "{name}: canary did not see the unconfined attempt"
+        );
         let m = marker(name);
         let out = in_ns(Some("deny_all"), &[args[0], args[1], args[2], &m]);
         std::thread::sleep(Duration::from_millis(400));
-        assert!(!canary.saw(&m), "{name}: reached 127.0.0.11 from a confined process: {out}");
+        assert!(
+            !canary.saw(&m),
+            "{name}: reached 127.0.0.11 from a confined process: {out}"
+        );
         assert!(out.contains("err 1 "), "{name}: expected EPERM, got {out}");
         eprintln!("127.0.0.11 {name} under deny_all: refused, nothing arrived");
+    }
+}
+
+#[test]
+fn allow_all_policy_allows_direct_egress() {
+    if !root_or_skip("kernel positive: allow_all") {
+        return;
+    }
+    let ns = Netns::new();
+    let canary = Canary::in_netns(&ns, &[OTHER], &[OTHER]);
+    let (v4, v6, port) = (ns.ns_v4.to_string(), ns.ns_v6.to_string(), OTHER.to_string());
+    for (name, args) in [
+        ("tcp-v4", vec!["tcp", v4.as_str(), &port]),
+        ("tcp-v6", vec!["tcp", v6.as_str(), &port]),
+        ("udp-v4", vec!["udp", v4.as_str(), &port]),
+        ("raw-icmp", vec!["icmp-raw", v4.as_str()]),
+    ] {
+        let m = marker(name);
+        let mut a = args.clone();
+        a.push(&m);
+        let out = probe_exec("allow_all", None, &a);
+        assert!(out.ok, "{name} refused under allow_all: {out:?}");
+        assert!(canary.wait_for(&m, Duration::from_secs(3)), "{name} did not arrive under allow_all");
     }
 }

@@ -4,9 +4,13 @@ use std::path::PathBuf;
 
 #[derive(Debug, thiserror::Error)]
 pub enum BpfError {
-    #[error("egress-agent must run as root (euid {euid}): loading eBPF programs and managing cgroups needs CAP_SYS_ADMIN/CAP_BPF")]
+    #[error(
+        "egress-agent must run as root (euid {euid}): loading eBPF programs and managing cgroups needs CAP_SYS_ADMIN/CAP_BPF"
+    )]
     NotRoot { euid: u32 },
-    #[error("no cgroup2 filesystem mounted (looked in /proc/self/mountinfo); mount one, e.g. `mount -t cgroup2 none /sys/fs/cgroup`")]
+    #[error(
+        "no cgroup2 filesystem mounted (looked in /proc/self/mountinfo); mount one, e.g. `mount -t cgroup2 none /sys/fs/cgroup`"
+    )]
     NoCgroup2,
     #[error("kernel BTF not available ({path}: {source}); needs CONFIG_DEBUG_INFO_BTF=y")]
     NoBtf { path: PathBuf, source: io::Error },
@@ -21,35 +25,80 @@ pub enum BpfError {
     #[error("program {program} missing from the eBPF object")]
     MissingProgram { program: &'static str },
     #[error("the kernel verifier rejected {program} (errno {errno}): {source}\nverifier log:\n{log}", errno = source.raw_os_error().unwrap_or(0))]
-    Verifier { program: &'static str, source: io::Error, log: String },
+    Verifier {
+        program: &'static str,
+        source: io::Error,
+        log: String,
+    },
     #[error("the kernel refused to load {program} before verification (errno {errno}: {source}); on this host BPF programs of that type may not be loaded (e.g. a locked-down or sandboxed kernel)", errno = source.raw_os_error().unwrap_or(0))]
-    LoadRefused { program: &'static str, source: io::Error },
+    LoadRefused {
+        program: &'static str,
+        source: io::Error,
+    },
     #[error("loading {program}: {source}")]
-    Load { program: &'static str, #[source] source: aya::programs::ProgramError },
+    Load {
+        program: &'static str,
+        #[source]
+        source: aya::programs::ProgramError,
+    },
     #[error("attaching {program} to {cgroup}: {source}")]
-    Attach { program: &'static str, cgroup: PathBuf, #[source] source: aya::programs::ProgramError },
+    Attach {
+        program: &'static str,
+        cgroup: PathBuf,
+        #[source]
+        source: aya::programs::ProgramError,
+    },
     #[error("pinning {what} at {path}: {message}")]
-    Pin { what: String, path: PathBuf, message: String },
+    Pin {
+        what: String,
+        path: PathBuf,
+        message: String,
+    },
     #[error("adopting pinned link {path}: {source}")]
-    Adopt { path: PathBuf, #[source] source: aya::programs::links::LinkError },
-    #[error("pinned link {path} runs a program that does not use the pinned maps under {maps}; remove the stale pins (`egress-agent unload`) and reload")]
+    Adopt {
+        path: PathBuf,
+        #[source]
+        source: aya::programs::links::LinkError,
+    },
+    #[error(
+        "pinned link {path} runs a program that does not use the pinned maps under {maps}; remove the stale pins (`egress-agent unload`) and reload"
+    )]
     StaleLink { path: PathBuf, maps: PathBuf },
     #[error("opening pinned map {path}: {source}")]
-    OpenMap { path: PathBuf, #[source] source: aya::maps::MapError },
+    OpenMap {
+        path: PathBuf,
+        #[source]
+        source: aya::maps::MapError,
+    },
     #[error("nothing is pinned at {path}: no egress-agent programs are loaded")]
     NotLoaded { path: PathBuf },
     #[error("map {map}: {op}: {source}")]
-    Map { map: &'static str, op: &'static str, #[source] source: aya::maps::MapError },
-    #[error("BPF LSM is not available ({reason}): the AF_PACKET/raw-socket hole stays open for families cgroup/sock_create cannot see; boot with lsm=...,bpf to close it")]
+    Map {
+        map: &'static str,
+        op: &'static str,
+        #[source]
+        source: aya::maps::MapError,
+    },
+    #[error(
+        "BPF LSM is not available ({reason}): the AF_PACKET/raw-socket hole stays open for families cgroup/sock_create cannot see; boot with lsm=...,bpf to close it"
+    )]
     LsmUnavailable { reason: String },
     #[error("policy: {0}")]
     Policy(String),
     #[error("{what} {path}: {source}")]
-    Io { what: &'static str, path: PathBuf, #[source] source: io::Error },
+    Io {
+        what: &'static str,
+        path: PathBuf,
+        #[source]
+        source: io::Error,
+    },
 }
 
 impl BpfError {
-    pub(crate) fn io(what: &'static str, path: impl Into<PathBuf>) -> impl FnOnce(io::Error) -> BpfError {
+    pub(crate) fn io(
+        what: &'static str,
+        path: impl Into<PathBuf>,
+    ) -> impl FnOnce(io::Error) -> BpfError {
         let path = path.into();
         move |source| BpfError::Io { what, path, source }
     }
@@ -57,15 +106,28 @@ impl BpfError {
     /// Turn an aya load error into a verifier error with its log when it is one.
     pub(crate) fn from_load(program: &'static str, err: aya::programs::ProgramError) -> BpfError {
         match err {
-            aya::programs::ProgramError::LoadError { io_error, verifier_log } => {
+            aya::programs::ProgramError::LoadError {
+                io_error,
+                verifier_log,
+            } => {
                 let log = verifier_log.to_string();
                 if log.trim().is_empty() {
-                    BpfError::LoadRefused { program, source: io_error }
+                    BpfError::LoadRefused {
+                        program,
+                        source: io_error,
+                    }
                 } else {
-                    BpfError::Verifier { program, source: io_error, log }
+                    BpfError::Verifier {
+                        program,
+                        source: io_error,
+                        log,
+                    }
                 }
             }
-            other => BpfError::Load { program, source: other },
+            other => BpfError::Load {
+                program,
+                source: other,
+            },
         }
     }
 }

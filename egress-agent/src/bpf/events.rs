@@ -42,14 +42,27 @@ impl KernelEvents {
             Ok(l) => l,
             Err((_, nix::errno::Errno::EWOULDBLOCK)) => return Ok(None),
             Err((_, e)) => {
-                return Err(BpfError::Io { what: "locking", path: lock_path.into(), source: e.into() });
+                return Err(BpfError::Io {
+                    what: "locking",
+                    path: lock_path.into(),
+                    source: e.into(),
+                });
             }
         };
         let path = maps_dir(bpffs).join(maps::EVENTS);
-        let data = MapData::from_pin(&path).map_err(|source| BpfError::OpenMap { path: path.clone(), source })?;
-        let map = Map::from_map_data(data).map_err(|source| BpfError::OpenMap { path: path.clone(), source })?;
-        let ring: RingBuf<MapData> =
-            map.try_into().map_err(|source| BpfError::Map { map: maps::EVENTS, op: "open", source })?;
+        let data = MapData::from_pin(&path).map_err(|source| BpfError::OpenMap {
+            path: path.clone(),
+            source,
+        })?;
+        let map = Map::from_map_data(data).map_err(|source| BpfError::OpenMap {
+            path: path.clone(),
+            source,
+        })?;
+        let ring: RingBuf<MapData> = map.try_into().map_err(|source| BpfError::Map {
+            map: maps::EVENTS,
+            op: "open",
+            source,
+        })?;
         Ok(Some(KernelEvents { ring, _lock: lock }))
     }
 
@@ -156,9 +169,16 @@ fn protocol_name(ev: &Event) -> String {
 
 /// A kernel event as a [`DenialEvent`]; `policy` is the name the caller knows for the cgroup.
 pub fn to_denial(ev: &Event, time: SystemTime, policy: &str) -> DenialEvent {
-    let comm_len = ev.comm.iter().position(|b| *b == 0).unwrap_or(ev.comm.len());
+    let comm_len = ev
+        .comm
+        .iter()
+        .position(|b| *b == 0)
+        .unwrap_or(ev.comm.len());
     let mut context = BTreeMap::new();
-    context.insert("comm".to_owned(), String::from_utf8_lossy(&ev.comm[..comm_len]).into_owned());
+    context.insert(
+        "comm".to_owned(),
+        String::from_utf8_lossy(&ev.comm[..comm_len]).into_owned(),
+    );
     context.insert("pid".to_owned(), ev.pid.to_string());
     context.insert("hook".to_owned(), hook_name(ev.hook).to_owned());
     DenialEvent {

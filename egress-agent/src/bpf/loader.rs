@@ -74,7 +74,11 @@ fn kind(name: &str) -> Kind {
 /// Fail early and clearly when not root.
 pub fn require_root() -> Result<(), BpfError> {
     let euid = nix::unistd::geteuid().as_raw();
-    if euid != 0 { Err(BpfError::NotRoot { euid }) } else { Ok(()) }
+    if euid != 0 {
+        Err(BpfError::NotRoot { euid })
+    } else {
+        Ok(())
+    }
 }
 
 /// Is `path` on a bpf filesystem?
@@ -88,9 +92,17 @@ fn is_bpffs(path: &Path) -> bool {
 /// existing parent below `/sys/fs` if needed (the usual `/sys/fs/bpf`), then create `dir`.
 pub fn ensure_bpffs(dir: &Path) -> Result<(), BpfError> {
     if dir.exists() {
-        return if is_bpffs(dir) { Ok(()) } else { Err(BpfError::NotBpffs { path: dir.to_owned() }) };
+        return if is_bpffs(dir) {
+            Ok(())
+        } else {
+            Err(BpfError::NotBpffs {
+                path: dir.to_owned(),
+            })
+        };
     }
-    let parent = dir.parent().ok_or_else(|| BpfError::NotBpffs { path: dir.to_owned() })?;
+    let parent = dir.parent().ok_or_else(|| BpfError::NotBpffs {
+        path: dir.to_owned(),
+    })?;
     if !is_bpffs(parent) {
         fs::create_dir_all(parent).map_err(BpfError::io("creating", parent))?;
         nix::mount::mount(
@@ -100,9 +112,14 @@ pub fn ensure_bpffs(dir: &Path) -> Result<(), BpfError> {
             nix::mount::MsFlags::empty(),
             None::<&str>,
         )
-        .map_err(|e| BpfError::BpffsMount { path: parent.to_owned(), source: e.into() })?;
+        .map_err(|e| BpfError::BpffsMount {
+            path: parent.to_owned(),
+            source: e.into(),
+        })?;
         if !is_bpffs(parent) {
-            return Err(BpfError::NotBpffs { path: parent.to_owned() });
+            return Err(BpfError::NotBpffs {
+                path: parent.to_owned(),
+            });
         }
     }
     fs::create_dir_all(dir).map_err(BpfError::io("creating", dir))
@@ -125,11 +142,16 @@ pub fn root_pin_dir(bpffs: &Path, root_id: u64) -> PathBuf {
 /// The cgroup programs need neither.
 fn lsm_active() -> Result<(), String> {
     if let Err(e) = fs::metadata("/sys/kernel/btf/vmlinux") {
-        return Err(format!("no kernel BTF at /sys/kernel/btf/vmlinux ({e}); needs CONFIG_DEBUG_INFO_BTF=y"));
+        return Err(format!(
+            "no kernel BTF at /sys/kernel/btf/vmlinux ({e}); needs CONFIG_DEBUG_INFO_BTF=y"
+        ));
     }
     match fs::read_to_string("/sys/kernel/security/lsm") {
         Ok(list) if list.trim().split(',').any(|l| l == "bpf") => Ok(()),
-        Ok(list) => Err(format!("\"bpf\" is not in the active LSM list ({})", list.trim())),
+        Ok(list) => Err(format!(
+            "\"bpf\" is not in the active LSM list ({})",
+            list.trim()
+        )),
         Err(_) => Ok(()),
     }
 }
@@ -149,9 +171,16 @@ impl Loader {
             .write(true)
             .open(lock_path)
             .map_err(BpfError::io("opening", lock_path))?;
-        let lock = Flock::lock(file, FlockArg::LockExclusive)
-            .map_err(|(_, e)| BpfError::Io { what: "locking", path: lock_path.into(), source: e.into() })?;
-        Ok(Loader { bpffs: bpffs.to_owned(), _lock: lock, ebpf: None })
+        let lock = Flock::lock(file, FlockArg::LockExclusive).map_err(|(_, e)| BpfError::Io {
+            what: "locking",
+            path: lock_path.into(),
+            source: e.into(),
+        })?;
+        Ok(Loader {
+            bpffs: bpffs.to_owned(),
+            _lock: lock,
+            ebpf: None,
+        })
     }
 
     pub fn bpffs(&self) -> &Path {
@@ -221,17 +250,23 @@ impl Loader {
     /// Adopt a pinned link: it must open, and its program must use the pinned POLICIES map
     /// (otherwise it enforces against maps nobody can write: everything denied).
     fn adopt(&self, pin: &Path) -> Result<(), BpfError> {
-        let link = PinnedLink::from_pin(pin)
-            .map_err(|source| BpfError::Adopt { path: pin.to_owned(), source })?;
+        let link = PinnedLink::from_pin(pin).map_err(|source| BpfError::Adopt {
+            path: pin.to_owned(),
+            source,
+        })?;
         let fd_link: FdLink = link.into();
-        let info = fd_link
-            .info()
-            .map_err(|source| BpfError::Adopt { path: pin.to_owned(), source })?;
+        let info = fd_link.info().map_err(|source| BpfError::Adopt {
+            path: pin.to_owned(),
+            source,
+        })?;
         let policies_pin = maps_dir(&self.bpffs).join(egress_common::maps::POLICIES);
         let map_id = aya::maps::MapData::from_pin(&policies_pin)
             .and_then(|m| m.info())
             .map(|i| i.id())
-            .map_err(|source| BpfError::OpenMap { path: policies_pin.clone(), source })?;
+            .map_err(|source| BpfError::OpenMap {
+                path: policies_pin.clone(),
+                source,
+            })?;
         let prog_id = info.program_id();
         let prog_maps = aya::programs::loaded_programs()
             .filter_map(Result::ok)
@@ -239,7 +274,10 @@ impl Loader {
             .and_then(|p| p.map_ids().ok().flatten())
             .unwrap_or_default();
         if !prog_maps.contains(&map_id) {
-            return Err(BpfError::StaleLink { path: pin.to_owned(), maps: maps_dir(&self.bpffs) });
+            return Err(BpfError::StaleLink {
+                path: pin.to_owned(),
+                maps: maps_dir(&self.bpffs),
+            });
         }
         // Dropping an FdLink that came from a pin only closes our fd; the pin keeps it attached.
         drop(fd_link);
@@ -248,51 +286,71 @@ impl Loader {
 
     fn attach(&mut self, name: &'static str, root: &Path, pin: &Path) -> Result<(), BpfError> {
         let cgroup_dir = File::open(root).map_err(BpfError::io("opening cgroup", root))?;
-        let attach_err =
-            |source| BpfError::Attach { program: name, cgroup: root.to_owned(), source };
+        let attach_err = |source| BpfError::Attach {
+            program: name,
+            cgroup: root.to_owned(),
+            source,
+        };
         let btf = match kind(name) {
-            Kind::Lsm => Some(
-                Btf::from_sys_fs().map_err(|e| BpfError::NoBtf {
-                    path: "/sys/kernel/btf/vmlinux".into(),
-                    source: std::io::Error::other(e.to_string()),
-                })?,
-            ),
+            Kind::Lsm => Some(Btf::from_sys_fs().map_err(|e| BpfError::NoBtf {
+                path: "/sys/kernel/btf/vmlinux".into(),
+                source: std::io::Error::other(e.to_string()),
+            })?),
             _ => None,
         };
         let ebpf = self.ebpf()?;
-        let program = ebpf.program_mut(name).ok_or(BpfError::MissingProgram { program: name })?;
+        let program = ebpf
+            .program_mut(name)
+            .ok_or(BpfError::MissingProgram { program: name })?;
         let link: FdLink = match kind(name) {
             Kind::SockAddr => {
-                let p: &mut CgroupSockAddr =
-                    program.try_into().map_err(|e| BpfError::Load { program: name, source: e })?;
+                let p: &mut CgroupSockAddr = program.try_into().map_err(|e| BpfError::Load {
+                    program: name,
+                    source: e,
+                })?;
                 p.load().map_err(|e| BpfError::from_load(name, e))?;
-                let id = p.attach(cgroup_dir.as_fd(), CgroupAttachMode::Single).map_err(attach_err)?;
+                let id = p
+                    .attach(cgroup_dir.as_fd(), CgroupAttachMode::Single)
+                    .map_err(attach_err)?;
                 let link = p.take_link(id).map_err(attach_err)?;
                 FdLink::try_from(link).map_err(|e| pin_err(name, pin, e))?
             }
             Kind::Skb => {
-                let p: &mut CgroupSkb =
-                    program.try_into().map_err(|e| BpfError::Load { program: name, source: e })?;
+                let p: &mut CgroupSkb = program.try_into().map_err(|e| BpfError::Load {
+                    program: name,
+                    source: e,
+                })?;
                 p.load().map_err(|e| BpfError::from_load(name, e))?;
                 let id = p
-                    .attach(cgroup_dir.as_fd(), CgroupSkbAttachType::Egress, CgroupAttachMode::Single)
+                    .attach(
+                        cgroup_dir.as_fd(),
+                        CgroupSkbAttachType::Egress,
+                        CgroupAttachMode::Single,
+                    )
                     .map_err(attach_err)?;
                 let link = p.take_link(id).map_err(attach_err)?;
                 FdLink::try_from(link).map_err(|e| pin_err(name, pin, e))?
             }
             Kind::Sock => {
-                let p: &mut CgroupSock =
-                    program.try_into().map_err(|e| BpfError::Load { program: name, source: e })?;
+                let p: &mut CgroupSock = program.try_into().map_err(|e| BpfError::Load {
+                    program: name,
+                    source: e,
+                })?;
                 p.load().map_err(|e| BpfError::from_load(name, e))?;
-                let id = p.attach(cgroup_dir.as_fd(), CgroupAttachMode::Single).map_err(attach_err)?;
+                let id = p
+                    .attach(cgroup_dir.as_fd(), CgroupAttachMode::Single)
+                    .map_err(attach_err)?;
                 let link = p.take_link(id).map_err(attach_err)?;
                 FdLink::try_from(link).map_err(|e| pin_err(name, pin, e))?
             }
             Kind::Lsm => {
                 let btf = btf.ok_or(BpfError::MissingProgram { program: name })?;
-                let p: &mut LsmCgroup =
-                    program.try_into().map_err(|e| BpfError::Load { program: name, source: e })?;
-                p.load("socket_create", &btf).map_err(|e| BpfError::from_load(name, e))?;
+                let p: &mut LsmCgroup = program.try_into().map_err(|e| BpfError::Load {
+                    program: name,
+                    source: e,
+                })?;
+                p.load("socket_create", &btf)
+                    .map_err(|e| BpfError::from_load(name, e))?;
                 let id = p.attach(cgroup_dir.as_fd()).map_err(attach_err)?;
                 let link = p.take_link(id).map_err(attach_err)?;
                 FdLink::from(link)
@@ -305,19 +363,33 @@ impl Loader {
 }
 
 fn pin_err(name: &str, pin: &Path, e: impl std::fmt::Display) -> BpfError {
-    BpfError::Pin { what: format!("link of {name}"), path: pin.to_owned(), message: e.to_string() }
+    BpfError::Pin {
+        what: format!("link of {name}"),
+        path: pin.to_owned(),
+        message: e.to_string(),
+    }
 }
 
 /// Roots with pinned links: `(root cgroup id, pinned program names)`.
 pub fn pinned_roots(bpffs: &Path) -> Vec<(u64, Vec<String>)> {
     let mut out = Vec::new();
-    let Ok(dir) = fs::read_dir(roots_dir(bpffs)) else { return out };
+    let Ok(dir) = fs::read_dir(roots_dir(bpffs)) else {
+        return out;
+    };
     for entry in dir.flatten() {
-        let Some(id) = entry.file_name().to_str().and_then(|s| s.parse::<u64>().ok()) else {
+        let Some(id) = entry
+            .file_name()
+            .to_str()
+            .and_then(|s| s.parse::<u64>().ok())
+        else {
             continue;
         };
         let mut progs: Vec<String> = fs::read_dir(entry.path())
-            .map(|d| d.flatten().filter_map(|e| e.file_name().into_string().ok()).collect())
+            .map(|d| {
+                d.flatten()
+                    .filter_map(|e| e.file_name().into_string().ok())
+                    .collect()
+            })
             .unwrap_or_default();
         progs.sort();
         out.push((id, progs));

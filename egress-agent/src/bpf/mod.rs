@@ -10,7 +10,10 @@ mod error;
 pub mod events;
 pub mod loader;
 pub mod state;
-#[allow(unsafe_code, reason = "raw getsockopt/bpf syscalls that aya 0.14 does not wrap")]
+#[allow(
+    unsafe_code,
+    reason = "raw getsockopt/bpf syscalls that aya 0.14 does not wrap"
+)]
 pub mod sys;
 
 use std::path::Path;
@@ -47,8 +50,11 @@ pub fn enforce_root(bpffs: &Path, root: &Path, require_lsm: bool) -> Result<Enfo
     std::fs::create_dir_all(root).map_err(BpfError::io("creating cgroup", root))?;
     let report = loader.ensure_root(root, require_lsm)?;
     let mut state = PinnedState::open(bpffs)?;
-    let cookie = sys::current_netns_cookie()
-        .map_err(|e| BpfError::Io { what: "reading SO_NETNS_COOKIE of", path: "the host netns".into(), source: e })?;
+    let cookie = sys::current_netns_cookie().map_err(|e| BpfError::Io {
+        what: "reading SO_NETNS_COOKIE of",
+        path: "the host netns".into(),
+        source: e,
+    })?;
     state.set_host_netns_cookie(cookie)?;
     // Map keys first, then the cgroup listing (see `PinnedState::prune`).
     let pruned = state.prune(|| cgroup::all_ids(&mount).into_keys().collect())?;
@@ -63,5 +69,10 @@ pub fn enforce_root(bpffs: &Path, root: &Path, require_lsm: bool) -> Result<Enfo
         }
     }
     drop(loader);
-    Ok(Enforcement { state, report, pruned, pruned_roots })
+    Ok(Enforcement {
+        state,
+        report,
+        pruned,
+        pruned_roots,
+    })
 }

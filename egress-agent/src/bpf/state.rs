@@ -69,7 +69,14 @@ impl KernelPolicy {
             }
             allow.push((rule.net.trunc(), rule.ports.clone()));
         }
-        Ok(KernelPolicy { mode, endpoint4, listener4, endpoint6, listener6, allow })
+        Ok(KernelPolicy {
+            mode,
+            endpoint4,
+            listener4,
+            endpoint6,
+            listener6,
+            allow,
+        })
     }
 
     /// The map entry for a cgroup whose rules are keyed by `rules_id`.
@@ -88,7 +95,11 @@ impl KernelPolicy {
         let (l6, l6p) = v6(self.listener6);
         PolicyEntry {
             mode: self.mode,
-            flags: if self.endpoint6.is_some() { POLICY_FLAG_V6 } else { 0 },
+            flags: if self.endpoint6.is_some() {
+                POLICY_FLAG_V6
+            } else {
+                0
+            },
             rules_id,
             endpoint4_addr: e4,
             listener4_addr: l4,
@@ -136,7 +147,11 @@ impl KernelPolicy {
                 // More than MAX_RULE_PORTS after merging: fall back to the rule's own ports
                 // (never wider than configured).
                 let own = by_net.get(net).cloned().flatten().unwrap_or_default();
-                let list = if list.len() > MAX_RULE_PORTS { own } else { list };
+                let list = if list.len() > MAX_RULE_PORTS {
+                    own
+                } else {
+                    list
+                };
                 rule.nports = list.len() as u32;
                 for (i, p) in list.iter().take(MAX_RULE_PORTS).enumerate() {
                     rule.ports[i] = *p;
@@ -198,7 +213,10 @@ pub fn entry_listener4(e: &PolicyEntry) -> Option<SocketAddr> {
 
 pub fn entry_listener6(e: &PolicyEntry) -> Option<SocketAddr> {
     (e.listener6_port != 0).then(|| {
-        SocketAddr::new(IpAddr::V6(words_ip6(&e.listener6_addr)), u16::from_be(e.listener6_port))
+        SocketAddr::new(
+            IpAddr::V6(words_ip6(&e.listener6_addr)),
+            u16::from_be(e.listener6_port),
+        )
     })
 }
 
@@ -241,9 +259,14 @@ fn unfixed(b: &[u8]) -> String {
 fn open_map(dir: &Path, name: &'static str) -> Result<Map, BpfError> {
     let path = dir.join(name);
     if !path.exists() {
-        return Err(BpfError::NotLoaded { path: dir.to_owned() });
+        return Err(BpfError::NotLoaded {
+            path: dir.to_owned(),
+        });
     }
-    let data = MapData::from_pin(&path).map_err(|source| BpfError::OpenMap { path: path.clone(), source })?;
+    let data = MapData::from_pin(&path).map_err(|source| BpfError::OpenMap {
+        path: path.clone(),
+        source,
+    })?;
     Map::from_map_data(data).map_err(|source| BpfError::OpenMap { path, source })
 }
 
@@ -263,12 +286,24 @@ impl PinnedState {
         let dir = maps_dir(bpffs);
         let conv = |name: &'static str| map_err(name, "open");
         Ok(PinnedState {
-            policies: open_map(&dir, maps::POLICIES)?.try_into().map_err(conv(maps::POLICIES))?,
-            cidr4: open_map(&dir, maps::CIDR4)?.try_into().map_err(conv(maps::CIDR4))?,
-            cidr6: open_map(&dir, maps::CIDR6)?.try_into().map_err(conv(maps::CIDR6))?,
-            counters: open_map(&dir, maps::COUNTERS)?.try_into().map_err(conv(maps::COUNTERS))?,
-            config: open_map(&dir, maps::CONFIG)?.try_into().map_err(conv(maps::CONFIG))?,
-            names: open_map(&dir, maps::NAMES)?.try_into().map_err(conv(maps::NAMES))?,
+            policies: open_map(&dir, maps::POLICIES)?
+                .try_into()
+                .map_err(conv(maps::POLICIES))?,
+            cidr4: open_map(&dir, maps::CIDR4)?
+                .try_into()
+                .map_err(conv(maps::CIDR4))?,
+            cidr6: open_map(&dir, maps::CIDR6)?
+                .try_into()
+                .map_err(conv(maps::CIDR6))?,
+            counters: open_map(&dir, maps::COUNTERS)?
+                .try_into()
+                .map_err(conv(maps::COUNTERS))?,
+            config: open_map(&dir, maps::CONFIG)?
+                .try_into()
+                .map_err(conv(maps::CONFIG))?,
+            names: open_map(&dir, maps::NAMES)?
+                .try_into()
+                .map_err(conv(maps::NAMES))?,
             dir,
         })
     }
@@ -279,8 +314,13 @@ impl PinnedState {
 
     /// Record the host network namespace (the caller's) so own-netns loopback can be told apart.
     pub fn set_host_netns_cookie(&mut self, cookie: u64) -> Result<(), BpfError> {
-        let cfg = GlobalConfig { host_netns_cookie: cookie, flags: 0 };
-        self.config.set(0, cfg, 0).map_err(map_err(maps::CONFIG, "set"))
+        let cfg = GlobalConfig {
+            host_netns_cookie: cookie,
+            flags: 0,
+        };
+        self.config
+            .set(0, cfg, 0)
+            .map_err(map_err(maps::CONFIG, "set"))
     }
 
     pub fn global_config(&self) -> Result<GlobalConfig, BpfError> {
@@ -298,14 +338,18 @@ impl PinnedState {
                         CIDR_ID_BITS + u32::from(n.prefix_len()),
                         Cidr4Data::new(cgroup_id, u32::from_ne_bytes(n.network().octets())),
                     );
-                    self.cidr4.insert(&key, rule, 0).map_err(map_err(maps::CIDR4, "insert"))?;
+                    self.cidr4
+                        .insert(&key, rule, 0)
+                        .map_err(map_err(maps::CIDR4, "insert"))?;
                 }
                 IpNet::V6(n) => {
                     let key = Key::new(
                         CIDR_ID_BITS + u32::from(n.prefix_len()),
                         Cidr6Data::new(cgroup_id, ip6_words(&n.network())),
                     );
-                    self.cidr6.insert(&key, rule, 0).map_err(map_err(maps::CIDR6, "insert"))?;
+                    self.cidr6
+                        .insert(&key, rule, 0)
+                        .map_err(map_err(maps::CIDR6, "insert"))?;
                 }
             }
         }
@@ -316,13 +360,21 @@ impl PinnedState {
 
     /// Record the policy name and owner of `cgroup_id` (for `status` and events).
     pub fn set_name(&mut self, cgroup_id: u64, policy: &str, owner: &str) -> Result<(), BpfError> {
-        let v = PolicyName { policy: fixed(policy), owner: fixed(owner) };
-        self.names.insert(cgroup_id, v, 0).map_err(map_err(maps::NAMES, "insert"))
+        let v = PolicyName {
+            policy: fixed(policy),
+            owner: fixed(owner),
+        };
+        self.names
+            .insert(cgroup_id, v, 0)
+            .map_err(map_err(maps::NAMES, "insert"))
     }
 
     /// `(policy, owner)` recorded for `cgroup_id`.
     pub fn name(&self, cgroup_id: u64) -> Option<(String, String)> {
-        self.names.get(&cgroup_id, 0).ok().map(|n| (unfixed(&n.policy), unfixed(&n.owner)))
+        self.names
+            .get(&cgroup_id, 0)
+            .ok()
+            .map(|n| (unfixed(&n.policy), unfixed(&n.owner)))
     }
 
     /// Remove the policy of `cgroup_id`, its rules, name and counters. Missing entries are fine.
@@ -449,7 +501,10 @@ mod tests {
             listener4: Some("127.0.0.1:40000".parse().expect("addr")),
             endpoint6: None,
             listener6: None,
-            allow: allow.iter().map(|(n, p)| (n.parse().expect("net"), p.to_vec())).collect(),
+            allow: allow
+                .iter()
+                .map(|(n, p)| (n.parse().expect("net"), p.to_vec()))
+                .collect(),
         }
     }
 
@@ -460,7 +515,10 @@ mod tests {
     #[test]
     fn more_specific_rules_inherit_less_specific_ports() {
         let rules = policy(&[("10.0.0.0/8", &[443]), ("10.1.0.0/16", &[5432])]).rules();
-        let by: BTreeMap<String, Vec<u16>> = rules.iter().map(|(n, r)| (n.to_string(), ports(r))).collect();
+        let by: BTreeMap<String, Vec<u16>> = rules
+            .iter()
+            .map(|(n, r)| (n.to_string(), ports(r)))
+            .collect();
         assert_eq!(by["10.0.0.0/8"], vec![443]);
         assert_eq!(by["10.1.0.0/16"], vec![443, 5432]);
     }
@@ -475,7 +533,10 @@ mod tests {
         }
         // A narrower rule does not widen a wider one.
         let rules = policy(&[("10.0.0.0/8", &[80]), ("10.1.0.0/16", &[])]).rules();
-        let wide = rules.iter().find(|(n, _)| n.to_string() == "10.0.0.0/8").expect("rule");
+        let wide = rules
+            .iter()
+            .find(|(n, _)| n.to_string() == "10.0.0.0/8")
+            .expect("rule");
         assert_eq!(ports(&wide.1), vec![80]);
     }
 
@@ -493,15 +554,24 @@ mod tests {
         assert_eq!(e.endpoint4_addr.to_ne_bytes(), [127, 0, 0, 1]);
         assert_eq!(u16::from_be(e.endpoint4_port), 3128);
         assert_eq!(u16::from_be(e.listener4_port), 40000);
-        assert_eq!(entry_listener4(&e), Some("127.0.0.1:40000".parse().expect("addr")));
+        assert_eq!(
+            entry_listener4(&e),
+            Some("127.0.0.1:40000".parse().expect("addr"))
+        );
         assert_eq!(e.flags & POLICY_FLAG_V6, 0);
         assert_eq!(entry_listener6(&e), None);
     }
 
     #[test]
     fn too_many_ports_are_rejected() {
-        let rule = config::CidrRule { net: "10.0.0.0/8".parse().expect("net"), ports: (1..=40).collect() };
-        let p = config::Policy { allow_cidrs: vec![rule], ..config::Policy::deny_all() };
+        let rule = config::CidrRule {
+            net: "10.0.0.0/8".parse().expect("net"),
+            ports: (1..=40).collect(),
+        };
+        let p = config::Policy {
+            allow_cidrs: vec![rule],
+            ..config::Policy::deny_all()
+        };
         assert!(KernelPolicy::from_config(&p, None, None, None, None).is_err());
     }
 

@@ -103,7 +103,13 @@ pub fn drop_cap_net_raw() -> io::Result<()> {
     }
     // SAFETY: prctl with integer arguments only. EINVAL (no ambient support) is fine.
     let rc = unsafe {
-        libc::prctl(libc::PR_CAP_AMBIENT, libc::PR_CAP_AMBIENT_LOWER, CAP_NET_RAW, 0, 0)
+        libc::prctl(
+            libc::PR_CAP_AMBIENT,
+            libc::PR_CAP_AMBIENT_LOWER,
+            CAP_NET_RAW,
+            0,
+            0,
+        )
     };
     if rc != 0 && io::Error::last_os_error().raw_os_error() != Some(libc::EINVAL) {
         return Err(io::Error::last_os_error());
@@ -121,7 +127,10 @@ pub fn drop_cap_net_raw() -> io::Result<()> {
         inheritable: u32,
     }
     const VERSION_3: u32 = 0x2008_0522;
-    let mut hdr = Header { version: VERSION_3, pid: 0 };
+    let mut hdr = Header {
+        version: VERSION_3,
+        pid: 0,
+    };
     let mut data = [Data::default(); 2];
     // SAFETY: capget with a v3 header and two data structs, as the ABI requires.
     if unsafe { libc::syscall(libc::SYS_capget, &raw mut hdr, data.as_mut_ptr()) } != 0 {

@@ -1,7 +1,8 @@
 //! `connect-bench`: cost of connect() inside an enforced cgroup over outside it (for
 //! `cargo xtask bench`; a benchmark, not a test — nothing here asserts a time).
 //!
-//! Run as root: `connect-bench [--iterations N] [--rounds R] [--agent PATH] [--cpu C]`.
+//! Run as root: `connect-bench [--quick] [--iterations N] [--rounds R] [--agent PATH] [--cpu C]`
+//! (defaults: 50 000 connects x 7 rounds; `--quick`: 10 000 x 3).
 //! The client loop — a blocking connect() to a reserved (bound, not listening) port on
 //! 127.0.0.1, answered at once by the kernel with a RST (ECONNREFUSED) — runs in a child
 //! process pinned to CPU C (sched_setaffinity), once outside any enforced cgroup and once under
@@ -13,10 +14,10 @@
 //! Any error other than ECONNREFUSED (e.g. EPERM) fails the run. Rounds alternate
 //! inside/outside; medians are compared.
 //!
-//! While it runs, BPF run-time statistics are enabled through a BPF_ENABLE_STATS fd (released at
-//! exit; no sysctl is changed) and the per-program cost (ns/run, from `egress-agent status
-//! --json`) is printed: the hook cost measured by the kernel itself, independent of machine
-//! noise.
+//! After the timed rounds, one more inside run is made with BPF run-time statistics enabled
+//! through a BPF_ENABLE_STATS fd (released at exit; no sysctl is changed) and the per-program
+//! cost (ns/run, from `egress-agent status --json`) is printed: the hook cost measured by the
+//! kernel itself, independent of machine noise.
 //!
 //! Output: one line per round, the per-program costs, then
 //! `connect() ns/op: outside <o> inside <i> ratio <i/o> (median of rounds; best-of ratio <b>) (target <= 1.05)`.
@@ -35,15 +36,15 @@ fn pin(cpu: usize) {
 }
 
 fn arg_value(args: &[String], name: &str) -> Option<String> {
-    args.iter().position(|a| a == name).and_then(|i| args.get(i + 1).cloned())
+    args.iter()
+        .position(|a| a == name)
+        .and_then(|i| args.get(i + 1).cloned())
 }
 
 /// Client loop (child process): prints ns per connect().
 fn inner(target: SocketAddr, n: u64, cpu: usize) -> ! {
     pin(cpu);
-    let attempt = || {
-        matches!(TcpStream::connect(target), Err(e) if e.kind() == std::io::ErrorKind::ConnectionRefused)
-    };
+    let attempt = || matches!(TcpStream::connect(target), Err(e) if e.kind() == std::io::ErrorKind::ConnectionRefused);
     // Warm-up.
     for _ in 0..200 {
         let _ = attempt();
@@ -72,7 +73,9 @@ fn bind_only() -> (std::os::fd::OwnedFd, SocketAddr) {
     let mut sin = libc::sockaddr_in {
         sin_family: libc::AF_INET as u16,
         sin_port: 0,
-        sin_addr: libc::in_addr { s_addr: u32::from_ne_bytes([127, 0, 0, 1]) },
+        sin_addr: libc::in_addr {
+            s_addr: u32::from_ne_bytes([127, 0, 0, 1]),
+        },
         sin_zero: [0; 8],
     };
     let mut len = size_of::<libc::sockaddr_in>() as u32;
@@ -82,7 +85,10 @@ fn bind_only() -> (std::os::fd::OwnedFd, SocketAddr) {
     // SAFETY: valid sockaddr_in buffer and its size.
     let rc = unsafe { libc::getsockname(fd.as_raw_fd(), (&raw mut sin).cast(), &raw mut len) };
     assert!(rc == 0, "getsockname: {}", std::io::Error::last_os_error());
-    (fd, SocketAddr::from(([127, 0, 0, 1], u16::from_be(sin.sin_port))))
+    (
+        fd,
+        SocketAddr::from(([127, 0, 0, 1], u16::from_be(sin.sin_port))),
+    )
 }
 
 fn agent_bin(args: &[String]) -> PathBuf {
@@ -103,8 +109,14 @@ fn run_child(cmd: &mut Command) -> f64 {
     let text = String::from_utf8_lossy(&out.stdout);
     let line = text.lines().last().unwrap_or("");
     let mut parts = line.split_whitespace();
-    let ns: f64 = parts.next().and_then(|s| s.parse().ok()).unwrap_or(f64::NAN);
-    let failures: u64 = parts.next().and_then(|s| s.parse().ok()).unwrap_or(u64::MAX);
+    let ns: f64 = parts
+        .next()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(f64::NAN);
+    let failures: u64 = parts
+        .next()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(u64::MAX);
     assert!(
         out.status.success() && failures == 0 && ns.is_finite(),
         "client failed ({}): stdout {text} stderr {}",
@@ -116,14 +128,26 @@ fn run_child(cmd: &mut Command) -> f64 {
 
 fn main() {
     let args: Vec<String> = std::env::args().collect();
-    let n: u64 = arg_value(&args, "--iterations").and_then(|s| s.parse().ok()).unwrap_or(20_000);
-    let cpu: usize = arg_value(&args, "--cpu").and_then(|s| s.parse().ok()).unwrap_or(0);
+    let quick = args.iter().any(|a| a == "--quick");
+    let n: u64 = arg_value(&args, "--iterations")
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(if quick { 10_000 } else { 50_000 });
+    let cpu: usize = arg_value(&args, "--cpu")
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(0);
     if args.iter().any(|a| a == "--inner") {
-        let target: SocketAddr = arg_value(&args, "--target").and_then(|s| s.parse().ok()).expect("--target");
+        let target: SocketAddr = arg_value(&args, "--target")
+            .and_then(|s| s.parse().ok())
+            .expect("--target");
         inner(target, n, cpu);
     }
-    let rounds: usize = arg_value(&args, "--rounds").and_then(|s| s.parse().ok()).unwrap_or(5);
-    assert!(nix::unistd::geteuid().is_root(), "connect-bench needs root (it runs egress-agent exec)");
+    let rounds: usize = arg_value(&args, "--rounds")
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(if quick { 3 } else { 7 });
+    assert!(
+        nix::unistd::geteuid().is_root(),
+        "connect-bench needs root (it runs egress-agent exec)"
+    );
 
     // Reserve a port without listening on it: connects are refused by the kernel at once.
     let (holder, target) = bind_only();
@@ -152,22 +176,33 @@ fn main() {
             .arg("--cpu")
             .arg(cpu.to_string());
     };
-    let stats = enable_run_time_stats();
-    let before = program_stats(&agent);
     let (mut outside, mut inside) = (Vec::new(), Vec::new());
-    println!("connect-bench: {n} refused connect()s per run to {target}, client on CPU {cpu}, {rounds} rounds");
+    println!(
+        "connect-bench: {n} refused connect()s per run to {target}, client on CPU {cpu}, {rounds} rounds"
+    );
     for round in 0..rounds {
         let mut c = Command::new(&me);
         inner_args(&mut c);
         let o = run_child(&mut c);
         let mut c = Command::new(&agent);
-        c.args(["exec", "--policy", "bench", "--config"]).arg(&config).arg("--").arg(&me);
+        c.args(["exec", "--policy", "bench", "--config"])
+            .arg(&config)
+            .arg("--")
+            .arg(&me);
         inner_args(&mut c);
         let i = run_child(&mut c);
         println!("round {round}: outside {o:.1} ns/connect, inside {i:.1} ns/connect");
         outside.push(o);
         inside.push(i);
     }
+    // Per-program cost: one more inside run with BPF run-time stats on (stats add their own
+    // overhead, so they are off during the timed rounds above).
+    let stats = enable_run_time_stats();
+    let before = program_stats(&agent);
+    let mut c = Command::new(&agent);
+    c.args(["exec", "--policy", "bench", "--config"]).arg(&config).arg("--").arg(&me);
+    inner_args(&mut c);
+    run_child(&mut c);
     std::fs::remove_dir_all(&dir).ok();
     drop(holder);
     let after = program_stats(&agent);
@@ -175,7 +210,11 @@ fn main() {
     for (name, (cnt, ns)) in &after {
         let (c0, n0) = before.get(name).copied().unwrap_or((0, 0));
         if cnt > &c0 {
-            println!("  {name:<16} {:>10} runs {:>7.1} ns/run", cnt - c0, (ns - n0) as f64 / (cnt - c0) as f64);
+            println!(
+                "  {name:<16} {:>10} runs {:>7.1} ns/run",
+                cnt - c0,
+                (ns - n0) as f64 / (cnt - c0) as f64
+            );
         }
     }
     let best = outside.iter().copied().fold(f64::INFINITY, f64::min);
@@ -199,7 +238,10 @@ fn enable_run_time_stats() -> Option<std::os::fd::OwnedFd> {
     // SAFETY: BPF_ENABLE_STATS (32) with its one-field attr.
     let fd = unsafe { libc::syscall(libc::SYS_bpf, 32, &raw mut attr, size_of::<Attr>() as u32) };
     if fd < 0 {
-        eprintln!("note: BPF_ENABLE_STATS failed ({}); no per-program costs", std::io::Error::last_os_error());
+        eprintln!(
+            "note: BPF_ENABLE_STATS failed ({}); no per-program costs",
+            std::io::Error::last_os_error()
+        );
         return None;
     }
     // SAFETY: the syscall returned a new fd we own.
@@ -209,8 +251,12 @@ fn enable_run_time_stats() -> Option<std::os::fd::OwnedFd> {
 /// (run_count, run_time_ns) per egress-agent program name, from `egress-agent status --json`.
 fn program_stats(agent: &PathBuf) -> std::collections::BTreeMap<String, (u64, u64)> {
     let mut out = std::collections::BTreeMap::new();
-    let Ok(o) = Command::new(agent).args(["status", "--json"]).output() else { return out };
-    let Ok(v) = serde_json::from_slice::<serde_json::Value>(&o.stdout) else { return out };
+    let Ok(o) = Command::new(agent).args(["status", "--json"]).output() else {
+        return out;
+    };
+    let Ok(v) = serde_json::from_slice::<serde_json::Value>(&o.stdout) else {
+        return out;
+    };
     for p in v["programs"].as_array().into_iter().flatten() {
         let name = p["name"].as_str().unwrap_or("?").to_owned();
         let e = out.entry(name).or_insert((0, 0));

@@ -50,23 +50,35 @@ fn main() {
 }
 
 fn arg(args: &[String], i: usize) -> io::Result<&str> {
-    args.get(i).map(String::as_str).ok_or_else(|| io::Error::other(format!("missing argument {i}")))
+    args.get(i)
+        .map(String::as_str)
+        .ok_or_else(|| io::Error::other(format!("missing argument {i}")))
 }
 
 fn ip(s: &str) -> io::Result<IpAddr> {
-    s.parse().map_err(|_| io::Error::other(format!("bad address {s}")))
+    s.parse()
+        .map_err(|_| io::Error::other(format!("bad address {s}")))
 }
 
 fn port(s: &str) -> io::Result<u16> {
-    s.parse().map_err(|_| io::Error::other(format!("bad port {s}")))
+    s.parse()
+        .map_err(|_| io::Error::other(format!("bad port {s}")))
 }
 
 fn cvt(rc: libc::c_int) -> io::Result<libc::c_int> {
-    if rc < 0 { Err(io::Error::last_os_error()) } else { Ok(rc) }
+    if rc < 0 {
+        Err(io::Error::last_os_error())
+    } else {
+        Ok(rc)
+    }
 }
 
 fn cvt_l(rc: isize) -> io::Result<isize> {
-    if rc < 0 { Err(io::Error::last_os_error()) } else { Ok(rc) }
+    if rc < 0 {
+        Err(io::Error::last_os_error())
+    } else {
+        Ok(rc)
+    }
 }
 
 fn socket(domain: i32, ty: i32, proto: i32) -> io::Result<OwnedFd> {
@@ -103,12 +115,25 @@ fn connect_fd(fd: RawFd, addr: SocketAddr, scope: u32) -> io::Result<()> {
 
 fn sendto_fd(fd: RawFd, buf: &[u8], flags: i32, addr: SocketAddr) -> io::Result<()> {
     let (ss, len) = sockaddr(addr, 0);
-    cvt_l(unsafe { libc::sendto(fd, buf.as_ptr().cast(), buf.len(), flags, (&raw const ss).cast(), len) })
-        .map(drop)
+    cvt_l(unsafe {
+        libc::sendto(
+            fd,
+            buf.as_ptr().cast(),
+            buf.len(),
+            flags,
+            (&raw const ss).cast(),
+            len,
+        )
+    })
+    .map(drop)
 }
 
 fn family(a: &IpAddr) -> i32 {
-    if a.is_ipv4() { libc::AF_INET } else { libc::AF_INET6 }
+    if a.is_ipv4() {
+        libc::AF_INET
+    } else {
+        libc::AF_INET6
+    }
 }
 
 fn mapped(v4: &str) -> io::Result<IpAddr> {
@@ -129,13 +154,21 @@ fn tcp_send(fd: OwnedFd, marker: &str) -> io::Result<()> {
 fn iface_index(name: &str) -> io::Result<u32> {
     let c = CString::new(name).map_err(io::Error::other)?;
     let idx = unsafe { libc::if_nametoindex(c.as_ptr()) };
-    if idx == 0 { Err(io::Error::last_os_error()) } else { Ok(idx) }
+    if idx == 0 {
+        Err(io::Error::last_os_error())
+    } else {
+        Ok(idx)
+    }
 }
 
 fn checksum(data: &[u8]) -> u16 {
     let mut sum: u32 = 0;
     for chunk in data.chunks(2) {
-        let word = if chunk.len() == 2 { u16::from_be_bytes([chunk[0], chunk[1]]) } else { u16::from_be_bytes([chunk[0], 0]) };
+        let word = if chunk.len() == 2 {
+            u16::from_be_bytes([chunk[0], chunk[1]])
+        } else {
+            u16::from_be_bytes([chunk[0], 0])
+        };
         sum += u32::from(word);
     }
     while sum >> 16 != 0 {
@@ -222,13 +255,22 @@ fn run(args: &[String]) -> io::Result<()> {
             let a = ip(arg(args, 1)?)?;
             let scope = iface_index(arg(args, 2)?)?;
             let fd = socket(libc::AF_INET6, libc::SOCK_STREAM, 0)?;
-            connect_fd(fd.as_raw_fd(), SocketAddr::new(a, port(arg(args, 3)?)?), scope)?;
+            connect_fd(
+                fd.as_raw_fd(),
+                SocketAddr::new(a, port(arg(args, 3)?)?),
+                scope,
+            )?;
             tcp_send(fd, arg(args, 4)?)
         }
         "udp" => {
             let a = ip(arg(args, 1)?)?;
             let fd = socket(family(&a), libc::SOCK_DGRAM, 0)?;
-            sendto_fd(fd.as_raw_fd(), arg(args, 3)?.as_bytes(), 0, SocketAddr::new(a, port(arg(args, 2)?)?))
+            sendto_fd(
+                fd.as_raw_fd(),
+                arg(args, 3)?.as_bytes(),
+                0,
+                SocketAddr::new(a, port(arg(args, 2)?)?),
+            )
         }
         "udp-connected" => {
             let a = ip(arg(args, 1)?)?;
@@ -240,7 +282,12 @@ fn run(args: &[String]) -> io::Result<()> {
         "udp-mapped" => {
             let a = mapped(arg(args, 1)?)?;
             let fd = socket(libc::AF_INET6, libc::SOCK_DGRAM, 0)?;
-            sendto_fd(fd.as_raw_fd(), arg(args, 3)?.as_bytes(), 0, SocketAddr::new(a, port(arg(args, 2)?)?))
+            sendto_fd(
+                fd.as_raw_fd(),
+                arg(args, 3)?.as_bytes(),
+                0,
+                SocketAddr::new(a, port(arg(args, 2)?)?),
+            )
         }
         "tfo" => {
             let a = ip(arg(args, 1)?)?;
@@ -259,7 +306,11 @@ fn run(args: &[String]) -> io::Result<()> {
         "icmp-raw" | "ping" => {
             let a = ip(arg(args, 1)?)?;
             let marker = arg(args, 2)?;
-            let ty = if mode == "ping" { libc::SOCK_DGRAM } else { libc::SOCK_RAW };
+            let ty = if mode == "ping" {
+                libc::SOCK_DGRAM
+            } else {
+                libc::SOCK_RAW
+            };
             let fd = socket(libc::AF_INET, ty, libc::IPPROTO_ICMP)?;
             let mut msg = vec![8u8, 0, 0, 0, 0x12, 0x34, 0, 1];
             msg.extend_from_slice(marker.as_bytes());
@@ -268,14 +319,18 @@ fn run(args: &[String]) -> io::Result<()> {
             sendto_fd(fd.as_raw_fd(), &msg, 0, SocketAddr::new(a, 0))
         }
         "tcp-raw-syn" => {
-            let IpAddr::V4(dst) = ip(arg(args, 1)?)? else { return Err(io::Error::other("v4 only")) };
+            let IpAddr::V4(dst) = ip(arg(args, 1)?)? else {
+                return Err(io::Error::other("v4 only"));
+            };
             let p = port(arg(args, 2)?)?;
             let fd = socket(libc::AF_INET, libc::SOCK_RAW, libc::IPPROTO_TCP)?;
             let seg = tcp_syn(source_for(dst), dst, p, arg(args, 3)?.as_bytes());
             sendto_fd(fd.as_raw_fd(), &seg, 0, SocketAddr::new(IpAddr::V4(dst), 0))
         }
         "hdrincl" => {
-            let IpAddr::V4(dst) = ip(arg(args, 1)?)? else { return Err(io::Error::other("v4 only")) };
+            let IpAddr::V4(dst) = ip(arg(args, 1)?)? else {
+                return Err(io::Error::other("v4 only"));
+            };
             let p = port(arg(args, 2)?)?;
             let fd = socket(libc::AF_INET, libc::SOCK_RAW, libc::IPPROTO_RAW)?;
             let one: libc::c_int = 1;
@@ -293,13 +348,24 @@ fn run(args: &[String]) -> io::Result<()> {
         }
         "packet" => {
             let ifindex = iface_index(arg(args, 1)?)?;
-            let IpAddr::V4(dst) = ip(arg(args, 2)?)? else { return Err(io::Error::other("v4 only")) };
+            let IpAddr::V4(dst) = ip(arg(args, 2)?)? else {
+                return Err(io::Error::other("v4 only"));
+            };
             let p = port(arg(args, 3)?)?;
-            let fd = socket(libc::AF_PACKET, libc::SOCK_RAW, i32::from((libc::ETH_P_ALL as u16).to_be()))?;
+            let fd = socket(
+                libc::AF_PACKET,
+                libc::SOCK_RAW,
+                i32::from((libc::ETH_P_ALL as u16).to_be()),
+            )?;
             let mut frame = vec![0xffu8; 6];
             frame.extend_from_slice(&[0x02, 0, 0, 0, 0, 1]);
             frame.extend_from_slice(&(libc::ETH_P_IP as u16).to_be_bytes());
-            frame.extend_from_slice(&ipv4_udp(Ipv4Addr::new(198, 18, 255, 254), dst, p, arg(args, 4)?.as_bytes()));
+            frame.extend_from_slice(&ipv4_udp(
+                Ipv4Addr::new(198, 18, 255, 254),
+                dst,
+                p,
+                arg(args, 4)?.as_bytes(),
+            ));
             let mut sll: libc::sockaddr_ll = unsafe { zeroed() };
             sll.sll_family = libc::AF_PACKET as u16;
             sll.sll_ifindex = ifindex as i32;
@@ -335,7 +401,10 @@ fn run(args: &[String]) -> io::Result<()> {
             let status = String::from_utf8_lossy(&head);
             let code = status.split_whitespace().nth(1).unwrap_or("");
             if code != "200" {
-                return Err(io::Error::other(format!("proxy answered {:?}", status.lines().next())));
+                return Err(io::Error::other(format!(
+                    "proxy answered {:?}",
+                    status.lines().next()
+                )));
             }
             s.write_all(marker.as_bytes())?;
             std::thread::sleep(Duration::from_millis(100));
@@ -345,7 +414,9 @@ fn run(args: &[String]) -> io::Result<()> {
             let p = port(arg(args, 1)?)?;
             let marker = arg(args, 2)?.to_owned();
             let l = TcpListener::bind(SocketAddr::new(IpAddr::V6(Ipv6Addr::UNSPECIFIED), p))
-                .or_else(|_| TcpListener::bind(SocketAddr::new(IpAddr::V4(Ipv4Addr::UNSPECIFIED), p)))?;
+                .or_else(|_| {
+                    TcpListener::bind(SocketAddr::new(IpAddr::V4(Ipv4Addr::UNSPECIFIED), p))
+                })?;
             println!("listening");
             io::stdout().flush()?;
             let (mut c, _) = l.accept()?;
@@ -375,17 +446,31 @@ fn uring_connect(a: IpAddr, p: u16, marker: &str) -> io::Result<()> {
     let fd = socket(family(&a), libc::SOCK_STREAM, 0)?;
     let (ss, len) = sockaddr(SocketAddr::new(a, p), 0);
     let mut ring = IoUring::new(8)?;
-    let connect = opcode::Connect::new(types::Fd(fd.as_raw_fd()), (&raw const ss).cast(), len).build().user_data(1);
+    let connect = opcode::Connect::new(types::Fd(fd.as_raw_fd()), (&raw const ss).cast(), len)
+        .build()
+        .user_data(1);
     unsafe { ring.submission().push(&connect).map_err(io::Error::other)? };
     ring.submit_and_wait(1)?;
-    let cqe = ring.completion().next().ok_or_else(|| io::Error::other("no completion"))?;
+    let cqe = ring
+        .completion()
+        .next()
+        .ok_or_else(|| io::Error::other("no completion"))?;
     if cqe.result() < 0 {
         return Err(io::Error::from_raw_os_error(-cqe.result()));
     }
-    let send = opcode::Send::new(types::Fd(fd.as_raw_fd()), marker.as_ptr(), marker.len() as u32).build().user_data(2);
+    let send = opcode::Send::new(
+        types::Fd(fd.as_raw_fd()),
+        marker.as_ptr(),
+        marker.len() as u32,
+    )
+    .build()
+    .user_data(2);
     unsafe { ring.submission().push(&send).map_err(io::Error::other)? };
     ring.submit_and_wait(1)?;
-    let cqe = ring.completion().next().ok_or_else(|| io::Error::other("no completion"))?;
+    let cqe = ring
+        .completion()
+        .next()
+        .ok_or_else(|| io::Error::other("no completion"))?;
     if cqe.result() < 0 {
         return Err(io::Error::from_raw_os_error(-cqe.result()));
     }
@@ -397,17 +482,25 @@ fn uring_sendto(a: IpAddr, p: u16, marker: &str) -> io::Result<()> {
     use io_uring::{IoUring, opcode, types};
     let fd = socket(family(&a), libc::SOCK_DGRAM, 0)?;
     let (mut ss, len) = sockaddr(SocketAddr::new(a, p), 0);
-    let mut iov = libc::iovec { iov_base: marker.as_ptr() as *mut _, iov_len: marker.len() };
+    let mut iov = libc::iovec {
+        iov_base: marker.as_ptr() as *mut _,
+        iov_len: marker.len(),
+    };
     let mut msg: libc::msghdr = unsafe { zeroed() };
     msg.msg_name = (&raw mut ss).cast();
     msg.msg_namelen = len;
     msg.msg_iov = &raw mut iov;
     msg.msg_iovlen = 1;
     let mut ring = IoUring::new(8)?;
-    let op = opcode::SendMsg::new(types::Fd(fd.as_raw_fd()), &raw const msg).build().user_data(1);
+    let op = opcode::SendMsg::new(types::Fd(fd.as_raw_fd()), &raw const msg)
+        .build()
+        .user_data(1);
     unsafe { ring.submission().push(&op).map_err(io::Error::other)? };
     ring.submit_and_wait(1)?;
-    let cqe = ring.completion().next().ok_or_else(|| io::Error::other("no completion"))?;
+    let cqe = ring
+        .completion()
+        .next()
+        .ok_or_else(|| io::Error::other("no completion"))?;
     if cqe.result() < 0 {
         return Err(io::Error::from_raw_os_error(-cqe.result()));
     }
