@@ -187,6 +187,13 @@ async fn run_async(
     if policy.mode == Mode::Allowlist {
         let ctx = ProxyContext::new(&config, events.clone()).context("proxy context")?;
         let shared_policy = Arc::new(policy.clone());
+        // A non-loopback proxy address (the Docker-style 169.254.100.1) lives on the agent's
+        // interface: make sure it exists, as the daemon does, before binding on it.
+        if let std::net::IpAddr::V4(ip) = config.proxy.listen_ip()
+            && !ip.is_loopback()
+        {
+            crate::netif::ensure(ip).with_context(|| format!("setting up the proxy address {ip}"))?;
+        }
         let mut addrs = vec![std::net::SocketAddr::new(config.proxy.listen_ip(), 0)];
         if let Some(v6) = config.proxy.endpoint_v6 {
             addrs.push(std::net::SocketAddr::new(v6.ip(), 0));

@@ -81,7 +81,16 @@ pub fn test(filter: Option<&str>) -> Result<()> {
     }
     // Tests share cgroups, netns names and one private dockerd: run them one at a time.
     args.push("--test-threads=1");
-    cargo(&args)
+    let status = Command::new(env!("CARGO"))
+        .args(&args)
+        .env("EGRESS_AGENT_BIN", release_bin("egress-agent"))
+        .current_dir(workspace_root())
+        .status()
+        .context("running cargo")?;
+    if !status.success() {
+        bail!("privileged integration tests failed ({status})");
+    }
+    Ok(())
 }
 
 pub fn bench(quick: bool) -> Result<()> {
