@@ -154,22 +154,6 @@ impl Control for Daemon {
     }
 }
 
-/// Counts denial events into the metrics (both sources), off the hot path.
-fn spawn_event_metrics(events: &EventSink, metrics: Arc<Metrics>) {
-    let mut rx = events.subscribe();
-    tokio::spawn(async move {
-        loop {
-            match rx.recv().await {
-                Ok(ev) => metrics.record_denial(&ev),
-                Err(tokio::sync::broadcast::error::RecvError::Lagged(n)) => {
-                    metrics.event_drops(metrics::DropSource::Ring, n);
-                }
-                Err(tokio::sync::broadcast::error::RecvError::Closed) => return,
-            }
-        }
-    });
-}
-
 /// Runs the daemon until SIGINT/SIGTERM.
 pub async fn run(opts: RunOptions) -> Result<()> {
     bpf::loader::require_root()?;
@@ -189,7 +173,7 @@ pub async fn run(opts: RunOptions) -> Result<()> {
     };
 
     let metrics = Arc::new(Metrics::new());
-    spawn_event_metrics(&events, metrics.clone());
+    metrics::spawn_denial_counter(&events, metrics.clone());
     let metrics_task = match opts.metrics {
         Some(addr) => {
             let listener = metrics::bind(addr, opts.metrics_allow_non_loopback)

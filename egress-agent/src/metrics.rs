@@ -2,12 +2,17 @@
 //!
 //! Metric families (OpenMetrics text, prefix `egress_agent_`):
 //! - `decisions_total{verdict, reason, policy}`: proxy and kernel decisions (`verdict` = allow|deny).
+//!   `allow` (reason `allowed`) counts proxy requests/CONNECTs forwarded (kernel allows are in the
+//!   per-cgroup kernel counters, not here); `deny` counts every denial event, both sources.
 //! - `kernel_denials_total{hook}`: denials reported by the kernel programs (connect4, sendmsg6, ...).
 //! - `proxy_connections_total{policy}`: client connections accepted by the policy's listener.
-//! - `proxy_bytes_total{policy, direction}`: bytes relayed (`direction` = upstream|downstream).
+//! - `proxy_bytes_total{policy, direction}`: bytes relayed (`direction` = upstream|downstream),
+//!   added when a CONNECT tunnel or an upstream HTTP connection ends (a long-lived tunnel shows
+//!   its bytes when it closes).
 //! - `enforced_containers`: containers with a policy entry in the kernel (gauge).
 //! - `event_drops_total{source}`: events lost (`kernel` ring buffer overflow, `ring` in-memory ring).
-//! - `reconcile_errors_total`: Docker reconcile passes that failed.
+//! - `reconcile_errors_total`: Docker watcher sessions that failed (Docker unreachable, reconcile
+//!   failed, event stream lost); each is followed by a reconnect with backoff.
 //!
 //! Label values are bounded by construction: `verdict`, `reason`, `hook`, `direction`, `source` are
 //! `&'static str` from typed enums; `policy` is a configured policy name. Never put hostnames,
@@ -115,6 +120,58 @@ pub enum DropSource {
     Ring,
 }
 
+/// `reason` label of allowed proxy decisions.
+pub const ALLOWED: &str = "allowed";
+
+/// One policy listener's counters (see [`Metrics::proxy_counters`]). Clones share the values;
+/// the series exist (at 0) from the moment the handles are created.
+#[derive(Clone, Debug)]
+pub struct ProxyCounters {
+    connections: Counter,
+    allowed: Counter,
+    bytes_upstream: Counter,
+    bytes_downstream: Counter,
+}
+
+impl ProxyCounters {
+    /// A client connection accepted.
+    pub fn connection(&self) {
+        self.connections.inc();
+    }
+
+    /// A request or CONNECT allowed and forwarded (`decisions_total{verdict="allow",reason="allowed"}`).
+    pub fn allowed(&self) {
+        self.allowed.inc();
+    }
+
+    /// Bytes relayed by one tunnel or upstream connection, added once when it ends.
+    pub fn bytes(&self, upstream: u64, downstream: u64) {
+        if upstream > 0 {
+            self.bytes_upstream.inc_by(upstream);
+        }
+        if downstream > 0 {
+            self.bytes_downstream.inc_by(downstream);
+        }
+    }
+}
+
+/// Count every denial event of `events` into `metrics` (both sources) on a task of its own, off
+/// the hot path; events a slow counter missed are counted as `event_drops{source="ring"}`.
+pub fn spawn_denial_counter(events: &crate::events::EventSink, metrics: Arc<Metrics>) {
+    let mut rx = events.subscribe();
+    tokio::spawn(async move {
+        loop {
+            match rx.recv().await {
+                Ok(ev) => metrics.record_denial(&ev),
+                Err(tokio::sync::broadcast::error::RecvError::Lagged(n)) => {
+                    metrics.event_drops(DropSource::Ring, n);
+                }
+                Err(tokio::sync::broadcast::error::RecvError::Closed) => return,
+            }
+        }
+    });
+}
+
 /// The agent's metrics. Cheap to update from any thread; share it as `Arc<Metrics>`.
 pub struct Metrics {
     registry: Registry,
@@ -177,7 +234,7 @@ impl Metrics {
         );
         registry.register(
             "reconcile_errors",
-            "Docker reconcile passes that failed",
+            "Docker watcher sessions that failed (reconnect and full reconcile follow)",
             reconcile_errors.clone(),
         );
         registry.register(
@@ -212,7 +269,9 @@ impl Metrics {
     /// A denial reported by the kernel program at `hook` (e.g. `connect4`).
     pub fn kernel_denial(&self, hook: &'static str) {
         self.kernel_denials
-            .get_or_create(&HookLabels { hook: hook.to_owned() })
+            .get_or_create(&HookLabels {
+                hook: hook.to_owned(),
+            })
             .inc();
     }
 
@@ -237,6 +296,37 @@ impl Metrics {
                 direction,
             })
             .inc_by(n);
+    }
+
+    /// Counter handles of one policy's proxy listener, resolved once (at bind time) so the
+    /// proxy's hot path is a relaxed atomic add per update, with no label lookup or allocation.
+    pub fn proxy_counters(&self, policy: &str) -> ProxyCounters {
+        let bytes = |direction| {
+            self.proxy_bytes
+                .get_or_create(&BytesLabels {
+                    policy: policy.to_owned(),
+                    direction,
+                })
+                .clone()
+        };
+        ProxyCounters {
+            connections: self
+                .proxy_connections
+                .get_or_create(&PolicyLabels {
+                    policy: policy.to_owned(),
+                })
+                .clone(),
+            allowed: self
+                .decisions
+                .get_or_create(&DecisionLabels {
+                    verdict: Verdict::Allow.as_str(),
+                    reason: ALLOWED.to_owned(),
+                    policy: policy.to_owned(),
+                })
+                .clone(),
+            bytes_upstream: bytes("upstream"),
+            bytes_downstream: bytes("downstream"),
+        }
     }
 
     /// The number of containers currently enforced.
@@ -279,7 +369,9 @@ impl Metrics {
         if ev.source == crate::events::Source::Kernel {
             let hook = ev.context.get("hook").map_or("unknown", String::as_str);
             self.kernel_denials
-                .get_or_create(&HookLabels { hook: hook.to_owned() })
+                .get_or_create(&HookLabels {
+                    hook: hook.to_owned(),
+                })
                 .inc();
         }
     }
@@ -414,6 +506,33 @@ mod tests {
             r#"egress_agent_event_drops_total{source="kernel"} 7"#,
             "egress_agent_reconcile_errors_total 1",
             "# EOF",
+        ] {
+            assert!(
+                text.lines().any(|l| l == line),
+                "missing {line:?} in\n{text}"
+            );
+        }
+    }
+
+    #[test]
+    fn proxy_counter_handles_share_the_registered_series() {
+        let m = Metrics::new();
+        let c = m.proxy_counters("ci");
+        let again = m.proxy_counters("ci");
+        c.connection();
+        again.connection();
+        c.allowed();
+        c.bytes(10, 0);
+        again.bytes(5, 7);
+        // The functions without a cached handle add to the same series.
+        m.decision(Verdict::Allow, ALLOWED, "ci");
+        m.proxy_bytes("ci", Direction::Downstream, 1);
+        let text = m.encode().expect("encode");
+        for line in [
+            r#"egress_agent_proxy_connections_total{policy="ci"} 2"#,
+            r#"egress_agent_decisions_total{verdict="allow",reason="allowed",policy="ci"} 2"#,
+            r#"egress_agent_proxy_bytes_total{policy="ci",direction="upstream"} 15"#,
+            r#"egress_agent_proxy_bytes_total{policy="ci",direction="downstream"} 8"#,
         ] {
             assert!(
                 text.lines().any(|l| l == line),

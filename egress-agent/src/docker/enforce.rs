@@ -410,6 +410,7 @@ impl Enforcer {
         };
         tracing::info!(container = %info.id, name = %info.name, cgroup_id = id, policy = %written_name,
             source = %resolved.source, "container enforced");
+        self.record_name(id, &written_name, info);
         self.directory.set(
             id,
             DirEntry {
@@ -446,6 +447,15 @@ impl Enforcer {
             return Outcome::Refuse(reasons);
         }
         Outcome::Ok
+    }
+
+    /// Policy name and owner (`docker:<container name>`) of the cgroup, for `status` and the API's
+    /// container list. Bookkeeping only: a failure is logged, enforcement is unaffected.
+    fn record_name(&mut self, cgroup_id: u64, policy: &str, info: &ContainerInfo) {
+        let owner = format!("docker:{}", info.name);
+        if let Err(e) = self.state.set_name(cgroup_id, policy, &owner) {
+            tracing::warn!(container = %info.id, cgroup_id, error = %e, "recording the policy name failed");
+        }
     }
 
     fn write_entry(
@@ -581,6 +591,7 @@ impl Enforcer {
             ));
         }
         if let Some(id) = id {
+            self.record_name(id, crate::config::DENY_ALL, info);
             self.directory.set(
                 id,
                 DirEntry {
@@ -685,8 +696,7 @@ impl Enforcer {
     ) {
         self.events.emit(DenialEvent {
             time: SystemTime::now(),
-            // TODO(events owner): a `Source::Agent` variant; lifecycle decisions are the agent's.
-            source: Source::Kernel,
+            source: Source::Agent,
             cgroup_id,
             container: Some(ContainerRef {
                 id: info.id.clone(),

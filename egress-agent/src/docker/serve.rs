@@ -118,10 +118,17 @@ pub async fn serve_with(
     tracing::info!(root = %root_path.display(), adopted = ?enforcement.report.adopted,
         attached = ?enforcement.report.attached, "docker enforcement root ready");
     // `enforce_root` already released the loader lock; the links stay pinned and enforcing.
-    let enforcement_lsm = enforcement.report.lsm_unavailable.as_ref().map(|w| w.to_string());
+    let enforcement_lsm = enforcement
+        .report
+        .lsm_unavailable
+        .as_ref()
+        .map(|w| w.to_string());
     let bpf::Enforcement { state, .. } = enforcement;
-    let ctx =
+    let mut ctx =
         ProxyContext::new(&config, events.clone()).map_err(|e| ServeError::Proxy(e.to_string()))?;
+    if let Some(m) = &hooks.metrics {
+        ctx = ctx.with_metrics(m.clone());
+    }
     let settings = Settings {
         root,
         endpoint4,
@@ -133,9 +140,10 @@ pub async fn serve_with(
     let enforcer = Enforcer::new(state, settings, config.clone(), ctx, events.clone())
         .with_directory(directory.clone());
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
-    let pump = opts.kernel_events.then(|| {
+    let pump = (opts.kernel_events || hooks.metrics.is_some()).then(|| {
         tokio::spawn(kernel_events(
             config.agent.bpffs.clone(),
+            opts.kernel_events,
             directory,
             events,
             hooks.metrics.clone(),
@@ -153,7 +161,14 @@ pub async fn serve_with(
             tracing::debug!("nobody waits for readiness");
         }
     }
-    let _enforcer = super::watch::run_with_reload(&opts.socket, enforcer, hooks.reload, shutdown).await;
+    let _enforcer = super::watch::run_with_reload(
+        &opts.socket,
+        enforcer,
+        hooks.reload,
+        hooks.metrics,
+        shutdown,
+    )
+    .await;
     if stop_tx.send(true).is_err() {
         tracing::debug!("kernel event pump already stopped");
     }
@@ -165,25 +180,42 @@ pub async fn serve_with(
     Ok(())
 }
 
-/// Drain the kernel ring buffer every 200 ms, attributing events to containers.
+/// How often the per-cgroup kernel counters are read for `event_drops{source="kernel"}`.
+const LOSS_SAMPLE: Duration = Duration::from_secs(5);
+
+/// Drain the kernel ring buffer every 200 ms (when `drain`), attributing events to containers,
+/// and keep the metrics up to date: enforced containers every tick, kernel event losses every
+/// [`LOSS_SAMPLE`]. Without `drain` (or when another process holds the events lock) only the
+/// metrics are kept.
 async fn kernel_events(
     bpffs: std::path::PathBuf,
+    drain: bool,
     directory: Directory,
     events: EventSink,
     metrics: Option<Arc<crate::metrics::Metrics>>,
     mut stop: tokio::sync::watch::Receiver<bool>,
 ) {
-    let mut reader = match bpf::events::KernelEvents::try_open(&bpffs) {
-        Ok(Some(r)) => r,
-        Ok(None) => {
-            tracing::info!("another process consumes kernel events");
-            return;
+    let mut reader = if drain {
+        match bpf::events::KernelEvents::try_open(&bpffs) {
+            Ok(Some(r)) => Some(r),
+            Ok(None) => {
+                tracing::info!("another process consumes kernel events");
+                None
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "kernel events unavailable");
+                None
+            }
         }
-        Err(e) => {
-            tracing::warn!(error = %e, "kernel events unavailable");
-            return;
-        }
+    } else {
+        None
     };
+    if reader.is_none() && metrics.is_none() {
+        return;
+    }
+    let mut losses = LossTracker::default();
+    let mut state: Option<bpf::PinnedState> = None;
+    let mut next_sample = tokio::time::Instant::now();
     let mut tick = tokio::time::interval(Duration::from_millis(200));
     loop {
         tokio::select! {
@@ -192,7 +224,18 @@ async fn kernel_events(
         }
         if let Some(m) = &metrics {
             m.set_enforced_containers(directory.len() as u64);
+            let now = tokio::time::Instant::now();
+            if now >= next_sample {
+                next_sample = now + LOSS_SAMPLE;
+                let lost = sample_lost(&bpffs, &mut state, &mut losses);
+                if lost > 0 {
+                    m.event_drops(crate::metrics::DropSource::Kernel, lost);
+                }
+            }
         }
+        let Some(reader) = reader.as_mut() else {
+            continue;
+        };
         for ev in reader.drain() {
             let time = reader.time_of(&ev);
             let policy = directory
@@ -202,6 +245,70 @@ async fn kernel_events(
             directory.enrich(&mut d);
             events.emit(d);
         }
+    }
+}
+
+/// Read every cgroup's `events_lost` from the pinned counters (opening the maps on first use)
+/// and return the increase since the last read. Errors are logged at debug and count nothing
+/// (the next sample catches up).
+fn sample_lost(
+    bpffs: &std::path::Path,
+    state: &mut Option<bpf::PinnedState>,
+    losses: &mut LossTracker,
+) -> u64 {
+    if state.is_none() {
+        match bpf::PinnedState::open(bpffs) {
+            Ok(s) => *state = Some(s),
+            Err(e) => {
+                tracing::debug!(error = %e, "kernel counters unavailable");
+                return 0;
+            }
+        }
+    }
+    let Some(st) = state.as_ref() else { return 0 };
+    let mut now = Vec::new();
+    for id in st.counter_ids() {
+        match st.counters(id) {
+            // A cgroup removed between listing and reading reads as zeros (see LossTracker).
+            Ok(c) => now.push((id, c.events_lost)),
+            Err(e) => {
+                // Skip this sample whole rather than forget a cgroup and count it again later.
+                tracing::debug!(cgroup_id = id, error = %e, "reading kernel counters");
+                return 0;
+            }
+        }
+    }
+    losses.update(now)
+}
+
+/// Per-cgroup `events_lost` as last read. The summed value can go down (a removed cgroup's
+/// counters are deleted), so increases are computed per cgroup: the first read is the baseline
+/// (losses from before this process are not reported), a cgroup that appears later counts in
+/// full, a counter that went down was recreated and counts from zero. Losses between the last
+/// read and a cgroup's removal are missed.
+#[derive(Debug, Default)]
+struct LossTracker {
+    last: std::collections::HashMap<u64, u64>,
+    primed: bool,
+}
+
+impl LossTracker {
+    fn update(&mut self, now: impl IntoIterator<Item = (u64, u64)>) -> u64 {
+        let mut next = std::collections::HashMap::new();
+        let mut added = 0u64;
+        for (id, lost) in now {
+            let delta = match self.last.get(&id) {
+                Some(&prev) if lost >= prev => lost - prev,
+                Some(_) => lost,
+                None if self.primed => lost,
+                None => 0,
+            };
+            added = added.saturating_add(delta);
+            next.insert(id, lost);
+        }
+        self.last = next;
+        self.primed = true;
+        added
     }
 }
 
@@ -216,6 +323,21 @@ pub fn cleanup_host() -> Result<(), ServeError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn kernel_losses_are_counted_per_cgroup() {
+        let mut t = LossTracker::default();
+        // Losses from before the agent started are the baseline, not news.
+        assert_eq!(t.update([(1, 5), (2, 0)]), 0);
+        assert_eq!(t.update([(1, 5), (2, 3)]), 3);
+        // Cgroup 1 removed (its counters deleted): the sum drops, nothing is subtracted.
+        assert_eq!(t.update([(2, 4)]), 1);
+        // A cgroup seen for the first time after the baseline counts in full.
+        assert_eq!(t.update([(2, 4), (3, 2)]), 2);
+        // A counter that went down was recreated: it counts from zero.
+        assert_eq!(t.update([(2, 1), (3, 2)]), 1);
+        assert_eq!(t.update([]), 0);
+    }
 
     #[test]
     fn serve_is_spawnable() {

@@ -15,6 +15,7 @@
 //! | `destroy` | release everything, remove a pre-created dir                         |
 use std::collections::{HashMap, HashSet};
 use std::future::Future;
+use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use bollard::Docker;
@@ -30,6 +31,7 @@ use tokio::sync::mpsc;
 
 use super::ReloadRequest;
 use super::enforce::{Enforcer, Outcome};
+use crate::metrics::Metrics;
 
 const BACKOFF_MIN: Duration = Duration::from_millis(100);
 const BACKOFF_MAX: Duration = Duration::from_secs(5);
@@ -51,15 +53,17 @@ pub async fn run(
     enforcer: Enforcer,
     shutdown: impl Future<Output = ()>,
 ) -> Enforcer {
-    run_with_reload(docker_socket, enforcer, None, shutdown).await
+    run_with_reload(docker_socket, enforcer, None, None, shutdown).await
 }
 
 /// [`run`], also applying configuration reloads sent on `reload` (in between Docker events, so a
-/// reload never races an event for the same container).
+/// reload never races an event for the same container), and counting every session that failed
+/// (Docker unreachable, reconcile failed, event stream lost) in `metrics`' `reconcile_errors_total`.
 pub async fn run_with_reload(
     docker_socket: &str,
     mut enforcer: Enforcer,
     mut reload: Option<mpsc::Receiver<ReloadRequest>>,
+    metrics: Option<Arc<Metrics>>,
     shutdown: impl Future<Output = ()>,
 ) -> Enforcer {
     tokio::pin!(shutdown);
@@ -74,7 +78,12 @@ pub async fn run_with_reload(
             r = session => {
                 match r {
                     Ok(()) => tracing::warn!("docker event stream ended; reconnecting"),
-                    Err(e) => tracing::warn!(error = %e, backoff = ?backoff, "docker watcher: reconnecting"),
+                    Err(e) => {
+                        if let Some(m) = &metrics {
+                            m.reconcile_error();
+                        }
+                        tracing::warn!(error = %e, backoff = ?backoff, "docker watcher: reconnecting");
+                    }
                 }
             }
         }
@@ -143,7 +152,9 @@ async fn apply_reload(docker: Option<&Docker>, enforcer: &mut Enforcer, req: Rel
         match docker {
             Some(d) => refuse(d, info, why).await,
             // Not connected: the entry is already deny_all; the next reconcile stops it.
-            None => tracing::warn!(container = %info.id, reason = %why, "refused on reload; will stop it on reconnect"),
+            None => {
+                tracing::warn!(container = %info.id, reason = %why, "refused on reload; will stop it on reconnect")
+            }
         }
     }
     if req.done.send(Ok(())).is_err() {

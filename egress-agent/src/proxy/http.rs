@@ -102,6 +102,69 @@ impl AsyncWrite for ClientIo {
     }
 }
 
+/// An upstream HTTP connection that counts the bytes written to it (`upstream`) and read from it
+/// (`downstream`), as on the wire, and adds them to the listener's metrics once, when the
+/// connection is dropped (plain fields: one owner, no atomics per read or write).
+struct Counted {
+    inner: TcpStream,
+    up: u64,
+    down: u64,
+    shared: Arc<Shared>,
+}
+
+impl Drop for Counted {
+    fn drop(&mut self) {
+        self.shared.relayed(self.up, self.down);
+    }
+}
+
+impl AsyncRead for Counted {
+    fn poll_read(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        let before = buf.filled().len();
+        let r = Pin::new(&mut self.inner).poll_read(cx, buf);
+        self.down += (buf.filled().len() - before) as u64;
+        r
+    }
+}
+
+impl AsyncWrite for Counted {
+    fn poll_write(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        data: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        let r = Pin::new(&mut self.inner).poll_write(cx, data);
+        if let Poll::Ready(Ok(n)) = r {
+            self.up += n as u64;
+        }
+        r
+    }
+    fn poll_write_vectored(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[io::IoSlice<'_>],
+    ) -> Poll<io::Result<usize>> {
+        let r = Pin::new(&mut self.inner).poll_write_vectored(cx, bufs);
+        if let Poll::Ready(Ok(n)) = r {
+            self.up += n as u64;
+        }
+        r
+    }
+    fn is_write_vectored(&self) -> bool {
+        self.inner.is_write_vectored()
+    }
+    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.inner).poll_flush(cx)
+    }
+    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.inner).poll_shutdown(cx)
+    }
+}
+
 struct ConnState {
     shared: Arc<Shared>,
     /// The upstream of the previous request, reused only for the same target.
@@ -276,7 +339,7 @@ async fn handle(mut req: Request<Incoming>, state: &ConnState) -> Response<Body>
         };
         let on_upgrade = hyper::upgrade::on(&mut req);
         let limits = shared.ctx.limits().clone();
-        let name = shared.name.clone();
+        let shared = shared.clone();
         tokio::spawn(async move {
             let Ok(upgraded) = on_upgrade.await else {
                 return;
@@ -289,6 +352,7 @@ async fn handle(mut req: Request<Incoming>, state: &ConnState) -> Response<Body>
             // hyper's buffered bytes were read before whatever is left of our prefix.
             let mut pending = parts.read_buf.to_vec();
             pending.extend_from_slice(&client.prefix[client.pos..]);
+            let early = pending.len() as u64;
             if !pending.is_empty() && super::tunnel::write_all(&upstream, &pending).await.is_err() {
                 return;
             }
@@ -301,7 +365,8 @@ async fn handle(mut req: Request<Incoming>, state: &ConnState) -> Response<Body>
                 std::future::pending::<()>(),
             )
             .await;
-            tracing::debug!(policy = %name, %target, up, down, ?end, "tunnel closed");
+            shared.relayed(early + up, down);
+            tracing::debug!(policy = %shared.name, %target, up, down, ?end, "tunnel closed");
         });
         return Response::new(Either::Right(Full::new(Bytes::new())));
     }
@@ -313,7 +378,10 @@ async fn handle(mut req: Request<Incoming>, state: &ConnState) -> Response<Body>
             // Policy may have changed since: re-check the target before reusing.
             match shared.policy.load().check_target(&target.dest, target.port) {
                 Ok(()) => match sender.ready().await {
-                    Ok(()) => Some(sender),
+                    Ok(()) => {
+                        shared.allowed();
+                        Some(sender)
+                    }
                     Err(_) => None,
                 },
                 Err(reason) => {
@@ -330,6 +398,12 @@ async fn handle(mut req: Request<Incoming>, state: &ConnState) -> Response<Body>
             let upstream = match shared.check_and_dial(&target, protocol).await {
                 Ok(s) => s,
                 Err(r) => return refusal(r, &shared.name),
+            };
+            let upstream = Counted {
+                inner: upstream,
+                up: 0,
+                down: 0,
+                shared: shared.clone(),
             };
             let (sender, conn) =
                 match hyper::client::conn::http1::handshake(TokioIo::new(upstream)).await {

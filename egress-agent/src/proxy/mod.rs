@@ -32,6 +32,7 @@ use tokio::task::JoinSet;
 
 use crate::config::{Config, Policy, ProxyConfig};
 use crate::events::{DenialEvent, EventSink};
+use crate::metrics::{Metrics, ProxyCounters};
 use crate::policy::name::Destination;
 use crate::policy::{CompiledPolicy, DenyReason};
 use dial::DialError;
@@ -89,16 +90,19 @@ struct CtxInner {
     conns: Arc<Semaphore>,
 }
 
-/// What every listener shares: resolver, event sink, limits, the connection bound. Cheap to clone.
+/// What every listener shares: resolver, event sink, limits, the connection bound, and optionally
+/// the metrics registry. Cheap to clone.
 #[derive(Clone)]
 pub struct ProxyContext {
     inner: Arc<CtxInner>,
+    metrics: Option<Arc<Metrics>>,
 }
 
 impl std::fmt::Debug for ProxyContext {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("ProxyContext")
             .field("limits", &self.inner.limits)
+            .field("metrics", &self.metrics.is_some())
             .finish_non_exhaustive()
     }
 }
@@ -123,7 +127,21 @@ impl ProxyContext {
                 limits,
                 conns,
             }),
+            metrics: None,
         }
+    }
+
+    /// Report to `metrics`: per listener, connections accepted, allowed decisions (`reason =
+    /// "allowed"`) and bytes relayed. Denials are counted from the event stream
+    /// ([`crate::metrics::spawn_denial_counter`]), not here. Listeners bound from this context
+    /// (and its clones made afterwards) report; earlier clones don't.
+    pub fn with_metrics(mut self, metrics: Arc<Metrics>) -> ProxyContext {
+        self.metrics = Some(metrics);
+        self
+    }
+
+    pub fn metrics(&self) -> Option<&Arc<Metrics>> {
+        self.metrics.as_ref()
     }
 
     pub fn events(&self) -> &EventSink {
@@ -163,6 +181,8 @@ pub(crate) struct Shared {
     pub(crate) name: Arc<str>,
     pub(crate) policy: Arc<ArcSwap<CompiledPolicy>>,
     pub(crate) ctx: ProxyContext,
+    /// This listener's metric handles (label lookup done once, at bind).
+    pub(crate) counters: Option<ProxyCounters>,
 }
 
 impl Shared {
@@ -187,7 +207,22 @@ impl Shared {
         ));
     }
 
+    /// An allowed (and forwarded) request or CONNECT.
+    pub(crate) fn allowed(&self) {
+        if let Some(c) = &self.counters {
+            c.allowed();
+        }
+    }
+
+    /// Bytes relayed by one tunnel or upstream connection that ended.
+    pub(crate) fn relayed(&self, upstream: u64, downstream: u64) {
+        if let Some(c) = &self.counters {
+            c.bytes(upstream, downstream);
+        }
+    }
+
     /// Policy check + dial, with the denial event on refusal.
+    /// Counted as an allowed decision when the upstream connection is made.
     pub(crate) async fn check_and_dial(
         &self,
         target: &Target,
@@ -200,7 +235,10 @@ impl Shared {
         }
         let limits = self.ctx.limits();
         match dial::dial(&policy, self.ctx.resolver(), target, limits.connect_timeout).await {
-            Ok((stream, _)) => Ok(stream),
+            Ok((stream, _)) => {
+                self.allowed();
+                Ok(stream)
+            }
             Err(DialError::Denied { reason, ip }) => {
                 self.deny_event(target, ip, protocol, reason);
                 Err(Refusal::Denied(reason))
@@ -237,10 +275,12 @@ impl PolicyProxy {
     ) -> io::Result<Self> {
         let listener = TcpListener::bind(addr).await?;
         let local = listener.local_addr()?;
+        let counters = ctx.metrics().map(|m| m.proxy_counters(&policy_name));
         let shared = Arc::new(Shared {
             name: Arc::from(policy_name),
             policy: Arc::new(ArcSwap::from_pointee(CompiledPolicy::new(&policy))),
             ctx,
+            counters,
         });
         Ok(PolicyProxy {
             listener,
@@ -292,6 +332,9 @@ impl PolicyProxy {
             };
             match accepted {
                 Ok((stream, peer)) => {
+                    if let Some(c) = &self.shared.counters {
+                        c.connection();
+                    }
                     let shared = self.shared.clone();
                     let stop = stop_rx.clone();
                     tokio::spawn(async move {
@@ -422,7 +465,8 @@ async fn handle_connection(
                 return;
             }
             // Bytes the client pipelined after the head (e.g. a TLS ClientHello) go first.
-            if buf.len() > len && tunnel::write_all(&upstream, &buf[len..]).await.is_err() {
+            let early = buf.len().saturating_sub(len) as u64;
+            if early > 0 && tunnel::write_all(&upstream, &buf[len..]).await.is_err() {
                 return;
             }
             drop(buf);
@@ -434,6 +478,7 @@ async fn handle_connection(
                 stopped(stop),
             )
             .await;
+            shared.relayed(early + up, down);
             tracing::debug!(policy = %shared.name, %target, up, down, ?end, "tunnel closed");
         }
         (_, Request::Http { .. }) => {

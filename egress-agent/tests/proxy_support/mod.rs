@@ -196,13 +196,26 @@ allow_cidrs = [{{ cidr = "127.0.0.1/32", ports = [{echo}, {http}, {closed}] }}]
 }
 
 pub async fn harness_with(proxy_extra: &str, policy_extra: &str, policy: &str) -> Harness {
-    let up = upstreams().await;
+    harness_on(upstreams().await, proxy_extra, policy_extra, policy, None).await
+}
+
+/// The test policy's listener on `up`'s upstreams, reporting to `metrics` if given.
+pub async fn harness_on(
+    up: Upstreams,
+    proxy_extra: &str,
+    policy_extra: &str,
+    policy: &str,
+    metrics: Option<Arc<egress_agent::metrics::Metrics>>,
+) -> Harness {
     let dir = temp_dir();
     let hosts = dir.join("hosts");
     std::fs::write(&hosts, HOSTS).unwrap();
     let config = Arc::new(test_config(&up, &hosts, proxy_extra, policy_extra));
     let events = EventSink::new(256);
-    let ctx = ProxyContext::new(&config, events.clone()).unwrap();
+    let mut ctx = ProxyContext::new(&config, events.clone()).unwrap();
+    if let Some(m) = metrics {
+        ctx = ctx.with_metrics(m);
+    }
     let proxy = PolicyProxy::bind(
         "127.0.0.1:0".parse().unwrap(),
         policy.to_owned(),

@@ -13,7 +13,8 @@
 //!         [--peer-logs off|default] [--agent PATH (ignored: the agent's proxy runs from this binary)]`
 //! By default squid's access log is off and tinyproxy logs only critical messages (to tmpfs): the
 //! peers do the least work they can, so the ratios are conservative. The agent logs denials only.
-//! Internal: `proxy-bench serve CONFIG ADDR_FILE` runs the agent's proxy (`egress_agent::proxy::serve`).
+//! Internal: `proxy-bench serve CONFIG ADDR_FILE` runs the agent's proxy (`egress_agent::proxy::serve`),
+//! with a metrics registry attached as in the daemon (`PROXY_BENCH_NO_METRICS=1`: without).
 #![forbid(unsafe_code)]
 
 use std::collections::BTreeMap;
@@ -132,7 +133,11 @@ fn serve(config: &Path, out: &Path) -> Result<()> {
     rt.block_on(async {
         let config = Arc::new(egress_agent::config::Config::load(config)?);
         let events = egress_agent::events::EventSink::default();
-        let ctx = egress_agent::proxy::ProxyContext::new(&config, events)?;
+        let mut ctx = egress_agent::proxy::ProxyContext::new(&config, events)?;
+        // The daemon's shape: metrics attached (PROXY_BENCH_NO_METRICS=1 measures without).
+        if std::env::var_os("PROXY_BENCH_NO_METRICS").is_none() {
+            ctx = ctx.with_metrics(Arc::new(egress_agent::metrics::Metrics::new()));
+        }
         let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
         let server = egress_agent::proxy::serve(config, ctx, async move {
             term.recv().await;
