@@ -61,7 +61,7 @@ pub enum BpfError {
         source: aya::programs::links::LinkError,
     },
     #[error(
-        "pinned link {path} runs a program that does not use the pinned maps under {maps}; remove the stale pins (`egress-agent unload`) and reload"
+        "pinned link {path} runs a program that does not use the pinned maps under {maps}; remove the stale pins (`egress-agent cleanup`) and start again"
     )]
     StaleLink { path: PathBuf, maps: PathBuf },
     #[error("opening pinned map {path}: {source}")]

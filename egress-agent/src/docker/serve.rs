@@ -313,7 +313,7 @@ impl LossTracker {
 }
 
 /// Uninstall the Docker host pieces: the nftables tables and the `egress0` interface (in the
-/// caller's network namespace). The pinned programs/entries are removed by the loader's unload.
+/// caller's network namespace). The pinned programs/entries are removed by `egress-agent cleanup`.
 pub fn cleanup_host() -> Result<(), ServeError> {
     crate::nft::cleanup()?;
     netif::cleanup()?;
