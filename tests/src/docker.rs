@@ -24,12 +24,13 @@ pub fn is_root() -> bool {
     nix::unistd::geteuid().is_root()
 }
 
-/// `true` when the test may run; prints the skip reason otherwise.
+/// `true` when the test may run; prints the skip reason otherwise (straight to the stderr fd:
+/// libtest's capture only intercepts `eprintln!`, and the reason must show in a normal run).
 pub fn require_root() -> bool {
     if is_root() {
         true
     } else {
-        eprintln!("skipping: needs root");
+        std::io::stderr().write_all(b"skipping: needs root\n").ok();
         false
     }
 }
@@ -478,6 +479,7 @@ impl Drop for Canary {
 }
 
 pub struct Env {
+    /// The daemon under test: `egress-agent run` (the binary from [`crate::agent::agent_bin`]).
     pub agent: Option<Child>,
     pub canary: Canary,
     pub dir: PathBuf,
@@ -487,9 +489,10 @@ pub struct Env {
 }
 
 impl Env {
-    /// A private dockerd, the upstream container, the canary and a running agent. `agent_bin`
-    /// is `egress-test-docker-agent`; `extra_bins` go into the image.
-    pub fn new(agent_bin: &Path, extra_bins: &[&Path]) -> Env {
+    /// A private dockerd, the upstream container, the canary and a running daemon
+    /// (`egress-agent run`, located by [`crate::agent::agent_bin`]); `extra_bins` go into the image.
+    pub fn new(extra_bins: &[&Path]) -> Env {
+        let agent_bin = crate::agent::agent_bin();
         let d = Dockerd::start_with(extra_bins);
         let pid = std::process::id();
         let dir = PathBuf::from(format!("/tmp/egress-test-docker-agent-{pid}"));
@@ -500,29 +503,8 @@ impl Env {
             format!("{UPSTREAM_IP} allowed.test\n{UPSTREAM_IP} denied.test\n"),
         )
         .expect("hosts");
-        std::fs::write(
-            dir.join("config.toml"),
-            format!(
-                r#"
-[agent]
-bpffs = "{}"
-[proxy]
-endpoint = "{PROXY}"
-[dns]
-hosts_file = "{}"
-nameservers = []
-[policies.web]
-allow_hosts = ["allowed.test"]
-allow_ports = [8080]
-allow_cidrs = ["{UPSTREAM_IP}/32"]
-[policies.canary]
-allow_cidrs = ["198.18.0.1/32"]
-"#,
-                bpffs.display(),
-                dir.join("hosts").display()
-            ),
-        )
-        .expect("config");
+        let config = Env::config_with(&bpffs, &dir, "");
+        std::fs::write(dir.join("config.toml"), config).expect("config");
         // The upstream web server (unlabelled).
         d.docker_ok(&[
             "run", "-d", "--name", "upstream", "--restart", "always", "--network", NETWORK, "--ip", UPSTREAM_IP, IMAGE, "sh", "-c",
@@ -534,11 +516,83 @@ allow_cidrs = ["198.18.0.1/32"]
             canary,
             dir,
             bpffs,
-            agent_bin: agent_bin.to_owned(),
+            agent_bin,
             d,
         };
         env.start_agent();
         env
+    }
+
+    /// The test configuration: `[agent]`, `[proxy]`, `[dns]` as every test uses them, then
+    /// `policies` (TOML text) if not empty, else the default policies `web` (allowed.test:8080 via
+    /// allow_cidrs to the upstream) and `canary` (the canary's address).
+    fn config_with(bpffs: &Path, dir: &Path, policies: &str) -> String {
+        let policies = if policies.is_empty() {
+            format!(
+                r#"[policies.web]
+allow_hosts = ["allowed.test"]
+allow_ports = [8080]
+allow_cidrs = ["{UPSTREAM_IP}/32"]
+[policies.canary]
+allow_cidrs = ["198.18.0.1/32"]
+"#
+            )
+        } else {
+            policies.to_owned()
+        };
+        format!(
+            r#"
+[agent]
+bpffs = "{}"
+[proxy]
+endpoint = "{PROXY}"
+[dns]
+hosts_file = "{}"
+nameservers = []
+{policies}"#,
+            bpffs.display(),
+            dir.join("hosts").display()
+        )
+    }
+
+    /// The daemon's configuration file.
+    pub fn config_path(&self) -> PathBuf {
+        self.dir.join("config.toml")
+    }
+
+    /// The configuration [`Env::new`] starts with, with `policies` (TOML text) in place of the
+    /// default policies (empty: the defaults).
+    pub fn config_text(&self, policies: &str) -> String {
+        Env::config_with(&self.bpffs, &self.dir, policies)
+    }
+
+    /// Replace the configuration file (the daemon reads it on SIGHUP / `egress-agent reload`).
+    pub fn write_config(&self, text: &str) {
+        let tmp = self.dir.join("config.toml.new");
+        std::fs::write(&tmp, text).expect("write config");
+        std::fs::rename(&tmp, self.config_path()).expect("replace config");
+    }
+
+    /// The daemon's control API socket.
+    pub fn api_socket(&self) -> PathBuf {
+        self.dir.join("api.sock")
+    }
+
+    /// Run `egress-agent <args> --api-socket <ours>` (a client of the daemon's control API).
+    pub fn cli(&self, args: &[&str]) -> Output {
+        Command::new(&self.agent_bin)
+            .args(args)
+            .arg("--api-socket")
+            .arg(self.api_socket())
+            .output()
+            .expect("spawn egress-agent")
+    }
+
+    /// Send a signal to the running daemon.
+    pub fn signal_agent(&self, sig: nix::sys::signal::Signal) {
+        let child = self.agent.as_ref().expect("the agent is running");
+        let pid = nix::unistd::Pid::from_raw(i32::try_from(child.id()).expect("pid"));
+        nix::sys::signal::kill(pid, sig).expect("signal the agent");
     }
 
     pub fn log_path(&self) -> PathBuf {
@@ -555,34 +609,52 @@ allow_cidrs = ["198.18.0.1/32"]
             .append(true)
             .open(self.log_path())
             .expect("log");
+        let log2 = log.try_clone().expect("log fd");
         let before = self.log().matches("docker reconcile done").count();
+        let enforcing = self.log().matches("egress-agent enforcing").count();
+        // `nsenter` execs the daemon: the child's pid is the daemon's (kill -9 hits it).
         let child = Command::new("nsenter")
             .arg(format!("--net={}", self.d.netns.path().display()))
             .arg(&self.agent_bin)
-            .args([
-                "--config",
-                &self.dir.join("config.toml").display().to_string(),
-            ])
-            .args(["--socket", &self.d.host])
+            .arg("run")
+            .arg("--config")
+            .arg(self.config_path())
+            .args(["--docker-socket", &self.d.host])
             .args(["--cgroup-parent", &format!("/{}", self.d.cgroup_parent)])
-            .args([
-                "--events",
-                &self.dir.join("events.jsonl").display().to_string(),
-            ])
+            .arg("--api-socket")
+            .arg(self.api_socket())
             .env("RUST_LOG", "info,egress_agent=debug")
-            .stdout(Stdio::null())
-            .stderr(Stdio::from(log))
+            .stdin(Stdio::null())
+            .stdout(Stdio::from(log))
+            .stderr(Stdio::from(log2))
             .spawn()
             .expect("spawn agent");
         self.agent = Some(child);
         assert!(
             self.wait_log(
-                |l| l.matches("docker reconcile done").count() > before,
+                |l| l.matches("docker reconcile done").count() > before
+                    && l.matches("egress-agent enforcing").count() > enforcing,
                 Duration::from_secs(60)
             ),
             "agent did not come up:\n{}",
             self.log()
         );
+        // The control API answers once the daemon is ready.
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            // (`events` fails without a daemon; `status` would fall back to reading the pins.)
+            let o = self.cli(&["events", "-n", "1"]);
+            if o.status.success() {
+                break;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "control API not answering: {}\n{}",
+                String::from_utf8_lossy(&o.stderr),
+                self.log()
+            );
+            std::thread::sleep(Duration::from_millis(100));
+        }
     }
 
     pub fn kill_agent(&mut self) {
@@ -592,12 +664,18 @@ allow_cidrs = ["198.18.0.1/32"]
         }
     }
 
-    /// Denial events written so far (one JSON object each).
+    /// The running daemon's recent denial events (`egress-agent events -n 1000`, one JSON object
+    /// a line), oldest first. Empty while no daemon answers.
     pub fn events(&self) -> Vec<serde_json::Value> {
-        std::fs::read_to_string(self.dir.join("events.jsonl"))
-            .unwrap_or_default()
+        let o = self.cli(&["events", "-n", "1000"]);
+        if !o.status.success() {
+            return Vec::new();
+        }
+        String::from_utf8_lossy(&o.stdout)
             .lines()
-            .filter_map(|l| serde_json::from_str(l).ok())
+            .map(|l| {
+                serde_json::from_str(l).unwrap_or_else(|e| panic!("`events` printed a non-JSON line {l:?}: {e}"))
+            })
             .collect()
     }
 

@@ -11,10 +11,7 @@ use std::time::{Duration, Instant};
 use egress_tests::docker::{Env, IMAGE, NETWORK, SERIAL, require_root};
 
 fn env_new() -> Env {
-    Env::new(
-        std::path::Path::new(env!("CARGO_BIN_EXE_egress-test-docker-agent")),
-        &[],
-    )
+    Env::new(&[])
 }
 
 /// RFC 3339 (`2026-11-29T09:24:12.056693Z`) → seconds since midnight (enough for deltas).
@@ -99,7 +96,8 @@ fn start_to_enforced_and_memory() {
         let Some(t) = v["timestamp"].as_str().and_then(secs) else {
             continue;
         };
-        let f = &v["fields"];
+        // The daemon logs flattened JSON lines (fields at the top level).
+        let f = if v["fields"].is_object() { &v["fields"] } else { &v };
         let Some(c) = f["container"].as_str() else {
             continue;
         };

@@ -1,6 +1,6 @@
-//! Docker end to end: a private dockerd (see `egress_tests::docker`), the Docker side of the
-//! agent as its own process (`egress-test-docker-agent`, so it can be killed and restarted), real
-//! containers from a local busybox image. Every network check talks only to addresses inside the
+//! Docker end to end: a private dockerd (see `egress_tests::docker`), the real daemon
+//! (`egress-agent run`, its own process so it can be killed and restarted; events are read through
+//! its control API with `egress-agent events`), real containers from a local busybox image. Every network check talks only to addresses inside the
 //! test's namespace and its 198.18.0.0/24 network:
 //!
 //! - `198.18.0.1:9000` — the canary: a TCP listener on the "host" side (the dockerd netns) that
@@ -17,12 +17,9 @@ use egress_tests::docker::{
 };
 
 fn env_new() -> Env {
-    Env::new(
-        std::path::Path::new(env!("CARGO_BIN_EXE_egress-test-docker-agent")),
-        &[std::path::Path::new(env!(
-            "CARGO_BIN_EXE_egress-test-rawsend"
-        ))],
-    )
+    Env::new(&[std::path::Path::new(env!(
+        "CARGO_BIN_EXE_egress-test-rawsend"
+    ))])
 }
 
 const DIRECT: &str = "nc -w 2 198.18.0.1 9000 </dev/null && echo DIRECT-OK || echo DIRECT-FAIL";
@@ -161,7 +158,8 @@ fn policies_labels_and_events() {
     );
     assert!(
         env.wait_event(
-            |e| e["container"]["name"] == "bad-1"
+            |e| e["source"] == "agent"
+                && e["container"]["name"] == "bad-1"
                 && e["policy"] == "deny_all"
                 && e["reason"].as_str().is_some_and(
                     |r| r.starts_with("labels-invalid") && r.contains("unknown policy")

@@ -1,0 +1,380 @@
+//! The real daemon (`egress-agent run`) against a private dockerd (see `egress_tests::docker`):
+//! configuration reload (SIGHUP and `egress-agent reload`) and the control API's clients
+//! (`status --json`, `events`, `reload`). Root only.
+//!
+//! Addresses (all inside the test's own namespace and its 198.18.0.0/24 network):
+//! `198.18.0.1:9000` the canary (counts what *arrived*), `198.18.0.10:8080` the upstream httpd
+//! (`allowed.test` and `denied.test` in the agent's hosts file), `169.254.100.1:3128` the proxy.
+use std::os::unix::fs::{MetadataExt, PermissionsExt};
+use std::os::unix::process::CommandExt;
+use std::time::Duration;
+
+use egress_tests::docker::{Env, IMAGE, NETWORK, SERIAL, UPSTREAM_IP, require_root};
+use nix::sys::signal::Signal;
+
+const DIRECT: &str = "nc -w 2 198.18.0.1 9000 </dev/null && echo DIRECT-OK || echo DIRECT-FAIL";
+
+fn lock() -> std::sync::MutexGuard<'static, ()> {
+    SERIAL.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// A GET through the proxy endpoint; prints the whole answer (status line, `X-Egress-Deny`, body).
+fn get(host: &str, port: u16) -> String {
+    format!(
+        "(printf 'GET http://{host}:{port}/ HTTP/1.1\\r\\nHost: {host}:{port}\\r\\nConnection: close\\r\\n\\r\\n'; sleep 1) | nc -w 5 169.254.100.1 3128"
+    )
+}
+
+/// Start a long-running labelled container on the test network and wait until it is enforced
+/// (from `create` and from `start`).
+fn run_labelled(env: &Env, name: &str, labels: &[&str]) {
+    let mut args = vec!["run", "-d", "--name", name, "--network", NETWORK];
+    for l in labels {
+        args.extend_from_slice(&["--label", l]);
+    }
+    args.extend_from_slice(&[IMAGE, "sleep", "600"]);
+    env.d.docker_ok(&args);
+    assert!(env.wait_enforced(name, 2), "{name} never enforced:\n{}", env.log());
+}
+
+/// `web` with other host/port lists (allow_cidrs: the upstream, as in the default config).
+fn web_policy(hosts: &[&str], ports: &[u16]) -> String {
+    let hosts: Vec<String> = hosts.iter().map(|h| format!("{h:?}")).collect();
+    let ports: Vec<String> = ports.iter().map(u16::to_string).collect();
+    format!(
+        "[policies.web]\nallow_hosts = [{}]\nallow_ports = [{}]\nallow_cidrs = [\"{UPSTREAM_IP}/32\"]\n\
+         [policies.canary]\nallow_cidrs = [\"198.18.0.1/32\"]\n",
+        hosts.join(", "),
+        ports.join(", ")
+    )
+}
+
+/// `egress-agent reload`; returns (success, stdout + stderr).
+fn cli_reload(env: &Env) -> (bool, String) {
+    let o = env.cli(&["reload"]);
+    (
+        o.status.success(),
+        format!(
+            "{}{}",
+            String::from_utf8_lossy(&o.stdout),
+            String::from_utf8_lossy(&o.stderr)
+        ),
+    )
+}
+
+/// SIGHUP, then wait for the daemon's verdict in its log; returns the new verdict lines.
+fn sighup(env: &Env) -> Vec<String> {
+    let verdicts = |l: &str| -> Vec<String> {
+        l.lines()
+            .filter(|x| x.contains("configuration reloaded") || x.contains("configuration rejected"))
+            .map(str::to_owned)
+            .collect()
+    };
+    let before = verdicts(&env.log()).len();
+    env.signal_agent(Signal::SIGHUP);
+    assert!(
+        env.wait_log(|l| verdicts(l).len() > before, Duration::from_secs(15)),
+        "no reload verdict after SIGHUP:\n{}",
+        env.log()
+    );
+    verdicts(&env.log()).split_off(before)
+}
+
+/// The 1-based line of the first line of `text` containing `needle`.
+fn line_of(text: &str, needle: &str) -> usize {
+    text.lines()
+        .position(|l| l.contains(needle))
+        .map(|i| i + 1)
+        .unwrap_or_else(|| panic!("{needle:?} not in the config"))
+}
+
+/// The old policy (`web`: allowed.test:8080 only, no direct connections) still enforces on the
+/// running container `name`: a direct bypass doesn't arrive, the allowed request passes, another
+/// host is refused.
+fn assert_web_enforced(env: &Env, name: &str, what: &str) {
+    let before = env.canary.count();
+    let out = env.exec_out(name, DIRECT);
+    assert!(
+        out.contains("DIRECT-FAIL") && !out.contains("DIRECT-OK"),
+        "{what}: direct connection: {out}"
+    );
+    assert_eq!(env.canary.count(), before, "{what}: a direct connection arrived at the canary");
+    let out = env.exec_out(name, &get("allowed.test", 8080));
+    assert!(out.contains("hello-upstream"), "{what}: allowed request through the proxy: {out}");
+    let out = env.exec_out(name, &get("denied.test", 8080));
+    assert!(
+        out.contains("403") && out.contains("host-not-allowed") && !out.contains("hello-upstream"),
+        "{what}: denied.test must stay refused: {out}"
+    );
+}
+
+#[test]
+fn broken_config_is_refused_and_the_old_policy_stays() {
+    if !require_root() {
+        return;
+    }
+    let _g = lock();
+    let env = Env::new(&[]);
+    run_labelled(&env, "keep", &["egress.policy=web", "egress.repo=org/keep"]);
+    assert_web_enforced(&env, "keep", "before any reload");
+    let path = env.config_path().display().to_string();
+
+    // A syntax error (unterminated table header) and an unknown field, each via SIGHUP and via
+    // `egress-agent reload`.
+    let syntax = format!("{}[policies.broken\n", env.config_text(""));
+    let unknown = env
+        .config_text("")
+        .replace("allow_ports = [8080]", "allow_ports = [8080]\nallow_hostz = [\"denied.test\"]");
+    assert!(unknown.contains("allow_hostz"));
+    let cases = [
+        ("syntax error", syntax.clone(), line_of(&syntax, "[policies.broken"), "unclosed table"),
+        ("unknown field", unknown.clone(), line_of(&unknown, "allow_hostz"), "allow_hostz"),
+    ];
+    for (what, text, line, needle) in &cases {
+        env.write_config(text);
+        let located = format!("{path}:{line}:");
+
+        let verdict = sighup(&env);
+        assert!(
+            verdict.len() == 1 && verdict[0].contains("configuration rejected"),
+            "{what}: SIGHUP must be refused: {verdict:?}"
+        );
+        assert!(
+            verdict[0].contains(&located),
+            "{what}: the log must name {located}: {verdict:?}"
+        );
+        assert_web_enforced(&env, "keep", &format!("{what} after SIGHUP"));
+
+        let (ok, out) = cli_reload(&env);
+        assert!(!ok, "{what}: `egress-agent reload` must fail: {out}");
+        assert!(
+            out.contains(&located) && out.contains(needle),
+            "{what}: `reload` must name the file and line ({located}) and {needle:?}: {out}"
+        );
+        assert_web_enforced(&env, "keep", &format!("{what} after `egress-agent reload`"));
+    }
+
+    // A valid file that changes a setting which needs a restart is refused whole too.
+    std::fs::write(env.dir.join("hosts2"), format!("{UPSTREAM_IP} denied.test\n")).expect("hosts2");
+    let dns = env.config_text("").replace(
+        &env.dir.join("hosts").display().to_string(),
+        &env.dir.join("hosts2").display().to_string(),
+    );
+    env.write_config(&dns);
+    let (ok, out) = cli_reload(&env);
+    assert!(!ok && out.contains("[dns]") && out.contains("restart"), "[dns] change: {out}");
+    assert_web_enforced(&env, "keep", "after a refused [dns] change");
+
+    // The original file again: accepted, same behaviour.
+    env.write_config(&env.config_text(""));
+    let (ok, out) = cli_reload(&env);
+    assert!(ok, "valid config refused: {out}");
+    assert_web_enforced(&env, "keep", "after reloading the original file");
+
+    // Refusals are counted, nothing else changed: the container is still listed with `web`.
+    let containers = status_containers(&env);
+    assert!(
+        containers
+            .iter()
+            .any(|c| c["owner"] == "docker:keep" && c["policy"] == "web" && c["mode"] == "allowlist"),
+        "keep not listed with policy web: {containers:?}"
+    );
+}
+
+/// `egress-agent status --json` → the kernel's view of the enforced cgroups.
+fn status_containers(env: &Env) -> Vec<serde_json::Value> {
+    let o = env.cli(&["status", "--json"]);
+    assert!(o.status.success(), "status --json: {}", String::from_utf8_lossy(&o.stderr));
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap_or_else(|e| {
+        panic!("status --json is not JSON ({e}): {}", String::from_utf8_lossy(&o.stdout))
+    });
+    v["kernel"]["cgroups"]
+        .as_array()
+        .unwrap_or_else(|| panic!("no kernel.cgroups in status: {v}"))
+        .clone()
+}
+
+#[test]
+fn reload_narrows_and_widens_running_containers() {
+    if !require_root() {
+        return;
+    }
+    let _g = lock();
+    let env = Env::new(&[]);
+    run_labelled(&env, "rl", &["egress.policy=web"]);
+    run_labelled(&env, "cn", &["egress.policy=canary"]);
+
+    // Before: web = allowed.test:8080; canary = direct to 198.18.0.1.
+    assert_web_enforced(&env, "rl", "initial");
+    let before = env.canary.count();
+    let out = env.exec_out("cn", DIRECT);
+    assert!(out.contains("DIRECT-OK"), "canary policy: direct must pass: {out}");
+    assert!(env.canary.count() > before, "canary policy: nothing arrived");
+
+    // Widen (via `egress-agent reload`): denied.test becomes allowed for the running container.
+    env.write_config(&env.config_text(&web_policy(&["allowed.test", "denied.test"], &[8080])));
+    let (ok, out) = cli_reload(&env);
+    assert!(ok, "widening reload refused: {out}");
+    let out = env.exec_out("rl", &get("denied.test", 8080));
+    assert!(out.contains("hello-upstream"), "widened: denied.test must now pass: {out}");
+    let out = env.exec_out("rl", &get("allowed.test", 8080));
+    assert!(out.contains("hello-upstream"), "widened: allowed.test: {out}");
+
+    // Narrow by host (via SIGHUP): allowed.test removed → 403 for new connections.
+    env.write_config(&env.config_text(&web_policy(&["denied.test"], &[8080])));
+    let verdict = sighup(&env);
+    assert!(
+        verdict.iter().any(|l| l.contains("configuration reloaded")),
+        "narrowing reload refused: {verdict:?}"
+    );
+    let out = env.exec_out("rl", &get("allowed.test", 8080));
+    assert!(
+        out.contains("403") && out.contains("host-not-allowed") && !out.contains("hello-upstream"),
+        "narrowed: allowed.test must be refused now: {out}"
+    );
+    let out = env.exec_out("rl", &get("denied.test", 8080));
+    assert!(out.contains("hello-upstream"), "narrowed: denied.test still allowed: {out}");
+
+    // Narrow by port: allowed.test back, but only on 443 → 8080 is port-not-allowed.
+    env.write_config(&env.config_text(&web_policy(&["allowed.test"], &[443])));
+    let (ok, out) = cli_reload(&env);
+    assert!(ok, "port reload refused: {out}");
+    let out = env.exec_out("rl", &get("allowed.test", 8080));
+    assert!(
+        out.contains("403") && out.contains("port-not-allowed") && !out.contains("hello-upstream"),
+        "allow_ports narrowed: {out}"
+    );
+
+    // Kernel side: the canary policy loses its allow_cidrs entry → direct connections of the
+    // running container stop arriving; widening it again lets them through (kernel and nft).
+    let narrowed = web_policy(&["allowed.test"], &[8080])
+        .replace("allow_cidrs = [\"198.18.0.1/32\"]", "allow_cidrs = [\"198.18.0.99/32\"]");
+    assert!(narrowed.contains("198.18.0.99/32"));
+    env.write_config(&env.config_text(&narrowed));
+    let (ok, out) = cli_reload(&env);
+    assert!(ok, "cidr reload refused: {out}");
+    let before = env.canary.count();
+    let out = env.exec_out("cn", DIRECT);
+    assert!(
+        out.contains("DIRECT-FAIL") && !out.contains("DIRECT-OK"),
+        "allow_cidrs narrowed: direct must fail: {out}"
+    );
+    assert_eq!(env.canary.count(), before, "allow_cidrs narrowed: a connection arrived");
+    // And web is back to the original: allowed.test:8080 passes again.
+    assert_web_enforced(&env, "rl", "web restored");
+
+    env.write_config(&env.config_text(""));
+    let (ok, out) = cli_reload(&env);
+    assert!(ok, "restoring reload refused: {out}");
+    let before = env.canary.count();
+    let out = env.exec_out("cn", DIRECT);
+    assert!(out.contains("DIRECT-OK"), "allow_cidrs widened again: {out}");
+    assert!(env.canary.count() > before, "allow_cidrs widened again: nothing arrived");
+
+    // Still one listener per opted-in container (same-name policies are swapped in place).
+    assert_eq!(env.listener_ports().len(), 2, "listeners: {:?}", env.listener_ports());
+}
+
+#[test]
+fn control_api_is_root_only_and_reports_containers_and_events() {
+    if !require_root() {
+        return;
+    }
+    let _g = lock();
+    let env = Env::new(&[]);
+
+    // The socket: root's, mode 0600; a non-root client can't even connect.
+    let meta = std::fs::metadata(env.api_socket()).expect("api socket");
+    assert_eq!(meta.permissions().mode() & 0o777, 0o600, "api socket mode");
+    assert_eq!(meta.uid(), 0, "api socket owner");
+    let o = std::process::Command::new(egress_tests::agent::agent_bin())
+        .args(["events", "-n", "1", "--api-socket"])
+        .arg(env.api_socket())
+        .uid(65534)
+        .gid(65534)
+        .output()
+        .expect("run the CLI as nobody");
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        !o.status.success() && err.contains("Permission denied"),
+        "a non-root client reached the control API: {}{err}",
+        String::from_utf8_lossy(&o.stdout)
+    );
+
+    // A labelled container with context labels: a direct attempt is denied by the kernel.
+    run_labelled(
+        &env,
+        "ctx-1",
+        &["egress.policy=web", "egress.repo=org/ctx", "egress.run=42", "egress.agent=runner-3"],
+    );
+    let before = env.canary.count();
+    let out = env.exec_out("ctx-1", DIRECT);
+    assert!(out.contains("DIRECT-FAIL"), "{out}");
+    assert_eq!(env.canary.count(), before);
+
+    // status --json: the container's cgroup with its policy.
+    let containers = status_containers(&env);
+    let cg = containers
+        .iter()
+        .find(|c| c["owner"] == "docker:ctx-1")
+        .unwrap_or_else(|| panic!("ctx-1 not in status: {containers:?}"));
+    assert_eq!(cg["policy"], "web", "{cg}");
+    assert_eq!(cg["mode"], "allowlist", "{cg}");
+    assert!(
+        cg["path"].as_str().is_some_and(|p| p.contains(&env.d.cgroup_parent)),
+        "{cg}"
+    );
+    assert!(cg["denied"].as_u64().is_some_and(|n| n >= 1), "denied counter: {cg}");
+
+    // events: the kernel denial with container name, policy and context labels.
+    let want = |e: &serde_json::Value| {
+        e["source"] == "kernel"
+            && e["container"]["name"] == "ctx-1"
+            && e["policy"] == "web"
+            && e["port"] == 9000
+            && e["context"]["repo"] == "org/ctx"
+            && e["context"]["run"] == "42"
+            && e["context"]["agent"] == "runner-3"
+            && e["context"]["hook"].is_string()
+    };
+    assert!(
+        env.wait_event(want, Duration::from_secs(5)),
+        "no kernel denial event with container and context from `egress-agent events`: {:?}",
+        env.events()
+    );
+    // The same event as the daemon's JSON log line: context labels included.
+    let logged = env.log().lines().any(|l| {
+        let Ok(v) = serde_json::from_str::<serde_json::Value>(l) else {
+            return false;
+        };
+        let ctx: serde_json::Value = v["context"]
+            .as_str()
+            .and_then(|c| serde_json::from_str(c).ok())
+            .unwrap_or_default();
+        v["message"] == "denied"
+            && v["container_name"] == "ctx-1"
+            && v["policy"] == "web"
+            && ctx["repo"] == "org/ctx"
+            && ctx["agent"] == "runner-3"
+    });
+    assert!(logged, "no denial log line with container and context:\n{}", env.log());
+
+    // Invalid labels: an agent lifecycle event, with the context labels.
+    let o = env.d.docker(&[
+        "run", "--rm", "--name", "bad-ctx", "--network", NETWORK, "--label", "egress.policy=nope",
+        "--label", "egress.run=43", IMAGE, "true",
+    ]);
+    assert!(o.status.success(), "{o:?}");
+    assert!(
+        env.wait_event(
+            |e| e["source"] == "agent"
+                && e["container"]["name"] == "bad-ctx"
+                && e["policy"] == "deny_all"
+                && e["context"]["run"] == "43"
+                && e["reason"].as_str().is_some_and(|r| r.starts_with("labels-invalid")),
+            Duration::from_secs(5)
+        ),
+        "no agent event for invalid labels: {:?}",
+        env.events()
+    );
+}
