@@ -357,12 +357,15 @@ impl Metrics {
     }
 
     /// Counts one denial event: a `deny` decision by reason and policy, and for kernel events the
-    /// hook. Reasons and hooks come from typed enums on both sides, so label values stay bounded.
+    /// hook. Kernel and proxy reasons and hooks come from typed enums; agent reasons carry a
+    /// free-text detail after `:` (`labels-invalid: unknown policy "x"`), which is cut off so the
+    /// label values stay bounded.
     pub fn record_denial(&self, ev: &crate::events::DenialEvent) {
+        let reason = ev.reason.split(':').next().unwrap_or_default().trim();
         self.decisions
             .get_or_create(&DecisionLabels {
                 verdict: Verdict::Deny.as_str(),
-                reason: ev.reason.clone(),
+                reason: reason.to_owned(),
                 policy: ev.policy.clone(),
             })
             .inc();
@@ -483,6 +486,23 @@ pub async fn serve(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn denial_reasons_are_cut_to_their_code() {
+        let m = Metrics::new();
+        for detail in ["unknown policy \"a\"", "unknown policy \"b\""] {
+            let mut ev = crate::events::DenialEvent::proxy("deny_all", None, None, 0, "docker", "x");
+            ev.source = crate::events::Source::Agent;
+            ev.reason = format!("labels-invalid: {detail}");
+            m.record_denial(&ev);
+        }
+        let text = m.encode().expect("encode");
+        assert!(
+            text.contains(r#"egress_agent_decisions_total{verdict="deny",reason="labels-invalid",policy="deny_all"} 2"#),
+            "{text}"
+        );
+        assert!(!text.contains("unknown policy"), "free text must not become a label: {text}");
+    }
 
     #[test]
     fn encodes_every_family() {

@@ -215,7 +215,6 @@ fn policies_labels_and_events() {
 }
 
 #[test]
-#[ignore = "needs the proxy to carry the listener's container identity (container + context labels) in its denial events: requested from the proxy owner in issue 4's report"]
 fn proxy_denial_event_names_the_container() {
     if !require_root() {
         return;

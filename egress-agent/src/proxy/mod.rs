@@ -176,9 +176,20 @@ impl PolicyHandle {
     }
 }
 
+/// Who a listener serves, copied into every denial event it emits. The kernel lets a cgroup reach
+/// only its own listener, so this is identity the container cannot forge.
+#[derive(Debug, Clone, Default)]
+pub struct Identity {
+    pub container: Option<crate::events::ContainerRef>,
+    pub cgroup_id: Option<u64>,
+    /// Context labels (e.g. `agent`, `repo`).
+    pub context: std::collections::BTreeMap<String, String>,
+}
+
 /// Per-listener state shared by its connections.
 pub(crate) struct Shared {
     pub(crate) name: Arc<str>,
+    pub(crate) identity: Option<Identity>,
     pub(crate) policy: Arc<ArcSwap<CompiledPolicy>>,
     pub(crate) ctx: ProxyContext,
     /// This listener's metric handles (label lookup done once, at bind).
@@ -197,14 +208,13 @@ impl Shared {
             Destination::Name(n) => (Some(n.as_str().to_owned()), ip),
             Destination::Ip(lit) => (None, Some(ip.unwrap_or(*lit))),
         };
-        self.ctx.events().emit(DenialEvent::proxy(
-            &self.name,
-            host,
-            ip,
-            target.port,
-            protocol,
-            reason.as_str(),
-        ));
+        let mut ev = DenialEvent::proxy(&self.name, host, ip, target.port, protocol, reason.as_str());
+        if let Some(id) = &self.identity {
+            ev.container = id.container.clone();
+            ev.cgroup_id = id.cgroup_id;
+            ev.context.extend(id.context.iter().map(|(k, v)| (k.clone(), v.clone())));
+        }
+        self.ctx.events().emit(ev);
     }
 
     /// An allowed (and forwarded) request or CONNECT.
@@ -273,11 +283,24 @@ impl PolicyProxy {
         policy: Arc<Policy>,
         ctx: ProxyContext,
     ) -> io::Result<Self> {
+        Self::bind_for(addr, policy_name, policy, ctx, None).await
+    }
+
+    /// [`PolicyProxy::bind`] for one known client (a container): its identity goes into every
+    /// denial event of this listener.
+    pub async fn bind_for(
+        addr: SocketAddr,
+        policy_name: String,
+        policy: Arc<Policy>,
+        ctx: ProxyContext,
+        identity: Option<Identity>,
+    ) -> io::Result<Self> {
         let listener = TcpListener::bind(addr).await?;
         let local = listener.local_addr()?;
         let counters = ctx.metrics().map(|m| m.proxy_counters(&policy_name));
         let shared = Arc::new(Shared {
             name: Arc::from(policy_name),
+            identity,
             policy: Arc::new(ArcSwap::from_pointee(CompiledPolicy::new(&policy))),
             ctx,
             counters,
