@@ -207,7 +207,7 @@ pub async fn run(opts: RunOptions) -> Result<()> {
             };
         }
     };
-    info!(?ready, "egress-agent enforcing");
+    info!(ready = %ready, "egress-agent enforcing");
 
     let daemon = Arc::new(Daemon {
         config_path: opts.config.clone(),
