@@ -117,6 +117,19 @@ pub fn bench(quick: bool) -> Result<()> {
             failed.push(format!("{bench}: {status}"));
         }
     }
+    // Docker: time from `docker start` to enforced, and agent memory with N enforced containers.
+    eprintln!("== docker_bench");
+    let containers = if quick { "20" } else { "200" };
+    let status = Command::new(env!("CARGO"))
+        .args(["test", "-p", "egress-tests", "--test", "docker_bench", "--", "--ignored", "--nocapture", "--test-threads=1"])
+        .env("EGRESS_AGENT_BIN", release_bin("egress-agent"))
+        .env("EGRESS_BENCH_CONTAINERS", containers)
+        .current_dir(workspace_root())
+        .status()
+        .context("running the docker benchmark")?;
+    if !status.success() {
+        failed.push(format!("docker_bench: {status}"));
+    }
     if !failed.is_empty() {
         bail!("benchmarks failed: {}", failed.join("; "));
     }
