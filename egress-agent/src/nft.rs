@@ -17,11 +17,33 @@
 //!   `allow_cidrs` (replies of inbound connections, e.g. published ports, pass as established);
 //!   (c) an enforced container reaches no other host port.
 //!
+//! **The guard (unclassified ports).** Until the agent has handled a container's `start`, its
+//! frames must get nowhere — the kernel can't refuse `socket(AF_PACKET)` where BPF-LSM does not
+//! load, and the per-endpoint rules above need the veth, which exists only once the container
+//! runs. So every port (veth) of a container the agent classified is *known*: enforced
+//! endpoints, and the ports of unlabelled containers ([`Ruleset::unrestricted`]). Frames of any
+//! other port are tagged with [`GUARD_MARK`] in the bridge prerouting hook (a mark set in the
+//! bridge input hook does not survive to the IP layer on this kernel, and `meta ibrname` is not
+//! built: no CONFIG_NFT_BRIDGE_META). Then:
+//! - `inet prerouting` (priority -350): tagged packets that came up through a **Docker bridge**
+//!   ([`Ruleset::guarded_bridges`], learned from the Docker API) are dropped — nothing is routed
+//!   anywhere or reaches a host service; on any other interface the tag is cleared.
+//! - `bridge forward`: frames of an unknown port to a known port (a classified container) are
+//!   dropped; what passes has its tag cleared.
+//!
+//! So frames of non-Docker bridges pass untouched, and a container on a Docker bridge is cut off
+//! from its first instruction until its rules are written — fail closed, like a cgroup without a
+//! kernel entry. Not covered: frames between two unclassified ports of the same bridge (two
+//! containers that both just started; or an uplink enslaved to a Docker bridge), and ARP from an
+//! unclassified port to the host (it can't leave the host; the per-endpoint ARP rules apply once
+//! classified).
+//!
 //! Every change rebuilds both tables in **one atomic netlink batch** (add, delete, add again with
 //! all rules), so packets see the old or the new ruleset, never a half-built one, and no rule
-//! handles have to be tracked. `cleanup` (uninstall) deletes both tables; a mere stop leaves them.
+//! handles have to be tracked. `cleanup` (uninstall) deletes both tables; a mere stop leaves them
+//! (while the agent is down, classified containers keep their network and new ones have none).
 //! The rules apply in the network namespace of the calling thread.
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::ffi::{CStr, CString};
 use std::net::{Ipv4Addr, SocketAddrV4};
 
@@ -37,6 +59,14 @@ pub const TABLE: &CStr = c"egress_agent";
 /// Priority of our base chains: before the default filter priority (0), so our drops are seen
 /// whatever other tables accept (a drop anywhere wins; an accept only ends one chain).
 const PRIORITY: i32 = -10;
+/// The inet prerouting chain that drops what the bridge prerouting hook tagged: before
+/// everything (raw is -300), so the tag never reaches other tables.
+const PRE_PRIORITY: i32 = -350;
+/// Set by the bridge prerouting hook on frames from unclassified ports; consumed (dropped or
+/// cleared) by the bridge forward hook or the inet prerouting chain, so it never outlives the way
+/// through the bridge. (A veth's frames arrive from another network namespace with mark 0: the
+/// cross-namespace scrub clears it.)
+pub const GUARD_MARK: u32 = 0x1000_0000;
 
 const ETH_P_IP: u16 = 0x0800;
 const ETH_P_ARP: u16 = 0x0806;
@@ -89,6 +119,12 @@ pub struct Ruleset {
     pub proxy_ip: Ipv4Addr,
     /// Enforced containers by id.
     pub containers: BTreeMap<String, Enforced>,
+    /// Classified containers that are not restricted (unlabelled, `agent.unlabeled`): their
+    /// host-side ports are known, so their frames pass the guard below untouched.
+    pub unrestricted: BTreeMap<String, Vec<Endpoint>>,
+    /// Bridges of Docker's bridge networks (`docker0`, `br-<id>`, custom names). A frame entering
+    /// one of them from a port (veth) that belongs to no classified container is dropped.
+    pub guarded_bridges: BTreeSet<String>,
 }
 
 impl Ruleset {
@@ -96,7 +132,19 @@ impl Ruleset {
         Ruleset {
             proxy_ip,
             containers: BTreeMap::new(),
+            unrestricted: BTreeMap::new(),
+            guarded_bridges: BTreeSet::new(),
         }
+    }
+
+    /// Check the interface names of one container's endpoints (what [`Ruleset::apply`] would
+    /// refuse), so a bad name is charged to its container rather than to the whole batch.
+    pub fn check_endpoints(endpoints: &[Endpoint]) -> Result<(), NftError> {
+        for ep in endpoints {
+            ifname(&ep.veth)?;
+            ifname(&ep.bridge)?;
+        }
+        Ok(())
     }
 
     /// Replace both tables with this ruleset, atomically.
@@ -117,7 +165,10 @@ impl Ruleset {
             .containers
             .values()
             .map(|c| c.endpoints.len() + c.allow_cidrs.len())
-            .sum();
+            .sum::<usize>()
+            // Known ports and guarded bridges: two small rules each (< 1 KiB), counted generously.
+            + self.unrestricted.values().map(Vec::len).sum::<usize>().div_ceil(8)
+            + self.guarded_bridges.len().div_ceil(8);
         let page = (endpoints * 24 * 1024 + (256 << 10)).next_power_of_two();
         let page = u32::try_from(page).map_err(|_| NftError::TooLarge(page))?;
         let mut batch = Batch::with_page_size(page.max(nftnl::default_batch_page_size()));
@@ -129,11 +180,14 @@ impl Ruleset {
             batch.add(t, MsgType::Del);
             batch.add(t, MsgType::Add);
         }
+        let b_pre = base_chain(&bridge, c"prerouting", Hook::PreRouting);
         let b_in = base_chain(&bridge, c"input", Hook::In);
         let b_fwd = base_chain(&bridge, c"forward", Hook::Forward);
         let i_in = base_chain(&inet, c"input", Hook::In);
         let i_fwd = base_chain(&inet, c"forward", Hook::Forward);
-        for c in [&b_in, &b_fwd, &i_in, &i_fwd] {
+        let mut i_pre = base_chain(&inet, c"prerouting", Hook::PreRouting);
+        i_pre.set_hook(Hook::PreRouting, PRE_PRIORITY);
+        for c in [&b_pre, &b_in, &b_fwd, &i_in, &i_fwd, &i_pre] {
             batch.add(c, MsgType::Add);
         }
 
@@ -230,6 +284,71 @@ impl Ruleset {
             }
         }
 
+        // The guard: frames from a bridge port (veth) that no classified container owns — a
+        // container the agent has not handled yet — get nowhere through a Docker bridge (fail
+        // closed, like a cgroup without entry). This kernel has no `meta ibrname` (no
+        // CONFIG_NFT_BRIDGE_META), so the bridge family can't tell which bridge a port belongs to;
+        // the inet family can (the bridge is the input interface there) but can't see the port.
+        // So: (1) the bridge prerouting hook tags every frame of an unknown port with GUARD_MARK
+        // (a mark set in the bridge *input* hook does not reach the IP layer on this kernel:
+        // measured); the inet prerouting chain drops tagged packets that came up through a Docker
+        // bridge (to be routed anywhere, or for host services) and clears the tag on every other
+        // interface. (2) The bridge forward hook drops frames of unknown ports to known ports
+        // (every known port is a Docker container's) and clears the tag of what it lets through
+        // (non-Docker bridges: untouched).
+        let known = self
+            .containers
+            .values()
+            .flat_map(|c| c.endpoints.iter())
+            .chain(self.unrestricted.values().flatten());
+        let mut known_ports: Vec<&str> = known.map(|ep| ep.veth.as_str()).collect();
+        known_ports.sort_unstable();
+        known_ports.dedup();
+        let known_ports = known_ports
+            .into_iter()
+            .map(ifname)
+            .collect::<Result<Vec<_>, _>>()?;
+        for chain in [&b_pre, &b_fwd] {
+            for port in &known_ports {
+                let mut r = rule(chain, "known-port")?;
+                iif(&mut r, port);
+                r.add_expr(&nft_expr!(verdict accept));
+                batch.add(&r, MsgType::Add);
+            }
+        }
+        let mut r = rule(&b_pre, "unclassified-port")?;
+        r.add_expr(&nft_expr!(meta mark));
+        r.add_expr(&nft_expr!(bitwise mask !GUARD_MARK, xor GUARD_MARK));
+        r.add_expr(&nft_expr!(meta mark set));
+        batch.add(&r, MsgType::Add);
+        for port in &known_ports {
+            let mut r = rule(&b_fwd, "unclassified-port")?;
+            r.add_expr(&nft_expr!(meta oifname));
+            r.add_expr(&nft_expr!(cmp == port));
+            drop_(&mut r);
+            batch.add(&r, MsgType::Add);
+        }
+        let tagged = |r: &mut Rule<'_>| {
+            r.add_expr(&nft_expr!(meta mark));
+            r.add_expr(&nft_expr!(bitwise mask GUARD_MARK, xor 0u32));
+            r.add_expr(&nft_expr!(cmp != 0u32));
+        };
+        for br in &self.guarded_bridges {
+            let mut r = rule(&i_pre, "unclassified-port")?;
+            iif(&mut r, &ifname(br)?);
+            tagged(&mut r);
+            drop_(&mut r);
+            batch.add(&r, MsgType::Add);
+        }
+        for chain in [&i_pre, &b_fwd] {
+            let mut r = rule(chain, "unclassified-port")?;
+            tagged(&mut r);
+            r.add_expr(&nft_expr!(meta mark));
+            r.add_expr(&nft_expr!(bitwise mask !GUARD_MARK, xor 0u32));
+            r.add_expr(&nft_expr!(meta mark set));
+            batch.add(&r, MsgType::Add);
+        }
+
         // (a) the proxy address: loopback (host processes, `exec`, host-network containers) and
         // the enforced containers above; nobody else.
         let proxy = |r: &mut Rule<'_>| {
@@ -252,6 +371,75 @@ impl Ruleset {
             return Err(NftError::TooLarge(page as usize));
         }
         Ok(batch)
+    }
+}
+
+/// Whether the agent's tables exist (the bridge one is written in the same batch as the inet
+/// one, so it stands for both). Asks the kernel for exactly that table, never lists others.
+pub fn tables_exist() -> Result<bool, NftError> {
+    const NFNL_SUBSYS_NFTABLES: u16 = 10;
+    const NFT_MSG_GETTABLE: u16 = 1;
+    const NFTA_TABLE_NAME: u16 = 1;
+    const NLMSG_ERROR: u16 = 2;
+    const NLMSG_DONE: u16 = 3;
+    let socket = mnl::Socket::new(mnl::Bus::Netfilter).map_err(NftError::Socket)?;
+    let seq: u32 = 1;
+    let name = TABLE.to_bytes_with_nul();
+    let attr_len = 4 + name.len();
+    let padded = attr_len.div_ceil(4) * 4;
+    let total = 16 + 4 + padded;
+    let mut msg = Vec::with_capacity(total);
+    msg.extend_from_slice(&(total as u32).to_ne_bytes());
+    msg.extend_from_slice(&((NFNL_SUBSYS_NFTABLES << 8) | NFT_MSG_GETTABLE).to_ne_bytes());
+    let flags = (libc::NLM_F_REQUEST | libc::NLM_F_ACK) as u16;
+    msg.extend_from_slice(&flags.to_ne_bytes());
+    msg.extend_from_slice(&seq.to_ne_bytes());
+    msg.extend_from_slice(&0u32.to_ne_bytes());
+    // nfgenmsg: family, version, resource id (big endian).
+    msg.extend_from_slice(&[ProtoFamily::Bridge as u8, 0, 0, 0]);
+    msg.extend_from_slice(&(attr_len as u16).to_ne_bytes());
+    msg.extend_from_slice(&NFTA_TABLE_NAME.to_ne_bytes());
+    msg.extend_from_slice(name);
+    msg.resize(total, 0);
+    socket.send(&msg).map_err(NftError::Socket)?;
+    let mut buffer = vec![0u8; nftnl::nft_nlmsg_maxsize() as usize];
+    let mut found = false;
+    loop {
+        let n = socket.recv_raw(&mut buffer).map_err(NftError::Socket)?;
+        if n == 0 {
+            return Err(NftError::Rejected(std::io::Error::other(
+                "netlink socket closed",
+            )));
+        }
+        let mut off = 0;
+        while off + 16 <= n {
+            let len = u32::from_ne_bytes([
+                buffer[off],
+                buffer[off + 1],
+                buffer[off + 2],
+                buffer[off + 3],
+            ]) as usize;
+            let ty = u16::from_ne_bytes([buffer[off + 4], buffer[off + 5]]);
+            if len < 16 || off + len > n {
+                return Err(NftError::Rejected(std::io::Error::other(
+                    "malformed netlink reply",
+                )));
+            }
+            match ty {
+                NLMSG_ERROR if len >= 20 => {
+                    let b = &buffer[off + 16..off + 20];
+                    let err = i32::from_ne_bytes([b[0], b[1], b[2], b[3]]);
+                    return match err {
+                        0 => Ok(found),
+                        e if -e == libc::ENOENT => Ok(false),
+                        e => Err(NftError::Rejected(std::io::Error::from_raw_os_error(-e))),
+                    };
+                }
+                NLMSG_DONE => return Ok(found),
+                _ => found = true,
+            }
+            off += len.div_ceil(4) * 4;
+        }
     }
 }
 
@@ -438,7 +626,19 @@ mod tests {
                     }],
                 },
             );
+            // As many unlabelled containers, known ports on the same bridge.
+            r.unrestricted.insert(
+                format!("u{i:063x}"),
+                vec![Endpoint {
+                    bridge: "br-0123456789ab".into(),
+                    veth: format!("vethu{i:06x}"),
+                    mac: [2, 0x42, 198, 19, 0, i as u8],
+                    ipv4: Ipv4Addr::new(198, 19, (i / 250) as u8, (i % 250) as u8 + 2),
+                }],
+            );
         }
+        r.guarded_bridges.insert("docker0".into());
+        r.guarded_bridges.insert("br-0123456789ab".into());
         r
     }
 
@@ -458,6 +658,26 @@ mod tests {
                 b.sequence_numbers().len()
             );
         }
+    }
+
+    #[test]
+    fn guard_rules_need_no_containers() {
+        // Bridges guarded before any container is classified: still one valid datagram.
+        let mut r = Ruleset::new(Ipv4Addr::new(169, 254, 100, 1));
+        r.guarded_bridges.insert("egd-br0".into());
+        let b = r.build().expect("test value");
+        assert_eq!(b.iter().count(), 1);
+        r.guarded_bridges.insert("x".repeat(16));
+        assert!(matches!(r.build(), Err(NftError::BadIfName(_))));
+        let mut r = ruleset(1);
+        if let Some(eps) = r.unrestricted.values_mut().next() {
+            eps[0].veth = "a/b".into();
+        }
+        assert!(matches!(r.build(), Err(NftError::BadIfName(_))));
+        assert!(
+            Ruleset::check_endpoints(&r.unrestricted.values().next().cloned().unwrap_or_default())
+                .is_err()
+        );
     }
 
     #[test]

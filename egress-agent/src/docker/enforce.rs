@@ -179,6 +179,9 @@ pub struct Settings {
     pub listen_ip: IpAddr,
     /// Maintain the nftables host layer (the tables are created on the first change).
     pub nft: bool,
+    /// Guard Docker's bridges at L2 until each container is classified (see
+    /// `sync_guarded_bridges`): on when the BPF-LSM socket hook is unavailable.
+    pub l2_guard: bool,
 }
 
 pub struct Enforcer {
@@ -190,6 +193,15 @@ pub struct Enforcer {
     ruleset: nft::Ruleset,
     tracked: HashMap<String, Tracked>,
     directory: Directory,
+    /// Docker bridge networks: network id → bridge name (guarded in the nft bridge table).
+    networks: BTreeMap<String, String>,
+    /// A reconcile completed at least once: until then the in-memory ruleset is incomplete and
+    /// is never written (the previous agent's tables, if any, stay in force).
+    nft_synced: bool,
+    /// Inside a reconcile or reload: rule changes are written once, at [`Enforcer::end_batch`].
+    nft_batch: bool,
+    /// Containers whose host rules changed since the last write (deferred).
+    nft_pending: Vec<String>,
 }
 
 impl Enforcer {
@@ -210,6 +222,10 @@ impl Enforcer {
             ruleset,
             tracked: HashMap::new(),
             directory: Directory::default(),
+            networks: BTreeMap::new(),
+            nft_synced: false,
+            nft_batch: false,
+            nft_pending: Vec::new(),
         }
     }
 
@@ -237,13 +253,145 @@ impl Enforcer {
         self.tracked.get(id)?.listener.as_ref().map(|l| l.addr)
     }
 
-    /// Write the nftables ruleset once (even empty) so the proxy address is protected from the
-    /// start, before any container is enforced.
+    /// Make sure the proxy address is protected from the start. If the agent's tables exist
+    /// (a restart) they are **kept** until the first reconcile has classified every running
+    /// container: rewriting them from the empty state would cut every running container off its
+    /// bridge (unknown ports) and drop the enforced ones' rules. Otherwise the empty ruleset is
+    /// written (proxy protection; no bridge guarded yet).
     pub fn init_host_layer(&mut self) -> Result<(), EnforceError> {
         if self.settings.nft {
-            self.ruleset.apply()?;
+            if nft::tables_exist()? {
+                tracing::info!("nftables tables present: kept until the first reconcile");
+            } else {
+                self.ruleset.apply()?;
+            }
         }
         Ok(())
+    }
+
+    /// Host-rule changes are written only once per reconcile or reload, and never before the
+    /// first reconcile completed.
+    fn nft_deferred(&self) -> bool {
+        self.nft_batch || !self.nft_synced
+    }
+
+    /// Start a reconcile or reload: defer rule writes to [`Enforcer::end_batch`].
+    pub fn begin_batch(&mut self) {
+        self.nft_batch = true;
+    }
+
+    /// End a reconcile (`synced`: it completed, so the in-memory state now covers every running
+    /// container) or a reload, and write the ruleset once. If that write fails, every container
+    /// changed in the batch is treated as a host-layer failure (opted-in ones → `deny_all`), and
+    /// the rest is written again.
+    pub async fn end_batch(&mut self, synced: bool) {
+        self.nft_batch = false;
+        if synced {
+            self.nft_synced = true;
+        }
+        if !self.settings.nft || !self.nft_synced {
+            return;
+        }
+        let mut pending = std::mem::take(&mut self.nft_pending);
+        pending.sort();
+        pending.dedup();
+        let failure = match self.write_ruleset().await {
+            Ok(()) => {
+                for id in &pending {
+                    self.log_host_layer(id);
+                }
+                return;
+            }
+            Err(why) => why,
+        };
+        tracing::error!(error = %failure, containers = pending.len(), "writing the nftables ruleset failed");
+        for id in &pending {
+            let Some(t) = self.tracked.get_mut(id) else {
+                continue;
+            };
+            t.in_nft = false;
+            let info = t.info.clone();
+            self.ruleset.containers.remove(id);
+            self.ruleset.unrestricted.remove(id);
+            let _outcome = self.host_layer_failed(&info, &failure).await;
+        }
+        if let Err(e) = self.write_ruleset().await {
+            tracing::error!(error = %e, "writing the nftables ruleset failed again; the previous one stays");
+        }
+    }
+
+    async fn write_ruleset(&self) -> Result<(), String> {
+        // The netlink round trip grows with the ruleset: keep it off the async workers.
+        let ruleset = self.ruleset.clone();
+        match tokio::task::spawn_blocking(move || ruleset.apply()).await {
+            Ok(Ok(())) => Ok(()),
+            Ok(Err(e)) => Err(e.to_string()),
+            Err(e) => Err(e.to_string()),
+        }
+    }
+
+    fn log_host_layer(&self, id: &str) {
+        let name = self.name_of(id).unwrap_or_default();
+        if self.ruleset.containers.contains_key(id) {
+            tracing::info!(container = %id, name = %name, "host layer enforced");
+        } else if self.ruleset.unrestricted.contains_key(id) {
+            tracing::info!(container = %id, name = %name, "host ports classified (unrestricted)");
+        }
+    }
+
+    /// Is the container tracked as running (its `start` was handled)?
+    pub fn is_running(&self, id: &str) -> bool {
+        self.tracked.get(id).is_some_and(|t| t.info.running)
+    }
+
+    /// The L2 guard covers Docker's bridges only where the kernel can't refuse AF_PACKET itself
+    /// (no BPF-LSM hook): there it is the only thing that stops a container's hand-made frames
+    /// before the agent has written its rules. With the LSM hook active no bridge is guarded, so
+    /// unlabelled containers are untouched from their first instruction.
+    fn sync_guarded_bridges(&mut self) {
+        self.ruleset.guarded_bridges = if self.settings.l2_guard {
+            self.networks.values().cloned().collect()
+        } else {
+            Default::default()
+        };
+    }
+
+    /// The Docker bridge networks as listed now (reconcile): replaces what was known.
+    pub fn set_networks(&mut self, networks: BTreeMap<String, String>) {
+        self.networks = networks;
+        self.sync_guarded_bridges();
+        tracing::info!(bridges = ?self.ruleset.guarded_bridges, "docker bridges guarded");
+    }
+
+    /// A Docker bridge network was created (`network create` event): guard its bridge now,
+    /// before any container can be started on it.
+    pub async fn network_created(&mut self, network_id: &str, bridge: String) {
+        if self.networks.get(network_id) == Some(&bridge) {
+            return;
+        }
+        tracing::info!(network = network_id, %bridge, "docker bridge guarded");
+        self.networks.insert(network_id.to_owned(), bridge);
+        self.sync_guarded_bridges();
+        self.write_now("network created").await;
+    }
+
+    /// A Docker network was removed.
+    pub async fn network_destroyed(&mut self, network_id: &str) {
+        if self.networks.remove(network_id).is_some() {
+            self.sync_guarded_bridges();
+            self.write_now("network destroyed").await;
+        }
+    }
+
+    /// Write the ruleset now unless deferred (then the batch's end writes it).
+    async fn write_now(&mut self, what: &str) {
+        if self.settings.nft
+            && !self.nft_deferred()
+            && let Err(e) = self.write_ruleset().await
+        {
+            // Kept in memory: the next write includes it.
+            tracing::error!(error = %e, change = what, "writing the nftables ruleset failed");
+        }
     }
 
     /// Prepare a container that is not running (from `create`, after `die`, or found stopped):
@@ -296,7 +444,13 @@ impl Enforcer {
             }
         };
         if !self.settings.root.contains(&dir) {
-            return self.outside_root(info, resolved, Some(dir));
+            let opted_in = resolved.opted_in();
+            let outcome = self.outside_root(info, resolved, Some(dir));
+            if opted_in {
+                return outcome;
+            }
+            // Unlabelled, elsewhere in the hierarchy: its ports must still be classified.
+            return self.host_layer(info).await;
         }
         let id = match cgroup::cgroup_id(&dir) {
             Ok(id) => id,
@@ -337,8 +491,13 @@ impl Enforcer {
         if t.in_nft {
             t.in_nft = false;
             self.ruleset.containers.remove(container_id);
+            self.ruleset.unrestricted.remove(container_id);
+            if self.nft_deferred() {
+                return;
+            }
             if let Err(e) = self.ruleset.apply() {
-                // Stale rules only restrict the old IP further; they are rebuilt on the next change.
+                // Stale rules only restrict the old IP further (and a gone veth's name matches
+                // nothing); they are rebuilt on the next change.
                 tracing::error!(container = container_id, error = %e, "removing nftables rules failed");
             }
         }
@@ -383,7 +542,7 @@ impl Enforcer {
         };
         // deny_all needs no proxy (the kernel refuses even the endpoint).
         let listener = if resolved.opted_in() && !refuse && policy.mode != Mode::DenyAll {
-            match self.listener_for(info, &policy_name, &policy).await {
+            match self.listener_for(info, &policy_name, &policy, &resolved.context).await {
                 Ok(l) => Some(l),
                 Err(e) => {
                     // No listener: the kernel refuses the endpoint (listener None); still enforced.
@@ -481,6 +640,7 @@ impl Enforcer {
         info: &ContainerInfo,
         name: &str,
         policy: &Arc<Policy>,
+        context: &BTreeMap<String, String>,
     ) -> Result<Listener, EnforceError> {
         if let Some(t) = self.tracked.get_mut(&info.id)
             && let Some(l) = t.listener.take()
@@ -491,9 +651,25 @@ impl Enforcer {
             return Ok(l);
         }
         let addr = SocketAddr::new(self.settings.listen_ip, 0);
-        let proxy = PolicyProxy::bind(addr, name.to_owned(), policy.clone(), self.proxy.clone())
-            .await
-            .map_err(EnforceError::Listener)?;
+        // The listener is this container's alone (the kernel sends only its cgroup here), so its
+        // denial events can name the container and carry its context labels.
+        let identity = crate::proxy::Identity {
+            container: Some(ContainerRef {
+                id: info.id.clone(),
+                name: info.name.clone(),
+            }),
+            cgroup_id: None,
+            context: context.clone(),
+        };
+        let proxy = PolicyProxy::bind_for(
+            addr,
+            name.to_owned(),
+            policy.clone(),
+            self.proxy.clone(),
+            Some(identity),
+        )
+        .await
+        .map_err(EnforceError::Listener)?;
         let local = proxy.local_addr();
         let handle = proxy.policy_handle();
         let (tx, rx) = oneshot::channel::<()>();
@@ -510,25 +686,38 @@ impl Enforcer {
         })
     }
 
-    /// Host-side nftables rules for an opted-in container on bridge networks.
+    /// Host-side nftables rules for a running container on bridge networks: per-endpoint rules
+    /// for an opted-in one, "known, unrestricted" ports for any other (until a container's ports
+    /// are known, the guard drops its frames on Docker bridges).
     async fn host_layer(&mut self, info: &ContainerInfo) -> Outcome {
         let Some(t) = self.tracked.get(&info.id) else {
             return Outcome::Ok;
         };
-        if !self.settings.nft || !t.resolved.opted_in() || info.host_network() {
+        if !self.settings.nft || info.host_network() {
             return Outcome::Ok;
         }
+        let opted_in = t.resolved.opted_in();
         let policy = t.resolved.policy.clone();
-        let listener = match t.listener.as_ref().map(|l| l.addr) {
-            Some(SocketAddr::V4(l)) => l,
-            // deny_all: no listener; port 0 matches no connection, so the proxy stays closed.
-            None if policy.mode == Mode::DenyAll || t.resolved.invalid_reason().is_some() => {
-                SocketAddrV4::new(*self.settings.endpoint4.ip(), 0)
+        let listener = if !opted_in {
+            None
+        } else {
+            match t.listener.as_ref().map(|l| l.addr) {
+                Some(SocketAddr::V4(l)) => Some(l),
+                // deny_all: no listener; port 0 matches no connection, so the proxy stays closed.
+                None if policy.mode == Mode::DenyAll || t.resolved.invalid_reason().is_some() => {
+                    Some(SocketAddrV4::new(*self.settings.endpoint4.ip(), 0))
+                }
+                _ => return self.host_layer_failed(info, "no proxy listener").await,
             }
-            _ => return self.host_layer_failed(info, "no proxy listener").await,
         };
         let (Some(pid), false) = (info.pid, info.endpoints.is_empty()) else {
-            return Outcome::Ok; // --network none / container:<id>: no interface of its own
+            // --network none / container:<id>: no interface of its own (any old ports are gone).
+            if self.ruleset.containers.remove(&info.id).is_some()
+                | self.ruleset.unrestricted.remove(&info.id).is_some()
+            {
+                self.write_now("container left its networks").await;
+            }
+            return Outcome::Ok;
         };
         let eps = info.endpoints.clone();
         let found = tokio::task::spawn_blocking(move || netinfo::host_endpoints(pid, &eps)).await;
@@ -537,50 +726,71 @@ impl Enforcer {
             Ok(Err(e)) => return self.host_layer_failed(info, &e.to_string()).await,
             Err(e) => return self.host_layer_failed(info, &e.to_string()).await,
         };
-        let allow_cidrs = if policy.mode == Mode::AllowAll {
-            vec![crate::config::CidrRule {
-                net: "0.0.0.0/0".parse().expect("valid CIDR"),
-                ports: Vec::new(),
-            }]
-        } else if policy.mode == Mode::DenyAll {
-            Vec::new()
-        } else {
-            policy.allow_cidrs.clone()
-        };
-        self.ruleset.containers.insert(
-            info.id.clone(),
-            nft::Enforced {
-                listener,
-                allow_cidrs,
-                endpoints,
-            },
-        );
-        // The netlink round trip grows with the ruleset: keep it off the async workers.
-        let ruleset = self.ruleset.clone();
-        let applied = tokio::task::spawn_blocking(move || ruleset.apply()).await;
-        let failure = match applied {
-            Ok(Ok(())) => None,
-            Ok(Err(e)) => Some(e.to_string()),
-            Err(e) => Some(e.to_string()),
-        };
-        if let Some(why) = failure {
-            self.ruleset.containers.remove(&info.id);
-            return self.host_layer_failed(info, &why).await;
+        if let Err(e) = nft::Ruleset::check_endpoints(&endpoints) {
+            return self.host_layer_failed(info, &e.to_string()).await;
+        }
+        self.ruleset.containers.remove(&info.id);
+        self.ruleset.unrestricted.remove(&info.id);
+        match listener {
+            Some(listener) => {
+                let allow_cidrs = if policy.mode == Mode::AllowAll {
+                    vec![crate::config::CidrRule {
+                        net: "0.0.0.0/0".parse().expect("valid CIDR"),
+                        ports: Vec::new(),
+                    }]
+                } else if policy.mode == Mode::DenyAll {
+                    Vec::new()
+                } else {
+                    policy.allow_cidrs.clone()
+                };
+                self.ruleset.containers.insert(
+                    info.id.clone(),
+                    nft::Enforced {
+                        listener,
+                        allow_cidrs,
+                        endpoints,
+                    },
+                );
+            }
+            None => {
+                self.ruleset.unrestricted.insert(info.id.clone(), endpoints);
+            }
         }
         if let Some(t) = self.tracked.get_mut(&info.id) {
             t.in_nft = true;
         }
-        tracing::info!(container = %info.id, name = %info.name, "host layer enforced");
+        if self.nft_deferred() {
+            self.nft_pending.push(info.id.clone());
+            return Outcome::Ok;
+        }
+        if let Err(why) = self.write_ruleset().await {
+            // The batch is atomic: the kernel still has the previous ruleset.
+            self.ruleset.containers.remove(&info.id);
+            self.ruleset.unrestricted.remove(&info.id);
+            if let Some(t) = self.tracked.get_mut(&info.id) {
+                t.in_nft = false;
+            }
+            return self.host_layer_failed(info, &why).await;
+        }
+        self.log_host_layer(&info.id);
         Outcome::Ok
     }
 
-    /// The host layer could not be set up for an enforced container: confine it as deny_all.
+    /// The host layer could not be set up for a container. An enforced one is confined as
+    /// deny_all. An unlabelled one stays unclassified: the guard keeps dropping its frames on
+    /// Docker bridges (fail closed) until a later event or reconcile classifies it.
     async fn host_layer_failed(&mut self, info: &ContainerInfo, why: &str) -> Outcome {
-        tracing::error!(container = %info.id, error = why, "host layer unavailable; confining as deny_all");
         let Some(t) = self.tracked.get(&info.id) else {
             return Outcome::Ok;
         };
         let resolved = t.resolved.clone();
+        if !resolved.opted_in() {
+            tracing::error!(container = %info.id, error = why, "host ports unknown; its frames stay dropped on Docker bridges");
+            let id = t.cgroup.as_ref().map(|c| c.1);
+            self.event(info, &resolved, id, &format!("host-layer-failed: {why}"));
+            return Outcome::Ok;
+        }
+        tracing::error!(container = %info.id, error = why, "host layer unavailable; confining as deny_all");
         let id = t.cgroup.as_ref().map(|c| c.1);
         self.event(info, &resolved, id, &format!("host-layer-failed: {why}"));
         if let Some(id) = id
@@ -745,12 +955,14 @@ impl Enforcer {
         self.config = config;
         let infos: Vec<ContainerInfo> = self.tracked.values().map(|t| t.info.clone()).collect();
         let mut refuse = Vec::new();
+        self.begin_batch();
         for info in infos {
             let outcome = if info.running { self.started(&info).await } else { self.prepare(&info).await };
             if let Outcome::Refuse(why) = outcome {
                 refuse.push((info, why));
             }
         }
+        self.end_batch(false).await;
         tracing::info!(containers = self.tracked.len(), "configuration applied to tracked containers");
         refuse
     }

@@ -135,6 +135,9 @@ pub async fn serve_with(
         endpoint6: config.proxy.endpoint_v6,
         listen_ip: config.proxy.listen.unwrap_or(IpAddr::V4(*endpoint4.ip())),
         nft: opts.nft,
+        // Without the LSM hook, AF_PACKET frames of a container the agent has not classified
+        // yet are stopped only by the L2 guard on Docker's bridges.
+        l2_guard: opts.nft && enforcement_lsm.is_some(),
     };
     let directory = opts.directory.clone();
     let enforcer = Enforcer::new(state, settings, config.clone(), ctx, events.clone())

@@ -13,6 +13,12 @@
 //! | `start`   | write/refresh the entry for the real cgroup; host-side nftables rules; refuse (stop) unconfinable containers |
 //! | `die`     | release entry, listener and rules; prepare again if the container still exists (restart) |
 //! | `destroy` | release everything, remove a pre-created dir                         |
+//! | network `create`/`destroy` | guard / unguard the bridge of a Docker bridge network (nft) |
+//! | network `connect`/`disconnect` | a running container's ports changed: classify it again |
+//!
+//! Bridge networks are listed before the containers on every reconcile, and a network's
+//! `create` event is handled at once (before any later event): a container's frames on a Docker
+//! bridge are dropped until its `start` has been handled (see `nft.rs`).
 use std::collections::{HashMap, HashSet};
 use std::future::Future;
 use std::sync::Arc;
@@ -21,7 +27,8 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use bollard::Docker;
 use bollard::models::EventMessageTypeEnum;
 use bollard::query_parameters::{
-    EventsOptions, InspectContainerOptions, ListContainersOptions, StopContainerOptions,
+    EventsOptions, InspectContainerOptions, InspectNetworkOptions, ListContainersOptions,
+    ListNetworksOptions, StopContainerOptions,
 };
 use futures_util::StreamExt;
 use futures_util::stream::FuturesOrdered;
@@ -182,10 +189,13 @@ async fn session(
         .map(|d| d.as_secs().saturating_sub(1))
         .unwrap_or(0);
     let filters = HashMap::from([
-        ("type".to_owned(), vec!["container".to_owned()]),
+        (
+            "type".to_owned(),
+            vec!["container".to_owned(), "network".to_owned()],
+        ),
         (
             "event".to_owned(),
-            ["create", "start", "die", "destroy"]
+            ["create", "start", "die", "destroy", "connect", "disconnect"]
                 .iter()
                 .map(|s| (*s).to_owned())
                 .collect(),
@@ -198,12 +208,16 @@ async fn session(
     }));
     reconcile(&docker, enforcer).await?;
     *backoff = BACKOFF_MIN;
-    let mut pending = FuturesOrdered::new();
+    let mut pending: Pending = FuturesOrdered::new();
     loop {
         tokio::select! {
             msg = stream.next() => {
                 let Some(msg) = msg else { return Err(WatchError::StreamEnded) };
                 let msg = msg?;
+                if msg.typ == Some(EventMessageTypeEnum::NETWORK) {
+                    network_event(&docker, enforcer, msg, &mut pending).await?;
+                    continue;
+                }
                 if msg.typ != Some(EventMessageTypeEnum::CONTAINER) {
                     continue;
                 }
@@ -215,10 +229,10 @@ async fn session(
                     let _fast = enforcer.prepare(&ContainerInfo::from_event(&id, &attrs)).await;
                 }
                 let d = docker.clone();
-                pending.push_back(async move {
+                pending.push_back(Box::pin(async move {
                     let info = inspect(&d, &id).await;
                     (action, id, info)
-                });
+                }));
             }
             Some((action, id, info)) = pending.next(), if !pending.is_empty() => {
                 apply(&docker, enforcer, &action, &id, info?).await;
@@ -230,6 +244,92 @@ async fn session(
             }
         }
     }
+}
+
+type Pending = FuturesOrdered<
+    std::pin::Pin<
+        Box<
+            dyn Future<Output = (String, String, Result<Option<ContainerInfo>, WatchError>)> + Send,
+        >,
+    >,
+>;
+
+/// A network event. `create`/`destroy` of a bridge network change the guarded bridges at once
+/// (no queue: before the next event, so before any container can start on it). `connect` /
+/// `disconnect` of a running container queue a re-classification (its ports changed; the new
+/// one is dropped until then). At a container's start, its connects come before its `start`
+/// event and are skipped: `start` classifies it.
+async fn network_event(
+    docker: &Docker,
+    enforcer: &mut Enforcer,
+    msg: bollard::models::EventMessage,
+    pending: &mut Pending,
+) -> Result<(), WatchError> {
+    let Some(actor) = msg.actor else {
+        return Ok(());
+    };
+    let (Some(action), Some(id)) = (msg.action, actor.id) else {
+        return Ok(());
+    };
+    let attrs = actor.attributes.unwrap_or_default();
+    tracing::debug!(action = %action, network = %id, "docker network event");
+    match action.as_str() {
+        "create" => {
+            if attrs.get("type").is_some_and(|t| t != "bridge") {
+                return Ok(());
+            }
+            match docker
+                .inspect_network(&id, None::<InspectNetworkOptions>)
+                .await
+            {
+                Ok(n) => {
+                    if let Some(bridge) = bridge_name(n.driver.as_deref(), &id, n.options.as_ref())
+                    {
+                        enforcer.network_created(&id, bridge).await;
+                    }
+                }
+                Err(bollard::errors::Error::DockerResponseServerError {
+                    status_code: 404, ..
+                }) => {}
+                Err(e) => return Err(e.into()),
+            }
+        }
+        "destroy" => enforcer.network_destroyed(&id).await,
+        "connect" | "disconnect" => {
+            if let Some(container) = attrs.get("container").cloned()
+                && enforcer.is_running(&container)
+            {
+                let d = docker.clone();
+                pending.push_back(Box::pin(async move {
+                    let info = inspect(&d, &container).await;
+                    (action, container, info)
+                }));
+            }
+        }
+        _ => {}
+    }
+    Ok(())
+}
+
+/// The Linux bridge of a Docker network: `com.docker.network.bridge.name` if set (`docker0` for
+/// the default network), else `br-<first 12 characters of the id>` (libnetwork's default).
+/// `None` for other drivers.
+fn bridge_name(
+    driver: Option<&str>,
+    id: &str,
+    options: Option<&HashMap<String, String>>,
+) -> Option<String> {
+    if driver != Some("bridge") {
+        return None;
+    }
+    if let Some(name) = options
+        .and_then(|o| o.get("com.docker.network.bridge.name"))
+        .filter(|n| !n.is_empty())
+    {
+        return Some(name.clone());
+    }
+    let short: String = id.chars().take(12).collect();
+    (short.len() == 12).then(|| format!("br-{short}"))
 }
 
 async fn inspect(docker: &Docker, id: &str) -> Result<Option<ContainerInfo>, WatchError> {
@@ -285,8 +385,26 @@ async fn refuse(docker: &Docker, info: &ContainerInfo, why: &str) {
     }
 }
 
-/// Bring the enforcer in line with what Docker has now.
+/// Bring the enforcer in line with what Docker has now: bridge networks first, then every
+/// container. The host rules are written once, at the end (and not at all before the first
+/// reconcile completed: until then the previous agent's tables stay in force).
 async fn reconcile(docker: &Docker, enforcer: &mut Enforcer) -> Result<(), WatchError> {
+    enforcer.begin_batch();
+    let r = reconcile_all(docker, enforcer).await;
+    enforcer.end_batch(r.is_ok()).await;
+    r
+}
+
+async fn reconcile_all(docker: &Docker, enforcer: &mut Enforcer) -> Result<(), WatchError> {
+    let nets = docker.list_networks(None::<ListNetworksOptions>).await?;
+    let mut bridges = std::collections::BTreeMap::new();
+    for n in nets {
+        let Some(id) = n.id else { continue };
+        if let Some(b) = bridge_name(n.driver.as_deref(), &id, n.options.as_ref()) {
+            bridges.insert(id, b);
+        }
+    }
+    enforcer.set_networks(bridges);
     let list = docker
         .list_containers(Some(ListContainersOptions {
             all: true,
@@ -317,4 +435,29 @@ async fn reconcile(docker: &Docker, enforcer: &mut Enforcer) -> Result<(), Watch
     enforcer.prune();
     tracing::info!(containers = seen.len(), "docker reconcile done");
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn bridge_names_of_docker_networks() {
+        let id = "0123456789abcdef0123";
+        assert_eq!(
+            bridge_name(Some("bridge"), id, None).as_deref(),
+            Some("br-0123456789ab")
+        );
+        let custom = HashMap::from([(
+            "com.docker.network.bridge.name".to_owned(),
+            "docker0".to_owned(),
+        )]);
+        assert_eq!(
+            bridge_name(Some("bridge"), id, Some(&custom)).as_deref(),
+            Some("docker0")
+        );
+        assert_eq!(bridge_name(Some("macvlan"), id, None), None);
+        assert_eq!(bridge_name(Some("host"), id, Some(&custom)), None);
+        assert_eq!(bridge_name(Some("bridge"), "short", None), None);
+    }
 }

@@ -20,6 +20,10 @@
 //! - `tcp-raw-syn V4ADDR PORT MARKER`    SOCK_RAW/IPPROTO_TCP hand-made SYN carrying MARKER
 //! - `hdrincl V4ADDR PORT MARKER`        SOCK_RAW/IPPROTO_RAW (IP_HDRINCL), hand-made IPv4+UDP
 //! - `packet IFACE V4ADDR PORT MARKER`   AF_PACKET frame (broadcast MAC, IPv4+UDP) on IFACE
+//! - `packet-loop SECS IFACE DST_MAC SRC_V4 DST_V4 PORT MARKER`: AF_PACKET frames (own MAC as
+//!   source, DST_MAC as destination, IPv4+UDP from SRC_V4 — `own` = the address of IFACE —
+//!   payload `MARKER-<seq>`) in a tight loop for SECS seconds from the first instruction
+//!   (~5000 frames/s; socket/send errors are retried). Prints `sent N errors E first-error ...`.
 //! - `http-connect PROXY_ADDR PROXY_PORT TARGET MARKER`: CONNECT TARGET through a proxy, then
 //!   send MARKER
 //! - `serve PORT MARKER`: TCP server on [::]:PORT (dual stack): prints `listening`, answers one
@@ -383,6 +387,7 @@ fn run(args: &[String]) -> io::Result<()> {
             })
             .map(drop)
         }
+        "packet-loop" => packet_loop(args),
         "http-connect" => {
             let proxy = SocketAddr::new(ip(arg(args, 1)?)?, port(arg(args, 2)?)?);
             let target = arg(args, 3)?;
@@ -504,5 +509,107 @@ fn uring_sendto(a: IpAddr, p: u16, marker: &str) -> io::Result<()> {
     if cqe.result() < 0 {
         return Err(io::Error::from_raw_os_error(-cqe.result()));
     }
+    Ok(())
+}
+
+fn parse_mac(s: &str) -> io::Result<[u8; 6]> {
+    let mut m = [0u8; 6];
+    let mut it = s.trim().split(':');
+    for b in &mut m {
+        *b = it
+            .next()
+            .and_then(|x| u8::from_str_radix(x, 16).ok())
+            .ok_or_else(|| io::Error::other(format!("bad MAC {s}")))?;
+    }
+    Ok(m)
+}
+
+/// The IPv4 address of `iface` (SIOCGIFADDR).
+fn iface_v4(iface: &str) -> io::Result<Ipv4Addr> {
+    let fd = socket(libc::AF_INET, libc::SOCK_DGRAM, 0)?;
+    let mut req: libc::ifreq = unsafe { zeroed() };
+    for (d, b) in req.ifr_name.iter_mut().zip(iface.bytes().take(15)) {
+        *d = b as libc::c_char;
+    }
+    cvt(unsafe { libc::ioctl(fd.as_raw_fd(), libc::SIOCGIFADDR, &raw mut req) })?;
+    let sin = unsafe { &*(&raw const req.ifr_ifru).cast::<libc::sockaddr_in>() };
+    Ok(Ipv4Addr::from(u32::from_be(sin.sin_addr.s_addr)))
+}
+
+fn packet_loop(args: &[String]) -> io::Result<()> {
+    let secs: f64 = arg(args, 1)?.parse().map_err(io::Error::other)?;
+    let iface = arg(args, 2)?;
+    let dst_mac = parse_mac(arg(args, 3)?)?;
+    let src_arg = arg(args, 4)?;
+    let IpAddr::V4(dst) = ip(arg(args, 5)?)? else {
+        return Err(io::Error::other("v4 only"));
+    };
+    let p = port(arg(args, 6)?)?;
+    let marker = arg(args, 7)?;
+    let deadline = std::time::Instant::now() + Duration::from_secs_f64(secs);
+    let (mut sent, mut errors, mut first_err) = (0u64, 0u64, None::<String>);
+    let mut fd: Option<OwnedFd> = None;
+    let mut seq = 0u64;
+    while std::time::Instant::now() < deadline {
+        let attempt = (|| -> io::Result<()> {
+            let ifindex = iface_index(iface)?;
+            let src_mac = parse_mac(&std::fs::read_to_string(format!(
+                "/sys/class/net/{iface}/address"
+            ))?)?;
+            let src = if src_arg == "own" {
+                iface_v4(iface)?
+            } else {
+                match ip(src_arg)? {
+                    IpAddr::V4(a) => a,
+                    IpAddr::V6(_) => return Err(io::Error::other("v4 only")),
+                }
+            };
+            if fd.is_none() {
+                fd = Some(socket(
+                    libc::AF_PACKET,
+                    libc::SOCK_RAW,
+                    i32::from((libc::ETH_P_ALL as u16).to_be()),
+                )?);
+            }
+            let Some(f) = fd.as_ref() else {
+                return Err(io::Error::other("no socket"));
+            };
+            let mut frame = dst_mac.to_vec();
+            frame.extend_from_slice(&src_mac);
+            frame.extend_from_slice(&(libc::ETH_P_IP as u16).to_be_bytes());
+            frame.extend_from_slice(&ipv4_udp(src, dst, p, format!("{marker}-{seq}").as_bytes()));
+            let mut sll: libc::sockaddr_ll = unsafe { zeroed() };
+            sll.sll_family = libc::AF_PACKET as u16;
+            sll.sll_ifindex = ifindex as i32;
+            sll.sll_halen = 6;
+            sll.sll_addr[..6].copy_from_slice(&dst_mac);
+            cvt_l(unsafe {
+                libc::sendto(
+                    f.as_raw_fd(),
+                    frame.as_ptr().cast(),
+                    frame.len(),
+                    0,
+                    (&raw const sll).cast(),
+                    size_of::<libc::sockaddr_ll>() as u32,
+                )
+            })
+            .map(drop)
+        })();
+        match attempt {
+            Ok(()) => sent += 1,
+            Err(e) => {
+                errors += 1;
+                if first_err.is_none() {
+                    first_err = Some(format!("seq {seq}: {e}"));
+                }
+            }
+        }
+        seq += 1;
+        std::thread::sleep(Duration::from_micros(200));
+    }
+    println!(
+        "sent {sent} errors {errors} first-error {}",
+        first_err.as_deref().unwrap_or("none")
+    );
     Ok(())
 }
