@@ -359,6 +359,21 @@ fn control_api_is_root_only_and_reports_containers_and_events() {
     });
     assert!(logged, "no denial log line with container and context:\n{}", env.log());
 
+    // `check --container`: the policy this running container gets, and why.
+    let o = std::process::Command::new(egress_tests::agent::agent_bin())
+        .args(["check", "--config"])
+        .arg(env.config_path())
+        .args(["--container", "ctx-1", "--docker-socket", &env.d.host])
+        .output()
+        .expect("run egress-agent check --container");
+    assert!(o.status.success(), "check --container: {}", String::from_utf8_lossy(&o.stderr));
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).expect("check json");
+    assert_eq!(v["policy"], "web", "{v}");
+    assert_eq!(v["why"], "egress.policy label", "{v}");
+    assert_eq!(v["container"]["name"], "ctx-1", "{v}");
+    assert_eq!(v["context"]["repo"], "org/ctx", "{v}");
+    assert_eq!(v["effective"]["mode"], "allowlist", "{v}");
+
     // Invalid labels: an agent lifecycle event, with the context labels.
     let o = env.d.docker(&[
         "run", "--rm", "--name", "bad-ctx", "--network", NETWORK, "--label", "egress.policy=nope",
