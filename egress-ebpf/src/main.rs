@@ -422,6 +422,28 @@ fn check_v6(
 // ---------------------------------------------------------------------------------------------
 // cgroup/connect4, cgroup/connect6
 
+/// The start shared by connect4 and connect6: the cgroup's policy (no entry: deny), `allow_all`,
+/// and the socket kind (only kernel TCP/UDP). `Ok` = (cgroup id, policy entry, protocol bit,
+/// protocol) to go on with; `Err` = the final verdict, already counted and reported.
+#[inline(always)]
+fn connect_policy(
+    hook: u32,
+    dst: &Dst,
+    sock_type: u32,
+    protocol: u32,
+) -> Result<(u64, *const PolicyEntry, u32, u32), i32> {
+    let found = policy_of_current().map_err(|own| deny(own, hook, REASON_NO_POLICY, dst, true))?;
+    // SAFETY: map value pointer returned by a successful lookup.
+    let p = unsafe { &*found.entry };
+    let cg = found.cgroup_id;
+    if p.mode == MODE_ALLOW_ALL {
+        return Err(allow(cg));
+    }
+    let (bit, proto) =
+        proto_bit(sock_type, protocol).ok_or_else(|| deny(cg, hook, REASON_SOCKET_TYPE, dst, true))?;
+    Ok((cg, found.entry, bit, proto))
+}
+
 #[cgroup_sock_addr(connect4)]
 pub fn egress_connect4(ctx: SockAddrContext) -> i32 {
     match try_connect4(&ctx) {
@@ -448,33 +470,12 @@ fn try_connect4(ctx: &SockAddrContext) -> Result<i32, i32> {
         port,
         addr: [addr, 0, 0, 0],
     };
-    let found = match policy_of_current() {
-        Ok(f) => f,
-        Err(own) => {
-            return Ok(deny(
-                own,
-                HOOK_CONNECT4,
-                REASON_NO_POLICY,
-                &dst(protocol),
-                true,
-            ));
-        }
+    let (cg, p, bit, proto) = match connect_policy(HOOK_CONNECT4, &dst(protocol), sock_type, protocol) {
+        Ok(v) => v,
+        Err(verdict) => return Ok(verdict),
     };
     // SAFETY: map value pointer returned by a successful lookup.
-    let p = unsafe { &*found.entry };
-    let cg = found.cgroup_id;
-    if p.mode == MODE_ALLOW_ALL {
-        return Ok(allow(cg));
-    }
-    let Some((bit, proto)) = proto_bit(sock_type, protocol) else {
-        return Ok(deny(
-            cg,
-            HOOK_CONNECT4,
-            REASON_SOCKET_TYPE,
-            &dst(protocol),
-            true,
-        ));
-    };
+    let p = unsafe { &*p };
     if p.mode == MODE_ALLOWLIST && bit == PROTO_BIT_TCP {
         if addr == p.endpoint4_addr && port_be == p.endpoint4_port && p.endpoint4_port != 0 {
             if p.listener4_port == 0 {
@@ -537,33 +538,12 @@ fn try_connect6(ctx: &SockAddrContext) -> Result<i32, i32> {
         port,
         addr,
     };
-    let found = match policy_of_current() {
-        Ok(f) => f,
-        Err(own) => {
-            return Ok(deny(
-                own,
-                HOOK_CONNECT6,
-                REASON_NO_POLICY,
-                &dst(protocol),
-                true,
-            ));
-        }
+    let (cg, p, bit, proto) = match connect_policy(HOOK_CONNECT6, &dst(protocol), sock_type, protocol) {
+        Ok(v) => v,
+        Err(verdict) => return Ok(verdict),
     };
     // SAFETY: map value pointer returned by a successful lookup.
-    let p = unsafe { &*found.entry };
-    let cg = found.cgroup_id;
-    if p.mode == MODE_ALLOW_ALL {
-        return Ok(allow(cg));
-    }
-    let Some((bit, proto)) = proto_bit(sock_type, protocol) else {
-        return Ok(deny(
-            cg,
-            HOOK_CONNECT6,
-            REASON_SOCKET_TYPE,
-            &dst(protocol),
-            true,
-        ));
-    };
+    let p = unsafe { &*p };
     // SAFETY: sock_addr context (bpf_get_netns_cookie since 5.7).
     let cookie = || unsafe { bpf_get_netns_cookie(ctx.as_ptr()) };
 

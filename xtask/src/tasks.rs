@@ -75,6 +75,18 @@ pub fn test(filter: Option<&str>) -> Result<()> {
     }
     // The integration tests drive the release binary like an operator would.
     cargo(&["build", "--release", "-p", "egress-agent"])?;
+    if is_root() {
+        // Pins left by an earlier build would be adopted (the loader never attaches twice), and
+        // the tests would then exercise that build's kernel programs instead of this one's.
+        eprintln!("== removing pins of earlier runs (egress-agent cleanup) so this build's programs load");
+        let status = Command::new(release_bin("egress-agent"))
+            .args(["cleanup", "--config", "/dev/null"])
+            .status()
+            .context("running egress-agent cleanup")?;
+        if !status.success() {
+            bail!("egress-agent cleanup failed ({status}): stale pins would be adopted by the tests");
+        }
+    }
     let mut args = vec!["test", "-p", "egress-tests", "--"];
     if let Some(f) = filter {
         args.push(f);
