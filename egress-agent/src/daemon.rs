@@ -9,7 +9,7 @@
 use std::{
     net::SocketAddr,
     path::PathBuf,
-    sync::{Arc, Mutex},
+    sync::Arc,
     time::Instant,
 };
 
@@ -51,7 +51,8 @@ struct Daemon {
     reload_tx: mpsc::Sender<ReloadRequest>,
     /// Serialises reloads (SIGHUP and API at once).
     reload_lock: tokio::sync::Mutex<()>,
-    ready: Mutex<Option<Value>>,
+    /// What the enforcement task reported when it became ready (root, endpoint, LSM hook).
+    ready: Value,
 }
 
 impl Daemon {
@@ -99,7 +100,7 @@ impl Control for Daemon {
             "config": self.config_path.display().to_string(),
             "uptime_s": self.started.elapsed().as_secs(),
             "proxy_endpoint": config.proxy.endpoint.to_string(),
-            "docker": self.ready.lock().ok().and_then(|r| r.clone()),
+            "docker": self.ready,
             "events_total": self.events.total(),
             "kernel": kernel,
         })
@@ -216,7 +217,7 @@ pub async fn run(opts: RunOptions) -> Result<()> {
         started: Instant::now(),
         reload_tx,
         reload_lock: tokio::sync::Mutex::new(()),
-        ready: Mutex::new(Some(ready)),
+        ready,
     });
     let api_task = tokio::spawn(api.run(daemon.clone(), stopped(stop_rx.clone())));
     if let Err(e) = notify::ready("enforcing") {

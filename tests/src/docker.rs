@@ -20,9 +20,7 @@ use std::time::{Duration, Instant};
 /// Docker tests share one fixed subnet and socket naming; run them one at a time per process.
 pub static SERIAL: Mutex<()> = Mutex::new(());
 
-pub fn is_root() -> bool {
-    nix::unistd::geteuid().is_root()
-}
+pub use crate::is_root;
 
 /// `true` when the test may run; prints the skip reason otherwise (straight to the stderr fd:
 /// libtest's capture only intercepts `eprintln!`, and the reason must show in a normal run).
@@ -415,19 +413,7 @@ pub fn cgroup_mounts() -> Vec<PathBuf> {
         .collect()
 }
 
-/// The cgroup2 mount point, from /proc/self/mountinfo.
-pub fn cgroup2_mount() -> PathBuf {
-    let info = std::fs::read_to_string("/proc/self/mountinfo").expect("mountinfo");
-    for line in info.lines() {
-        if let Some((left, right)) = line.split_once(" - ")
-            && right.split_whitespace().next() == Some("cgroup2")
-            && let Some(mp) = left.split_whitespace().nth(4)
-        {
-            return PathBuf::from(mp);
-        }
-    }
-    panic!("no cgroup2 mount");
-}
+pub use crate::agent::cgroup2_mount;
 
 // ---------------------------------------------------------------------------------------------
 // The agent under test against the private dockerd.

@@ -17,8 +17,14 @@ fn ensure_setup() -> Result<()> {
 }
 
 fn cargo(args: &[&str]) -> Result<()> {
+    cargo_with(args, &[])
+}
+
+/// `cargo ARGS` in the workspace with extra environment variables.
+fn cargo_with(args: &[&str], envs: &[(&str, &std::ffi::OsStr)]) -> Result<()> {
     let status = Command::new(env!("CARGO"))
         .args(args)
+        .envs(envs.iter().copied())
         .current_dir(workspace_root())
         .status()
         .context("running cargo")?;
@@ -93,16 +99,9 @@ pub fn test(filter: Option<&str>) -> Result<()> {
     }
     // Tests share cgroups, netns names and one private dockerd: run them one at a time.
     args.push("--test-threads=1");
-    let status = Command::new(env!("CARGO"))
-        .args(&args)
-        .env("EGRESS_AGENT_BIN", release_bin("egress-agent"))
-        .current_dir(workspace_root())
-        .status()
-        .context("running cargo")?;
-    if !status.success() {
-        bail!("privileged integration tests failed ({status})");
-    }
-    Ok(())
+    let agent = release_bin("egress-agent");
+    cargo_with(&args, &[("EGRESS_AGENT_BIN", agent.as_os_str())])
+        .context("privileged integration tests failed")
 }
 
 pub fn bench(quick: bool) -> Result<()> {
@@ -132,15 +131,12 @@ pub fn bench(quick: bool) -> Result<()> {
     // Docker: time from `docker start` to enforced, and agent memory with N enforced containers.
     eprintln!("== docker_bench");
     let containers = if quick { "20" } else { "200" };
-    let status = Command::new(env!("CARGO"))
-        .args(["test", "-p", "egress-tests", "--test", "docker_bench", "--", "--ignored", "--nocapture", "--test-threads=1"])
-        .env("EGRESS_AGENT_BIN", release_bin("egress-agent"))
-        .env("EGRESS_BENCH_CONTAINERS", containers)
-        .current_dir(workspace_root())
-        .status()
-        .context("running the docker benchmark")?;
-    if !status.success() {
-        failed.push(format!("docker_bench: {status}"));
+    let agent = release_bin("egress-agent");
+    if let Err(e) = cargo_with(
+        &["test", "-p", "egress-tests", "--test", "docker_bench", "--", "--ignored", "--nocapture", "--test-threads=1"],
+        &[("EGRESS_AGENT_BIN", agent.as_os_str()), ("EGRESS_BENCH_CONTAINERS", containers.as_ref())],
+    ) {
+        failed.push(format!("docker_bench: {e}"));
     }
     if !failed.is_empty() {
         bail!("benchmarks failed: {}", failed.join("; "));
