@@ -97,6 +97,11 @@ pub struct ProxyConfig {
     /// tunnels hold none), start at 16 KiB and double up to this while reads fill them.
     /// Default 262 144 bytes.
     pub tunnel_buffer_bytes: usize,
+    /// TCP congestion control of the client-facing (host-local) sockets. Unset: `cubic` if the
+    /// kernel has it, else the host default; `"host"`: the host default; any other name must be
+    /// available (`/proc/sys/net/ipv4/tcp_available_congestion_control`) or the proxy won't start.
+    /// Upstream sockets always use the host default.
+    pub client_congestion_control: Option<String>,
 }
 
 impl Default for ProxyConfig {
@@ -112,6 +117,7 @@ impl Default for ProxyConfig {
             max_header_bytes: 16 * 1024,
             max_connections: 8192,
             tunnel_buffer_bytes: 256 * 1024,
+            client_congestion_control: None,
         }
     }
 }
@@ -455,6 +461,18 @@ impl Config {
                 "must be between 1024 and 4194304",
             ));
         }
+        if let Some(cc) = &p.client_congestion_control
+            && (cc.is_empty()
+                || cc.len() > 15
+                || !cc
+                    .bytes()
+                    .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'_'))
+        {
+            return Err(verr(
+                "proxy.client_congestion_control",
+                "must be an algorithm name (1-15 characters of [a-z0-9_]) or \"host\"",
+            ));
+        }
         if self.dns.attempts == 0 {
             return Err(verr("dns.attempts", "must be > 0"));
         }
@@ -758,6 +776,20 @@ deny_cidrs = ["203.0.113.0/24"]
         let e = err("[proxy]\nendpoint = \"[::]:3128\"\n");
         assert!(e.contains("proxy.endpoint"), "{e}");
         parse("[proxy]\nlisten = \"0.0.0.0\"\nallow_unspecified_listen = true\n").unwrap();
+    }
+
+    #[test]
+    fn congestion_control_names_are_checked() {
+        for bad in ["", "Cubic", "bbr;reno", "a_very_long_cc_name"] {
+            let e = err(&format!("[proxy]\nclient_congestion_control = {bad:?}\n"));
+            assert!(
+                e.contains("proxy.client_congestion_control") && e.contains(":2:"),
+                "{bad}: {e}"
+            );
+        }
+        for good in ["host", "cubic", "bbr", "reno"] {
+            parse(&format!("[proxy]\nclient_congestion_control = {good:?}\n")).unwrap();
+        }
     }
 
     #[test]

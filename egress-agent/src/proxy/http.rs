@@ -333,7 +333,7 @@ async fn handle(mut req: Request<Incoming>, state: &ConnState) -> Response<Body>
         Err(e) => return request_error(e, state, protocol),
     };
     if req.method() == Method::CONNECT {
-        let upstream = match shared.check_and_dial(&target, protocol).await {
+        let mut upstream = match shared.check_and_dial(&target, protocol).await {
             Ok(s) => s,
             Err(r) => return refusal(r, &shared.name),
         };
@@ -348,7 +348,7 @@ async fn handle(mut req: Request<Incoming>, state: &ConnState) -> Response<Body>
             let Ok(parts) = upgraded.downcast::<TokioIo<ClientIo>>() else {
                 return;
             };
-            let client = parts.io.into_inner();
+            let mut client = parts.io.into_inner();
             // hyper's buffered bytes were read before whatever is left of our prefix.
             let mut pending = parts.read_buf.to_vec();
             pending.extend_from_slice(&client.prefix[client.pos..]);
@@ -358,8 +358,8 @@ async fn handle(mut req: Request<Incoming>, state: &ConnState) -> Response<Body>
             }
             drop(pending);
             let (up, down, end) = super::tunnel::run(
-                &client.inner,
-                &upstream,
+                &mut client.inner,
+                &mut upstream,
                 limits.tunnel_buffer_bytes,
                 limits.idle_timeout,
                 std::future::pending::<()>(),

@@ -12,6 +12,7 @@
 //! is forwarded before the checks pass.
 pub mod dial;
 pub mod http;
+pub mod listen;
 pub mod request;
 pub mod resolve;
 pub mod response;
@@ -51,6 +52,8 @@ pub enum ProxyError {
     },
     #[error("no policy named {0:?}")]
     UnknownPolicy(String),
+    #[error(transparent)]
+    CongestionControl(#[from] listen::CongestionError),
 }
 
 /// Timeouts and bounds (from [`ProxyConfig`]).
@@ -85,6 +88,8 @@ impl Default for Limits {
 
 struct CtxInner {
     resolver: DnsResolver,
+    /// Congestion control of client-facing sockets (`None`: the host default); see [`listen`].
+    client_cc: Option<Arc<str>>,
     events: EventSink,
     limits: Limits,
     conns: Arc<Semaphore>,
@@ -108,21 +113,34 @@ impl std::fmt::Debug for ProxyContext {
 }
 
 impl ProxyContext {
-    /// Build from the config: resolver from `[dns]`, limits from `[proxy]`.
+    /// Build from the config: resolver from `[dns]`, limits and socket options from `[proxy]`.
     pub fn new(config: &Config, events: EventSink) -> Result<ProxyContext, ProxyError> {
         let resolver = DnsResolver::from_config(&config.dns)?;
-        Ok(ProxyContext::with_parts(
+        let client_cc = listen::client_congestion_control(&config.proxy)?;
+        Ok(ProxyContext::build(
             Limits::from(&config.proxy),
             resolver,
             events,
+            client_cc,
         ))
     }
 
+    /// From parts (client-facing sockets keep the host's congestion control).
     pub fn with_parts(limits: Limits, resolver: DnsResolver, events: EventSink) -> ProxyContext {
+        ProxyContext::build(limits, resolver, events, None)
+    }
+
+    fn build(
+        limits: Limits,
+        resolver: DnsResolver,
+        events: EventSink,
+        client_cc: Option<Arc<str>>,
+    ) -> ProxyContext {
         let conns = Arc::new(Semaphore::new(limits.max_connections));
         ProxyContext {
             inner: Arc::new(CtxInner {
                 resolver,
+                client_cc,
                 events,
                 limits,
                 conns,
@@ -295,7 +313,7 @@ impl PolicyProxy {
         ctx: ProxyContext,
         identity: Option<Identity>,
     ) -> io::Result<Self> {
-        let listener = TcpListener::bind(addr).await?;
+        let listener = listen::listen(addr, ctx.inner.client_cc.as_deref())?;
         let local = listener.local_addr()?;
         let counters = ctx.metrics().map(|m| m.proxy_counters(&policy_name));
         let shared = Arc::new(Shared {
@@ -314,7 +332,7 @@ impl PolicyProxy {
 
     /// A second listener (e.g. the IPv6 one) for the same policy: same name, same swappable policy.
     pub async fn bind_sibling(&self, addr: SocketAddr) -> io::Result<PolicyProxy> {
-        let listener = TcpListener::bind(addr).await?;
+        let listener = listen::listen(addr, self.shared.ctx.inner.client_cc.as_deref())?;
         let local = listener.local_addr()?;
         Ok(PolicyProxy {
             listener,
@@ -405,7 +423,6 @@ async fn handle_connection(
     stop: watch::Receiver<bool>,
 ) {
     let limits = shared.ctx.limits().clone();
-    stream.set_nodelay(true).ok();
     // Read one head: bounded in size (`max_header_bytes`) and in total time (`header_timeout`).
     let mut buf: Vec<u8> = Vec::with_capacity(limits.max_header_bytes);
     let deadline = tokio::time::Instant::now() + limits.header_timeout;
@@ -470,7 +487,7 @@ async fn handle_connection(
     };
     match head {
         (len, Request::Connect(target)) => {
-            let upstream = match shared.check_and_dial(&target, "connect").await {
+            let mut upstream = match shared.check_and_dial(&target, "connect").await {
                 Ok(s) => s,
                 Err(Refusal::Denied(reason)) => {
                     refuse(&mut stream, &response::forbidden(reason, &shared.name)).await;
@@ -494,8 +511,8 @@ async fn handle_connection(
             }
             drop(buf);
             let (up, down, end) = tunnel::run(
-                &stream,
-                &upstream,
+                &mut stream,
+                &mut upstream,
                 limits.tunnel_buffer_bytes,
                 limits.idle_timeout,
                 stopped(stop),
@@ -607,3 +624,4 @@ pub async fn serve(
         tasks,
     })
 }
+

@@ -1,17 +1,29 @@
 //! Bidirectional byte copy for CONNECT tunnels.
 //!
-//! Memory: an idle tunnel holds **no copy buffer**. Each direction waits for readiness with
-//! `readable()`, then borrows a buffer (never zeroed; 16 KiB at first, doubled up to `buf_size` each
-//! time a read fills it) only while bytes are flowing and drops it as soon as the socket would block. So 10 000 idle tunnels cost their sockets,
-//! tasks and timers, not 10 000 × 2 buffers; a busy tunnel still copies in large chunks.
-//! Half-close is propagated (EOF on one side → `shutdown(Write)` on the other); an error on either
-//! side, the idle timeout, or proxy shutdown ends both directions.
+//! Memory: an idle tunnel holds **no copy buffer**. Each direction waits for read readiness, then
+//! borrows a buffer (never zeroed; 16 KiB at first, doubled up to `buf_size` each time a read fills
+//! it) only while bytes are flowing and drops it as soon as the socket is drained. So 10 000 idle
+//! tunnels cost their sockets, tasks and timers, not 10 000 × 2 buffers; a busy tunnel still copies
+//! in large chunks.
+//!
+//! System calls: reads go through tokio's `poll_read`, which marks a socket drained after a short
+//! read (edge-triggered epoll reports the next arrival), so the end of a burst costs no extra
+//! `recv` returning `EAGAIN`. Both reads and readiness waits honour tokio's cooperative budget: a
+//! long burst yields to other tunnels instead of starving them.
+//!
+//! Half-close is propagated (EOF on one side → `shutdown(Write)` on the other); when the second
+//! side reaches EOF the tunnel simply ends and closing the sockets sends the last FIN. An error on
+//! either side, the idle timeout, or proxy shutdown ends both directions.
+use std::future::{Future, poll_fn};
 use std::io;
 use std::net::Shutdown;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::task::Poll;
 use std::time::Duration;
 
+use tokio::io::AsyncReadExt;
 use tokio::net::TcpStream;
+use tokio::net::tcp::{ReadHalf, WriteHalf};
 use tokio::time::Instant;
 
 /// Why a tunnel ended.
@@ -40,25 +52,39 @@ impl Activity {
     }
 }
 
+/// State both directions of one tunnel share.
+struct Shared {
+    activity: Activity,
+    /// Set by the first direction to reach EOF.
+    one_side_done: AtomicBool,
+}
+
 /// Copy until both directions close, either errors, `idle` passes without a byte, or `shutdown`.
-/// Returns (bytes client→upstream, bytes upstream→client, how it ended).
+/// Returns (bytes client→upstream, bytes upstream→client, how it ended). The caller closes both
+/// sockets afterwards (dropping them).
 pub async fn run(
-    client: &TcpStream,
-    upstream: &TcpStream,
+    client: &mut TcpStream,
+    upstream: &mut TcpStream,
     buf_size: usize,
     idle: Duration,
-    shutdown: impl std::future::Future<Output = ()>,
+    shutdown: impl Future<Output = ()>,
 ) -> (u64, u64, TunnelEnd) {
-    let activity = Activity {
-        start: Instant::now(),
-        last_ms: AtomicU64::new(0),
+    let shared = Shared {
+        activity: Activity {
+            start: Instant::now(),
+            last_ms: AtomicU64::new(0),
+        },
+        one_side_done: AtomicBool::new(false),
     };
+    let activity = &shared.activity;
     let up_bytes = AtomicU64::new(0);
     let down_bytes = AtomicU64::new(0);
+    let (client_rx, client_tx) = client.split();
+    let (upstream_rx, upstream_tx) = upstream.split();
     let copy = async {
         tokio::try_join!(
-            pump(client, upstream, buf_size, &activity, &up_bytes),
-            pump(upstream, client, buf_size, &activity, &down_bytes),
+            pump(client_rx, upstream_tx, buf_size, &shared, &up_bytes),
+            pump(upstream_rx, client_tx, buf_size, &shared, &down_bytes),
         )
     };
     let watchdog = async {
@@ -87,27 +113,33 @@ pub async fn run(
 const INITIAL_BUF: usize = 16 * 1024;
 
 async fn pump(
-    src: &TcpStream,
-    dst: &TcpStream,
+    mut src: ReadHalf<'_>,
+    dst: WriteHalf<'_>,
     max_buf: usize,
-    activity: &Activity,
+    shared: &Shared,
     total: &AtomicU64,
 ) -> io::Result<()> {
+    let dst: &TcpStream = dst.as_ref();
     let mut size = INITIAL_BUF.min(max_buf);
     loop {
-        src.readable().await?;
+        poll_fn(|cx| src.as_ref().poll_read_ready(cx)).await?;
         // Borrowed only while data flows; dropped below before waiting again.
         let mut buf: Vec<u8> = Vec::with_capacity(size);
         loop {
             buf.clear();
-            match src.try_read_buf(&mut buf) {
-                Ok(0) => {
-                    // EOF: pass the half-close on and stop this direction.
-                    socket2::SockRef::from(dst).shutdown(Shutdown::Write).ok();
+            // One read attempt; `Pending` (drained, or this task's budget is spent: it has been
+            // woken to run again) ends the burst and the buffer goes back.
+            let read = {
+                let mut read = std::pin::pin!(src.read_buf(&mut buf));
+                poll_fn(|cx| Poll::Ready(read.as_mut().poll(cx))).await
+            };
+            match read {
+                Poll::Ready(Ok(0)) => {
+                    half_close(dst, shared);
                     return Ok(());
                 }
-                Ok(n) => {
-                    activity.touch();
+                Poll::Ready(Ok(n)) => {
+                    shared.activity.touch();
                     write_all(dst, &buf[..n]).await?;
                     total.fetch_add(n as u64, Ordering::Relaxed);
                     if n == buf.capacity() && size < max_buf {
@@ -115,11 +147,19 @@ async fn pump(
                         buf = Vec::with_capacity(size);
                     }
                 }
-                Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
-                Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
-                Err(e) => return Err(e),
+                Poll::Pending => break,
+                Poll::Ready(Err(e)) if e.kind() == io::ErrorKind::Interrupted => {}
+                Poll::Ready(Err(e)) => return Err(e),
             }
         }
+    }
+}
+
+/// EOF from the source. The first side to finish passes the half-close on; after the second, the
+/// caller's close sends the FIN (a `shutdown` now would be one more call).
+fn half_close(dst: &TcpStream, shared: &Shared) {
+    if !shared.one_side_done.swap(true, Ordering::Relaxed) {
+        socket2::SockRef::from(dst).shutdown(Shutdown::Write).ok();
     }
 }
 
@@ -135,4 +175,91 @@ pub async fn write_all(dst: &TcpStream, mut data: &[u8]) -> io::Result<()> {
         }
     }
     Ok(())
+}
+
+#[cfg(test)]
+#[expect(clippy::unwrap_used, reason = "test assertions")]
+mod tests {
+    use super::*;
+    use std::io::{Read, Write};
+
+    fn pair() -> (std::net::TcpStream, std::net::TcpStream) {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let a = std::net::TcpStream::connect(l.local_addr().unwrap()).unwrap();
+        let (b, _) = l.accept().unwrap();
+        (a, b)
+    }
+
+    /// A bulk transfer (many more reads than tokio's cooperative budget allows per poll) arrives
+    /// whole and counted on a single-threaded runtime, and both half-closes get through: the
+    /// tunnel neither spins nor stalls when a read is cut short by the budget.
+    #[test]
+    fn bulk_transfer_yields_and_completes_with_both_half_closes() {
+        const BYTES: usize = 96 << 20;
+        // source → [upstream | tunnel | client] → sink
+        let (mut source, upstream) = pair();
+        let (mut sink, client) = pair();
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            let rt = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .unwrap();
+            let relayed = rt.block_on(async {
+                upstream.set_nonblocking(true).unwrap();
+                client.set_nonblocking(true).unwrap();
+                let mut upstream = TcpStream::from_std(upstream).unwrap();
+                let mut client = TcpStream::from_std(client).unwrap();
+                // A second task on the same thread must keep getting turns during the bulk copy.
+                let ticks = std::sync::Arc::new(AtomicU64::new(0));
+                let t = ticks.clone();
+                let ticker = tokio::spawn(async move {
+                    loop {
+                        t.fetch_add(1, Ordering::Relaxed);
+                        tokio::task::yield_now().await;
+                    }
+                });
+                let r = run(
+                    &mut client,
+                    &mut upstream,
+                    64 * 1024,
+                    Duration::from_secs(60),
+                    std::future::pending::<()>(),
+                )
+                .await;
+                ticker.abort();
+                (r, ticks.load(Ordering::Relaxed))
+            });
+            tx.send(relayed).ok();
+        });
+        let writer = std::thread::spawn(move || {
+            let chunk = vec![7u8; 64 * 1024];
+            for _ in 0..BYTES / chunk.len() {
+                source.write_all(&chunk).unwrap();
+            }
+            source.shutdown(Shutdown::Write).unwrap();
+            // The sink's half-close comes back as EOF here.
+            let mut rest = Vec::new();
+            source.read_to_end(&mut rest).unwrap();
+            rest.len()
+        });
+        let mut buf = vec![0u8; 256 * 1024];
+        let mut got = 0usize;
+        loop {
+            let n = sink.read(&mut buf).unwrap();
+            if n == 0 {
+                break;
+            }
+            assert!(buf[..n].iter().all(|b| *b == 7));
+            got += n;
+        }
+        assert_eq!(got, BYTES);
+        sink.shutdown(Shutdown::Write).unwrap();
+        assert_eq!(writer.join().unwrap(), 0);
+        let ((up, down, end), ticks) = rx
+            .recv_timeout(Duration::from_secs(60))
+            .expect("tunnel stalled");
+        assert_eq!((up, down, end), (0, BYTES as u64, TunnelEnd::Closed));
+        assert!(ticks > 10, "the other task starved: {ticks} turns");
+    }
 }
