@@ -13,7 +13,10 @@ pub fn effective_policies(config: &Config) -> Value {
     let mut out = serde_json::Map::new();
     for name in config.policy_names() {
         if let Some(p) = config.policy(name) {
-            out.insert(name.to_owned(), serde_json::to_value(p).unwrap_or(Value::Null));
+            out.insert(
+                name.to_owned(),
+                serde_json::to_value(p).unwrap_or(Value::Null),
+            );
         }
     }
     Value::Object(out)
@@ -27,10 +30,16 @@ pub fn explain_labels<'a>(
     let r = labels::resolve(labels, config);
     let why = match &r.source {
         labels::Source::Unlabeled => "no egress.* label: agent.unlabeled applies".to_owned(),
-        labels::Source::Default => "opted in without a policy label: agent.default_policy applies".to_owned(),
+        labels::Source::Default => {
+            "opted in without a policy label: agent.default_policy applies".to_owned()
+        }
         labels::Source::Named => "egress.policy label".to_owned(),
-        labels::Source::Inline => "inline egress.allow_hosts / egress.allow_ports labels".to_owned(),
-        labels::Source::Invalid(reason) => format!("labels refused, confined as deny_all: {reason}"),
+        labels::Source::Inline => {
+            "inline egress.allow_hosts / egress.allow_ports labels".to_owned()
+        }
+        labels::Source::Invalid(reason) => {
+            format!("labels refused, confined as deny_all: {reason}")
+        }
     };
     json!({
         "policy": r.name,
@@ -53,15 +62,23 @@ pub async fn run(config_path: &Path, container: Option<&str>, docker_socket: &st
             "policies": effective_policies(&config),
         }),
         Some(id) => {
-            let docker = bollard::Docker::connect_with_unix(docker_socket, 10, bollard::API_DEFAULT_VERSION)
-                .with_context(|| format!("connecting to Docker at {docker_socket}"))?;
+            let docker =
+                bollard::Docker::connect_with_unix(docker_socket, 10, bollard::API_DEFAULT_VERSION)
+                    .with_context(|| format!("connecting to Docker at {docker_socket}"))?;
             let c = docker
-                .inspect_container(id, None::<bollard::query_parameters::InspectContainerOptions>)
+                .inspect_container(
+                    id,
+                    None::<bollard::query_parameters::InspectContainerOptions>,
+                )
                 .await
                 .with_context(|| format!("inspecting container {id}"))?;
             let labels = c.config.and_then(|c| c.labels).unwrap_or_default();
-            let mut v = explain_labels(labels.iter().map(|(k, v)| (k.as_str(), v.as_str())), &config);
-            v["container"] = json!({ "id": c.id, "name": c.name.map(|n| n.trim_start_matches('/').to_owned()) });
+            let mut v = explain_labels(
+                labels.iter().map(|(k, v)| (k.as_str(), v.as_str())),
+                &config,
+            );
+            v["container"] =
+                json!({ "id": c.id, "name": c.name.map(|n| n.trim_start_matches('/').to_owned()) });
             v
         }
     };
@@ -95,11 +112,22 @@ mod tests {
         let c = config();
         assert_eq!(explain_labels([], &c)["policy"], "allow_all");
         assert_eq!(explain_labels([("egress.repo", "a/b")], &c)["policy"], "ci");
-        assert_eq!(explain_labels([("egress.policy", "ci")], &c)["policy"], "ci");
+        assert_eq!(
+            explain_labels([("egress.policy", "ci")], &c)["policy"],
+            "ci"
+        );
         let bad = explain_labels([("egress.policy", "nope")], &c);
         assert_eq!(bad["policy"], "deny_all");
-        assert!(bad["why"].as_str().is_some_and(|w| w.contains("nope")), "{bad}");
+        assert!(
+            bad["why"].as_str().is_some_and(|w| w.contains("nope")),
+            "{bad}"
+        );
         let inline = explain_labels([("egress.allow_hosts", "a.com")], &c);
-        assert!(inline["policy"].as_str().is_some_and(|p| p.starts_with("inline:")), "{inline}");
+        assert!(
+            inline["policy"]
+                .as_str()
+                .is_some_and(|p| p.starts_with("inline:")),
+            "{inline}"
+        );
     }
 }

@@ -50,7 +50,9 @@ pub fn run(bpffs: &Path) -> Result<Report> {
         let mut left = 0;
         if let Ok(rd) = std::fs::read_dir(&root) {
             for e in rd.flatten().filter(|e| e.path().is_dir()) {
-                let busy = cgroup::pids(&e.path()).map(|p| !p.is_empty()).unwrap_or(true);
+                let busy = cgroup::pids(&e.path())
+                    .map(|p| !p.is_empty())
+                    .unwrap_or(true);
                 if busy || std::fs::remove_dir(e.path()).is_err() {
                     left += 1;
                 }
@@ -59,9 +61,10 @@ pub fn run(bpffs: &Path) -> Result<Report> {
         if left == 0 && std::fs::remove_dir(&root).is_ok() {
             report.removed.push(format!("cgroup {}", root.display()));
         } else {
-            report
-                .failed
-                .push(format!("cgroup {}: {left} child cgroup(s) still in use", root.display()));
+            report.failed.push(format!(
+                "cgroup {}: {left} child cgroup(s) still in use",
+                root.display()
+            ));
         }
     }
     Ok(report)

@@ -93,6 +93,10 @@ pub struct ProxyConfig {
     pub max_header_bytes: usize,
     /// Most client connections open at once, across all policies. Default 8 192.
     pub max_connections: usize,
+    /// Most client connections open at once on one listener — one container's in Docker mode, one
+    /// policy's for `exec` — so a single client can't take every connection. At most
+    /// `max_connections`. Default 1 024 (or `max_connections`, if that is smaller).
+    pub max_connections_per_listener: Option<usize>,
     /// Largest copy buffer per tunnel direction. Buffers are allocated only while bytes flow (idle
     /// tunnels hold none), start at 16 KiB and double up to this while reads fill them.
     /// Default 262 144 bytes.
@@ -116,6 +120,7 @@ impl Default for ProxyConfig {
             idle_timeout_ms: 300_000,
             max_header_bytes: 16 * 1024,
             max_connections: 8192,
+            max_connections_per_listener: None,
             tunnel_buffer_bytes: 256 * 1024,
             client_congestion_control: None,
         }
@@ -135,6 +140,11 @@ impl ProxyConfig {
     }
     pub fn idle_timeout(&self) -> Duration {
         Duration::from_millis(self.idle_timeout_ms)
+    }
+    /// `max_connections_per_listener`, or its default.
+    pub fn per_listener_connections(&self) -> usize {
+        self.max_connections_per_listener
+            .unwrap_or(1024.min(self.max_connections))
     }
 }
 
@@ -454,6 +464,17 @@ impl Config {
         }
         if p.max_connections == 0 {
             return Err(verr("proxy.max_connections", "must be > 0"));
+        }
+        if let Some(n) = p.max_connections_per_listener
+            && !(1..=p.max_connections).contains(&n)
+        {
+            return Err(verr(
+                "proxy.max_connections_per_listener",
+                format!(
+                    "must be between 1 and proxy.max_connections ({})",
+                    p.max_connections
+                ),
+            ));
         }
         if !(1024..=4 * 1024 * 1024).contains(&p.tunnel_buffer_bytes) {
             return Err(verr(
@@ -776,6 +797,21 @@ deny_cidrs = ["203.0.113.0/24"]
         let e = err("[proxy]\nendpoint = \"[::]:3128\"\n");
         assert!(e.contains("proxy.endpoint"), "{e}");
         parse("[proxy]\nlisten = \"0.0.0.0\"\nallow_unspecified_listen = true\n").unwrap();
+    }
+
+    #[test]
+    fn per_listener_bound_fits_in_the_global_one() {
+        let e = err("[proxy]\nmax_connections = 10\nmax_connections_per_listener = 11\n");
+        assert!(
+            e.contains("proxy.max_connections_per_listener") && e.contains("(10)"),
+            "{e}"
+        );
+        let e = err("[proxy]\nmax_connections_per_listener = 0\n");
+        assert!(e.contains("proxy.max_connections_per_listener"), "{e}");
+        parse("[proxy]\nmax_connections = 10\nmax_connections_per_listener = 10\n").unwrap();
+        let c = parse("[proxy]\nmax_connections = 10\n").unwrap();
+        assert_eq!(c.proxy.per_listener_connections(), 10);
+        assert_eq!(parse("").unwrap().proxy.per_listener_connections(), 1024);
     }
 
     #[test]

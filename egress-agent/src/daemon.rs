@@ -6,12 +6,7 @@
 //! Then SIGHUP (or `POST /v1/reload`) re-reads the config: a bad file is refused and the running
 //! policy stays; SIGINT/SIGTERM stop the daemon, leaving the pinned programs enforcing.
 
-use std::{
-    net::SocketAddr,
-    path::PathBuf,
-    sync::Arc,
-    time::Instant,
-};
+use std::{net::SocketAddr, path::PathBuf, sync::Arc, time::Instant};
 
 use anyhow::{Context, Result};
 use arc_swap::ArcSwap;
@@ -78,7 +73,10 @@ impl Daemon {
         let new = Arc::new(new);
         let (done_tx, done_rx) = oneshot::channel();
         self.reload_tx
-            .send(ReloadRequest { config: new.clone(), done: done_tx })
+            .send(ReloadRequest {
+                config: new.clone(),
+                done: done_tx,
+            })
             .await
             .map_err(|_| "the enforcement task is not running".to_owned())?;
         done_rx
@@ -133,7 +131,9 @@ impl Control for Daemon {
             loop {
                 match rx.recv().await {
                     Ok(ev) => {
-                        let Ok(v) = serde_json::to_value(ev) else { continue };
+                        let Ok(v) = serde_json::to_value(ev) else {
+                            continue;
+                        };
                         if tx.send(v).await.is_err() {
                             return;
                         }
@@ -181,14 +181,22 @@ pub async fn run(opts: RunOptions) -> Result<()> {
                 .await
                 .with_context(|| format!("metrics listener on {addr}"))?;
             let m = metrics.clone();
-            Some(tokio::spawn(metrics::serve(listener, m, stopped(stop_rx.clone()))))
+            Some(tokio::spawn(metrics::serve(
+                listener,
+                m,
+                stopped(stop_rx.clone()),
+            )))
         }
         None => None,
     };
 
     let (reload_tx, reload_rx) = mpsc::channel(1);
     let (ready_tx, ready_rx) = oneshot::channel();
-    let hooks = docker::Hooks { ready: Some(ready_tx), reload: Some(reload_rx), metrics: Some(metrics.clone()) };
+    let hooks = docker::Hooks {
+        ready: Some(ready_tx),
+        reload: Some(reload_rx),
+        metrics: Some(metrics.clone()),
+    };
     let mut enforcement = tokio::spawn(docker::serve_with(
         config.clone(),
         opts.docker.clone(),

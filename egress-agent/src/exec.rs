@@ -192,7 +192,8 @@ async fn run_async(
         if let std::net::IpAddr::V4(ip) = config.proxy.listen_ip()
             && !ip.is_loopback()
         {
-            crate::netif::ensure(ip).with_context(|| format!("setting up the proxy address {ip}"))?;
+            crate::netif::ensure(ip)
+                .with_context(|| format!("setting up the proxy address {ip}"))?;
         }
         let mut addrs = vec![std::net::SocketAddr::new(config.proxy.listen_ip(), 0)];
         if let Some(v6) = config.proxy.endpoint_v6 {

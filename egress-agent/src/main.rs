@@ -134,13 +134,25 @@ enum Command {
 fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
-        Command::ExecChild { cgroup, drop_net_raw, command } => {
+        Command::ExecChild {
+            cgroup,
+            drop_net_raw,
+            command,
+        } => {
             return ExitCode::from(egress_agent::exec::child(&cgroup, drop_net_raw, &command) as u8);
         }
-        Command::Exec { policy, config, command } => {
+        Command::Exec {
+            policy,
+            config,
+            command,
+        } => {
             init_cli_tracing();
-            egress_agent::exec::run(egress_agent::exec::ExecOptions { policy, config, command })
-                .map(|code| ExitCode::from(code.clamp(0, 255) as u8))
+            egress_agent::exec::run(egress_agent::exec::ExecOptions {
+                policy,
+                config,
+                command,
+            })
+            .map(|code| ExitCode::from(code.clamp(0, 255) as u8))
         }
         Command::Run {
             config,
@@ -166,23 +178,37 @@ fn main() -> ExitCode {
                 metrics: metrics_listen,
                 metrics_allow_non_loopback,
             };
-            runtime().and_then(|rt| rt.block_on(egress_agent::daemon::run(opts))).map(|()| ExitCode::SUCCESS)
+            runtime()
+                .and_then(|rt| rt.block_on(egress_agent::daemon::run(opts)))
+                .map(|()| ExitCode::SUCCESS)
         }
-        Command::Status { config, json, api_socket } => {
+        Command::Status {
+            config,
+            json,
+            api_socket,
+        } => {
             init_cli_tracing();
             status(config.as_deref(), json, &api_socket)
         }
-        Command::Events { count, follow, api_socket } => {
+        Command::Events {
+            count,
+            follow,
+            api_socket,
+        } => {
             init_cli_tracing();
             runtime()
                 .and_then(|rt| {
                     rt.block_on(async {
                         if follow {
-                            api::client::stream_to_stdout(&api_socket, "/v1/events?follow=1").await?;
+                            api::client::stream_to_stdout(&api_socket, "/v1/events?follow=1")
+                                .await?;
                         } else {
-                            let body =
-                                api::client::request(&api_socket, Method::GET, &format!("/v1/events?n={count}"))
-                                    .await?;
+                            let body = api::client::request(
+                                &api_socket,
+                                Method::GET,
+                                &format!("/v1/events?n={count}"),
+                            )
+                            .await?;
                             let events: Vec<serde_json::Value> = serde_json::from_str(&body)?;
                             for e in events {
                                 println!("{e}");
@@ -198,17 +224,28 @@ fn main() -> ExitCode {
             runtime()
                 .and_then(|rt| {
                     rt.block_on(async {
-                        let body = api::client::request(&api_socket, Method::POST, "/v1/reload").await?;
+                        let body =
+                            api::client::request(&api_socket, Method::POST, "/v1/reload").await?;
                         print!("{body}");
                         anyhow::Ok(())
                     })
                 })
                 .map(|()| ExitCode::SUCCESS)
         }
-        Command::Check { config, container, docker_socket } => {
+        Command::Check {
+            config,
+            container,
+            docker_socket,
+        } => {
             init_cli_tracing();
             runtime()
-                .and_then(|rt| rt.block_on(egress_agent::check::run(&config, container.as_deref(), &docker_socket)))
+                .and_then(|rt| {
+                    rt.block_on(egress_agent::check::run(
+                        &config,
+                        container.as_deref(),
+                        &docker_socket,
+                    ))
+                })
                 .map(|()| ExitCode::SUCCESS)
         }
         Command::Doctor { config, json } => {
@@ -238,7 +275,10 @@ fn main() -> ExitCode {
                     if report.failed.is_empty() {
                         Ok(ExitCode::SUCCESS)
                     } else {
-                        Err(anyhow::anyhow!("cleanup left {} item(s) behind", report.failed.len()))
+                        Err(anyhow::anyhow!(
+                            "cleanup left {} item(s) behind",
+                            report.failed.len()
+                        ))
                     }
                 })
         }
@@ -255,7 +295,8 @@ fn main() -> ExitCode {
 /// `status`: the daemon's view if it answers, else the pins read directly.
 fn status(config: Option<&Path>, json: bool, api_socket: &Path) -> anyhow::Result<ExitCode> {
     if api_socket.exists() {
-        let answer = runtime()?.block_on(api::client::request(api_socket, Method::GET, "/v1/status"));
+        let answer =
+            runtime()?.block_on(api::client::request(api_socket, Method::GET, "/v1/status"));
         match answer {
             Ok(body) if json => {
                 print!("{body}");
@@ -268,10 +309,15 @@ fn status(config: Option<&Path>, json: bool, api_socket: &Path) -> anyhow::Resul
                     v["uptime_s"], v["config"], v["proxy_endpoint"], v["events_total"]
                 );
             }
-            Err(e) => eprintln!("egress-agent: daemon not reachable ({e}); reading the pins directly"),
+            Err(e) => {
+                eprintln!("egress-agent: daemon not reachable ({e}); reading the pins directly")
+            }
         }
     } else if !json {
-        println!("daemon: not running (no {}); reading the pins directly", api_socket.display());
+        println!(
+            "daemon: not running (no {}); reading the pins directly",
+            api_socket.display()
+        );
     }
     let c = egress_agent::exec::load_config(config)?;
     egress_agent::status::run(&c.agent.bpffs, json)?;
@@ -289,7 +335,12 @@ fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {
 fn init_cli_tracing() {
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn"));
-    if tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).try_init().is_err() {
+    if tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .try_init()
+        .is_err()
+    {
         eprintln!("egress-agent: logging was already initialised");
     }
 }
@@ -302,11 +353,17 @@ fn init_daemon_tracing() -> tracing_appender::non_blocking::WorkerGuard {
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
     let tty = std::io::stdout().is_terminal();
     let (writer, guard) = tracing_appender::non_blocking(std::io::stdout());
-    let builder = tracing_subscriber::fmt().with_env_filter(filter).with_writer(writer);
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(writer);
     let result = if tty {
         builder.try_init()
     } else {
-        builder.json().flatten_event(true).with_current_span(false).try_init()
+        builder
+            .json()
+            .flatten_event(true)
+            .with_current_span(false)
+            .try_init()
     };
     if result.is_err() {
         eprintln!("egress-agent: logging was already initialised");

@@ -491,7 +491,8 @@ mod tests {
     fn denial_reasons_are_cut_to_their_code() {
         let m = Metrics::new();
         for detail in ["unknown policy \"a\"", "unknown policy \"b\""] {
-            let mut ev = crate::events::DenialEvent::proxy("deny_all", None, None, 0, "docker", "x");
+            let mut ev =
+                crate::events::DenialEvent::proxy("deny_all", None, None, 0, "docker", "x");
             ev.source = crate::events::Source::Agent;
             ev.reason = format!("labels-invalid: {detail}");
             m.record_denial(&ev);
@@ -501,7 +502,10 @@ mod tests {
             text.contains(r#"egress_agent_decisions_total{verdict="deny",reason="labels-invalid",policy="deny_all"} 2"#),
             "{text}"
         );
-        assert!(!text.contains("unknown policy"), "free text must not become a label: {text}");
+        assert!(
+            !text.contains("unknown policy"),
+            "free text must not become a label: {text}"
+        );
     }
 
     #[test]

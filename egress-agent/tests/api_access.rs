@@ -72,7 +72,11 @@ async fn root_is_served_others_are_refused() {
     let dir = tempdir();
     let sock = dir.join("api.sock");
     let server = ApiServer::bind(&sock).await.expect("bind");
-    let mode = std::fs::metadata(&sock).expect("socket exists").permissions().mode() & 0o777;
+    let mode = std::fs::metadata(&sock)
+        .expect("socket exists")
+        .permissions()
+        .mode()
+        & 0o777;
     assert_eq!(mode, 0o600, "socket must be root-only");
     let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
     let task = tokio::spawn(server.run(Arc::new(Fake), async {
@@ -80,23 +84,45 @@ async fn root_is_served_others_are_refused() {
     }));
 
     if is_root() {
-        let body = api::client::request(&sock, Method::GET, "/v1/status").await.expect("status");
-        assert_eq!(serde_json::from_str::<Value>(&body).expect("json")["ok"], true);
-        let events = api::client::request(&sock, Method::GET, "/v1/events?n=2").await.expect("events");
-        assert_eq!(serde_json::from_str::<Value>(&events).expect("json").as_array().map(Vec::len), Some(2));
-        let err = api::client::request(&sock, Method::POST, "/v1/reload").await.expect_err("reload fails");
+        let body = api::client::request(&sock, Method::GET, "/v1/status")
+            .await
+            .expect("status");
+        assert_eq!(
+            serde_json::from_str::<Value>(&body).expect("json")["ok"],
+            true
+        );
+        let events = api::client::request(&sock, Method::GET, "/v1/events?n=2")
+            .await
+            .expect("events");
+        assert_eq!(
+            serde_json::from_str::<Value>(&events)
+                .expect("json")
+                .as_array()
+                .map(Vec::len),
+            Some(2)
+        );
+        let err = api::client::request(&sock, Method::POST, "/v1/reload")
+            .await
+            .expect_err("reload fails");
         assert!(err.to_string().contains("unknown field `mod`"), "{err}");
-        let err = api::client::request(&sock, Method::DELETE, "/v1/status").await.expect_err("405");
+        let err = api::client::request(&sock, Method::DELETE, "/v1/status")
+            .await
+            .expect_err("405");
         assert!(err.to_string().contains("405"), "{err}");
 
         if Command::new("python3").arg("-V").output().is_ok() {
             // The parent directory must let nobody reach the socket for this check to mean
             // anything: only the socket's own mode stands in the way.
-            std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o755)).expect("chmod dir");
+            std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o755))
+                .expect("chmod dir");
             let refused = request_as_nobody(&sock);
-            assert_eq!(refused, "connect-error 13", "file mode must refuse a non-root client");
+            assert_eq!(
+                refused, "connect-error 13",
+                "file mode must refuse a non-root client"
+            );
             // Loosened by hand: the peer-credential check still refuses.
-            std::fs::set_permissions(&sock, std::fs::Permissions::from_mode(0o666)).expect("chmod sock");
+            std::fs::set_permissions(&sock, std::fs::Permissions::from_mode(0o666))
+                .expect("chmod sock");
             let refused = request_as_nobody(&sock);
             assert!(refused.starts_with("HTTP/1.1 403"), "got {refused:?}");
         } else {
@@ -104,7 +130,9 @@ async fn root_is_served_others_are_refused() {
         }
     } else {
         eprintln!("skipping: needs root (the client must be root to be served)");
-        let err = api::client::request(&sock, Method::GET, "/v1/status").await.expect_err("refused");
+        let err = api::client::request(&sock, Method::GET, "/v1/status")
+            .await
+            .expect_err("refused");
         assert!(err.to_string().contains("403"), "{err}");
     }
     stop_tx.send(()).ok();

@@ -4,7 +4,11 @@
 use std::process::Command;
 
 fn check(config: &str) -> std::process::Output {
-    let dir = std::env::temp_dir().join(format!("egress-cli-check-{}-{}", std::process::id(), config.len()));
+    let dir = std::env::temp_dir().join(format!(
+        "egress-cli-check-{}-{}",
+        std::process::id(),
+        config.len()
+    ));
     std::fs::create_dir_all(&dir).expect("mkdir");
     let path = dir.join("config.toml");
     std::fs::write(&path, config).expect("write");
@@ -22,25 +26,40 @@ fn valid_config_prints_effective_policies() {
     let out = check(
         "[agent]\ndefault_policy = \"reviewer\"\n\n[policies.reviewer]\nallow_hosts = [\"github.com\", \"*.github.com\"]\n",
     );
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("json");
     assert_eq!(v["valid"], true);
     assert_eq!(v["default_policy"], "reviewer");
     assert_eq!(v["policies"]["reviewer"]["mode"], "allowlist");
-    assert_eq!(v["policies"]["reviewer"]["allow_ports"], serde_json::json!([443]));
-    assert_eq!(v["policies"]["reviewer"]["allow_hosts"], serde_json::json!(["github.com", "*.github.com"]));
+    assert_eq!(
+        v["policies"]["reviewer"]["allow_ports"],
+        serde_json::json!([443])
+    );
+    assert_eq!(
+        v["policies"]["reviewer"]["allow_hosts"],
+        serde_json::json!(["github.com", "*.github.com"])
+    );
     assert_eq!(v["policies"]["deny_all"]["mode"], "deny_all");
 }
 
 #[test]
 fn broken_config_names_file_line_and_field() {
-    let out = check("[policies.ci]\nmode = \"allowlist\"\nallow_hosts = [\"github.com\"]\nallow_port = [443]\n");
+    let out = check(
+        "[policies.ci]\nmode = \"allowlist\"\nallow_hosts = [\"github.com\"]\nallow_port = [443]\n",
+    );
     assert!(!out.status.success());
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("config.toml"), "names the file: {err}");
     assert!(err.contains(":4:"), "names the line: {err}");
     assert!(err.contains("allow_port"), "names the field: {err}");
-    assert!(out.stdout.is_empty(), "prints no policies for a refused file");
+    assert!(
+        out.stdout.is_empty(),
+        "prints no policies for a refused file"
+    );
 }
 
 #[test]

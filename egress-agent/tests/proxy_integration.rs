@@ -710,3 +710,76 @@ async fn get_then_connect_pipelined_in_one_write_keeps_byte_order() {
     assert!(text.starts_with("HTTP/1.1 200"), "{text}");
     assert!(text.ends_with("\r\n\r\n0123456789ABCDEF"), "{text}");
 }
+
+/// One client (listener) at its own bound can't take connections from another listener, and a
+/// tunnel a kept-alive HTTP connection turned into still counts against the bound.
+#[tokio::test]
+async fn per_listener_bound_keeps_one_client_from_taking_every_connection() {
+    let up = upstreams().await;
+    let dir = temp_dir();
+    let hosts = dir.join("hosts");
+    std::fs::write(&hosts, HOSTS).unwrap();
+    let config = Arc::new(test_config(
+        &up,
+        &hosts,
+        "max_connections = 10\nmax_connections_per_listener = 1\nheader_timeout_ms = 5000",
+        "",
+    ));
+    let ctx =
+        egress_agent::proxy::ProxyContext::new(&config, egress_agent::events::EventSink::default())
+            .unwrap();
+    let policy = Arc::new(config.policy("test").unwrap().clone());
+    let mut addrs = Vec::new();
+    for _ in 0..2 {
+        let p = egress_agent::proxy::PolicyProxy::bind(
+            "127.0.0.1:0".parse().unwrap(),
+            "test".into(),
+            policy.clone(),
+            ctx.clone(),
+        )
+        .await
+        .unwrap();
+        addrs.push(p.local_addr());
+        tokio::spawn(p.run(std::future::pending()));
+    }
+    let (a, b) = (addrs[0], addrs[1]);
+    // Listener a's only connection: a plain request, then a CONNECT on the same connection.
+    let mut first = TcpStream::connect(a).await.unwrap();
+    let hp = up.http.port();
+    first
+        .write_all(
+            format!("GET http://allowed.test:{hp}/ HTTP/1.1\r\nHost: allowed.test:{hp}\r\n\r\n")
+                .as_bytes(),
+        )
+        .await
+        .unwrap();
+    assert_eq!(read_response(&mut first, false).await.0.status, 200);
+    let target = format!("allowed.test:{}", up.echo.port());
+    first
+        .write_all(format!("CONNECT {target} HTTP/1.1\r\nHost: {target}\r\n\r\n").as_bytes())
+        .await
+        .unwrap();
+    assert_eq!(read_response(&mut first, true).await.0.status, 200);
+    echo_roundtrip(&mut first, b"held").await;
+    // A second client of listener a waits: the tunnel still holds a's only place.
+    let mut second = TcpStream::connect(a).await.unwrap();
+    second
+        .write_all(format!("CONNECT {target} HTTP/1.1\r\n\r\n").as_bytes())
+        .await
+        .unwrap();
+    let mut byte = [0u8; 1];
+    assert!(
+        tokio::time::timeout(Duration::from_millis(300), second.read(&mut byte))
+            .await
+            .is_err(),
+        "listener a served beyond its bound"
+    );
+    // Listener b is unaffected.
+    let (r, mut other) = connect(b, &target).await;
+    assert_eq!(r.status, 200);
+    echo_roundtrip(&mut other, b"b still serves").await;
+    // When the tunnel ends, a's waiting client gets its turn.
+    drop(first);
+    let (r, _) = read_response(&mut second, true).await;
+    assert_eq!(r.status, 200);
+}

@@ -439,8 +439,8 @@ fn connect_policy(
     if p.mode == MODE_ALLOW_ALL {
         return Err(allow(cg));
     }
-    let (bit, proto) =
-        proto_bit(sock_type, protocol).ok_or_else(|| deny(cg, hook, REASON_SOCKET_TYPE, dst, true))?;
+    let (bit, proto) = proto_bit(sock_type, protocol)
+        .ok_or_else(|| deny(cg, hook, REASON_SOCKET_TYPE, dst, true))?;
     Ok((cg, found.entry, bit, proto))
 }
 
@@ -470,10 +470,11 @@ fn try_connect4(ctx: &SockAddrContext) -> Result<i32, i32> {
         port,
         addr: [addr, 0, 0, 0],
     };
-    let (cg, p, bit, proto) = match connect_policy(HOOK_CONNECT4, &dst(protocol), sock_type, protocol) {
-        Ok(v) => v,
-        Err(verdict) => return Ok(verdict),
-    };
+    let (cg, p, bit, proto) =
+        match connect_policy(HOOK_CONNECT4, &dst(protocol), sock_type, protocol) {
+            Ok(v) => v,
+            Err(verdict) => return Ok(verdict),
+        };
     // SAFETY: map value pointer returned by a successful lookup.
     let p = unsafe { &*p };
     if p.mode == MODE_ALLOWLIST && bit == PROTO_BIT_TCP {
@@ -538,10 +539,11 @@ fn try_connect6(ctx: &SockAddrContext) -> Result<i32, i32> {
         port,
         addr,
     };
-    let (cg, p, bit, proto) = match connect_policy(HOOK_CONNECT6, &dst(protocol), sock_type, protocol) {
-        Ok(v) => v,
-        Err(verdict) => return Ok(verdict),
-    };
+    let (cg, p, bit, proto) =
+        match connect_policy(HOOK_CONNECT6, &dst(protocol), sock_type, protocol) {
+            Ok(v) => v,
+            Err(verdict) => return Ok(verdict),
+        };
     // SAFETY: map value pointer returned by a successful lookup.
     let p = unsafe { &*p };
     // SAFETY: sock_addr context (bpf_get_netns_cookie since 5.7).

@@ -29,7 +29,10 @@ fn locate(env: &str, name: &str, hint: &str) -> PathBuf {
         return PathBuf::from(p);
     }
     let own = profile_dir();
-    let target = own.parent().map(Path::to_path_buf).unwrap_or_else(|| own.clone());
+    let target = own
+        .parent()
+        .map(Path::to_path_buf)
+        .unwrap_or_else(|| own.clone());
     let candidates = [
         own.join(name),
         target.join("debug").join(name),
@@ -44,7 +47,10 @@ fn locate(env: &str, name: &str, hint: &str) -> PathBuf {
         .max_by_key(|(t, _)| *t)
         .map(|(_, p)| p)
         .unwrap_or_else(|| {
-            panic!("{name} not found near {} (set {env}, or build it: {hint})", own.display())
+            panic!(
+                "{name} not found near {} (set {env}, or build it: {hint})",
+                own.display()
+            )
         })
 }
 

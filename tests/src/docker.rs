@@ -660,7 +660,8 @@ nameservers = []
         String::from_utf8_lossy(&o.stdout)
             .lines()
             .map(|l| {
-                serde_json::from_str(l).unwrap_or_else(|e| panic!("`events` printed a non-JSON line {l:?}: {e}"))
+                serde_json::from_str(l)
+                    .unwrap_or_else(|e| panic!("`events` printed a non-JSON line {l:?}: {e}"))
             })
             .collect()
     }

@@ -23,14 +23,19 @@ pub fn root_or_skip(group: &str) -> bool {
         // Straight to the stderr fd: libtest's output capture only intercepts `eprintln!`, and
         // this line must be visible in a normal (captured) run.
         use std::io::Write as _;
-        std::io::stderr().write_all(format!("skipping: needs root ({group})\n").as_bytes()).ok();
+        std::io::stderr()
+            .write_all(format!("skipping: needs root ({group})\n").as_bytes())
+            .ok();
         false
     }
 }
 
 /// Run a command line through `sh -c`; panic with its output on failure; return stdout.
 pub fn sh(cmd: &str) -> String {
-    let out = std::process::Command::new("sh").args(["-c", cmd]).output().expect("spawn sh");
+    let out = std::process::Command::new("sh")
+        .args(["-c", cmd])
+        .output()
+        .expect("spawn sh");
     assert!(
         out.status.success(),
         "`{cmd}` failed ({}):\n{}{}",
@@ -56,6 +61,10 @@ pub fn sh_quiet(cmd: &str) -> bool {
 pub fn marker(case: &str) -> String {
     use std::sync::atomic::{AtomicU32, Ordering};
     static N: AtomicU32 = AtomicU32::new(0);
-    format!("EGT-{}-{}-{case}", std::process::id(), N.fetch_add(1, Ordering::Relaxed))
+    format!(
+        "EGT-{}-{}-{case}",
+        std::process::id(),
+        N.fetch_add(1, Ordering::Relaxed)
+    )
 }
 pub mod docker;

@@ -34,7 +34,11 @@ fn run_labelled(env: &Env, name: &str, labels: &[&str]) {
     }
     args.extend_from_slice(&[IMAGE, "sleep", "600"]);
     env.d.docker_ok(&args);
-    assert!(env.wait_enforced(name, 2), "{name} never enforced:\n{}", env.log());
+    assert!(
+        env.wait_enforced(name, 2),
+        "{name} never enforced:\n{}",
+        env.log()
+    );
 }
 
 /// `web` with other host/port lists (allow_cidrs: the upstream, as in the default config).
@@ -66,7 +70,9 @@ fn cli_reload(env: &Env) -> (bool, String) {
 fn sighup(env: &Env) -> Vec<String> {
     let verdicts = |l: &str| -> Vec<String> {
         l.lines()
-            .filter(|x| x.contains("configuration reloaded") || x.contains("configuration rejected"))
+            .filter(|x| {
+                x.contains("configuration reloaded") || x.contains("configuration rejected")
+            })
             .map(str::to_owned)
             .collect()
     };
@@ -98,9 +104,16 @@ fn assert_web_enforced(env: &Env, name: &str, what: &str) {
         out.contains("DIRECT-FAIL") && !out.contains("DIRECT-OK"),
         "{what}: direct connection: {out}"
     );
-    assert_eq!(env.canary.count(), before, "{what}: a direct connection arrived at the canary");
+    assert_eq!(
+        env.canary.count(),
+        before,
+        "{what}: a direct connection arrived at the canary"
+    );
     let out = env.exec_out(name, &get("allowed.test", 8080));
-    assert!(out.contains("hello-upstream"), "{what}: allowed request through the proxy: {out}");
+    assert!(
+        out.contains("hello-upstream"),
+        "{what}: allowed request through the proxy: {out}"
+    );
     let out = env.exec_out(name, &get("denied.test", 8080));
     assert!(
         out.contains("403") && out.contains("host-not-allowed") && !out.contains("hello-upstream"),
@@ -122,13 +135,24 @@ fn broken_config_is_refused_and_the_old_policy_stays() {
     // A syntax error (unterminated table header) and an unknown field, each via SIGHUP and via
     // `egress-agent reload`.
     let syntax = format!("{}[policies.broken\n", env.config_text(""));
-    let unknown = env
-        .config_text("")
-        .replace("allow_ports = [8080]", "allow_ports = [8080]\nallow_hostz = [\"denied.test\"]");
+    let unknown = env.config_text("").replace(
+        "allow_ports = [8080]",
+        "allow_ports = [8080]\nallow_hostz = [\"denied.test\"]",
+    );
     assert!(unknown.contains("allow_hostz"));
     let cases = [
-        ("syntax error", syntax.clone(), line_of(&syntax, "[policies.broken"), "unclosed table"),
-        ("unknown field", unknown.clone(), line_of(&unknown, "allow_hostz"), "allow_hostz"),
+        (
+            "syntax error",
+            syntax.clone(),
+            line_of(&syntax, "[policies.broken"),
+            "unclosed table",
+        ),
+        (
+            "unknown field",
+            unknown.clone(),
+            line_of(&unknown, "allow_hostz"),
+            "allow_hostz",
+        ),
     ];
     for (what, text, line, needle) in &cases {
         env.write_config(text);
@@ -155,14 +179,21 @@ fn broken_config_is_refused_and_the_old_policy_stays() {
     }
 
     // A valid file that changes a setting which needs a restart is refused whole too.
-    std::fs::write(env.dir.join("hosts2"), format!("{UPSTREAM_IP} denied.test\n")).expect("hosts2");
+    std::fs::write(
+        env.dir.join("hosts2"),
+        format!("{UPSTREAM_IP} denied.test\n"),
+    )
+    .expect("hosts2");
     let dns = env.config_text("").replace(
         &env.dir.join("hosts").display().to_string(),
         &env.dir.join("hosts2").display().to_string(),
     );
     env.write_config(&dns);
     let (ok, out) = cli_reload(&env);
-    assert!(!ok && out.contains("[dns]") && out.contains("restart"), "[dns] change: {out}");
+    assert!(
+        !ok && out.contains("[dns]") && out.contains("restart"),
+        "[dns] change: {out}"
+    );
     assert_web_enforced(&env, "keep", "after a refused [dns] change");
 
     // The original file again: accepted, same behaviour.
@@ -174,9 +205,9 @@ fn broken_config_is_refused_and_the_old_policy_stays() {
     // Refusals are counted, nothing else changed: the container is still listed with `web`.
     let containers = status_containers(&env);
     assert!(
-        containers
-            .iter()
-            .any(|c| c["owner"] == "docker:keep" && c["policy"] == "web" && c["mode"] == "allowlist"),
+        containers.iter().any(|c| c["owner"] == "docker:keep"
+            && c["policy"] == "web"
+            && c["mode"] == "allowlist"),
         "keep not listed with policy web: {containers:?}"
     );
 }
@@ -184,9 +215,16 @@ fn broken_config_is_refused_and_the_old_policy_stays() {
 /// `egress-agent status --json` → the kernel's view of the enforced cgroups.
 fn status_containers(env: &Env) -> Vec<serde_json::Value> {
     let o = env.cli(&["status", "--json"]);
-    assert!(o.status.success(), "status --json: {}", String::from_utf8_lossy(&o.stderr));
+    assert!(
+        o.status.success(),
+        "status --json: {}",
+        String::from_utf8_lossy(&o.stderr)
+    );
     let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap_or_else(|e| {
-        panic!("status --json is not JSON ({e}): {}", String::from_utf8_lossy(&o.stdout))
+        panic!(
+            "status --json is not JSON ({e}): {}",
+            String::from_utf8_lossy(&o.stdout)
+        )
     });
     v["kernel"]["cgroups"]
         .as_array()
@@ -208,17 +246,29 @@ fn reload_narrows_and_widens_running_containers() {
     assert_web_enforced(&env, "rl", "initial");
     let before = env.canary.count();
     let out = env.exec_out("cn", DIRECT);
-    assert!(out.contains("DIRECT-OK"), "canary policy: direct must pass: {out}");
-    assert!(env.canary.count() > before, "canary policy: nothing arrived");
+    assert!(
+        out.contains("DIRECT-OK"),
+        "canary policy: direct must pass: {out}"
+    );
+    assert!(
+        env.canary.count() > before,
+        "canary policy: nothing arrived"
+    );
 
     // Widen (via `egress-agent reload`): denied.test becomes allowed for the running container.
     env.write_config(&env.config_text(&web_policy(&["allowed.test", "denied.test"], &[8080])));
     let (ok, out) = cli_reload(&env);
     assert!(ok, "widening reload refused: {out}");
     let out = env.exec_out("rl", &get("denied.test", 8080));
-    assert!(out.contains("hello-upstream"), "widened: denied.test must now pass: {out}");
+    assert!(
+        out.contains("hello-upstream"),
+        "widened: denied.test must now pass: {out}"
+    );
     let out = env.exec_out("rl", &get("allowed.test", 8080));
-    assert!(out.contains("hello-upstream"), "widened: allowed.test: {out}");
+    assert!(
+        out.contains("hello-upstream"),
+        "widened: allowed.test: {out}"
+    );
 
     // Narrow by host (via SIGHUP): allowed.test removed → 403 for new connections.
     env.write_config(&env.config_text(&web_policy(&["denied.test"], &[8080])));
@@ -233,7 +283,10 @@ fn reload_narrows_and_widens_running_containers() {
         "narrowed: allowed.test must be refused now: {out}"
     );
     let out = env.exec_out("rl", &get("denied.test", 8080));
-    assert!(out.contains("hello-upstream"), "narrowed: denied.test still allowed: {out}");
+    assert!(
+        out.contains("hello-upstream"),
+        "narrowed: denied.test still allowed: {out}"
+    );
 
     // Narrow by port: allowed.test back, but only on 443 → 8080 is port-not-allowed.
     env.write_config(&env.config_text(&web_policy(&["allowed.test"], &[443])));
@@ -247,8 +300,10 @@ fn reload_narrows_and_widens_running_containers() {
 
     // Kernel side: the canary policy loses its allow_cidrs entry → direct connections of the
     // running container stop arriving; widening it again lets them through (kernel and nft).
-    let narrowed = web_policy(&["allowed.test"], &[8080])
-        .replace("allow_cidrs = [\"198.18.0.1/32\"]", "allow_cidrs = [\"198.18.0.99/32\"]");
+    let narrowed = web_policy(&["allowed.test"], &[8080]).replace(
+        "allow_cidrs = [\"198.18.0.1/32\"]",
+        "allow_cidrs = [\"198.18.0.99/32\"]",
+    );
     assert!(narrowed.contains("198.18.0.99/32"));
     env.write_config(&env.config_text(&narrowed));
     let (ok, out) = cli_reload(&env);
@@ -259,7 +314,11 @@ fn reload_narrows_and_widens_running_containers() {
         out.contains("DIRECT-FAIL") && !out.contains("DIRECT-OK"),
         "allow_cidrs narrowed: direct must fail: {out}"
     );
-    assert_eq!(env.canary.count(), before, "allow_cidrs narrowed: a connection arrived");
+    assert_eq!(
+        env.canary.count(),
+        before,
+        "allow_cidrs narrowed: a connection arrived"
+    );
     // And web is back to the original: allowed.test:8080 passes again.
     assert_web_enforced(&env, "rl", "web restored");
 
@@ -268,11 +327,22 @@ fn reload_narrows_and_widens_running_containers() {
     assert!(ok, "restoring reload refused: {out}");
     let before = env.canary.count();
     let out = env.exec_out("cn", DIRECT);
-    assert!(out.contains("DIRECT-OK"), "allow_cidrs widened again: {out}");
-    assert!(env.canary.count() > before, "allow_cidrs widened again: nothing arrived");
+    assert!(
+        out.contains("DIRECT-OK"),
+        "allow_cidrs widened again: {out}"
+    );
+    assert!(
+        env.canary.count() > before,
+        "allow_cidrs widened again: nothing arrived"
+    );
 
     // Still one listener per opted-in container (same-name policies are swapped in place).
-    assert_eq!(env.listener_ports().len(), 2, "listeners: {:?}", env.listener_ports());
+    assert_eq!(
+        env.listener_ports().len(),
+        2,
+        "listeners: {:?}",
+        env.listener_ports()
+    );
 }
 
 #[test]
@@ -305,7 +375,12 @@ fn control_api_is_root_only_and_reports_containers_and_events() {
     run_labelled(
         &env,
         "ctx-1",
-        &["egress.policy=web", "egress.repo=org/ctx", "egress.run=42", "egress.agent=runner-3"],
+        &[
+            "egress.policy=web",
+            "egress.repo=org/ctx",
+            "egress.run=42",
+            "egress.agent=runner-3",
+        ],
     );
     let before = env.canary.count();
     let out = env.exec_out("ctx-1", DIRECT);
@@ -321,10 +396,15 @@ fn control_api_is_root_only_and_reports_containers_and_events() {
     assert_eq!(cg["policy"], "web", "{cg}");
     assert_eq!(cg["mode"], "allowlist", "{cg}");
     assert!(
-        cg["path"].as_str().is_some_and(|p| p.contains(&env.d.cgroup_parent)),
+        cg["path"]
+            .as_str()
+            .is_some_and(|p| p.contains(&env.d.cgroup_parent)),
         "{cg}"
     );
-    assert!(cg["denied"].as_u64().is_some_and(|n| n >= 1), "denied counter: {cg}");
+    assert!(
+        cg["denied"].as_u64().is_some_and(|n| n >= 1),
+        "denied counter: {cg}"
+    );
 
     // events: the kernel denial with container name, policy and context labels.
     let want = |e: &serde_json::Value| {
@@ -357,7 +437,11 @@ fn control_api_is_root_only_and_reports_containers_and_events() {
             && ctx["repo"] == "org/ctx"
             && ctx["agent"] == "runner-3"
     });
-    assert!(logged, "no denial log line with container and context:\n{}", env.log());
+    assert!(
+        logged,
+        "no denial log line with container and context:\n{}",
+        env.log()
+    );
 
     // `check --container`: the policy this running container gets, and why.
     let o = std::process::Command::new(egress_tests::agent::agent_bin())
@@ -366,7 +450,11 @@ fn control_api_is_root_only_and_reports_containers_and_events() {
         .args(["--container", "ctx-1", "--docker-socket", &env.d.host])
         .output()
         .expect("run egress-agent check --container");
-    assert!(o.status.success(), "check --container: {}", String::from_utf8_lossy(&o.stderr));
+    assert!(
+        o.status.success(),
+        "check --container: {}",
+        String::from_utf8_lossy(&o.stderr)
+    );
     let v: serde_json::Value = serde_json::from_slice(&o.stdout).expect("check json");
     assert_eq!(v["policy"], "web", "{v}");
     assert_eq!(v["why"], "egress.policy label", "{v}");
@@ -376,8 +464,18 @@ fn control_api_is_root_only_and_reports_containers_and_events() {
 
     // Invalid labels: an agent lifecycle event, with the context labels.
     let o = env.d.docker(&[
-        "run", "--rm", "--name", "bad-ctx", "--network", NETWORK, "--label", "egress.policy=nope",
-        "--label", "egress.run=43", IMAGE, "true",
+        "run",
+        "--rm",
+        "--name",
+        "bad-ctx",
+        "--network",
+        NETWORK,
+        "--label",
+        "egress.policy=nope",
+        "--label",
+        "egress.run=43",
+        IMAGE,
+        "true",
     ]);
     assert!(o.status.success(), "{o:?}");
     assert!(
@@ -386,7 +484,9 @@ fn control_api_is_root_only_and_reports_containers_and_events() {
                 && e["container"]["name"] == "bad-ctx"
                 && e["policy"] == "deny_all"
                 && e["context"]["run"] == "43"
-                && e["reason"].as_str().is_some_and(|r| r.starts_with("labels-invalid")),
+                && e["reason"]
+                    .as_str()
+                    .is_some_and(|r| r.starts_with("labels-invalid")),
             Duration::from_secs(5)
         ),
         "no agent event for invalid labels: {:?}",

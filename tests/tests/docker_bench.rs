@@ -97,7 +97,11 @@ fn start_to_enforced_and_memory() {
             continue;
         };
         // The daemon logs flattened JSON lines (fields at the top level).
-        let f = if v["fields"].is_object() { &v["fields"] } else { &v };
+        let f = if v["fields"].is_object() {
+            &v["fields"]
+        } else {
+            &v
+        };
         let Some(c) = f["container"].as_str() else {
             continue;
         };

@@ -688,7 +688,10 @@ fn host_network_privileged_published_ports() {
     );
     // Control: the same frame from an unlabelled container arrives (the probe works) once the
     // agent has classified it (the L2 guard holds unclassified ports for their first ~100 ms).
-    let out = env.run_out(&[], &format!("sleep 1; {}", script.replace("RAW-OWN", "RAW-CONTROL")));
+    let out = env.run_out(
+        &[],
+        &format!("sleep 1; {}", script.replace("RAW-OWN", "RAW-CONTROL")),
+    );
     let mut got = Vec::new();
     while let Ok(n) = sink.recv(&mut buf) {
         got.push(String::from_utf8_lossy(&buf[..n]).into_owned());

@@ -372,7 +372,11 @@ fn allow_all_policy_allows_direct_egress() {
     }
     let ns = Netns::new();
     let canary = Canary::in_netns(&ns, &[OTHER], &[OTHER]);
-    let (v4, v6, port) = (ns.ns_v4.to_string(), ns.ns_v6.to_string(), OTHER.to_string());
+    let (v4, v6, port) = (
+        ns.ns_v4.to_string(),
+        ns.ns_v6.to_string(),
+        OTHER.to_string(),
+    );
     for (name, args) in [
         ("tcp-v4", vec!["tcp", v4.as_str(), &port]),
         ("tcp-v6", vec!["tcp", v6.as_str(), &port]),
@@ -384,6 +388,9 @@ fn allow_all_policy_allows_direct_egress() {
         a.push(&m);
         let out = probe_exec("allow_all", None, &a);
         assert!(out.ok, "{name} refused under allow_all: {out:?}");
-        assert!(canary.wait_for(&m, Duration::from_secs(3)), "{name} did not arrive under allow_all");
+        assert!(
+            canary.wait_for(&m, Duration::from_secs(3)),
+            "{name} did not arrive under allow_all"
+        );
     }
 }

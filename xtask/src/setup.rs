@@ -86,7 +86,10 @@ fn apt_packages() -> Result<()> {
     let policy = Path::new("/usr/sbin/policy-rc.d");
     let created_policy = !policy.exists();
     if created_policy {
-        std::fs::write(policy, "#!/bin/sh\n# written by cargo xtask setup\nexit 101\n")?;
+        std::fs::write(
+            policy,
+            "#!/bin/sh\n# written by cargo xtask setup\nexit 101\n",
+        )?;
         sh("chmod", &["+x", "/usr/sbin/policy-rc.d"])?;
     }
     let result = (|| {
@@ -133,7 +136,9 @@ fn bpf_linker_ok() -> bool {
     Command::new("bpf-linker")
         .arg("--version")
         .output()
-        .map(|o| o.status.success() && String::from_utf8_lossy(&o.stdout).contains(BPF_LINKER_VERSION))
+        .map(|o| {
+            o.status.success() && String::from_utf8_lossy(&o.stdout).contains(BPF_LINKER_VERSION)
+        })
         .unwrap_or(false)
 }
 

@@ -124,9 +124,17 @@ fn query_param<'a>(query: Option<&'a str>, key: &str) -> Option<&'a str> {
         .map(|(_, v)| v)
 }
 
-async fn route(req: Request<Incoming>, peer_uid: Option<u32>, control: &dyn Control) -> Response<Body> {
+async fn route(
+    req: Request<Incoming>,
+    peer_uid: Option<u32>,
+    control: &dyn Control,
+) -> Response<Body> {
     if peer_uid != Some(0) {
-        warn!(?peer_uid, path = req.uri().path(), "control API refused a non-root client");
+        warn!(
+            ?peer_uid,
+            path = req.uri().path(),
+            "control API refused a non-root client"
+        );
         return error(StatusCode::FORBIDDEN, "the control API is root-only");
     }
     let query = req.uri().query();

@@ -542,7 +542,10 @@ impl Enforcer {
         };
         // deny_all needs no proxy (the kernel refuses even the endpoint).
         let listener = if resolved.opted_in() && !refuse && policy.mode != Mode::DenyAll {
-            match self.listener_for(info, &policy_name, &policy, &resolved.context).await {
+            match self
+                .listener_for(info, &policy_name, &policy, &resolved.context)
+                .await
+            {
                 Ok(l) => Some(l),
                 Err(e) => {
                     // No listener: the kernel refuses the endpoint (listener None); still enforced.
@@ -957,13 +960,20 @@ impl Enforcer {
         let mut refuse = Vec::new();
         self.begin_batch();
         for info in infos {
-            let outcome = if info.running { self.started(&info).await } else { self.prepare(&info).await };
+            let outcome = if info.running {
+                self.started(&info).await
+            } else {
+                self.prepare(&info).await
+            };
             if let Outcome::Refuse(why) = outcome {
                 refuse.push((info, why));
             }
         }
         self.end_batch(false).await;
-        tracing::info!(containers = self.tracked.len(), "configuration applied to tracked containers");
+        tracing::info!(
+            containers = self.tracked.len(),
+            "configuration applied to tracked containers"
+        );
         refuse
     }
 

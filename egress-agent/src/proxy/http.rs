@@ -169,6 +169,9 @@ struct ConnState {
     shared: Arc<Shared>,
     /// The upstream of the previous request, reused only for the same target.
     upstream: Mutex<Option<(Target, SendRequest<Incoming>)>>,
+    /// The tunnel a CONNECT on this connection became. [`serve`] waits for it, so the tunnel keeps
+    /// the connection's place in the connection bounds and ends on proxy shutdown.
+    tunnel: std::sync::Mutex<Option<tokio::task::JoinHandle<()>>>,
 }
 
 /// Serve a plain-HTTP client connection; `prefix` holds the bytes already read.
@@ -192,7 +195,9 @@ pub(crate) async fn serve(
     let state = Arc::new(ConnState {
         shared,
         upstream: Mutex::new(None),
+        tunnel: std::sync::Mutex::new(None),
     });
+    let tunnel_of = state.clone();
     let service = hyper::service::service_fn(move |req| {
         let state = state.clone();
         async move { Ok::<_, Infallible>(handle(req, &state).await) }
@@ -213,10 +218,29 @@ pub(crate) async fn serve(
             }
         }
     };
-    tokio::select! {
-        r = conn => if let Err(e) = r { tracing::debug!(error = %e, "http connection ended") },
-        () = watchdog => tracing::debug!("http connection idle"),
-        () = shutdown => {},
+    let mut shutdown = std::pin::pin!(shutdown);
+    let stopped = tokio::select! {
+        r = conn => {
+            if let Err(e) = r { tracing::debug!(error = %e, "http connection ended") }
+            false
+        }
+        () = watchdog => { tracing::debug!("http connection idle"); false }
+        () = &mut shutdown => true,
+    };
+    let tunnel = tunnel_of
+        .tunnel
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+        .take();
+    if let Some(mut tunnel) = tunnel {
+        if stopped {
+            tunnel.abort();
+        } else {
+            tokio::select! {
+                _ = &mut tunnel => {}
+                () = &mut shutdown => tunnel.abort(),
+            }
+        }
     }
 }
 
@@ -340,7 +364,7 @@ async fn handle(mut req: Request<Incoming>, state: &ConnState) -> Response<Body>
         let on_upgrade = hyper::upgrade::on(&mut req);
         let limits = shared.ctx.limits().clone();
         let shared = shared.clone();
-        tokio::spawn(async move {
+        let tunnel = tokio::spawn(async move {
             let Ok(upgraded) = on_upgrade.await else {
                 return;
             };
@@ -368,6 +392,10 @@ async fn handle(mut req: Request<Incoming>, state: &ConnState) -> Response<Body>
             shared.relayed(early + up, down);
             tracing::debug!(policy = %shared.name, %target, up, down, ?end, "tunnel closed");
         });
+        *state
+            .tunnel
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner) = Some(tunnel);
         return Response::new(Either::Right(Full::new(Bytes::new())));
     }
 

@@ -87,7 +87,10 @@ mod tests {
         std::fs::read_to_string("/proc/sys/net/ipv4/tcp_available_congestion_control").unwrap()
     }
 
-    async fn accepted(cc: Option<&str>, addr: &str) -> Option<(tokio::net::TcpStream, tokio::net::TcpStream)> {
+    async fn accepted(
+        cc: Option<&str>,
+        addr: &str,
+    ) -> Option<(tokio::net::TcpStream, tokio::net::TcpStream)> {
         let l = match listen(addr.parse().unwrap(), cc) {
             Ok(l) => l,
             Err(_) if addr.starts_with('[') => return None, // no IPv6 loopback on this host

@@ -64,6 +64,7 @@ pub struct Limits {
     pub idle_timeout: Duration,
     pub max_header_bytes: usize,
     pub max_connections: usize,
+    pub max_connections_per_listener: usize,
     pub tunnel_buffer_bytes: usize,
 }
 
@@ -75,6 +76,7 @@ impl From<&ProxyConfig> for Limits {
             idle_timeout: p.idle_timeout(),
             max_header_bytes: p.max_header_bytes,
             max_connections: p.max_connections,
+            max_connections_per_listener: p.per_listener_connections(),
             tunnel_buffer_bytes: p.tunnel_buffer_bytes,
         }
     }
@@ -212,6 +214,9 @@ pub(crate) struct Shared {
     pub(crate) ctx: ProxyContext,
     /// This listener's metric handles (label lookup done once, at bind).
     pub(crate) counters: Option<ProxyCounters>,
+    /// This listener's share of the connection bound (`max_connections_per_listener`; an IPv6
+    /// sibling listener shares it).
+    pub(crate) conns: Arc<Semaphore>,
 }
 
 impl Shared {
@@ -226,11 +231,13 @@ impl Shared {
             Destination::Name(n) => (Some(n.as_str().to_owned()), ip),
             Destination::Ip(lit) => (None, Some(ip.unwrap_or(*lit))),
         };
-        let mut ev = DenialEvent::proxy(&self.name, host, ip, target.port, protocol, reason.as_str());
+        let mut ev =
+            DenialEvent::proxy(&self.name, host, ip, target.port, protocol, reason.as_str());
         if let Some(id) = &self.identity {
             ev.container = id.container.clone();
             ev.cgroup_id = id.cgroup_id;
-            ev.context.extend(id.context.iter().map(|(k, v)| (k.clone(), v.clone())));
+            ev.context
+                .extend(id.context.iter().map(|(k, v)| (k.clone(), v.clone())));
         }
         self.ctx.events().emit(ev);
     }
@@ -316,7 +323,9 @@ impl PolicyProxy {
         let listener = listen::listen(addr, ctx.inner.client_cc.as_deref())?;
         let local = listener.local_addr()?;
         let counters = ctx.metrics().map(|m| m.proxy_counters(&policy_name));
+        let conns = Arc::new(Semaphore::new(ctx.limits().max_connections_per_listener));
         let shared = Arc::new(Shared {
+            conns,
             name: Arc::from(policy_name),
             identity,
             policy: Arc::new(ArcSwap::from_pointee(CompiledPolicy::new(&policy))),
@@ -360,11 +369,18 @@ impl PolicyProxy {
     pub async fn run(self, shutdown: impl Future<Output = ()>) {
         let (stop_tx, stop_rx) = watch::channel(false);
         let conns = self.shared.ctx.inner.conns.clone();
+        let mine = self.shared.conns.clone();
         tokio::pin!(shutdown);
         loop {
-            // Backpressure: at the connection bound, stop accepting (the kernel backlog holds the rest).
-            let permit = tokio::select! {
-                p = conns.clone().acquire_owned() => match p { Ok(p) => p, Err(_) => break },
+            // Backpressure: at this listener's bound, then at the global one, stop accepting (the
+            // kernel backlog holds the rest). This listener's permit comes first, so a listener
+            // at its own bound holds no global permit while it waits.
+            let permits = tokio::select! {
+                p = async {
+                    let mine = mine.clone().acquire_owned().await?;
+                    let global = conns.clone().acquire_owned().await?;
+                    Ok::<_, tokio::sync::AcquireError>((mine, global))
+                } => match p { Ok(p) => p, Err(_) => break },
                 () = &mut shutdown => break,
             };
             let accepted = tokio::select! {
@@ -380,7 +396,7 @@ impl PolicyProxy {
                     let stop = stop_rx.clone();
                     tokio::spawn(async move {
                         handle_connection(stream, peer, &shared, stop).await;
-                        drop(permit);
+                        drop(permits);
                     });
                 }
                 Err(e) => {
@@ -624,4 +640,3 @@ pub async fn serve(
         tasks,
     })
 }
-

@@ -200,7 +200,10 @@ fn main() {
     let stats = enable_run_time_stats();
     let before = program_stats(&agent);
     let mut c = Command::new(&agent);
-    c.args(["exec", "--policy", "bench", "--config"]).arg(&config).arg("--").arg(&me);
+    c.args(["exec", "--policy", "bench", "--config"])
+        .arg(&config)
+        .arg("--")
+        .arg(&me);
     inner_args(&mut c);
     run_child(&mut c);
     std::fs::remove_dir_all(&dir).ok();

@@ -10,7 +10,11 @@
 //!
 //! Usage: `proxy-bench [--quick] [--rounds N] [--idle N] [--peers direct,agent,squid,tinyproxy]
 //!         [--rate-only | --bulk-only] [--io-buffer BYTES] [--agent-buffer BYTES]
-//!         [--peer-logs off|default] [--agent PATH (ignored: the agent's proxy runs from this binary)]`
+//!         [--peer-logs off|default] [--cpu-quota PERCENT]
+//!         [--agent PATH (ignored: the agent's proxy runs from this binary)]`
+//! `--cpu-quota 50` runs every proxy in a cgroup limited to 50% of one CPU (cgroup v1 `cpu` or v2
+//! `cpu.max`), so tunnels/s compares the proxies at an equal CPU budget instead of at the client's
+//! ceiling.
 //! By default squid's access log is off and tinyproxy logs only critical messages (to tmpfs): the
 //! peers do the least work they can, so the ratios are conservative. The agent logs denials only.
 //! Internal: `proxy-bench serve CONFIG ADDR_FILE` runs the agent's proxy (`egress_agent::proxy::serve`),
@@ -46,6 +50,8 @@ struct Opts {
     /// Peers' own logging: `off` (access log off, least work for them; default) or `default`
     /// (their shipped logging, written to files in the tmpfs temp dir).
     peer_logs_default: bool,
+    /// Percent of one CPU each proxy may use (`--cpu-quota`), via [`CpuCgroup`].
+    cpu_quota: Option<usize>,
     rounds: usize,
     rate_secs: f64,
     bulk_bytes: u64,
@@ -93,6 +99,7 @@ fn main() -> Result<()> {
         peer_logs_default: args
             .windows(2)
             .any(|w| w[0] == "--peer-logs" && w[1] == "default"),
+        cpu_quota: flag("--cpu-quota"),
         rounds: flag("--rounds").unwrap_or(if quick { 1 } else { 3 }),
         rate_secs: if quick { 1.0 } else { 3.0 },
         bulk_bytes: if quick { 256 << 20 } else { 1 << 30 },
@@ -101,10 +108,116 @@ fn main() -> Result<()> {
         idle: flag("--idle").unwrap_or(if quick { 1_000 } else { 8_000 }),
     };
     pin_to_cpu(0);
+    // Peers' helpers (squid's pinger) outlive a stopped peer briefly; as subreaper this process
+    // inherits and reaps them (PID 1 may not), so no zombie is left behind.
+    if let Err(e) = nix::sys::prctl::set_child_subreaper(true) {
+        eprintln!("warning: not a child subreaper ({e}); helpers of stopped peers may linger");
+    }
+    let cgroup = match opts.cpu_quota {
+        Some(pct) if (1..=100).contains(&pct) => Some(CpuCgroup::create(pct)?),
+        Some(pct) => bail!("--cpu-quota {pct}: give a percentage of one CPU, 1-100"),
+        None => None,
+    };
+    if let Some(cg) = &cgroup {
+        CPU_CGROUP.set(cg.dir.clone()).ok();
+    }
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()?;
-    rt.block_on(run(opts))
+    let r = rt.block_on(run(opts));
+    drop(rt);
+    reap_orphans(Duration::from_secs(5));
+    drop(cgroup);
+    r
+}
+
+/// Wait (up to `within`) for the orphaned helpers of stopped peers this process inherited.
+fn reap_orphans(within: Duration) {
+    use nix::sys::wait::{WaitPidFlag, WaitStatus, waitpid};
+    let deadline = Instant::now() + within;
+    loop {
+        match waitpid(None, Some(WaitPidFlag::WNOHANG)) {
+            Ok(WaitStatus::StillAlive) if Instant::now() < deadline => {
+                std::thread::sleep(Duration::from_millis(50));
+            }
+            Ok(WaitStatus::StillAlive) | Err(_) => return, // timed out, or no children left
+            Ok(_) => {}                                    // reaped one; look for more
+        }
+    }
+}
+
+/// The cgroup every proxy is started in when `--cpu-quota` is given.
+static CPU_CGROUP: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
+
+/// A cgroup limited to a share of one CPU; removed on drop (its processes have exited by then).
+struct CpuCgroup {
+    dir: PathBuf,
+}
+
+impl CpuCgroup {
+    fn create(pct: usize) -> Result<CpuCgroup> {
+        let mountinfo = std::fs::read_to_string("/proc/self/mountinfo")?;
+        // (mount point, v1?) of a cgroup v1 hierarchy with the cpu controller, else cgroup2.
+        let mut v1 = None;
+        let mut v2 = None;
+        for line in mountinfo.lines() {
+            let Some((pre, post)) = line.split_once(" - ") else {
+                continue;
+            };
+            let mnt = pre.split_whitespace().nth(4).unwrap_or_default();
+            let mut post = post.split_whitespace();
+            let fstype = post.next().unwrap_or_default();
+            let opts = post.nth(1).unwrap_or_default();
+            if fstype == "cgroup" && opts.split(',').any(|o| o == "cpu") {
+                v1 = Some(PathBuf::from(mnt));
+            } else if fstype == "cgroup2" {
+                v2 = Some(PathBuf::from(mnt));
+            }
+        }
+        let period = 10_000;
+        let quota = pct * period / 100;
+        let name = format!("proxy-bench-{}", std::process::id());
+        let dir = if let Some(root) = v1 {
+            let dir = root.join(name);
+            std::fs::create_dir(&dir).with_context(|| format!("creating {}", dir.display()))?;
+            std::fs::write(dir.join("cpu.cfs_period_us"), period.to_string())?;
+            std::fs::write(dir.join("cpu.cfs_quota_us"), quota.to_string())?;
+            dir
+        } else if let Some(root) = v2 {
+            let controllers = std::fs::read_to_string(root.join("cgroup.controllers"))?;
+            if !controllers.split_whitespace().any(|c| c == "cpu") {
+                bail!("--cpu-quota: no cpu controller in {}", root.display());
+            }
+            std::fs::write(root.join("cgroup.subtree_control"), "+cpu")
+                .with_context(|| format!("enabling cpu in {}", root.display()))?;
+            let dir = root.join(name);
+            std::fs::create_dir(&dir).with_context(|| format!("creating {}", dir.display()))?;
+            std::fs::write(dir.join("cpu.max"), format!("{quota} {period}"))?;
+            dir
+        } else {
+            bail!("--cpu-quota: no cgroup hierarchy with the cpu controller is mounted");
+        };
+        Ok(CpuCgroup { dir })
+    }
+}
+
+impl Drop for CpuCgroup {
+    fn drop(&mut self) {
+        // Helpers of a stopped peer (squid's pinger) may take a moment to exit: EBUSY until then.
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            match std::fs::remove_dir(&self.dir) {
+                Ok(()) => return,
+                Err(_) if Instant::now() < deadline => {
+                    std::thread::sleep(Duration::from_millis(100));
+                }
+                Err(e) => {
+                    eprintln!("warning: could not remove {}: {e}", self.dir.display());
+                    return;
+                }
+            }
+        }
+    }
 }
 
 fn pin_to_cpu(cpu: usize) {
@@ -257,8 +370,13 @@ fn free_port() -> Result<u16> {
 /// Run `cmd` pinned to CPU 1, with the bench hosts file over /etc/hosts in a private mount namespace.
 fn spawn_pinned(dir: &Path, cmd: &str, log: &str) -> Result<Child> {
     let hosts = dir.join("hosts");
+    // With --cpu-quota the shell joins the limited cgroup first; the proxy it execs inherits it.
+    let join = CPU_CGROUP
+        .get()
+        .map(|d| format!("echo $$ > {}/cgroup.procs && ", d.display()))
+        .unwrap_or_default();
     let script = format!(
-        "mount --bind {} /etc/hosts && exec taskset -c 1 {cmd}",
+        "{join}mount --bind {} /etc/hosts && exec taskset -c 1 {cmd}",
         hosts.display()
     );
     let log = std::fs::File::create(dir.join(log))?;
@@ -294,6 +412,7 @@ async fn start_agent(dir: &Path, up: &Upstreams, o_agent_buffer: Option<usize>) 
 default_policy = "bench"
 [proxy]
 max_connections = 19000
+max_connections_per_listener = 19000
 idle_timeout_ms = 600000
 [dns]
 nameservers = []
@@ -830,6 +949,18 @@ fn print_table(m: &BTreeMap<(&str, &str), f64>, o: &Opts) {
             "off"
         }
     );
+    // Bulk figures depend on it: a pacing default (BBR) throttles loopback; the agent's
+    // client-facing sockets use `proxy.client_congestion_control` (cubic unless set).
+    let host_cc = std::fs::read_to_string("/proc/sys/net/ipv4/tcp_congestion_control")
+        .map_or_else(|_| "unknown".to_owned(), |s| s.trim().to_owned());
+    println!(
+        "host TCP congestion control: {host_cc} (direct, peers, upstream sockets); agent's client-facing sockets: cubic"
+    );
+    if let Some(pct) = o.cpu_quota {
+        println!(
+            "every proxy limited to {pct}% of one CPU (cgroup): tunnels/s compares equal CPU budgets"
+        );
+    }
     println!(
         "| {:<32} | {:>8} | {:>8} | {:>8} | {:>9} | {:>11} | {:>15} | {:>12} |",
         "metric",
