@@ -166,6 +166,15 @@ async fn run_async(
 ) -> anyhow::Result<i32> {
     // 1. programs on the exec root.
     let mut enforcement = bpf::enforce_root(&bpffs, &root, false)?;
+    if !enforcement.report.upgraded.is_empty() {
+        eprintln!(
+            "egress-agent: pinned links switched to this build's programs: {}",
+            enforcement.report.upgraded.join(", ")
+        );
+    }
+    for why in &enforcement.report.upgrade_failed {
+        eprintln!("egress-agent: warning: {why}");
+    }
     if let Some(reason) = &enforcement.report.lsm_unavailable {
         let closed_by = if policy.mode == Mode::AllowAll {
             "nothing (allow_all)"

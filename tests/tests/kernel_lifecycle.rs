@@ -1,6 +1,7 @@
 //! Lifecycle: exit codes and cleanup, signal forwarding, fail-closed after `kill -9`, adoption of
 //! pinned links (counted with BPF_PROG_QUERY on the exec root: never a second copy), repair of a
-//! partially pinned root, and clear errors when not root.
+//! partially pinned root, in-place upgrade of links another build left, and clear errors when not
+//! root.
 use std::collections::BTreeMap;
 use std::os::unix::process::CommandExt as _;
 use std::path::{Path, PathBuf};
@@ -11,6 +12,7 @@ use egress_tests::agent::{
     ATTACH_TYPES, BPFFS, agent_bin, attached_programs, exec_cmd, exec_root, probe_bin, probe_exec,
     status_json,
 };
+use egress_tests::bpf::{load_allow_all_connect4, prog_tag, swap_pinned_link_program};
 use egress_tests::canary::Canary;
 use egress_tests::netns::Netns;
 use egress_tests::{marker, root_or_skip};
@@ -279,6 +281,79 @@ fn restart_adopts_pinned_links_without_duplicates() {
         }
     }
     assert!(pin.exists(), "sendmsg6 link not re-pinned");
+}
+
+/// Pin directory of the exec root's links (`<bpffs>/roots/<cgroup id>`), from `status --json`.
+fn exec_root_pins(root: &Path) -> PathBuf {
+    let st = status_json();
+    let root_id = st["roots"]
+        .as_array()
+        .and_then(|r| {
+            r.iter()
+                .find(|r| r["path"].as_str() == Some(root.to_str().expect("utf8")))
+        })
+        .expect("root in status")["cgroup_id"]
+        .as_u64()
+        .expect("id");
+    Path::new(BPFFS).join("roots").join(root_id.to_string())
+}
+
+/// A pinned link left by another build (here: an allow-everything connect4 swapped into it) is
+/// switched to this build's program on the next start — same link, no second copy — and later
+/// starts leave it alone.
+#[test]
+fn restart_switches_links_of_another_build_to_this_build() {
+    if !root_or_skip("kernel lifecycle: upgrade in place") {
+        return;
+    }
+    let root = exec_root();
+    assert!(probe_exec("deny_all", None, &["cgroup"]).ok);
+    let before = attached(&root);
+    assert_eq!(before["connect4"].len(), 1, "{before:?}");
+    let ours = prog_tag(before["connect4"][0]);
+
+    let pin = exec_root_pins(&root).join("egress_connect4");
+    let other = load_allow_all_connect4();
+    swap_pinned_link_program(&pin, &other);
+    drop(other);
+    let swapped = attached(&root);
+    assert_eq!(swapped["connect4"].len(), 1);
+    assert_ne!(
+        prog_tag(swapped["connect4"][0]),
+        ours,
+        "the stand-in for another build's program did not take"
+    );
+
+    let out = probe_exec("deny_all", None, &["cgroup"]);
+    assert!(out.ok, "{out:?}");
+    assert!(
+        out.stderr
+            .contains("pinned links switched to this build's programs: egress_connect4"),
+        "{}",
+        out.stderr
+    );
+    let after = attached(&root);
+    assert_eq!(after["connect4"].len(), 1, "a second connect4 was attached");
+    assert_eq!(
+        prog_tag(after["connect4"][0]),
+        ours,
+        "connect4 still runs the other build's program"
+    );
+    for (name, ids) in &after {
+        if *name != "connect4" {
+            assert_eq!(ids, &before[name], "{name} changed");
+        }
+    }
+    assert!(pin.exists(), "the link pin was replaced instead of updated");
+
+    let again = probe_exec("deny_all", None, &["cgroup"]);
+    assert!(again.ok, "{again:?}");
+    assert!(!again.stderr.contains("switched"), "{}", again.stderr);
+    assert_eq!(
+        attached(&root),
+        after,
+        "an unchanged build switched programs"
+    );
 }
 
 #[test]

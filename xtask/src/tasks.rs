@@ -82,18 +82,16 @@ pub fn test(filter: Option<&str>) -> Result<()> {
     // The integration tests drive the release binary like an operator would.
     cargo(&["build", "--release", "-p", "egress-agent"])?;
     if is_root() {
-        // Pins left by an earlier build would be adopted (the loader never attaches twice), and
-        // the tests would then exercise that build's kernel programs instead of this one's.
-        eprintln!(
-            "== removing pins of earlier runs (egress-agent cleanup) so this build's programs load"
-        );
+        // Start from no pins: the agent would switch links an earlier build left to this build's
+        // programs anyway, but a clean start keeps earlier runs' roots and entries out of the tests.
+        eprintln!("== removing pins of earlier runs (egress-agent cleanup)");
         let status = Command::new(release_bin("egress-agent"))
             .args(["cleanup", "--config", "/dev/null"])
             .status()
             .context("running egress-agent cleanup")?;
         if !status.success() {
             bail!(
-                "egress-agent cleanup failed ({status}): stale pins would be adopted by the tests"
+                "egress-agent cleanup failed ({status}): earlier runs' pins would stay in the tests' way"
             );
         }
     }
@@ -138,7 +136,9 @@ pub fn bench(quick: bool) -> Result<()> {
         }
         eprintln!("== {bench} {}", extra.join(" "));
         let mut cmd = Command::new(&bin);
-        cmd.arg("--agent").arg(release_bin("egress-agent")).args(extra);
+        cmd.arg("--agent")
+            .arg(release_bin("egress-agent"))
+            .args(extra);
         if quick {
             cmd.arg("--quick");
         }

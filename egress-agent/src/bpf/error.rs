@@ -61,6 +61,14 @@ pub enum BpfError {
         source: aya::programs::links::LinkError,
     },
     #[error(
+        "pinned link {path} runs another build's program and swapping in this build's failed ({source}); the old program keeps enforcing: run `egress-agent cleanup` in a maintenance window and start again"
+    )]
+    Upgrade {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error(
         "pinned link {path} runs a program that does not use the pinned maps under {maps}; remove the stale pins (`egress-agent cleanup`) and start again"
     )]
     StaleLink { path: PathBuf, maps: PathBuf },

@@ -7,6 +7,9 @@
 //!
 //! [`Loader::ensure_root`] never attaches a program twice to a root: links stack (a second copy
 //! would run twice), so an existing pinned link is adopted and only missing ones are attached.
+//! An adopted link that runs another build's program (its tag differs from this binary's) is
+//! switched to this build's program with `BPF_LINK_UPDATE`: an atomic swap, so an upgraded agent
+//! enforces its own programs after a restart with no moment unenforced.
 //! Loaders are serialised by an exclusive `flock` on [`LOCK_PATH`] (exec vs daemon).
 use std::fs::{self, File};
 use std::os::fd::AsFd;
@@ -38,13 +41,29 @@ const BPF_FS_MAGIC: i64 = 0xcafe4a11;
 pub struct RootReport {
     pub root: PathBuf,
     pub root_id: u64,
-    /// Programs whose pinned link was adopted.
+    /// Programs whose pinned link was adopted as it was (same program as this build's).
     pub adopted: Vec<&'static str>,
+    /// Programs whose pinned link was adopted but ran another build's program: the link now runs
+    /// this build's.
+    pub upgraded: Vec<&'static str>,
+    /// Adopted links whose program could not be swapped for this build's (why, per link): they
+    /// keep enforcing with the program they had.
+    pub upgrade_failed: Vec<String>,
     /// Programs attached (and pinned) by this call.
     pub attached: Vec<&'static str>,
     /// `None` when the BPF-LSM socket_create hook is enforcing; otherwise the reason it is not
     /// (the AF_PACKET hole is then open).
     pub lsm_unavailable: Option<String>,
+}
+
+/// What adopting one pinned link did.
+enum Adoption {
+    /// It already ran this build's program against the pinned maps.
+    Kept,
+    /// It now runs this build's program (swapped in place).
+    Switched,
+    /// Swapping failed (why); the old program, which uses the pinned maps, keeps enforcing.
+    SwitchFailed(String),
 }
 
 /// Holds the loader lock; created by [`Loader::lock`].
@@ -214,6 +233,8 @@ impl Loader {
             root: root.to_owned(),
             root_id,
             adopted: Vec::new(),
+            upgraded: Vec::new(),
+            upgrade_failed: Vec::new(),
             attached: Vec::new(),
             lsm_unavailable: None,
         };
@@ -232,8 +253,19 @@ impl Loader {
         for name in wanted {
             let pin = pin_dir.join(name);
             if pin.exists() {
-                self.adopt(&pin)?;
-                report.adopted.push(name);
+                match self.adopt(name, &pin)? {
+                    Adoption::Kept => report.adopted.push(name),
+                    Adoption::Switched => {
+                        tracing::info!(program = name, pin = %pin.display(),
+                            "pinned link switched to this build's program");
+                        report.upgraded.push(name);
+                    }
+                    Adoption::SwitchFailed(why) => {
+                        tracing::warn!(program = name, "{why}");
+                        report.upgrade_failed.push(why);
+                        report.adopted.push(name);
+                    }
+                }
                 continue;
             }
             match self.attach(name, root, &pin) {
@@ -247,13 +279,16 @@ impl Loader {
         Ok(report)
     }
 
-    /// Adopt a pinned link: it must open, and its program must use the pinned POLICIES map
-    /// (otherwise it enforces against maps nobody can write: everything denied).
-    fn adopt(&self, pin: &Path) -> Result<(), BpfError> {
+    /// Adopt the pinned link at `pin`. It keeps its program if that is this build's `name`
+    /// program (same tag) using the pinned POLICIES map; otherwise — another build's program, or
+    /// one bound to maps that are no longer pinned (it would enforce against maps nobody can
+    /// write) — the link is switched to this build's program in one atomic `BPF_LINK_UPDATE`.
+    fn adopt(&mut self, name: &'static str, pin: &Path) -> Result<Adoption, BpfError> {
         let link = PinnedLink::from_pin(pin).map_err(|source| BpfError::Adopt {
             path: pin.to_owned(),
             source,
         })?;
+        // Dropping an FdLink that came from a pin only closes our fd; the pin keeps it attached.
         let fd_link: FdLink = link.into();
         let info = fd_link.info().map_err(|source| BpfError::Adopt {
             path: pin.to_owned(),
@@ -268,20 +303,89 @@ impl Loader {
                 source,
             })?;
         let prog_id = info.program_id();
-        let prog_maps = aya::programs::loaded_programs()
+        let pinned = aya::programs::loaded_programs()
             .filter_map(Result::ok)
-            .find(|p| p.id() == prog_id)
+            .find(|p| p.id() == prog_id);
+        let uses_pinned_maps = pinned
+            .as_ref()
             .and_then(|p| p.map_ids().ok().flatten())
-            .unwrap_or_default();
-        if !prog_maps.contains(&map_id) {
-            return Err(BpfError::StaleLink {
+            .is_some_and(|ids| ids.contains(&map_id));
+        let ours = self.load(name)?.info().map_err(|e| BpfError::Load {
+            program: name,
+            source: e,
+        })?;
+        if uses_pinned_maps && pinned.is_some_and(|p| p.tag() == ours.tag()) {
+            return Ok(Adoption::Kept);
+        }
+        let swap = || -> std::io::Result<()> {
+            let program = self
+                .ebpf
+                .as_ref()
+                .and_then(|e| e.program(name))
+                .ok_or_else(|| std::io::Error::other("program not loaded"))?;
+            let fd = program
+                .fd()
+                .map_err(|e| std::io::Error::other(e.to_string()))?;
+            super::sys::link_update(super::sys::obj_get(pin)?, fd.as_fd())
+        };
+        match swap() {
+            Ok(()) => Ok(Adoption::Switched),
+            // The old program still works against the pinned maps: it keeps enforcing.
+            Err(source) if uses_pinned_maps => Ok(Adoption::SwitchFailed(
+                BpfError::Upgrade {
+                    path: pin.to_owned(),
+                    source,
+                }
+                .to_string(),
+            )),
+            Err(_) => Err(BpfError::StaleLink {
                 path: pin.to_owned(),
                 maps: maps_dir(&self.bpffs),
-            });
+            }),
         }
-        // Dropping an FdLink that came from a pin only closes our fd; the pin keeps it attached.
-        drop(fd_link);
-        Ok(())
+    }
+
+    /// This build's `name` program, loaded into the kernel (once per Loader).
+    fn load(&mut self, name: &'static str) -> Result<&mut aya::programs::Program, BpfError> {
+        let btf = match kind(name) {
+            Kind::Lsm => Some(Btf::from_sys_fs().map_err(|e| BpfError::NoBtf {
+                path: "/sys/kernel/btf/vmlinux".into(),
+                source: std::io::Error::other(e.to_string()),
+            })?),
+            _ => None,
+        };
+        let program = self
+            .ebpf()?
+            .program_mut(name)
+            .ok_or(BpfError::MissingProgram { program: name })?;
+        if program.fd().is_ok() {
+            return Ok(program);
+        }
+        let load_err = |e| BpfError::Load {
+            program: name,
+            source: e,
+        };
+        match kind(name) {
+            Kind::SockAddr => {
+                let p: &mut CgroupSockAddr = program.try_into().map_err(load_err)?;
+                p.load().map_err(|e| BpfError::from_load(name, e))?;
+            }
+            Kind::Skb => {
+                let p: &mut CgroupSkb = program.try_into().map_err(load_err)?;
+                p.load().map_err(|e| BpfError::from_load(name, e))?;
+            }
+            Kind::Sock => {
+                let p: &mut CgroupSock = program.try_into().map_err(load_err)?;
+                p.load().map_err(|e| BpfError::from_load(name, e))?;
+            }
+            Kind::Lsm => {
+                let btf = btf.ok_or(BpfError::MissingProgram { program: name })?;
+                let p: &mut LsmCgroup = program.try_into().map_err(load_err)?;
+                p.load("socket_create", &btf)
+                    .map_err(|e| BpfError::from_load(name, e))?;
+            }
+        }
+        Ok(program)
     }
 
     fn attach(&mut self, name: &'static str, root: &Path, pin: &Path) -> Result<(), BpfError> {
@@ -291,24 +395,14 @@ impl Loader {
             cgroup: root.to_owned(),
             source,
         };
-        let btf = match kind(name) {
-            Kind::Lsm => Some(Btf::from_sys_fs().map_err(|e| BpfError::NoBtf {
-                path: "/sys/kernel/btf/vmlinux".into(),
-                source: std::io::Error::other(e.to_string()),
-            })?),
-            _ => None,
+        let load_err = |e| BpfError::Load {
+            program: name,
+            source: e,
         };
-        let ebpf = self.ebpf()?;
-        let program = ebpf
-            .program_mut(name)
-            .ok_or(BpfError::MissingProgram { program: name })?;
+        let program = self.load(name)?;
         let link: FdLink = match kind(name) {
             Kind::SockAddr => {
-                let p: &mut CgroupSockAddr = program.try_into().map_err(|e| BpfError::Load {
-                    program: name,
-                    source: e,
-                })?;
-                p.load().map_err(|e| BpfError::from_load(name, e))?;
+                let p: &mut CgroupSockAddr = program.try_into().map_err(load_err)?;
                 let id = p
                     .attach(cgroup_dir.as_fd(), CgroupAttachMode::Single)
                     .map_err(attach_err)?;
@@ -316,11 +410,7 @@ impl Loader {
                 FdLink::try_from(link).map_err(|e| pin_err(name, pin, e))?
             }
             Kind::Skb => {
-                let p: &mut CgroupSkb = program.try_into().map_err(|e| BpfError::Load {
-                    program: name,
-                    source: e,
-                })?;
-                p.load().map_err(|e| BpfError::from_load(name, e))?;
+                let p: &mut CgroupSkb = program.try_into().map_err(load_err)?;
                 let id = p
                     .attach(
                         cgroup_dir.as_fd(),
@@ -332,11 +422,7 @@ impl Loader {
                 FdLink::try_from(link).map_err(|e| pin_err(name, pin, e))?
             }
             Kind::Sock => {
-                let p: &mut CgroupSock = program.try_into().map_err(|e| BpfError::Load {
-                    program: name,
-                    source: e,
-                })?;
-                p.load().map_err(|e| BpfError::from_load(name, e))?;
+                let p: &mut CgroupSock = program.try_into().map_err(load_err)?;
                 let id = p
                     .attach(cgroup_dir.as_fd(), CgroupAttachMode::Single)
                     .map_err(attach_err)?;
@@ -344,13 +430,7 @@ impl Loader {
                 FdLink::try_from(link).map_err(|e| pin_err(name, pin, e))?
             }
             Kind::Lsm => {
-                let btf = btf.ok_or(BpfError::MissingProgram { program: name })?;
-                let p: &mut LsmCgroup = program.try_into().map_err(|e| BpfError::Load {
-                    program: name,
-                    source: e,
-                })?;
-                p.load("socket_create", &btf)
-                    .map_err(|e| BpfError::from_load(name, e))?;
+                let p: &mut LsmCgroup = program.try_into().map_err(load_err)?;
                 let id = p.attach(cgroup_dir.as_fd()).map_err(attach_err)?;
                 let link = p.take_link(id).map_err(attach_err)?;
                 FdLink::from(link)

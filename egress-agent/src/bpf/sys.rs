@@ -1,5 +1,6 @@
-//! The two syscalls aya 0.14 does not wrap: `getsockopt(SO_NETNS_COOKIE)` and `BPF_PROG_QUERY`
-//! on a cgroup. The only `unsafe` in the agent, kept small and checked.
+//! The syscalls aya 0.14 does not wrap: `getsockopt(SO_NETNS_COOKIE)`, `BPF_PROG_QUERY` on a
+//! cgroup, `BPF_LINK_UPDATE`, and the capability calls of [`drop_cap_net_raw`]. The only `unsafe`
+//! in the agent, kept small and checked.
 use std::io;
 use std::os::fd::{AsFd, AsRawFd};
 
@@ -77,6 +78,85 @@ pub fn query_cgroup_programs(cgroup: impl AsFd, attach_type: u32) -> io::Result<
     }
     ids.truncate(attr.prog_cnt.min(64) as usize);
     Ok(ids)
+}
+
+/// `union bpf_attr` layout of the BPF_LINK_UPDATE command.
+#[repr(C)]
+struct LinkUpdateAttr {
+    link_fd: u32,
+    new_prog_fd: u32,
+    flags: u32,
+    old_prog_fd: u32,
+}
+
+const BPF_LINK_UPDATE: libc::c_long = 29;
+
+/// Make the bpf link `link` run `new_prog` instead of its current program (`BPF_LINK_UPDATE`):
+/// one atomic swap, the hook never runs without a program. The program must have the link's
+/// program type and attach type.
+pub fn link_update(link: impl AsFd, new_prog: impl AsFd) -> io::Result<()> {
+    let mut attr = LinkUpdateAttr {
+        link_fd: link.as_fd().as_raw_fd() as u32,
+        new_prog_fd: new_prog.as_fd().as_raw_fd() as u32,
+        flags: 0,
+        old_prog_fd: 0,
+    };
+    // SAFETY: `attr` is a correctly laid out bpf_attr prefix for BPF_LINK_UPDATE with its size
+    // passed; both fds are borrowed for the duration of the call.
+    let rc = unsafe {
+        libc::syscall(
+            libc::SYS_bpf,
+            BPF_LINK_UPDATE,
+            &raw mut attr,
+            std::mem::size_of::<LinkUpdateAttr>() as libc::c_uint,
+        )
+    };
+    if rc != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(())
+}
+
+/// `union bpf_attr` layout of the BPF_OBJ_GET command.
+#[repr(C)]
+struct ObjGetAttr {
+    pathname: u64,
+    bpf_fd: u32,
+    file_flags: u32,
+    path_fd: i32,
+    _pad: u32,
+}
+
+const BPF_OBJ_GET: libc::c_long = 7;
+
+/// Open a pinned bpf object (here: a link) by its bpffs path (`BPF_OBJ_GET`).
+pub fn obj_get(path: &std::path::Path) -> io::Result<std::os::fd::OwnedFd> {
+    use std::os::unix::ffi::OsStrExt;
+    let c = std::ffi::CString::new(path.as_os_str().as_bytes())
+        .map_err(|_| io::Error::other("path contains a NUL byte"))?;
+    let mut attr = ObjGetAttr {
+        pathname: c.as_ptr() as u64,
+        bpf_fd: 0,
+        file_flags: 0,
+        path_fd: 0,
+        _pad: 0,
+    };
+    // SAFETY: `attr` is a correctly laid out bpf_attr prefix for BPF_OBJ_GET with its size
+    // passed; `pathname` points to a NUL-terminated string that outlives the call.
+    let fd = unsafe {
+        libc::syscall(
+            libc::SYS_bpf,
+            BPF_OBJ_GET,
+            &raw mut attr,
+            std::mem::size_of::<ObjGetAttr>() as libc::c_uint,
+        )
+    };
+    if fd < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    let fd = i32::try_from(fd).map_err(|_| io::Error::other("bpf returned an invalid fd"))?;
+    // SAFETY: BPF_OBJ_GET returned a new file descriptor that nothing else owns.
+    Ok(unsafe { <std::os::fd::OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(fd) })
 }
 
 /// Kernel `enum bpf_attach_type` values used with [`query_cgroup_programs`].

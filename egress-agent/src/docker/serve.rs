@@ -115,8 +115,12 @@ pub async fn serve_with(
     if let Some(why) = &enforcement.report.lsm_unavailable {
         tracing::warn!(reason = %why, "BPF-LSM socket hook unavailable: AF_PACKET is stopped only by the nftables layer");
     }
+    for why in &enforcement.report.upgrade_failed {
+        tracing::warn!("{why}");
+    }
     tracing::info!(root = %root_path.display(), adopted = ?enforcement.report.adopted,
-        attached = ?enforcement.report.attached, "docker enforcement root ready");
+        upgraded = ?enforcement.report.upgraded, attached = ?enforcement.report.attached,
+        "docker enforcement root ready");
     // `enforce_root` already released the loader lock; the links stay pinned and enforcing.
     let enforcement_lsm = enforcement
         .report

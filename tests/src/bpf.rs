@@ -1,0 +1,82 @@
+//! Raw `bpf(2)` calls the tests need to stand in for another build of the agent: load a
+//! different (allow-everything) program, swap it into a pinned link, and read program tags.
+//! Independent of the agent's own loader on purpose.
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::os::unix::ffi::OsStrExt;
+use std::path::Path;
+
+fn bpf(cmd: libc::c_long, attr: &mut [u8]) -> std::io::Result<libc::c_long> {
+    // SAFETY: `attr` is a zero-initialised bpf_attr of `attr.len()` bytes laid out for `cmd` by
+    // the callers below; pointers inside it refer to buffers that outlive the call.
+    let rc = unsafe {
+        libc::syscall(
+            libc::SYS_bpf,
+            cmd,
+            attr.as_mut_ptr(),
+            attr.len() as libc::c_uint,
+        )
+    };
+    if rc < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(rc)
+}
+
+fn put_u32(attr: &mut [u8], at: usize, v: u32) {
+    attr[at..at + 4].copy_from_slice(&v.to_ne_bytes());
+}
+
+fn put_u64(attr: &mut [u8], at: usize, v: u64) {
+    attr[at..at + 8].copy_from_slice(&v.to_ne_bytes());
+}
+
+fn owned(fd: libc::c_long) -> OwnedFd {
+    // SAFETY: the bpf command returned a new file descriptor nothing else owns.
+    unsafe { OwnedFd::from_raw_fd(fd as i32) }
+}
+
+/// Load `r0 = 1; exit` as a cgroup/connect4 program: allows every connect, rewrites nothing.
+pub fn load_allow_all_connect4() -> OwnedFd {
+    // struct bpf_insn { u8 code; u8 dst:4, src:4; s16 off; s32 imm; }
+    let insns: [u8; 16] = [
+        0xb7, 0x00, 0, 0, 1, 0, 0, 0, // BPF_ALU64 | BPF_MOV | BPF_K: r0 = 1
+        0x95, 0x00, 0, 0, 0, 0, 0, 0, // BPF_JMP | BPF_EXIT
+    ];
+    let license = b"GPL\0";
+    let mut attr = [0u8; 128];
+    put_u32(&mut attr, 0, 18); // prog_type: BPF_PROG_TYPE_CGROUP_SOCK_ADDR
+    put_u32(&mut attr, 4, 2); // insn_cnt
+    put_u64(&mut attr, 8, insns.as_ptr() as u64);
+    put_u64(&mut attr, 16, license.as_ptr() as u64);
+    put_u32(&mut attr, 68, 10); // expected_attach_type: BPF_CGROUP_INET4_CONNECT
+    owned(bpf(5, &mut attr).expect("BPF_PROG_LOAD allow-all connect4")) // BPF_PROG_LOAD
+}
+
+/// Make the link pinned at `pin` run `prog` (BPF_OBJ_GET, then BPF_LINK_UPDATE).
+pub fn swap_pinned_link_program(pin: &Path, prog: &OwnedFd) {
+    let path = std::ffi::CString::new(pin.as_os_str().as_bytes()).expect("path");
+    let mut attr = [0u8; 24];
+    put_u64(&mut attr, 0, path.as_ptr() as u64);
+    let link = owned(bpf(7, &mut attr).expect("BPF_OBJ_GET pinned link")); // BPF_OBJ_GET
+    let mut attr = [0u8; 16];
+    put_u32(&mut attr, 0, link.as_raw_fd() as u32);
+    put_u32(&mut attr, 4, prog.as_raw_fd() as u32);
+    bpf(29, &mut attr).expect("BPF_LINK_UPDATE"); // BPF_LINK_UPDATE
+}
+
+/// The kernel's tag (hash of the instructions) of loaded program `id`.
+pub fn prog_tag(id: u32) -> [u8; 8] {
+    let mut attr = [0u8; 12];
+    put_u32(&mut attr, 0, id);
+    let fd = owned(bpf(13, &mut attr).expect("BPF_PROG_GET_FD_BY_ID")); // BPF_PROG_GET_FD_BY_ID
+    // struct bpf_prog_info { u32 type; u32 id; u8 tag[8]; ... }
+    let mut info = [0u8; 256];
+    let mut attr = [0u8; 16];
+    put_u32(&mut attr, 0, fd.as_raw_fd() as u32);
+    put_u32(&mut attr, 4, info.len() as u32);
+    put_u64(&mut attr, 8, info.as_mut_ptr() as u64);
+    bpf(15, &mut attr).expect("BPF_OBJ_GET_INFO_BY_FD"); // BPF_OBJ_GET_INFO_BY_FD
+    let mut tag = [0u8; 8];
+    tag.copy_from_slice(&info[8..16]);
+    tag
+}
