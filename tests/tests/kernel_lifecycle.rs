@@ -247,20 +247,7 @@ fn restart_adopts_pinned_links_without_duplicates() {
 
     // Partial state: one link pin lost (its link is destroyed with it). The next start attaches
     // exactly the missing program and adopts the rest.
-    let st = status_json();
-    let root_id = st["roots"]
-        .as_array()
-        .and_then(|r| {
-            r.iter()
-                .find(|r| r["path"].as_str() == Some(root.to_str().expect("utf8")))
-        })
-        .expect("root in status")["cgroup_id"]
-        .as_u64()
-        .expect("id");
-    let pin = Path::new(BPFFS)
-        .join("roots")
-        .join(root_id.to_string())
-        .join("egress_sendmsg6");
+    let pin = exec_root_pins(&root).join("egress_sendmsg6");
     std::fs::remove_file(&pin).expect("remove one link pin");
     std::thread::sleep(Duration::from_millis(200));
     assert_eq!(
