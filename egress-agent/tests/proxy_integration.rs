@@ -526,17 +526,7 @@ async fn connection_bound_holds_extra_clients_back() {
     tokio::time::sleep(Duration::from_millis(100)).await;
     let mut third = TcpStream::connect(h.addr).await.unwrap();
     let a = format!("allowed.test:{}", h.up.echo.port());
-    third
-        .write_all(format!("CONNECT {a} HTTP/1.1\r\n\r\n").as_bytes())
-        .await
-        .unwrap();
-    let mut b = [0u8; 16];
-    assert!(
-        tokio::time::timeout(Duration::from_millis(300), third.read(&mut b))
-            .await
-            .is_err(),
-        "served beyond the bound"
-    );
+    assert_connect_waits(&mut third, &a, "the bound").await;
     drop(idle1);
     let (r, _) = read_response(&mut third, true).await;
     assert_eq!(r.status, 200);
@@ -763,17 +753,7 @@ async fn per_listener_bound_keeps_one_client_from_taking_every_connection() {
     echo_roundtrip(&mut first, b"held").await;
     // A second client of listener a waits: the tunnel still holds a's only place.
     let mut second = TcpStream::connect(a).await.unwrap();
-    second
-        .write_all(format!("CONNECT {target} HTTP/1.1\r\n\r\n").as_bytes())
-        .await
-        .unwrap();
-    let mut byte = [0u8; 1];
-    assert!(
-        tokio::time::timeout(Duration::from_millis(300), second.read(&mut byte))
-            .await
-            .is_err(),
-        "listener a served beyond its bound"
-    );
+    assert_connect_waits(&mut second, &target, "listener a's bound").await;
     // Listener b is unaffected.
     let (r, mut other) = connect(b, &target).await;
     assert_eq!(r.status, 200);

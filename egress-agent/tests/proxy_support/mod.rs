@@ -343,6 +343,21 @@ pub async fn connect(proxy: SocketAddr, authority: &str) -> (Resp, TcpStream) {
     (r, s)
 }
 
+/// Send a CONNECT for `target` on `s` and assert nothing comes back for 300 ms: the proxy holds
+/// the connection in its backlog (a connection bound is reached). `why` names the bound.
+pub async fn assert_connect_waits(s: &mut TcpStream, target: &str, why: &str) {
+    s.write_all(format!("CONNECT {target} HTTP/1.1\r\n\r\n").as_bytes())
+        .await
+        .unwrap();
+    let mut b = [0u8; 16];
+    assert!(
+        tokio::time::timeout(Duration::from_millis(300), s.read(&mut b))
+            .await
+            .is_err(),
+        "served beyond {why}"
+    );
+}
+
 /// Assert the peer closes the connection within `within` (reads until EOF or error).
 pub async fn assert_closed(s: &mut TcpStream, within: Duration) {
     let mut b = [0u8; 1024];
