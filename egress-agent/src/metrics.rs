@@ -7,8 +7,7 @@
 //! - `kernel_denials_total{hook}`: denials reported by the kernel programs (connect4, sendmsg6, ...).
 //! - `proxy_connections_total{policy}`: client connections accepted by the policy's listener.
 //! - `proxy_bytes_total{policy, direction}`: bytes relayed (`direction` = upstream|downstream),
-//!   added when a CONNECT tunnel or an upstream HTTP connection ends (a long-lived tunnel shows
-//!   its bytes when it closes).
+//!   added as each chunk is written on, so a long-lived tunnel or download moves while it runs.
 //! - `enforced_containers`: containers with a policy entry in the kernel (gauge).
 //! - `event_drops_total{source}`: events lost (`kernel` ring buffer overflow, `ring` in-memory ring).
 //! - `reconcile_errors_total`: Docker watcher sessions that failed (Docker unreachable, reconcile
@@ -144,7 +143,7 @@ impl ProxyCounters {
         self.allowed.inc();
     }
 
-    /// Bytes relayed by one tunnel or upstream connection, added once when it ends.
+    /// Bytes relayed (one chunk, or the bytes a client pipelined after its CONNECT head).
     pub fn bytes(&self, upstream: u64, downstream: u64) {
         if upstream > 0 {
             self.bytes_upstream.inc_by(upstream);

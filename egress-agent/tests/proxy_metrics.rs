@@ -264,3 +264,31 @@ async fn http_counts_every_forwarded_request_and_upstream_bytes() {
     ];
     scrape_until(&metrics, &want).await;
 }
+
+/// A tunnel's bytes are counted while it is open, not only when it closes (a long download shows
+/// up on the dashboard as it runs).
+#[tokio::test]
+async fn open_tunnel_bytes_are_counted_while_it_runs() {
+    let Setup { h, metrics, .. } = setup().await;
+    let a = format!("allowed.test:{}", h.up.echo.port());
+    let (r, mut s) = connect(h.addr, &a).await;
+    assert_eq!(r.status, 200);
+    let payload = vec![0x42u8; 100_000];
+    s.write_all(&payload).await.unwrap();
+    let echoed = read_exactly(&mut s, Vec::new(), payload.len()).await;
+    assert_eq!(echoed, payload);
+    let want = [
+        format!(
+            r#"egress_agent_proxy_bytes_total{{policy="test",direction="upstream"}} {}"#,
+            payload.len()
+        ),
+        format!(
+            r#"egress_agent_proxy_bytes_total{{policy="test",direction="downstream"}} {}"#,
+            payload.len()
+        ),
+    ];
+    scrape_until(&metrics, &want).await;
+    // Still open: the tunnel keeps relaying after the scrape.
+    s.write_all(b"still open").await.unwrap();
+    assert_eq!(read_exactly(&mut s, Vec::new(), 10).await, b"still open");
+}

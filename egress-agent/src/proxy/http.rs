@@ -103,19 +103,11 @@ impl AsyncWrite for ClientIo {
 }
 
 /// An upstream HTTP connection that counts the bytes written to it (`upstream`) and read from it
-/// (`downstream`), as on the wire, and adds them to the listener's metrics once, when the
-/// connection is dropped (plain fields: one owner, no atomics per read or write).
+/// (`downstream`), as on the wire, into the listener's metrics as they go (a long download shows
+/// up while it runs).
 struct Counted {
     inner: TcpStream,
-    up: u64,
-    down: u64,
     shared: Arc<Shared>,
-}
-
-impl Drop for Counted {
-    fn drop(&mut self) {
-        self.shared.relayed(self.up, self.down);
-    }
 }
 
 impl AsyncRead for Counted {
@@ -126,7 +118,10 @@ impl AsyncRead for Counted {
     ) -> Poll<io::Result<()>> {
         let before = buf.filled().len();
         let r = Pin::new(&mut self.inner).poll_read(cx, buf);
-        self.down += (buf.filled().len() - before) as u64;
+        let n = (buf.filled().len() - before) as u64;
+        if n > 0 {
+            self.shared.relayed(0, n);
+        }
         r
     }
 }
@@ -139,7 +134,7 @@ impl AsyncWrite for Counted {
     ) -> Poll<io::Result<usize>> {
         let r = Pin::new(&mut self.inner).poll_write(cx, data);
         if let Poll::Ready(Ok(n)) = r {
-            self.up += n as u64;
+            self.shared.relayed(n as u64, 0);
         }
         r
     }
@@ -150,7 +145,7 @@ impl AsyncWrite for Counted {
     ) -> Poll<io::Result<usize>> {
         let r = Pin::new(&mut self.inner).poll_write_vectored(cx, bufs);
         if let Poll::Ready(Ok(n)) = r {
-            self.up += n as u64;
+            self.shared.relayed(n as u64, 0);
         }
         r
     }
@@ -380,16 +375,18 @@ async fn handle(mut req: Request<Incoming>, state: &ConnState) -> Response<Body>
             if !pending.is_empty() && super::tunnel::write_all(&upstream, &pending).await.is_err() {
                 return;
             }
+            shared.relayed(early, 0);
             drop(pending);
             let (up, down, end) = super::tunnel::run(
                 &mut client.inner,
                 &mut upstream,
                 limits.tunnel_buffer_bytes,
                 limits.idle_timeout,
+                &|dir, n| shared.relayed_one(dir, n),
                 std::future::pending::<()>(),
             )
             .await;
-            shared.relayed(early + up, down);
+            let up = early + up;
             tracing::debug!(policy = %shared.name, %target, up, down, ?end, "tunnel closed");
         });
         *state
@@ -429,8 +426,6 @@ async fn handle(mut req: Request<Incoming>, state: &ConnState) -> Response<Body>
             };
             let upstream = Counted {
                 inner: upstream,
-                up: 0,
-                down: 0,
                 shared: shared.clone(),
             };
             let (sender, conn) =

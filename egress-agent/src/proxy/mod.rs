@@ -249,10 +249,18 @@ impl Shared {
         }
     }
 
-    /// Bytes relayed by one tunnel or upstream connection that ended.
+    /// Bytes relayed (counted as they are written on, so long-lived connections show up live).
     pub(crate) fn relayed(&self, upstream: u64, downstream: u64) {
         if let Some(c) = &self.counters {
             c.bytes(upstream, downstream);
+        }
+    }
+
+    /// One tunnel chunk, as [`tunnel::run`] reports it.
+    pub(crate) fn relayed_one(&self, dir: tunnel::Direction, n: u64) {
+        match dir {
+            tunnel::Direction::Upstream => self.relayed(n, 0),
+            tunnel::Direction::Downstream => self.relayed(0, n),
         }
     }
 
@@ -526,15 +534,17 @@ async fn handle_connection(
                 return;
             }
             drop(buf);
+            shared.relayed(early, 0);
             let (up, down, end) = tunnel::run(
                 &mut stream,
                 &mut upstream,
                 limits.tunnel_buffer_bytes,
                 limits.idle_timeout,
+                &|dir, n| shared.relayed_one(dir, n),
                 stopped(stop),
             )
             .await;
-            shared.relayed(early + up, down);
+            let up = early + up;
             tracing::debug!(policy = %shared.name, %target, up, down, ?end, "tunnel closed");
         }
         (_, Request::Http { .. }) => {

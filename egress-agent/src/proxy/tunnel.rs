@@ -59,14 +59,25 @@ struct Shared {
     one_side_done: AtomicBool,
 }
 
+/// Which way bytes went.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Direction {
+    /// Client → upstream.
+    Upstream,
+    /// Upstream → client.
+    Downstream,
+}
+
 /// Copy until both directions close, either errors, `idle` passes without a byte, or `shutdown`.
-/// Returns (bytes client→upstream, bytes upstream→client, how it ended). The caller closes both
-/// sockets afterwards (dropping them).
+/// `relayed` is told every chunk once it has been written on (so metrics of a long-lived tunnel
+/// move while it runs). Returns (bytes client→upstream, bytes upstream→client, how it ended).
+/// The caller closes both sockets afterwards (dropping them).
 pub async fn run(
     client: &mut TcpStream,
     upstream: &mut TcpStream,
     buf_size: usize,
     idle: Duration,
+    relayed: &(dyn Fn(Direction, u64) + Sync),
     shutdown: impl Future<Output = ()>,
 ) -> (u64, u64, TunnelEnd) {
     let shared = Shared {
@@ -83,8 +94,22 @@ pub async fn run(
     let (upstream_rx, upstream_tx) = upstream.split();
     let copy = async {
         tokio::try_join!(
-            pump(client_rx, upstream_tx, buf_size, &shared, &up_bytes),
-            pump(upstream_rx, client_tx, buf_size, &shared, &down_bytes),
+            pump(
+                client_rx,
+                upstream_tx,
+                buf_size,
+                &shared,
+                &up_bytes,
+                (Direction::Upstream, relayed)
+            ),
+            pump(
+                upstream_rx,
+                client_tx,
+                buf_size,
+                &shared,
+                &down_bytes,
+                (Direction::Downstream, relayed)
+            ),
         )
     };
     let watchdog = async {
@@ -118,6 +143,7 @@ async fn pump(
     max_buf: usize,
     shared: &Shared,
     total: &AtomicU64,
+    (dir, relayed): (Direction, &(dyn Fn(Direction, u64) + Sync)),
 ) -> io::Result<()> {
     let dst: &TcpStream = dst.as_ref();
     let mut size = INITIAL_BUF.min(max_buf);
@@ -142,6 +168,7 @@ async fn pump(
                     shared.activity.touch();
                     write_all(dst, &buf[..n]).await?;
                     total.fetch_add(n as u64, Ordering::Relaxed);
+                    relayed(dir, n as u64);
                     if n == buf.capacity() && size < max_buf {
                         size = (size * 2).min(max_buf);
                         buf = Vec::with_capacity(size);
@@ -224,6 +251,7 @@ mod tests {
                     &mut upstream,
                     64 * 1024,
                     Duration::from_secs(60),
+                    &|_, _| {},
                     std::future::pending::<()>(),
                 )
                 .await;
