@@ -35,6 +35,11 @@ pub fn run(bpffs: &Path) -> Result<Report> {
         // Hold the loader lock: no exec or daemon may attach while pins disappear.
         let _lock = bpf::Loader::lock(bpffs).context("taking the loader lock")?;
         remove_tree(bpffs, &mut report);
+        if bpf::loader::forget_verified() > 0 {
+            report
+                .removed
+                .push("records of verified programs (/run/egress-agent)".into());
+        }
     }
     match nft::cleanup() {
         Ok(()) => report.removed.push("nftables tables egress_agent".into()),

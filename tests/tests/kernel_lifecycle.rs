@@ -9,8 +9,8 @@ use std::process::Stdio;
 use std::time::{Duration, Instant};
 
 use egress_tests::agent::{
-    ATTACH_TYPES, BPFFS, agent_bin, attached_programs, exec_cmd, exec_root, probe_bin, probe_exec,
-    status_json,
+    ATTACH_TYPES, BPFFS, ProbeOut, agent_bin, attached_programs, exec_cmd, exec_root, probe_bin,
+    probe_exec, status_json,
 };
 use egress_tests::bpf::{load_allow_all_connect4, prog_tag, swap_pinned_link_program};
 use egress_tests::canary::Canary;
@@ -293,11 +293,27 @@ fn restart_switches_links_of_another_build_to_this_build() {
     if !root_or_skip("kernel lifecycle: upgrade in place") {
         return;
     }
+    // With debug logs: says whether the links were trusted from this build's earlier check.
+    let start = || -> ProbeOut {
+        exec_cmd("deny_all", None)
+            .env("RUST_LOG", "egress_agent=debug")
+            .arg(probe_bin())
+            .arg("cgroup")
+            .stdin(Stdio::null())
+            .output()
+            .expect("run egress-agent exec")
+            .into()
+    };
+    const TRUSTED: &str = "verified by this build before: adopted without loading";
     let root = exec_root();
-    assert!(probe_exec("deny_all", None, &["cgroup"]).ok);
+    assert!(start().ok);
     let before = attached(&root);
     assert_eq!(before["connect4"].len(), 1, "{before:?}");
     let ours = prog_tag(before["connect4"][0]);
+    // A second start of the same build recognises the links it checked and loads nothing.
+    let out = start();
+    assert!(out.ok && out.stderr.contains(TRUSTED), "{}", out.stderr);
+    assert_eq!(attached(&root), before);
 
     let pin = exec_root_pins(&root).join("egress_connect4");
     let other = load_allow_all_connect4();
@@ -311,7 +327,7 @@ fn restart_switches_links_of_another_build_to_this_build() {
         "the stand-in for another build's program did not take"
     );
 
-    let out = probe_exec("deny_all", None, &["cgroup"]);
+    let out = start();
     assert!(out.ok, "{out:?}");
     assert!(
         out.stderr
@@ -319,6 +335,7 @@ fn restart_switches_links_of_another_build_to_this_build() {
         "{}",
         out.stderr
     );
+    assert!(!out.stderr.contains(TRUSTED), "a swapped link was trusted");
     let after = attached(&root);
     assert_eq!(after["connect4"].len(), 1, "a second connect4 was attached");
     assert_eq!(
@@ -333,9 +350,10 @@ fn restart_switches_links_of_another_build_to_this_build() {
     }
     assert!(pin.exists(), "the link pin was replaced instead of updated");
 
-    let again = probe_exec("deny_all", None, &["cgroup"]);
+    let again = start();
     assert!(again.ok, "{again:?}");
     assert!(!again.stderr.contains("switched"), "{}", again.stderr);
+    assert!(again.stderr.contains(TRUSTED), "{}", again.stderr);
     assert_eq!(
         attached(&root),
         after,

@@ -33,6 +33,9 @@ static OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/eg
 /// Serialises loaders on this host (regular file: bpffs cannot hold one).
 pub const LOCK_PATH: &str = "/run/egress-agent/loader.lock";
 
+/// Where the loader keeps its own state (the lock, [`Verified`] records).
+const RUN_DIR: &str = "/run/egress-agent";
+
 /// `statfs` magic of bpffs.
 const BPF_FS_MAGIC: i64 = 0xcafe4a11;
 
@@ -54,6 +57,64 @@ pub struct RootReport {
     /// `None` when the BPF-LSM socket_create hook is enforcing; otherwise the reason it is not
     /// (the AF_PACKET hole is then open).
     pub lsm_unavailable: Option<String>,
+}
+
+/// What a build checked on one root: these links (link id, program id) ran this build's
+/// programs, bound to this POLICIES map. Kept in /run (gone on reboot, like the pins). A later
+/// start of the same build that finds exactly these ids adopts without loading the programs to
+/// compare; anything different (another build, a replaced link or map) gets the full check.
+#[derive(Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+struct Verified {
+    pins: PathBuf,
+    object: String,
+    policies_map: u32,
+    links: std::collections::BTreeMap<String, (u32, u32)>,
+}
+
+impl Verified {
+    fn path(root_id: u64) -> PathBuf {
+        Path::new(RUN_DIR).join(format!("verified-{root_id}.json"))
+    }
+
+    fn read(root_id: u64) -> Option<Verified> {
+        serde_json::from_slice(&fs::read(Verified::path(root_id)).ok()?).ok()
+    }
+
+    /// Best effort: without the record the next start just checks again.
+    fn write(&self, root_id: u64) {
+        let path = Verified::path(root_id);
+        let tmp = path.with_extension("tmp");
+        let done = serde_json::to_vec(self)
+            .map_err(std::io::Error::other)
+            .and_then(|json| fs::write(&tmp, json))
+            .and_then(|()| fs::rename(&tmp, &path));
+        if let Err(e) = done {
+            tracing::debug!(path = %path.display(), error = %e, "verified-programs record not written");
+        }
+    }
+}
+
+/// Remove every [`Verified`] record (with the pins gone they describe nothing). Returns how many.
+pub fn forget_verified() -> usize {
+    fs::read_dir(RUN_DIR)
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter(|e| {
+            let name = e.file_name();
+            let name = name.to_string_lossy();
+            name.starts_with("verified-") && name.ends_with(".json")
+        })
+        .filter(|e| fs::remove_file(e.path()).is_ok())
+        .count()
+}
+
+/// This build's eBPF object, as a short id (SipHash with fixed keys: same bytes, same id).
+fn object_id() -> String {
+    use std::hash::{Hash, Hasher};
+    let mut h = std::hash::DefaultHasher::new();
+    OBJECT.hash(&mut h);
+    format!("{:016x}-{}", h.finish(), OBJECT.len())
 }
 
 /// What adopting one pinned link did.
@@ -250,8 +311,31 @@ impl Loader {
             }
         }
 
-        for name in wanted {
+        // Same build, same links, same maps as this build last verified: adopt without loading
+        // anything (a start then costs no program loads; `exec` stays fast).
+        let pinned = |names: &[&'static str]| -> Vec<&'static str> {
+            names
+                .iter()
+                .copied()
+                .filter(|n| pin_dir.join(n).exists())
+                .collect()
+        };
+        let verified = Verified::read(root_id);
+        let now = self.current(&pin_dir, &pinned(&wanted));
+        let trusted = now.is_some() && now == verified;
+        if trusted {
+            tracing::debug!(
+                root_id,
+                "pinned links verified by this build before: adopted without loading"
+            );
+        }
+
+        for &name in &wanted {
             let pin = pin_dir.join(name);
+            if pin.exists() && trusted {
+                report.adopted.push(name);
+                continue;
+            }
             if pin.exists() {
                 match self.adopt(name, &pin)? {
                     Adoption::Kept => report.adopted.push(name),
@@ -276,7 +360,36 @@ impl Loader {
                 Err(err) => return Err(err),
             }
         }
+        let changed = !trusted || !report.attached.is_empty();
+        if changed && report.upgrade_failed.is_empty() {
+            match self.current(&pin_dir, &pinned(&wanted)) {
+                Some(v) => v.write(root_id),
+                None => tracing::debug!(root_id, "links changed while checking; not recorded"),
+            }
+        }
         Ok(report)
+    }
+
+    /// The links pinned in `pin_dir` for `names` and the pinned POLICIES map, as a [`Verified`]
+    /// record of this build. `None` if any is unreadable.
+    fn current(&self, pin_dir: &Path, names: &[&str]) -> Option<Verified> {
+        let policies = maps_dir(&self.bpffs).join(egress_common::maps::POLICIES);
+        let map_id = aya::maps::MapData::from_pin(&policies)
+            .and_then(|m| m.info())
+            .ok()?
+            .id();
+        let mut links = std::collections::BTreeMap::new();
+        for name in names {
+            let link: FdLink = PinnedLink::from_pin(pin_dir.join(name)).ok()?.into();
+            let info = link.info().ok()?;
+            links.insert((*name).to_owned(), (info.id(), info.program_id()));
+        }
+        Some(Verified {
+            pins: pin_dir.to_owned(),
+            object: object_id(),
+            policies_map: map_id,
+            links,
+        })
     }
 
     /// Adopt the pinned link at `pin`. It keeps its program if that is this build's `name`
