@@ -423,20 +423,20 @@ impl Loader {
             .as_ref()
             .and_then(|p| p.map_ids().ok().flatten())
             .is_some_and(|ids| ids.contains(&map_id));
-        let ours = self.load(name)?.info().map_err(|e| BpfError::Load {
-            program: name,
-            source: e,
-        })?;
-        if uses_pinned_maps && pinned.is_some_and(|p| p.tag() == ours.tag()) {
+        let maps = maps_dir(&self.bpffs);
+        let ours = self.load(name)?;
+        let ours_tag = ours
+            .info()
+            .map_err(|e| BpfError::Load {
+                program: name,
+                source: e,
+            })?
+            .tag();
+        if uses_pinned_maps && pinned.is_some_and(|p| p.tag() == ours_tag) {
             return Ok(Adoption::Kept);
         }
         let swap = || -> std::io::Result<()> {
-            let program = self
-                .ebpf
-                .as_ref()
-                .and_then(|e| e.program(name))
-                .ok_or_else(|| std::io::Error::other("program not loaded"))?;
-            let fd = program
+            let fd = ours
                 .fd()
                 .map_err(|e| std::io::Error::other(e.to_string()))?;
             super::sys::link_update(super::sys::obj_get(pin)?, fd.as_fd())
@@ -453,15 +453,22 @@ impl Loader {
             )),
             Err(_) => Err(BpfError::StaleLink {
                 path: pin.to_owned(),
-                maps: maps_dir(&self.bpffs),
+                maps,
             }),
         }
     }
 
     /// This build's `name` program, loaded into the kernel (once per Loader).
     fn load(&mut self, name: &'static str) -> Result<&mut aya::programs::Program, BpfError> {
+        let loaded = self
+            .ebpf()?
+            .program(name)
+            .ok_or(BpfError::MissingProgram { program: name })?
+            .fd()
+            .is_ok();
+        // Parsing the kernel's BTF is only needed to load the LSM program, once.
         let btf = match kind(name) {
-            Kind::Lsm => Some(Btf::from_sys_fs().map_err(|e| BpfError::NoBtf {
+            Kind::Lsm if !loaded => Some(Btf::from_sys_fs().map_err(|e| BpfError::NoBtf {
                 path: "/sys/kernel/btf/vmlinux".into(),
                 source: std::io::Error::other(e.to_string()),
             })?),
@@ -471,7 +478,7 @@ impl Loader {
             .ebpf()?
             .program_mut(name)
             .ok_or(BpfError::MissingProgram { program: name })?;
-        if program.fd().is_ok() {
+        if loaded {
             return Ok(program);
         }
         let load_err = |e| BpfError::Load {
