@@ -108,6 +108,11 @@ async fn scrape_until(m: &Metrics, want: &[String]) -> String {
     }
 }
 
+/// The exposition line of the test policy's byte counter for `direction`.
+fn bytes_line(direction: &str, n: impl std::fmt::Display) -> String {
+    format!(r#"egress_agent_proxy_bytes_total{{policy="test",direction="{direction}"}} {n}"#)
+}
+
 fn series<'a>(text: &'a str, family: &str) -> Vec<&'a str> {
     text.lines().filter(|l| l.starts_with(family)).collect()
 }
@@ -169,14 +174,8 @@ async fn connect_counts_connections_decisions_and_tunnel_bytes() {
             .to_owned(),
         r#"egress_agent_decisions_total{verdict="deny",reason="host-not-allowed",policy="test"} 1"#
             .to_owned(),
-        format!(
-            r#"egress_agent_proxy_bytes_total{{policy="test",direction="upstream"}} {}"#,
-            req.len()
-        ),
-        format!(
-            r#"egress_agent_proxy_bytes_total{{policy="test",direction="downstream"}} {}"#,
-            RESPONSE.len()
-        ),
+        bytes_line("upstream", req.len()),
+        bytes_line("downstream", RESPONSE.len()),
     ];
     let text = scrape_until(&metrics, &want).await;
     // Exactly these series: nothing counted twice or under another label.
@@ -254,13 +253,8 @@ async fn http_counts_every_forwarded_request_and_upstream_bytes() {
         r#"egress_agent_decisions_total{verdict="deny",reason="host-not-allowed",policy="test"} 1"#
             .to_owned(),
         // What reached the upstream (re-framed, origin-form) and what it sent back, exactly.
-        format!(
-            r#"egress_agent_proxy_bytes_total{{policy="test",direction="upstream"}} {upstream_bytes}"#
-        ),
-        format!(
-            r#"egress_agent_proxy_bytes_total{{policy="test",direction="downstream"}} {}"#,
-            2 * RESPONSE.len()
-        ),
+        bytes_line("upstream", upstream_bytes),
+        bytes_line("downstream", 2 * RESPONSE.len()),
     ];
     scrape_until(&metrics, &want).await;
 }
@@ -278,14 +272,8 @@ async fn open_tunnel_bytes_are_counted_while_it_runs() {
     let echoed = read_exactly(&mut s, Vec::new(), payload.len()).await;
     assert_eq!(echoed, payload);
     let want = [
-        format!(
-            r#"egress_agent_proxy_bytes_total{{policy="test",direction="upstream"}} {}"#,
-            payload.len()
-        ),
-        format!(
-            r#"egress_agent_proxy_bytes_total{{policy="test",direction="downstream"}} {}"#,
-            payload.len()
-        ),
+        bytes_line("upstream", payload.len()),
+        bytes_line("downstream", payload.len()),
     ];
     scrape_until(&metrics, &want).await;
     // Still open: the tunnel keeps relaying after the scrape.
