@@ -10,9 +10,7 @@ use std::convert::Infallible;
 use std::io;
 use std::pin::Pin;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::task::{Context, Poll};
-use std::time::Duration;
 
 use bytes::Bytes;
 use http::header::{self, HeaderMap, HeaderName, HeaderValue};
@@ -24,9 +22,9 @@ use hyper_util::rt::{TokioIo, TokioTimer};
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::TcpStream;
 use tokio::sync::Mutex;
-use tokio::time::Instant;
 
 use super::request::{self, RequestError, Target};
+use super::tunnel::Activity;
 use super::{Refusal, Shared};
 use crate::policy::DenyReason;
 
@@ -39,21 +37,6 @@ struct ClientIo {
     pos: usize,
     inner: TcpStream,
     activity: Arc<Activity>,
-}
-
-struct Activity {
-    start: Instant,
-    last_ms: AtomicU64,
-}
-
-impl Activity {
-    fn touch(&self) {
-        self.last_ms
-            .store(self.start.elapsed().as_millis() as u64, Ordering::Relaxed);
-    }
-    fn last(&self) -> Instant {
-        self.start + Duration::from_millis(self.last_ms.load(Ordering::Relaxed))
-    }
 }
 
 impl AsyncRead for ClientIo {
@@ -177,10 +160,7 @@ pub(crate) async fn serve(
     shutdown: impl std::future::Future<Output = ()>,
 ) {
     let limits = shared.ctx.limits().clone();
-    let activity = Arc::new(Activity {
-        start: Instant::now(),
-        last_ms: AtomicU64::new(0),
-    });
+    let activity = Arc::new(Activity::new());
     let io = ClientIo {
         prefix,
         pos: 0,
@@ -205,14 +185,7 @@ pub(crate) async fn serve(
         .serve_connection(TokioIo::new(io), service)
         .with_upgrades();
     let idle = limits.idle_timeout;
-    let watchdog = async {
-        loop {
-            tokio::time::sleep_until(activity.last() + idle).await;
-            if activity.last() + idle <= Instant::now() {
-                return;
-            }
-        }
-    };
+    let watchdog = activity.idle_for(idle);
     let mut shutdown = std::pin::pin!(shutdown);
     let stopped = tokio::select! {
         r = conn => {

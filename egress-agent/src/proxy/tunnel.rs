@@ -36,19 +36,35 @@ pub enum TunnelEnd {
     Error,
 }
 
-/// Millisecond activity clock shared by both directions of one tunnel.
-struct Activity {
+/// Millisecond activity clock of one connection (both directions of a tunnel, or a kept-alive
+/// HTTP connection), for its idle timeout.
+pub(crate) struct Activity {
     start: Instant,
     last_ms: AtomicU64,
 }
 
 impl Activity {
-    fn touch(&self) {
+    pub(crate) fn new() -> Activity {
+        Activity {
+            start: Instant::now(),
+            last_ms: AtomicU64::new(0),
+        }
+    }
+    pub(crate) fn touch(&self) {
         self.last_ms
             .store(self.start.elapsed().as_millis() as u64, Ordering::Relaxed);
     }
     fn last(&self) -> Instant {
         self.start + Duration::from_millis(self.last_ms.load(Ordering::Relaxed))
+    }
+    /// Completes once `idle` has passed without a [`Activity::touch`].
+    pub(crate) async fn idle_for(&self, idle: Duration) {
+        loop {
+            tokio::time::sleep_until(self.last() + idle).await;
+            if self.last() + idle <= Instant::now() {
+                return;
+            }
+        }
     }
 }
 
@@ -81,13 +97,9 @@ pub async fn run(
     shutdown: impl Future<Output = ()>,
 ) -> (u64, u64, TunnelEnd) {
     let shared = Shared {
-        activity: Activity {
-            start: Instant::now(),
-            last_ms: AtomicU64::new(0),
-        },
+        activity: Activity::new(),
         one_side_done: AtomicBool::new(false),
     };
-    let activity = &shared.activity;
     let up_bytes = AtomicU64::new(0);
     let down_bytes = AtomicU64::new(0);
     let (client_rx, client_tx) = client.split();
@@ -112,15 +124,7 @@ pub async fn run(
             ),
         )
     };
-    let watchdog = async {
-        loop {
-            let deadline = activity.last() + idle;
-            tokio::time::sleep_until(deadline).await;
-            if activity.last() + idle <= Instant::now() {
-                return;
-            }
-        }
-    };
+    let watchdog = shared.activity.idle_for(idle);
     let end = tokio::select! {
         r = copy => if r.is_ok() { TunnelEnd::Closed } else { TunnelEnd::Error },
         () = watchdog => TunnelEnd::Idle,
