@@ -33,27 +33,34 @@ fn parse_mountinfo(info: &str) -> Option<PathBuf> {
             continue;
         }
         if let Some(mp) = left.split_whitespace().nth(4) {
-            return Some(PathBuf::from(unescape(mp)));
+            return Some(PathBuf::from(unescape_mountinfo(mp)));
         }
     }
     None
 }
 
-/// mountinfo escapes space, tab, newline and backslash as \ooo.
-fn unescape(s: &str) -> String {
+/// Undo mountinfo's octal escapes (space, tab, newline and backslash appear as `\ooo`). Anything
+/// that is not exactly three octal digits of a byte value stays as it is.
+pub(crate) fn unescape_mountinfo(s: &str) -> String {
     let b = s.as_bytes();
     let mut out = Vec::with_capacity(b.len());
     let mut i = 0;
     while i < b.len() {
-        if b[i] == b'\\'
-            && i + 3 < b.len()
-            && b[i + 1..i + 4].iter().all(|c| (b'0'..=b'7').contains(c))
-        {
-            out.push((b[i + 1] - b'0') * 64 + (b[i + 2] - b'0') * 8 + (b[i + 3] - b'0'));
-            i += 4;
-        } else {
-            out.push(b[i]);
-            i += 1;
+        let code = b.get(i + 1..i + 4).and_then(|d| {
+            d.iter()
+                .all(|c| (b'0'..=b'7').contains(c))
+                .then(|| d.iter().fold(0u16, |v, c| v * 8 + u16::from(c - b'0')))
+                .and_then(|v| u8::try_from(v).ok())
+        });
+        match code {
+            Some(v) if b[i] == b'\\' => {
+                out.push(v);
+                i += 4;
+            }
+            _ => {
+                out.push(b[i]);
+                i += 1;
+            }
         }
     }
     String::from_utf8_lossy(&out).into_owned()
@@ -150,6 +157,21 @@ mod tests {
             parse_mountinfo(info),
             Some(PathBuf::from("/sys/fs/cgroup/unified"))
         );
+    }
+
+    #[test]
+    fn unescape_takes_only_three_octal_digits_of_a_byte() {
+        for (raw, want) in [
+            ("a\\040b", "a b"),
+            ("end\\134", "end\\"),
+            ("\\011tab", "\ttab"),
+            ("short\\04", "short\\04"),
+            ("not\\089", "not\\089"),
+            ("big\\777", "big\\777"),
+            ("sign\\+12", "sign\\+12"),
+        ] {
+            assert_eq!(unescape_mountinfo(raw), want, "{raw}");
+        }
     }
 
     #[test]

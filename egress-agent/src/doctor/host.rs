@@ -4,6 +4,8 @@ use std::collections::HashMap;
 use std::io::{self, Read};
 use std::path::{Path, PathBuf};
 
+use crate::cgroup::unescape_mountinfo;
+
 /// Every host file or directory the doctor reads. [`HostPaths::default`] is the real host;
 /// [`HostPaths::under`] re-roots them all (fixtures in tests).
 #[derive(Clone, Debug)]
@@ -79,28 +81,6 @@ impl Mount {
     }
 }
 
-/// Undo mountinfo's octal escapes (`\040` for a space, ...).
-fn unescape(s: &str) -> String {
-    let b = s.as_bytes();
-    let mut out = Vec::with_capacity(b.len());
-    let mut i = 0;
-    while i < b.len() {
-        if b[i] == b'\\'
-            && let Some(v) = b
-                .get(i + 1..i + 4)
-                .and_then(|d| std::str::from_utf8(d).ok())
-                .and_then(|d| u8::from_str_radix(d, 8).ok())
-        {
-            out.push(v);
-            i += 4;
-            continue;
-        }
-        out.push(b[i]);
-        i += 1;
-    }
-    String::from_utf8_lossy(&out).into_owned()
-}
-
 /// Parse mountinfo (proc(5)): `id parent maj:min root mount_point options [optional...] - fstype source super`.
 pub fn parse_mountinfo(text: &str) -> Vec<Mount> {
     text.lines()
@@ -112,11 +92,11 @@ pub fn parse_mountinfo(text: &str) -> Vec<Mount> {
                 return None;
             }
             Some(Mount {
-                root: unescape(l[3]),
-                mount_point: PathBuf::from(unescape(l[4])),
+                root: unescape_mountinfo(l[3]),
+                mount_point: PathBuf::from(unescape_mountinfo(l[4])),
                 options: l[5].to_owned(),
                 fstype: r[0].to_owned(),
-                source: unescape(r[1]),
+                source: unescape_mountinfo(r[1]),
                 super_options: r.get(2).copied().unwrap_or_default().to_owned(),
             })
         })
