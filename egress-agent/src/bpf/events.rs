@@ -15,7 +15,7 @@ use egress_common::{Event, maps};
 use nix::fcntl::{Flock, FlockArg};
 
 use super::BpfError;
-use super::loader::maps_dir;
+use super::loader::{lock_file, maps_dir};
 use crate::events::{DenialEvent, Source};
 
 pub const EVENTS_LOCK: &str = "/run/egress-agent/events.lock";
@@ -28,26 +28,8 @@ pub struct KernelEvents {
 impl KernelEvents {
     /// Open the pinned ring buffer if no other process is consuming it (`Ok(None)` then).
     pub fn try_open(bpffs: &Path) -> Result<Option<KernelEvents>, BpfError> {
-        let lock_path = Path::new(EVENTS_LOCK);
-        if let Some(dir) = lock_path.parent() {
-            std::fs::create_dir_all(dir).map_err(BpfError::io("creating", dir))?;
-        }
-        let file = File::options()
-            .create(true)
-            .truncate(false)
-            .write(true)
-            .open(lock_path)
-            .map_err(BpfError::io("opening", lock_path))?;
-        let lock = match Flock::lock(file, FlockArg::LockExclusiveNonblock) {
-            Ok(l) => l,
-            Err((_, nix::errno::Errno::EWOULDBLOCK)) => return Ok(None),
-            Err((_, e)) => {
-                return Err(BpfError::Io {
-                    what: "locking",
-                    path: lock_path.into(),
-                    source: e.into(),
-                });
-            }
+        let Some(lock) = lock_file(Path::new(EVENTS_LOCK), FlockArg::LockExclusiveNonblock)? else {
+            return Ok(None);
         };
         let path = maps_dir(bpffs).join(maps::EVENTS);
         let data = MapData::from_pin(&path).map_err(|source| BpfError::OpenMap {

@@ -33,6 +33,29 @@ static OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/eg
 /// Serialises loaders on this host (regular file: bpffs cannot hold one).
 pub const LOCK_PATH: &str = "/run/egress-agent/loader.lock";
 
+/// Create (with its directory) and `flock` the lock file at `path`. `Ok(None)`: a non-blocking
+/// `arg` found it held by another process.
+pub(crate) fn lock_file(path: &Path, arg: FlockArg) -> Result<Option<Flock<File>>, BpfError> {
+    if let Some(dir) = path.parent() {
+        fs::create_dir_all(dir).map_err(BpfError::io("creating", dir))?;
+    }
+    let file = File::options()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .open(path)
+        .map_err(BpfError::io("opening", path))?;
+    match Flock::lock(file, arg) {
+        Ok(lock) => Ok(Some(lock)),
+        Err((_, nix::errno::Errno::EWOULDBLOCK)) => Ok(None),
+        Err((_, e)) => Err(BpfError::Io {
+            what: "locking",
+            path: path.into(),
+            source: e.into(),
+        }),
+    }
+}
+
 /// Where the loader keeps its own state (the lock, [`Verified`] records).
 const RUN_DIR: &str = "/run/egress-agent";
 
@@ -241,20 +264,13 @@ impl Loader {
     pub fn lock(bpffs: &Path) -> Result<Loader, BpfError> {
         require_root()?;
         ensure_bpffs(bpffs)?;
-        let lock_path = Path::new(LOCK_PATH);
-        if let Some(dir) = lock_path.parent() {
-            fs::create_dir_all(dir).map_err(BpfError::io("creating", dir))?;
-        }
-        let file = File::options()
-            .create(true)
-            .truncate(false)
-            .write(true)
-            .open(lock_path)
-            .map_err(BpfError::io("opening", lock_path))?;
-        let lock = Flock::lock(file, FlockArg::LockExclusive).map_err(|(_, e)| BpfError::Io {
-            what: "locking",
-            path: lock_path.into(),
-            source: e.into(),
+        // A blocking lock waits instead of reporting "held elsewhere".
+        let lock = lock_file(Path::new(LOCK_PATH), FlockArg::LockExclusive)?.ok_or_else(|| {
+            BpfError::Io {
+                what: "locking",
+                path: LOCK_PATH.into(),
+                source: std::io::ErrorKind::WouldBlock.into(),
+            }
         })?;
         Ok(Loader {
             bpffs: bpffs.to_owned(),
