@@ -7,7 +7,6 @@
 use std::ffi::OsStr;
 use std::fs::File;
 use std::io::Write as _;
-use std::os::fd::AsRawFd;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
 
@@ -213,44 +212,4 @@ pub const ATTACH_TYPES: [(&str, u32); 7] = [
     ("lsm_cgroup", 43),
 ];
 
-/// Program ids attached directly to `cgroup` for `attach_type` (BPF_PROG_QUERY, what
-/// `bpftool cgroup show` lists), independent of the agent's own bookkeeping.
-pub fn attached_programs(cgroup: &Path, attach_type: u32) -> Vec<u32> {
-    #[repr(C)]
-    #[derive(Default)]
-    struct Attr {
-        target_fd: u32,
-        attach_type: u32,
-        query_flags: u32,
-        attach_flags: u32,
-        prog_ids: u64,
-        prog_cnt: u32,
-        _pad: u32,
-        prog_attach_flags: u64,
-        link_ids: u64,
-        link_attach_flags: u64,
-        revision: u64,
-    }
-    let dir = File::open(cgroup).expect("open cgroup");
-    let mut ids = vec![0u32; 64];
-    // BPF_LSM_CGROUP queries require per-program attach flags to be requested too.
-    let mut flags = vec![0u32; 64];
-    let mut attr = Attr {
-        target_fd: dir.as_raw_fd() as u32,
-        attach_type,
-        prog_ids: ids.as_mut_ptr() as u64,
-        prog_cnt: 64,
-        prog_attach_flags: flags.as_mut_ptr() as u64,
-        ..Default::default()
-    };
-    // SAFETY: BPF_PROG_QUERY (16) with a correctly laid out attr; prog_ids and prog_attach_flags
-    // have prog_cnt slots.
-    let rc = unsafe { libc::syscall(libc::SYS_bpf, 16, &raw mut attr, size_of::<Attr>() as u32) };
-    assert!(
-        rc == 0,
-        "BPF_PROG_QUERY: {}",
-        std::io::Error::last_os_error()
-    );
-    ids.truncate(attr.prog_cnt.min(64) as usize);
-    ids
-}
+pub use crate::bpf::attached_programs;

@@ -1,6 +1,6 @@
-//! Raw `bpf(2)` calls the tests need to stand in for another build of the agent: load a
-//! different (allow-everything) program, swap it into a pinned link, and read program tags.
-//! Independent of the agent's own loader on purpose.
+//! Raw `bpf(2)` calls the tests make, independent of the agent's own loader on purpose: list the
+//! programs attached to a cgroup, and stand in for another build of the agent (load a different,
+//! allow-everything program, swap it into a pinned link, read program tags).
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::os::unix::ffi::OsStrExt;
 use std::path::Path;
@@ -79,4 +79,26 @@ pub fn prog_tag(id: u32) -> [u8; 8] {
     let mut tag = [0u8; 8];
     tag.copy_from_slice(&info[8..16]);
     tag
+}
+
+/// Program ids attached directly to `cgroup` for `attach_type` (BPF_PROG_QUERY, what
+/// `bpftool cgroup show` lists), independent of the agent's own bookkeeping.
+pub fn attached_programs(cgroup: &Path, attach_type: u32) -> Vec<u32> {
+    let dir = std::fs::File::open(cgroup).expect("open cgroup");
+    let mut ids = vec![0u32; 64];
+    // BPF_LSM_CGROUP queries require per-program attach flags to be requested too.
+    let mut flags = vec![0u32; 64];
+    // target_fd, attach_type, query_flags, attach_flags, prog_ids, prog_cnt, pad,
+    // prog_attach_flags, link_ids, link_attach_flags, revision.
+    let mut attr = [0u8; 64];
+    put_u32(&mut attr, 0, dir.as_raw_fd() as u32);
+    put_u32(&mut attr, 4, attach_type);
+    put_u64(&mut attr, 16, ids.as_mut_ptr() as u64);
+    put_u32(&mut attr, 24, ids.len() as u32);
+    put_u64(&mut attr, 32, flags.as_mut_ptr() as u64);
+    bpf(16, &mut attr).expect("BPF_PROG_QUERY"); // BPF_PROG_QUERY
+    let mut cnt = [0u8; 4];
+    cnt.copy_from_slice(&attr[24..28]);
+    ids.truncate((u32::from_ne_bytes(cnt) as usize).min(64));
+    ids
 }
