@@ -8,13 +8,16 @@
 //! `/etc/hosts` is a private bind mount (mount namespace) that maps the bench name to 127.0.0.1.
 //! It prints a table with ratios; it never asserts on times.
 //!
-//! Usage: `proxy-bench [--quick] [--rounds N] [--idle N] [--peers direct,agent,squid,tinyproxy]
+//! Usage: `proxy-bench [--quick] [--rounds N] [--idle N] [--peers direct,agent,squid,tinyproxy,floor]
 //!         [--rate-only | --bulk-only] [--io-buffer BYTES] [--agent-buffer BYTES]
 //!         [--peer-logs off|default] [--cpu-quota PERCENT]
 //!         [--agent PATH (ignored: the agent's proxy runs from this binary)]`
 //! `--cpu-quota 50` runs every proxy in a cgroup limited to 50% of one CPU (cgroup v1 `cpu` or v2
 //! `cpu.max`), so tunnels/s compares the proxies at an equal CPU budget instead of at the client's
 //! ceiling.
+//! Peer `floor` is `relay-floor` (a sibling binary): a relay without policy that does only the
+//! TCP work of a tunnel through io_uring. It takes part in the tunnels/s rows only; `floor/squid`
+//! is about the most any proxy can reach against squid on the machine at hand.
 //! By default squid's access log is off and tinyproxy logs only critical messages (to tmpfs): the
 //! peers do the least work they can, so the ratios are conservative. The agent logs denials only.
 //! Internal: `proxy-bench serve CONFIG ADDR_FILE` runs the agent's proxy (`egress_agent::proxy::serve`),
@@ -34,10 +37,12 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 
 const NAME: &str = "bench.test";
+/// Both ends' CPU per tunnel (see [`Rate::ends_cpu_us`]).
+const ENDS_CPU: &str = "client+upstream CPU µs/tunnel, 64 cl.";
 
 struct Opts {
     quick: bool,
-    /// Which peers to run (default all): direct, agent, squid, tinyproxy.
+    /// Which peers to run (default all): direct, agent, squid, tinyproxy, floor.
     peers: Vec<String>,
     /// Rate measurements only (no bulk/latency/idle), e.g. for profiling.
     rate_only: bool,
@@ -85,6 +90,7 @@ fn main() -> Result<()> {
                     "agent".into(),
                     "squid".into(),
                     "tinyproxy".into(),
+                    "floor".into(),
                 ]
             },
             |v| v.split(',').map(str::to_owned).collect(),
@@ -467,6 +473,46 @@ allow_cidrs = [{{ cidr = "127.0.0.1/32", ports = [{e}, {s}] }}]
     })
 }
 
+/// `relay-floor` (next to this binary), pinned and confined like the proxies.
+async fn start_floor(dir: &Path) -> Result<Peer> {
+    let bin = std::env::current_exe()?.with_file_name("relay-floor");
+    if !bin.exists() {
+        bail!(
+            "{} missing (cargo build --release -p egress-tests --bins)",
+            bin.display()
+        );
+    }
+    let out = dir.join("floor.addrs");
+    let mut child = spawn_pinned(
+        dir,
+        &format!("{} {}", bin.display(), out.display()),
+        "floor.log",
+    )?;
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let addr = loop {
+        if let Ok(text) = std::fs::read_to_string(&out)
+            && let Some(rest) = text.trim().strip_prefix("bench ")
+        {
+            break rest.parse::<SocketAddr>()?;
+        }
+        if let Ok(Some(st)) = child.try_wait() {
+            bail!(
+                "relay-floor exited: {st}; see {}",
+                dir.join("floor.log").display()
+            );
+        }
+        if Instant::now() > deadline {
+            bail!("relay-floor did not start");
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    Ok(Peer {
+        name: "floor",
+        addr: Some(addr),
+        child: Some(child),
+    })
+}
+
 async fn start_squid(dir: &Path, up: &Upstreams, logs_default: bool) -> Result<Peer> {
     let port = free_port()?;
     let sq = dir.join("squid");
@@ -633,16 +679,23 @@ fn rss_kib(pid: u32) -> Option<u64> {
         .ok()
 }
 
+/// What one [`tunnel_rate`] run measured.
+struct Rate {
+    per_sec: f64,
+    /// The proxy's CPU µs per tunnel (none for `direct`).
+    proxy_cpu_us: Option<f64>,
+    /// This process's CPU µs per tunnel: the clients and the upstream, i.e. both ends of the
+    /// connections the proxy relays (for `direct`: the TCP work of one client/server pair).
+    ends_cpu_us: Option<f64>,
+    errors: u64,
+}
+
 /// Full tunnel lifecycles per second: connect, CONNECT, 1-byte echo, close.
-async fn tunnel_rate(
-    peer: &Peer,
-    echo: SocketAddr,
-    clients: usize,
-    secs: f64,
-) -> (f64, Option<f64>, u64) {
+async fn tunnel_rate(peer: &Peer, echo: SocketAddr, clients: usize, secs: f64) -> Rate {
     let ok = Arc::new(AtomicU64::new(0));
     let errors = Arc::new(AtomicU64::new(0));
     let cpu0 = peer.pid().and_then(cpu_ticks);
+    let ends0 = cpu_ticks(std::process::id());
     let start = Instant::now();
     let deadline = start + Duration::from_secs_f64(secs);
     let mut tasks = Vec::new();
@@ -667,11 +720,16 @@ async fn tunnel_rate(
     }
     let elapsed = start.elapsed().as_secs_f64();
     let n = ok.load(Ordering::Relaxed);
-    let cpu_us = match (cpu0, peer.pid().and_then(cpu_ticks)) {
-        (Some(a), Some(b)) if n > 0 => Some((b - a) as f64 * 10_000.0 / n as f64), // 100 ticks/s
+    let us_per_tunnel = |before: Option<u64>, after: Option<u64>| match (before, after) {
+        (Some(a), Some(b)) if n > 0 => Some(b.saturating_sub(a) as f64 * 10_000.0 / n as f64), // 100 ticks/s
         _ => None,
     };
-    (n as f64 / elapsed, cpu_us, errors.load(Ordering::Relaxed))
+    Rate {
+        per_sec: n as f64 / elapsed,
+        proxy_cpu_us: us_per_tunnel(cpu0, peer.pid().and_then(cpu_ticks)),
+        ends_cpu_us: us_per_tunnel(ends0, cpu_ticks(std::process::id())),
+        errors: errors.load(Ordering::Relaxed),
+    }
 }
 
 /// MB/s of `bytes` from the source upstream through one tunnel.
@@ -802,6 +860,12 @@ async fn run(o: Opts) -> Result<()> {
             Err(e) => eprintln!("warning: tinyproxy not available: {e:#}"),
         }
     }
+    if want("floor") {
+        match start_floor(&dir).await {
+            Ok(p) => peers.push(p),
+            Err(e) => eprintln!("warning: relay-floor not available: {e:#}"),
+        }
+    }
     if peers.is_empty() {
         bail!("no peers selected");
     }
@@ -835,18 +899,24 @@ async fn run(o: Opts) -> Result<()> {
                     ),
                 ]
             } {
-                let (rate, cpu, errs) = tunnel_rate(p, up.echo, clients, o.rate_secs).await;
-                if errs > 0 {
-                    eprintln!("  {}: {errs} failed tunnels ({clients} clients)", p.name);
+                let r = tunnel_rate(p, up.echo, clients, o.rate_secs).await;
+                if r.errors > 0 {
+                    eprintln!(
+                        "  {}: {} failed tunnels ({clients} clients)",
+                        p.name, r.errors
+                    );
                 }
-                add(&mut s, p.name, metric, rate);
-                if let Some(c) = cpu {
+                add(&mut s, p.name, metric, r.per_sec);
+                if let Some(c) = r.proxy_cpu_us {
                     add(&mut s, p.name, cpu_metric, c);
+                }
+                if let (64, Some(c)) = (clients, r.ends_cpu_us) {
+                    add(&mut s, p.name, ENDS_CPU, c);
                 }
                 // Let TIME_WAIT sockets and proxy cleanup settle between runs.
                 tokio::time::sleep(Duration::from_millis(300)).await;
             }
-            if o.rate_only {
+            if o.rate_only || p.name == "floor" {
                 continue;
             }
             match bulk(p, up.source, o.bulk_bytes, o.io_buffer).await {
@@ -868,7 +938,7 @@ async fn run(o: Opts) -> Result<()> {
     }
     for p in peers
         .iter()
-        .filter(|p| p.child.is_some() && !o.rate_only && !o.bulk_only)
+        .filter(|p| p.child.is_some() && p.name != "floor" && !o.rate_only && !o.bulk_only)
     {
         match idle_memory(p, up.echo, o.idle).await {
             Ok(v) => add(&mut s, p.name, "RSS KiB/idle tunnel", v),
@@ -914,6 +984,7 @@ fn print_table(m: &BTreeMap<(&str, &str), f64>, o: &Opts) {
         "tunnels/s, 64 clients",
         "proxy CPU µs/tunnel, 1 client",
         "proxy CPU µs/tunnel, 64 clients",
+        ENDS_CPU,
         "bulk MB/s, 1 tunnel",
         "RTT p50 µs",
         "RTT p99 µs",
@@ -962,41 +1033,50 @@ fn print_table(m: &BTreeMap<(&str, &str), f64>, o: &Opts) {
         );
     }
     println!(
-        "| {:<32} | {:>8} | {:>8} | {:>8} | {:>9} | {:>11} | {:>15} | {:>12} |",
+        "| {:<37} | {:>8} | {:>8} | {:>8} | {:>9} | {:>8} | {:>11} | {:>15} | {:>12} | {:>11} |",
         "metric",
         "direct",
         "agent",
         "squid",
         "tinyproxy",
+        "floor",
         "agent/squid",
         "agent/tinyproxy",
-        "agent/direct"
+        "agent/direct",
+        "floor/squid"
     );
     println!(
-        "|{}|{}|{}|{}|{}|{}|{}|{}|",
-        "-".repeat(34),
+        "|{}|{}|{}|{}|{}|{}|{}|{}|{}|{}|",
+        "-".repeat(39),
         "-".repeat(10),
         "-".repeat(10),
         "-".repeat(10),
         "-".repeat(11),
+        "-".repeat(10),
         "-".repeat(13),
         "-".repeat(17),
-        "-".repeat(14)
+        "-".repeat(14),
+        "-".repeat(13)
     );
     for k in metrics {
         println!(
-            "| {:<32} | {:>8} | {:>8} | {:>8} | {:>9} | {:>11} | {:>15} | {:>12} |",
+            "| {:<37} | {:>8} | {:>8} | {:>8} | {:>9} | {:>8} | {:>11} | {:>15} | {:>12} | {:>11} |",
             k,
             cell("direct", k),
             cell("agent", k),
             cell("squid", k),
             cell("tinyproxy", k),
+            cell("floor", k),
             ratio("agent", "squid", k),
             ratio("agent", "tinyproxy", k),
-            ratio("agent", "direct", k)
+            ratio("agent", "direct", k),
+            ratio("floor", "squid", k)
         );
     }
     println!();
+    println!(
+        "floor: relay-floor, only the TCP work of a tunnel (io_uring, no policy), so floor/squid is about the most any proxy reaches against squid here; {ENDS_CPU}: this process's side (the most tunnels/s it can drive is 1e6 / that)"
+    );
     let get = |p: &str, k: &str| m.get(&(p, k)).copied();
     let verdict = |ok: Option<bool>| match ok {
         Some(true) => "met",
@@ -1006,7 +1086,7 @@ fn print_table(m: &BTreeMap<(&str, &str), f64>, o: &Opts) {
     let rate = "tunnels/s, 64 clients";
     let cpu = "proxy CPU µs/tunnel, 64 clients";
     println!(
-        "targets (informational, never asserted): tunnels/s >= 2x squid: {} (CPU/tunnel: agent {} µs vs squid {} µs); >= tinyproxy: {}; bulk >= 0.8x direct: {}; added p99 < 200 µs: {}; idle tunnel < 16 KiB: {}",
+        "targets (informational, never asserted): tunnels/s >= 2x squid: {} (CPU/tunnel: agent {} µs, squid {} µs, relay floor {} µs); >= tinyproxy: {}; bulk >= 0.8x direct: {}; added p99 < 200 µs: {}; idle tunnel < 16 KiB: {}",
         verdict(
             get("agent", rate)
                 .zip(get("squid", rate))
@@ -1014,6 +1094,7 @@ fn print_table(m: &BTreeMap<(&str, &str), f64>, o: &Opts) {
         ),
         cell("agent", cpu),
         cell("squid", cpu),
+        cell("floor", cpu),
         verdict(
             get("agent", rate)
                 .zip(get("tinyproxy", rate))
