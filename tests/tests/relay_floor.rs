@@ -2,7 +2,7 @@
 //! mean something if every counted tunnel carried the bytes both ways and passed both EOFs on.
 //! Loopback only; no privileges needed.
 
-use std::io::{BufRead, BufReader, Read, Write};
+use std::io::{self, BufRead, BufReader, Read, Write};
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
 use std::process::{Child, Command};
 use std::time::{Duration, Instant};
@@ -71,75 +71,77 @@ fn start() -> Relay {
 }
 
 /// CONNECT through the relay; the answer's status line.
-fn connect(relay: SocketAddr, target: &str) -> (TcpStream, Option<String>) {
-    let mut s = TcpStream::connect(relay).unwrap();
-    s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
-    write!(s, "CONNECT {target} HTTP/1.1\r\nHost: {target}\r\n\r\n").unwrap();
-    let mut r = BufReader::new(s.try_clone().unwrap());
+fn connect(relay: SocketAddr, target: &str) -> io::Result<(TcpStream, Option<String>)> {
+    let mut s = TcpStream::connect(relay)?;
+    s.set_read_timeout(Some(Duration::from_secs(5)))?;
+    write!(s, "CONNECT {target} HTTP/1.1\r\nHost: {target}\r\n\r\n")?;
+    let mut r = BufReader::new(s.try_clone()?);
     let mut status = String::new();
     if r.read_line(&mut status).unwrap_or(0) == 0 {
-        return (s, None);
+        return Ok((s, None));
     }
     let mut line = String::new();
-    while r.read_line(&mut line).unwrap() > 2 {
+    while r.read_line(&mut line)? > 2 {
         line.clear();
     }
     assert!(r.buffer().is_empty(), "bytes after the answer's head");
-    (s, Some(status))
+    Ok((s, Some(status)))
 }
 
 #[test]
-fn relays_both_ways_and_passes_both_eofs_on() {
+fn relays_both_ways_and_passes_both_eofs_on() -> io::Result<()> {
     let relay = start();
-    let upstream = TcpListener::bind("127.0.0.1:0").unwrap();
-    let port = upstream.local_addr().unwrap().port();
-    let server = std::thread::spawn(move || {
-        let (mut s, _) = upstream.accept().unwrap();
-        s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    let upstream = TcpListener::bind("127.0.0.1:0")?;
+    let port = upstream.local_addr()?.port();
+    let server = std::thread::spawn(move || -> io::Result<Vec<u8>> {
+        let (mut s, _) = upstream.accept()?;
+        s.set_read_timeout(Some(Duration::from_secs(5)))?;
         let mut got = Vec::new();
-        s.read_to_end(&mut got).unwrap(); // ends only when the client's EOF is passed on
-        s.write_all(&got).unwrap();
-        s.write_all(b"|from upstream").unwrap();
-        s.shutdown(Shutdown::Write).unwrap();
-        got
+        s.read_to_end(&mut got)?; // ends only when the client's EOF is passed on
+        s.write_all(&got)?;
+        s.write_all(b"|from upstream")?;
+        s.shutdown(Shutdown::Write)?;
+        Ok(got)
     });
-    let (mut s, status) = connect(relay.addr, &format!("bench.test:{port}"));
+    let (mut s, status) = connect(relay.addr, &format!("bench.test:{port}"))?;
     assert_eq!(
         status.as_deref().map(str::trim_end),
         Some("HTTP/1.1 200 Connection established")
     );
     // More than one relay buffer, so the pump loops.
     let payload: Vec<u8> = (0..100_000u32).map(|i| (i % 251) as u8).collect();
-    s.write_all(&payload).unwrap();
-    s.shutdown(Shutdown::Write).unwrap();
+    s.write_all(&payload)?;
+    s.shutdown(Shutdown::Write)?;
     let mut back = Vec::new();
-    s.read_to_end(&mut back).unwrap(); // ends only when the upstream's EOF is passed on
+    s.read_to_end(&mut back)?; // ends only when the upstream's EOF is passed on
     assert_eq!(
-        server.join().unwrap(),
+        server.join().expect("upstream thread")?,
         payload,
         "upstream got the client's bytes"
     );
     let mut want = payload.clone();
     want.extend_from_slice(b"|from upstream");
     assert_eq!(back, want, "client got the upstream's bytes");
+    Ok(())
 }
 
 #[test]
-fn refuses_anything_but_the_bench_name() {
+fn refuses_anything_but_the_bench_name() -> io::Result<()> {
     let relay = start();
-    let upstream = TcpListener::bind("127.0.0.1:0").unwrap();
-    upstream.set_nonblocking(true).unwrap();
-    let port = upstream.local_addr().unwrap().port();
+    let upstream = TcpListener::bind("127.0.0.1:0")?;
+    upstream.set_nonblocking(true)?;
+    let port = upstream.local_addr()?.port();
     for target in [
         format!("127.0.0.1:{port}"),
         format!("other.test:{port}"),
         "bench.test:0".to_owned(),
     ] {
-        let (_s, status) = connect(relay.addr, &target);
+        let (_s, status) = connect(relay.addr, &target)?;
         assert_eq!(status, None, "{target}: closed without an answer");
     }
     assert!(
         upstream.accept().is_err(),
         "nothing reached the upstream for a refused target"
     );
+    Ok(())
 }
