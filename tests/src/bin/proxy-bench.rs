@@ -443,31 +443,39 @@ allow_cidrs = [{{ cidr = "127.0.0.1/32", ports = [{e}, {s}] }}]
     }
     let out = dir.join("agent.addrs");
     let me = std::env::current_exe()?;
-    let mut child = spawn_pinned(
+    let child = spawn_pinned(
         dir,
         &format!("{} serve {} {}", me.display(), cfg.display(), out.display()),
         "agent.log",
     )?;
+    started("agent", "agent proxy", child, &out, &dir.join("agent.log")).await
+}
+
+/// Wait for a peer that reports its address as a `bench ADDR` line in `out`.
+async fn started(
+    name: &'static str,
+    what: &str,
+    mut child: Child,
+    out: &Path,
+    log: &Path,
+) -> Result<Peer> {
     let deadline = Instant::now() + Duration::from_secs(20);
     let addr = loop {
-        if let Ok(text) = std::fs::read_to_string(&out)
-            && let Some(line) = text.lines().find(|l| l.starts_with("bench "))
+        if let Ok(text) = std::fs::read_to_string(out)
+            && let Some(rest) = text.lines().find_map(|l| l.strip_prefix("bench "))
         {
-            break line[6..].parse::<SocketAddr>()?;
+            break rest.trim().parse::<SocketAddr>()?;
         }
         if let Ok(Some(st)) = child.try_wait() {
-            bail!(
-                "agent proxy exited: {st}; see {}",
-                dir.join("agent.log").display()
-            );
+            bail!("{what} exited: {st}; see {}", log.display());
         }
         if Instant::now() > deadline {
-            bail!("agent proxy did not start");
+            bail!("{what} did not start; see {}", log.display());
         }
         tokio::time::sleep(Duration::from_millis(50)).await;
     };
     Ok(Peer {
-        name: "agent",
+        name,
         addr: Some(addr),
         child: Some(child),
     })
@@ -483,34 +491,12 @@ async fn start_floor(dir: &Path) -> Result<Peer> {
         );
     }
     let out = dir.join("floor.addrs");
-    let mut child = spawn_pinned(
+    let child = spawn_pinned(
         dir,
         &format!("{} {}", bin.display(), out.display()),
         "floor.log",
     )?;
-    let deadline = Instant::now() + Duration::from_secs(20);
-    let addr = loop {
-        if let Ok(text) = std::fs::read_to_string(&out)
-            && let Some(rest) = text.trim().strip_prefix("bench ")
-        {
-            break rest.parse::<SocketAddr>()?;
-        }
-        if let Ok(Some(st)) = child.try_wait() {
-            bail!(
-                "relay-floor exited: {st}; see {}",
-                dir.join("floor.log").display()
-            );
-        }
-        if Instant::now() > deadline {
-            bail!("relay-floor did not start");
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    };
-    Ok(Peer {
-        name: "floor",
-        addr: Some(addr),
-        child: Some(child),
-    })
+    started("floor", "relay-floor", child, &out, &dir.join("floor.log")).await
 }
 
 async fn start_squid(dir: &Path, up: &Upstreams, logs_default: bool) -> Result<Peer> {

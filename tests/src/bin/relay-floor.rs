@@ -24,35 +24,66 @@ const HEAD_MAX: usize = 4096;
 const ACCEPT: u64 = u64::MAX;
 const OK200: &[u8] = b"HTTP/1.1 200 Connection established\r\n\r\n";
 
+/// A relay direction: `Up` reads the client and writes the upstream, `Down` the reverse.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Dir {
+    Up = 0,
+    Down = 1,
+}
+
+impl Dir {
+    fn other(self) -> Dir {
+        match self {
+            Dir::Up => Dir::Down,
+            Dir::Down => Dir::Up,
+        }
+    }
+}
+
 /// What a completion belongs to (low byte of `user_data`; the rest is the tunnel's slot).
 #[derive(Clone, Copy, PartialEq, Eq)]
 enum Op {
-    RecvHead = 1,
-    Connect = 2,
-    Send200 = 3,
-    /// Read from the client / write it to the upstream.
-    RecvClient = 4,
-    SendUpstream = 5,
-    /// Read from the upstream / write it to the client.
-    RecvUpstream = 6,
-    SendClient = 7,
-    Shutdown = 8,
+    RecvHead,
+    Connect,
+    Send200,
+    Recv(Dir),
+    Send(Dir),
+    Shutdown,
 }
 
 impl Op {
+    fn code(self) -> u64 {
+        match self {
+            Op::RecvHead => 1,
+            Op::Connect => 2,
+            Op::Send200 => 3,
+            Op::Recv(d) => 4 + d as u64,
+            Op::Send(d) => 6 + d as u64,
+            Op::Shutdown => 8,
+        }
+    }
+
     fn from_user_data(v: u64) -> Option<Op> {
         Some(match v & 0xff {
             1 => Op::RecvHead,
             2 => Op::Connect,
             3 => Op::Send200,
-            4 => Op::RecvClient,
-            5 => Op::SendUpstream,
-            6 => Op::RecvUpstream,
-            7 => Op::SendClient,
+            4 => Op::Recv(Dir::Up),
+            5 => Op::Recv(Dir::Down),
+            6 => Op::Send(Dir::Up),
+            7 => Op::Send(Dir::Down),
             8 => Op::Shutdown,
             _ => return None,
         })
     }
+}
+
+/// One direction's bytes: `buf[sent..len]` is still to be written.
+struct Flow {
+    buf: [u8; BUF],
+    len: usize,
+    sent: usize,
+    eof: bool,
 }
 
 /// One tunnel. Boxed, so the buffers and the address the kernel reads stay put while the slot
@@ -60,20 +91,23 @@ impl Op {
 struct Tunnel {
     client: i32,
     upstream: i32,
+    /// The request head is read into `flows[Up].buf`; the 200 answer's progress is
+    /// `flows[Down].sent`.
     head_len: usize,
-    /// Client → upstream bytes: `to_up[sent_up..len_up]` is still to send.
-    to_up: [u8; BUF],
-    len_up: usize,
-    sent_up: usize,
-    /// Upstream → client bytes (also the 200 answer's progress while `Send200` runs).
-    to_client: [u8; BUF],
-    len_client: usize,
-    sent_client: usize,
+    flows: [Flow; 2],
     addr: libc::sockaddr_in,
     inflight: u32,
-    client_eof: bool,
-    upstream_eof: bool,
     dead: bool,
+}
+
+impl Tunnel {
+    /// Where direction `d` reads from and writes to.
+    fn ends(&self, d: Dir) -> (i32, i32) {
+        match d {
+            Dir::Up => (self.client, self.upstream),
+            Dir::Down => (self.upstream, self.client),
+        }
+    }
 }
 
 struct Relay {
@@ -84,7 +118,7 @@ struct Relay {
 }
 
 fn user_data(slot: usize, op: Op) -> u64 {
-    ((slot as u64) << 8) | op as u64
+    ((slot as u64) << 8) | op.code()
 }
 
 impl Relay {
@@ -114,7 +148,7 @@ impl Relay {
         let e = match op {
             Op::RecvHead => opcode::Recv::new(
                 types::Fd(t.client),
-                t.to_up[t.head_len..].as_mut_ptr(),
+                t.flows[Dir::Up as usize].buf[t.head_len..].as_mut_ptr(),
                 (HEAD_MAX - t.head_len) as u32,
             )
             .build(),
@@ -124,31 +158,30 @@ impl Relay {
                 size_of::<libc::sockaddr_in>() as u32,
             )
             .build(),
-            Op::Send200 => opcode::Send::new(
-                types::Fd(t.client),
-                OK200[t.sent_client..].as_ptr(),
-                (OK200.len() - t.sent_client) as u32,
-            )
-            .build(),
-            Op::RecvClient => {
-                opcode::Recv::new(types::Fd(t.client), t.to_up.as_mut_ptr(), BUF as u32).build()
+            Op::Send200 => {
+                let sent = t.flows[Dir::Down as usize].sent;
+                opcode::Send::new(
+                    types::Fd(t.client),
+                    OK200[sent..].as_ptr(),
+                    (OK200.len() - sent) as u32,
+                )
+                .build()
             }
-            Op::SendUpstream => opcode::Send::new(
-                types::Fd(t.upstream),
-                t.to_up[t.sent_up..].as_ptr(),
-                (t.len_up - t.sent_up) as u32,
-            )
-            .build(),
-            Op::RecvUpstream => {
-                opcode::Recv::new(types::Fd(t.upstream), t.to_client.as_mut_ptr(), BUF as u32)
-                    .build()
+            Op::Recv(d) => {
+                let (from, _) = t.ends(d);
+                let f = &mut t.flows[d as usize];
+                opcode::Recv::new(types::Fd(from), f.buf.as_mut_ptr(), BUF as u32).build()
             }
-            Op::SendClient => opcode::Send::new(
-                types::Fd(t.client),
-                t.to_client[t.sent_client..].as_ptr(),
-                (t.len_client - t.sent_client) as u32,
-            )
-            .build(),
+            Op::Send(d) => {
+                let (_, to) = t.ends(d);
+                let f = &t.flows[d as usize];
+                opcode::Send::new(
+                    types::Fd(to),
+                    f.buf[f.sent..].as_ptr(),
+                    (f.len - f.sent) as u32,
+                )
+                .build()
+            }
             Op::Shutdown => unreachable!("use shutdown()"),
         };
         t.inflight += 1;
@@ -180,7 +213,7 @@ impl Relay {
 
     fn close_if_done(&mut self, slot: usize) {
         let t = self.tunnel(slot);
-        if t.inflight == 0 && (t.dead || (t.client_eof && t.upstream_eof)) {
+        if t.inflight == 0 && (t.dead || t.flows.iter().all(|f| f.eof)) {
             let t = self.slots[slot].take().expect("live slot");
             for fd in [t.client, t.upstream] {
                 if fd >= 0 {
@@ -193,21 +226,20 @@ impl Relay {
     }
 
     fn accepted(&mut self, fd: i32) -> io::Result<()> {
+        let flow = || Flow {
+            buf: [0; BUF],
+            len: 0,
+            sent: 0,
+            eof: false,
+        };
         let t = Box::new(Tunnel {
             client: fd,
             upstream: -1,
             head_len: 0,
-            to_up: [0; BUF],
-            len_up: 0,
-            sent_up: 0,
-            to_client: [0; BUF],
-            len_client: 0,
-            sent_client: 0,
+            flows: [flow(), flow()],
             // SAFETY: all-zero is a valid sockaddr_in.
             addr: unsafe { std::mem::zeroed() },
             inflight: 0,
-            client_eof: false,
-            upstream_eof: false,
             dead: false,
         });
         let slot = match self.free.pop() {
@@ -231,7 +263,7 @@ impl Relay {
         }
         let t = self.tunnel(slot);
         t.head_len += res as usize;
-        let head = &t.to_up[..t.head_len];
+        let head = &t.flows[Dir::Up as usize].buf[..t.head_len];
         if !head.windows(4).any(|w| w == b"\r\n\r\n") {
             if t.head_len == HEAD_MAX {
                 self.kill(slot);
@@ -255,17 +287,7 @@ impl Relay {
             self.kill(slot);
             return Ok(());
         }
-        let one: libc::c_int = 1;
-        // SAFETY: valid option pointer and length.
-        unsafe {
-            libc::setsockopt(
-                fd,
-                libc::IPPROTO_TCP,
-                libc::TCP_NODELAY,
-                (&raw const one).cast(),
-                size_of::<libc::c_int>() as u32,
-            )
-        };
+        set_nodelay(fd);
         t.upstream = fd;
         t.addr.sin_family = libc::AF_INET as libc::sa_family_t;
         t.addr.sin_port = port.to_be();
@@ -296,72 +318,45 @@ impl Relay {
         match op {
             Op::RecvHead => self.head(slot, res)?,
             Op::Connect if res < 0 => self.kill(slot),
-            Op::Connect => {
-                self.tunnel(slot).sent_client = 0;
-                self.submit(slot, Op::Send200)?;
-            }
+            Op::Connect => self.submit(slot, Op::Send200)?,
             Op::Send200 if res <= 0 => self.kill(slot),
             Op::Send200 => {
                 let t = self.tunnel(slot);
-                t.sent_client += res as usize;
-                if t.sent_client < OK200.len() {
+                let f = &mut t.flows[Dir::Down as usize];
+                f.sent += res as usize;
+                if f.sent < OK200.len() {
                     self.submit(slot, Op::Send200)?;
                 } else {
-                    self.submit(slot, Op::RecvClient)?;
-                    self.submit(slot, Op::RecvUpstream)?;
+                    f.sent = 0;
+                    self.submit(slot, Op::Recv(Dir::Up))?;
+                    self.submit(slot, Op::Recv(Dir::Down))?;
                 }
             }
-            Op::RecvClient if res > 0 => {
-                let t = self.tunnel(slot);
-                (t.len_up, t.sent_up) = (res as usize, 0);
-                self.submit(slot, Op::SendUpstream)?;
+            Op::Recv(d) if res > 0 => {
+                let f = &mut self.tunnel(slot).flows[d as usize];
+                (f.len, f.sent) = (res as usize, 0);
+                self.submit(slot, Op::Send(d))?;
             }
-            Op::RecvClient => {
+            Op::Recv(d) => {
                 let t = self.tunnel(slot);
-                t.client_eof = true;
-                let fd = t.upstream;
-                self.shutdown(slot, fd)?;
-            }
-            Op::RecvUpstream if res > 0 => {
-                let t = self.tunnel(slot);
-                (t.len_client, t.sent_client) = (res as usize, 0);
-                self.submit(slot, Op::SendClient)?;
-            }
-            Op::RecvUpstream => {
-                let t = self.tunnel(slot);
-                t.upstream_eof = true;
-                // Once the client has finished too the sockets are closed: no second shutdown.
-                if !t.client_eof {
-                    let fd = t.client;
-                    self.shutdown(slot, fd)?;
+                t.flows[d as usize].eof = true;
+                // Pass the EOF on, unless the other side has finished too: then both sockets
+                // are about to be closed and a shutdown would be wasted.
+                if !t.flows[d.other() as usize].eof {
+                    let (_, to) = t.ends(d);
+                    self.shutdown(slot, to)?;
                 }
             }
-            Op::SendUpstream | Op::SendClient if res <= 0 => self.kill(slot),
-            Op::SendUpstream => {
-                let t = self.tunnel(slot);
-                t.sent_up += res as usize;
-                let more = t.sent_up < t.len_up;
-                self.submit(
-                    slot,
-                    if more {
-                        Op::SendUpstream
-                    } else {
-                        Op::RecvClient
-                    },
-                )?;
-            }
-            Op::SendClient => {
-                let t = self.tunnel(slot);
-                t.sent_client += res as usize;
-                let more = t.sent_client < t.len_client;
-                self.submit(
-                    slot,
-                    if more {
-                        Op::SendClient
-                    } else {
-                        Op::RecvUpstream
-                    },
-                )?;
+            Op::Send(_) if res <= 0 => self.kill(slot),
+            Op::Send(d) => {
+                let f = &mut self.tunnel(slot).flows[d as usize];
+                f.sent += res as usize;
+                let next = if f.sent < f.len {
+                    Op::Send(d)
+                } else {
+                    Op::Recv(d)
+                };
+                self.submit(slot, next)?;
             }
             Op::Shutdown => {}
         }
@@ -370,23 +365,28 @@ impl Relay {
     }
 }
 
-fn main() -> io::Result<()> {
-    let Some(out) = std::env::args().nth(1) else {
-        eprintln!("usage: relay-floor ADDR_FILE");
-        std::process::exit(2);
-    };
-    let listener = TcpListener::bind("127.0.0.1:0")?;
+/// `TCP_NODELAY` on `fd`, as every proxy in the bench sets it (best effort, like theirs).
+fn set_nodelay(fd: i32) {
     let one: libc::c_int = 1;
-    // SAFETY: valid option pointer and length. Accepted sockets inherit TCP_NODELAY.
+    // SAFETY: valid option pointer and length.
     unsafe {
         libc::setsockopt(
-            listener.as_raw_fd(),
+            fd,
             libc::IPPROTO_TCP,
             libc::TCP_NODELAY,
             (&raw const one).cast(),
             size_of::<libc::c_int>() as u32,
         )
     };
+}
+
+fn main() -> io::Result<()> {
+    let Some(out) = std::env::args().nth(1) else {
+        eprintln!("usage: relay-floor ADDR_FILE");
+        std::process::exit(2);
+    };
+    let listener = TcpListener::bind("127.0.0.1:0")?;
+    set_nodelay(listener.as_raw_fd()); // accepted sockets inherit it
     let addr = listener.local_addr()?;
     let ring = IoUring::builder()
         .setup_single_issuer()
