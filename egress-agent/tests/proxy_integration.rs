@@ -285,40 +285,16 @@ async fn keep_alive_checks_every_request() {
     let h = harness().await;
     let p = h.up.http.port();
     let mut s = TcpStream::connect(h.addr).await.unwrap();
-    s.write_all(
-        format!("GET http://allowed.test:{p}/one HTTP/1.1\r\nHost: allowed.test:{p}\r\n\r\n")
-            .as_bytes(),
-    )
-    .await
-    .unwrap();
-    let (r, _) = read_response(&mut s, false).await;
+    let r = get(&mut s, &format!("allowed.test:{p}"), "/one").await;
     assert_eq!(r.status, 200);
     assert!(r.text().contains("line=GET /one"));
     // Same connection, a name that is not allowed (it resolves to the same upstream!).
-    s.write_all(
-        format!("GET http://other.test:{p}/two HTTP/1.1\r\nHost: other.test:{p}\r\n\r\n")
-            .as_bytes(),
-    )
-    .await
-    .unwrap();
-    let (r, _) = read_response(&mut s, false).await;
+    let r = get(&mut s, &format!("other.test:{p}"), "/two").await;
     assert_eq!((r.status, r.deny()), (403, Some("host-not-allowed")));
     // And an IP literal that is not covered, then an allowed one again.
-    s.write_all(
-        format!("GET http://127.0.0.2:{p}/three HTTP/1.1\r\nHost: 127.0.0.2:{p}\r\n\r\n")
-            .as_bytes(),
-    )
-    .await
-    .unwrap();
-    let (r, _) = read_response(&mut s, false).await;
+    let r = get(&mut s, &format!("127.0.0.2:{p}"), "/three").await;
     assert_eq!((r.status, r.deny()), (403, Some("address-denied")));
-    s.write_all(
-        format!("GET http://allowed.test:{p}/four HTTP/1.1\r\nHost: allowed.test:{p}\r\n\r\n")
-            .as_bytes(),
-    )
-    .await
-    .unwrap();
-    let (r, _) = read_response(&mut s, false).await;
+    let r = get(&mut s, &format!("allowed.test:{p}"), "/four").await;
     assert_eq!(r.status, 200);
     assert!(r.text().contains("line=GET /four"));
     let reasons: Vec<String> = h.events.recent(10).into_iter().map(|e| e.reason).collect();
@@ -370,13 +346,10 @@ async fn keep_alive_connect_after_get_is_checked_and_tunnels() {
     let h = harness().await;
     let mut s = TcpStream::connect(h.addr).await.unwrap();
     let hp = h.up.http.port();
-    s.write_all(
-        format!("GET http://allowed.test:{hp}/ HTTP/1.1\r\nHost: allowed.test:{hp}\r\n\r\n")
-            .as_bytes(),
-    )
-    .await
-    .unwrap();
-    assert_eq!(read_response(&mut s, false).await.0.status, 200);
+    assert_eq!(
+        get(&mut s, &format!("allowed.test:{hp}"), "/").await.status,
+        200
+    );
     let a = format!("other.test:{}", h.up.echo.port());
     s.write_all(format!("CONNECT {a} HTTP/1.1\r\nHost: {a}\r\n\r\n").as_bytes())
         .await
@@ -410,19 +383,17 @@ async fn host_header_mismatch_is_refused() {
     }
     // Second request on a kept-alive connection too.
     let mut s = TcpStream::connect(h.addr).await.unwrap();
-    s.write_all(
-        format!("GET http://allowed.test:{p}/ HTTP/1.1\r\nHost: allowed.test:{p}\r\n\r\n")
-            .as_bytes(),
+    assert_eq!(
+        get(&mut s, &format!("allowed.test:{p}"), "/").await.status,
+        200
+    );
+    let r = get_with_host(
+        &mut s,
+        &format!("allowed.test:{p}"),
+        "/",
+        &format!("other.test:{p}"),
     )
-    .await
-    .unwrap();
-    assert_eq!(read_response(&mut s, false).await.0.status, 200);
-    s.write_all(
-        format!("GET http://allowed.test:{p}/ HTTP/1.1\r\nHost: other.test:{p}\r\n\r\n").as_bytes(),
-    )
-    .await
-    .unwrap();
-    let (r, _) = read_response(&mut s, false).await;
+    .await;
     assert_eq!((r.status, r.deny()), (403, Some("host-header-mismatch")));
 }
 
@@ -575,21 +546,12 @@ async fn policy_swap_applies_to_the_next_request() {
     let h = harness().await;
     let p = h.up.http.port();
     let mut s = TcpStream::connect(h.addr).await.unwrap();
-    s.write_all(
-        format!("GET http://allowed.test:{p}/ HTTP/1.1\r\nHost: allowed.test:{p}\r\n\r\n")
-            .as_bytes(),
-    )
-    .await
-    .unwrap();
-    assert_eq!(read_response(&mut s, false).await.0.status, 200);
+    assert_eq!(
+        get(&mut s, &format!("allowed.test:{p}"), "/").await.status,
+        200
+    );
     h.handle.set(&Policy::deny_all());
-    s.write_all(
-        format!("GET http://allowed.test:{p}/ HTTP/1.1\r\nHost: allowed.test:{p}\r\n\r\n")
-            .as_bytes(),
-    )
-    .await
-    .unwrap();
-    let (r, _) = read_response(&mut s, false).await;
+    let r = get(&mut s, &format!("allowed.test:{p}"), "/").await;
     assert_eq!((r.status, r.deny()), (403, Some("policy-deny-all")));
     let (r, _) = connect(h.addr, &format!("allowed.test:{}", h.up.echo.port())).await;
     assert_eq!(r.status, 403);
@@ -736,14 +698,12 @@ async fn per_listener_bound_keeps_one_client_from_taking_every_connection() {
     // Listener a's only connection: a plain request, then a CONNECT on the same connection.
     let mut first = TcpStream::connect(a).await.unwrap();
     let hp = up.http.port();
-    first
-        .write_all(
-            format!("GET http://allowed.test:{hp}/ HTTP/1.1\r\nHost: allowed.test:{hp}\r\n\r\n")
-                .as_bytes(),
-        )
-        .await
-        .unwrap();
-    assert_eq!(read_response(&mut first, false).await.0.status, 200);
+    assert_eq!(
+        get(&mut first, &format!("allowed.test:{hp}"), "/")
+            .await
+            .status,
+        200
+    );
     let target = format!("allowed.test:{}", up.echo.port());
     first
         .write_all(format!("CONNECT {target} HTTP/1.1\r\nHost: {target}\r\n\r\n").as_bytes())

@@ -474,6 +474,15 @@ pub struct Env {
     pub d: Dockerd,
 }
 
+/// Arguments of [`Env::start`].
+fn start_args<'a>(name: &'a str, extra: &[&'a str], cmd: &[&'a str]) -> Vec<&'a str> {
+    let mut args = vec!["run", "-d", "--name", name, "--network", NETWORK];
+    args.extend_from_slice(extra);
+    args.push(IMAGE);
+    args.extend_from_slice(cmd);
+    args
+}
+
 impl Env {
     /// A private dockerd, the upstream container, the canary and a running daemon
     /// (`egress-agent run`, located by [`crate::agent::agent_bin`]); `extra_bins` go into the image.
@@ -717,6 +726,28 @@ nameservers = []
             "{}{}",
             String::from_utf8_lossy(&o.stdout),
             String::from_utf8_lossy(&o.stderr)
+        )
+    }
+
+    /// `docker run -d --name NAME --network NETWORK EXTRA… IMAGE CMD…` (not checked: a refused
+    /// container may fail to start at all).
+    pub fn start(&self, name: &str, extra: &[&str], cmd: &[&str]) -> Output {
+        self.d.docker(&start_args(name, extra, cmd))
+    }
+
+    /// [`Env::start`] that must succeed; the container's id.
+    pub fn start_ok(&self, name: &str, extra: &[&str], cmd: &[&str]) -> String {
+        self.d.docker_ok(&start_args(name, extra, cmd))
+    }
+
+    /// Wait for the agent's refusal event for container `name` whose reason contains `reason`.
+    pub fn wait_refused(&self, name: &str, reason: &str, timeout: Duration) -> bool {
+        self.wait_event(
+            |e| {
+                e["container"]["name"] == name
+                    && e["reason"].as_str().is_some_and(|r| r.contains(reason))
+            },
+            timeout,
         )
     }
 

@@ -28,12 +28,8 @@ fn get(host: &str, port: u16) -> String {
 /// Start a long-running labelled container on the test network and wait until it is enforced
 /// (from `create` and from `start`).
 fn run_labelled(env: &Env, name: &str, labels: &[&str]) {
-    let mut args = vec!["run", "-d", "--name", name, "--network", NETWORK];
-    for l in labels {
-        args.extend_from_slice(&["--label", l]);
-    }
-    args.extend_from_slice(&[IMAGE, "sleep", "600"]);
-    env.d.docker_ok(&args);
+    let args: Vec<&str> = labels.iter().flat_map(|l| ["--label", l]).collect();
+    env.start_ok(name, &args, &["sleep", "600"]);
     assert!(
         env.wait_enforced(name, 2),
         "{name} never enforced:\n{}",

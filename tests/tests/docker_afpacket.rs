@@ -123,6 +123,16 @@ fn loop_args(secs: &str, br_mac: &str, src: &str, marker: &str) -> Vec<String> {
     .collect()
 }
 
+/// Start an unlabelled long-running container and wait until the agent has classified it.
+fn start_classified(env: &Env, name: &str) {
+    env.start_ok(name, &[], &["sleep", "600"]);
+    assert!(
+        wait_classified(env, name, 1),
+        "{name} never classified:\n{}",
+        env.log()
+    );
+}
+
 /// `docker run --rm` with the probe as the container's entrypoint (its first instruction).
 fn run_sender(env: &Env, extra: &[&str], args: &[String]) -> String {
     let mut a: Vec<&str> = vec!["run", "--rm", "--network", NETWORK, "--ip", SENDER_IP];
@@ -251,22 +261,7 @@ fn afpacket_frames_from_the_first_instruction_never_arrive() {
     assert!(env.canary.count() > before, "unlabelled: nothing arrived");
 
     // A classified, running unlabelled container: every frame arrives, from the first one.
-    env.d.docker_ok(&[
-        "run",
-        "-d",
-        "--name",
-        "plain",
-        "--network",
-        NETWORK,
-        IMAGE,
-        "sleep",
-        "600",
-    ]);
-    assert!(
-        wait_classified(&env, "plain", 1),
-        "plain never classified:\n{}",
-        env.log()
-    );
+    start_classified(&env, "plain");
     let marker = egress_tests::marker("plain");
     let o = exec_sender(&env, "plain", &loop_args("0.2", &br_mac, "own", &marker));
     let got = sink.arrived(&marker);
@@ -288,22 +283,7 @@ fn agent_down_fails_closed_and_restart_reclassifies() {
     let mut env = Env::new(&[Path::new(env!("CARGO_BIN_EXE_egress-probe"))]);
     let sink = Sink::start(&env.d.netns, SINK);
     let br_mac = bridge_mac(&env);
-    env.d.docker_ok(&[
-        "run",
-        "-d",
-        "--name",
-        "plain",
-        "--network",
-        NETWORK,
-        IMAGE,
-        "sleep",
-        "600",
-    ]);
-    assert!(
-        wait_classified(&env, "plain", 1),
-        "plain never classified:\n{}",
-        env.log()
-    );
+    start_classified(&env, "plain");
     let all_arrive = |env: &Env, name: &str, what: &str| {
         let marker = egress_tests::marker(what);
         let o = exec_sender(env, name, &loop_args("0.2", &br_mac, "own", &marker));
@@ -332,17 +312,7 @@ fn agent_down_fails_closed_and_restart_reclassifies() {
         "the upstream container lost its network while the agent was down"
     );
     // ... and a container started meanwhile has none (fail closed), labelled or not.
-    env.d.docker_ok(&[
-        "run",
-        "-d",
-        "--name",
-        "late",
-        "--network",
-        NETWORK,
-        IMAGE,
-        "sleep",
-        "600",
-    ]);
+    env.start_ok("late", &[], &["sleep", "600"]);
     let marker = egress_tests::marker("late-down");
     let o = exec_sender(&env, "late", &loop_args("0.3", &br_mac, "own", &marker));
     assert!(

@@ -8,7 +8,7 @@
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
-use egress_tests::docker::{Env, IMAGE, NETWORK, SERIAL, require_root};
+use egress_tests::docker::{Env, SERIAL, require_root};
 
 fn env_new() -> Env {
     Env::new(&[])
@@ -57,19 +57,7 @@ fn start_to_enforced_and_memory() {
     let mut ids = Vec::new();
     for i in 0..n {
         let name = format!("bench-{i}");
-        ids.push(env.d.docker_ok(&[
-            "run",
-            "-d",
-            "--name",
-            &name,
-            "--network",
-            NETWORK,
-            "--label",
-            "egress.policy=web",
-            IMAGE,
-            "sleep",
-            "3600",
-        ]));
+        ids.push(env.start_ok(&name, &["--label", "egress.policy=web"], &["sleep", "3600"]));
     }
     let started = t0.elapsed();
     let last = format!("\"name\":\"bench-{}\"", n - 1);

@@ -13,7 +13,7 @@ use std::net::TcpStream;
 use std::time::{Duration, Instant};
 
 use egress_tests::docker::{
-    Env, IMAGE, NETWORK, PROXY, SERIAL, UPSTREAM_IP, cgroup2_mount, require_root, sh_ok,
+    Env, IMAGE, PROXY, SERIAL, UPSTREAM_IP, cgroup2_mount, require_root, sh_ok,
 };
 
 fn env_new() -> Env {
@@ -178,19 +178,11 @@ fn policies_labels_and_events() {
 
     // A second container can't use the first's policy: a deny_all container trying every
     // proxy listener directly gets nowhere.
-    env.d.docker_ok(&[
-        "run",
-        "-d",
-        "--name",
+    env.start_ok(
         "web-long",
-        "--network",
-        NETWORK,
-        "--label",
-        "egress.policy=web",
-        IMAGE,
-        "sleep",
-        "600",
-    ]);
+        &["--label", "egress.policy=web"],
+        &["sleep", "600"],
+    );
     assert!(env.wait_enforced("web-long", 2));
     let out = env.exec_out("web-long", "wget -q -O- -Y on http://allowed.test:8080/");
     assert!(
@@ -304,21 +296,11 @@ fn lifecycle_restarts_and_agent_failure() {
     }
     let _g = lock();
     let mut env = env_new();
-    env.d.docker_ok(&[
-        "run",
-        "-d",
-        "--name",
+    env.start_ok(
         "r1",
-        "--restart",
-        "always",
-        "--network",
-        NETWORK,
-        "--label",
-        "egress.policy=web",
-        IMAGE,
-        "sleep",
-        "3600",
-    ]);
+        &["--restart", "always", "--label", "egress.policy=web"],
+        &["sleep", "3600"],
+    );
     assert!(env.wait_enforced("r1", 2));
     let check = |env: &Env, what: &str| {
         let out = env.exec_out(
@@ -463,20 +445,11 @@ fn host_network_privileged_published_ports() {
     // --privileged opted in: refused (stopped) with an event. Where the test's root lacks a
     // capability (no CAP_SYS_RESOURCE here), runc can't even start it; the agent must still have
     // refused it from the `create` event.
-    let o = env.d.docker(&[
-        "run",
-        "-d",
-        "--name",
+    let o = env.start(
         "priv",
-        "--privileged",
-        "--network",
-        NETWORK,
-        "--label",
-        "egress.policy=web",
-        IMAGE,
-        "sleep",
-        "600",
-    ]);
+        &["--privileged", "--label", "egress.policy=web"],
+        &["sleep", "600"],
+    );
     if o.status.success() {
         assert!(
             env.wait_state("priv", "exited", Duration::from_secs(15)),
@@ -484,115 +457,66 @@ fn host_network_privileged_published_ports() {
         );
     }
     assert!(
-        env.wait_event(
-            |e| e["container"]["name"] == "priv"
-                && e["reason"]
-                    .as_str()
-                    .is_some_and(|r| r.contains("refused-unconfinable: privileged")),
+        env.wait_refused(
+            "priv",
+            "refused-unconfinable: privileged",
             Duration::from_secs(5)
         ),
         "no refusal event for the privileged container: {:?}",
         env.events()
     );
     // CAP_NET_ADMIN runs here: it must be stopped.
-    env.d.docker_ok(&[
-        "run",
-        "-d",
-        "--name",
+    env.start_ok(
         "netadmin",
-        "--cap-add",
-        "NET_ADMIN",
-        "--network",
-        NETWORK,
-        "--label",
-        "egress.policy=web",
-        IMAGE,
-        "sleep",
-        "600",
-    ]);
+        &["--cap-add", "NET_ADMIN", "--label", "egress.policy=web"],
+        &["sleep", "600"],
+    );
     assert!(
         env.wait_state("netadmin", "exited", Duration::from_secs(15)),
         "CAP_NET_ADMIN container still running"
     );
-    assert!(env.wait_event(
-        |e| {
-            e["container"]["name"] == "netadmin"
-                && e["reason"]
-                    .as_str()
-                    .is_some_and(|r| r.contains("cap-add NET_ADMIN"))
-        },
-        Duration::from_secs(5)
-    ));
+    assert!(env.wait_refused("netadmin", "cap-add NET_ADMIN", Duration::from_secs(5)));
     // Unlabelled privileged containers are not the agent's business.
-    env.d.docker_ok(&[
-        "run",
-        "-d",
-        "--name",
+    env.start_ok(
         "netadmin-unlabelled",
-        "--cap-add",
-        "NET_ADMIN",
-        "--network",
-        NETWORK,
-        IMAGE,
-        "sleep",
-        "600",
-    ]);
+        &["--cap-add", "NET_ADMIN"],
+        &["sleep", "600"],
+    );
     std::thread::sleep(Duration::from_secs(2));
     assert!(env.wait_state("netadmin-unlabelled", "running", Duration::from_secs(1)));
 
     // An opted-in container whose cgroup is outside the enforcement root: refused.
     let elsewhere = format!("/egress-test-{}-elsewhere", std::process::id());
-    let o = env.d.docker(&[
-        "run",
-        "-d",
-        "--name",
+    env.start_ok(
         "elsewhere",
-        "--cgroup-parent",
-        &elsewhere,
-        "--network",
-        NETWORK,
-        "--label",
-        "egress.policy=web",
-        IMAGE,
-        "sleep",
-        "600",
-    ]);
-    assert!(o.status.success(), "{o:?}");
+        &[
+            "--cgroup-parent",
+            &elsewhere,
+            "--label",
+            "egress.policy=web",
+        ],
+        &["sleep", "600"],
+    );
     assert!(
         env.wait_state("elsewhere", "exited", Duration::from_secs(15)),
         "container outside the root still running"
     );
-    assert!(env.wait_event(
-        |e| {
-            e["container"]["name"] == "elsewhere"
-                && e["reason"]
-                    .as_str()
-                    .is_some_and(|r| r.starts_with("refused-cgroup-parent"))
-        },
-        Duration::from_secs(5)
-    ));
+    assert!(env.wait_refused("elsewhere", "refused-cgroup-parent", Duration::from_secs(5)));
     env.d.docker_ok(&["rm", "-f", "elsewhere"]);
     for mount in egress_tests::docker::cgroup_mounts() {
         std::fs::remove_dir(mount.join(elsewhere.trim_start_matches('/'))).ok();
     }
 
     // Published port of an enforced (deny_all) container: inbound and replies work.
-    env.d.docker_ok(&[
-        "run",
-        "-d",
-        "--name",
+    env.start_ok(
         "pub",
-        "-p",
-        "18080:8080",
-        "--network",
-        NETWORK,
-        "--label",
-        "egress.policy=deny_all",
-        IMAGE,
-        "sh",
-        "-c",
-        "mkdir -p /www && echo hello-published > /www/index.html && exec httpd -f -p 8080 -h /www",
-    ]);
+        &["-p", "18080:8080", "--label", "egress.policy=deny_all"],
+        &[
+            "sh",
+            "-c",
+            "mkdir -p /www && echo hello-published > /www/index.html && exec httpd -f -p 8080 -h /www",
+        ],
+    );
     assert!(env.wait_enforced("pub", 2));
     let got = env.d.netns.run(|| {
         let deadline = Instant::now() + Duration::from_secs(10);
@@ -638,19 +562,11 @@ fn host_network_privileged_published_ports() {
          egress-test-rawsend eth0 {br_mac} $ip 198.18.0.1 9999 RAW-OWN; \
          egress-test-rawsend eth0 {br_mac} {upstream_ip} 198.18.0.1 9999 RAW-SPOOF"
     );
-    env.d.docker_ok(&[
-        "run",
-        "-d",
-        "--name",
+    env.start_ok(
         "rawer",
-        "--network",
-        NETWORK,
-        "--label",
-        "egress.policy=web",
-        IMAGE,
-        "sleep",
-        "600",
-    ]);
+        &["--label", "egress.policy=web"],
+        &["sleep", "600"],
+    );
     assert!(env.wait_enforced("rawer", 2));
     assert!(
         env.wait_log(
@@ -666,11 +582,7 @@ fn host_network_privileged_published_ports() {
         out.contains("SENT") || out.contains("SOCKET-DENIED"),
         "rawsend did not run: {out}"
     );
-    let mut got = Vec::new();
-    let mut buf = [0u8; 256];
-    while let Ok(n) = sink.recv(&mut buf) {
-        got.push(String::from_utf8_lossy(&buf[..n]).into_owned());
-    }
+    let mut got = drain(&sink);
     assert!(
         got.is_empty(),
         "AF_PACKET frames from an enforced container arrived: {got:?} ({out})"
@@ -679,9 +591,7 @@ fn host_network_privileged_published_ports() {
     // doesn't (this machine), the L2 guard on Docker's bridges drops frames of a container the
     // agent has not classified yet. Either way nothing may arrive.
     let out = env.run_out(&["--label", "egress.policy=web"], &script);
-    while let Ok(n) = sink.recv(&mut buf) {
-        got.push(String::from_utf8_lossy(&buf[..n]).into_owned());
-    }
+    got.extend(drain(&sink));
     assert!(
         got.is_empty(),
         "AF_PACKET frames from a just-started enforced container arrived: {got:?} ({out})"
@@ -692,10 +602,7 @@ fn host_network_privileged_published_ports() {
         &[],
         &format!("sleep 1; {}", script.replace("RAW-OWN", "RAW-CONTROL")),
     );
-    let mut got = Vec::new();
-    while let Ok(n) = sink.recv(&mut buf) {
-        got.push(String::from_utf8_lossy(&buf[..n]).into_owned());
-    }
+    let got = drain(&sink);
     assert!(
         got.iter().any(|g| g == "RAW-CONTROL"),
         "control frame did not arrive: {got:?} ({out})"
@@ -758,4 +665,14 @@ fn harness_leaves_no_trace() {
             left.display()
         );
     }
+}
+
+/// Every datagram `sink` receives until its read timeout passes with nothing new.
+fn drain(sink: &std::net::UdpSocket) -> Vec<String> {
+    let mut got = Vec::new();
+    let mut buf = [0u8; 256];
+    while let Ok(n) = sink.recv(&mut buf) {
+        got.push(String::from_utf8_lossy(&buf[..n]).into_owned());
+    }
+    got
 }

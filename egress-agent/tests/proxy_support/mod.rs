@@ -326,6 +326,24 @@ pub async fn read_response(s: &mut TcpStream, connect: bool) -> (Resp, Vec<u8>) 
     }
 }
 
+/// `GET http://{authority}{path}` (Host: `host`) on an open, possibly kept-alive connection;
+/// the response.
+pub async fn get_with_host(s: &mut TcpStream, authority: &str, path: &str, host: &str) -> Resp {
+    s.write_all(
+        format!("GET http://{authority}{path} HTTP/1.1\r\nHost: {host}\r\n\r\n").as_bytes(),
+    )
+    .await
+    .unwrap();
+    let (r, rest) = read_response(s, false).await;
+    assert!(rest.is_empty(), "bytes after the response");
+    r
+}
+
+/// [`get_with_host`] with a Host header that agrees with the URI.
+pub async fn get(s: &mut TcpStream, authority: &str, path: &str) -> Resp {
+    get_with_host(s, authority, path, authority).await
+}
+
 /// Send raw bytes on a fresh connection and read one response.
 pub async fn exchange(proxy: SocketAddr, raw: &[u8]) -> Resp {
     let mut s = TcpStream::connect(proxy).await.unwrap();
