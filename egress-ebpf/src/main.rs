@@ -366,25 +366,63 @@ fn proto_bit(sock_type: u32, protocol: u32) -> Option<(u32, u32)> {
     }
 }
 
-/// Verdict for an IPv4 destination that is not the proxy endpoint: CIDR rules, then own-netns
-/// loopback. Returns the denial reason on refusal.
+/// A destination address as the CIDR and loopback checks see it (network order).
+trait DstAddr {
+    fn cidr(&self, rules_id: u64, proto_bit: u32, port: u16) -> CidrVerdict;
+    fn is_local(&self) -> bool;
+    /// Docker's embedded resolver (127.0.0.11), which forwards to the host's resolvers.
+    fn is_docker_dns(&self) -> bool;
+}
+
+impl DstAddr for u32 {
+    #[inline(always)]
+    fn cidr(&self, rules_id: u64, proto_bit: u32, port: u16) -> CidrVerdict {
+        cidr4(rules_id, *self, proto_bit, port)
+    }
+    #[inline(always)]
+    fn is_local(&self) -> bool {
+        is_local4(*self)
+    }
+    #[inline(always)]
+    fn is_docker_dns(&self) -> bool {
+        is_docker_dns(*self)
+    }
+}
+
+impl DstAddr for [u32; 4] {
+    #[inline(always)]
+    fn cidr(&self, rules_id: u64, proto_bit: u32, port: u16) -> CidrVerdict {
+        cidr6(rules_id, self, proto_bit, port)
+    }
+    #[inline(always)]
+    fn is_local(&self) -> bool {
+        is_local6(self)
+    }
+    #[inline(always)]
+    fn is_docker_dns(&self) -> bool {
+        false
+    }
+}
+
+/// Verdict for a destination that is not the proxy endpoint (v4-mapped IPv6 already unmapped):
+/// CIDR rules, then own-netns loopback. Returns the denial reason on refusal.
 #[inline(always)]
-fn check_v4(
+fn check(
     p: &PolicyEntry,
-    addr_be: u32,
+    addr: &impl DstAddr,
     bit: u32,
     port: u16,
     netns_cookie: impl Fn() -> u64,
 ) -> Result<(), u32> {
     if p.mode == MODE_ALLOWLIST {
-        match cidr4(p.rules_id, addr_be, bit, port) {
+        match addr.cidr(p.rules_id, bit, port) {
             CidrVerdict::Allow => return Ok(()),
             CidrVerdict::Deny => return Err(REASON_DENY_CIDR),
             CidrVerdict::NoMatch => {}
         }
     }
-    if is_local4(addr_be) {
-        if is_docker_dns(addr_be) {
+    if addr.is_local() {
+        if addr.is_docker_dns() {
             return Err(REASON_NOT_ALLOWED);
         }
         if in_host_netns(netns_cookie()) {
@@ -395,32 +433,56 @@ fn check_v4(
     Err(REASON_NOT_ALLOWED)
 }
 
+/// The proxy endpoint rule of connect4, connect6 and v4-mapped connect6 (allowlist, TCP): a
+/// connect to the policy's endpoint is redirected to its listener (`rewrite`), one straight to
+/// the listener passes, and with no listener the endpoint is refused. `None`: none of these,
+/// go on with [`check`].
 #[inline(always)]
-fn check_v6(
-    p: &PolicyEntry,
-    addr: &[u32; 4],
-    bit: u32,
-    port: u16,
-    netns_cookie: impl Fn() -> u64,
-) -> Result<(), u32> {
-    if p.mode == MODE_ALLOWLIST {
-        match cidr6(p.rules_id, addr, bit, port) {
-            CidrVerdict::Allow => return Ok(()),
-            CidrVerdict::Deny => return Err(REASON_DENY_CIDR),
-            CidrVerdict::NoMatch => {}
-        }
+fn endpoint_verdict<A: PartialEq>(
+    (p, bit): (&PolicyEntry, u32),
+    dst_addr: &A,
+    port_be: u16,
+    (endpoint, endpoint_port): (&A, u16),
+    (listener, listener_port): (&A, u16),
+    (cg, hook, dst): (u64, u32, &Dst),
+    rewrite: impl FnOnce(),
+) -> Option<i32> {
+    if p.mode != MODE_ALLOWLIST || bit != PROTO_BIT_TCP {
+        return None;
     }
-    if is_local6(addr) {
-        if in_host_netns(netns_cookie()) {
-            return Err(REASON_HOST_LOOPBACK);
+    if dst_addr == endpoint && port_be == endpoint_port && endpoint_port != 0 {
+        if listener_port == 0 {
+            return Some(deny(cg, hook, REASON_NO_LISTENER, dst, true));
         }
-        return Ok(());
+        rewrite();
+        count(cg, C_PROXIED);
+        return Some(ALLOW);
     }
-    Err(REASON_NOT_ALLOWED)
+    if dst_addr == listener && port_be == listener_port && listener_port != 0 {
+        return Some(allow(cg));
+    }
+    None
 }
 
-// ---------------------------------------------------------------------------------------------
-// cgroup/connect4, cgroup/connect6
+/// [`endpoint_verdict`] for the policy's IPv4 endpoint (connect4 and v4-mapped connect6).
+#[inline(always)]
+fn endpoint4_verdict(
+    (p, bit): (&PolicyEntry, u32),
+    dst_addr: u32,
+    port_be: u16,
+    who: (u64, u32, &Dst),
+    rewrite: impl FnOnce(),
+) -> Option<i32> {
+    endpoint_verdict(
+        (p, bit),
+        &dst_addr,
+        port_be,
+        (&p.endpoint4_addr, p.endpoint4_port),
+        (&p.listener4_addr, p.listener4_port),
+        who,
+        rewrite,
+    )
+}
 
 /// The start shared by connect4 and connect6: the cgroup's policy (no entry: deny), `allow_all`,
 /// and the socket kind (only kernel TCP/UDP). `Ok` = (cgroup id, policy entry, protocol bit,
@@ -477,32 +539,20 @@ fn try_connect4(ctx: &SockAddrContext) -> Result<i32, i32> {
         };
     // SAFETY: map value pointer returned by a successful lookup.
     let p = unsafe { &*p };
-    if p.mode == MODE_ALLOWLIST && bit == PROTO_BIT_TCP {
-        if addr == p.endpoint4_addr && port_be == p.endpoint4_port && p.endpoint4_port != 0 {
-            if p.listener4_port == 0 {
-                return Ok(deny(
-                    cg,
-                    HOOK_CONNECT4,
-                    REASON_NO_LISTENER,
-                    &dst(proto),
-                    true,
-                ));
-            }
-            // SAFETY: user_ip4 and user_port are writable in connect4.
-            unsafe {
-                (*sa).user_ip4 = p.listener4_addr;
-                (*sa).user_port = p.listener4_port as u32;
-            }
-            count(cg, C_PROXIED);
-            return Ok(ALLOW);
+    let rewrite = || {
+        // SAFETY: user_ip4 and user_port are writable in connect4.
+        unsafe {
+            (*sa).user_ip4 = p.listener4_addr;
+            (*sa).user_port = p.listener4_port as u32;
         }
-        if addr == p.listener4_addr && port_be == p.listener4_port && p.listener4_port != 0 {
-            return Ok(allow(cg));
-        }
+    };
+    let who = (cg, HOOK_CONNECT4, &dst(proto));
+    if let Some(verdict) = endpoint4_verdict((p, bit), addr, port_be, who, rewrite) {
+        return Ok(verdict);
     }
     // SAFETY: ctx is a sock_addr context, for which bpf_get_netns_cookie is available (5.7).
     let cookie = || unsafe { bpf_get_netns_cookie(ctx.as_ptr()) };
-    match check_v4(p, addr, bit, port, cookie) {
+    match check(p, &addr, bit, port, cookie) {
         Ok(()) => Ok(allow(cg)),
         Err(reason) => Ok(deny(cg, HOOK_CONNECT4, reason, &dst(proto), true)),
     }
@@ -551,62 +601,44 @@ fn try_connect6(ctx: &SockAddrContext) -> Result<i32, i32> {
 
     // IPv4-mapped: treated exactly as the IPv4 address it maps.
     if let Some(v4) = unmap_v4(&addr) {
-        if p.mode == MODE_ALLOWLIST && bit == PROTO_BIT_TCP {
-            if v4 == p.endpoint4_addr && port_be == p.endpoint4_port && p.endpoint4_port != 0 {
-                if p.listener4_port == 0 {
-                    return Ok(deny(
-                        cg,
-                        HOOK_CONNECT6,
-                        REASON_NO_LISTENER,
-                        &dst(proto),
-                        true,
-                    ));
-                }
-                // SAFETY: user_ip6 and user_port are writable in connect6.
-                unsafe {
-                    (*sa).user_ip6[3] = p.listener4_addr;
-                    (*sa).user_port = p.listener4_port as u32;
-                }
-                count(cg, C_PROXIED);
-                return Ok(ALLOW);
+        let rewrite = || {
+            // SAFETY: user_ip6 and user_port are writable in connect6.
+            unsafe {
+                (*sa).user_ip6[3] = p.listener4_addr;
+                (*sa).user_port = p.listener4_port as u32;
             }
-            if v4 == p.listener4_addr && port_be == p.listener4_port && p.listener4_port != 0 {
-                return Ok(allow(cg));
-            }
+        };
+        let who = (cg, HOOK_CONNECT6, &dst(proto));
+        if let Some(verdict) = endpoint4_verdict((p, bit), v4, port_be, who, rewrite) {
+            return Ok(verdict);
         }
-        return match check_v4(p, v4, bit, port, cookie) {
+        return match check(p, &v4, bit, port, cookie) {
             Ok(()) => Ok(allow(cg)),
             Err(reason) => Ok(deny(cg, HOOK_CONNECT6, reason, &dst(proto), true)),
         };
     }
 
-    if p.mode == MODE_ALLOWLIST && bit == PROTO_BIT_TCP && p.flags & POLICY_FLAG_V6 != 0 {
-        if addr == p.endpoint6_addr && port_be == p.endpoint6_port && p.endpoint6_port != 0 {
-            if p.listener6_port == 0 {
-                return Ok(deny(
-                    cg,
-                    HOOK_CONNECT6,
-                    REASON_NO_LISTENER,
-                    &dst(proto),
-                    true,
-                ));
-            }
+    if p.flags & POLICY_FLAG_V6 != 0
+        && let Some(verdict) = endpoint_verdict(
+            (p, bit),
+            &addr,
+            port_be,
+            (&p.endpoint6_addr, p.endpoint6_port),
+            (&p.listener6_addr, p.listener6_port),
+            (cg, HOOK_CONNECT6, &dst(proto)),
             // SAFETY: user_ip6 and user_port are writable in connect6.
-            unsafe {
+            || unsafe {
                 (*sa).user_ip6[0] = p.listener6_addr[0];
                 (*sa).user_ip6[1] = p.listener6_addr[1];
                 (*sa).user_ip6[2] = p.listener6_addr[2];
                 (*sa).user_ip6[3] = p.listener6_addr[3];
                 (*sa).user_port = p.listener6_port as u32;
-            }
-            count(cg, C_PROXIED);
-            return Ok(ALLOW);
-        }
-        if addr == p.listener6_addr && port_be == p.listener6_port && p.listener6_port != 0 {
-            return Ok(allow(cg));
-        }
+            },
+        )
+    {
+        return Ok(verdict);
     }
-    match check_v6(p, &addr, bit, port, cookie) {
+    match check(p, &addr, bit, port, cookie) {
         Ok(()) => Ok(allow(cg)),
         Err(reason) => Ok(deny(cg, HOOK_CONNECT6, reason, &dst(proto), true)),
     }
@@ -671,11 +703,11 @@ fn try_sendmsg(ctx: &SockAddrContext, v6: bool) -> Result<i32, i32> {
     // SAFETY: sock_addr context.
     let cookie = || unsafe { bpf_get_netns_cookie(ctx.as_ptr()) };
     let verdict = if !v6 {
-        check_v4(p, addr[0], PROTO_BIT_UDP, port, cookie)
+        check(p, &addr[0], PROTO_BIT_UDP, port, cookie)
     } else if let Some(v4) = unmap_v4(&addr) {
-        check_v4(p, v4, PROTO_BIT_UDP, port, cookie)
+        check(p, &v4, PROTO_BIT_UDP, port, cookie)
     } else {
-        check_v6(p, &addr, PROTO_BIT_UDP, port, cookie)
+        check(p, &addr, PROTO_BIT_UDP, port, cookie)
     };
     match verdict {
         Ok(()) => Ok(allow(cg)),
@@ -855,7 +887,7 @@ fn try_skb(ctx: &SkBuffContext) -> Result<i32, i32> {
             let verdict = if proto as u32 == IPPROTO_UDP && ihl >= 20 && ihl <= 60 {
                 let dport: u16 = ctx.load(ihl + 2).map_err(|_| DENY)?;
                 port = u16::from_be(dport);
-                check_v4(p, daddr, PROTO_BIT_UDP, port, cookie)
+                check(p, &daddr, PROTO_BIT_UDP, port, cookie)
             } else {
                 Err(REASON_SOCKET_TYPE)
             };
@@ -881,7 +913,7 @@ fn try_skb(ctx: &SkBuffContext) -> Result<i32, i32> {
             let verdict = if next as u32 == IPPROTO_UDP {
                 let dport: u16 = ctx.load(42).map_err(|_| DENY)?;
                 port = u16::from_be(dport);
-                check_v6(p, &a, PROTO_BIT_UDP, port, cookie)
+                check(p, &a, PROTO_BIT_UDP, port, cookie)
             } else {
                 Err(REASON_SOCKET_TYPE)
             };

@@ -102,7 +102,8 @@ pub struct TestConfig {
 }
 
 impl TestConfig {
-    /// `[proxy] endpoint = 127.0.0.1:<free port>` plus `extra` TOML (policies).
+    /// `[proxy] endpoint = 127.0.0.1:<free port>` plus `extra` TOML (policies; keys before its
+    /// first table header still belong to `[proxy]`).
     pub fn new(extra: &str) -> TestConfig {
         let dir = std::env::temp_dir().join(format!(
             "egress-tests-{}-{}",

@@ -83,6 +83,21 @@ fn proxy_endpoint_is_rewritten_to_the_policy_listener() {
         canary.wait_for(&m, Duration::from_secs(3)),
         "tunnelled bytes did not arrive"
     );
+    // The same endpoint from an IPv6 socket (v4-mapped): connect6 rewrites it the same way.
+    let m = marker("via-proxy-mapped");
+    let out = probe_exec(
+        "pos-allow",
+        Some(&cfg.path),
+        &["http-connect", "::ffff:127.0.0.1", &ep, &target, &m],
+    );
+    assert!(
+        out.ok,
+        "CONNECT through the v4-mapped endpoint failed: {out:?}"
+    );
+    assert!(
+        canary.wait_for(&m, Duration::from_secs(3)),
+        "tunnelled bytes (v4-mapped endpoint) did not arrive"
+    );
     // Outside the cgroup the endpoint is just a closed port (no rewrite).
     let outside = probe_outside(&[
         "http-connect",
@@ -110,6 +125,43 @@ fn proxy_endpoint_is_rewritten_to_the_policy_listener() {
     assert!(
         !denied.ok,
         "proxy tunnelled to a destination the policy does not allow: {denied:?}"
+    );
+}
+
+#[test]
+fn ipv6_proxy_endpoint_is_rewritten_to_the_policy_v6_listener() {
+    if !root_or_skip("kernel positive: IPv6 proxy endpoint") {
+        return;
+    }
+    let ns = Netns::new();
+    let canary = Canary::in_netns(&ns, &[ALLOWED], &[]);
+    // A port nothing listens on, as for the v4 endpoint.
+    let ep6 = std::net::TcpListener::bind("[::1]:0")
+        .and_then(|l| l.local_addr())
+        .expect("IPv6 loopback")
+        .port();
+    let cfg = TestConfig::new(&format!(
+        "endpoint_v6 = \"[::1]:{ep6}\"\n\n\
+         [policies.pos-allow]\nmode = \"allowlist\"\nallow_hosts = [\"example.com\"]\n\
+         allow_cidrs = [{{ cidr = \"198.19.0.0/16\", ports = [{ALLOWED}] }}]\n"
+    ));
+    let ep6 = ep6.to_string();
+    let target = format!("{}:{ALLOWED}", ns.ns_v4_alt);
+    let m = marker("via-proxy-v6");
+    let out = probe_exec(
+        "pos-allow",
+        Some(&cfg.path),
+        &["http-connect", "::1", &ep6, &target, &m],
+    );
+    assert!(out.ok, "CONNECT through the IPv6 endpoint failed: {out:?}");
+    assert!(
+        canary.wait_for(&m, Duration::from_secs(3)),
+        "tunnelled bytes (IPv6 endpoint) did not arrive"
+    );
+    let outside = probe_outside(&["http-connect", "::1", &ep6, &target, &marker("ep6-outside")]);
+    assert!(
+        !outside.ok,
+        "IPv6 endpoint port answered outside the cgroup: {outside:?}"
     );
 }
 
