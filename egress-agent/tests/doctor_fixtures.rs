@@ -70,6 +70,13 @@ fn expect(r: &Report, id: &str, status: Status, needle: &str) {
     );
 }
 
+/// [`expect`] for each `(id, status, needle)` row.
+fn expect_all(r: &Report, rows: &[(&str, Status, &str)]) {
+    for &(id, status, needle) in rows {
+        expect(r, id, status, needle);
+    }
+}
+
 fn good_host(root: &Root) {
     let bpf = root.path("bpf");
     root.write(
@@ -175,63 +182,57 @@ async fn good_host_statuses() {
 
     let r = doctor::run_async(opts).await;
     println!("{}", r.to_text());
-    expect(&r, "kernel.cgroup2", Status::Pass, "/sys/fs/cgroup");
-    expect(&r, "kernel.btf", Status::Pass, "kernel BTF");
-    expect(
+    expect_all(
         &r,
-        "kernel.bpf_lsm",
-        Status::Pass,
-        "active LSMs: lockdown,capability,landlock,bpf",
-    );
-    expect(&r, "kernel.cgroup_bpf", Status::Pass, "CONFIG_CGROUP_BPF=y");
-    expect(&r, "kernel.nf_tables", Status::Pass, "module loaded");
-    expect(&r, "kernel.unprivileged_bpf", Status::Pass, "=2");
-    expect(&r, "bpf.bpffs", Status::Pass, "bpffs mounted");
-    expect(
-        &r,
-        "bpf.pinned",
-        Status::Pass,
-        "2 program links on 1 enforcement root(s) and 2 maps",
-    );
-    expect(
-        &r,
-        "proxy.listening",
-        Status::Pass,
-        "1 configured listeners accept",
-    );
-    expect(&r, "docker.reachable", Status::Pass, "Docker 27.3.1");
-    expect(
-        &r,
-        "docker.cgroup_driver",
-        Status::Pass,
-        "cgroupfs, cgroup v2",
+        &[
+            ("kernel.cgroup2", Status::Pass, "/sys/fs/cgroup"),
+            ("kernel.btf", Status::Pass, "kernel BTF"),
+            (
+                "kernel.bpf_lsm",
+                Status::Pass,
+                "active LSMs: lockdown,capability,landlock,bpf",
+            ),
+            ("kernel.cgroup_bpf", Status::Pass, "CONFIG_CGROUP_BPF=y"),
+            ("kernel.nf_tables", Status::Pass, "module loaded"),
+            ("kernel.unprivileged_bpf", Status::Pass, "=2"),
+            ("bpf.bpffs", Status::Pass, "bpffs mounted"),
+            (
+                "bpf.pinned",
+                Status::Pass,
+                "2 program links on 1 enforcement root(s) and 2 maps",
+            ),
+            (
+                "proxy.listening",
+                Status::Pass,
+                "1 configured listeners accept",
+            ),
+            ("docker.reachable", Status::Pass, "Docker 27.3.1"),
+            ("docker.cgroup_driver", Status::Pass, "cgroupfs, cgroup v2"),
+        ],
     );
     // daemon.json drops NET_RAW by default, but the privileged container has every capability.
-    expect(
+    expect_all(
         &r,
-        "docker.net_raw",
-        Status::Warn,
-        "1 of 2 running containers have it: dind",
+        &[
+            (
+                "docker.net_raw",
+                Status::Warn,
+                "1 of 2 running containers have it: dind",
+            ),
+            (
+                "docker.privileged",
+                Status::Warn,
+                "1 running container(s) can detach",
+            ),
+            ("nft.agent_table", Status::Skip, "netlink queries disabled"),
+            (
+                "host.firewall_input",
+                Status::Skip,
+                "can't read the firewall",
+            ),
+            ("host.ip_forward", Status::Pass, "disabled"),
+        ],
     );
-    expect(
-        &r,
-        "docker.privileged",
-        Status::Warn,
-        "1 running container(s) can detach",
-    );
-    expect(
-        &r,
-        "nft.agent_table",
-        Status::Skip,
-        "netlink queries disabled",
-    );
-    expect(
-        &r,
-        "host.firewall_input",
-        Status::Skip,
-        "can't read the firewall",
-    );
-    expect(&r, "host.ip_forward", Status::Pass, "disabled");
     assert_eq!(r.exit_code(), 0);
 }
 
@@ -256,32 +257,26 @@ async fn weak_host_statuses() {
 
     let r = doctor::run_async(opts).await;
     println!("{}", r.to_text());
-    expect(&r, "kernel.cgroup2", Status::Fail, "no cgroup2 mount");
-    expect(&r, "kernel.btf", Status::Fail, "no kernel BTF");
-    expect(&r, "kernel.bpf_lsm", Status::Warn, "lsm=yama,apparmor");
-    expect(
+    expect_all(
         &r,
-        "kernel.cgroup_bpf",
-        Status::Fail,
-        "without CONFIG_CGROUP_BPF",
-    );
-    expect(&r, "kernel.nf_tables", Status::Fail, "no nf_tables");
-    expect(&r, "kernel.unprivileged_bpf", Status::Warn, "allowed");
-    expect(&r, "bpf.bpffs", Status::Warn, "no bpffs mounted");
-    expect(&r, "bpf.pinned", Status::Fail, "no program links");
-    expect(&r, "proxy.listening", Status::Fail, "refuse connections");
-    expect(&r, "docker.reachable", Status::Skip, "no Docker socket");
-    expect(
-        &r,
-        "docker.privileged",
-        Status::Skip,
-        "Docker not reachable",
-    );
-    expect(
-        &r,
-        "host.ip_forward",
-        Status::Warn,
-        "forward policy unknown",
+        &[
+            ("kernel.cgroup2", Status::Fail, "no cgroup2 mount"),
+            ("kernel.btf", Status::Fail, "no kernel BTF"),
+            ("kernel.bpf_lsm", Status::Warn, "lsm=yama,apparmor"),
+            (
+                "kernel.cgroup_bpf",
+                Status::Fail,
+                "without CONFIG_CGROUP_BPF",
+            ),
+            ("kernel.nf_tables", Status::Fail, "no nf_tables"),
+            ("kernel.unprivileged_bpf", Status::Warn, "allowed"),
+            ("bpf.bpffs", Status::Warn, "no bpffs mounted"),
+            ("bpf.pinned", Status::Fail, "no program links"),
+            ("proxy.listening", Status::Fail, "refuse connections"),
+            ("docker.reachable", Status::Skip, "no Docker socket"),
+            ("docker.privileged", Status::Skip, "Docker not reachable"),
+            ("host.ip_forward", Status::Warn, "forward policy unknown"),
+        ],
     );
     assert_eq!(r.exit_code(), 1);
     assert!(
@@ -392,23 +387,17 @@ fn legacy_iptables_policies_through_the_tool() {
     opts.tool_path = Some(bin.into_os_string());
     let r = doctor::run(opts);
     println!("{}", r.to_text());
-    expect(
+    expect_all(
         &r,
-        "host.firewall_input",
-        Status::Warn,
-        "accepts IPv6 (iptables-legacy filter INPUT policy drop; ip6tables-legacy filter INPUT policy accept",
-    );
-    expect(
-        &r,
-        "host.firewall_forward",
-        Status::Pass,
-        "drops IPv4 and IPv6",
-    );
-    expect(
-        &r,
-        "host.ip_forward",
-        Status::Pass,
-        "IPv4 forwarding enabled",
+        &[
+            (
+                "host.firewall_input",
+                Status::Warn,
+                "accepts IPv6 (iptables-legacy filter INPUT policy drop; ip6tables-legacy filter INPUT policy accept",
+            ),
+            ("host.firewall_forward", Status::Pass, "drops IPv4 and IPv6"),
+            ("host.ip_forward", Status::Pass, "IPv4 forwarding enabled"),
+        ],
     );
 }
 

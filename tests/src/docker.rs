@@ -20,43 +20,11 @@ use std::time::{Duration, Instant};
 /// Docker tests share one fixed subnet and socket naming; run them one at a time per process.
 pub static SERIAL: Mutex<()> = Mutex::new(());
 
-pub use crate::is_root;
+pub use crate::{is_root, sh, sh_quiet as sh_ok};
 
-/// `true` when the test may run; prints the skip reason otherwise (straight to the stderr fd:
-/// libtest's capture only intercepts `eprintln!`, and the reason must show in a normal run).
+/// `true` when the test may run; prints the skip reason otherwise.
 pub fn require_root() -> bool {
-    if is_root() {
-        true
-    } else {
-        std::io::stderr().write_all(b"skipping: needs root\n").ok();
-        false
-    }
-}
-
-/// Run a shell command; panic with its output on failure. Returns stdout.
-pub fn sh(cmd: &str) -> String {
-    let out = Command::new("bash")
-        .args(["-c", cmd])
-        .output()
-        .expect("spawn bash");
-    assert!(
-        out.status.success(),
-        "`{cmd}` failed ({}):\n{}{}",
-        out.status,
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8_lossy(&out.stdout).into_owned()
-}
-
-/// Run a shell command; return whether it succeeded.
-pub fn sh_ok(cmd: &str) -> bool {
-    Command::new("bash")
-        .args(["-c", cmd])
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .status()
-        .is_ok_and(|s| s.success())
+    crate::root_or_skip("docker")
 }
 
 /// A named network namespace (`ip netns add`), deleted on drop.

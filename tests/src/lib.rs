@@ -3,12 +3,14 @@
 //!
 //! - [`netns`]: a network namespace + veth pair on a TEST-NET range, removed on drop.
 //! - [`canary`]: TCP/UDP listeners and an AF_PACKET capture that record what *arrived*.
+//! - [`packet`]: hand-made Ethernet/IPv4/UDP frames sent through AF_PACKET.
 //! - [`agent`]: locating the built `egress-agent` / `egress-probe` binaries, running the probe
 //!   inside or outside `egress-agent exec`, test config files, attached-program counts.
 pub mod agent;
 pub mod bpf;
 pub mod canary;
 pub mod netns;
+pub mod packet;
 
 /// Is the effective user root?
 pub fn is_root() -> bool {
@@ -31,12 +33,12 @@ pub fn root_or_skip(group: &str) -> bool {
     }
 }
 
-/// Run a command line through `sh -c`; panic with its output on failure; return stdout.
+/// Run a command line through `bash -c`; panic with its output on failure; return stdout.
 pub fn sh(cmd: &str) -> String {
-    let out = std::process::Command::new("sh")
+    let out = std::process::Command::new("bash")
         .args(["-c", cmd])
         .output()
-        .expect("spawn sh");
+        .expect("spawn bash");
     assert!(
         out.status.success(),
         "`{cmd}` failed ({}):\n{}{}",
@@ -47,9 +49,9 @@ pub fn sh(cmd: &str) -> String {
     String::from_utf8_lossy(&out.stdout).into_owned()
 }
 
-/// Run a command line through `sh -c`, ignoring failure (cleanup paths).
+/// Run a command line through `bash -c` with its output discarded; whether it succeeded.
 pub fn sh_quiet(cmd: &str) -> bool {
-    std::process::Command::new("sh")
+    std::process::Command::new("bash")
         .args(["-c", cmd])
         .stdout(std::process::Stdio::null())
         .stderr(std::process::Stdio::null())

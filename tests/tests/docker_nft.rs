@@ -9,6 +9,7 @@
 //! ```
 use std::io::{Read, Write};
 use std::net::{Ipv4Addr, SocketAddr, SocketAddrV4, TcpListener, TcpStream, UdpSocket};
+use std::os::fd::AsFd;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
@@ -16,6 +17,7 @@ use std::time::Duration;
 use egress_agent::config::CidrRule;
 use egress_agent::nft::{self, Endpoint, Enforced, Ruleset};
 use egress_tests::docker::{NetNs, require_root, sh};
+use egress_tests::packet::{ethernet_ipv4_udp, packet_socket, send_frame};
 
 const PROXY: Ipv4Addr = Ipv4Addr::new(169, 254, 100, 1);
 const C1_MAC: [u8; 6] = [0x02, 0, 0, 0, 1, 2];
@@ -147,83 +149,16 @@ fn reach(ns: &NetNs, addr: &str) -> bool {
     })
 }
 
-fn ifindex(name: &str) -> i32 {
-    nix::net::if_::if_nametoindex(name).expect("ifindex") as i32
-}
-
-fn checksum(data: &[u8]) -> u16 {
-    let mut sum: u32 = 0;
-    for c in data.chunks(2) {
-        let w = if c.len() == 2 {
-            u16::from_be_bytes([c[0], c[1]])
-        } else {
-            u16::from(c[0]) << 8
-        };
-        sum += u32::from(w);
-    }
-    while sum > 0xffff {
-        sum = (sum & 0xffff) + (sum >> 16);
-    }
-    !(sum as u16)
-}
-
 /// Send one hand-made Ethernet/IPv4/UDP frame with AF_PACKET from `ns`'s eth0: what the cgroup
 /// hooks can't see.
 fn send_raw_udp(ns: &NetNs, src_mac: [u8; 6], dst_mac: [u8; 6], src: Ipv4Addr, dst: SocketAddrV4) {
-    let mut frame = Vec::new();
-    frame.extend_from_slice(&dst_mac);
-    frame.extend_from_slice(&src_mac);
-    frame.extend_from_slice(&0x0800u16.to_be_bytes());
-    let payload = b"exfiltrated";
-    let udp_len = 8 + payload.len() as u16;
-    let mut ip = vec![0x45, 0, 0, 0, 0, 1, 0x40, 0, 64, 17, 0, 0];
-    ip[2..4].copy_from_slice(&(20 + udp_len).to_be_bytes());
-    ip.extend_from_slice(&src.octets());
-    ip.extend_from_slice(&dst.ip().octets());
-    let c = checksum(&ip);
-    ip[10..12].copy_from_slice(&c.to_be_bytes());
-    frame.extend_from_slice(&ip);
-    frame.extend_from_slice(&40000u16.to_be_bytes());
-    frame.extend_from_slice(&dst.port().to_be_bytes());
-    frame.extend_from_slice(&udp_len.to_be_bytes());
-    frame.extend_from_slice(&[0, 0]);
-    frame.extend_from_slice(payload);
+    let frame = ethernet_ipv4_udp(dst_mac, src_mac, src, *dst.ip(), dst.port(), b"exfiltrated");
     ns.run(|| {
-        let idx = ifindex("eth0");
-        // SAFETY: plain libc calls with a correctly sized sockaddr_ll and a live buffer.
-        unsafe {
-            let fd = libc::socket(
-                libc::AF_PACKET,
-                libc::SOCK_RAW,
-                i32::from((libc::ETH_P_ALL as u16).to_be()),
-            );
-            assert!(
-                fd >= 0,
-                "AF_PACKET socket: {}",
-                std::io::Error::last_os_error()
-            );
-            let mut sll: libc::sockaddr_ll = std::mem::zeroed();
-            sll.sll_family = libc::AF_PACKET as u16;
-            sll.sll_ifindex = idx;
-            sll.sll_halen = 6;
-            sll.sll_addr[..6].copy_from_slice(&dst_mac);
-            for _ in 0..3 {
-                let n = libc::sendto(
-                    fd,
-                    frame.as_ptr().cast(),
-                    frame.len(),
-                    0,
-                    (&raw const sll).cast(),
-                    std::mem::size_of::<libc::sockaddr_ll>() as u32,
-                );
-                assert_eq!(
-                    n,
-                    frame.len() as isize,
-                    "sendto: {}",
-                    std::io::Error::last_os_error()
-                );
-            }
-            libc::close(fd);
+        let eth0 = nix::net::if_::if_nametoindex("eth0").expect("ifindex");
+        let fd = packet_socket().expect("AF_PACKET socket");
+        for _ in 0..3 {
+            let n = send_frame(fd.as_fd(), eth0, dst_mac, &frame).expect("sendto");
+            assert_eq!(n, frame.len(), "short send");
         }
     });
 }

@@ -35,7 +35,11 @@ use std::ffi::CString;
 use std::io::{self, Read, Write};
 use std::mem::{size_of, zeroed};
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, TcpListener, TcpStream, UdpSocket};
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::os::fd::{AsFd, AsRawFd, FromRawFd, OwnedFd, RawFd};
+
+use egress_tests::packet::{
+    checksum, ethernet_ipv4_udp, ipv4_udp, packet_socket, parse_mac, send_frame,
+};
 use std::time::Duration;
 
 fn main() {
@@ -163,42 +167,6 @@ fn iface_index(name: &str) -> io::Result<u32> {
     } else {
         Ok(idx)
     }
-}
-
-fn checksum(data: &[u8]) -> u16 {
-    let mut sum: u32 = 0;
-    for chunk in data.chunks(2) {
-        let word = if chunk.len() == 2 {
-            u16::from_be_bytes([chunk[0], chunk[1]])
-        } else {
-            u16::from_be_bytes([chunk[0], 0])
-        };
-        sum += u32::from(word);
-    }
-    while sum >> 16 != 0 {
-        sum = (sum & 0xffff) + (sum >> 16);
-    }
-    !(sum as u16)
-}
-
-/// IPv4 header + UDP datagram carrying `payload`.
-fn ipv4_udp(src: Ipv4Addr, dst: Ipv4Addr, dport: u16, payload: &[u8]) -> Vec<u8> {
-    let udp_len = 8 + payload.len();
-    let total = 20 + udp_len;
-    let mut p = vec![0u8; total];
-    p[0] = 0x45;
-    p[2..4].copy_from_slice(&(total as u16).to_be_bytes());
-    p[8] = 64;
-    p[9] = libc::IPPROTO_UDP as u8;
-    p[12..16].copy_from_slice(&src.octets());
-    p[16..20].copy_from_slice(&dst.octets());
-    let c = checksum(&p[..20]);
-    p[10..12].copy_from_slice(&c.to_be_bytes());
-    p[20..22].copy_from_slice(&40000u16.to_be_bytes());
-    p[22..24].copy_from_slice(&dport.to_be_bytes());
-    p[24..26].copy_from_slice(&(udp_len as u16).to_be_bytes());
-    p[28..].copy_from_slice(payload);
-    p
 }
 
 /// A TCP SYN segment (no IP header) carrying `payload`, checksummed for src/dst.
@@ -356,36 +324,16 @@ fn run(args: &[String]) -> io::Result<()> {
                 return Err(io::Error::other("v4 only"));
             };
             let p = port(arg(args, 3)?)?;
-            let fd = socket(
-                libc::AF_PACKET,
-                libc::SOCK_RAW,
-                i32::from((libc::ETH_P_ALL as u16).to_be()),
-            )?;
-            let mut frame = vec![0xffu8; 6];
-            frame.extend_from_slice(&[0x02, 0, 0, 0, 0, 1]);
-            frame.extend_from_slice(&(libc::ETH_P_IP as u16).to_be_bytes());
-            frame.extend_from_slice(&ipv4_udp(
+            let fd = packet_socket()?;
+            let frame = ethernet_ipv4_udp(
+                [0xff; 6],
+                [0x02, 0, 0, 0, 0, 1],
                 Ipv4Addr::new(198, 18, 255, 254),
                 dst,
                 p,
                 arg(args, 4)?.as_bytes(),
-            ));
-            let mut sll: libc::sockaddr_ll = unsafe { zeroed() };
-            sll.sll_family = libc::AF_PACKET as u16;
-            sll.sll_ifindex = ifindex as i32;
-            sll.sll_halen = 6;
-            sll.sll_addr[..6].copy_from_slice(&[0xff; 6]);
-            cvt_l(unsafe {
-                libc::sendto(
-                    fd.as_raw_fd(),
-                    frame.as_ptr().cast(),
-                    frame.len(),
-                    0,
-                    (&raw const sll).cast(),
-                    size_of::<libc::sockaddr_ll>() as u32,
-                )
-            })
-            .map(drop)
+            );
+            send_frame(fd.as_fd(), ifindex, [0xff; 6], &frame).map(drop)
         }
         "packet-loop" => packet_loop(args),
         "http-connect" => {
@@ -512,18 +460,6 @@ fn uring_sendto(a: IpAddr, p: u16, marker: &str) -> io::Result<()> {
     Ok(())
 }
 
-fn parse_mac(s: &str) -> io::Result<[u8; 6]> {
-    let mut m = [0u8; 6];
-    let mut it = s.trim().split(':');
-    for b in &mut m {
-        *b = it
-            .next()
-            .and_then(|x| u8::from_str_radix(x, 16).ok())
-            .ok_or_else(|| io::Error::other(format!("bad MAC {s}")))?;
-    }
-    Ok(m)
-}
-
 /// The IPv4 address of `iface` (SIOCGIFADDR).
 fn iface_v4(iface: &str) -> io::Result<Ipv4Addr> {
     let fd = socket(libc::AF_INET, libc::SOCK_DGRAM, 0)?;
@@ -565,35 +501,14 @@ fn packet_loop(args: &[String]) -> io::Result<()> {
                 }
             };
             if fd.is_none() {
-                fd = Some(socket(
-                    libc::AF_PACKET,
-                    libc::SOCK_RAW,
-                    i32::from((libc::ETH_P_ALL as u16).to_be()),
-                )?);
+                fd = Some(packet_socket()?);
             }
             let Some(f) = fd.as_ref() else {
                 return Err(io::Error::other("no socket"));
             };
-            let mut frame = dst_mac.to_vec();
-            frame.extend_from_slice(&src_mac);
-            frame.extend_from_slice(&(libc::ETH_P_IP as u16).to_be_bytes());
-            frame.extend_from_slice(&ipv4_udp(src, dst, p, format!("{marker}-{seq}").as_bytes()));
-            let mut sll: libc::sockaddr_ll = unsafe { zeroed() };
-            sll.sll_family = libc::AF_PACKET as u16;
-            sll.sll_ifindex = ifindex as i32;
-            sll.sll_halen = 6;
-            sll.sll_addr[..6].copy_from_slice(&dst_mac);
-            cvt_l(unsafe {
-                libc::sendto(
-                    f.as_raw_fd(),
-                    frame.as_ptr().cast(),
-                    frame.len(),
-                    0,
-                    (&raw const sll).cast(),
-                    size_of::<libc::sockaddr_ll>() as u32,
-                )
-            })
-            .map(drop)
+            let payload = format!("{marker}-{seq}");
+            let frame = ethernet_ipv4_udp(dst_mac, src_mac, src, dst, p, payload.as_bytes());
+            send_frame(f.as_fd(), ifindex, dst_mac, &frame).map(drop)
         })();
         match attempt {
             Ok(()) => sent += 1,
