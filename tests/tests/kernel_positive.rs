@@ -60,6 +60,23 @@ fn allow_cidrs_destination_is_reachable() {
     }
 }
 
+/// A CONNECT from `pos-allow` to the endpoint `ip:port` tunnels to `target` (the bytes arrive).
+/// Nothing listens on an endpoint port: only the kernel's rewrite to the policy's in-process
+/// listener can make it succeed.
+fn tunnels_via(cfg: &TestConfig, canary: &Canary, ip: &str, port: &str, target: &str) {
+    let m = marker(&format!("via-{ip}"));
+    let out = probe_exec(
+        "pos-allow",
+        Some(&cfg.path),
+        &["http-connect", ip, port, target, &m],
+    );
+    assert!(out.ok, "CONNECT through the endpoint {ip} failed: {out:?}");
+    assert!(
+        canary.wait_for(&m, Duration::from_secs(3)),
+        "tunnelled bytes (endpoint {ip}) did not arrive"
+    );
+}
+
 #[test]
 fn proxy_endpoint_is_rewritten_to_the_policy_listener() {
     if !root_or_skip("kernel positive: proxy endpoint") {
@@ -68,36 +85,11 @@ fn proxy_endpoint_is_rewritten_to_the_policy_listener() {
     let ns = Netns::new();
     let canary = Canary::in_netns(&ns, &[ALLOWED], &[]);
     let cfg = allowlist_config();
-    let m = marker("via-proxy");
     let target = format!("{}:{ALLOWED}", ns.ns_v4_alt);
     let ep = cfg.endpoint_port.to_string();
-    // Nothing listens on the endpoint port: only the kernel's rewrite to this policy's in-process
-    // listener can make this CONNECT succeed.
-    let out = probe_exec(
-        "pos-allow",
-        Some(&cfg.path),
-        &["http-connect", "127.0.0.1", &ep, &target, &m],
-    );
-    assert!(out.ok, "CONNECT through the endpoint failed: {out:?}");
-    assert!(
-        canary.wait_for(&m, Duration::from_secs(3)),
-        "tunnelled bytes did not arrive"
-    );
+    tunnels_via(&cfg, &canary, "127.0.0.1", &ep, &target);
     // The same endpoint from an IPv6 socket (v4-mapped): connect6 rewrites it the same way.
-    let m = marker("via-proxy-mapped");
-    let out = probe_exec(
-        "pos-allow",
-        Some(&cfg.path),
-        &["http-connect", "::ffff:127.0.0.1", &ep, &target, &m],
-    );
-    assert!(
-        out.ok,
-        "CONNECT through the v4-mapped endpoint failed: {out:?}"
-    );
-    assert!(
-        canary.wait_for(&m, Duration::from_secs(3)),
-        "tunnelled bytes (v4-mapped endpoint) did not arrive"
-    );
+    tunnels_via(&cfg, &canary, "::ffff:127.0.0.1", &ep, &target);
     // Outside the cgroup the endpoint is just a closed port (no rewrite).
     let outside = probe_outside(&[
         "http-connect",
@@ -147,17 +139,7 @@ fn ipv6_proxy_endpoint_is_rewritten_to_the_policy_v6_listener() {
     ));
     let ep6 = ep6.to_string();
     let target = format!("{}:{ALLOWED}", ns.ns_v4_alt);
-    let m = marker("via-proxy-v6");
-    let out = probe_exec(
-        "pos-allow",
-        Some(&cfg.path),
-        &["http-connect", "::1", &ep6, &target, &m],
-    );
-    assert!(out.ok, "CONNECT through the IPv6 endpoint failed: {out:?}");
-    assert!(
-        canary.wait_for(&m, Duration::from_secs(3)),
-        "tunnelled bytes (IPv6 endpoint) did not arrive"
-    );
+    tunnels_via(&cfg, &canary, "::1", &ep6, &target);
     let outside = probe_outside(&["http-connect", "::1", &ep6, &target, &marker("ep6-outside")]);
     assert!(
         !outside.ok,
