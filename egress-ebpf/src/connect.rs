@@ -1,0 +1,226 @@
+//! `cgroup/connect4`, `cgroup/connect6`: TCP and connected UDP, and the proxy endpoint rewrite.
+
+use crate::addr::{check, proto_bit, unmap_v4};
+use crate::policy::policy_of_current;
+use crate::report::{C_PROXIED, Dst, allow, count, deny};
+use crate::{AF_INET, AF_INET6, ALLOW, DENY};
+use aya_ebpf::EbpfContext;
+use aya_ebpf::bindings::bpf_sock_addr;
+use aya_ebpf::helpers::generated::bpf_get_netns_cookie;
+use aya_ebpf::macros::cgroup_sock_addr;
+use aya_ebpf::programs::SockAddrContext;
+use egress_common::{
+    HOOK_CONNECT4, HOOK_CONNECT6, MODE_ALLOW_ALL, MODE_ALLOWLIST, POLICY_FLAG_V6, PROTO_BIT_TCP,
+    PolicyEntry, REASON_NO_LISTENER, REASON_NO_POLICY, REASON_SOCKET_TYPE,
+};
+
+/// The proxy endpoint rule of connect4, connect6 and v4-mapped connect6 (allowlist, TCP): a
+/// connect to the policy's endpoint is redirected to its listener (`rewrite`), one straight to
+/// the listener passes, and with no listener the endpoint is refused. `None`: none of these,
+/// go on with [`check`].
+#[inline(always)]
+pub(crate) fn endpoint_verdict<A: PartialEq>(
+    (p, bit): (&PolicyEntry, u32),
+    dst_addr: &A,
+    port_be: u16,
+    (endpoint, endpoint_port): (&A, u16),
+    (listener, listener_port): (&A, u16),
+    (cg, hook, dst): (u64, u32, &Dst),
+    rewrite: impl FnOnce(),
+) -> Option<i32> {
+    if p.mode != MODE_ALLOWLIST || bit != PROTO_BIT_TCP {
+        return None;
+    }
+    if dst_addr == endpoint && port_be == endpoint_port && endpoint_port != 0 {
+        if listener_port == 0 {
+            return Some(deny(cg, hook, REASON_NO_LISTENER, dst, true));
+        }
+        rewrite();
+        count(cg, C_PROXIED);
+        return Some(ALLOW);
+    }
+    if dst_addr == listener && port_be == listener_port && listener_port != 0 {
+        return Some(allow(cg));
+    }
+    None
+}
+
+/// [`endpoint_verdict`] for the policy's IPv4 endpoint (connect4 and v4-mapped connect6).
+#[inline(always)]
+pub(crate) fn endpoint4_verdict(
+    (p, bit): (&PolicyEntry, u32),
+    dst_addr: u32,
+    port_be: u16,
+    who: (u64, u32, &Dst),
+    rewrite: impl FnOnce(),
+) -> Option<i32> {
+    endpoint_verdict(
+        (p, bit),
+        &dst_addr,
+        port_be,
+        (&p.endpoint4_addr, p.endpoint4_port),
+        (&p.listener4_addr, p.listener4_port),
+        who,
+        rewrite,
+    )
+}
+
+/// The start shared by connect4 and connect6: the cgroup's policy (no entry: deny), `allow_all`,
+/// and the socket kind (only kernel TCP/UDP). `Ok` = (cgroup id, policy entry, protocol bit,
+/// protocol) to go on with; `Err` = the final verdict, already counted and reported.
+#[inline(always)]
+pub(crate) fn connect_policy(
+    hook: u32,
+    dst: &Dst,
+    sock_type: u32,
+    protocol: u32,
+) -> Result<(u64, *const PolicyEntry, u32, u32), i32> {
+    let found = policy_of_current().map_err(|own| deny(own, hook, REASON_NO_POLICY, dst, true))?;
+    // SAFETY: map value pointer returned by a successful lookup.
+    let p = unsafe { &*found.entry };
+    let cg = found.cgroup_id;
+    if p.mode == MODE_ALLOW_ALL {
+        return Err(allow(cg));
+    }
+    let (bit, proto) = proto_bit(sock_type, protocol)
+        .ok_or_else(|| deny(cg, hook, REASON_SOCKET_TYPE, dst, true))?;
+    Ok((cg, found.entry, bit, proto))
+}
+
+#[cgroup_sock_addr(connect4)]
+pub fn egress_connect4(ctx: SockAddrContext) -> i32 {
+    match try_connect4(&ctx) {
+        Ok(v) => v,
+        Err(_) => DENY,
+    }
+}
+
+pub(crate) fn try_connect4(ctx: &SockAddrContext) -> Result<i32, i32> {
+    let sa: *mut bpf_sock_addr = ctx.sock_addr;
+    // SAFETY: ctx fields readable in connect4 (4-byte loads); user_ip4/user_port writable.
+    let (addr, port_be, sock_type, protocol) = unsafe {
+        (
+            (*sa).user_ip4,
+            (*sa).user_port as u16,
+            (*sa).type_,
+            (*sa).protocol,
+        )
+    };
+    let port = u16::from_be(port_be);
+    let dst = |protocol| Dst {
+        family: AF_INET,
+        protocol,
+        port,
+        addr: [addr, 0, 0, 0],
+    };
+    let (cg, p, bit, proto) =
+        match connect_policy(HOOK_CONNECT4, &dst(protocol), sock_type, protocol) {
+            Ok(v) => v,
+            Err(verdict) => return Ok(verdict),
+        };
+    // SAFETY: map value pointer returned by a successful lookup.
+    let p = unsafe { &*p };
+    let rewrite = || {
+        // SAFETY: user_ip4 and user_port are writable in connect4.
+        unsafe {
+            (*sa).user_ip4 = p.listener4_addr;
+            (*sa).user_port = p.listener4_port as u32;
+        }
+    };
+    let who = (cg, HOOK_CONNECT4, &dst(proto));
+    if let Some(verdict) = endpoint4_verdict((p, bit), addr, port_be, who, rewrite) {
+        return Ok(verdict);
+    }
+    // SAFETY: ctx is a sock_addr context, for which bpf_get_netns_cookie is available (5.7).
+    let cookie = || unsafe { bpf_get_netns_cookie(ctx.as_ptr()) };
+    match check(p, &addr, bit, port, cookie) {
+        Ok(()) => Ok(allow(cg)),
+        Err(reason) => Ok(deny(cg, HOOK_CONNECT4, reason, &dst(proto), true)),
+    }
+}
+
+#[cgroup_sock_addr(connect6)]
+pub fn egress_connect6(ctx: SockAddrContext) -> i32 {
+    match try_connect6(&ctx) {
+        Ok(v) => v,
+        Err(_) => DENY,
+    }
+}
+
+pub(crate) fn try_connect6(ctx: &SockAddrContext) -> Result<i32, i32> {
+    let sa: *mut bpf_sock_addr = ctx.sock_addr;
+    // SAFETY: ctx fields readable in connect6.
+    let (addr, port_be, sock_type, protocol) = unsafe {
+        (
+            [
+                (*sa).user_ip6[0],
+                (*sa).user_ip6[1],
+                (*sa).user_ip6[2],
+                (*sa).user_ip6[3],
+            ],
+            (*sa).user_port as u16,
+            (*sa).type_,
+            (*sa).protocol,
+        )
+    };
+    let port = u16::from_be(port_be);
+    let dst = |protocol| Dst {
+        family: AF_INET6,
+        protocol,
+        port,
+        addr,
+    };
+    let (cg, p, bit, proto) =
+        match connect_policy(HOOK_CONNECT6, &dst(protocol), sock_type, protocol) {
+            Ok(v) => v,
+            Err(verdict) => return Ok(verdict),
+        };
+    // SAFETY: map value pointer returned by a successful lookup.
+    let p = unsafe { &*p };
+    // SAFETY: sock_addr context (bpf_get_netns_cookie since 5.7).
+    let cookie = || unsafe { bpf_get_netns_cookie(ctx.as_ptr()) };
+
+    // IPv4-mapped: treated exactly as the IPv4 address it maps.
+    if let Some(v4) = unmap_v4(&addr) {
+        let rewrite = || {
+            // SAFETY: user_ip6 and user_port are writable in connect6.
+            unsafe {
+                (*sa).user_ip6[3] = p.listener4_addr;
+                (*sa).user_port = p.listener4_port as u32;
+            }
+        };
+        let who = (cg, HOOK_CONNECT6, &dst(proto));
+        if let Some(verdict) = endpoint4_verdict((p, bit), v4, port_be, who, rewrite) {
+            return Ok(verdict);
+        }
+        return match check(p, &v4, bit, port, cookie) {
+            Ok(()) => Ok(allow(cg)),
+            Err(reason) => Ok(deny(cg, HOOK_CONNECT6, reason, &dst(proto), true)),
+        };
+    }
+
+    if p.flags & POLICY_FLAG_V6 != 0
+        && let Some(verdict) = endpoint_verdict(
+            (p, bit),
+            &addr,
+            port_be,
+            (&p.endpoint6_addr, p.endpoint6_port),
+            (&p.listener6_addr, p.listener6_port),
+            (cg, HOOK_CONNECT6, &dst(proto)),
+            // SAFETY: user_ip6 and user_port are writable in connect6.
+            || unsafe {
+                (*sa).user_ip6[0] = p.listener6_addr[0];
+                (*sa).user_ip6[1] = p.listener6_addr[1];
+                (*sa).user_ip6[2] = p.listener6_addr[2];
+                (*sa).user_ip6[3] = p.listener6_addr[3];
+                (*sa).user_port = p.listener6_port as u32;
+            },
+        )
+    {
+        return Ok(verdict);
+    }
+    match check(p, &addr, bit, port, cookie) {
+        Ok(()) => Ok(allow(cg)),
+        Err(reason) => Ok(deny(cg, HOOK_CONNECT6, reason, &dst(proto), true)),
+    }
+}

@@ -1,0 +1,48 @@
+//! The pinned maps, named by the constants the loader opens (checked at compile time).
+
+use aya_ebpf::macros::map;
+use aya_ebpf::maps::{Array, HashMap, LpmTrie, PerCpuHashMap, RingBuf};
+use egress_common::{
+    Cidr4Data, Cidr6Data, CidrRule, Counters, EVENTS_BYTES, GlobalConfig, MAX_CGROUPS, MAX_CIDRS,
+    PolicyEntry, PolicyName,
+};
+
+#[map(name = "EGRESS_POLICIES")]
+pub(crate) static POLICIES: HashMap<u64, PolicyEntry> = HashMap::pinned(MAX_CGROUPS, 0);
+#[map(name = "EGRESS_CIDR4")]
+pub(crate) static CIDR4: LpmTrie<Cidr4Data, CidrRule> = LpmTrie::pinned(MAX_CIDRS, 0);
+#[map(name = "EGRESS_CIDR6")]
+pub(crate) static CIDR6: LpmTrie<Cidr6Data, CidrRule> = LpmTrie::pinned(MAX_CIDRS, 0);
+#[map(name = "EGRESS_COUNTERS")]
+pub(crate) static COUNTERS: PerCpuHashMap<u64, Counters> = PerCpuHashMap::pinned(MAX_CGROUPS, 0);
+#[map(name = "EGRESS_EVENTS")]
+pub(crate) static EVENTS: RingBuf = RingBuf::pinned(EVENTS_BYTES, 0);
+#[map(name = "EGRESS_CONFIG")]
+pub(crate) static CONFIG: Array<GlobalConfig> = Array::pinned(1, 0);
+/// User-space bookkeeping only (policy names for `status`); defined here so it is created and
+/// pinned with the others.
+#[map(name = "EGRESS_NAMES")]
+pub(crate) static NAMES: HashMap<u64, PolicyName> = HashMap::pinned(MAX_CGROUPS, 0);
+
+// The literal map names above must match the shared constants the loader opens.
+const fn str_eq(a: &str, b: &str) -> bool {
+    let (a, b) = (a.as_bytes(), b.as_bytes());
+    if a.len() != b.len() {
+        return false;
+    }
+    let mut i = 0;
+    while i < a.len() {
+        if a[i] != b[i] {
+            return false;
+        }
+        i += 1;
+    }
+    true
+}
+const _: () = assert!(str_eq(egress_common::maps::POLICIES, "EGRESS_POLICIES"));
+const _: () = assert!(str_eq(egress_common::maps::CIDR4, "EGRESS_CIDR4"));
+const _: () = assert!(str_eq(egress_common::maps::CIDR6, "EGRESS_CIDR6"));
+const _: () = assert!(str_eq(egress_common::maps::COUNTERS, "EGRESS_COUNTERS"));
+const _: () = assert!(str_eq(egress_common::maps::EVENTS, "EGRESS_EVENTS"));
+const _: () = assert!(str_eq(egress_common::maps::CONFIG, "EGRESS_CONFIG"));
+const _: () = assert!(str_eq(egress_common::maps::NAMES, "EGRESS_NAMES"));

@@ -1,0 +1,82 @@
+//! Verdicts with their bookkeeping: per-cgroup counters and denial events.
+
+use crate::maps::{COUNTERS, EVENTS};
+use crate::{ALLOW, DENY};
+use aya_ebpf::helpers::generated::bpf_ktime_get_ns;
+use aya_ebpf::helpers::{bpf_get_current_comm, bpf_get_current_pid_tgid};
+use egress_common::{Counters, Event};
+
+pub(crate) const C_ALLOWED: u32 = 0;
+pub(crate) const C_DENIED: u32 = 1;
+pub(crate) const C_PROXIED: u32 = 2;
+pub(crate) const C_LOST: u32 = 3;
+
+#[inline(always)]
+pub(crate) fn count(cgroup_id: u64, which: u32) {
+    let mut ptr = COUNTERS.get_ptr_mut(&cgroup_id);
+    if ptr.is_none() {
+        // A full map only loses statistics, never a verdict.
+        let _ = COUNTERS.insert(&cgroup_id, &Counters::default(), 1 /* BPF_NOEXIST */);
+        ptr = COUNTERS.get_ptr_mut(&cgroup_id);
+    }
+    if let Some(c) = ptr {
+        // SAFETY: per-CPU value, valid for the program's run; no concurrent writer on this CPU.
+        unsafe {
+            match which {
+                C_ALLOWED => (*c).allowed += 1,
+                C_DENIED => (*c).denied += 1,
+                C_PROXIED => {
+                    (*c).allowed += 1;
+                    (*c).proxied += 1
+                }
+                _ => (*c).events_lost += 1,
+            }
+        }
+    }
+}
+
+pub(crate) struct Dst {
+    pub(crate) family: u32,
+    pub(crate) protocol: u32,
+    /// Host byte order.
+    pub(crate) port: u16,
+    pub(crate) addr: [u32; 4],
+}
+
+/// Count a denial and emit its event; returns the DENY verdict.
+#[inline(always)]
+pub(crate) fn deny(cgroup_id: u64, hook: u32, reason: u32, dst: &Dst, with_task: bool) -> i32 {
+    count(cgroup_id, C_DENIED);
+    let (pid, comm) = if with_task {
+        (
+            (bpf_get_current_pid_tgid() >> 32) as u32,
+            bpf_get_current_comm().unwrap_or([0u8; 16]),
+        )
+    } else {
+        (0, [0u8; 16])
+    };
+    let event = Event {
+        // SAFETY: helper without arguments.
+        ktime_ns: unsafe { bpf_ktime_get_ns() },
+        cgroup_id,
+        pid,
+        hook,
+        family: dst.family,
+        protocol: dst.protocol,
+        port: dst.port,
+        _pad0: 0,
+        reason,
+        addr: dst.addr,
+        comm,
+    };
+    if EVENTS.output::<Event>(&event, 0).is_err() {
+        count(cgroup_id, C_LOST);
+    }
+    DENY
+}
+
+#[inline(always)]
+pub(crate) fn allow(cgroup_id: u64) -> i32 {
+    count(cgroup_id, C_ALLOWED);
+    ALLOW
+}

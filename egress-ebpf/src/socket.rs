@@ -1,0 +1,117 @@
+//! `cgroup/sock_create` (inet only) and BPF-LSM `socket_create` (every family).
+
+use crate::addr::proto_bit;
+use crate::policy::policy_of_current;
+use crate::report::{Dst, deny};
+use crate::{AF_INET, AF_INET6, AF_NETLINK, AF_UNIX, ALLOW, DENY, SOCK_TYPE_MASK};
+use aya_ebpf::bindings::bpf_sock;
+use aya_ebpf::macros::{cgroup_sock, lsm_cgroup};
+use aya_ebpf::programs::{LsmContext, SockContext};
+use egress_common::{
+    HOOK_LSM_SOCKET_CREATE, HOOK_SOCK_CREATE, MODE_ALLOW_ALL, REASON_NO_POLICY, REASON_SOCKET_TYPE,
+};
+
+/// Socket kinds a confined task may create: unix, netlink, and kernel TCP/UDP over IPv4/IPv6.
+#[inline(always)]
+pub(crate) fn socket_allowed(family: u32, sock_type: u32, protocol: u32) -> bool {
+    match family {
+        AF_UNIX | AF_NETLINK => true,
+        AF_INET | AF_INET6 => proto_bit(sock_type & SOCK_TYPE_MASK, protocol).is_some(),
+        _ => false,
+    }
+}
+
+#[cgroup_sock(sock_create)]
+pub fn egress_sock_create(ctx: SockContext) -> i32 {
+    match try_sock_create(&ctx) {
+        Ok(v) => v,
+        Err(_) => DENY,
+    }
+}
+
+pub(crate) fn try_sock_create(ctx: &SockContext) -> Result<i32, i32> {
+    let sk: *mut bpf_sock = ctx.sock;
+    // SAFETY: family/type/protocol are readable in sock_create.
+    let (family, sock_type, protocol) = unsafe { ((*sk).family, (*sk).type_, (*sk).protocol) };
+    // Allowed kinds need no policy: every mode permits them (not counted: creating a socket is
+    // not an egress attempt). Only a refusal looks for allow_all.
+    if socket_allowed(family, sock_type, protocol) {
+        return Ok(ALLOW);
+    }
+    let dst = Dst {
+        family,
+        protocol: sock_type,
+        port: 0,
+        addr: [0; 4],
+    };
+    let found = match policy_of_current() {
+        Ok(f) => f,
+        Err(own) => return Ok(deny(own, HOOK_SOCK_CREATE, REASON_NO_POLICY, &dst, true)),
+    };
+    // SAFETY: map value pointer returned by a successful lookup.
+    let p = unsafe { &*found.entry };
+    if p.mode == MODE_ALLOW_ALL {
+        return Ok(ALLOW);
+    }
+    Ok(deny(
+        found.cgroup_id,
+        HOOK_SOCK_CREATE,
+        REASON_SOCKET_TYPE,
+        &dst,
+        true,
+    ))
+}
+
+/// `int security_socket_create(int family, int type, int protocol, int kern)`.
+#[lsm_cgroup(hook = "socket_create")]
+pub fn egress_lsm_socket_create(ctx: LsmContext) -> i32 {
+    match try_lsm_socket_create(&ctx) {
+        Ok(v) => v,
+        Err(_) => DENY,
+    }
+}
+
+pub(crate) fn try_lsm_socket_create(ctx: &LsmContext) -> Result<i32, i32> {
+    let family: i32 = ctx.arg(0);
+    let sock_type: i32 = ctx.arg(1);
+    let protocol: i32 = ctx.arg(2);
+    let kern: i32 = ctx.arg(3);
+    if kern != 0 {
+        // Kernel-internal sockets created on the task's behalf (e.g. by a filesystem).
+        return Ok(ALLOW);
+    }
+    let (family, sock_type, protocol) = (family as u32, sock_type as u32, protocol as u32);
+    if socket_allowed(family, sock_type, protocol) {
+        return Ok(ALLOW);
+    }
+    let dst = Dst {
+        family,
+        protocol: sock_type,
+        port: 0,
+        addr: [0; 4],
+    };
+    let found = match policy_of_current() {
+        Ok(f) => f,
+        Err(own) => {
+            return Ok(deny(
+                own,
+                HOOK_LSM_SOCKET_CREATE,
+                REASON_NO_POLICY,
+                &dst,
+                true,
+            ));
+        }
+    };
+    // SAFETY: map value pointer returned by a successful lookup.
+    let p = unsafe { &*found.entry };
+    if p.mode == MODE_ALLOW_ALL {
+        return Ok(ALLOW);
+    }
+    Ok(deny(
+        found.cgroup_id,
+        HOOK_LSM_SOCKET_CREATE,
+        REASON_SOCKET_TYPE,
+        &dst,
+        true,
+    ))
+}
