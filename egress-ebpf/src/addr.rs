@@ -13,11 +13,11 @@ use egress_common::{
 /// Docker's embedded resolver (user-defined networks) lives on the container's own loopback but
 /// forwards to the host's resolvers: reaching it is DNS tunnelling (threats.md 3), so it is not
 /// part of "own-netns loopback".
-pub(crate) const DOCKER_DNS: [u8; 4] = [127, 0, 0, 11];
+const DOCKER_DNS: [u8; 4] = [127, 0, 0, 11];
 
 /// Is the socket in the host network namespace? Unknown host cookie (0) = yes (fail closed).
 #[inline(always)]
-pub(crate) fn in_host_netns(netns_cookie: u64) -> bool {
+fn in_host_netns(netns_cookie: u64) -> bool {
     match CONFIG.get(0) {
         Some(cfg) if cfg.host_netns_cookie != 0 => cfg.host_netns_cookie == netns_cookie,
         _ => true,
@@ -26,13 +26,13 @@ pub(crate) fn in_host_netns(netns_cookie: u64) -> bool {
 
 /// 127.0.0.0/8 or 0.0.0.0 (connect() to INADDR_ANY reaches the local host).
 #[inline(always)]
-pub(crate) fn is_local4(addr_be: u32) -> bool {
+fn is_local4(addr_be: u32) -> bool {
     let b = addr_be.to_ne_bytes();
     b[0] == 127 || addr_be == 0
 }
 
 #[inline(always)]
-pub(crate) fn is_docker_dns(addr_be: u32) -> bool {
+fn is_docker_dns(addr_be: u32) -> bool {
     addr_be.to_ne_bytes() == DOCKER_DNS
 }
 
@@ -48,7 +48,7 @@ pub(crate) fn unmap_v4(a: &[u32; 4]) -> Option<u32> {
 
 /// `::1` or `::`.
 #[inline(always)]
-pub(crate) fn is_local6(a: &[u32; 4]) -> bool {
+fn is_local6(a: &[u32; 4]) -> bool {
     a[0] == 0 && a[1] == 0 && a[2] == 0 && (a[3] == 0 || u32::from_be(a[3]) == 1)
 }
 
@@ -59,7 +59,7 @@ pub(crate) enum CidrVerdict {
 }
 
 #[inline(always)]
-pub(crate) fn rule_verdict(rule: &CidrRule, proto_bit: u32, port: u16) -> CidrVerdict {
+fn rule_verdict(rule: &CidrRule, proto_bit: u32, port: u16) -> CidrVerdict {
     if rule.action == CIDR_DENY {
         return CidrVerdict::Deny;
     }
@@ -80,7 +80,7 @@ pub(crate) fn rule_verdict(rule: &CidrRule, proto_bit: u32, port: u16) -> CidrVe
 }
 
 #[inline(always)]
-pub(crate) fn cidr4(rules_id: u64, addr_be: u32, proto_bit: u32, port: u16) -> CidrVerdict {
+fn cidr4(rules_id: u64, addr_be: u32, proto_bit: u32, port: u16) -> CidrVerdict {
     let key = Key::new(CIDR_ID_BITS + 32, Cidr4Data::new(rules_id, addr_be));
     match CIDR4.get(&key) {
         Some(rule) => rule_verdict(rule, proto_bit, port),
@@ -89,7 +89,7 @@ pub(crate) fn cidr4(rules_id: u64, addr_be: u32, proto_bit: u32, port: u16) -> C
 }
 
 #[inline(always)]
-pub(crate) fn cidr6(rules_id: u64, addr_be: &[u32; 4], proto_bit: u32, port: u16) -> CidrVerdict {
+fn cidr6(rules_id: u64, addr_be: &[u32; 4], proto_bit: u32, port: u16) -> CidrVerdict {
     let key = Key::new(CIDR_ID_BITS + 128, Cidr6Data::new(rules_id, *addr_be));
     match CIDR6.get(&key) {
         Some(rule) => rule_verdict(rule, proto_bit, port),

@@ -19,7 +19,7 @@ use egress_common::{
 /// the listener passes, and with no listener the endpoint is refused. `None`: none of these,
 /// go on with [`check`].
 #[inline(always)]
-pub(crate) fn endpoint_verdict<A: PartialEq>(
+fn endpoint_verdict<A: PartialEq>(
     (p, bit): (&PolicyEntry, u32),
     dst_addr: &A,
     port_be: u16,
@@ -47,7 +47,7 @@ pub(crate) fn endpoint_verdict<A: PartialEq>(
 
 /// [`endpoint_verdict`] for the policy's IPv4 endpoint (connect4 and v4-mapped connect6).
 #[inline(always)]
-pub(crate) fn endpoint4_verdict(
+fn endpoint4_verdict(
     (p, bit): (&PolicyEntry, u32),
     dst_addr: u32,
     port_be: u16,
@@ -69,7 +69,7 @@ pub(crate) fn endpoint4_verdict(
 /// and the socket kind (only kernel TCP/UDP). `Ok` = (cgroup id, policy entry, protocol bit,
 /// protocol) to go on with; `Err` = the final verdict, already counted and reported.
 #[inline(always)]
-pub(crate) fn connect_policy(
+fn connect_policy(
     hook: u32,
     dst: &Dst,
     sock_type: u32,
@@ -95,7 +95,7 @@ pub fn egress_connect4(ctx: SockAddrContext) -> i32 {
     }
 }
 
-pub(crate) fn try_connect4(ctx: &SockAddrContext) -> Result<i32, i32> {
+fn try_connect4(ctx: &SockAddrContext) -> Result<i32, i32> {
     let sa: *mut bpf_sock_addr = ctx.sock_addr;
     // SAFETY: ctx fields readable in connect4 (4-byte loads); user_ip4/user_port writable.
     let (addr, port_be, sock_type, protocol) = unsafe {
@@ -147,7 +147,7 @@ pub fn egress_connect6(ctx: SockAddrContext) -> i32 {
     }
 }
 
-pub(crate) fn try_connect6(ctx: &SockAddrContext) -> Result<i32, i32> {
+fn try_connect6(ctx: &SockAddrContext) -> Result<i32, i32> {
     let sa: *mut bpf_sock_addr = ctx.sock_addr;
     // SAFETY: ctx fields readable in connect6.
     let (addr, port_be, sock_type, protocol) = unsafe {

@@ -6,10 +6,10 @@ use aya_ebpf::helpers::generated::bpf_ktime_get_ns;
 use aya_ebpf::helpers::{bpf_get_current_comm, bpf_get_current_pid_tgid};
 use egress_common::{Counters, Event};
 
-pub(crate) const C_ALLOWED: u32 = 0;
-pub(crate) const C_DENIED: u32 = 1;
+const C_ALLOWED: u32 = 0;
+const C_DENIED: u32 = 1;
 pub(crate) const C_PROXIED: u32 = 2;
-pub(crate) const C_LOST: u32 = 3;
+const C_LOST: u32 = 3;
 
 #[inline(always)]
 pub(crate) fn count(cgroup_id: u64, which: u32) {

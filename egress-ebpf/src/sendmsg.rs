@@ -30,7 +30,7 @@ pub fn egress_sendmsg6(ctx: SockAddrContext) -> i32 {
 }
 
 #[inline(always)]
-pub(crate) fn try_sendmsg(ctx: &SockAddrContext, v6: bool) -> Result<i32, i32> {
+fn try_sendmsg(ctx: &SockAddrContext, v6: bool) -> Result<i32, i32> {
     let sa: *mut bpf_sock_addr = ctx.sock_addr;
     let hook = if v6 { HOOK_SENDMSG6 } else { HOOK_SENDMSG4 };
     // SAFETY: ctx fields readable in sendmsg4/6 (user_ip6 only in sendmsg6).

@@ -19,7 +19,7 @@ pub fn egress_skb(ctx: SkBuffContext) -> i32 {
     }
 }
 
-pub(crate) fn try_skb(ctx: &SkBuffContext) -> Result<i32, i32> {
+fn try_skb(ctx: &SkBuffContext) -> Result<i32, i32> {
     let skb = ctx.skb.skb;
     // Kernel TCP first, without a policy lookup (the per-packet fast path).
     // SAFETY: `sk` of the skb context; may be NULL.

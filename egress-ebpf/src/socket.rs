@@ -13,12 +13,37 @@ use egress_common::{
 
 /// Socket kinds a confined task may create: unix, netlink, and kernel TCP/UDP over IPv4/IPv6.
 #[inline(always)]
-pub(crate) fn socket_allowed(family: u32, sock_type: u32, protocol: u32) -> bool {
+fn socket_allowed(family: u32, sock_type: u32, protocol: u32) -> bool {
     match family {
         AF_UNIX | AF_NETLINK => true,
         AF_INET | AF_INET6 => proto_bit(sock_type & SOCK_TYPE_MASK, protocol).is_some(),
         _ => false,
     }
+}
+
+/// The verdict of both hooks. Allowed kinds need no policy: every mode permits them (not
+/// counted: creating a socket is not an egress attempt). Only a refusal looks for `allow_all`.
+#[inline(always)]
+fn socket_verdict(hook: u32, family: u32, sock_type: u32, protocol: u32) -> i32 {
+    if socket_allowed(family, sock_type, protocol) {
+        return ALLOW;
+    }
+    let dst = Dst {
+        family,
+        protocol: sock_type,
+        port: 0,
+        addr: [0; 4],
+    };
+    let found = match policy_of_current() {
+        Ok(f) => f,
+        Err(own) => return deny(own, hook, REASON_NO_POLICY, &dst, true),
+    };
+    // SAFETY: map value pointer returned by a successful lookup.
+    let p = unsafe { &*found.entry };
+    if p.mode == MODE_ALLOW_ALL {
+        return ALLOW;
+    }
+    deny(found.cgroup_id, hook, REASON_SOCKET_TYPE, &dst, true)
 }
 
 #[cgroup_sock(sock_create)]
@@ -29,36 +54,15 @@ pub fn egress_sock_create(ctx: SockContext) -> i32 {
     }
 }
 
-pub(crate) fn try_sock_create(ctx: &SockContext) -> Result<i32, i32> {
+fn try_sock_create(ctx: &SockContext) -> Result<i32, i32> {
     let sk: *mut bpf_sock = ctx.sock;
     // SAFETY: family/type/protocol are readable in sock_create.
     let (family, sock_type, protocol) = unsafe { ((*sk).family, (*sk).type_, (*sk).protocol) };
-    // Allowed kinds need no policy: every mode permits them (not counted: creating a socket is
-    // not an egress attempt). Only a refusal looks for allow_all.
-    if socket_allowed(family, sock_type, protocol) {
-        return Ok(ALLOW);
-    }
-    let dst = Dst {
-        family,
-        protocol: sock_type,
-        port: 0,
-        addr: [0; 4],
-    };
-    let found = match policy_of_current() {
-        Ok(f) => f,
-        Err(own) => return Ok(deny(own, HOOK_SOCK_CREATE, REASON_NO_POLICY, &dst, true)),
-    };
-    // SAFETY: map value pointer returned by a successful lookup.
-    let p = unsafe { &*found.entry };
-    if p.mode == MODE_ALLOW_ALL {
-        return Ok(ALLOW);
-    }
-    Ok(deny(
-        found.cgroup_id,
+    Ok(socket_verdict(
         HOOK_SOCK_CREATE,
-        REASON_SOCKET_TYPE,
-        &dst,
-        true,
+        family,
+        sock_type,
+        protocol,
     ))
 }
 
@@ -71,7 +75,7 @@ pub fn egress_lsm_socket_create(ctx: LsmContext) -> i32 {
     }
 }
 
-pub(crate) fn try_lsm_socket_create(ctx: &LsmContext) -> Result<i32, i32> {
+fn try_lsm_socket_create(ctx: &LsmContext) -> Result<i32, i32> {
     let family: i32 = ctx.arg(0);
     let sock_type: i32 = ctx.arg(1);
     let protocol: i32 = ctx.arg(2);
@@ -80,38 +84,10 @@ pub(crate) fn try_lsm_socket_create(ctx: &LsmContext) -> Result<i32, i32> {
         // Kernel-internal sockets created on the task's behalf (e.g. by a filesystem).
         return Ok(ALLOW);
     }
-    let (family, sock_type, protocol) = (family as u32, sock_type as u32, protocol as u32);
-    if socket_allowed(family, sock_type, protocol) {
-        return Ok(ALLOW);
-    }
-    let dst = Dst {
-        family,
-        protocol: sock_type,
-        port: 0,
-        addr: [0; 4],
-    };
-    let found = match policy_of_current() {
-        Ok(f) => f,
-        Err(own) => {
-            return Ok(deny(
-                own,
-                HOOK_LSM_SOCKET_CREATE,
-                REASON_NO_POLICY,
-                &dst,
-                true,
-            ));
-        }
-    };
-    // SAFETY: map value pointer returned by a successful lookup.
-    let p = unsafe { &*found.entry };
-    if p.mode == MODE_ALLOW_ALL {
-        return Ok(ALLOW);
-    }
-    Ok(deny(
-        found.cgroup_id,
+    Ok(socket_verdict(
         HOOK_LSM_SOCKET_CREATE,
-        REASON_SOCKET_TYPE,
-        &dst,
-        true,
+        family as u32,
+        sock_type as u32,
+        protocol as u32,
     ))
 }
