@@ -5,6 +5,7 @@
 //! - [`cgroups`]: the enforcement root and the containers' cgroup2 directories (pre-created
 //!   before `start`).
 //! - [`netinfo`]: a container's host-side veth and bridge, for the nftables layer.
+//! - [`directory`]: cgroup id → container, policy and context, for attributing kernel events.
 //! - [`enforce`]: applies a resolved policy: kernel entry, per-container proxy listener, nftables.
 //! - [`watch`]: the bollard event stream + reconcile loop ([`watch::run`]).
 //! - [`serve`]: the whole setup for the daemon in one call ([`serve::serve`]).
@@ -12,13 +13,15 @@
 //! See `docs/architecture.md`, section Docker, for the lifecycle and why it is race-free.
 pub mod cgroups;
 pub mod container;
+pub mod directory;
 pub mod enforce;
 pub mod labels;
 pub mod netinfo;
 pub mod serve;
 pub mod watch;
 
-pub use enforce::{Directory, Enforcer, Outcome, Settings};
+pub use directory::{DirEntry, Directory};
+pub use enforce::{Enforcer, Outcome, Settings};
 pub use serve::{DockerOptions, Hooks, ServeError, cleanup_host, serve, serve_with};
 pub use watch::run;
 

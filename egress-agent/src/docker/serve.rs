@@ -5,7 +5,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use super::cgroups::DockerRoot;
-use super::enforce::{Directory, Enforcer, Settings};
+use super::directory::Directory;
+use super::enforce::{Enforcer, Settings};
 use crate::bpf;
 use crate::cgroup;
 use crate::config::Config;
