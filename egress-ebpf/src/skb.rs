@@ -63,28 +63,14 @@ fn try_skb(ctx: &SkBuffContext) -> Result<i32, i32> {
     // SAFETY: cgroup_skb context; bpf_get_netns_cookie is offered to cgroup_skb since 6.15.
     let cookie = || unsafe { bpf_get_netns_cookie(skb.cast()) };
     let first: u8 = ctx.load(0).map_err(|_| DENY)?;
-    let (dst, verdict) = match first >> 4 {
+    // Family, transport protocol, destination and where its UDP header starts (if it can).
+    let (family, proto, addr, udp_at): (u32, u8, [u32; 4], Option<usize>) = match first >> 4 {
         4 => {
             let ihl = ((first & 0x0f) as usize) * 4;
             let proto: u8 = ctx.load(9).map_err(|_| DENY)?;
             let daddr: u32 = ctx.load(16).map_err(|_| DENY)?;
-            let mut port = 0u16;
-            let verdict = if proto as u32 == IPPROTO_UDP && ihl >= 20 && ihl <= 60 {
-                let dport: u16 = ctx.load(ihl + 2).map_err(|_| DENY)?;
-                port = u16::from_be(dport);
-                check(p, &daddr, PROTO_BIT_UDP, port, cookie)
-            } else {
-                Err(REASON_SOCKET_TYPE)
-            };
-            (
-                Dst {
-                    family: AF_INET,
-                    protocol: proto as u32,
-                    port,
-                    addr: [daddr, 0, 0, 0],
-                },
-                verdict,
-            )
+            let udp_at = (20..=60).contains(&ihl).then_some(ihl);
+            (AF_INET, proto, [daddr, 0, 0, 0], udp_at)
         }
         6 => {
             let next: u8 = ctx.load(6).map_err(|_| DENY)?;
@@ -94,33 +80,27 @@ fn try_skb(ctx: &SkBuffContext) -> Result<i32, i32> {
                 ctx.load(32).map_err(|_| DENY)?,
                 ctx.load(36).map_err(|_| DENY)?,
             ];
-            let mut port = 0u16;
-            let verdict = if next as u32 == IPPROTO_UDP {
-                let dport: u16 = ctx.load(42).map_err(|_| DENY)?;
-                port = u16::from_be(dport);
-                check(p, &a, PROTO_BIT_UDP, port, cookie)
-            } else {
-                Err(REASON_SOCKET_TYPE)
-            };
-            (
-                Dst {
-                    family: AF_INET6,
-                    protocol: next as u32,
-                    port,
-                    addr: a,
-                },
-                verdict,
-            )
+            (AF_INET6, next, a, Some(40))
         }
-        _ => (
-            Dst {
-                family: 0,
-                protocol: 0,
-                port: 0,
-                addr: [0; 4],
-            },
-            Err(REASON_SOCKET_TYPE),
-        ),
+        _ => (0, 0, [0; 4], None),
+    };
+    let mut dst = Dst {
+        family,
+        protocol: proto as u32,
+        port: 0,
+        addr,
+    };
+    let verdict = match udp_at {
+        Some(at) if proto as u32 == IPPROTO_UDP => {
+            let dport: u16 = ctx.load(at + 2).map_err(|_| DENY)?;
+            dst.port = u16::from_be(dport);
+            if family == AF_INET {
+                check(p, &addr[0], PROTO_BIT_UDP, dst.port, cookie)
+            } else {
+                check(p, &addr, PROTO_BIT_UDP, dst.port, cookie)
+            }
+        }
+        _ => Err(REASON_SOCKET_TYPE),
     };
     match verdict {
         Ok(()) => Ok(ALLOW),
