@@ -35,8 +35,10 @@ fn owned(fd: libc::c_long) -> OwnedFd {
     unsafe { OwnedFd::from_raw_fd(fd as i32) }
 }
 
-/// Load `r0 = 1; exit` as a cgroup/connect4 program: allows every connect, rewrites nothing.
-pub fn load_allow_all_connect4() -> OwnedFd {
+/// Load `r0 = 1; exit` as a cgroup sock_addr program for `expected_attach_type` (e.g.
+/// `BPF_CGROUP_INET4_CONNECT` = 10, `BPF_CGROUP_UDP4_SENDMSG` = 14): allows everything, rewrites
+/// nothing.
+pub fn load_allow_all_sock_addr(expected_attach_type: u32) -> OwnedFd {
     // struct bpf_insn { u8 code; u8 dst:4, src:4; s16 off; s32 imm; }
     let insns: [u8; 16] = [
         0xb7, 0x00, 0, 0, 1, 0, 0, 0, // BPF_ALU64 | BPF_MOV | BPF_K: r0 = 1
@@ -48,8 +50,8 @@ pub fn load_allow_all_connect4() -> OwnedFd {
     put_u32(&mut attr, 4, 2); // insn_cnt
     put_u64(&mut attr, 8, insns.as_ptr() as u64);
     put_u64(&mut attr, 16, license.as_ptr() as u64);
-    put_u32(&mut attr, 68, 10); // expected_attach_type: BPF_CGROUP_INET4_CONNECT
-    owned(bpf(5, &mut attr).expect("BPF_PROG_LOAD allow-all connect4")) // BPF_PROG_LOAD
+    put_u32(&mut attr, 68, expected_attach_type);
+    owned(bpf(5, &mut attr).expect("BPF_PROG_LOAD allow-all sock_addr")) // BPF_PROG_LOAD
 }
 
 /// Make the link pinned at `pin` run `prog` (BPF_OBJ_GET, then BPF_LINK_UPDATE).

@@ -8,11 +8,12 @@ use std::path::{Path, PathBuf};
 use std::process::Stdio;
 use std::time::{Duration, Instant};
 
+use egress_agent::bpf::sys::attach_type;
 use egress_tests::agent::{
     ATTACH_TYPES, BPFFS, ProbeOut, agent_bin, attached_programs, exec_cmd, exec_root, probe_bin,
     probe_exec, status_json,
 };
-use egress_tests::bpf::{load_allow_all_connect4, prog_tag, swap_pinned_link_program};
+use egress_tests::bpf::{load_allow_all_sock_addr, prog_tag, swap_pinned_link_program};
 use egress_tests::canary::Canary;
 use egress_tests::netns::Netns;
 use egress_tests::{marker, root_or_skip};
@@ -316,7 +317,7 @@ fn restart_switches_links_of_another_build_to_this_build() {
     assert_eq!(attached(&root), before);
 
     let pin = exec_root_pins(&root).join("egress_connect4");
-    let other = load_allow_all_connect4();
+    let other = load_allow_all_sock_addr(attach_type::CGROUP_INET4_CONNECT);
     swap_pinned_link_program(&pin, &other);
     drop(other);
     let swapped = attached(&root);
@@ -358,6 +359,71 @@ fn restart_switches_links_of_another_build_to_this_build() {
         attached(&root),
         after,
         "an unchanged build switched programs"
+    );
+}
+
+/// The cgroup_skb backstop on its own: with sendmsg4 bypassed (an allow-everything program
+/// swapped into its pinned link while a command runs), a UDP datagram the policy forbids gets past
+/// the socket hook but is dropped at egress (the send fails with EPERM, the denial event names
+/// hook `skb_egress`) and never arrives. The next start puts this build's sendmsg4 back.
+#[test]
+fn skb_backstop_drops_what_a_bypassed_sendmsg4_lets_through() {
+    if !root_or_skip("kernel lifecycle: skb backstop") {
+        return;
+    }
+    let ns = Netns::new();
+    let canary = Canary::in_netns(&ns, &[], &[7402]);
+    let v4 = ns.ns_v4.to_string();
+    let m = marker("skb-backstop");
+    let mut child = exec_cmd("deny_all", None)
+        .arg(probe_bin())
+        .args(["sleep-then", "1.5", "udp", &v4, "7402", &m])
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("spawn");
+    wait_entry(&mut child);
+    let pin = exec_root_pins(&exec_root()).join("egress_sendmsg4");
+    let other = load_allow_all_sock_addr(attach_type::CGROUP_UDP4_SENDMSG);
+    swap_pinned_link_program(&pin, &other);
+    drop(other);
+    let out: ProbeOut = child.wait_with_output().expect("wait for exec").into();
+    // Restore first, so a failed assertion can't leave sendmsg4 bypassed for later tests.
+    let restore = exec_cmd("deny_all", None)
+        .arg(probe_bin())
+        .arg("cgroup")
+        .stdin(Stdio::null())
+        .output()
+        .expect("run egress-agent exec");
+    assert!(restore.status.success(), "{restore:?}");
+    assert!(
+        !canary.wait_for(&m, Duration::from_secs(1)),
+        "a denied datagram arrived: the skb backstop let it through ({out:?})"
+    );
+    assert!(!out.ok, "the send was not refused: {out:?}");
+    let hook_of = |o: &ProbeOut| {
+        ["skb_egress", "sendmsg4"]
+            .into_iter()
+            .find(|h| o.stderr.contains(&format!("\\\"hook\\\":\\\"{h}\\\"")))
+    };
+    assert_eq!(
+        hook_of(&out),
+        Some("skb_egress"),
+        "the denial did not come from the backstop (sendmsg4 not bypassed?): {}",
+        out.stderr
+    );
+    let again = probe_exec(
+        "deny_all",
+        None,
+        &["udp", &v4, "7402", &marker("skb-restored")],
+    );
+    assert!(!again.ok, "{again:?}");
+    assert_eq!(
+        hook_of(&again),
+        Some("sendmsg4"),
+        "sendmsg4 was not restored: {}",
+        again.stderr
     );
 }
 
