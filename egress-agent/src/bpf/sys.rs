@@ -30,6 +30,27 @@ pub fn current_netns_cookie() -> io::Result<u64> {
     Ok(cookie)
 }
 
+/// `bpf(cmd, attr, sizeof attr)`: the non-negative result (0, or a new fd), or the errno.
+///
+/// # Safety
+/// `attr` must be laid out as the prefix of `union bpf_attr` that `cmd` reads
+/// (include/uapi/linux/bpf.h), and every pointer in it must be valid for the call.
+unsafe fn bpf<T>(cmd: libc::c_long, attr: &mut T) -> io::Result<libc::c_long> {
+    // SAFETY: the caller vouches for `attr`; its size is passed with it.
+    let rc = unsafe {
+        libc::syscall(
+            libc::SYS_bpf,
+            cmd,
+            std::ptr::from_mut(attr),
+            std::mem::size_of::<T>() as libc::c_uint,
+        )
+    };
+    if rc < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(rc)
+}
+
 /// `union bpf_attr` layout of the BPF_PROG_QUERY command (include/uapi/linux/bpf.h).
 #[repr(C)]
 #[derive(Default)]
@@ -65,17 +86,7 @@ pub fn query_cgroup_programs(cgroup: impl AsFd, attach_type: u32) -> io::Result<
     };
     // SAFETY: `attr` is a correctly laid out bpf_attr prefix with its size passed; `prog_ids`
     // and `prog_attach_flags` point to `prog_cnt` writable u32s that outlive the call.
-    let rc = unsafe {
-        libc::syscall(
-            libc::SYS_bpf,
-            BPF_PROG_QUERY,
-            &raw mut attr,
-            std::mem::size_of::<ProgQueryAttr>() as libc::c_uint,
-        )
-    };
-    if rc != 0 {
-        return Err(io::Error::last_os_error());
-    }
+    unsafe { bpf(BPF_PROG_QUERY, &mut attr) }?;
     ids.truncate(attr.prog_cnt.min(64) as usize);
     Ok(ids)
 }
@@ -103,17 +114,7 @@ pub fn link_update(link: impl AsFd, new_prog: impl AsFd) -> io::Result<()> {
     };
     // SAFETY: `attr` is a correctly laid out bpf_attr prefix for BPF_LINK_UPDATE with its size
     // passed; both fds are borrowed for the duration of the call.
-    let rc = unsafe {
-        libc::syscall(
-            libc::SYS_bpf,
-            BPF_LINK_UPDATE,
-            &raw mut attr,
-            std::mem::size_of::<LinkUpdateAttr>() as libc::c_uint,
-        )
-    };
-    if rc != 0 {
-        return Err(io::Error::last_os_error());
-    }
+    unsafe { bpf(BPF_LINK_UPDATE, &mut attr) }?;
     Ok(())
 }
 
@@ -143,17 +144,7 @@ pub fn obj_get(path: &std::path::Path) -> io::Result<std::os::fd::OwnedFd> {
     };
     // SAFETY: `attr` is a correctly laid out bpf_attr prefix for BPF_OBJ_GET with its size
     // passed; `pathname` points to a NUL-terminated string that outlives the call.
-    let fd = unsafe {
-        libc::syscall(
-            libc::SYS_bpf,
-            BPF_OBJ_GET,
-            &raw mut attr,
-            std::mem::size_of::<ObjGetAttr>() as libc::c_uint,
-        )
-    };
-    if fd < 0 {
-        return Err(io::Error::last_os_error());
-    }
+    let fd = unsafe { bpf(BPF_OBJ_GET, &mut attr) }?;
     let fd = i32::try_from(fd).map_err(|_| io::Error::other("bpf returned an invalid fd"))?;
     // SAFETY: BPF_OBJ_GET returned a new file descriptor that nothing else owns.
     Ok(unsafe { <std::os::fd::OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(fd) })
