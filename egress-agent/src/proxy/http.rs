@@ -330,7 +330,6 @@ async fn handle(mut req: Request<Incoming>, state: &ConnState) -> Response<Body>
             Err(r) => return refusal(r, &shared.name),
         };
         let on_upgrade = hyper::upgrade::on(&mut req);
-        let limits = shared.ctx.limits().clone();
         let shared = shared.clone();
         let tunnel = tokio::spawn(async move {
             let Ok(upgraded) = on_upgrade.await else {
@@ -344,23 +343,16 @@ async fn handle(mut req: Request<Incoming>, state: &ConnState) -> Response<Body>
             // hyper's buffered bytes were read before whatever is left of our prefix.
             let mut pending = parts.read_buf.to_vec();
             pending.extend_from_slice(&client.prefix[client.pos..]);
-            let early = pending.len() as u64;
-            if !pending.is_empty() && super::tunnel::write_all(&upstream, &pending).await.is_err() {
-                return;
-            }
-            shared.relayed(early, 0);
-            drop(pending);
-            let (up, down, end) = super::tunnel::run(
-                &mut client.inner,
-                &mut upstream,
-                limits.tunnel_buffer_bytes,
-                limits.idle_timeout,
-                &|dir, n| shared.relayed_one(dir, n),
-                std::future::pending::<()>(),
-            )
-            .await;
-            let up = early + up;
-            tracing::debug!(policy = %shared.name, %target, up, down, ?end, "tunnel closed");
+            // Shutdown: `serve` aborts this task.
+            shared
+                .relay(
+                    &mut client.inner,
+                    &mut upstream,
+                    pending,
+                    &target,
+                    std::future::pending::<()>(),
+                )
+                .await;
         });
         *state
             .tunnel

@@ -264,6 +264,38 @@ impl Shared {
         }
     }
 
+    /// Run a CONNECT tunnel whose 200 has been sent: the bytes the client sent after its head
+    /// (`early`, e.g. a TLS ClientHello) go to the upstream first and are freed, then both
+    /// directions are relayed until the tunnel ends. Every byte is counted as it goes.
+    pub(crate) async fn relay(
+        &self,
+        client: &mut TcpStream,
+        upstream: &mut TcpStream,
+        early: Vec<u8>,
+        target: &Target,
+        shutdown: impl std::future::Future<Output = ()>,
+    ) {
+        let early_len = early.len() as u64;
+        if !early.is_empty() && tunnel::write_all(upstream, &early).await.is_err() {
+            return;
+        }
+        // Not held for the tunnel's lifetime: idle tunnels stay small.
+        drop(early);
+        self.relayed(early_len, 0);
+        let limits = self.ctx.limits();
+        let (up, down, end) = tunnel::run(
+            client,
+            upstream,
+            limits.tunnel_buffer_bytes,
+            limits.idle_timeout,
+            &|dir, n| self.relayed_one(dir, n),
+            shutdown,
+        )
+        .await;
+        let up = early_len + up;
+        tracing::debug!(policy = %self.name, %target, up, down, ?end, "tunnel closed");
+    }
+
     /// Policy check + dial, with the denial event on refusal.
     /// Counted as an allowed decision when the upstream connection is made.
     pub(crate) async fn check_and_dial(
@@ -528,24 +560,12 @@ async fn handle_connection(
             {
                 return;
             }
-            // Bytes the client pipelined after the head (e.g. a TLS ClientHello) go first.
-            let early = buf.len().saturating_sub(len) as u64;
-            if early > 0 && tunnel::write_all(&upstream, &buf[len..]).await.is_err() {
-                return;
-            }
+            // Bytes the client pipelined after the head; the head buffer itself is freed here.
+            let early = buf.split_off(len.min(buf.len()));
             drop(buf);
-            shared.relayed(early, 0);
-            let (up, down, end) = tunnel::run(
-                &mut stream,
-                &mut upstream,
-                limits.tunnel_buffer_bytes,
-                limits.idle_timeout,
-                &|dir, n| shared.relayed_one(dir, n),
-                stopped(stop),
-            )
-            .await;
-            let up = early + up;
-            tracing::debug!(policy = %shared.name, %target, up, down, ?end, "tunnel closed");
+            shared
+                .relay(&mut stream, &mut upstream, early, &target, stopped(stop))
+                .await;
         }
         (_, Request::Http { .. }) => {
             // hyper re-parses from the start and checks every request on the connection.

@@ -138,27 +138,20 @@ impl DnsResolver {
         if !complete {
             return None;
         }
-        // hickory's order: A answers, then AAAA answers.
-        let mut out: Vec<IpAddr> = Vec::with_capacity(4);
+        // hickory's order: A answers, then AAAA answers ([`distinct`] drops repeats).
+        let mut ips = Vec::with_capacity(4);
         for lookup in [a, aaaa].into_iter().flatten() {
-            for ip in lookup.answers().iter().filter_map(|r| r.data.ip_addr()) {
-                if !out.contains(&ip) {
-                    out.push(ip);
-                }
-            }
+            ips.extend(lookup.answers().iter().filter_map(|r| r.data.ip_addr()));
         }
-        Some(out)
+        Some(ips)
     }
 
     /// All addresses of `name` (A and AAAA), deduplicated, in answer order.
     pub async fn lookup(&self, name: &HostName) -> Result<Vec<IpAddr>, ResolveError> {
         // Fully qualified: no search-list expansion, one query per family.
         let fqdn = format!("{}.", name.as_str());
-        if let Some(out) = self.hosts_answer(&fqdn) {
-            if out.is_empty() {
-                return Err(ResolveError::NoAddress(name.to_string()));
-            }
-            return Ok(out);
+        if let Some(ips) = self.hosts_answer(&fqdn) {
+            return distinct(name, ips);
         }
         self.lookup_hickory(name, &fqdn).await
     }
@@ -173,17 +166,25 @@ impl DnsResolver {
             .await
             .map_err(|_| ResolveError::Timeout(name.to_string(), self.timeout))?
             .map_err(|e| ResolveError::Lookup(name.to_string(), e.to_string()))?;
-        let mut out: Vec<IpAddr> = Vec::with_capacity(4);
-        for ip in res.iter() {
-            if !out.contains(&ip) {
-                out.push(ip);
-            }
-        }
-        if out.is_empty() {
-            return Err(ResolveError::NoAddress(name.to_string()));
-        }
-        Ok(out)
+        distinct(name, res.iter())
     }
+}
+
+/// `ips` without repeats, in order; none at all is [`ResolveError::NoAddress`].
+fn distinct(
+    name: &HostName,
+    ips: impl IntoIterator<Item = IpAddr>,
+) -> Result<Vec<IpAddr>, ResolveError> {
+    let mut out: Vec<IpAddr> = Vec::with_capacity(4);
+    for ip in ips {
+        if !out.contains(&ip) {
+            out.push(ip);
+        }
+    }
+    if out.is_empty() {
+        return Err(ResolveError::NoAddress(name.to_string()));
+    }
+    Ok(out)
 }
 
 /// Names hickory answers (or refuses) itself instead of asking a nameserver: the localhost zone
