@@ -117,6 +117,14 @@ fn assert_web_enforced(env: &Env, name: &str, what: &str) {
     );
 }
 
+/// A direct connection from container `name` to the canary succeeds and arrives.
+fn assert_direct_arrives(env: &Env, name: &str, what: &str) {
+    let before = env.canary.count();
+    let out = env.exec_out(name, DIRECT);
+    assert!(out.contains("DIRECT-OK"), "{what}: direct must pass: {out}");
+    assert!(env.canary.count() > before, "{what}: nothing arrived");
+}
+
 #[test]
 fn broken_config_is_refused_and_the_old_policy_stays() {
     if !require_root() {
@@ -240,16 +248,7 @@ fn reload_narrows_and_widens_running_containers() {
 
     // Before: web = allowed.test:8080; canary = direct to 198.18.0.1.
     assert_web_enforced(&env, "rl", "initial");
-    let before = env.canary.count();
-    let out = env.exec_out("cn", DIRECT);
-    assert!(
-        out.contains("DIRECT-OK"),
-        "canary policy: direct must pass: {out}"
-    );
-    assert!(
-        env.canary.count() > before,
-        "canary policy: nothing arrived"
-    );
+    assert_direct_arrives(&env, "cn", "canary policy");
 
     // Widen (via `egress-agent reload`): denied.test becomes allowed for the running container.
     env.write_config(&env.config_text(&web_policy(&["allowed.test", "denied.test"], &[8080])));
@@ -321,16 +320,7 @@ fn reload_narrows_and_widens_running_containers() {
     env.write_config(&env.config_text(""));
     let (ok, out) = cli_reload(&env);
     assert!(ok, "restoring reload refused: {out}");
-    let before = env.canary.count();
-    let out = env.exec_out("cn", DIRECT);
-    assert!(
-        out.contains("DIRECT-OK"),
-        "allow_cidrs widened again: {out}"
-    );
-    assert!(
-        env.canary.count() > before,
-        "allow_cidrs widened again: nothing arrived"
-    );
+    assert_direct_arrives(&env, "cn", "allow_cidrs widened again");
 
     // Still one listener per opted-in container (same-name policies are swapped in place).
     assert_eq!(

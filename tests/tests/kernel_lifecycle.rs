@@ -390,13 +390,8 @@ fn skb_backstop_drops_what_a_bypassed_sendmsg4_lets_through() {
     drop(other);
     let out: ProbeOut = child.wait_with_output().expect("wait for exec").into();
     // Restore first, so a failed assertion can't leave sendmsg4 bypassed for later tests.
-    let restore = exec_cmd("deny_all", None)
-        .arg(probe_bin())
-        .arg("cgroup")
-        .stdin(Stdio::null())
-        .output()
-        .expect("run egress-agent exec");
-    assert!(restore.status.success(), "{restore:?}");
+    let restore = probe_exec("deny_all", None, &["cgroup"]);
+    assert!(restore.ok, "{restore:?}");
     assert!(
         !canary.wait_for(&m, Duration::from_secs(1)),
         "a denied datagram arrived: the skb backstop let it through ({out:?})"
