@@ -17,23 +17,18 @@
 //! deny_cidrs = ["203.0.113.0/24"]
 //! ```
 use std::collections::BTreeMap;
-use std::fmt;
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::ops::Range;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use ipnet::IpNet;
-use serde::de::{self, MapAccess, Visitor};
-use serde::{Deserialize, Deserializer, Serialize};
+use serde::{Deserialize, Serialize};
 
-pub use crate::policy::matcher::HostPattern;
+use crate::policy::model::verr;
+use crate::policy::{ALLOW_ALL, DENY_ALL, Policy, ValidationError};
 
 /// Where `egress-agent` looks for its configuration unless told otherwise.
 pub const DEFAULT_CONFIG_PATH: &str = "/etc/egress-agent/config.toml";
-/// Built-in policy names; always present, cannot be redefined.
-pub const ALLOW_ALL: &str = "allow_all";
-pub const DENY_ALL: &str = "deny_all";
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Default)]
 #[serde(deny_unknown_fields)]
@@ -175,143 +170,6 @@ impl Default for DnsConfig {
     }
 }
 
-/// Policy mode, shared with the kernel side.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
-#[serde(rename_all = "snake_case")]
-pub enum Mode {
-    /// Everything allowed (the proxy still refuses the built-in deny list: it runs in the host's
-    /// network namespace, so its loopback and private ranges are the host's).
-    AllowAll,
-    /// Nothing allowed.
-    DenyAll,
-    /// Only `allow_hosts` on `allow_ports` (through the proxy) and `allow_cidrs` (direct).
-    #[default]
-    Allowlist,
-}
-
-fn default_ports() -> Vec<u16> {
-    vec![443]
-}
-
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct Policy {
-    /// Default `allowlist`.
-    #[serde(default)]
-    pub mode: Mode,
-    /// Exact names and `*.suffix` wildcards (strictly below the suffix: `*.x` does not match `x`).
-    #[serde(default)]
-    pub allow_hosts: Vec<HostPattern>,
-    /// Ports allowed for `allow_hosts`. Default `[443]`.
-    #[serde(default = "default_ports")]
-    pub allow_ports: Vec<u16>,
-    /// Direct (kernel-level) allows; also the only way to reach a private or special address
-    /// through the proxy, or to CONNECT to an IP literal in allowlist mode.
-    #[serde(default)]
-    pub allow_cidrs: Vec<CidrRule>,
-    /// Added to the built-in deny list; wins over everything. May not overlap `allow_cidrs`.
-    #[serde(default)]
-    pub deny_cidrs: Vec<IpNet>,
-}
-
-impl Policy {
-    pub fn allow_all() -> Policy {
-        Policy {
-            mode: Mode::AllowAll,
-            ..Policy::deny_all()
-        }
-    }
-    pub fn deny_all() -> Policy {
-        Policy {
-            mode: Mode::DenyAll,
-            allow_hosts: Vec::new(),
-            allow_ports: default_ports(),
-            allow_cidrs: Vec::new(),
-            deny_cidrs: Vec::new(),
-        }
-    }
-}
-
-/// An `allow_cidrs` entry: `"10.0.0.5/32"` (all ports) or `{ cidr = "10.0.0.5/32", ports = [5432] }`.
-/// A bare address means a single host (/32 or /128).
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct CidrRule {
-    pub net: IpNet,
-    /// Empty = all ports.
-    pub ports: Vec<u16>,
-}
-
-impl CidrRule {
-    pub fn allows_port(&self, port: u16) -> bool {
-        self.ports.is_empty() || self.ports.contains(&port)
-    }
-}
-
-fn parse_net(s: &str) -> Result<IpNet, String> {
-    if let Ok(ip) = s.parse::<IpAddr>() {
-        return Ok(IpNet::from(ip));
-    }
-    let net: IpNet = s.parse().map_err(|_| format!("invalid CIDR {s:?}"))?;
-    if net.trunc() != net {
-        return Err(format!(
-            "CIDR {s:?} has host bits set; did you mean \"{}\"?",
-            net.trunc()
-        ));
-    }
-    Ok(net)
-}
-
-impl Serialize for CidrRule {
-    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
-        use serde::ser::SerializeStruct;
-        if self.ports.is_empty() {
-            return s.collect_str(&self.net);
-        }
-        let mut st = s.serialize_struct("CidrRule", 2)?;
-        st.serialize_field("cidr", &self.net.to_string())?;
-        st.serialize_field("ports", &self.ports)?;
-        st.end()
-    }
-}
-
-impl<'de> Deserialize<'de> for CidrRule {
-    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        struct V;
-        impl<'de> Visitor<'de> for V {
-            type Value = CidrRule;
-            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-                f.write_str("a CIDR string or { cidr = \"...\", ports = [...] }")
-            }
-            fn visit_str<E: de::Error>(self, s: &str) -> Result<CidrRule, E> {
-                Ok(CidrRule {
-                    net: parse_net(s).map_err(E::custom)?,
-                    ports: Vec::new(),
-                })
-            }
-            fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<CidrRule, A::Error> {
-                let mut cidr: Option<String> = None;
-                let mut ports: Option<Vec<u16>> = None;
-                while let Some(key) = map.next_key::<String>()? {
-                    match key.as_str() {
-                        "cidr" if cidr.is_none() => cidr = Some(map.next_value()?),
-                        "ports" if ports.is_none() => ports = Some(map.next_value()?),
-                        "cidr" | "ports" => return Err(de::Error::duplicate_field("cidr/ports")),
-                        other => return Err(de::Error::unknown_field(other, &["cidr", "ports"])),
-                    }
-                }
-                let cidr = cidr.ok_or_else(|| de::Error::missing_field("cidr"))?;
-                let net = parse_net(&cidr).map_err(de::Error::custom)?;
-                let ports = ports.unwrap_or_default();
-                if ports.contains(&0) {
-                    return Err(de::Error::custom("port 0 is not a port"));
-                }
-                Ok(CidrRule { net, ports })
-            }
-        }
-        d.deserialize_any(V)
-    }
-}
-
 /// A configuration error, always naming the file; line, column and field when known.
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
@@ -328,22 +186,6 @@ pub enum ConfigError {
         field: String,
         message: String,
     },
-}
-
-/// A semantic error found by [`Config::validate`], before it is located in the source.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("{field}: {message}")]
-pub struct ValidationError {
-    /// Dotted path, e.g. `policies.ci.deny_cidrs[1]`.
-    pub field: String,
-    pub message: String,
-}
-
-fn verr(field: impl Into<String>, message: impl Into<String>) -> ValidationError {
-    ValidationError {
-        field: field.into(),
-        message: message.into(),
-    }
 }
 
 impl Config {
@@ -519,52 +361,6 @@ impl Config {
     }
 }
 
-impl Policy {
-    /// Checks one policy; `base` is its dotted path for error messages.
-    pub fn validate(&self, base: &str) -> Result<(), ValidationError> {
-        for (i, port) in self.allow_ports.iter().enumerate() {
-            if *port == 0 {
-                return Err(verr(
-                    format!("{base}.allow_ports[{i}]"),
-                    "port 0 is not a port",
-                ));
-            }
-        }
-        if self.mode == Mode::Allowlist
-            && !self.allow_hosts.is_empty()
-            && self.allow_ports.is_empty()
-        {
-            return Err(verr(
-                format!("{base}.allow_ports"),
-                "allow_hosts given but no allow_ports",
-            ));
-        }
-        for (i, net) in self.deny_cidrs.iter().enumerate() {
-            if net.trunc() != *net {
-                return Err(verr(
-                    format!("{base}.deny_cidrs[{i}]"),
-                    format!(
-                        "CIDR {net} has host bits set; did you mean \"{}\"?",
-                        net.trunc()
-                    ),
-                ));
-            }
-            for rule in &self.allow_cidrs {
-                if net.contains(&rule.net) || rule.net.contains(net) {
-                    return Err(verr(
-                        format!("{base}.deny_cidrs[{i}]"),
-                        format!(
-                            "{net} overlaps allow_cidrs entry {}; an address can't be both",
-                            rule.net
-                        ),
-                    ));
-                }
-            }
-        }
-        Ok(())
-    }
-}
-
 fn line_col(s: &str, offset: usize) -> (usize, usize) {
     let offset = offset.min(s.len());
     let before = &s[..offset];
@@ -672,6 +468,7 @@ fn span_of_path(s: &str, path: &str) -> Option<Range<usize>> {
 #[expect(clippy::unwrap_used, reason = "test assertions")]
 mod tests {
     use super::*;
+    use crate::policy::{CidrRule, Mode};
 
     fn parse(s: &str) -> Result<Config, ConfigError> {
         Config::from_toml_str(s, Path::new("/etc/egress-agent/test.toml"))

@@ -28,8 +28,9 @@ use anyhow::{Context as _, anyhow, bail};
 
 use crate::bpf::{self, KernelPolicy, PinnedState};
 use crate::cgroup;
-use crate::config::{self, Config, Mode};
+use crate::config::{self, Config};
 use crate::events::EventSink;
+use crate::policy::{self, Mode};
 use crate::proxy::{PolicyProxy, ProxyContext};
 
 /// Name of the exec enforcement root under the cgroup2 mount.
@@ -160,7 +161,7 @@ pub fn run(opts: ExecOptions) -> anyhow::Result<i32> {
 async fn run_async(
     opts: ExecOptions,
     config: Config,
-    policy: config::Policy,
+    policy: policy::Policy,
     root: PathBuf,
     bpffs: PathBuf,
 ) -> anyhow::Result<i32> {
@@ -236,7 +237,7 @@ async fn run_async(
     }
     let endpoint4 = Some(config.proxy.endpoint).filter(|e| e.is_ipv4());
     let endpoint6 = config.proxy.endpoint_v6;
-    let kpolicy = KernelPolicy::from_config(&policy, endpoint4, listener4, endpoint6, listener6)?;
+    let kpolicy = KernelPolicy::compile(&policy, endpoint4, listener4, endpoint6, listener6)?;
 
     // 3. the cgroup and its entry. The guard removes both on every path from here on.
     let name = format!(

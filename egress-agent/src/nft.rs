@@ -52,7 +52,7 @@ use nftnl::{
     Batch, Chain, FinalizedBatch, Hook, MsgType, Policy, ProtoFamily, Rule, Table, nft_expr,
 };
 
-use crate::config::CidrRule;
+use crate::policy::CidrRule;
 
 /// Name of both of the agent's tables.
 pub const TABLE: &CStr = c"egress_agent";

@@ -6,8 +6,9 @@ use std::path::{Path, PathBuf};
 
 use serde::Serialize;
 
-use crate::bpf::{self, PinnedState, state};
+use crate::bpf::{self, PinnedState};
 use crate::cgroup;
+use crate::policy::kernel;
 
 #[derive(Debug, Serialize)]
 pub struct Status {
@@ -149,10 +150,10 @@ pub fn collect(bpffs: &Path) -> Result<Status, bpf::BpfError> {
             policy,
             owner,
             path: ids.get(&id).cloned(),
-            mode: entry.map(|e| state::mode_name(e.mode)),
+            mode: entry.map(|e| kernel::mode_name(e.mode)),
             listener: entry
                 .map(|e| {
-                    [state::entry_listener4(e), state::entry_listener6(e)]
+                    [kernel::entry_listener4(e), kernel::entry_listener6(e)]
                         .into_iter()
                         .flatten()
                         .map(|a| a.to_string())

@@ -7,8 +7,8 @@ mod proxy_support;
 use std::sync::Arc;
 use std::time::Duration;
 
-use egress_agent::config::Policy;
 use egress_agent::events::Source;
+use egress_agent::policy::Policy;
 use proxy_support::*;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;

@@ -3,8 +3,8 @@
 //! re-parses to itself; a target the policy allows is never an IP form it should refuse.
 #![no_main]
 
-use egress_agent::config::Policy;
 use egress_agent::policy::CompiledPolicy;
+use egress_agent::policy::Policy;
 use egress_agent::policy::name::Destination;
 use egress_agent::proxy::request::{self, Head, Request};
 use libfuzzer_sys::fuzz_target;
@@ -12,10 +12,10 @@ use std::sync::LazyLock;
 
 static POLICY: LazyLock<CompiledPolicy> = LazyLock::new(|| {
     let mut p = Policy::deny_all();
-    p.mode = egress_agent::config::Mode::Allowlist;
+    p.mode = egress_agent::policy::Mode::Allowlist;
     p.allow_hosts = vec![
-        egress_agent::config::HostPattern::parse("github.com").unwrap(),
-        egress_agent::config::HostPattern::parse("*.github.com").unwrap(),
+        egress_agent::policy::matcher::HostPattern::parse("github.com").unwrap(),
+        egress_agent::policy::matcher::HostPattern::parse("*.github.com").unwrap(),
     ];
     p.allow_ports = vec![443, 80];
     CompiledPolicy::new(&p)

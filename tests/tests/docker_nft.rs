@@ -14,8 +14,8 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
-use egress_agent::config::CidrRule;
 use egress_agent::nft::{self, Endpoint, Enforced, Ruleset};
+use egress_agent::policy::CidrRule;
 use egress_tests::docker::{NetNs, require_root, sh};
 use egress_tests::packet::{ethernet_ipv4_udp, packet_socket, send_frame};
 

@@ -18,9 +18,10 @@ pub mod sys;
 
 use std::path::Path;
 
+pub use crate::policy::kernel::KernelPolicy;
 pub use error::BpfError;
 pub use loader::{Loader, RootReport};
-pub use state::{KernelPolicy, PinnedState};
+pub use state::PinnedState;
 
 use crate::cgroup;
 

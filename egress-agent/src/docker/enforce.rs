@@ -27,15 +27,18 @@ use super::labels::{self, Resolved};
 use super::netinfo;
 use crate::bpf::{KernelPolicy, PinnedState};
 use crate::cgroup;
-use crate::config::{Config, Mode, Policy};
+use crate::config::Config;
 use crate::events::{ContainerRef, DenialEvent, EventSink, Source};
 use crate::nft;
+use crate::policy::{Mode, Policy};
 use crate::proxy::{PolicyProxy, ProxyContext};
 
 #[derive(Debug, thiserror::Error)]
 pub enum EnforceError {
     #[error("kernel map: {0}")]
     Kernel(#[from] crate::bpf::BpfError),
+    #[error(transparent)]
+    KernelPolicy(#[from] crate::policy::kernel::KernelPolicyError),
     #[error("cgroup {path}: {source}")]
     Cgroup {
         path: PathBuf,
@@ -461,7 +464,7 @@ impl Enforcer {
         }
         let (policy_name, policy) = if refuse {
             (
-                crate::config::DENY_ALL.to_owned(),
+                crate::policy::DENY_ALL.to_owned(),
                 Arc::new(Policy::deny_all()),
             )
         } else {
@@ -494,7 +497,7 @@ impl Enforcer {
                     self.track_with(info, resolved, None, precreated, None);
                     return Outcome::Refuse(format!("cannot write a kernel entry: {e2}"));
                 }
-                crate::config::DENY_ALL.to_owned()
+                crate::policy::DENY_ALL.to_owned()
             }
         };
         tracing::info!(container = %info.id, name = %info.name, cgroup_id = id, policy = %written_name,
@@ -553,7 +556,7 @@ impl Enforcer {
         policy: &Policy,
         listener: Option<SocketAddr>,
     ) -> Result<(), EnforceError> {
-        let kp = KernelPolicy::from_config(
+        let kp = KernelPolicy::compile(
             policy,
             Some(SocketAddr::V4(self.settings.endpoint4)),
             listener.filter(SocketAddr::is_ipv4),
@@ -664,7 +667,7 @@ impl Enforcer {
         match listener {
             Some(listener) => {
                 let allow_cidrs = if policy.mode == Mode::AllowAll {
-                    vec![crate::config::CidrRule {
+                    vec![crate::policy::CidrRule {
                         net: "0.0.0.0/0".parse().expect("valid CIDR"),
                         ports: Vec::new(),
                     }]
@@ -731,7 +734,7 @@ impl Enforcer {
             ));
         }
         if let Some(id) = id {
-            self.record_name(id, crate::config::DENY_ALL, info);
+            self.record_name(id, crate::policy::DENY_ALL, info);
             self.directory.set(
                 id,
                 DirEntry {
@@ -739,7 +742,7 @@ impl Enforcer {
                         id: info.id.clone(),
                         name: info.name.clone(),
                     },
-                    policy: crate::config::DENY_ALL.to_owned(),
+                    policy: crate::policy::DENY_ALL.to_owned(),
                     context: resolved.context.clone(),
                 },
             );

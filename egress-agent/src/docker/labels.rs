@@ -17,7 +17,9 @@ use std::collections::BTreeMap;
 use std::fmt;
 use std::sync::Arc;
 
-use crate::config::{self, Config, HostPattern, Mode, Policy};
+use crate::config::Config;
+use crate::policy::matcher::HostPattern;
+use crate::policy::{self, Mode, Policy};
 
 pub const LABEL_POLICY: &str = "egress.policy";
 pub const LABEL_ALLOW_HOSTS: &str = "egress.allow_hosts";
@@ -136,7 +138,7 @@ where
     let invalid = |e: LabelError, context: BTreeMap<String, String>| {
         tracing::warn!(reason = %e, "egress labels refused; container confined as deny_all");
         Resolved {
-            name: config::DENY_ALL.to_owned(),
+            name: policy::DENY_ALL.to_owned(),
             policy: Arc::new(Policy::deny_all()),
             source: Source::Invalid(e.to_string()),
             context,
@@ -215,7 +217,7 @@ fn named(
                 "configured policy missing; confining as deny_all"
             );
             Resolved {
-                name: config::DENY_ALL.to_owned(),
+                name: policy::DENY_ALL.to_owned(),
                 policy: Arc::new(Policy::deny_all()),
                 source: Source::Invalid(e.to_string()),
                 context,

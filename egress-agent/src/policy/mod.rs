@@ -11,15 +11,17 @@
 //!   → allowed; the built-in deny list → denied; an IP literal in `allowlist` mode → denied;
 //!   otherwise allowed. A name with **any** denied address is refused as a whole.
 pub mod addr;
+pub mod kernel;
 pub mod matcher;
+pub mod model;
 pub mod name;
 
 use std::net::IpAddr;
 
 use ipnet::IpNet;
 
-use crate::config::{CidrRule, Mode, Policy};
 use matcher::HostMatcher;
+pub use model::{ALLOW_ALL, CidrRule, DENY_ALL, Mode, Policy, ValidationError};
 use name::Destination;
 
 /// Why a request was denied. `as_str` is the machine-readable reason (`X-Egress-Deny`, events).

@@ -31,9 +31,10 @@ use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{Semaphore, watch};
 use tokio::task::JoinSet;
 
-use crate::config::{Config, Policy, ProxyConfig};
+use crate::config::{Config, ProxyConfig};
 use crate::events::{DenialEvent, EventSink};
 use crate::metrics::{Metrics, ProxyCounters};
+use crate::policy::Policy;
 use crate::policy::name::Destination;
 use crate::policy::{CompiledPolicy, DenyReason};
 use dial::DialError;

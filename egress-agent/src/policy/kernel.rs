@@ -1,0 +1,317 @@
+//! Kernel compilation of a policy: [`KernelPolicy`] is what one cgroup's [`PolicyEntry`] and its
+//! CIDR rules encode, and how they are encoded (network byte order, as `struct bpf_sock_addr`
+//! presents addresses). `bpf::state` writes the result into the pinned maps.
+use std::collections::BTreeMap;
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
+
+use egress_common::{
+    CIDR_ALLOW, CidrRule, MAX_RULE_PORTS, MODE_ALLOW_ALL, MODE_ALLOWLIST, MODE_DENY_ALL,
+    POLICY_FLAG_V6, PROTO_BIT_TCP, PROTO_BIT_UDP, PolicyEntry,
+};
+use ipnet::IpNet;
+
+use super::model::{self, ALLOW_ALL, DENY_ALL, Mode};
+
+/// A policy the kernel maps can't express.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("policy can't be written to the kernel: {0}")]
+pub struct KernelPolicyError(pub String);
+
+/// The kernel's view of one policy for one cgroup: what [`PolicyEntry`] + CIDR rules encode.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct KernelPolicy {
+    /// `MODE_*`.
+    pub mode: u32,
+    /// Stable endpoint(s) and this policy's listener(s). `listener*: None` = the proxy is not
+    /// running: connections to the endpoint are refused (fail closed).
+    pub endpoint4: Option<SocketAddr>,
+    pub listener4: Option<SocketAddr>,
+    pub endpoint6: Option<SocketAddr>,
+    pub listener6: Option<SocketAddr>,
+    /// Direct allows: network, ports (empty = all), TCP and UDP.
+    pub allow: Vec<(IpNet, Vec<u16>)>,
+}
+
+impl KernelPolicy {
+    /// From a configured policy and the proxy endpoints/listeners of this policy.
+    pub fn compile(
+        policy: &model::Policy,
+        endpoint4: Option<SocketAddr>,
+        listener4: Option<SocketAddr>,
+        endpoint6: Option<SocketAddr>,
+        listener6: Option<SocketAddr>,
+    ) -> Result<KernelPolicy, KernelPolicyError> {
+        let mode = match policy.mode {
+            Mode::AllowAll => MODE_ALLOW_ALL,
+            Mode::DenyAll => MODE_DENY_ALL,
+            Mode::Allowlist => MODE_ALLOWLIST,
+        };
+        for (what, a) in [("endpoint", endpoint4), ("listener", listener4)] {
+            if matches!(a, Some(SocketAddr::V6(_))) {
+                return Err(KernelPolicyError(format!(
+                    "IPv4 {what} expected, got {a:?}"
+                )));
+            }
+        }
+        for (what, a) in [("endpoint_v6", endpoint6), ("listener_v6", listener6)] {
+            if matches!(a, Some(SocketAddr::V4(_))) {
+                return Err(KernelPolicyError(format!(
+                    "IPv6 {what} expected, got {a:?}"
+                )));
+            }
+        }
+        let mut allow = Vec::new();
+        for rule in &policy.allow_cidrs {
+            if rule.ports.len() > MAX_RULE_PORTS {
+                return Err(KernelPolicyError(format!(
+                    "allow_cidrs {}: at most {MAX_RULE_PORTS} ports per rule in the kernel map",
+                    rule.net
+                )));
+            }
+            allow.push((rule.net.trunc(), rule.ports.clone()));
+        }
+        Ok(KernelPolicy {
+            mode,
+            endpoint4,
+            listener4,
+            endpoint6,
+            listener6,
+            allow,
+        })
+    }
+
+    /// The map entry for a cgroup whose rules are keyed by `rules_id`.
+    pub fn entry(&self, rules_id: u64) -> PolicyEntry {
+        let v4 = |a: Option<SocketAddr>| match a {
+            Some(SocketAddr::V4(a)) => (u32::from_ne_bytes(a.ip().octets()), a.port().to_be()),
+            _ => (0, 0),
+        };
+        let v6 = |a: Option<SocketAddr>| match a {
+            Some(SocketAddr::V6(a)) => (ip6_words(a.ip()), a.port().to_be()),
+            _ => ([0; 4], 0),
+        };
+        let (e4, e4p) = v4(self.endpoint4);
+        let (l4, l4p) = v4(self.listener4);
+        let (e6, e6p) = v6(self.endpoint6);
+        let (l6, l6p) = v6(self.listener6);
+        PolicyEntry {
+            mode: self.mode,
+            flags: if self.endpoint6.is_some() {
+                POLICY_FLAG_V6
+            } else {
+                0
+            },
+            rules_id,
+            endpoint4_addr: e4,
+            listener4_addr: l4,
+            endpoint4_port: e4p,
+            listener4_port: l4p,
+            endpoint6_port: e6p,
+            listener6_port: l6p,
+            endpoint6_addr: e6,
+            listener6_addr: l6,
+        }
+    }
+
+    /// The LPM rules, with the ports of less specific allow rules merged into more specific ones
+    /// (the kernel only looks at the longest match).
+    pub fn rules(&self) -> Vec<(IpNet, CidrRule)> {
+        if self.mode != MODE_ALLOWLIST {
+            return Vec::new();
+        }
+        // Merge identical networks first.
+        let mut by_net: BTreeMap<IpNet, Option<Vec<u16>>> = BTreeMap::new();
+        for (net, ports) in &self.allow {
+            let slot = by_net.entry(*net).or_insert_with(|| Some(Vec::new()));
+            merge(slot, ports);
+        }
+        let nets: Vec<IpNet> = by_net.keys().copied().collect();
+        let mut out = Vec::new();
+        for net in &nets {
+            let mut ports: Option<Vec<u16>> = Some(Vec::new());
+            for other in &nets {
+                if other.contains(net)
+                    && let Some(p) = by_net.get(other)
+                {
+                    match p {
+                        None => ports = None,
+                        Some(list) => merge(&mut ports, list),
+                    }
+                }
+            }
+            let mut rule = CidrRule {
+                action: CIDR_ALLOW,
+                protos: PROTO_BIT_TCP | PROTO_BIT_UDP,
+                ..CidrRule::default()
+            };
+            if let Some(list) = ports {
+                // More than MAX_RULE_PORTS after merging: fall back to the rule's own ports
+                // (never wider than configured).
+                let own = by_net.get(net).cloned().flatten().unwrap_or_default();
+                let list = if list.len() > MAX_RULE_PORTS {
+                    own
+                } else {
+                    list
+                };
+                rule.nports = list.len() as u32;
+                for (i, p) in list.iter().take(MAX_RULE_PORTS).enumerate() {
+                    rule.ports[i] = *p;
+                }
+                if rule.nports == 0 {
+                    // An empty merged list can only come from "all ports" (None) above.
+                    continue;
+                }
+            }
+            out.push((*net, rule));
+        }
+        out
+    }
+}
+
+/// `None` = all ports. Merge `ports` (empty = all) into `slot`.
+fn merge(slot: &mut Option<Vec<u16>>, ports: &[u16]) {
+    if ports.is_empty() {
+        *slot = None;
+        return;
+    }
+    if let Some(list) = slot {
+        for p in ports {
+            if !list.contains(p) {
+                list.push(*p);
+            }
+        }
+        list.sort_unstable();
+    }
+}
+
+pub(crate) fn ip6_words(ip: &Ipv6Addr) -> [u32; 4] {
+    let o = ip.octets();
+    [
+        u32::from_ne_bytes([o[0], o[1], o[2], o[3]]),
+        u32::from_ne_bytes([o[4], o[5], o[6], o[7]]),
+        u32::from_ne_bytes([o[8], o[9], o[10], o[11]]),
+        u32::from_ne_bytes([o[12], o[13], o[14], o[15]]),
+    ]
+}
+
+fn words_ip6(w: &[u32; 4]) -> Ipv6Addr {
+    let mut o = [0u8; 16];
+    for (i, word) in w.iter().enumerate() {
+        o[i * 4..i * 4 + 4].copy_from_slice(&word.to_ne_bytes());
+    }
+    Ipv6Addr::from(o)
+}
+
+/// Decode an entry's addresses for display.
+pub fn entry_listener4(e: &PolicyEntry) -> Option<SocketAddr> {
+    (e.listener4_port != 0).then(|| {
+        SocketAddr::new(
+            IpAddr::V4(Ipv4Addr::from(e.listener4_addr.to_ne_bytes())),
+            u16::from_be(e.listener4_port),
+        )
+    })
+}
+
+pub fn entry_listener6(e: &PolicyEntry) -> Option<SocketAddr> {
+    (e.listener6_port != 0).then(|| {
+        SocketAddr::new(
+            IpAddr::V6(words_ip6(&e.listener6_addr)),
+            u16::from_be(e.listener6_port),
+        )
+    })
+}
+
+pub fn mode_name(mode: u32) -> &'static str {
+    match mode {
+        MODE_ALLOW_ALL => ALLOW_ALL,
+        MODE_DENY_ALL => DENY_ALL,
+        MODE_ALLOWLIST => "allowlist",
+        _ => "unknown",
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn policy(allow: &[(&str, &[u16])]) -> KernelPolicy {
+        KernelPolicy {
+            mode: MODE_ALLOWLIST,
+            endpoint4: Some("127.0.0.1:3128".parse().expect("addr")),
+            listener4: Some("127.0.0.1:40000".parse().expect("addr")),
+            endpoint6: None,
+            listener6: None,
+            allow: allow
+                .iter()
+                .map(|(n, p)| (n.parse().expect("net"), p.to_vec()))
+                .collect(),
+        }
+    }
+
+    fn ports(r: &CidrRule) -> Vec<u16> {
+        r.ports[..r.nports as usize].to_vec()
+    }
+
+    #[test]
+    fn more_specific_rules_inherit_less_specific_ports() {
+        let rules = policy(&[("10.0.0.0/8", &[443]), ("10.1.0.0/16", &[5432])]).rules();
+        let by: BTreeMap<String, Vec<u16>> = rules
+            .iter()
+            .map(|(n, r)| (n.to_string(), ports(r)))
+            .collect();
+        assert_eq!(by["10.0.0.0/8"], vec![443]);
+        assert_eq!(by["10.1.0.0/16"], vec![443, 5432]);
+    }
+
+    #[test]
+    fn all_ports_wins_when_merging() {
+        let rules = policy(&[("10.0.0.0/8", &[]), ("10.1.0.0/16", &[5432])]).rules();
+        for (_, r) in &rules {
+            assert_eq!(r.nports, 0, "all ports expected");
+            assert_eq!(r.action, CIDR_ALLOW);
+            assert_eq!(r.protos, PROTO_BIT_TCP | PROTO_BIT_UDP);
+        }
+        // A narrower rule does not widen a wider one.
+        let rules = policy(&[("10.0.0.0/8", &[80]), ("10.1.0.0/16", &[])]).rules();
+        let wide = rules
+            .iter()
+            .find(|(n, _)| n.to_string() == "10.0.0.0/8")
+            .expect("rule");
+        assert_eq!(ports(&wide.1), vec![80]);
+    }
+
+    #[test]
+    fn non_allowlist_policies_have_no_rules() {
+        let mut p = policy(&[("10.0.0.0/8", &[])]);
+        p.mode = MODE_DENY_ALL;
+        assert!(p.rules().is_empty());
+    }
+
+    #[test]
+    fn entry_uses_network_byte_order() {
+        let e = policy(&[]).entry(42);
+        assert_eq!(e.rules_id, 42);
+        assert_eq!(e.endpoint4_addr.to_ne_bytes(), [127, 0, 0, 1]);
+        assert_eq!(u16::from_be(e.endpoint4_port), 3128);
+        assert_eq!(u16::from_be(e.listener4_port), 40000);
+        assert_eq!(
+            entry_listener4(&e),
+            Some("127.0.0.1:40000".parse().expect("addr"))
+        );
+        assert_eq!(e.flags & POLICY_FLAG_V6, 0);
+        assert_eq!(entry_listener6(&e), None);
+    }
+
+    #[test]
+    fn too_many_ports_are_rejected() {
+        let rule = model::CidrRule {
+            net: "10.0.0.0/8".parse().expect("net"),
+            ports: (1..=40).collect(),
+        };
+        let p = model::Policy {
+            allow_cidrs: vec![rule],
+            ..model::Policy::deny_all()
+        };
+        assert!(KernelPolicy::compile(&p, None, None, None, None).is_err());
+    }
+}
