@@ -13,8 +13,9 @@ use arc_swap::ArcSwap;
 use serde_json::{Value, json};
 use tokio::{
     signal::unix::{SignalKind, signal},
-    sync::{mpsc, oneshot, watch},
+    sync::{mpsc, oneshot},
 };
+use tokio_util::sync::CancellationToken;
 use tracing::{error, info, warn};
 
 use crate::{
@@ -162,16 +163,13 @@ pub async fn run(opts: RunOptions) -> Result<()> {
     info!(config = %opts.config.display(), policies = ?config.policy_names().collect::<Vec<_>>(),
         "configuration loaded");
     let events = EventSink::new(crate::events::DEFAULT_RING);
-    let api = ApiServer::bind(&opts.api_socket).await?;
+    let docker_root = crate::cgroup::cgroup2_mount()
+        .map(|m| docker::cgroups::DockerRoot::new(m, &opts.docker.cgroup_parent).path());
+    let api = ApiServer::bind(&opts.api_socket)
+        .await?
+        .refusing_roots(docker_root.ok());
 
-    let (stop_tx, stop_rx) = watch::channel(false);
-    let stopped = |mut rx: watch::Receiver<bool>| async move {
-        while !*rx.borrow() {
-            if rx.changed().await.is_err() {
-                return;
-            }
-        }
-    };
+    let stop = CancellationToken::new();
 
     let metrics = Arc::new(Metrics::new());
     metrics::spawn_denial_counter(&events, metrics.clone());
@@ -184,7 +182,7 @@ pub async fn run(opts: RunOptions) -> Result<()> {
             Some(tokio::spawn(metrics::serve(
                 listener,
                 m,
-                stopped(stop_rx.clone()),
+                stop.clone().cancelled_owned(),
             )))
         }
         None => None,
@@ -202,15 +200,18 @@ pub async fn run(opts: RunOptions) -> Result<()> {
         opts.docker.clone(),
         events.clone(),
         hooks,
-        stopped(stop_rx.clone()),
+        stop.clone().cancelled_owned(),
     ));
 
-    // READY once programs are loaded/adopted and the proxy listens (or fail the start).
-    let ready = tokio::select! {
-        r = ready_rx => r.context("the enforcement task ended before it was ready")?,
-        r = &mut enforcement => {
-            return match r {
-                Ok(Ok(())) => Err(anyhow::anyhow!("the enforcement task ended before it was ready")),
+    // READY once programs are loaded/adopted and the proxy listens (or fail the start). The
+    // readiness sender is dropped when the task fails: then its own error is the reason.
+    let ready = match ready_rx.await {
+        Ok(ready) => ready,
+        Err(_) => {
+            return match enforcement.await {
+                Ok(Ok(())) => Err(anyhow::anyhow!(
+                    "the enforcement task ended before it was ready"
+                )),
                 Ok(Err(e)) => Err(e).context("starting enforcement"),
                 Err(e) => Err(anyhow::anyhow!("enforcement task panicked: {e}")),
             };
@@ -227,7 +228,7 @@ pub async fn run(opts: RunOptions) -> Result<()> {
         reload_lock: tokio::sync::Mutex::new(()),
         ready,
     });
-    let api_task = tokio::spawn(api.run(daemon.clone(), stopped(stop_rx.clone())));
+    let api_task = tokio::spawn(api.run(daemon.clone(), stop.clone().cancelled_owned()));
     if let Err(e) = notify::ready("enforcing") {
         warn!(error = %e, "sd_notify READY failed");
     }
@@ -259,7 +260,7 @@ pub async fn run(opts: RunOptions) -> Result<()> {
     if let Err(e) = notify::stopping() {
         warn!(error = %e, "sd_notify STOPPING failed");
     }
-    stop_tx.send(true).ok();
+    stop.cancel();
     if !enforcement.is_finished() {
         match enforcement.await {
             Ok(Ok(())) => {}
@@ -272,4 +273,41 @@ pub async fn run(opts: RunOptions) -> Result<()> {
         t.await.ok();
     }
     result
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A start that fails before READY reports the enforcement task's own error (with the
+    /// fix), not the readiness channel closing.
+    #[tokio::test]
+    async fn a_failed_start_names_its_cause() {
+        if !nix::unistd::geteuid().is_root() {
+            eprintln!("skipping: needs root (daemon start error)");
+            return;
+        }
+        let dir = std::env::temp_dir().join(format!("egress-daemon-start-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).expect("dir");
+        let config = dir.join("config.toml");
+        std::fs::write(&config, "[proxy]\nendpoint = \"127.0.0.1:3128\"\n").expect("config");
+        let opts = RunOptions {
+            config,
+            docker: DockerOptions::default(),
+            api_socket: dir.join("api.sock"),
+            metrics: None,
+            metrics_allow_non_loopback: false,
+        };
+        let err = format!(
+            "{:#}",
+            run(opts).await.expect_err("loopback endpoint accepted")
+        );
+        std::fs::remove_dir_all(&dir).ok();
+        assert!(
+            err.contains("127.0.0.1:3128 can't be used for Docker")
+                && err.contains("169.254.100.1"),
+            "{err}"
+        );
+        assert!(!err.contains("channel closed"), "{err}");
+    }
 }

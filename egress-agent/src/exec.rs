@@ -24,18 +24,22 @@ use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::Duration;
 
 use anyhow::{Context as _, anyhow, bail};
+use tokio_util::sync::CancellationToken;
 
 use crate::bpf::{self, KernelPolicy, PinnedState};
-use crate::policy::kernel::Endpoints;
 use crate::cgroup;
 use crate::config::{self, Config};
 use crate::events::EventSink;
+use crate::policy::kernel::Endpoints;
 use crate::policy::{self, Mode};
 use crate::proxy::{PolicyProxy, ProxyContext};
 use crate::sandbox::{self, Identity};
 
 /// Name of the exec enforcement root under the cgroup2 mount.
 pub const EXEC_ROOT: &str = "egress-agent";
+/// `NO_PROXY` for confined commands: their own loopback servers.
+pub const LOOPBACK_NO_PROXY: &str = "localhost,127.0.0.1,::1";
+
 /// Where the agent keeps state a command must never see (CA key, event store).
 pub const STATE_DIR: &str = "/var/lib/egress-agent";
 
@@ -171,7 +175,14 @@ fn is_system_dir(p: &Path) -> bool {
         "/opt", "/proc", "/run", "/sbin", "/sys", "/usr", "/var",
     ];
     const BELOW: [&str; 8] = [
-        "/boot/", "/etc/", "/usr/", "/proc/", "/sys/", "/var/lib", "/var/spool", "/var/log",
+        "/boot/",
+        "/etc/",
+        "/usr/",
+        "/proc/",
+        "/sys/",
+        "/var/lib",
+        "/var/spool",
+        "/var/log",
     ];
     let s = p.to_string_lossy();
     TOP.contains(&s.as_ref()) || BELOW.iter().any(|b| s.starts_with(b)) || s == "/var/lib"
@@ -194,7 +205,9 @@ fn sandbox_spec(
             .chain(["/tmp", "/var/tmp"].map(PathBuf::from));
         for p in implicit {
             match p.canonicalize() {
-                Ok(c) if !is_system_dir(&c) || c.starts_with("/tmp") || c.starts_with("/var/tmp") => {
+                Ok(c)
+                    if !is_system_dir(&c) || c.starts_with("/tmp") || c.starts_with("/var/tmp") =>
+                {
                     writable.push(c)
                 }
                 Ok(c) => eprintln!(
@@ -239,6 +252,15 @@ async fn run_async(
     bpffs: PathBuf,
     user: Identity,
 ) -> anyhow::Result<i32> {
+    // Signals that arrive from here on are forwarded to the command once it runs (a signal
+    // before that would otherwise end exec itself and leave the command unconfined by nothing
+    // but the kernel — still confined, but without cleanup).
+    use tokio::signal::unix::{SignalKind, signal};
+    let mut sigint = signal(SignalKind::interrupt())?;
+    let mut sigterm = signal(SignalKind::terminate())?;
+    let mut sighup = signal(SignalKind::hangup())?;
+    let mut sigquit = signal(SignalKind::quit())?;
+
     // 1. programs on the exec root.
     let mut enforcement = bpf::enforce_root(&bpffs, &root, false)?;
     if !enforcement.report.upgraded.is_empty() {
@@ -264,7 +286,7 @@ async fn run_async(
 
     // 2. the policy's proxy listener (allowlist only: deny_all/allow_all never use it).
     let events = EventSink::default();
-    let (shutdown_tx, shutdown_rx) = tokio::sync::watch::channel(false);
+    let shutdown = CancellationToken::new();
     let mut listener4 = None;
     let mut listener6 = None;
     let mut proxy_tasks = Vec::new();
@@ -303,10 +325,7 @@ async fn run_async(
             } else {
                 listener6 = Some(local)
             }
-            let mut rx = shutdown_rx.clone();
-            proxy_tasks.push(tokio::spawn(proxy.run(async move {
-                rx.wait_for(|v| *v).await.ok();
-            })));
+            proxy_tasks.push(tokio::spawn(proxy.run(shutdown.clone().cancelled_owned())));
         }
     }
     let endpoint4 = Some(config.proxy.endpoint).filter(|e| e.is_ipv4());
@@ -339,8 +358,25 @@ async fn run_async(
         .set_name(id, &opts.policy, &format!("exec:{}", std::process::id()))?;
     let names = enforcement.state;
 
-    // Kernel denial events of this run (if no daemon consumes the ring buffer).
-    let mut kernel_events = bpf::events::KernelEvents::try_open(&bpffs).unwrap_or(None);
+    // Kernel denial events of this run, if no daemon consumes the ring buffer. This exec then
+    // holds the ring: events of other cgroups (other execs) would be lost otherwise, so they
+    // are logged with the policy their writer recorded.
+    let pump = bpf::events::KernelEvents::try_open(&bpffs)
+        .unwrap_or(None)
+        .map(|ring| {
+            let sink = events.clone();
+            tokio::spawn(ring.pump(
+                move |ring, batch| {
+                    for ev in batch {
+                        let policy = names
+                            .name(ev.cgroup_id)
+                            .map_or_else(|| "unknown".to_owned(), |(p, _)| p);
+                        sink.emit(bpf::events::to_denial(&ev, ring.time_of(&ev), &policy));
+                    }
+                },
+                shutdown.clone().cancelled_owned(),
+            ))
+        });
 
     // 4. the command, in its sandbox (see `sandbox`): /proc/self/exe, not current_exe(): the
     // running image, even if the file was replaced (upgrade, rebuild) since exec started.
@@ -355,23 +391,22 @@ async fn run_async(
         for var in ["HTTP_PROXY", "HTTPS_PROXY", "http_proxy", "https_proxy"] {
             cmd.env(var, &url);
         }
-        for var in ["NO_PROXY", "no_proxy", "ALL_PROXY", "all_proxy"] {
+        for var in ["ALL_PROXY", "all_proxy"] {
             cmd.env_remove(var);
+        }
+        // The command's own servers on loopback are reached directly (the kernel allows that
+        // only for servers of the same command); nothing else bypasses the proxy.
+        for var in ["NO_PROXY", "no_proxy"] {
+            cmd.env(var, LOOPBACK_NO_PROXY);
         }
     }
     let mut child = cmd.spawn().context("starting the command")?;
     let pid = child.id().ok_or_else(|| anyhow!("child has no pid"))?;
 
-    // 5. wait, forwarding signals; drain kernel events meanwhile.
-    use tokio::signal::unix::{SignalKind, signal};
-    let mut sigint = signal(SignalKind::interrupt())?;
-    let mut sigterm = signal(SignalKind::terminate())?;
-    let mut sighup = signal(SignalKind::hangup())?;
-    let mut sigquit = signal(SignalKind::quit())?;
+    // 5. wait, forwarding signals (kernel events are pumped meanwhile).
     let forward = |sig: nix::sys::signal::Signal| {
         nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid as i32), sig).ok();
     };
-    let mut tick = tokio::time::interval(Duration::from_millis(200));
     let status = loop {
         tokio::select! {
             s = child.wait() => break s.context("waiting for the command")?,
@@ -379,16 +414,22 @@ async fn run_async(
             _ = sigterm.recv() => forward(nix::sys::signal::Signal::SIGTERM),
             _ = sighup.recv() => forward(nix::sys::signal::Signal::SIGHUP),
             _ = sigquit.recv() => forward(nix::sys::signal::Signal::SIGQUIT),
-            _ = tick.tick() => drain_events(kernel_events.as_mut(), &events, &names),
         }
     };
-    drain_events(kernel_events.as_mut(), &events, &names);
 
-    // 6. cleanup (guard), proxy shutdown.
-    shutdown_tx.send(true).ok();
+    // 6. cleanup (guard), proxy shutdown, the last kernel events.
+    shutdown.cancel();
     drop(guard);
     for t in proxy_tasks {
         tokio::time::timeout(Duration::from_secs(2), t).await.ok();
+    }
+    if let Some(p) = pump {
+        match tokio::time::timeout(Duration::from_secs(2), p).await {
+            Ok(Ok(Ok(()))) => {}
+            Ok(Ok(Err(e))) => eprintln!("egress-agent: warning: kernel events: {e}"),
+            Ok(Err(e)) => eprintln!("egress-agent: warning: kernel event pump: {e}"),
+            Err(_) => eprintln!("egress-agent: warning: kernel event pump did not stop"),
+        }
     }
     use std::os::unix::process::ExitStatusExt as _;
     Ok(match (status.code(), status.signal()) {
@@ -396,20 +437,4 @@ async fn run_async(
         (None, Some(sig)) => 128 + sig,
         _ => 1,
     })
-}
-
-fn drain_events(
-    ring: Option<&mut bpf::events::KernelEvents>,
-    sink: &EventSink,
-    names: &PinnedState,
-) {
-    let Some(ring) = ring else { return };
-    for ev in ring.drain() {
-        // This exec holds the ring: no daemon runs, so events of other cgroups (other execs)
-        // would be lost otherwise; they are logged with the policy their writer recorded.
-        let policy = names
-            .name(ev.cgroup_id)
-            .map_or_else(|| "unknown".to_owned(), |(p, _)| p);
-        sink.emit(bpf::events::to_denial(&ev, ring.time_of(&ev), &policy));
-    }
 }

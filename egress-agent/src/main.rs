@@ -392,7 +392,9 @@ fn init_daemon_tracing() -> tracing_appender::non_blocking::WorkerGuard {
         builder
             .json()
             .flatten_event(true)
-            .with_current_span(false)
+            // The container / connection a line is about (per-container and per-connection spans).
+            .with_current_span(true)
+            .with_span_list(false)
             .try_init()
     };
     if result.is_err() {

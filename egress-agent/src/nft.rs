@@ -108,6 +108,9 @@ pub struct Enforced {
     /// The policy's direct allows (IPv4 entries apply here; IPv6 is dropped for enforced
     /// endpoints at the bridge layer).
     pub allow_cidrs: Vec<CidrRule>,
+    /// Peers allowed to connect in (`policy::kernel::inbound_allows`: `ports` are the
+    /// container's local TCP ports): the container's replies to them may cross the bridge.
+    pub allow_inbound: Vec<CidrRule>,
     /// Empty for `--network host` / `none` containers: those are confined by cgroup only.
     pub endpoints: Vec<Endpoint>,
 }
@@ -233,9 +236,15 @@ impl Ruleset {
                     drop_(&mut r);
                     batch.add(&r, MsgType::Add);
                 }
-                // bridge forward: to another port of the same bridge only for allow_cidrs.
+                // bridge forward: to another port of the same bridge only for allow_cidrs, and
+                // replies (from an allowed local port) to peers allowed to connect in.
                 for cidr in &c.allow_cidrs {
-                    for r in cidr_rules(&b_fwd, &short, |r| iif(r, &veth), cidr)? {
+                    for r in cidr_rules(&b_fwd, &short, |r| iif(r, &veth), cidr, Port::Dst)? {
+                        batch.add(&r, MsgType::Add);
+                    }
+                }
+                for cidr in &c.allow_inbound {
+                    for r in cidr_rules(&b_fwd, &short, |r| iif(r, &veth), cidr, Port::SrcTcp)? {
                         batch.add(&r, MsgType::Add);
                     }
                 }
@@ -271,7 +280,7 @@ impl Ruleset {
                 // (b) allow_cidrs, forwarded or local.
                 for chain in [&i_in, &i_fwd] {
                     for cidr in &c.allow_cidrs {
-                        for r in cidr_rules(chain, &short, from, cidr)? {
+                        for r in cidr_rules(chain, &short, from, cidr, Port::Dst)? {
                             batch.add(&r, MsgType::Add);
                         }
                     }
@@ -513,12 +522,23 @@ fn drop_(r: &mut Rule<'_>) {
     r.add_expr(&nft_expr!(verdict drop));
 }
 
-/// Accept rules for one IPv4 `allow_cidrs` entry (one per port and protocol, or one for all ports).
+/// Which port of a packet a CIDR rule's ports are matched against.
+#[derive(Clone, Copy)]
+enum Port {
+    /// The destination port, TCP and UDP (`allow_cidrs`: services the container may reach).
+    Dst,
+    /// The TCP source port (inbound allows: the container's listener answering a peer).
+    SrcTcp,
+}
+
+/// Accept rules for one IPv4 rule towards `cidr.net` (one per port and protocol, or one for all
+/// ports).
 fn cidr_rules<'a>(
     chain: &'a Chain<'_>,
     comment: &str,
     from: impl Fn(&mut Rule<'a>),
     cidr: &CidrRule,
+    port: Port,
 ) -> Result<Vec<Rule<'a>>, NftError> {
     let ipnet::IpNet::V4(net) = cidr.net else {
         return Ok(Vec::new());
@@ -531,21 +551,37 @@ fn cidr_rules<'a>(
         r.add_expr(&nft_expr!(cmp == net.network()));
     };
     let mut out = Vec::new();
+    let protos: &[u8] = match port {
+        Port::Dst => &[IPPROTO_TCP, IPPROTO_UDP],
+        Port::SrcTcp => &[IPPROTO_TCP],
+    };
     if cidr.ports.is_empty() {
-        let mut r = rule(chain, comment)?;
-        dst(&mut r);
-        r.add_expr(&nft_expr!(verdict accept));
-        out.push(r);
-        return Ok(out);
-    }
-    for port in &cidr.ports {
-        for proto in [IPPROTO_TCP, IPPROTO_UDP] {
+        for proto in protos.iter().filter(|_| matches!(port, Port::SrcTcp)) {
             let mut r = rule(chain, comment)?;
             dst(&mut r);
-            l4(&mut r, proto);
-            // tcp and udp dport are both at offset 2 of the transport header.
-            r.add_expr(&nft_expr!(payload tcp dport));
-            r.add_expr(&nft_expr!(cmp == port.to_be()));
+            l4(&mut r, *proto);
+            r.add_expr(&nft_expr!(verdict accept));
+            out.push(r);
+        }
+        if matches!(port, Port::Dst) {
+            let mut r = rule(chain, comment)?;
+            dst(&mut r);
+            r.add_expr(&nft_expr!(verdict accept));
+            out.push(r);
+        }
+        return Ok(out);
+    }
+    for p in &cidr.ports {
+        for proto in protos {
+            let mut r = rule(chain, comment)?;
+            dst(&mut r);
+            l4(&mut r, *proto);
+            // tcp and udp ports sit at the same offsets (sport 0, dport 2) of the header.
+            match port {
+                Port::Dst => r.add_expr(&nft_expr!(payload tcp dport)),
+                Port::SrcTcp => r.add_expr(&nft_expr!(payload tcp sport)),
+            }
+            r.add_expr(&nft_expr!(cmp == p.to_be()));
             r.add_expr(&nft_expr!(verdict accept));
             out.push(r);
         }
@@ -618,6 +654,10 @@ mod tests {
                             ports: vec![],
                         },
                     ],
+                    allow_inbound: vec![CidrRule {
+                        net: "198.18.0.0/24".parse().expect("test value"),
+                        ports: vec![8080],
+                    }],
                     endpoints: vec![Endpoint {
                         bridge: "br-0123456789ab".into(),
                         veth: format!("veth{i:07x}"),

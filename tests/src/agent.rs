@@ -203,7 +203,8 @@ pub fn status_json() -> serde_json::Value {
 }
 
 /// Kernel attach types (`enum bpf_attach_type`) of the agent's cgroup programs.
-pub const ATTACH_TYPES: [(&str, u32); 7] = [
+pub const ATTACH_TYPES: [(&str, u32); 8] = [
+    ("skb_ingress", 0),
     ("skb_egress", 1),
     ("sock_create", 2),
     ("connect4", 10),
@@ -214,3 +215,26 @@ pub const ATTACH_TYPES: [(&str, u32); 7] = [
 ];
 
 pub use crate::bpf::attached_programs;
+
+/// The host's enforcement on the exec root: pins present, programs attached.
+pub fn assert_enforcement_intact(what: &str) {
+    let root_id = std::fs::metadata(exec_root())
+        .map(|m| std::os::unix::fs::MetadataExt::ino(&m))
+        .expect("exec root");
+    let pins = Path::new(BPFFS).join("roots").join(root_id.to_string());
+    for prog in egress_common::programs::CGROUP {
+        assert!(
+            pins.join(prog).exists(),
+            "{what}: pin {}/{prog} is gone",
+            pins.display()
+        );
+    }
+    let policies = Path::new(BPFFS).join("maps").join("EGRESS_POLICIES");
+    assert!(policies.exists(), "{what}: {} is gone", policies.display());
+    for (name, ty) in ATTACH_TYPES.iter().filter(|(n, _)| *n != "lsm_cgroup") {
+        assert!(
+            !crate::bpf::attached_programs(&exec_root(), *ty).is_empty(),
+            "{what}: nothing attached to the exec root for {name}"
+        );
+    }
+}

@@ -104,3 +104,60 @@ pub fn attached_programs(cgroup: &Path, attach_type: u32) -> Vec<u32> {
     ids.truncate((u32::from_ne_bytes(cnt) as usize).min(64));
     ids
 }
+
+const BPF_OBJ_GET: libc::c_long = 7;
+const BPF_PROG_GET_NEXT_ID: libc::c_long = 11;
+const BPF_MAP_GET_NEXT_ID: libc::c_long = 12;
+const BPF_LINK_GET_FD_BY_ID: libc::c_long = 30;
+const BPF_LINK_GET_NEXT_ID: libc::c_long = 31;
+const BPF_LINK_DETACH: libc::c_long = 34;
+
+/// Ids of every loaded program (`BPF_PROG_GET_NEXT_ID`), map (`..._MAP_...`) or link
+/// (`..._LINK_...`) on the host — what a process escaping confinement would walk.
+fn next_ids(cmd: libc::c_long) -> std::io::Result<Vec<u32>> {
+    let mut ids = Vec::new();
+    let mut start = 0u32;
+    loop {
+        let mut attr = [0u8; 16];
+        put_u32(&mut attr, 0, start);
+        match bpf(cmd, &mut attr) {
+            Ok(_) => {
+                let next = u32::from_ne_bytes(attr[4..8].try_into().expect("4 bytes"));
+                ids.push(next);
+                start = next;
+            }
+            Err(e) if e.raw_os_error() == Some(libc::ENOENT) => return Ok(ids),
+            Err(e) => return Err(e),
+        }
+    }
+}
+
+pub fn link_ids() -> std::io::Result<Vec<u32>> {
+    next_ids(BPF_LINK_GET_NEXT_ID)
+}
+
+pub fn prog_ids() -> std::io::Result<Vec<u32>> {
+    next_ids(BPF_PROG_GET_NEXT_ID)
+}
+
+pub fn map_ids() -> std::io::Result<Vec<u32>> {
+    next_ids(BPF_MAP_GET_NEXT_ID)
+}
+
+/// `BPF_LINK_GET_FD_BY_ID`, then `BPF_LINK_DETACH` on it.
+pub fn detach_link(id: u32) -> std::io::Result<()> {
+    let mut attr = [0u8; 16];
+    put_u32(&mut attr, 0, id);
+    let fd = owned(bpf(BPF_LINK_GET_FD_BY_ID, &mut attr)?);
+    let mut attr = [0u8; 16];
+    put_u32(&mut attr, 0, fd.as_raw_fd() as u32);
+    bpf(BPF_LINK_DETACH, &mut attr).map(drop)
+}
+
+/// `BPF_OBJ_GET` on a bpffs path.
+pub fn obj_get(path: &Path) -> std::io::Result<OwnedFd> {
+    let c = std::ffi::CString::new(path.as_os_str().as_bytes()).expect("no NUL");
+    let mut attr = [0u8; 16];
+    put_u64(&mut attr, 0, c.as_ptr() as u64);
+    bpf(BPF_OBJ_GET, &mut attr).map(owned)
+}

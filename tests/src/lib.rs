@@ -9,6 +9,7 @@
 pub mod agent;
 pub mod bpf;
 pub mod canary;
+pub mod escape;
 pub mod netns;
 pub mod packet;
 

@@ -86,6 +86,7 @@ impl Topo {
                         net: "198.18.2.2/32".parse().expect("test value"),
                         ports: vec![80],
                     }],
+                    allow_inbound: Vec::new(),
                     endpoints: vec![Endpoint {
                         bridge: "ebr0".into(),
                         veth: "ev1".into(),

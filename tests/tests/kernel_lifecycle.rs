@@ -59,21 +59,39 @@ fn exec_returns_exit_code_and_removes_cgroup() {
     }
     let out = probe_exec("deny_all", None, &["cgroup"]);
     assert!(out.ok, "{out:?}");
-    let rel = out
+    // The command sees its own cgroup as the root of its cgroup namespace...
+    assert!(
+        out.stdout.lines().any(|l| l == "0::/"),
+        "command sees a cgroup path outside its namespace: {out:?}"
+    );
+    // ...which is a fresh cgroup under the exec root, gone (with its entry) once exec returned.
+    let id: u64 = out
         .stdout
         .lines()
-        .find_map(|l| l.strip_prefix("0::"))
-        .expect("cgroup line")
-        .to_owned();
-    assert!(
-        rel.starts_with("/egress-agent/exec-"),
-        "command ran in {rel}, not a fresh exec cgroup"
+        .find_map(|l| l.strip_prefix("cgroup-root-id "))
+        .and_then(|v| v.parse().ok())
+        .expect("cgroup-root-id line");
+    let root_id = std::os::unix::fs::MetadataExt::ino(
+        &std::fs::metadata(egress_tests::agent::exec_root()).expect("exec root"),
     );
-    let dir = egress_tests::agent::cgroup2_mount().join(rel.trim_start_matches('/'));
+    assert_ne!(id, root_id, "command ran in the exec root itself");
+    let left: Vec<_> = std::fs::read_dir(egress_tests::agent::exec_root())
+        .expect("exec root")
+        .flatten()
+        .filter(|e| {
+            e.metadata()
+                .is_ok_and(|m| std::os::unix::fs::MetadataExt::ino(&m) == id)
+        })
+        .map(|e| e.path())
+        .collect();
     assert!(
-        !dir.exists(),
-        "cgroup {} still exists after exec returned",
-        dir.display()
+        left.is_empty(),
+        "cgroup {left:?} still exists after exec returned"
+    );
+    let status = egress_tests::agent::status_json();
+    assert!(
+        !status.to_string().contains(&format!("\"cgroup_id\":{id}")),
+        "policy entry of cgroup {id} left behind: {status}"
     );
 
     let child = exec_cmd("deny_all", None)

@@ -220,8 +220,31 @@ fn other_policys_listener_is_unreachable() {
 }
 
 /// Start `probe serve` confined; returns the child once it listens.
-fn serve_confined(port: u16, m: &str) -> Child {
-    let mut child = exec_cmd("deny_all", None)
+/// A confined server that is stopped (SIGTERM: exec cleans up) when dropped, so a failing
+/// assertion does not leave it behind holding ports and the kernel events lock.
+struct Served(Child);
+
+impl Served {
+    fn wait(&mut self) -> std::io::Result<std::process::ExitStatus> {
+        self.0.wait()
+    }
+}
+
+impl Drop for Served {
+    fn drop(&mut self) {
+        if matches!(self.0.try_wait(), Ok(None)) {
+            nix::sys::signal::kill(
+                nix::unistd::Pid::from_raw(self.0.id() as i32),
+                nix::sys::signal::Signal::SIGTERM,
+            )
+            .ok();
+            self.0.wait().ok();
+        }
+    }
+}
+
+fn serve_confined(policy: &str, config: &TestConfig, port: u16, m: &str) -> Served {
+    let mut child = exec_cmd(policy, Some(&config.path))
         .arg(probe_bin())
         .args(["serve", &port.to_string(), m])
         .stdout(Stdio::piped())
@@ -234,7 +257,7 @@ fn serve_confined(port: u16, m: &str) -> Child {
     assert_eq!(first, "listening", "server did not start");
     // Keep the pipe drained in the background.
     std::thread::spawn(move || for _ in lines {});
-    child
+    Served(child)
 }
 
 fn read_reply(mut s: TcpStream) -> String {
@@ -246,15 +269,24 @@ fn read_reply(mut s: TcpStream) -> String {
 }
 
 #[test]
-fn server_in_cgroup_answers_outside_clients() {
+fn server_in_cgroup_answers_allowed_inbound_clients() {
     if !root_or_skip("kernel positive: inbound server") {
         return;
     }
     let ns = Netns::new();
+    // Inbound connections are policy: the clients below are the allowed peers of this deny_all
+    // policy (exec_inbound.rs checks that everyone else is refused).
+    // The namespace's networks (its clients may pick either of its addresses as source).
+    let [a, b, c, _] = ns.ns_v4.octets();
+    let s6 = ns.ns_v6.segments();
+    let cfg = TestConfig::new(&format!(
+        "[policies.served]\nmode = \"deny_all\"\nallow_inbound = [\"127.0.0.1/32\", \"{a}.{b}.{c}.0/24\", \"{:x}:{:x}:{:x}:{:x}::/64\"]\n",
+        s6[0], s6[1], s6[2], s6[3]
+    ));
     // A client in the host namespace (outside any enforced cgroup) over loopback.
     let port = 7310;
     let m = marker("reply-lo");
-    let mut server = serve_confined(port, &m);
+    let mut server = serve_confined("served", &cfg, port, &m);
     let reply =
         read_reply(TcpStream::connect(("127.0.0.1", port)).expect("connect to confined server"));
     assert!(
@@ -270,7 +302,7 @@ fn server_in_cgroup_answers_outside_clients() {
     {
         let port = 7311 + i as u16;
         let m = marker("reply-ns");
-        let mut server = serve_confined(port, &m);
+        let mut server = serve_confined("served", &cfg, port, &m);
         let addr: SocketAddr = format!("{host}:{port}").parse().expect("addr");
         let reply = ns.run(move || {
             read_reply(
@@ -353,15 +385,45 @@ fn own_netns_loopback_works_but_not_dockers_resolver() {
     let ns = Netns::new();
     let canary = Canary::in_netns(&ns, &[7320], &[53, 7320]);
     let probe = probe_bin().display().to_string();
-    // A confined process that entered its own network namespace (like a container).
+    // A confined process that entered its own network namespace (like a container). Entering a
+    // namespace needs CAP_SYS_ADMIN, which an `exec` command doesn't have (exec_self_defence.rs):
+    // so a shell of the test joins the cgroup of a running `exec --policy deny_all` command — the
+    // kernel programs and its entry apply to it — and enters the namespace itself.
+    let mut holder = exec_cmd("deny_all", None)
+        .args(["sleep", "60"])
+        .stdin(Stdio::null())
+        .spawn()
+        .expect("exec sleep");
+    let prefix = format!("exec-{}-", holder.id());
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let confined = loop {
+        let found = std::fs::read_dir(egress_tests::agent::exec_root())
+            .expect("exec root")
+            .flatten()
+            .find(|e| e.file_name().to_string_lossy().starts_with(&prefix))
+            .map(|e| e.path());
+        match found {
+            Some(p)
+                if std::fs::read_to_string(p.join("cgroup.procs"))
+                    .is_ok_and(|s| !s.trim().is_empty()) =>
+            {
+                break p;
+            }
+            _ if Instant::now() > deadline => panic!("no cgroup for the holder exec"),
+            _ => std::thread::sleep(Duration::from_millis(50)),
+        }
+    };
     let in_ns = |policy: Option<&str>, args: &[&str]| {
-        let mut cmd = match policy {
-            Some(p) => exec_cmd(p, None),
-            None => std::process::Command::new("env"),
+        let run = format!("exec ip netns exec {} {probe} {}", ns.name, args.join(" "));
+        let script = match policy {
+            Some(_) => format!("echo $$ > {}/cgroup.procs && {run}", confined.display()),
+            None => run,
         };
-        cmd.args(["ip", "netns", "exec", &ns.name, &probe])
-            .args(args);
-        let out = cmd.stdin(Stdio::null()).output().expect("run");
+        let out = std::process::Command::new("sh")
+            .args(["-c", &script])
+            .stdin(Stdio::null())
+            .output()
+            .expect("run");
         String::from_utf8_lossy(&out.stdout).into_owned()
     };
     for (name, args) in [
@@ -397,6 +459,13 @@ fn own_netns_loopback_works_but_not_dockers_resolver() {
         assert!(out.contains("err 1 "), "{name}: expected EPERM, got {out}");
         eprintln!("127.0.0.11 {name} under deny_all: refused, nothing arrived");
     }
+    // SIGTERM: exec forwards it and removes the cgroup and entry.
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(holder.id() as i32),
+        nix::sys::signal::Signal::SIGTERM,
+    )
+    .ok();
+    holder.wait().ok();
 }
 
 #[test]

@@ -28,6 +28,7 @@ const APT_PACKAGES: &[&str] = &[
     "squid",
     "tinyproxy",
     "systemd",
+    "libcap2-bin",
 ];
 
 const BPF_LINKER_VERSION: &str = "0.13.0";

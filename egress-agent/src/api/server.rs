@@ -42,6 +42,34 @@ pub enum BindError {
 pub struct ApiServer {
     listener: UnixListener,
     path: PathBuf,
+    /// Enforcement roots: a peer whose cgroup is at or below one of them is a confined process
+    /// and is refused, whatever its uid.
+    refused_roots: Vec<PathBuf>,
+}
+
+/// Who is on the other end of a control connection (`SO_PEERCRED`, then its cgroup).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Peer {
+    uid: Option<u32>,
+    /// In an enforcement root — or its cgroup could not be read (refused as well).
+    confined: bool,
+}
+
+impl Peer {
+    fn of(stream: &UnixStream, roots: &[PathBuf]) -> Peer {
+        let cred = stream.peer_cred().ok();
+        let confined = match cred.and_then(|c| c.pid()) {
+            Some(pid) if pid > 0 => match crate::cgroup::cgroup_of_pid(pid as u32) {
+                Ok(cg) => roots.iter().any(|r| cg.starts_with(r)),
+                Err(_) => true,
+            },
+            _ => true,
+        };
+        Peer {
+            uid: cred.map(|c| c.uid()),
+            confined,
+        }
+    }
 }
 
 impl ApiServer {
@@ -67,7 +95,15 @@ impl ApiServer {
         Ok(Self {
             listener,
             path: path.to_owned(),
+            // `exec` commands always; the daemon adds its Docker root.
+            refused_roots: crate::exec::exec_root().into_iter().collect(),
         })
+    }
+
+    /// Also refuse peers running in these enforcement roots (confined processes), even as root.
+    pub fn refusing_roots(mut self, roots: impl IntoIterator<Item = PathBuf>) -> Self {
+        self.refused_roots.extend(roots);
+        self
     }
 
     pub async fn run(self, control: Arc<dyn Control>, shutdown: impl Future<Output = ()>) {
@@ -84,11 +120,11 @@ impl ApiServer {
                 },
             };
             let control = control.clone();
+            let peer = Peer::of(&stream, &self.refused_roots);
             tokio::spawn(async move {
-                let peer_uid = stream.peer_cred().map(|c| c.uid()).ok();
                 let service = service_fn(move |req| {
                     let control = control.clone();
-                    async move { Ok::<_, Infallible>(route(req, peer_uid, control.as_ref()).await) }
+                    async move { Ok::<_, Infallible>(route(req, peer, control.as_ref()).await) }
                 });
                 if let Err(e) = hyper::server::conn::http1::Builder::new()
                     .serve_connection(TokioIo::new(stream), service)
@@ -124,18 +160,24 @@ fn query_param<'a>(query: Option<&'a str>, key: &str) -> Option<&'a str> {
         .map(|(_, v)| v)
 }
 
-async fn route(
-    req: Request<Incoming>,
-    peer_uid: Option<u32>,
-    control: &dyn Control,
-) -> Response<Body> {
-    if peer_uid != Some(0) {
+async fn route(req: Request<Incoming>, peer: Peer, control: &dyn Control) -> Response<Body> {
+    if peer.uid != Some(0) {
         warn!(
-            ?peer_uid,
+            peer_uid = ?peer.uid,
             path = req.uri().path(),
             "control API refused a non-root client"
         );
         return error(StatusCode::FORBIDDEN, "the control API is root-only");
+    }
+    if peer.confined {
+        warn!(
+            path = req.uri().path(),
+            "control API refused a confined process (its cgroup is in an enforcement root)"
+        );
+        return error(
+            StatusCode::FORBIDDEN,
+            "the control API refuses confined processes",
+        );
     }
     let query = req.uri().query();
     match (req.method(), req.uri().path()) {

@@ -70,6 +70,65 @@ impl KernelEvents {
         use std::os::fd::AsFd;
         self.ring.as_fd()
     }
+
+    /// Hand every event to `deliver` as it arrives, until `shutdown` completes (then once more,
+    /// for what is left). Woken by the ring buffer's readiness, not by a timer: the kernel wakes
+    /// a reader that has caught up as soon as the next record is committed.
+    pub async fn pump(
+        self,
+        mut deliver: impl FnMut(&KernelEvents, Vec<Event>),
+        shutdown: impl std::future::Future<Output = ()>,
+    ) -> std::io::Result<()> {
+        #[expect(
+            unsafe_code,
+            reason = "tokio's fd registration requires the caller to vouch for the fd's lifetime"
+        )]
+        // SAFETY: the fd is the ring buffer map's, owned by `self.ring` (moved into the AsyncFd),
+        // open for its whole life, and `as_raw_fd` always returns that same fd.
+        let registered = unsafe {
+            tokio::io::unix::AsyncFd::register_with_interest(self, tokio::io::Interest::READABLE)
+        };
+        let mut ring = registered.map_err(std::io::Error::from)?;
+        tokio::pin!(shutdown);
+        // Whatever was written before we started waiting.
+        let first = ring.get_mut().drain();
+        if !first.is_empty() {
+            deliver(ring.get_ref(), first);
+        }
+        loop {
+            tokio::select! {
+                guard = ring.readable_mut() => {
+                    let mut guard = guard?;
+                    // Drain until empty; an empty ring clears readiness (try_io sees WouldBlock),
+                    // so the next commit wakes us again.
+                    while let Ok(batch) = guard.try_io(|r| {
+                        let batch = r.get_mut().drain();
+                        if batch.is_empty() {
+                            Err(std::io::ErrorKind::WouldBlock.into())
+                        } else {
+                            Ok(batch)
+                        }
+                    }) {
+                        let batch = batch?;
+                        deliver(guard.get_inner(), batch);
+                    }
+                }
+                () = &mut shutdown => {
+                    let rest = ring.get_mut().drain();
+                    if !rest.is_empty() {
+                        deliver(ring.get_ref(), rest);
+                    }
+                    return Ok(());
+                }
+            }
+        }
+    }
+}
+
+impl std::os::fd::AsRawFd for KernelEvents {
+    fn as_raw_fd(&self) -> std::os::fd::RawFd {
+        self.as_fd().as_raw_fd()
+    }
 }
 
 /// Field-by-field decode (no unsafe cast of ring memory); offsets follow `Event`'s layout.

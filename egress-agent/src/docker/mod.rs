@@ -6,7 +6,11 @@
 //!   before `start`).
 //! - [`netinfo`]: a container's host-side veth and bridge, for the nftables layer.
 //! - [`directory`]: cgroup id → container, policy and context, for attributing kernel events.
-//! - [`enforce`]: applies a resolved policy: kernel entry, per-container proxy listener, nftables.
+//! - [`plan`]: what a container gets (pure decisions from its inspect data and labels).
+//! - [`entries`]: the containers' kernel entries and the event directory (`deny_all` fallback).
+//! - [`listeners`]: one proxy listener per opted-in container.
+//! - [`host_layer`]: the nftables ruleset, its batching and failed writes.
+//! - [`enforce`]: the per-container lifecycle, carrying plans out through the three above.
 //! - [`watch`]: the bollard event stream + reconcile loop ([`watch::run`]).
 //! - [`serve`]: the whole setup for the daemon in one call ([`serve::serve`]).
 //!
@@ -15,8 +19,12 @@ pub mod cgroups;
 pub mod container;
 pub mod directory;
 pub mod enforce;
+pub mod entries;
+pub mod host_layer;
 pub mod labels;
+pub mod listeners;
 pub mod netinfo;
+pub mod plan;
 pub mod serve;
 pub mod watch;
 

@@ -13,6 +13,7 @@ use crate::config::Config;
 use crate::events::EventSink;
 use crate::netif;
 use crate::proxy::ProxyContext;
+use tokio_util::sync::CancellationToken;
 
 /// Options that are not (yet) in the configuration file.
 #[derive(Debug, Clone)]
@@ -67,6 +68,8 @@ pub enum ServeError {
     Proxy(String),
     #[error(transparent)]
     Nft(#[from] crate::nft::NftError),
+    #[error("the nftables host layer could not be set up: {0}")]
+    HostLayer(#[from] super::enforce::EnforceError),
 }
 
 /// How the daemon talks to a running [`serve_with`].
@@ -145,17 +148,31 @@ pub async fn serve_with(
         l2_guard: opts.nft && enforcement_lsm.is_some(),
     };
     let directory = opts.directory.clone();
-    let enforcer = Enforcer::new(state, settings, config.clone(), ctx, events.clone())
-        .with_directory(directory.clone());
-    let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
-    let pump = (opts.kernel_events || hooks.metrics.is_some()).then(|| {
+    let mut enforcer = Enforcer::new(
+        state,
+        settings,
+        config.clone(),
+        ctx,
+        events.clone(),
+        directory.clone(),
+    );
+    // Before READY: without the host layer the proxy address is reachable from the LAN.
+    enforcer.init().await?;
+    let stop = CancellationToken::new();
+    let pump = opts.kernel_events.then(|| {
         tokio::spawn(kernel_events(
             config.agent.bpffs.clone(),
-            opts.kernel_events,
-            directory,
+            directory.clone(),
             events,
-            hooks.metrics.clone(),
-            stop_rx,
+            stop.clone(),
+        ))
+    });
+    let gauges = hooks.metrics.clone().map(|m| {
+        tokio::spawn(kernel_gauges(
+            config.agent.bpffs.clone(),
+            directory,
+            m,
+            stop.clone(),
         ))
     });
     if let Some(ready) = hooks.ready {
@@ -177,13 +194,11 @@ pub async fn serve_with(
         shutdown,
     )
     .await;
-    if stop_tx.send(true).is_err() {
-        tracing::debug!("kernel event pump already stopped");
-    }
-    if let Some(p) = pump
-        && let Err(e) = p.await
-    {
-        tracing::warn!(error = %e, "kernel event pump ended abnormally");
+    stop.cancel();
+    for task in [pump, gauges].into_iter().flatten() {
+        if let Err(e) = task.await {
+            tracing::warn!(error = %e, "kernel event task ended abnormally");
+        }
     }
     Ok(())
 }
@@ -191,67 +206,65 @@ pub async fn serve_with(
 /// How often the per-cgroup kernel counters are read for `event_drops{source="kernel"}`.
 const LOSS_SAMPLE: Duration = Duration::from_secs(5);
 
-/// Drain the kernel ring buffer every 200 ms (when `drain`), attributing events to containers,
-/// and keep the metrics up to date: enforced containers every tick, kernel event losses every
-/// [`LOSS_SAMPLE`]. Without `drain` (or when another process holds the events lock) only the
-/// metrics are kept.
+/// Drain the kernel ring buffer as events arrive (`KernelEvents::pump`), attributing them to
+/// containers, until `stop`. When another process holds the events lock, nothing is drained.
 async fn kernel_events(
     bpffs: std::path::PathBuf,
-    drain: bool,
     directory: Directory,
     events: EventSink,
-    metrics: Option<Arc<crate::metrics::Metrics>>,
-    mut stop: tokio::sync::watch::Receiver<bool>,
+    stop: CancellationToken,
 ) {
-    let mut reader = if drain {
-        match bpf::events::KernelEvents::try_open(&bpffs) {
-            Ok(Some(r)) => Some(r),
-            Ok(None) => {
-                tracing::info!("another process consumes kernel events");
-                None
-            }
-            Err(e) => {
-                tracing::warn!(error = %e, "kernel events unavailable");
-                None
-            }
+    let reader = match bpf::events::KernelEvents::try_open(&bpffs) {
+        Ok(Some(r)) => r,
+        Ok(None) => {
+            tracing::info!("another process consumes kernel events");
+            return;
         }
-    } else {
-        None
+        Err(e) => {
+            tracing::warn!(error = %e, "kernel events unavailable");
+            return;
+        }
     };
-    if reader.is_none() && metrics.is_none() {
-        return;
-    }
-    let mut losses = LossTracker::default();
-    let mut state: Option<bpf::PinnedState> = None;
-    let mut next_sample = tokio::time::Instant::now();
-    let mut tick = tokio::time::interval(Duration::from_millis(200));
-    loop {
-        tokio::select! {
-            _ = tick.tick() => {}
-            _ = stop.changed() => return,
-        }
-        if let Some(m) = &metrics {
-            m.set_enforced_containers(directory.len() as u64);
-            let now = tokio::time::Instant::now();
-            if now >= next_sample {
-                next_sample = now + LOSS_SAMPLE;
-                let lost = sample_lost(&bpffs, &mut state, &mut losses);
-                if lost > 0 {
-                    m.event_drops(crate::metrics::DropSource::Kernel, lost);
-                }
-            }
-        }
-        let Some(reader) = reader.as_mut() else {
-            continue;
-        };
-        for ev in reader.drain() {
-            let time = reader.time_of(&ev);
+    let deliver = |reader: &bpf::events::KernelEvents, batch: Vec<egress_common::Event>| {
+        for ev in batch {
             let policy = directory
                 .get(ev.cgroup_id)
                 .map_or_else(|| "unknown".to_owned(), |e| e.policy);
-            let mut d = bpf::events::to_denial(&ev, time, &policy);
+            let mut d = bpf::events::to_denial(&ev, reader.time_of(&ev), &policy);
             directory.enrich(&mut d);
             events.emit(d);
+        }
+    };
+    if let Err(e) = reader.pump(deliver, stop.cancelled_owned()).await {
+        tracing::error!(error = %e, "kernel event pump failed; denials are still counted in the kernel");
+    }
+}
+
+/// Keep the metrics that come from kernel state up to date until `stop`: enforced containers
+/// every second, kernel event losses every [`LOSS_SAMPLE`].
+async fn kernel_gauges(
+    bpffs: std::path::PathBuf,
+    directory: Directory,
+    metrics: Arc<crate::metrics::Metrics>,
+    stop: CancellationToken,
+) {
+    let mut losses = LossTracker::default();
+    let mut state: Option<bpf::PinnedState> = None;
+    let mut next_sample = tokio::time::Instant::now();
+    let mut tick = tokio::time::interval(Duration::from_secs(1));
+    loop {
+        tokio::select! {
+            _ = tick.tick() => {}
+            () = stop.cancelled() => return,
+        }
+        metrics.set_enforced_containers(directory.len() as u64);
+        let now = tokio::time::Instant::now();
+        if now >= next_sample {
+            next_sample = now + LOSS_SAMPLE;
+            let lost = sample_lost(&bpffs, &mut state, &mut losses);
+            if lost > 0 {
+                metrics.event_drops(crate::metrics::DropSource::Kernel, lost);
+            }
         }
     }
 }

@@ -74,9 +74,6 @@ pub async fn run_with_reload(
     shutdown: impl Future<Output = ()>,
 ) -> Enforcer {
     tokio::pin!(shutdown);
-    if let Err(e) = enforcer.init_host_layer() {
-        tracing::error!(error = %e, "nftables host layer could not be initialised");
-    }
     let mut backoff = BACKOFF_MIN;
     loop {
         let session = session(docker_socket, &mut enforcer, &mut backoff, &mut reload);
@@ -226,7 +223,11 @@ async fn session(
                 tracing::debug!(action = %action, container = %id, "docker event");
                 if action == "create" {
                     let attrs = actor.attributes.unwrap_or_default();
-                    let _fast = enforcer.prepare(&ContainerInfo::from_event(&id, &attrs)).await;
+                    let info = ContainerInfo::from_event(&id, &attrs);
+                    if let Outcome::Refuse(why) = enforcer.prepare(&info).await {
+                        // Not running yet: the stop makes sure it never does confined wrongly.
+                        refuse(&docker, &info, &why).await;
+                    }
                 }
                 let d = docker.clone();
                 pending.push_back(Box::pin(async move {
@@ -354,10 +355,10 @@ async fn apply(
     info: Option<ContainerInfo>,
 ) {
     if action == "die" {
-        enforcer.stopped(id);
+        enforcer.stopped(id).await;
     }
     match (action, info) {
-        ("destroy", _) | (_, None) => enforcer.destroyed(id),
+        ("destroy", _) | (_, None) => enforcer.destroyed(id).await,
         (_, Some(info)) if info.running => {
             if let Outcome::Refuse(why) = enforcer.started(&info).await {
                 refuse(docker, &info, &why).await;
@@ -367,7 +368,9 @@ async fn apply(
         ("die", Some(info)) if info.auto_remove => {}
         // Created or stopped: get the (next) start ready — restart policies, `docker start`.
         (_, Some(info)) => {
-            let _prepared = enforcer.prepare(&info).await;
+            if let Outcome::Refuse(why) = enforcer.prepare(&info).await {
+                refuse(docker, &info, &why).await;
+            }
         }
     }
 }
@@ -391,7 +394,9 @@ async fn refuse(docker: &Docker, info: &ContainerInfo, why: &str) {
 async fn reconcile(docker: &Docker, enforcer: &mut Enforcer) -> Result<(), WatchError> {
     enforcer.begin_batch();
     let r = reconcile_all(docker, enforcer).await;
-    enforcer.end_batch(r.is_ok()).await;
+    for (info, why) in enforcer.end_batch(r.is_ok()).await {
+        refuse(docker, &info, &why).await;
+    }
     r
 }
 
@@ -423,13 +428,15 @@ async fn reconcile_all(docker: &Docker, enforcer: &mut Enforcer) -> Result<(), W
                 refuse(docker, &info, &why).await;
             }
         } else {
-            enforcer.stopped(&id);
-            let _prepared = enforcer.prepare(&info).await;
+            enforcer.stopped(&id).await;
+            if let Outcome::Refuse(why) = enforcer.prepare(&info).await {
+                refuse(docker, &info, &why).await;
+            }
         }
     }
     for id in enforcer.tracked_ids() {
         if !seen.contains(&id) {
-            enforcer.destroyed(&id);
+            enforcer.destroyed(&id).await;
         }
     }
     enforcer.prune();

@@ -43,6 +43,48 @@ pub struct KernelPolicy {
     pub inbound: Vec<(IpNet, Vec<u16>)>,
 }
 
+/// `(network, ports)` checked against the kernel map's per-rule port limit.
+fn fits(what: &str, net: &IpNet, ports: &[u16]) -> Result<(IpNet, Vec<u16>), KernelPolicyError> {
+    if ports.len() > MAX_RULE_PORTS {
+        return Err(KernelPolicyError(format!(
+            "{what} {net}: at most {MAX_RULE_PORTS} ports per rule in the kernel map"
+        )));
+    }
+    Ok((net.trunc(), ports.to_vec()))
+}
+
+/// Who may connect in, as (peer network, local ports; empty = all): `allow_inbound`, the
+/// `allow_cidrs` entries without ports (a network trusted on every port is trusted both ways),
+/// and — if the policy allows it — the published ports from anywhere. The kernel's inbound rules
+/// and the nftables host layer are both built from this.
+pub fn inbound_allows(
+    policy: &model::Policy,
+    published: &[u16],
+) -> Result<Vec<(IpNet, Vec<u16>)>, KernelPolicyError> {
+    if policy.mode == Mode::AllowAll {
+        return Ok(Vec::new());
+    }
+    let mut inbound = Vec::new();
+    for rule in policy.allow_cidrs.iter().filter(|r| r.ports.is_empty()) {
+        inbound.push((rule.net.trunc(), Vec::new()));
+    }
+    for rule in &policy.allow_inbound {
+        inbound.push(fits("allow_inbound", &rule.net, &rule.ports)?);
+    }
+    if policy.allow_published_ports && !published.is_empty() {
+        let mut ports = published.to_vec();
+        ports.sort_unstable();
+        ports.dedup();
+        for any in [
+            IpNet::V4(ipnet::Ipv4Net::default()),
+            IpNet::V6(ipnet::Ipv6Net::default()),
+        ] {
+            inbound.push(fits("published ports", &any, &ports)?);
+        }
+    }
+    Ok(inbound)
+}
+
 impl KernelPolicy {
     /// Compile a configured policy for one cgroup: its proxy addresses, and the TCP ports the
     /// operator published for it (Docker `-p`; open to every peer if the policy allows that).
@@ -76,35 +118,11 @@ impl KernelPolicy {
                 )));
             }
         }
-        let fits = |what: &str, net: &IpNet, ports: &[u16]| {
-            if ports.len() > MAX_RULE_PORTS {
-                return Err(KernelPolicyError(format!(
-                    "{what} {net}: at most {MAX_RULE_PORTS} ports per rule in the kernel map"
-                )));
-            }
-            Ok((net.trunc(), ports.to_vec()))
-        };
         let mut allow = Vec::new();
-        let mut inbound = Vec::new();
         for rule in &policy.allow_cidrs {
             allow.push(fits("allow_cidrs", &rule.net, &rule.ports)?);
-            if rule.ports.is_empty() {
-                // A network trusted on every port is trusted both ways.
-                inbound.push((rule.net.trunc(), Vec::new()));
-            }
         }
-        for rule in &policy.allow_inbound {
-            inbound.push(fits("allow_inbound", &rule.net, &rule.ports)?);
-        }
-        if policy.allow_published_ports && !published.is_empty() {
-            let mut ports = published.to_vec();
-            ports.sort_unstable();
-            ports.dedup();
-            for any in ["0.0.0.0/0", "::/0"] {
-                let net: IpNet = any.parse().map_err(|_| KernelPolicyError(any.into()))?;
-                inbound.push(fits("published ports", &net, &ports)?);
-            }
-        }
+        let inbound = inbound_allows(policy, published)?;
         Ok(KernelPolicy {
             mode,
             endpoint4,

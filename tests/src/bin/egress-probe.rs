@@ -28,8 +28,11 @@
 //!   send MARKER
 //! - `serve PORT MARKER`: TCP server on [::]:PORT (dual stack): prints `listening`, answers one
 //!   client with MARKER, exits
-//! - `cgroup`                            prints /proc/self/cgroup's v2 line, then `ok`
+//! - `cgroup`                            prints /proc/self/cgroup's v2 line and the id of the
+//!                                        cgroup at the root of its cgroup2 mount, then `ok`
 //! - `sleep-then SECS MODE ARGS...`      sleep, then run MODE (for lifecycle tests)
+//! - `escape TECHNIQUE ARGS... [-- MODE ARGS...]`: try to leave confinement (`egress_tests::escape`),
+//!   print `escape TECHNIQUE: ok ...|err ...`, then run MODE
 
 use std::ffi::CString;
 use std::io::{self, Read, Write};
@@ -383,12 +386,29 @@ fn run(args: &[String]) -> io::Result<()> {
             for l in text.lines().filter(|l| l.starts_with("0::")) {
                 println!("{l}");
             }
+            // The id of the cgroup at the root of this process's cgroup2 view: under `exec` (a
+            // cgroup namespace with a cgroup2 mount of its own) that is the command's cgroup.
+            let mount = egress_tests::agent::cgroup2_mount();
+            let id = std::os::unix::fs::MetadataExt::ino(&std::fs::metadata(&mount)?);
+            println!("cgroup-root-id {id}");
             Ok(())
         }
         "sleep-then" => {
             let secs: f64 = arg(args, 1)?.parse().map_err(io::Error::other)?;
             std::thread::sleep(Duration::from_secs_f64(secs));
             run(&args[2..])
+        }
+        "escape" => {
+            let tech = arg(args, 1)?;
+            let split = args.iter().position(|a| a == "--").unwrap_or(args.len());
+            match egress_tests::escape::attempt(tech, &args[2..split]) {
+                Ok(what) => println!("escape {tech}: ok {what}"),
+                Err(e) => println!("escape {tech}: err {} {e}", e.raw_os_error().unwrap_or(0)),
+            }
+            match args.get(split + 1..) {
+                Some(rest) if !rest.is_empty() => run(rest),
+                _ => Ok(()),
+            }
         }
         other => Err(io::Error::other(format!("unknown mode {other}"))),
     }

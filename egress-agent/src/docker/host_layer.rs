@@ -1,0 +1,234 @@
+//! The nftables host layer of the Docker integration: the in-memory [`nft::Ruleset`], when it is
+//! written, and what happens when a write fails.
+//!
+//! The ruleset is rebuilt whole on every write (one atomic netlink batch, off the async
+//! workers). Writes are deferred while a reconcile or reload runs ([`HostLayer::begin_batch`],
+//! [`HostLayer::end_batch`]) and never happen before the first reconcile completed: until then
+//! the previous agent's tables, if any, stay in force (rewriting them from an empty state would
+//! cut every running container off its bridge). A write that fails leaves the kernel with the
+//! previous ruleset (the batch is atomic); the containers whose rules it carried are handed back
+//! to the caller, which confines them another way ([`super::enforce`]: `deny_all`, or stopping
+//! them).
+use std::collections::BTreeMap;
+
+use crate::nft;
+
+/// A container's place in the host layer.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum HostEntry {
+    /// An opted-in container: per-endpoint rules.
+    Enforced(nft::Enforced),
+    /// A classified container that is not restricted: its ports are known (not guarded).
+    Unrestricted(Vec<nft::Endpoint>),
+}
+
+pub struct HostLayer {
+    /// Maintain the tables at all (`--no-nft` turns this off).
+    enabled: bool,
+    /// Guard Docker's bridges at L2 (only where BPF-LSM can't refuse AF_PACKET).
+    l2_guard: bool,
+    ruleset: nft::Ruleset,
+    /// Docker bridge networks: network id → bridge name.
+    networks: BTreeMap<String, String>,
+    /// A reconcile completed at least once.
+    synced: bool,
+    /// Inside a reconcile or reload.
+    batch: bool,
+    /// Containers whose rules changed since the last write (deferred).
+    pending: Vec<String>,
+    /// Container names, for the log.
+    names: std::collections::HashMap<String, String>,
+}
+
+/// Containers whose rules could not be written: (container id, why).
+#[must_use = "containers whose host rules failed must be confined another way"]
+#[derive(Debug, Default)]
+pub struct WriteFailures(pub Vec<(String, String)>);
+
+impl HostLayer {
+    pub fn new(proxy_ip: std::net::Ipv4Addr, enabled: bool, l2_guard: bool) -> HostLayer {
+        HostLayer {
+            enabled,
+            l2_guard,
+            ruleset: nft::Ruleset::new(proxy_ip),
+            networks: BTreeMap::new(),
+            synced: false,
+            batch: false,
+            pending: Vec::new(),
+            names: std::collections::HashMap::new(),
+        }
+    }
+
+    /// Protect the proxy address from the start. Existing tables (a restart) are kept until the
+    /// first reconcile; otherwise the empty ruleset is written. An error here must stop the
+    /// start: without it the proxy address is reachable from the LAN.
+    pub async fn init(&mut self) -> Result<(), nft::NftError> {
+        if !self.enabled {
+            return Ok(());
+        }
+        let ruleset = self.ruleset.clone();
+        let done = tokio::task::spawn_blocking(move || {
+            if nft::tables_exist()? {
+                tracing::info!("nftables tables present: kept until the first reconcile");
+                Ok(())
+            } else {
+                ruleset.apply()
+            }
+        })
+        .await;
+        match done {
+            Ok(r) => r,
+            Err(e) => Err(nft::NftError::Socket(std::io::Error::other(e.to_string()))),
+        }
+    }
+
+    fn deferred(&self) -> bool {
+        self.batch || !self.synced
+    }
+
+    pub fn begin_batch(&mut self) {
+        self.batch = true;
+    }
+
+    /// End a reconcile (`synced`: it completed) or reload and write once. On failure the
+    /// containers changed in the batch are taken out of the ruleset, the rest is written again,
+    /// and the failed ones are returned.
+    pub async fn end_batch(&mut self, synced: bool) -> WriteFailures {
+        self.batch = false;
+        if synced {
+            self.synced = true;
+        }
+        if !self.enabled || !self.synced {
+            return WriteFailures::default();
+        }
+        let mut pending = std::mem::take(&mut self.pending);
+        pending.sort();
+        pending.dedup();
+        let failure = match self.write().await {
+            Ok(()) => {
+                for id in &pending {
+                    self.log_classified(id);
+                }
+                return WriteFailures::default();
+            }
+            Err(why) => why,
+        };
+        tracing::error!(error = %failure, containers = pending.len(), "writing the nftables ruleset failed");
+        for id in &pending {
+            self.ruleset.containers.remove(id);
+            self.ruleset.unrestricted.remove(id);
+        }
+        if let Err(e) = self.write().await {
+            tracing::error!(error = %e, "writing the nftables ruleset failed again; the previous one stays");
+        }
+        WriteFailures(
+            pending
+                .into_iter()
+                .map(|id| (id, failure.clone()))
+                .collect(),
+        )
+    }
+
+    async fn write(&self) -> Result<(), String> {
+        // The netlink round trip grows with the ruleset: keep it off the async workers.
+        let ruleset = self.ruleset.clone();
+        match tokio::task::spawn_blocking(move || ruleset.apply()).await {
+            Ok(Ok(())) => Ok(()),
+            Ok(Err(e)) => Err(e.to_string()),
+            Err(e) => Err(e.to_string()),
+        }
+    }
+
+    /// Write now unless deferred; a failure is kept in memory (the next write includes it).
+    async fn write_now(&mut self, what: &str) {
+        if self.enabled
+            && !self.deferred()
+            && let Err(e) = self.write().await
+        {
+            tracing::error!(error = %e, change = what, "writing the nftables ruleset failed");
+        }
+    }
+
+    fn log_classified(&self, id: &str) {
+        let name = self.names.get(id).map_or("", String::as_str);
+        if self.ruleset.containers.contains_key(id) {
+            tracing::info!(container = %id, name, "host layer enforced");
+        } else if self.ruleset.unrestricted.contains_key(id) {
+            tracing::info!(container = %id, name, "host ports classified (unrestricted)");
+        }
+    }
+
+    pub fn enabled(&self) -> bool {
+        self.enabled
+    }
+
+    /// Put a container's rules in place. `Err(why)`: they could not be written (the kernel still
+    /// has the previous ruleset, and the container is no longer in the in-memory one).
+    pub async fn put(&mut self, id: &str, name: &str, entry: HostEntry) -> Result<(), String> {
+        self.names.insert(id.to_owned(), name.to_owned());
+        self.ruleset.containers.remove(id);
+        self.ruleset.unrestricted.remove(id);
+        match entry {
+            HostEntry::Enforced(e) => self.ruleset.containers.insert(id.to_owned(), e).map(drop),
+            HostEntry::Unrestricted(e) => {
+                self.ruleset.unrestricted.insert(id.to_owned(), e).map(drop)
+            }
+        };
+        if self.deferred() {
+            self.pending.push(id.to_owned());
+            return Ok(());
+        }
+        if let Err(why) = self.write().await {
+            self.ruleset.containers.remove(id);
+            self.ruleset.unrestricted.remove(id);
+            return Err(why);
+        }
+        self.log_classified(id);
+        Ok(())
+    }
+
+    /// Take a container's rules out (it stopped, or has no interface any more). Stale rules
+    /// only restrict a gone address further, so a failed write is logged, not escalated.
+    pub async fn remove(&mut self, id: &str, what: &str) {
+        self.names.remove(id);
+        let had = self.ruleset.containers.remove(id).is_some()
+            | self.ruleset.unrestricted.remove(id).is_some();
+        if had {
+            self.write_now(what).await;
+        }
+    }
+
+    /// The L2 guard covers Docker's bridges only where the kernel can't refuse AF_PACKET itself.
+    fn sync_guarded_bridges(&mut self) {
+        self.ruleset.guarded_bridges = if self.l2_guard {
+            self.networks.values().cloned().collect()
+        } else {
+            Default::default()
+        };
+    }
+
+    /// The Docker bridge networks as listed now (reconcile): replaces what was known.
+    pub fn set_networks(&mut self, networks: BTreeMap<String, String>) {
+        self.networks = networks;
+        self.sync_guarded_bridges();
+        tracing::info!(bridges = ?self.ruleset.guarded_bridges, "docker bridges guarded");
+    }
+
+    /// A Docker bridge network was created: guard its bridge now.
+    pub async fn network_created(&mut self, network_id: &str, bridge: String) {
+        if self.networks.get(network_id) == Some(&bridge) {
+            return;
+        }
+        tracing::info!(network = network_id, %bridge, "docker bridge guarded");
+        self.networks.insert(network_id.to_owned(), bridge);
+        self.sync_guarded_bridges();
+        self.write_now("network created").await;
+    }
+
+    pub async fn network_destroyed(&mut self, network_id: &str) {
+        if self.networks.remove(network_id).is_some() {
+            self.sync_guarded_bridges();
+            self.write_now("network destroyed").await;
+        }
+    }
+}

@@ -1,0 +1,78 @@
+//! One proxy listener per opted-in container.
+//!
+//! The listener serves the container's policy on `proxy.listen` with a kernel-chosen port; the
+//! container's kernel entry points the stable endpoint at it. The listener that accepted a
+//! connection *is* the container: its identity (container, context labels) goes into every
+//! denial event, and no other container can reach it (kernel and nftables both refuse).
+use std::collections::BTreeMap;
+use std::net::{IpAddr, SocketAddr};
+use std::sync::Arc;
+
+use tokio_util::sync::CancellationToken;
+
+use super::container::ContainerInfo;
+use crate::events::ContainerRef;
+use crate::policy::Policy;
+use crate::proxy::{Identity, PolicyHandle, PolicyProxy, ProxyContext};
+
+/// A running listener; dropping it stops it.
+pub struct Listener {
+    pub addr: SocketAddr,
+    /// The policy name it serves.
+    pub policy: String,
+    /// Swaps its policy in place (reload with the same policy name).
+    handle: PolicyHandle,
+    stop: CancellationToken,
+}
+
+impl Drop for Listener {
+    fn drop(&mut self) {
+        self.stop.cancel();
+    }
+}
+
+impl Listener {
+    /// Serve `policy` (named `name`) for `info` on `ip`, port 0, until dropped or `shutdown`.
+    pub async fn bind(
+        ip: IpAddr,
+        info: &ContainerInfo,
+        name: &str,
+        policy: &Arc<Policy>,
+        context: &BTreeMap<String, String>,
+        proxy: &ProxyContext,
+        shutdown: &CancellationToken,
+    ) -> std::io::Result<Listener> {
+        let identity = Identity {
+            container: Some(ContainerRef {
+                id: info.id.clone(),
+                name: info.name.clone(),
+            }),
+            cgroup_id: None,
+            context: context.clone(),
+        };
+        let proxy = PolicyProxy::bind_for(
+            SocketAddr::new(ip, 0),
+            name.to_owned(),
+            policy.clone(),
+            proxy.clone(),
+            Some(identity),
+        )
+        .await?;
+        let addr = proxy.local_addr();
+        let handle = proxy.policy_handle();
+        let stop = shutdown.child_token();
+        tokio::spawn(proxy.run(stop.clone().cancelled_owned()));
+        tracing::debug!(container = %info.id, policy = name, %addr, "container proxy listener");
+        Ok(Listener {
+            addr,
+            policy: name.to_owned(),
+            handle,
+            stop,
+        })
+    }
+
+    /// Keep serving, with the new content of the same policy.
+    pub fn set(&self, policy: &Policy) {
+        self.handle.set(policy);
+    }
+}

@@ -1,0 +1,187 @@
+//! What a container gets, decided from what Docker says about it and its resolved labels: pure
+//! decisions, no I/O. [`super::enforce::Enforcer`] carries them out.
+use std::net::SocketAddrV4;
+use std::sync::Arc;
+
+use super::container::ContainerInfo;
+use super::host_layer::HostEntry;
+use super::labels::Resolved;
+use crate::nft;
+use crate::policy::{CidrRule, DENY_ALL, Mode, Policy};
+
+/// The kernel side of a container.
+#[derive(Debug, Clone)]
+pub struct Plan {
+    /// The policy its entry gets (and the name recorded for it).
+    pub policy_name: String,
+    pub policy: Arc<Policy>,
+    /// It needs a proxy listener of its own: opted in, not refused, and its policy proxies.
+    pub listener: bool,
+    /// Published TCP ports its entry opens.
+    pub published: Vec<u16>,
+    /// It can't be confined (privileged, dangerous capabilities or mounts): stop it. Reasons.
+    pub refuse: Option<String>,
+}
+
+/// Decide the kernel side. A refused container is `deny_all` (until it is stopped) and, like
+/// one whose labels were refused, gets no published ports: both are fail-closed states.
+pub fn plan(info: &ContainerInfo, resolved: &Resolved) -> Plan {
+    let refuse = (resolved.opted_in() && !info.unconfinable.is_empty())
+        .then(|| info.unconfinable.join(", "));
+    let (policy_name, policy) = if refuse.is_some() {
+        (DENY_ALL.to_owned(), Arc::new(Policy::deny_all()))
+    } else {
+        (resolved.name.clone(), resolved.policy.clone())
+    };
+    let published = if refuse.is_some() || resolved.invalid_reason().is_some() {
+        Vec::new()
+    } else {
+        info.published_tcp.clone()
+    };
+    Plan {
+        listener: resolved.opted_in() && refuse.is_none() && policy.mode != Mode::DenyAll,
+        policy_name,
+        policy,
+        published,
+        refuse,
+    }
+}
+
+/// The host-layer entry of a running container whose endpoints are known. An opted-in one is
+/// enforced: `listener` is its proxy listener — or, for `deny_all` (and refused labels), the
+/// proxy address with port 0, which matches no connection. `Err`: an opted-in container that
+/// should have a listener has none.
+pub fn host_entry(
+    opted_in: bool,
+    plan: &Plan,
+    listener: Option<SocketAddrV4>,
+    proxy_ip: std::net::Ipv4Addr,
+    endpoints: Vec<nft::Endpoint>,
+) -> Result<HostEntry, String> {
+    if !opted_in {
+        return Ok(HostEntry::Unrestricted(endpoints));
+    }
+    let listener = match listener {
+        Some(l) => l,
+        None if !plan.listener => SocketAddrV4::new(proxy_ip, 0),
+        None => return Err("no proxy listener".to_owned()),
+    };
+    let allow_cidrs = match plan.policy.mode {
+        Mode::AllowAll => vec![CidrRule {
+            net: ipnet::IpNet::V4(ipnet::Ipv4Net::default()),
+            ports: Vec::new(),
+        }],
+        Mode::DenyAll => Vec::new(),
+        Mode::Allowlist => plan.policy.allow_cidrs.clone(),
+    };
+    let allow_inbound = crate::policy::kernel::inbound_allows(&plan.policy, &plan.published)
+        .map_err(|e| e.to_string())?
+        .into_iter()
+        .map(|(net, ports)| CidrRule { net, ports })
+        .collect();
+    Ok(HostEntry::Enforced(nft::Enforced {
+        listener,
+        allow_cidrs,
+        allow_inbound,
+        endpoints,
+    }))
+}
+
+#[cfg(test)]
+#[expect(clippy::unwrap_used, reason = "test assertions")]
+mod tests {
+    use super::*;
+    use crate::config::Config;
+    use std::collections::HashMap;
+
+    fn info(labels: &[(&str, &str)], unconfinable: &[&str], published: &[u16]) -> ContainerInfo {
+        let mut i = ContainerInfo::from_event(
+            "c1",
+            &labels
+                .iter()
+                .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
+                .collect::<HashMap<_, _>>(),
+        );
+        i.unconfinable = unconfinable.iter().map(|s| (*s).to_owned()).collect();
+        i.published_tcp = published.to_vec();
+        i
+    }
+
+    fn resolve(i: &ContainerInfo, config: &Config) -> Resolved {
+        super::super::labels::resolve(
+            i.labels.iter().map(|(k, v)| (k.as_str(), v.as_str())),
+            config,
+        )
+    }
+
+    fn config() -> Config {
+        Config::from_toml_str(
+            "[policies.ci]\nallow_hosts = [\"github.com\"]\nallow_cidrs = [\"10.0.0.0/8\"]\n\
+             [policies.sealed]\nmode = \"deny_all\"\nallow_published_ports = false\n",
+            std::path::Path::new("t.toml"),
+        )
+        .unwrap()
+    }
+
+    #[test]
+    fn refused_containers_are_deny_all_without_listener_or_published_ports() {
+        let c = config();
+        let i = info(&[("egress.policy", "ci")], &["privileged"], &[8080]);
+        let p = plan(&i, &resolve(&i, &c));
+        assert_eq!(p.refuse.as_deref(), Some("privileged"));
+        assert_eq!(p.policy.mode, Mode::DenyAll);
+        assert!(!p.listener && p.published.is_empty());
+    }
+
+    #[test]
+    fn invalid_labels_open_no_published_ports() {
+        let c = config();
+        let i = info(&[("egress.policy", "nope")], &[], &[8080]);
+        let p = plan(&i, &resolve(&i, &c));
+        assert_eq!(p.policy.mode, Mode::DenyAll);
+        assert!(p.published.is_empty() && !p.listener);
+    }
+
+    #[test]
+    fn host_entries() {
+        let c = config();
+        let ip = std::net::Ipv4Addr::new(169, 254, 100, 1);
+        let l = SocketAddrV4::new(ip, 40000);
+        let i = info(&[("egress.policy", "ci")], &[], &[8080]);
+        let p = plan(&i, &resolve(&i, &c));
+        assert_eq!(
+            host_entry(true, &p, None, ip, Vec::new()),
+            Err("no proxy listener".to_owned())
+        );
+        let HostEntry::Enforced(e) = host_entry(true, &p, Some(l), ip, Vec::new()).unwrap() else {
+            panic!("enforced expected");
+        };
+        assert_eq!(e.listener, l);
+        // allow_cidrs without ports count as inbound, and the published port from anywhere.
+        let inbound: Vec<String> = e
+            .allow_inbound
+            .iter()
+            .map(|r| format!("{} {:?}", r.net, r.ports))
+            .collect();
+        assert!(inbound.contains(&"10.0.0.0/8 []".to_owned()), "{inbound:?}");
+        assert!(
+            inbound.contains(&"0.0.0.0/0 [8080]".to_owned()),
+            "{inbound:?}"
+        );
+        // A sealed policy refuses published ports; deny_all gets the port-0 listener.
+        let i = info(&[("egress.policy", "sealed")], &[], &[8080]);
+        let p = plan(&i, &resolve(&i, &c));
+        let HostEntry::Enforced(e) = host_entry(true, &p, None, ip, Vec::new()).unwrap() else {
+            panic!("enforced expected");
+        };
+        assert_eq!(e.listener.port(), 0);
+        assert!(e.allow_inbound.is_empty() && e.allow_cidrs.is_empty());
+        // Unlabelled: known ports, unrestricted.
+        let i = info(&[], &[], &[]);
+        let p = plan(&i, &resolve(&i, &c));
+        assert!(matches!(
+            host_entry(false, &p, None, ip, Vec::new()),
+            Ok(HostEntry::Unrestricted(_))
+        ));
+    }
+}
