@@ -718,6 +718,70 @@ deny_cidrs = ["203.0.113.0/24"]
     }
 
     #[test]
+    fn enforce_audit_only_on_allowlists_with_location() {
+        let c =
+            parse("[policies.w]\nenforce = \"audit\"\nallow_hosts = [\"a.example\"]\n").unwrap();
+        assert!(c.policy("w").unwrap().audits());
+        assert!(
+            !parse("[policies.w]\n")
+                .unwrap()
+                .policy("w")
+                .unwrap()
+                .audits()
+        );
+        assert!(c.policy("audit").unwrap().audits());
+        let e = err("[policies.w]\nmode = \"allow_all\"\nenforce = \"audit\"\n");
+        assert_eq!(
+            e,
+            "/etc/egress-agent/test.toml:3:1: policies.w.enforce: audit needs mode = \"allowlist\" (allow_all refuses nothing to audit)"
+        );
+        let e = err("[policies.w]\nmode = \"deny_all\"\nenforce = \"audit\"\n");
+        assert!(e.contains(":3:1: policies.w.enforce: audit needs mode = \"allowlist\"; an allowlist with no allow_hosts"), "{e}");
+        let e = err("[policies.w]\nenforce = \"watch\"\n");
+        assert!(
+            e.starts_with("/etc/egress-agent/test.toml:2:11: policies.w.enforce: unknown variant"),
+            "{e}"
+        );
+        let e = err("[policies.audit]\nmode = \"allowlist\"\n");
+        assert!(e.contains("policies.audit: is a built-in policy"), "{e}");
+        let c = parse("[agent]\ndefault_policy = \"audit\"\n").unwrap();
+        assert_eq!(c.agent.default_policy, "audit");
+    }
+
+    #[test]
+    fn store_and_export_sections() {
+        let c = parse("").unwrap();
+        assert_eq!(c.agent.state_dir, PathBuf::from("/var/lib/egress-agent"));
+        assert_eq!(
+            c.agent.store_path(),
+            PathBuf::from("/var/lib/egress-agent/events.db")
+        );
+        assert!(c.store.enabled && c.store.record_allowed);
+        assert_eq!(c.store.max_bytes, 256 * 1024 * 1024);
+        assert_eq!(c.store.max_age_hours, 168);
+        assert!(c.export.syslog.is_none() && c.export.otlp.is_none());
+        let e = err("[agent]\nstate_dir = \"var/lib\"\n");
+        assert!(
+            e.contains(":2:1: agent.state_dir: must be an absolute path"),
+            "{e}"
+        );
+        let e = err("[store]\nmax_bytes = 10\n");
+        assert!(e.contains(":2:1: store.max_bytes: must be at least"), "{e}");
+        let e = err("[export.syslog]\naddress = \"syslog.example:514\"\n");
+        assert!(e.contains(":2:1: export.syslog.address: "), "{e}");
+        let e = err("[export.otlp]\nendpoint = \"https://c.example/v1/logs\"\n");
+        assert!(e.contains(":2:1: export.otlp.endpoint: "), "{e}");
+        let e = err("[export.syslog]\naddress = \"udp://127.0.0.1:514\"\nfacility = \"nope\"\n");
+        assert!(
+            e.contains(":3:1: export.syslog.facility: unknown facility"),
+            "{e}"
+        );
+        let c = parse("[export.syslog]\naddress = \"unix:///dev/log\"\n[export.otlp]\nendpoint = \"http://127.0.0.1:4318\"\n").unwrap();
+        assert_eq!(c.export.syslog.unwrap().facility, "daemon");
+        assert_eq!(c.export.otlp.unwrap().batch, 512);
+    }
+
+    #[test]
     fn shipped_example_is_valid() {
         let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../config/example.toml");
         let c = Config::load(&path).unwrap();

@@ -554,6 +554,49 @@ mod tests {
     use super::*;
 
     #[test]
+    fn would_deny_counts_by_policy_and_reason_not_as_kernel_denials() {
+        let m = Metrics::new();
+        let mut ev = crate::events::DenialEvent::proxy(
+            "watch",
+            None,
+            None,
+            443,
+            "connect",
+            "host-not-allowed",
+        )
+        .with_verdict(crate::events::Verdict::WouldDeny);
+        m.record_denial(&ev);
+        m.record_denial(&ev);
+        ev.source = crate::events::Source::Kernel;
+        ev.reason = "kernel-destination-not-allowed".into();
+        ev.context.insert("hook".into(), "connect4".into());
+        m.record_denial(&ev);
+        // Allowed events are not decisions counted here.
+        m.record_denial(&ev.clone().with_verdict(crate::events::Verdict::Allow));
+        m.set_store_bytes(4096);
+        m.store_write_error();
+        m.event_drops(DropSource::Store, 3);
+        let text = m.encode().expect("encode");
+        for want in [
+            r#"egress_agent_decisions_total{verdict="would-deny",reason="host-not-allowed",policy="watch"} 2"#,
+            r#"egress_agent_decisions_total{verdict="would-deny",reason="kernel-destination-not-allowed",policy="watch"} 1"#,
+            "egress_agent_store_bytes 4096",
+            "egress_agent_store_write_errors_total 1",
+            r#"egress_agent_event_drops_total{source="store"} 3"#,
+        ] {
+            assert!(text.contains(want), "{want} missing:\n{text}");
+        }
+        assert!(
+            !text.contains("egress_agent_kernel_denials_total{"),
+            "{text}"
+        );
+        assert!(
+            !text.contains("verdict=\"allow\",reason=\"allowed\",policy=\"watch\""),
+            "{text}"
+        );
+    }
+
+    #[test]
     fn denial_reasons_are_cut_to_their_code() {
         let m = Metrics::new();
         for detail in ["unknown policy \"a\"", "unknown policy \"b\""] {
