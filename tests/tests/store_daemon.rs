@@ -139,7 +139,11 @@ fn audit_store_suggest_enforce_with_the_daemon() {
     assert_eq!(e["port"], 8080);
     assert_eq!(e["container"]["name"], "aud");
     assert_eq!(e["context"]["run"], "77");
-    assert!(!serde_json::to_string(&evs).expect("json").contains("hunter2"));
+    assert!(
+        !serde_json::to_string(&evs)
+            .expect("json")
+            .contains("hunter2")
+    );
 
     // suggest --run: a policy the real parser accepts, with both names on 8080.
     let o = store_cli(&env, &["suggest", "--run", "77", "--name", "watch"]);

@@ -1,7 +1,7 @@
 //! The store's writer: a task fed by a bounded [`EventSink`] tap, writing batches off the hot
 //! path.
 //!
-//! It waits for an event, takes whatever else is queued (up to [`BATCH_MAX`]), aggregates the
+//! It waits for an event, lets [`COALESCE`] pass, takes whatever is queued (up to [`BATCH_MAX`]), aggregates the
 //! batch's flows in memory, and writes it in one transaction on a blocking thread. Under load the
 //! batches grow, so the per-event cost falls; an idle agent writes nothing. A full queue drops
 //! events at the sink (counted there, never waited for). Every [`PRUNE_EVERY`] the age and size
@@ -19,6 +19,9 @@ use crate::metrics::Metrics;
 
 /// Most events in one transaction.
 pub const BATCH_MAX: usize = 8192;
+/// How long the first event of a batch waits for others (events are in memory that long before
+/// they are committed; a crash loses at most this window, as it would lose the queue).
+pub const COALESCE: Duration = Duration::from_millis(50);
 /// How often the age and size bounds are applied.
 pub const PRUNE_EVERY: Duration = Duration::from_secs(60);
 
@@ -126,6 +129,17 @@ async fn run(
                 None => return,
             },
             () = tokio::time::sleep_until(next_prune) => {}
+        }
+        // Let a burst gather (one transaction and one fsync for it, not one per event), unless
+        // someone waits for a flush.
+        if !batch.is_empty() && waiting_flush.is_none() && tap.rx.len() < BATCH_MAX {
+            tokio::select! {
+                () = tokio::time::sleep(COALESCE) => {}
+                f = flush_rx.recv() => match f {
+                    Some(f) => waiting_flush = Some(f),
+                    None => return,
+                },
+            }
         }
         while batch.len() < BATCH_MAX {
             match tap.rx.try_recv() {

@@ -4,13 +4,17 @@
 //! 1. **Ingest** (in this process): events emitted into an `EventSink` as fast as the store's
 //!    queue takes them, written by the real writer task into SQLite (WAL, `synchronous = FULL`) on
 //!    this machine's disk: events/s committed and CPU µs per event (emit + writer, this process's
-//!    user + system time), for denial rows, allowed flows (1 000 distinct names) and a 50/50 mix.
+//!    user + system time), for denials (one row and one flow each: every event its own
+//!    destination, or all to one destination as in a flood), allowed traffic (flows only, 1 000
+//!    names) and a would-deny/allow mix.
 //! 2. **Flood**: the agent's proxy as the daemon runs it — `proxy::serve`, the store writer on the
-//!    same `EventSink`, metrics — in a child process pinned to CPU 1. 32 clients on CPU 0 open
-//!    allowed CONNECT tunnels (CONNECT, one byte echoed, close) for a phase; in the flood phase a
-//!    confined loop (a child process in a cgroup limited to 25 % of one CPU, also on CPU 0) opens
-//!    refused CONNECTs (`host-not-allowed`: a denial event each, logged, ringed and stored) as fast
-//!    as it can. Phases alternate per round. Reported: allowed tunnels/s without and with the flood
+//!    same `EventSink`, metrics, JSON log lines through a non-blocking writer (to /dev/null) — in a
+//!    child process pinned to CPU 1. 32 clients on CPU 0 open
+//!    allowed CONNECT tunnels (CONNECT, one byte echoed, close) for a phase, while a confined loop
+//!    (a child process in a cgroup limited to 25 % of one CPU, also on CPU 0) runs: in the flood
+//!    phase it opens refused CONNECTs (`host-not-allowed`: a denial event each, logged, ringed and
+//!    stored) as fast as it can; in the control phase it only burns the same CPU, so both phases
+//!    take the same CPU from the clients and the difference is the agent's. Phases alternate. Reported: allowed tunnels/s without and with the flood
 //!    and their ratio, refused/s, the agent's CPU µs per allowed tunnel, its RSS (peak per phase
 //!    and at the end), and what the store committed and dropped.
 //!
@@ -41,6 +45,16 @@ fn main() -> Result<()> {
     match args.first().map(String::as_str) {
         Some("serve") => return serve(Path::new(&args[1]), Path::new(&args[2])),
         Some("flood") => return flood(args[1].parse()?, args[2].parse()?),
+        Some("burn") => {
+            // The control: the same confined loop, spending its CPU without connecting.
+            let end = Instant::now() + Duration::from_secs_f64(args[1].parse()?);
+            let mut x = 0u64;
+            while Instant::now() < end {
+                x = std::hint::black_box(x.wrapping_mul(6364136223846793005).wrapping_add(1));
+            }
+            println!("0");
+            return Ok(());
+        }
         _ => {}
     }
     let quick = args.iter().any(|a| a == "--quick");
@@ -64,10 +78,11 @@ fn cpu_self() -> Duration {
     Duration::from_millis(cpu_ticks(std::process::id()).unwrap_or(0) * 10)
 }
 
-fn sample_event(i: u64, verdict: Verdict) -> DenialEvent {
-    let host = match verdict {
-        Verdict::Allow => format!("h{}.example.com", i % 1000),
-        _ => format!("h{i}.example.com"),
+/// `spread`: distinct destinations (0: every event its own).
+fn sample_event(i: u64, verdict: Verdict, spread: u64) -> DenialEvent {
+    let host = match spread {
+        0 => format!("h{i}.example.com"),
+        n => format!("h{}.example.com", i % n),
     };
     let mut ev = DenialEvent::proxy("ci", Some(host), None, 443, "connect", "host-not-allowed")
         .with_verdict(verdict);
@@ -86,15 +101,17 @@ async fn ingest(quick: bool) -> Result<()> {
     let n: u64 = if quick { 50_000 } else { 300_000 };
     println!("\n== ingest: {n} events per mix, real writer, SQLite WAL synchronous=FULL");
     println!(
-        "{:<24} {:>12} {:>14} {:>10} {:>12}",
+        "{:<26} {:>12} {:>14} {:>10} {:>12}",
         "mix", "events/s", "CPU µs/event", "dropped", "db MiB"
     );
-    for (label, mix) in [
-        ("denials (rows)", 0u64),
-        ("allowed (flows)", 1),
-        ("50/50", 2),
+    for (label, mix, spread) in [
+        ("denials, all distinct", 0u64, 0u64),
+        ("denials, 1 destination", 0, 1),
+        ("allowed, 1 000 names", 1, 1000),
+        ("50/50 would-deny/allow", 2, 1000),
     ] {
-        let dir = std::env::temp_dir().join(format!("store-bench-{}-{mix}", std::process::id()));
+        let dir =
+            std::env::temp_dir().join(format!("store-bench-{}-{mix}-{spread}", std::process::id()));
         std::fs::remove_dir_all(&dir).ok();
         let queue = 65_536;
         let sink = EventSink::new(1024);
@@ -129,7 +146,7 @@ async fn ingest(quick: bool) -> Result<()> {
                     _ if i.is_multiple_of(2) => Verdict::WouldDeny,
                     _ => Verdict::Allow,
                 };
-                sink.emit(sample_event(i, v));
+                sink.emit(sample_event(i, v, spread));
                 i += 1;
             }
             tokio::task::yield_now().await;
@@ -143,7 +160,7 @@ async fn ingest(quick: bool) -> Result<()> {
             + std::fs::metadata(dir.join("events.db-wal")).map_or(0, |m| m.len());
         h.shutdown().await;
         println!(
-            "{:<24} {:>12.0} {:>14.2} {:>10} {:>12.1}",
+            "{:<26} {:>12.0} {:>14.2} {:>10} {:>12.1}",
             label,
             committed as f64 / wall.as_secs_f64(),
             cpu.as_secs_f64() * 1e6 / n as f64,
@@ -169,6 +186,16 @@ fn pin_to_cpu(cpu: usize) {
 /// The agent's proxy + store + metrics, as the daemon wires them (one worker: pinned to one CPU).
 fn serve(config: &Path, out: &Path) -> Result<()> {
     pin_to_cpu(1);
+    // The daemon's log pipeline: every denial is a JSON line, written off the hot path.
+    let (writer, _guard) = tracing_appender::non_blocking(std::io::stdout());
+    tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::new("info"))
+        .with_writer(writer)
+        .json()
+        .flatten_event(true)
+        .with_current_span(false)
+        .try_init()
+        .ok();
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(1)
         .enable_all()
@@ -441,18 +468,20 @@ allow_cidrs = [{{ cidr = "127.0.0.1/32", ports = [{port}] }}]
     let (mut calm_rss, mut flood_rss) = (0u64, 0u64);
     for round in 0..rounds * 2 {
         let with_flood = (round % 2 == 1) ^ (round / 2 % 2 == 1);
-        let mut flooder = None;
+        // Both phases run the confined loop on CPU 0 (it takes the same CPU from the clients):
+        // flooding the proxy, or only burning its CPU share.
+        let mut loop_cmd = Command::new(&me);
         if with_flood {
-            let c = Command::new(&me)
-                .arg("flood")
-                .arg(proxy.to_string())
-                .arg(secs.to_string())
-                .stdout(Stdio::piped())
-                .spawn()?;
-            pin_child(c.id(), 0);
-            cg.add(c.id())?;
-            flooder = Some(c);
+            loop_cmd.arg("flood").arg(proxy.to_string());
+        } else {
+            loop_cmd.arg("burn");
         }
+        let confined = loop_cmd
+            .arg(secs.to_string())
+            .stdout(Stdio::piped())
+            .spawn()?;
+        pin_child(confined.id(), 0);
+        cg.add(confined.id())?;
         let ticks0 = cpu_ticks(pid).unwrap_or(0);
         let sampler = {
             let stop = Arc::new(AtomicU64::new(0));
@@ -473,8 +502,8 @@ allow_cidrs = [{{ cidr = "127.0.0.1/32", ports = [{port}] }}]
         let peak = sampler.1.load(Ordering::Relaxed);
         let rate = n as f64 / secs;
         let cpu_us = ticks as f64 * 1e6 / 100.0 / n.max(1) as f64;
-        if let Some(c) = flooder {
-            let o = c.wait_with_output()?;
+        let o = confined.wait_with_output()?;
+        if with_flood {
             let refused: f64 = String::from_utf8_lossy(&o.stdout)
                 .trim()
                 .parse()
@@ -499,6 +528,8 @@ allow_cidrs = [{{ cidr = "127.0.0.1/32", ports = [{port}] }}]
     let stats = std::fs::read_to_string(out.with_extension("stats")).unwrap_or_default();
     let s: Vec<&str> = stats.split_whitespace().collect();
     let (calm_m, flood_m) = (median(calm), median(flooded));
+    let (calm_cpu, flood_cpu, refused_rate) =
+        (median(calm_cpu), median(flood_cpu), median(refused_rates));
     println!(
         "\n== flood: agent proxy + store on CPU 1; {CLIENTS} allowed clients on CPU 0; \
          the flood: {FLOODERS} refused-CONNECT loops in a cgroup at {FLOOD_CPU_PCT}% of a CPU; \
@@ -506,7 +537,7 @@ allow_cidrs = [{{ cidr = "127.0.0.1/32", ports = [{port}] }}]
     );
     println!(
         "{:<44} {:>14} {:>14} {:>8}",
-        "", "no flood", "flood", "ratio"
+        "", "loop burns", "loop floods", "ratio"
     );
     println!(
         "{:<44} {:>14.0} {:>14.0} {:>8.3}",
@@ -517,19 +548,21 @@ allow_cidrs = [{{ cidr = "127.0.0.1/32", ports = [{port}] }}]
     );
     println!(
         "{:<44} {:>14} {:>14.0}",
-        "refused CONNECTs/s (denial events/s)",
-        "-",
-        median(refused_rates)
+        "refused CONNECTs/s (denial events/s)", "-", refused_rate
     );
     println!(
         "{:<44} {:>14.1} {:>14.1}",
-        "agent CPU µs per allowed tunnel",
-        median(calm_cpu),
-        median(flood_cpu)
+        "agent CPU µs per allowed tunnel", calm_cpu, flood_cpu
     );
     println!(
         "{:<44} {:>14} {:>14}",
         "agent peak RSS KiB in the phase", calm_rss, flood_rss
+    );
+    // What one refusal costs the agent: the CPU the flood phase spent beyond its tunnels.
+    let per_refusal = (flood_cpu - calm_cpu) * flood_m / refused_rate.max(1.0);
+    println!(
+        "{:<44} {:>14} {:>14.1}",
+        "agent CPU µs per refused CONNECT (estimate)", "-", per_refusal
     );
     println!(
         "agent RSS KiB: start {rss_start}, end {rss_end}, high-water {hwm}; store: committed {}, dropped {}, write errors {}",
