@@ -9,6 +9,8 @@ use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
+use crate::mountinfo;
+
 #[derive(Debug, thiserror::Error)]
 pub enum CgroupError {
     #[error("no cgroup2 filesystem in /proc/self/mountinfo")]
@@ -24,46 +26,10 @@ pub fn cgroup2_mount() -> Result<PathBuf, CgroupError> {
 }
 
 fn parse_mountinfo(info: &str) -> Option<PathBuf> {
-    for line in info.lines() {
-        // "<id> <parent> <maj:min> <root> <mount point> <opts> [optional...] - <fstype> <src> <opts>"
-        let Some((left, right)) = line.split_once(" - ") else {
-            continue;
-        };
-        if right.split_whitespace().next() != Some("cgroup2") {
-            continue;
-        }
-        if let Some(mp) = left.split_whitespace().nth(4) {
-            return Some(PathBuf::from(unescape_mountinfo(mp)));
-        }
-    }
-    None
-}
-
-/// Undo mountinfo's octal escapes (space, tab, newline and backslash appear as `\ooo`). Anything
-/// that is not exactly three octal digits of a byte value stays as it is.
-pub(crate) fn unescape_mountinfo(s: &str) -> String {
-    let b = s.as_bytes();
-    let mut out = Vec::with_capacity(b.len());
-    let mut i = 0;
-    while i < b.len() {
-        let code = b.get(i + 1..i + 4).and_then(|d| {
-            d.iter()
-                .all(|c| (b'0'..=b'7').contains(c))
-                .then(|| d.iter().fold(0u16, |v, c| v * 8 + u16::from(c - b'0')))
-                .and_then(|v| u8::try_from(v).ok())
-        });
-        match code {
-            Some(v) if b[i] == b'\\' => {
-                out.push(v);
-                i += 4;
-            }
-            _ => {
-                out.push(b[i]);
-                i += 1;
-            }
-        }
-    }
-    String::from_utf8_lossy(&out).into_owned()
+    mountinfo::parse(info)
+        .into_iter()
+        .find(|m| m.fstype == "cgroup2")
+        .map(|m| m.mount_point)
 }
 
 /// The cgroup id of a cgroup2 directory.
@@ -170,7 +136,7 @@ mod tests {
             ("big\\777", "big\\777"),
             ("sign\\+12", "sign\\+12"),
         ] {
-            assert_eq!(unescape_mountinfo(raw), want, "{raw}");
+            assert_eq!(mountinfo::unescape(raw), want, "{raw}");
         }
     }
 

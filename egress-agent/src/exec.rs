@@ -18,7 +18,6 @@
 //! running confined (fail closed); the next loader prunes the entry once the cgroup is gone, and
 //! removes abandoned empty `exec-*` cgroups.
 use std::ffi::OsString;
-use std::os::unix::process::CommandExt as _;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, Ordering};
@@ -30,19 +29,25 @@ use crate::bpf::{self, KernelPolicy, PinnedState};
 use crate::cgroup;
 use crate::config::{self, Config};
 use crate::events::EventSink;
+use crate::policy::kernel::Endpoints;
 use crate::policy::{self, Mode};
 use crate::proxy::{PolicyProxy, ProxyContext};
+use crate::sandbox::{self, Identity};
 
 /// Name of the exec enforcement root under the cgroup2 mount.
 pub const EXEC_ROOT: &str = "egress-agent";
-/// Hidden subcommand used for step 4.
-pub const CHILD_SUBCOMMAND: &str = "__exec-child";
+/// Where the agent keeps state a command must never see (CA key, event store).
+pub const STATE_DIR: &str = "/var/lib/egress-agent";
 
 /// Options of `egress-agent exec`.
 #[derive(Debug, Clone)]
 pub struct ExecOptions {
     pub policy: String,
     pub config: Option<PathBuf>,
+    /// `--user`: who the command runs as (default: the invoking user, see `sandbox::privs`).
+    pub user: Option<String>,
+    /// `--rw`: extra writable paths for a root command (whose file system is read-only).
+    pub writable: Vec<PathBuf>,
     pub command: Vec<OsString>,
 }
 
@@ -138,6 +143,7 @@ pub fn run(opts: ExecOptions) -> anyhow::Result<i32> {
         })?
         .clone();
 
+    let user = Identity::resolve(opts.user.as_deref())?;
     let root = exec_root()?;
     // The agent's own sockets must never be hooked: refuse to run inside an enforced subtree.
     let own = cgroup::cgroup_of_pid(std::process::id()).context("reading own cgroup")?;
@@ -155,7 +161,83 @@ pub fn run(opts: ExecOptions) -> anyhow::Result<i32> {
         .enable_all()
         .build()
         .context("starting the tokio runtime")?;
-    runtime.block_on(run_async(opts, config, policy, root, bpffs))
+    runtime.block_on(run_async(opts, config, policy, root, bpffs, user))
+}
+
+/// Paths a root command may not get write access to through its working directory or HOME.
+fn is_system_dir(p: &Path) -> bool {
+    const TOP: [&str; 17] = [
+        "/", "/bin", "/boot", "/dev", "/efi", "/etc", "/lib", "/lib32", "/lib64", "/libx32",
+        "/opt", "/proc", "/run", "/sbin", "/sys", "/usr", "/var",
+    ];
+    const BELOW: [&str; 8] = [
+        "/boot/",
+        "/etc/",
+        "/usr/",
+        "/proc/",
+        "/sys/",
+        "/var/lib",
+        "/var/spool",
+        "/var/log",
+    ];
+    let s = p.to_string_lossy();
+    TOP.contains(&s.as_ref()) || BELOW.iter().any(|b| s.starts_with(b)) || s == "/var/lib"
+}
+
+/// The sandbox of one command (see [`crate::sandbox`]).
+fn sandbox_spec(
+    opts: &ExecOptions,
+    config: &Config,
+    cgroup: &Path,
+    user: Identity,
+    keep_net_raw: bool,
+) -> anyhow::Result<sandbox::Spec> {
+    let mut writable = Vec::new();
+    if user.is_root() {
+        let cwd = std::env::current_dir().context("reading the working directory")?;
+        let implicit = [Some(cwd), Some(user.home.clone())]
+            .into_iter()
+            .flatten()
+            .chain(["/tmp", "/var/tmp"].map(PathBuf::from));
+        for p in implicit {
+            match p.canonicalize() {
+                Ok(c)
+                    if !is_system_dir(&c) || c.starts_with("/tmp") || c.starts_with("/var/tmp") =>
+                {
+                    writable.push(c)
+                }
+                Ok(c) => eprintln!(
+                    "egress-agent: note: {} stays read-only for the root command (a system directory; --rw {} to insist)",
+                    c.display(),
+                    c.display()
+                ),
+                Err(_) => {}
+            }
+        }
+        for p in &opts.writable {
+            let c = p
+                .canonicalize()
+                .with_context(|| format!("exec --rw {}", p.display()))?;
+            writable.push(c);
+        }
+        writable.sort();
+        writable.dedup();
+    } else if !opts.writable.is_empty() {
+        bail!("exec --rw is for root commands (a non-root command writes what its user may write)");
+    }
+    let mut read_only = vec![PathBuf::from("/etc/egress-agent")];
+    read_only.extend(opts.config.clone());
+    read_only.push(PathBuf::from(config::DEFAULT_CONFIG_PATH));
+    read_only.push(user.home.join(".ssh"));
+    Ok(sandbox::Spec {
+        cgroup: cgroup.to_owned(),
+        user,
+        keep_net_raw,
+        hide: vec![config.agent.bpffs.clone(), PathBuf::from(STATE_DIR)],
+        read_only,
+        writable,
+        run_files: Vec::new(),
+    })
 }
 
 async fn run_async(
@@ -164,6 +246,7 @@ async fn run_async(
     policy: policy::Policy,
     root: PathBuf,
     bpffs: PathBuf,
+    user: Identity,
 ) -> anyhow::Result<i32> {
     // 1. programs on the exec root.
     let mut enforcement = bpf::enforce_root(&bpffs, &root, false)?;
@@ -180,7 +263,7 @@ async fn run_async(
         let closed_by = if policy.mode == Mode::AllowAll {
             "nothing (allow_all)"
         } else {
-            "dropping CAP_NET_RAW from the command's capability sets, bounding set included"
+            "CAP_NET_RAW being absent from the command's capability sets, bounding set included"
         };
         eprintln!(
             "egress-agent: warning: BPF-LSM socket_create hook not active: {reason}. AF_PACKET and raw sockets are closed by {closed_by}"
@@ -237,7 +320,13 @@ async fn run_async(
     }
     let endpoint4 = Some(config.proxy.endpoint).filter(|e| e.is_ipv4());
     let endpoint6 = config.proxy.endpoint_v6;
-    let kpolicy = KernelPolicy::compile(&policy, endpoint4, listener4, endpoint6, listener6)?;
+    let endpoints = Endpoints {
+        endpoint4,
+        listener4,
+        endpoint6,
+        listener6,
+    };
+    let kpolicy = KernelPolicy::compile(&policy, endpoints, &[])?;
 
     // 3. the cgroup and its entry. The guard removes both on every path from here on.
     let name = format!(
@@ -262,15 +351,14 @@ async fn run_async(
     // Kernel denial events of this run (if no daemon consumes the ring buffer).
     let mut kernel_events = bpf::events::KernelEvents::try_open(&bpffs).unwrap_or(None);
 
-    // 4. the command.
-    // /proc/self/exe, not current_exe(): the running image, even if the file was replaced
-    // (upgrade, rebuild) since exec started — the helper is always this very version.
+    // 4. the command, in its sandbox (see `sandbox`): /proc/self/exe, not current_exe(): the
+    // running image, even if the file was replaced (upgrade, rebuild) since exec started.
+    let spec = sandbox_spec(&opts, &config, &path, user, policy.mode == Mode::AllowAll)?;
     let mut cmd = tokio::process::Command::new("/proc/self/exe");
-    cmd.arg(CHILD_SUBCOMMAND);
-    if policy.mode != Mode::AllowAll {
-        cmd.arg("--drop-net-raw");
-    }
-    cmd.arg(&path).arg("--").args(&opts.command);
+    cmd.arg(sandbox::CHILD)
+        .arg(spec.to_arg()?)
+        .arg("--")
+        .args(&opts.command);
     if policy.mode == Mode::Allowlist {
         let url = format!("http://{}", config.proxy.endpoint);
         for var in ["HTTP_PROXY", "HTTPS_PROXY", "http_proxy", "https_proxy"] {
@@ -332,51 +420,5 @@ fn drain_events(
             .name(ev.cgroup_id)
             .map_or_else(|| "unknown".to_owned(), |(p, _)| p);
         sink.emit(bpf::events::to_denial(&ev, ring.time_of(&ev), &policy));
-    }
-}
-
-/// The `__exec-child` half: move into `cgroup_dir`, drop CAP_NET_RAW (`drop_net_raw`), then
-/// become `command` (never returns on success). Any failure exits 127 before the command runs:
-/// nothing runs unconfined.
-pub fn child(cgroup_dir: &Path, drop_net_raw: bool, command: &[OsString]) -> i32 {
-    if drop_net_raw && let Err(e) = bpf::sys::drop_cap_net_raw() {
-        eprintln!("egress-agent: cannot drop CAP_NET_RAW: {e}");
-        return 127;
-    }
-    if let Err(e) = cgroup::move_pid(cgroup_dir, 0) {
-        eprintln!(
-            "egress-agent: cannot enter cgroup {}: {e}",
-            cgroup_dir.display()
-        );
-        return 127;
-    }
-    match cgroup::cgroup_of_pid(std::process::id()) {
-        Ok(now) if now == cgroup_dir => {}
-        Ok(now) => {
-            eprintln!(
-                "egress-agent: not in {} after moving (in {})",
-                cgroup_dir.display(),
-                now.display()
-            );
-            return 127;
-        }
-        Err(e) => {
-            eprintln!("egress-agent: cannot verify own cgroup: {e}");
-            return 127;
-        }
-    }
-    let Some((prog, args)) = command.split_first() else {
-        eprintln!("egress-agent: no command");
-        return 127;
-    };
-    let err = std::process::Command::new(prog).args(args).exec();
-    eprintln!(
-        "egress-agent: cannot execute {}: {err}",
-        Path::new(prog).display()
-    );
-    if err.kind() == std::io::ErrorKind::NotFound {
-        127
-    } else {
-        126
     }
 }

@@ -57,6 +57,14 @@ enum Command {
         /// Configuration file (default /etc/egress-agent/config.toml if it exists).
         #[arg(long)]
         config: Option<PathBuf>,
+        /// Run the command as this user: NAME, UID, NAME:GROUP or UID:GID. Default: the user who
+        /// invoked exec (the sudo caller under sudo).
+        #[arg(long)]
+        user: Option<String>,
+        /// A root command sees a read-only file system except its working directory, HOME, /tmp
+        /// and /var/tmp; make PATH writable too (repeatable).
+        #[arg(long = "rw", value_name = "PATH")]
+        writable: Vec<PathBuf>,
         /// The command and its arguments (after `--`).
         #[arg(last = true, required = true)]
         command: Vec<OsString>,
@@ -150,12 +158,24 @@ enum Command {
         #[arg(long)]
         config: Option<PathBuf>,
     },
-    /// Internal: second half of `exec` (enter the cgroup, then exec CMD).
+    /// Internal: `exec`'s sandbox, stage 1 (cgroup, namespaces).
     #[command(name = "__exec-child", hide = true)]
     ExecChild {
-        #[arg(long)]
-        drop_net_raw: bool,
-        cgroup: PathBuf,
+        spec: String,
+        #[arg(last = true, required = true)]
+        command: Vec<OsString>,
+    },
+    /// Internal: `exec`'s sandbox, stage 2 (pid 1: file system view, reaping).
+    #[command(name = "__exec-init", hide = true)]
+    ExecInit {
+        spec: String,
+        #[arg(last = true, required = true)]
+        command: Vec<OsString>,
+    },
+    /// Internal: `exec`'s sandbox, stage 3 (privileges, then the command).
+    #[command(name = "__exec-run", hide = true)]
+    ExecRun {
+        spec: String,
         #[arg(last = true, required = true)]
         command: Vec<OsString>,
     },
@@ -200,22 +220,28 @@ impl From<SelectionArgs> for egress_agent::store::cli::Selection {
 fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
-        Command::ExecChild {
-            cgroup,
-            drop_net_raw,
-            command,
-        } => {
-            return ExitCode::from(egress_agent::exec::child(&cgroup, drop_net_raw, &command) as u8);
+        Command::ExecChild { spec, command } => {
+            return exit_code(egress_agent::sandbox::child(&spec, &command));
+        }
+        Command::ExecInit { spec, command } => {
+            return exit_code(egress_agent::sandbox::init(&spec, &command));
+        }
+        Command::ExecRun { spec, command } => {
+            return exit_code(egress_agent::sandbox::run(&spec, &command));
         }
         Command::Exec {
             policy,
             config,
+            user,
+            writable,
             command,
         } => {
             init_cli_tracing();
             egress_agent::exec::run(egress_agent::exec::ExecOptions {
                 policy,
                 config,
+                user,
+                writable,
                 command,
             })
             .map(|code| ExitCode::from(code.clamp(0, 255) as u8))
@@ -370,6 +396,10 @@ fn main() -> ExitCode {
             ExitCode::from(125)
         }
     }
+}
+
+fn exit_code(code: i32) -> ExitCode {
+    ExitCode::from(code.clamp(0, 255) as u8)
 }
 
 /// `status`: the daemon's view if it answers, else the pins read directly.

@@ -110,9 +110,13 @@ fn suggestion_for_a_recorded_audit_run_is_exact_and_allows_what_was_observed() {
             }
             ("kernel", _) => {
                 let ip: std::net::IpAddr = f.ip.parse().unwrap();
+                let rules = if f.labels.get("direction").is_some_and(|d| d == "inbound") {
+                    &policy.allow_inbound
+                } else {
+                    &policy.allow_cidrs
+                };
                 assert!(
-                    policy
-                        .allow_cidrs
+                    rules
                         .iter()
                         .any(|r| r.net.contains(&ip) && r.allows_port(f.port)),
                     "{f:?}"
@@ -123,7 +127,7 @@ fn suggestion_for_a_recorded_audit_run_is_exact_and_allows_what_was_observed() {
         checked += 1;
     }
     assert_eq!(
-        checked, 13,
+        checked, 14,
         "every allowed/would-deny flow of the run was checked"
     );
     // What the run did not do stays closed.

@@ -24,9 +24,19 @@ pub mod maps {
     /// `HashMap<u64 cgroup id, PolicyName>`: user-space bookkeeping (policy and owner names for
     /// `status` and events); never read by the programs.
     pub const NAMES: &str = "EGRESS_NAMES";
+    /// `LpmTrie<Cidr4Data, CidrRule>`: IPv4 inbound allows per policy entry — peers (key address)
+    /// that may connect to the cgroup's listeners on `CidrRule::ports` (local ports; 0 = all).
+    pub const INBOUND4: &str = "EGRESS_INBOUND4";
+    /// `LpmTrie<Cidr6Data, CidrRule>`: IPv6 inbound allows (see [`INBOUND4`]).
+    pub const INBOUND6: &str = "EGRESS_INBOUND6";
+    /// `SkStorage<SockOwner>` (BTF map): the policy entry each confined TCP/UDP socket was created
+    /// under, written at socket creation; read when a peer on the host's loopback is looked up.
+    pub const SOCK_OWNER: &str = "EGRESS_SOCK_OWNER";
 
     /// All maps, for pin bookkeeping.
-    pub const ALL: [&str; 7] = [POLICIES, CIDR4, CIDR6, COUNTERS, EVENTS, CONFIG, NAMES];
+    pub const ALL: [&str; 10] = [
+        POLICIES, CIDR4, CIDR6, COUNTERS, EVENTS, CONFIG, NAMES, INBOUND4, INBOUND6, SOCK_OWNER,
+    ];
 }
 
 /// Program names (the function names in `egress-ebpf`), also used as link pin names.
@@ -36,16 +46,18 @@ pub mod programs {
     pub const SENDMSG4: &str = "egress_sendmsg4";
     pub const SENDMSG6: &str = "egress_sendmsg6";
     pub const SKB_EGRESS: &str = "egress_skb";
+    pub const SKB_INGRESS: &str = "egress_skb_ingress";
     pub const SOCK_CREATE: &str = "egress_sock_create";
     pub const LSM_SOCKET_CREATE: &str = "egress_lsm_socket_create";
 
     /// Programs attached to every enforcement root (the LSM one is attached when available).
-    pub const CGROUP: [&str; 6] = [
+    pub const CGROUP: [&str; 7] = [
         CONNECT4,
         CONNECT6,
         SENDMSG4,
         SENDMSG6,
         SKB_EGRESS,
+        SKB_INGRESS,
         SOCK_CREATE,
     ];
 }
@@ -75,6 +87,8 @@ pub const HOOK_SENDMSG6: u32 = 4;
 pub const HOOK_SKB_EGRESS: u32 = 5;
 pub const HOOK_SOCK_CREATE: u32 = 6;
 pub const HOOK_LSM_SOCKET_CREATE: u32 = 7;
+/// `cgroup_skb/ingress`: a connection attempt into a confined cgroup's listening socket.
+pub const HOOK_SKB_INGRESS: u32 = 8;
 
 /// Why a denial happened (`Event::reason`).
 pub const REASON_NOT_ALLOWED: u32 = 1;
@@ -88,6 +102,9 @@ pub const REASON_SOCKET_TYPE: u32 = 4;
 pub const REASON_HOST_LOOPBACK: u32 = 5;
 /// Matched a deny CIDR rule.
 pub const REASON_DENY_CIDR: u32 = 6;
+/// A peer outside the policy tried to connect to a listening socket of the cgroup (`Event::addr`
+/// is the peer, `Event::port` the local port).
+pub const REASON_INBOUND: u32 = 7;
 
 /// `PolicyEntry::flags`: the entry has an IPv6 proxy endpoint + listener.
 pub const POLICY_FLAG_V6: u32 = 1;
@@ -212,6 +229,15 @@ impl Default for CidrRule {
     }
 }
 
+/// Value of [`maps::SOCK_OWNER`]: the cgroup id of the policy entry a socket was created under
+/// (the nearest ancestor with an entry). Two sockets with the same owner belong to the same
+/// confined tree (one `exec` command and its children, or one container).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct SockOwner {
+    pub entry_id: u64,
+}
+
 /// Per-cgroup counters (per CPU in the map; the reader sums).
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -285,6 +311,7 @@ mod user {
     unsafe impl aya::Pod for GlobalConfig {}
     unsafe impl aya::Pod for Event {}
     unsafe impl aya::Pod for PolicyName {}
+    unsafe impl aya::Pod for SockOwner {}
 }
 
 // Layout guards: a change here must be a deliberate change on both sides.
@@ -294,3 +321,4 @@ const _: () = assert!(core::mem::size_of::<Cidr6Data>() == 24);
 const _: () = assert!(core::mem::size_of::<CidrRule>() == 12 + 2 * MAX_RULE_PORTS);
 const _: () = assert!(core::mem::size_of::<Counters>() == 32);
 const _: () = assert!(core::mem::size_of::<Event>() == 72);
+const _: () = assert!(core::mem::size_of::<SockOwner>() == 8);

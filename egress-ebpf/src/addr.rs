@@ -1,8 +1,9 @@
 //! Address classification: loopback, v4-mapped, CIDR rules, and the destination check shared
 //! by every hook.
 
-use crate::maps::{CIDR4, CIDR6, CONFIG};
+use crate::maps::{CIDR4, CIDR6, CONFIG, INBOUND4, INBOUND6};
 use crate::{IPPROTO_IP, IPPROTO_TCP, IPPROTO_UDP, SOCK_DGRAM, SOCK_STREAM};
+use aya_ebpf::maps::LpmTrie;
 use aya_ebpf::maps::lpm_trie::Key;
 use egress_common::{
     CIDR_ALLOW, CIDR_DENY, CIDR_ID_BITS, Cidr4Data, Cidr6Data, CidrRule, MAX_RULE_PORTS,
@@ -17,7 +18,7 @@ const DOCKER_DNS: [u8; 4] = [127, 0, 0, 11];
 
 /// Is the socket in the host network namespace? Unknown host cookie (0) = yes (fail closed).
 #[inline(always)]
-fn in_host_netns(netns_cookie: u64) -> bool {
+pub(crate) fn in_host_netns(netns_cookie: u64) -> bool {
     match CONFIG.get(0) {
         Some(cfg) if cfg.host_netns_cookie != 0 => cfg.host_netns_cookie == netns_cookie,
         _ => true,
@@ -52,6 +53,12 @@ fn is_local6(a: &[u32; 4]) -> bool {
     a[0] == 0 && a[1] == 0 && a[2] == 0 && (a[3] == 0 || u32::from_be(a[3]) == 1)
 }
 
+/// `::1` only.
+#[inline(always)]
+fn is_loopback6(a: &[u32; 4]) -> bool {
+    a[0] == 0 && a[1] == 0 && a[2] == 0 && u32::from_be(a[3]) == 1
+}
+
 pub(crate) enum CidrVerdict {
     Allow,
     Deny,
@@ -80,18 +87,30 @@ fn rule_verdict(rule: &CidrRule, proto_bit: u32, port: u16) -> CidrVerdict {
 }
 
 #[inline(always)]
-fn cidr4(rules_id: u64, addr_be: u32, proto_bit: u32, port: u16) -> CidrVerdict {
+fn lpm4(
+    trie: &LpmTrie<Cidr4Data, CidrRule>,
+    rules_id: u64,
+    addr_be: u32,
+    proto_bit: u32,
+    port: u16,
+) -> CidrVerdict {
     let key = Key::new(CIDR_ID_BITS + 32, Cidr4Data::new(rules_id, addr_be));
-    match CIDR4.get(&key) {
+    match trie.get(&key) {
         Some(rule) => rule_verdict(rule, proto_bit, port),
         None => CidrVerdict::NoMatch,
     }
 }
 
 #[inline(always)]
-fn cidr6(rules_id: u64, addr_be: &[u32; 4], proto_bit: u32, port: u16) -> CidrVerdict {
+fn lpm6(
+    trie: &LpmTrie<Cidr6Data, CidrRule>,
+    rules_id: u64,
+    addr_be: &[u32; 4],
+    proto_bit: u32,
+    port: u16,
+) -> CidrVerdict {
     let key = Key::new(CIDR_ID_BITS + 128, Cidr6Data::new(rules_id, *addr_be));
-    match CIDR6.get(&key) {
+    match trie.get(&key) {
         Some(rule) => rule_verdict(rule, proto_bit, port),
         None => CidrVerdict::NoMatch,
     }
@@ -107,10 +126,16 @@ pub(crate) fn proto_bit(sock_type: u32, protocol: u32) -> Option<(u32, u32)> {
     }
 }
 
-/// A destination address as the CIDR and loopback checks see it (network order).
+/// An address as the CIDR and loopback checks see it (network order).
 pub(crate) trait DstAddr {
+    /// `allow_cidrs` rules of the entry for this destination.
     fn cidr(&self, rules_id: u64, proto_bit: u32, port: u16) -> CidrVerdict;
+    /// Inbound allows of the entry for this peer connecting to local `port`.
+    fn inbound(&self, rules_id: u64, port: u16) -> CidrVerdict;
+    /// Loopback or unspecified (connect() to "any" reaches the local host).
     fn is_local(&self) -> bool;
+    /// Loopback proper (127.0.0.0/8, ::1).
+    fn is_loopback(&self) -> bool;
     /// Docker's embedded resolver (127.0.0.11), which forwards to the host's resolvers.
     fn is_docker_dns(&self) -> bool;
 }
@@ -118,11 +143,19 @@ pub(crate) trait DstAddr {
 impl DstAddr for u32 {
     #[inline(always)]
     fn cidr(&self, rules_id: u64, proto_bit: u32, port: u16) -> CidrVerdict {
-        cidr4(rules_id, *self, proto_bit, port)
+        lpm4(&CIDR4, rules_id, *self, proto_bit, port)
+    }
+    #[inline(always)]
+    fn inbound(&self, rules_id: u64, port: u16) -> CidrVerdict {
+        lpm4(&INBOUND4, rules_id, *self, PROTO_BIT_TCP, port)
     }
     #[inline(always)]
     fn is_local(&self) -> bool {
         is_local4(*self)
+    }
+    #[inline(always)]
+    fn is_loopback(&self) -> bool {
+        self.to_ne_bytes()[0] == 127
     }
     #[inline(always)]
     fn is_docker_dns(&self) -> bool {
@@ -133,11 +166,19 @@ impl DstAddr for u32 {
 impl DstAddr for [u32; 4] {
     #[inline(always)]
     fn cidr(&self, rules_id: u64, proto_bit: u32, port: u16) -> CidrVerdict {
-        cidr6(rules_id, self, proto_bit, port)
+        lpm6(&CIDR6, rules_id, self, proto_bit, port)
+    }
+    #[inline(always)]
+    fn inbound(&self, rules_id: u64, port: u16) -> CidrVerdict {
+        lpm6(&INBOUND6, rules_id, self, PROTO_BIT_TCP, port)
     }
     #[inline(always)]
     fn is_local(&self) -> bool {
         is_local6(self)
+    }
+    #[inline(always)]
+    fn is_loopback(&self) -> bool {
+        is_loopback6(self)
     }
     #[inline(always)]
     fn is_docker_dns(&self) -> bool {
@@ -146,7 +187,9 @@ impl DstAddr for [u32; 4] {
 }
 
 /// Verdict for a destination that is not the proxy endpoint (v4-mapped IPv6 already unmapped):
-/// CIDR rules, then own-netns loopback. Returns the denial reason on refusal.
+/// CIDR rules, then loopback — the socket's own network namespace's, or, in the host's
+/// namespace, a server of the same confined tree (`same_tree`, asked only then: it costs a socket
+/// lookup). Returns the denial reason on refusal.
 #[inline(always)]
 pub(crate) fn check(
     p: &PolicyEntry,
@@ -154,6 +197,7 @@ pub(crate) fn check(
     bit: u32,
     port: u16,
     netns_cookie: impl Fn() -> u64,
+    same_tree: impl Fn() -> bool,
 ) -> Result<(), u32> {
     if p.mode == MODE_ALLOWLIST {
         match addr.cidr(p.rules_id, bit, port) {
@@ -166,10 +210,13 @@ pub(crate) fn check(
         if addr.is_docker_dns() {
             return Err(REASON_NOT_ALLOWED);
         }
-        if in_host_netns(netns_cookie()) {
-            return Err(REASON_HOST_LOOPBACK);
+        if !in_host_netns(netns_cookie()) {
+            return Ok(());
         }
-        return Ok(());
+        if addr.is_loopback() && same_tree() {
+            return Ok(());
+        }
+        return Err(REASON_HOST_LOOPBACK);
     }
     Err(REASON_NOT_ALLOWED)
 }

@@ -1,6 +1,7 @@
 //! `cgroup/connect4`, `cgroup/connect6`: TCP and connected UDP, and the proxy endpoint rewrite.
 
 use crate::addr::{check, proto_bit, unmap_v4};
+use crate::peer::{owner_v4, owner_v6};
 use crate::policy::policy_of_current;
 use crate::report::{C_PROXIED, Dst, allow, count, deny};
 use crate::{AF_INET, AF_INET6, ALLOW, DENY};
@@ -11,7 +12,7 @@ use aya_ebpf::macros::cgroup_sock_addr;
 use aya_ebpf::programs::SockAddrContext;
 use egress_common::{
     HOOK_CONNECT4, HOOK_CONNECT6, MODE_ALLOW_ALL, MODE_ALLOWLIST, POLICY_FLAG_V6, PROTO_BIT_TCP,
-    PolicyEntry, REASON_NO_LISTENER, REASON_NO_POLICY, REASON_SOCKET_TYPE,
+    PROTO_BIT_UDP, PolicyEntry, REASON_NO_LISTENER, REASON_NO_POLICY, REASON_SOCKET_TYPE,
 };
 
 /// The proxy endpoint rule of connect4, connect6 and v4-mapped connect6 (allowlist, TCP): a
@@ -133,7 +134,9 @@ fn try_connect4(ctx: &SockAddrContext) -> Result<i32, i32> {
     }
     // SAFETY: ctx is a sock_addr context, for which bpf_get_netns_cookie is available (5.7).
     let cookie = || unsafe { bpf_get_netns_cookie(ctx.as_ptr()) };
-    match check(p, &addr, bit, port, cookie) {
+    let udp = bit == PROTO_BIT_UDP;
+    let same_tree = || owner_v4(ctx.as_ptr(), udp, (0, 0), (addr, port_be)) == cg;
+    match check(p, &addr, bit, port, cookie, same_tree) {
         Ok(()) => Ok(allow(cg)),
         Err(reason) => Ok(deny(cg, HOOK_CONNECT4, reason, &dst(proto), true)),
     }
@@ -179,6 +182,7 @@ fn try_connect6(ctx: &SockAddrContext) -> Result<i32, i32> {
     let p = unsafe { &*p };
     // SAFETY: sock_addr context (bpf_get_netns_cookie since 5.7).
     let cookie = || unsafe { bpf_get_netns_cookie(ctx.as_ptr()) };
+    let udp = bit == PROTO_BIT_UDP;
 
     // IPv4-mapped: treated exactly as the IPv4 address it maps.
     if let Some(v4) = unmap_v4(&addr) {
@@ -193,7 +197,8 @@ fn try_connect6(ctx: &SockAddrContext) -> Result<i32, i32> {
         if let Some(verdict) = endpoint4_verdict((p, bit), v4, port_be, who, rewrite) {
             return Ok(verdict);
         }
-        return match check(p, &v4, bit, port, cookie) {
+        let same_tree = || owner_v4(ctx.as_ptr(), udp, (0, 0), (v4, port_be)) == cg;
+        return match check(p, &v4, bit, port, cookie, same_tree) {
             Ok(()) => Ok(allow(cg)),
             Err(reason) => Ok(deny(cg, HOOK_CONNECT6, reason, &dst(proto), true)),
         };
@@ -219,7 +224,8 @@ fn try_connect6(ctx: &SockAddrContext) -> Result<i32, i32> {
     {
         return Ok(verdict);
     }
-    match check(p, &addr, bit, port, cookie) {
+    let same_tree = || owner_v6(ctx.as_ptr(), udp, ([0; 4], 0), (addr, port_be)) == cg;
+    match check(p, &addr, bit, port, cookie, same_tree) {
         Ok(()) => Ok(allow(cg)),
         Err(reason) => Ok(deny(cg, HOOK_CONNECT6, reason, &dst(proto), true)),
     }

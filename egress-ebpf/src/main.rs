@@ -20,8 +20,11 @@
 //!   Kernel TCP sockets pass (their connect was vetted, or they are accepted/request/timewait
 //!   sockets of a server in the cgroup answering a client: SYN-ACKs must not be dropped).
 //!   https://github.com/torvalds/linux/blob/v6.18/net/ipv4/ip_output.c (`ip_finish_output`)
-//! - `cgroup/sock_create` (4.10): refuse raw/SCTP/MPTCP/ping inet sockets at creation. It only sees
+//! - `cgroup/sock_create` (4.10): refuse raw/SCTP/MPTCP/ping inet sockets at creation, and tag the
+//!   TCP/UDP sockets of confined trees with their policy entry ([`peer`]). It only sees
 //!   AF_INET/AF_INET6, so AF_PACKET needs the LSM hook below.
+//! - `cgroup_skb/ingress` (4.10): inbound connections into confined listeners only from allowed
+//!   peers ([`inbound`]).
 //!   https://github.com/torvalds/linux/blob/v6.18/net/ipv4/af_inet.c (`inet_create`)
 //! - BPF-LSM `socket_create` attached with `BPF_LSM_CGROUP` (6.0): every socket family, so
 //!   AF_PACKET, AF_XDP, vsock, ... are refused for tasks in the cgroup.
@@ -32,9 +35,10 @@
 //! into [`maps::CONFIG`]; `bpf_get_netns_cookie` exists for sock_addr and sock programs since 5.7 and
 //! for cgroup_skb since 6.15 (checked by the verifier at load on this 6.18 kernel).
 //!
-//! Layout: one module per hook family ([`connect`], [`sendmsg`], [`socket`], [`skb`]), each with
-//! thin entry points; what they share is [`policy`] (whose policy applies), [`addr`] (is this
-//! destination allowed), [`report`] (counters and denial events) and [`maps`].
+//! Layout: one module per hook family ([`connect`], [`sendmsg`], [`socket`], [`skb`],
+//! [`inbound`]), each with thin entry points; what they share is [`policy`] (whose policy
+//! applies), [`addr`] (is this destination allowed), [`peer`] (which confined tree a socket
+//! belongs to), [`report`] (counters and denial events) and [`maps`].
 #![no_std]
 #![no_main]
 
@@ -56,7 +60,9 @@ pub(crate) const IPPROTO_UDP: u32 = 17;
 
 mod addr;
 mod connect;
+mod inbound;
 mod maps;
+mod peer;
 mod policy;
 mod report;
 mod sendmsg;

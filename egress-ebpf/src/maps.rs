@@ -4,7 +4,7 @@ use aya_ebpf::macros::map;
 use aya_ebpf::maps::{Array, HashMap, LpmTrie, PerCpuHashMap, RingBuf};
 use egress_common::{
     Cidr4Data, Cidr6Data, CidrRule, Counters, EVENTS_BYTES, GlobalConfig, MAX_CGROUPS, MAX_CIDRS,
-    PolicyEntry, PolicyName,
+    PolicyEntry, PolicyName, SockOwner,
 };
 
 #[map(name = "EGRESS_POLICIES")]
@@ -23,6 +23,51 @@ pub(crate) static CONFIG: Array<GlobalConfig> = Array::pinned(1, 0);
 /// pinned with the others.
 #[map(name = "EGRESS_NAMES")]
 pub(crate) static NAMES: HashMap<u64, PolicyName> = HashMap::pinned(MAX_CGROUPS, 0);
+
+#[map(name = "EGRESS_INBOUND4")]
+pub(crate) static INBOUND4: LpmTrie<Cidr4Data, CidrRule> = LpmTrie::pinned(MAX_CIDRS, 0);
+#[map(name = "EGRESS_INBOUND6")]
+pub(crate) static INBOUND6: LpmTrie<Cidr6Data, CidrRule> = LpmTrie::pinned(MAX_CIDRS, 0);
+
+/// BTF definition of a pinned `BPF_MAP_TYPE_SK_STORAGE` map (aya-ebpf's `SkStorage` has no
+/// pinning field). Field names and shapes follow libbpf's BTF map convention; the loader patches
+/// the map in at load time, so the fields are never dereferenced.
+#[repr(C)]
+pub(crate) struct PinnedSkStorage<T> {
+    r#type: *const [i32; 24], // BPF_MAP_TYPE_SK_STORAGE
+    key: *const i32,
+    value: *const T,
+    max_entries: *const [i32; 0],
+    map_flags: *const [i32; 1], // BPF_F_NO_PREALLOC (required by sk_storage)
+    pinning: *const [i32; 1],   // LIBBPF_PIN_BY_NAME
+}
+
+// SAFETY: placeholder pointers patched by the loader, never dereferenced from Rust.
+unsafe impl<T> Sync for PinnedSkStorage<T> {}
+
+impl<T> PinnedSkStorage<T> {
+    pub(crate) const fn new() -> Self {
+        PinnedSkStorage {
+            r#type: core::ptr::null(),
+            key: core::ptr::null(),
+            value: core::ptr::null(),
+            max_entries: core::ptr::null(),
+            map_flags: core::ptr::null(),
+            pinning: core::ptr::null(),
+        }
+    }
+
+    /// The map pointer the sk_storage helpers take.
+    #[inline(always)]
+    pub(crate) fn as_ptr(&self) -> *mut core::ffi::c_void {
+        core::ptr::from_ref(self).cast_mut().cast()
+    }
+}
+
+/// Which policy entry each confined TCP/UDP socket was created under (see `socket.rs`).
+#[unsafe(link_section = ".maps")]
+#[unsafe(export_name = "EGRESS_SOCK_OWNER")]
+pub(crate) static SOCK_OWNER: PinnedSkStorage<SockOwner> = PinnedSkStorage::new();
 
 // The literal map names above must match the shared constants the loader opens.
 const fn str_eq(a: &str, b: &str) -> bool {
@@ -46,3 +91,6 @@ const _: () = assert!(str_eq(egress_common::maps::COUNTERS, "EGRESS_COUNTERS"));
 const _: () = assert!(str_eq(egress_common::maps::EVENTS, "EGRESS_EVENTS"));
 const _: () = assert!(str_eq(egress_common::maps::CONFIG, "EGRESS_CONFIG"));
 const _: () = assert!(str_eq(egress_common::maps::NAMES, "EGRESS_NAMES"));
+const _: () = assert!(str_eq(egress_common::maps::INBOUND4, "EGRESS_INBOUND4"));
+const _: () = assert!(str_eq(egress_common::maps::INBOUND6, "EGRESS_INBOUND6"));
+const _: () = assert!(str_eq(egress_common::maps::SOCK_OWNER, "EGRESS_SOCK_OWNER"));

@@ -1,6 +1,7 @@
 //! `cgroup/sendmsg4`, `cgroup/sendmsg6`: unconnected UDP.
 
 use crate::addr::{check, unmap_v4};
+use crate::peer::{owner_v4, owner_v6};
 use crate::policy::policy_of_current;
 use crate::report::{Dst, allow, deny};
 use crate::{AF_INET, AF_INET6, DENY, IPPROTO_UDP};
@@ -68,12 +69,14 @@ fn try_sendmsg(ctx: &SockAddrContext, v6: bool) -> Result<i32, i32> {
     }
     // SAFETY: sock_addr context.
     let cookie = || unsafe { bpf_get_netns_cookie(ctx.as_ptr()) };
+    let tree4 = |a: u32| move || owner_v4(ctx.as_ptr(), true, (0, 0), (a, port_be)) == cg;
     let verdict = if !v6 {
-        check(p, &addr[0], PROTO_BIT_UDP, port, cookie)
+        check(p, &addr[0], PROTO_BIT_UDP, port, cookie, tree4(addr[0]))
     } else if let Some(v4) = unmap_v4(&addr) {
-        check(p, &v4, PROTO_BIT_UDP, port, cookie)
+        check(p, &v4, PROTO_BIT_UDP, port, cookie, tree4(v4))
     } else {
-        check(p, &addr, PROTO_BIT_UDP, port, cookie)
+        let tree6 = || owner_v6(ctx.as_ptr(), true, ([0; 4], 0), (addr, port_be)) == cg;
+        check(p, &addr, PROTO_BIT_UDP, port, cookie, tree6)
     };
     match verdict {
         Ok(()) => Ok(allow(cg)),

@@ -1,6 +1,7 @@
 //! `cgroup_skb/egress`: the packet-level backstop.
 
 use crate::addr::check;
+use crate::peer::{owner_v4, owner_v6};
 use crate::policy::policy_of_skb;
 use crate::report::{Dst, deny};
 use crate::{AF_INET, AF_INET6, ALLOW, DENY, IPPROTO_TCP, IPPROTO_UDP, SOCK_STREAM};
@@ -59,45 +60,35 @@ fn try_skb(ctx: &SkBuffContext) -> Result<i32, i32> {
     if p.mode == MODE_ALLOW_ALL {
         return Ok(ALLOW);
     }
-    // Anything else: check the packet's destination. The context starts at the IP header.
+    // Anything else: check the packet's destination (UDP only; other transports can't get here
+    // from an allowed socket).
     // SAFETY: cgroup_skb context; bpf_get_netns_cookie is offered to cgroup_skb since 6.15.
     let cookie = || unsafe { bpf_get_netns_cookie(skb.cast()) };
-    let first: u8 = ctx.load(0).map_err(|_| DENY)?;
-    // Family, transport protocol, destination and where its UDP header starts (if it can).
-    let (family, proto, addr, udp_at): (u32, u8, [u32; 4], Option<usize>) = match first >> 4 {
-        4 => {
-            let ihl = ((first & 0x0f) as usize) * 4;
-            let proto: u8 = ctx.load(9).map_err(|_| DENY)?;
-            let daddr: u32 = ctx.load(16).map_err(|_| DENY)?;
-            let udp_at = (20..=60).contains(&ihl).then_some(ihl);
-            (AF_INET, proto, [daddr, 0, 0, 0], udp_at)
-        }
-        6 => {
-            let next: u8 = ctx.load(6).map_err(|_| DENY)?;
-            let a: [u32; 4] = [
-                ctx.load(24).map_err(|_| DENY)?,
-                ctx.load(28).map_err(|_| DENY)?,
-                ctx.load(32).map_err(|_| DENY)?,
-                ctx.load(36).map_err(|_| DENY)?,
-            ];
-            (AF_INET6, next, a, Some(40))
-        }
-        _ => (0, 0, [0; 4], None),
-    };
+    let pkt = Packet::parse(ctx)?;
     let mut dst = Dst {
-        family,
-        protocol: proto as u32,
+        family: pkt.family,
+        protocol: pkt.proto as u32,
         port: 0,
-        addr,
+        addr: pkt.daddr,
     };
-    let verdict = match udp_at {
-        Some(at) if proto as u32 == IPPROTO_UDP => {
-            let dport: u16 = ctx.load(at + 2).map_err(|_| DENY)?;
+    let verdict = match pkt.l4 {
+        Some(at) if pkt.proto as u32 == IPPROTO_UDP => {
+            let (sport, dport) = pkt.ports(ctx, at)?;
             dst.port = u16::from_be(dport);
-            if family == AF_INET {
-                check(p, &addr[0], PROTO_BIT_UDP, dst.port, cookie)
+            if pkt.family == AF_INET {
+                let same_tree = || {
+                    owner_v4(
+                        skb.cast(),
+                        true,
+                        (pkt.saddr[0], sport),
+                        (pkt.daddr[0], dport),
+                    ) == cg
+                };
+                check(p, &pkt.daddr[0], PROTO_BIT_UDP, dst.port, cookie, same_tree)
             } else {
-                check(p, &addr, PROTO_BIT_UDP, dst.port, cookie)
+                let same_tree =
+                    || owner_v6(skb.cast(), true, (pkt.saddr, sport), (pkt.daddr, dport)) == cg;
+                check(p, &pkt.daddr, PROTO_BIT_UDP, dst.port, cookie, same_tree)
             }
         }
         _ => Err(REASON_SOCKET_TYPE),
@@ -105,5 +96,68 @@ fn try_skb(ctx: &SkBuffContext) -> Result<i32, i32> {
     match verdict {
         Ok(()) => Ok(ALLOW),
         Err(reason) => Ok(deny(cg, HOOK_SKB_EGRESS, reason, &dst, false)),
+    }
+}
+
+/// The IP header fields both cgroup_skb programs decide on. The context starts at the IP header.
+pub(crate) struct Packet {
+    pub(crate) family: u32,
+    pub(crate) proto: u8,
+    /// Network byte order; IPv4 in `[0]`.
+    pub(crate) saddr: [u32; 4],
+    pub(crate) daddr: [u32; 4],
+    /// Offset of the transport header, when it directly follows the IP header.
+    pub(crate) l4: Option<usize>,
+}
+
+impl Packet {
+    #[inline(always)]
+    pub(crate) fn parse(ctx: &SkBuffContext) -> Result<Packet, i32> {
+        let first: u8 = ctx.load(0).map_err(|_| DENY)?;
+        Ok(match first >> 4 {
+            4 => {
+                let ihl = ((first & 0x0f) as usize) * 4;
+                Packet {
+                    family: AF_INET,
+                    proto: ctx.load(9).map_err(|_| DENY)?,
+                    saddr: [ctx.load(12).map_err(|_| DENY)?, 0, 0, 0],
+                    daddr: [ctx.load(16).map_err(|_| DENY)?, 0, 0, 0],
+                    l4: (20..=60).contains(&ihl).then_some(ihl),
+                }
+            }
+            6 => Packet {
+                family: AF_INET6,
+                proto: ctx.load(6).map_err(|_| DENY)?,
+                saddr: [
+                    ctx.load(8).map_err(|_| DENY)?,
+                    ctx.load(12).map_err(|_| DENY)?,
+                    ctx.load(16).map_err(|_| DENY)?,
+                    ctx.load(20).map_err(|_| DENY)?,
+                ],
+                daddr: [
+                    ctx.load(24).map_err(|_| DENY)?,
+                    ctx.load(28).map_err(|_| DENY)?,
+                    ctx.load(32).map_err(|_| DENY)?,
+                    ctx.load(36).map_err(|_| DENY)?,
+                ],
+                l4: Some(40),
+            },
+            _ => Packet {
+                family: 0,
+                proto: 0,
+                saddr: [0; 4],
+                daddr: [0; 4],
+                l4: None,
+            },
+        })
+    }
+
+    /// (source port, destination port) of a TCP or UDP header at `at`, network byte order.
+    #[inline(always)]
+    pub(crate) fn ports(&self, ctx: &SkBuffContext, at: usize) -> Result<(u16, u16), i32> {
+        Ok((
+            ctx.load(at).map_err(|_| DENY)?,
+            ctx.load(at + 2).map_err(|_| DENY)?,
+        ))
     }
 }

@@ -1,6 +1,7 @@
 //! `cgroup/sock_create` (inet only) and BPF-LSM `socket_create` (every family).
 
 use crate::addr::proto_bit;
+use crate::peer::tag;
 use crate::policy::policy_of_current;
 use crate::report::{Dst, deny};
 use crate::{AF_INET, AF_INET6, AF_NETLINK, AF_UNIX, ALLOW, DENY, SOCK_TYPE_MASK};
@@ -58,12 +59,15 @@ fn try_sock_create(ctx: &SockContext) -> Result<i32, i32> {
     let sk: *mut bpf_sock = ctx.sock;
     // SAFETY: family/type/protocol are readable in sock_create.
     let (family, sock_type, protocol) = unsafe { ((*sk).family, (*sk).type_, (*sk).protocol) };
-    Ok(socket_verdict(
-        HOOK_SOCK_CREATE,
-        family,
-        sock_type,
-        protocol,
-    ))
+    let verdict = socket_verdict(HOOK_SOCK_CREATE, family, sock_type, protocol);
+    // Tag the TCP/UDP sockets of confined trees (see `peer`): their servers may then be reached
+    // from the same tree over the host's loopback, and nothing else may reach them there.
+    if verdict == ALLOW
+        && let Ok(found) = policy_of_current()
+    {
+        tag(sk, found.cgroup_id);
+    }
+    Ok(verdict)
 }
 
 /// `int security_socket_create(int family, int type, int protocol, int kern)`.

@@ -103,6 +103,7 @@ pub fn hook_name(hook: u32) -> &'static str {
         egress_common::HOOK_SKB_EGRESS => "skb_egress",
         egress_common::HOOK_SOCK_CREATE => "sock_create",
         egress_common::HOOK_LSM_SOCKET_CREATE => "lsm_socket_create",
+        egress_common::HOOK_SKB_INGRESS => "skb_ingress",
         _ => "unknown",
     }
 }
@@ -115,6 +116,7 @@ pub fn reason_name(reason: u32) -> &'static str {
         egress_common::REASON_SOCKET_TYPE => "kernel-socket-type-not-allowed",
         egress_common::REASON_HOST_LOOPBACK => "kernel-host-loopback",
         egress_common::REASON_DENY_CIDR => "kernel-deny-cidr",
+        egress_common::REASON_INBOUND => "kernel-inbound-not-allowed",
         _ => "kernel-denied",
     }
 }
@@ -184,6 +186,10 @@ pub fn to_denial(ev: &Event, time: SystemTime, policy: &str) -> DenialEvent {
     );
     context.insert("pid".to_owned(), ev.pid.to_string());
     context.insert("hook".to_owned(), hook_name(ev.hook).to_owned());
+    if ev.hook == egress_common::HOOK_SKB_INGRESS {
+        // `ip` is the peer that tried to connect in, `port` the cgroup's local port.
+        context.insert("direction".to_owned(), "inbound".to_owned());
+    }
     let verdict = event_verdict(ev);
     DenialEvent {
         time,

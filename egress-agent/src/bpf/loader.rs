@@ -160,14 +160,15 @@ pub struct Loader {
 /// Program kinds, for attaching.
 enum Kind {
     SockAddr,
-    Skb,
+    Skb(CgroupSkbAttachType),
     Sock,
     Lsm,
 }
 
 fn kind(name: &str) -> Kind {
     match name {
-        prog::SKB_EGRESS => Kind::Skb,
+        prog::SKB_EGRESS => Kind::Skb(CgroupSkbAttachType::Egress),
+        prog::SKB_INGRESS => Kind::Skb(CgroupSkbAttachType::Ingress),
         prog::SOCK_CREATE => Kind::Sock,
         prog::LSM_SOCKET_CREATE => Kind::Lsm,
         _ => Kind::SockAddr,
@@ -506,7 +507,7 @@ impl Loader {
                 let p: &mut CgroupSockAddr = program.try_into().map_err(load_err)?;
                 p.load().map_err(|e| BpfError::from_load(name, e))?;
             }
-            Kind::Skb => {
+            Kind::Skb(_) => {
                 let p: &mut CgroupSkb = program.try_into().map_err(load_err)?;
                 p.load().map_err(|e| BpfError::from_load(name, e))?;
             }
@@ -545,14 +546,10 @@ impl Loader {
                 let link = p.take_link(id).map_err(attach_err)?;
                 FdLink::try_from(link).map_err(|e| pin_err(name, pin, e))?
             }
-            Kind::Skb => {
+            Kind::Skb(direction) => {
                 let p: &mut CgroupSkb = program.try_into().map_err(load_err)?;
                 let id = p
-                    .attach(
-                        cgroup_dir.as_fd(),
-                        CgroupSkbAttachType::Egress,
-                        CgroupAttachMode::Single,
-                    )
+                    .attach(cgroup_dir.as_fd(), direction, CgroupAttachMode::Single)
                     .map_err(attach_err)?;
                 let link = p.take_link(id).map_err(attach_err)?;
                 FdLink::try_from(link).map_err(|e| pin_err(name, pin, e))?

@@ -17,12 +17,96 @@ use super::BpfError;
 use super::loader::maps_dir;
 use crate::policy::kernel::{KernelPolicy, ip6_words};
 
+/// One pair of LPM tries keyed by (entry id, address): `allow_cidrs` rules or inbound allows.
+struct RuleTries {
+    v4: LpmTrie<MapData, Cidr4Data, CidrRule>,
+    v6: LpmTrie<MapData, Cidr6Data, CidrRule>,
+    names: (&'static str, &'static str),
+}
+
+impl RuleTries {
+    fn open(dir: &Path, names: (&'static str, &'static str)) -> Result<RuleTries, BpfError> {
+        Ok(RuleTries {
+            v4: open_map(dir, names.0)?
+                .try_into()
+                .map_err(map_err(names.0, "open"))?,
+            v6: open_map(dir, names.1)?
+                .try_into()
+                .map_err(map_err(names.1, "open"))?,
+            names,
+        })
+    }
+
+    fn insert_all(
+        &mut self,
+        cgroup_id: u64,
+        rules: Vec<(IpNet, CidrRule)>,
+    ) -> Result<(), BpfError> {
+        for (net, rule) in rules {
+            match net {
+                IpNet::V4(n) => {
+                    let key = Key::new(
+                        CIDR_ID_BITS + u32::from(n.prefix_len()),
+                        Cidr4Data::new(cgroup_id, u32::from_ne_bytes(n.network().octets())),
+                    );
+                    self.v4
+                        .insert(&key, rule, 0)
+                        .map_err(map_err(self.names.0, "insert"))?;
+                }
+                IpNet::V6(n) => {
+                    let key = Key::new(
+                        CIDR_ID_BITS + u32::from(n.prefix_len()),
+                        Cidr6Data::new(cgroup_id, ip6_words(&n.network())),
+                    );
+                    self.v6
+                        .insert(&key, rule, 0)
+                        .map_err(map_err(self.names.1, "insert"))?;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn remove_all(&mut self, cgroup_id: u64) -> Result<(), BpfError> {
+        let id = egress_common::split_id(cgroup_id);
+        let keys4: Vec<Key<Cidr4Data>> = self
+            .v4
+            .keys()
+            .filter_map(Result::ok)
+            .filter(|k| k.data().id == id)
+            .collect();
+        for k in keys4 {
+            match self.v4.remove(&k) {
+                Ok(()) => {}
+                Err(e) if is_not_found(&e) => {}
+                Err(e) => return Err(map_err(self.names.0, "remove")(e)),
+            }
+        }
+        let keys6: Vec<Key<Cidr6Data>> = self
+            .v6
+            .keys()
+            .filter_map(Result::ok)
+            .filter(|k| k.data().id == id)
+            .collect();
+        for k in keys6 {
+            match self.v6.remove(&k) {
+                Ok(()) => {}
+                Err(e) if is_not_found(&e) => {}
+                Err(e) => return Err(map_err(self.names.1, "remove")(e)),
+            }
+        }
+        Ok(())
+    }
+}
+
 /// Handles on the pinned maps.
 pub struct PinnedState {
     dir: PathBuf,
     policies: HashMap<MapData, u64, PolicyEntry>,
-    cidr4: LpmTrie<MapData, Cidr4Data, CidrRule>,
-    cidr6: LpmTrie<MapData, Cidr6Data, CidrRule>,
+    /// Direct allows (`EGRESS_CIDR4/6`).
+    cidr: RuleTries,
+    /// Inbound allows (`EGRESS_INBOUND4/6`).
+    inbound: RuleTries,
     counters: PerCpuHashMap<MapData, u64, Counters>,
     config: Array<MapData, GlobalConfig>,
     names: HashMap<MapData, u64, PolicyName>,
@@ -77,12 +161,8 @@ impl PinnedState {
             policies: open_map(&dir, maps::POLICIES)?
                 .try_into()
                 .map_err(conv(maps::POLICIES))?,
-            cidr4: open_map(&dir, maps::CIDR4)?
-                .try_into()
-                .map_err(conv(maps::CIDR4))?,
-            cidr6: open_map(&dir, maps::CIDR6)?
-                .try_into()
-                .map_err(conv(maps::CIDR6))?,
+            cidr: RuleTries::open(&dir, (maps::CIDR4, maps::CIDR6))?,
+            inbound: RuleTries::open(&dir, (maps::INBOUND4, maps::INBOUND6))?,
             counters: open_map(&dir, maps::COUNTERS)?
                 .try_into()
                 .map_err(conv(maps::COUNTERS))?,
@@ -119,28 +199,8 @@ impl PinnedState {
     pub fn set_policy(&mut self, cgroup_id: u64, policy: &KernelPolicy) -> Result<(), BpfError> {
         // Rules first (keyed by this cgroup id), then the entry that makes them reachable.
         self.remove_rules(cgroup_id)?;
-        for (net, rule) in policy.rules() {
-            match net {
-                IpNet::V4(n) => {
-                    let key = Key::new(
-                        CIDR_ID_BITS + u32::from(n.prefix_len()),
-                        Cidr4Data::new(cgroup_id, u32::from_ne_bytes(n.network().octets())),
-                    );
-                    self.cidr4
-                        .insert(&key, rule, 0)
-                        .map_err(map_err(maps::CIDR4, "insert"))?;
-                }
-                IpNet::V6(n) => {
-                    let key = Key::new(
-                        CIDR_ID_BITS + u32::from(n.prefix_len()),
-                        Cidr6Data::new(cgroup_id, ip6_words(&n.network())),
-                    );
-                    self.cidr6
-                        .insert(&key, rule, 0)
-                        .map_err(map_err(maps::CIDR6, "insert"))?;
-                }
-            }
-        }
+        self.cidr.insert_all(cgroup_id, policy.rules())?;
+        self.inbound.insert_all(cgroup_id, policy.inbound_rules())?;
         self.policies
             .insert(cgroup_id, policy.entry(cgroup_id), 0)
             .map_err(map_err(maps::POLICIES, "insert"))
@@ -186,34 +246,8 @@ impl PinnedState {
     }
 
     fn remove_rules(&mut self, cgroup_id: u64) -> Result<(), BpfError> {
-        let id = egress_common::split_id(cgroup_id);
-        let keys4: Vec<Key<Cidr4Data>> = self
-            .cidr4
-            .keys()
-            .filter_map(Result::ok)
-            .filter(|k| k.data().id == id)
-            .collect();
-        for k in keys4 {
-            match self.cidr4.remove(&k) {
-                Ok(()) => {}
-                Err(e) if is_not_found(&e) => {}
-                Err(e) => return Err(map_err(maps::CIDR4, "remove")(e)),
-            }
-        }
-        let keys6: Vec<Key<Cidr6Data>> = self
-            .cidr6
-            .keys()
-            .filter_map(Result::ok)
-            .filter(|k| k.data().id == id)
-            .collect();
-        for k in keys6 {
-            match self.cidr6.remove(&k) {
-                Ok(()) => {}
-                Err(e) if is_not_found(&e) => {}
-                Err(e) => return Err(map_err(maps::CIDR6, "remove")(e)),
-            }
-        }
-        Ok(())
+        self.cidr.remove_all(cgroup_id)?;
+        self.inbound.remove_all(cgroup_id)
     }
 
     pub fn policy(&self, cgroup_id: u64) -> Result<Option<PolicyEntry>, BpfError> {

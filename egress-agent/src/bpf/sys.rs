@@ -1,6 +1,6 @@
 //! The syscalls aya 0.14 does not wrap: `getsockopt(SO_NETNS_COOKIE)`, `BPF_PROG_QUERY` on a
-//! cgroup, `BPF_LINK_UPDATE`, and the capability calls of [`drop_cap_net_raw`]. The only `unsafe`
-//! in the agent, kept small and checked.
+//! cgroup, `BPF_LINK_UPDATE` and `BPF_OBJ_GET`. The only `unsafe` in the agent, kept small and
+//! checked.
 use std::io;
 use std::os::fd::{AsFd, AsRawFd};
 
@@ -159,61 +159,4 @@ pub mod attach_type {
     pub const CGROUP_UDP4_SENDMSG: u32 = 14;
     pub const CGROUP_UDP6_SENDMSG: u32 = 15;
     pub const LSM_CGROUP: u32 = 43;
-}
-
-/// Remove CAP_NET_RAW from this process for good, before it execs a confined command: from the
-/// bounding set (so neither root nor setuid/file-capability binaries regain it at execve), the
-/// ambient and inheritable sets, and the effective/permitted sets. Without CAP_NET_RAW the
-/// command cannot open AF_PACKET or raw sockets in the host network namespace — the hole the
-/// cgroup hooks cannot see when the BPF-LSM `socket_create` hook is unavailable.
-pub fn drop_cap_net_raw() -> io::Result<()> {
-    const CAP_NET_RAW: libc::c_ulong = 13;
-    // SAFETY: prctl with integer arguments only.
-    if unsafe { libc::prctl(libc::PR_CAPBSET_DROP, CAP_NET_RAW, 0, 0, 0) } != 0 {
-        return Err(io::Error::last_os_error());
-    }
-    // SAFETY: prctl with integer arguments only. EINVAL (no ambient support) is fine.
-    let rc = unsafe {
-        libc::prctl(
-            libc::PR_CAP_AMBIENT,
-            libc::PR_CAP_AMBIENT_LOWER,
-            CAP_NET_RAW,
-            0,
-            0,
-        )
-    };
-    if rc != 0 && io::Error::last_os_error().raw_os_error() != Some(libc::EINVAL) {
-        return Err(io::Error::last_os_error());
-    }
-    #[repr(C)]
-    struct Header {
-        version: u32,
-        pid: i32,
-    }
-    #[repr(C)]
-    #[derive(Clone, Copy, Default)]
-    struct Data {
-        effective: u32,
-        permitted: u32,
-        inheritable: u32,
-    }
-    const VERSION_3: u32 = 0x2008_0522;
-    let mut hdr = Header {
-        version: VERSION_3,
-        pid: 0,
-    };
-    let mut data = [Data::default(); 2];
-    // SAFETY: capget with a v3 header and two data structs, as the ABI requires.
-    if unsafe { libc::syscall(libc::SYS_capget, &raw mut hdr, data.as_mut_ptr()) } != 0 {
-        return Err(io::Error::last_os_error());
-    }
-    let bit = 1u32 << CAP_NET_RAW;
-    data[0].effective &= !bit;
-    data[0].permitted &= !bit;
-    data[0].inheritable &= !bit;
-    // SAFETY: capset with the same v3 header and two data structs.
-    if unsafe { libc::syscall(libc::SYS_capset, &raw mut hdr, data.as_ptr()) } != 0 {
-        return Err(io::Error::last_os_error());
-    }
-    Ok(())
 }

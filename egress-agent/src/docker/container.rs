@@ -29,6 +29,8 @@ pub struct ContainerInfo {
     pub endpoints: Vec<NetEndpoint>,
     /// `--rm`: removed after it exits (no restart to prepare for).
     pub auto_remove: bool,
+    /// Container TCP ports the operator published (`-p`, `HostConfig.PortBindings`), sorted.
+    pub published_tcp: Vec<u16>,
     /// Reasons this container can't be confined (privileged, dangerous capabilities or mounts).
     pub unconfinable: Vec<String>,
 }
@@ -57,6 +59,10 @@ impl ContainerInfo {
         let cgroup_parent = hc.and_then(|h| h.cgroup_parent.clone()).unwrap_or_default();
         let network_mode = hc.and_then(|h| h.network_mode.clone()).unwrap_or_default();
         let auto_remove = hc.and_then(|h| h.auto_remove).unwrap_or(false);
+        let published_tcp = hc
+            .and_then(|h| h.port_bindings.as_ref())
+            .map(published_tcp)
+            .unwrap_or_default();
         let mut endpoints = Vec::new();
         if let Some(nets) = c
             .network_settings
@@ -116,6 +122,7 @@ impl ContainerInfo {
             network_mode,
             endpoints,
             auto_remove,
+            published_tcp,
             unconfinable,
         })
     }
@@ -135,6 +142,7 @@ impl ContainerInfo {
             network_mode: String::new(),
             endpoints: Vec::new(),
             auto_remove: false,
+            published_tcp: Vec::new(),
             unconfinable: Vec::new(),
         }
     }
@@ -142,6 +150,25 @@ impl ContainerInfo {
     pub fn host_network(&self) -> bool {
         self.network_mode == "host"
     }
+}
+
+/// The container TCP ports of `HostConfig.PortBindings` (keys `80/tcp`, `53/udp`, ...) that are
+/// bound to at least one host port.
+fn published_tcp(
+    bindings: &HashMap<String, Option<Vec<bollard::models::PortBinding>>>,
+) -> Vec<u16> {
+    let mut ports: Vec<u16> = bindings
+        .iter()
+        .filter(|(_, b)| b.as_ref().is_some_and(|b| !b.is_empty()))
+        .filter_map(|(k, _)| {
+            let (port, proto) = k.split_once('/').unwrap_or((k.as_str(), "tcp"));
+            (proto == "tcp").then(|| port.parse::<u16>().ok()).flatten()
+        })
+        .filter(|p| *p != 0)
+        .collect();
+    ports.sort_unstable();
+    ports.dedup();
+    ports
 }
 
 /// Host paths that would let a root process in the container leave its cgroup or edit the
@@ -225,6 +252,26 @@ mod tests {
         };
         let i = ContainerInfo::from_inspect(&plain).expect("test value");
         assert!(i.unconfinable.is_empty() && !i.running && i.pid.is_none());
+    }
+
+    #[test]
+    fn published_tcp_ports_come_from_the_port_bindings() {
+        use bollard::models::PortBinding;
+        let bound = || {
+            Some(vec![PortBinding {
+                host_ip: Some("0.0.0.0".into()),
+                host_port: Some("8080".into()),
+            }])
+        };
+        let b = HashMap::from([
+            ("80/tcp".to_owned(), bound()),
+            ("443".to_owned(), bound()),
+            ("53/udp".to_owned(), bound()),
+            ("9000/tcp".to_owned(), Some(vec![])),
+            ("9001/tcp".to_owned(), None),
+            ("x/tcp".to_owned(), bound()),
+        ]);
+        assert_eq!(published_tcp(&b), vec![80, 443]);
     }
 
     #[test]

@@ -30,6 +30,7 @@ use crate::cgroup;
 use crate::config::Config;
 use crate::events::{ContainerRef, DenialEvent, EventSink, Source};
 use crate::nft;
+use crate::policy::kernel::Endpoints;
 use crate::policy::{Mode, Policy};
 use crate::proxy::{PolicyProxy, ProxyContext};
 
@@ -486,13 +487,15 @@ impl Enforcer {
         } else {
             None
         };
-        let written = self.write_entry(id, &policy, listener.as_ref().map(|l| l.addr));
+        // A refused container gets no published ports either.
+        let published: &[u16] = if refuse { &[] } else { &info.published_tcp };
+        let written = self.write_entry(id, &policy, listener.as_ref().map(|l| l.addr), published);
         let written_name = match written {
             Ok(()) => policy_name,
             Err(e) => {
                 tracing::error!(container = %info.id, cgroup_id = id, error = %e, "writing policy entry failed; writing deny_all");
                 self.event(info, &resolved, Some(id), &format!("entry-failed: {e}"));
-                if let Err(e2) = self.write_entry(id, &Policy::deny_all(), None) {
+                if let Err(e2) = self.write_entry(id, &Policy::deny_all(), None, &[]) {
                     tracing::error!(container = %info.id, error = %e2, "writing deny_all failed too");
                     self.track_with(info, resolved, None, precreated, None);
                     return Outcome::Refuse(format!("cannot write a kernel entry: {e2}"));
@@ -550,19 +553,22 @@ impl Enforcer {
         }
     }
 
+    /// Write the kernel entry of a container's cgroup. `published`: its published TCP ports
+    /// (empty for fail-closed fallbacks).
     fn write_entry(
         &mut self,
         cgroup_id: u64,
         policy: &Policy,
         listener: Option<SocketAddr>,
+        published: &[u16],
     ) -> Result<(), EnforceError> {
-        let kp = KernelPolicy::compile(
-            policy,
-            Some(SocketAddr::V4(self.settings.endpoint4)),
-            listener.filter(SocketAddr::is_ipv4),
-            self.settings.endpoint6,
-            None,
-        )?;
+        let endpoints = Endpoints {
+            endpoint4: Some(SocketAddr::V4(self.settings.endpoint4)),
+            listener4: listener.filter(SocketAddr::is_ipv4),
+            endpoint6: self.settings.endpoint6,
+            listener6: None,
+        };
+        let kp = KernelPolicy::compile(policy, endpoints, published)?;
         self.state.set_policy(cgroup_id, &kp)?;
         Ok(())
     }
@@ -727,7 +733,7 @@ impl Enforcer {
         let id = t.cgroup.as_ref().map(|c| c.1);
         self.event(info, &resolved, id, &format!("host-layer-failed: {why}"));
         if let Some(id) = id
-            && let Err(e) = self.write_entry(id, &Policy::deny_all(), None)
+            && let Err(e) = self.write_entry(id, &Policy::deny_all(), None, &[])
         {
             return Outcome::Refuse(format!(
                 "host layer failed ({why}) and deny_all could not be written: {e}"

@@ -287,9 +287,7 @@ fn inline(hosts: &str, ports: Option<&str>) -> Result<(String, Policy), LabelErr
         mode: Mode::Allowlist,
         allow_hosts: patterns,
         allow_ports: ports,
-        allow_cidrs: Vec::new(),
-        deny_cidrs: Vec::new(),
-        enforce: crate::policy::Enforce::Enforce,
+        ..Policy::deny_all()
     };
     policy
         .validate("egress.allow_hosts")

@@ -4,8 +4,6 @@ use std::collections::HashMap;
 use std::io::{self, Read};
 use std::path::{Path, PathBuf};
 
-use crate::cgroup::unescape_mountinfo;
-
 /// Every host file or directory the doctor reads. [`HostPaths::default`] is the real host;
 /// [`HostPaths::under`] re-roots them all (fixtures in tests).
 #[derive(Clone, Debug)]
@@ -62,65 +60,6 @@ impl HostPaths {
             sysctl_dir: p("proc/sys"),
         }
     }
-}
-
-/// One line of `/proc/self/mountinfo`.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Mount {
-    pub root: String,
-    pub mount_point: PathBuf,
-    pub options: String,
-    pub fstype: String,
-    pub source: String,
-    pub super_options: String,
-}
-
-impl Mount {
-    pub fn read_only(&self) -> bool {
-        self.options.split(',').any(|o| o == "ro")
-    }
-}
-
-/// Parse mountinfo (proc(5)): `id parent maj:min root mount_point options [optional...] - fstype source super`.
-pub fn parse_mountinfo(text: &str) -> Vec<Mount> {
-    text.lines()
-        .filter_map(|line| {
-            let (left, right) = line.split_once(" - ")?;
-            let l: Vec<&str> = left.split(' ').collect();
-            let r: Vec<&str> = right.split(' ').collect();
-            if l.len() < 6 || r.len() < 2 {
-                return None;
-            }
-            Some(Mount {
-                root: unescape_mountinfo(l[3]),
-                mount_point: PathBuf::from(unescape_mountinfo(l[4])),
-                options: l[5].to_owned(),
-                fstype: r[0].to_owned(),
-                source: unescape_mountinfo(r[1]),
-                super_options: r.get(2).copied().unwrap_or_default().to_owned(),
-            })
-        })
-        .collect()
-}
-
-/// Read and parse mountinfo.
-pub fn mounts(path: &Path) -> io::Result<Vec<Mount>> {
-    Ok(parse_mountinfo(&std::fs::read_to_string(path)?))
-}
-
-/// The mount that holds `path` (longest mount point that is a prefix of it), if any.
-pub fn mount_of<'a>(mounts: &'a [Mount], path: &Path) -> Option<&'a Mount> {
-    // Later mounts on the same point shadow earlier ones: iterate in order and keep the last best.
-    let mut best: Option<&Mount> = None;
-    for m in mounts {
-        if path.starts_with(&m.mount_point)
-            && best
-                .is_none_or(|b| m.mount_point.as_os_str().len() >= b.mount_point.as_os_str().len())
-        {
-            best = Some(m);
-        }
-    }
-    best
 }
 
 /// A parsed kernel config: `CONFIG_X` → value (`y`, `m`, `"..."`); "is not set" lines are absent.
@@ -219,16 +158,17 @@ mod tests {
 
     #[test]
     fn parses_mountinfo() {
-        let m = parse_mountinfo(MOUNTINFO);
+        let m = crate::mountinfo::parse(MOUNTINFO);
         assert_eq!(m.len(), 5);
         let cg2 = m.iter().find(|m| m.fstype == "cgroup2").expect("cgroup2");
         assert_eq!(cg2.mount_point, Path::new("/sys/fs/cgroup/unified"));
         assert!(!cg2.read_only());
         assert_eq!(m[4].mount_point, Path::new("/mnt/with space"));
-        let bpf = mount_of(&m, Path::new("/sys/fs/bpf/egress-agent")).expect("mount");
+        let bpf =
+            crate::mountinfo::mount_of(&m, Path::new("/sys/fs/bpf/egress-agent")).expect("mount");
         assert_eq!(bpf.fstype, "bpf");
         assert_eq!(
-            mount_of(&m, Path::new("/sys/kernel")).map(|m| m.fstype.as_str()),
+            crate::mountinfo::mount_of(&m, Path::new("/sys/kernel")).map(|m| m.fstype.as_str()),
             Some("sysfs")
         );
     }

@@ -21,7 +21,7 @@ pub(super) async fn config(ctx: &Arc<Ctx>) -> Option<KernelConfig> {
 
 pub(super) async fn cgroup2(ctx: Arc<Ctx>) -> Outcome {
     let path = ctx.opts.paths.mountinfo.clone();
-    let Some(res) = blocking(move || host::mounts(&path)).await else {
+    let Some(res) = blocking(move || crate::mountinfo::mounts(&path)).await else {
         return Outcome::skip("could not read mountinfo", "re-run");
     };
     let mounts = match res {

@@ -5,7 +5,6 @@ use std::io::ErrorKind;
 use std::path::Path;
 use std::sync::Arc;
 
-use super::host;
 use super::{Ctx, Outcome, blocking};
 
 /// Sub-directory of the pin dir holding pinned maps.
@@ -15,7 +14,7 @@ pub const LINKS_DIR: &str = "roots";
 
 pub(super) async fn bpffs(ctx: Arc<Ctx>) -> Outcome {
     let mi = ctx.opts.paths.mountinfo.clone();
-    let Some(res) = blocking(move || host::mounts(&mi)).await else {
+    let Some(res) = blocking(move || crate::mountinfo::mounts(&mi)).await else {
         return Outcome::skip("could not read mountinfo", "re-run");
     };
     let mounts = match res {
@@ -32,7 +31,7 @@ pub(super) async fn bpffs(ctx: Arc<Ctx>) -> Outcome {
         "mount -t bpf bpf {} (the agent also mounts it at start; add it to /etc/fstab to keep pins across restarts of the agent)",
         pin_dir.parent().unwrap_or(pin_dir).display()
     );
-    match host::mount_of(&mounts, pin_dir) {
+    match crate::mountinfo::mount_of(&mounts, pin_dir) {
         Some(m) if m.fstype == "bpf" => {
             Outcome::pass(format!("bpffs mounted at {}", m.mount_point.display()))
         }

@@ -17,30 +17,46 @@ use super::model::{self, ALLOW_ALL, DENY_ALL, Mode};
 #[error("policy can't be written to the kernel: {0}")]
 pub struct KernelPolicyError(pub String);
 
+/// The proxy addresses of one cgroup: the stable endpoint(s) confined processes connect to and
+/// the listener(s) the kernel rewrites them to. `listener*: None` = no proxy for this cgroup:
+/// connections to the endpoint are refused (fail closed).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Endpoints {
+    pub endpoint4: Option<SocketAddr>,
+    pub listener4: Option<SocketAddr>,
+    pub endpoint6: Option<SocketAddr>,
+    pub listener6: Option<SocketAddr>,
+}
+
 /// The kernel's view of one policy for one cgroup: what [`PolicyEntry`] + CIDR rules encode.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct KernelPolicy {
     /// `MODE_*`.
     pub mode: u32,
-    /// Stable endpoint(s) and this policy's listener(s). `listener*: None` = the proxy is not
-    /// running: connections to the endpoint are refused (fail closed).
     pub endpoint4: Option<SocketAddr>,
     pub listener4: Option<SocketAddr>,
     pub endpoint6: Option<SocketAddr>,
     pub listener6: Option<SocketAddr>,
     /// Direct allows: network, ports (empty = all), TCP and UDP.
     pub allow: Vec<(IpNet, Vec<u16>)>,
+    /// Inbound allows: peer network, local ports (empty = all), TCP.
+    pub inbound: Vec<(IpNet, Vec<u16>)>,
 }
 
 impl KernelPolicy {
-    /// From a configured policy and the proxy endpoints/listeners of this policy.
+    /// Compile a configured policy for one cgroup: its proxy addresses, and the TCP ports the
+    /// operator published for it (Docker `-p`; open to every peer if the policy allows that).
     pub fn compile(
         policy: &model::Policy,
-        endpoint4: Option<SocketAddr>,
-        listener4: Option<SocketAddr>,
-        endpoint6: Option<SocketAddr>,
-        listener6: Option<SocketAddr>,
+        endpoints: Endpoints,
+        published: &[u16],
     ) -> Result<KernelPolicy, KernelPolicyError> {
+        let Endpoints {
+            endpoint4,
+            listener4,
+            endpoint6,
+            listener6,
+        } = endpoints;
         let mode = match policy.mode {
             Mode::AllowAll => MODE_ALLOW_ALL,
             Mode::DenyAll => MODE_DENY_ALL,
@@ -60,15 +76,34 @@ impl KernelPolicy {
                 )));
             }
         }
-        let mut allow = Vec::new();
-        for rule in &policy.allow_cidrs {
-            if rule.ports.len() > MAX_RULE_PORTS {
+        let fits = |what: &str, net: &IpNet, ports: &[u16]| {
+            if ports.len() > MAX_RULE_PORTS {
                 return Err(KernelPolicyError(format!(
-                    "allow_cidrs {}: at most {MAX_RULE_PORTS} ports per rule in the kernel map",
-                    rule.net
+                    "{what} {net}: at most {MAX_RULE_PORTS} ports per rule in the kernel map"
                 )));
             }
-            allow.push((rule.net.trunc(), rule.ports.clone()));
+            Ok((net.trunc(), ports.to_vec()))
+        };
+        let mut allow = Vec::new();
+        let mut inbound = Vec::new();
+        for rule in &policy.allow_cidrs {
+            allow.push(fits("allow_cidrs", &rule.net, &rule.ports)?);
+            if rule.ports.is_empty() {
+                // A network trusted on every port is trusted both ways.
+                inbound.push((rule.net.trunc(), Vec::new()));
+            }
+        }
+        for rule in &policy.allow_inbound {
+            inbound.push(fits("allow_inbound", &rule.net, &rule.ports)?);
+        }
+        if policy.allow_published_ports && !published.is_empty() {
+            let mut ports = published.to_vec();
+            ports.sort_unstable();
+            ports.dedup();
+            for any in ["0.0.0.0/0", "::/0"] {
+                let net: IpNet = any.parse().map_err(|_| KernelPolicyError(any.into()))?;
+                inbound.push(fits("published ports", &net, &ports)?);
+            }
         }
         Ok(KernelPolicy {
             mode,
@@ -77,6 +112,7 @@ impl KernelPolicy {
             endpoint6,
             listener6,
             allow,
+            inbound,
         })
     }
 
@@ -113,59 +149,72 @@ impl KernelPolicy {
         }
     }
 
-    /// The LPM rules, with the ports of less specific allow rules merged into more specific ones
-    /// (the kernel only looks at the longest match).
+    /// The direct-allow LPM rules (`allow_cidrs`; allowlist only).
     pub fn rules(&self) -> Vec<(IpNet, CidrRule)> {
         if self.mode != MODE_ALLOWLIST {
             return Vec::new();
         }
-        // Merge identical networks first.
-        let mut by_net: BTreeMap<IpNet, Option<Vec<u16>>> = BTreeMap::new();
-        for (net, ports) in &self.allow {
-            let slot = by_net.entry(*net).or_insert_with(|| Some(Vec::new()));
-            merge(slot, ports);
-        }
-        let nets: Vec<IpNet> = by_net.keys().copied().collect();
-        let mut out = Vec::new();
-        for net in &nets {
-            let mut ports: Option<Vec<u16>> = Some(Vec::new());
-            for other in &nets {
-                if other.contains(net)
-                    && let Some(p) = by_net.get(other)
-                {
-                    match p {
-                        None => ports = None,
-                        Some(list) => merge(&mut ports, list),
-                    }
-                }
-            }
-            let mut rule = CidrRule {
-                action: CIDR_ALLOW,
-                protos: PROTO_BIT_TCP | PROTO_BIT_UDP,
-                ..CidrRule::default()
-            };
-            if let Some(list) = ports {
-                // More than MAX_RULE_PORTS after merging: fall back to the rule's own ports
-                // (never wider than configured).
-                let own = by_net.get(net).cloned().flatten().unwrap_or_default();
-                let list = if list.len() > MAX_RULE_PORTS {
-                    own
-                } else {
-                    list
-                };
-                rule.nports = list.len() as u32;
-                for (i, p) in list.iter().take(MAX_RULE_PORTS).enumerate() {
-                    rule.ports[i] = *p;
-                }
-                if rule.nports == 0 {
-                    // An empty merged list can only come from "all ports" (None) above.
-                    continue;
-                }
-            }
-            out.push((*net, rule));
-        }
-        out
+        lpm_rules(&self.allow, PROTO_BIT_TCP | PROTO_BIT_UDP)
     }
+
+    /// The inbound LPM rules (peer network → local ports; every mode but allow_all).
+    pub fn inbound_rules(&self) -> Vec<(IpNet, CidrRule)> {
+        if self.mode == MODE_ALLOW_ALL {
+            return Vec::new();
+        }
+        lpm_rules(&self.inbound, PROTO_BIT_TCP)
+    }
+}
+
+/// LPM rules from (network, ports) allows, with the ports of less specific rules merged into more
+/// specific ones (the kernel only looks at the longest match).
+fn lpm_rules(allows: &[(IpNet, Vec<u16>)], protos: u32) -> Vec<(IpNet, CidrRule)> {
+    // Merge identical networks first.
+    let mut by_net: BTreeMap<IpNet, Option<Vec<u16>>> = BTreeMap::new();
+    for (net, ports) in allows {
+        let slot = by_net.entry(*net).or_insert_with(|| Some(Vec::new()));
+        merge(slot, ports);
+    }
+    let nets: Vec<IpNet> = by_net.keys().copied().collect();
+    let mut out = Vec::new();
+    for net in &nets {
+        let mut ports: Option<Vec<u16>> = Some(Vec::new());
+        for other in &nets {
+            if other.contains(net)
+                && let Some(p) = by_net.get(other)
+            {
+                match p {
+                    None => ports = None,
+                    Some(list) => merge(&mut ports, list),
+                }
+            }
+        }
+        let mut rule = CidrRule {
+            action: CIDR_ALLOW,
+            protos,
+            ..CidrRule::default()
+        };
+        if let Some(list) = ports {
+            // More than MAX_RULE_PORTS after merging: fall back to the rule's own ports
+            // (never wider than configured).
+            let own = by_net.get(net).cloned().flatten().unwrap_or_default();
+            let list = if list.len() > MAX_RULE_PORTS {
+                own
+            } else {
+                list
+            };
+            rule.nports = list.len() as u32;
+            for (i, p) in list.iter().take(MAX_RULE_PORTS).enumerate() {
+                rule.ports[i] = *p;
+            }
+            if rule.nports == 0 {
+                // An empty merged list can only come from "all ports" (None) above.
+                continue;
+            }
+        }
+        out.push((*net, rule));
+    }
+    out
 }
 
 /// `None` = all ports. Merge `ports` (empty = all) into `slot`.
@@ -245,6 +294,7 @@ mod tests {
                 .iter()
                 .map(|(n, p)| (n.parse().expect("net"), p.to_vec()))
                 .collect(),
+            inbound: Vec::new(),
         }
     }
 
@@ -312,6 +362,6 @@ mod tests {
             allow_cidrs: vec![rule],
             ..model::Policy::deny_all()
         };
-        assert!(KernelPolicy::compile(&p, None, None, None, None).is_err());
+        assert!(KernelPolicy::compile(&p, Endpoints::default(), &[]).is_err());
     }
 }

@@ -76,10 +76,25 @@ pub struct Policy {
     /// Added to the built-in deny list; wins over everything. May not overlap `allow_cidrs`.
     #[serde(default)]
     pub deny_cidrs: Vec<IpNet>,
+    /// Peers that may connect *in* to the cgroup's TCP listeners: `"10.0.0.0/24"` (any local port)
+    /// or `{ cidr = "10.0.0.0/24", ports = [8080] }` (those local ports). Every other inbound
+    /// connection is refused by the kernel before it is accepted. `allow_cidrs` entries without
+    /// ports count as inbound allows too. Not for `allow_all`, which allows everything.
+    #[serde(default)]
+    pub allow_inbound: Vec<CidrRule>,
+    /// Docker: the TCP ports the operator published (`docker run -p`) accept connections from
+    /// anyone (publishing is an explicit operator decision). Default true; false refuses them
+    /// like any other inbound connection.
+    #[serde(default = "default_true")]
+    pub allow_published_ports: bool,
     /// `enforce` (default) or `audit` (record would-deny events, block nothing the allowlist
     /// refuses). `allowlist` only.
     #[serde(default, skip_serializing_if = "Enforce::is_enforce")]
     pub enforce: Enforce,
+}
+
+fn default_true() -> bool {
+    true
 }
 
 impl Policy {
@@ -96,6 +111,8 @@ impl Policy {
             allow_ports: default_ports(),
             allow_cidrs: Vec::new(),
             deny_cidrs: Vec::new(),
+            allow_inbound: Vec::new(),
+            allow_published_ports: true,
             enforce: Enforce::Enforce,
         }
     }
@@ -241,6 +258,22 @@ impl Policy {
                     }
                 },
             ));
+        }
+        for (field, rules) in [
+            ("allow_cidrs", &self.allow_cidrs),
+            ("allow_inbound", &self.allow_inbound),
+        ] {
+            for (i, rule) in rules.iter().enumerate() {
+                if rule.ports.len() > egress_common::MAX_RULE_PORTS {
+                    return Err(verr(
+                        format!("{base}.{field}[{i}]"),
+                        format!(
+                            "at most {} ports per entry (split it into several entries)",
+                            egress_common::MAX_RULE_PORTS
+                        ),
+                    ));
+                }
+            }
         }
         for (i, net) in self.deny_cidrs.iter().enumerate() {
             if net.trunc() != *net {

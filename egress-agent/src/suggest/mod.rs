@@ -10,7 +10,8 @@
 //!   names' ports; when names used different ports, a comment lists each name's own.
 //! - **Addresses**: direct connections (kernel flows) and IP literals sent to the proxy become
 //!   `allow_cidrs` host entries (/32, /128) with the ports seen; public ones get a warning comment
-//!   (they are reached without the proxy's name check).
+//!   (they are reached without the proxy's name check). Inbound connections (kernel flows with
+//!   `direction = inbound`: the peer's address, the cgroup's local port) become `allow_inbound`.
 //! - Not suggested (a comment counts them): request-shape refusals (userinfo, numeric IP forms,
 //!   Host mismatch), socket types the kernel never allows, connections to the proxy endpoint,
 //!   and agent lifecycle events.
@@ -58,6 +59,8 @@ pub struct Observed {
     pub addrs: BTreeMap<IpAddr, BTreeSet<u16>>,
     /// Names whose answer held a private or special address (they need an `allow_cidrs` entry).
     pub name_addrs: BTreeMap<IpAddr, BTreeSet<u16>>,
+    /// Peers that connected in → the cgroup's local ports.
+    pub inbound: BTreeMap<IpAddr, BTreeSet<u16>>,
     /// Flows used, events they stand for, first and last seen.
     pub flows: usize,
     pub events: u64,
@@ -130,7 +133,11 @@ pub fn observe(flows: &[Flow], opts: &Options) -> Observed {
                     skip(&format!("kernel {} ({})", f.reason, f.protocol));
                     continue;
                 }
-                o.addrs.entry(ip).or_default().insert(f.port);
+                if f.labels.get("direction").is_some_and(|d| d == "inbound") {
+                    o.inbound.entry(ip).or_default().insert(f.port);
+                } else {
+                    o.addrs.entry(ip).or_default().insert(f.port);
+                }
             }
             _ => {
                 skip("agent events");
@@ -156,6 +163,8 @@ pub struct Suggestion {
     pub ports_by_name: Option<BTreeMap<String, BTreeSet<u16>>>,
     /// Public addresses among `cidrs`.
     pub public: BTreeSet<IpNet>,
+    /// Inbound peers (/32, /128) and the local ports they connected to.
+    pub inbound: BTreeMap<IpNet, BTreeSet<u16>>,
 }
 
 pub fn suggest(o: &Observed) -> Suggestion {
@@ -172,12 +181,18 @@ pub fn suggest(o: &Observed) -> Suggestion {
             public.insert(net);
         }
     }
+    let inbound = o
+        .inbound
+        .iter()
+        .map(|(ip, p)| (IpNet::from(*ip), p.clone()))
+        .collect();
     Suggestion {
         hosts,
         ports,
         cidrs,
         ports_by_name: (!uniform).then(|| o.names.clone()),
         public,
+        inbound,
     }
 }
 
@@ -233,6 +248,19 @@ pub fn render(s: &Suggestion, name: &str, header: &[String]) -> String {
             writeln!(
                 out,
                 "    {{ cidr = {}, ports = [{}] }},{warn}",
+                q(&net.to_string()),
+                port_list(ports)
+            )
+            .ok();
+        }
+        writeln!(out, "]").ok();
+    }
+    if !s.inbound.is_empty() {
+        writeln!(out, "allow_inbound = [").ok();
+        for (net, ports) in &s.inbound {
+            writeln!(
+                out,
+                "    {{ cidr = {}, ports = [{}] }},",
                 q(&net.to_string()),
                 port_list(ports)
             )
@@ -327,6 +355,21 @@ pub fn diff(s: &Suggestion, o: &Observed, current: &Policy, current_name: &str) 
         let used = s.cidrs.keys().any(|n| r.net.contains(&n.addr()));
         if !used {
             writeln!(out, "- allow_cidrs {}  # nothing observed", r.net).ok();
+        }
+    }
+    for (net, ports) in &s.inbound {
+        for port in ports {
+            let covered = current
+                .allow_inbound
+                .iter()
+                .any(|r| r.net.contains(&net.addr()) && r.allows_port(*port));
+            let mark = if covered { ' ' } else { '+' };
+            writeln!(out, "{mark} allow_inbound {net} port {port}").ok();
+        }
+    }
+    for r in &current.allow_inbound {
+        if !s.inbound.keys().any(|n| r.net.contains(&n.addr())) {
+            writeln!(out, "- allow_inbound {}  # nothing observed", r.net).ok();
         }
     }
     if current.audits() {
