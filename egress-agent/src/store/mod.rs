@@ -244,18 +244,25 @@ impl Store {
                     .create(dir)
                     .map_err(io)?;
             }
-            // Tighten a directory someone created wider (ours to keep private).
+            // A directory others can write to (say, /tmp) would let them swap the files: refused.
+            // An existing directory is never chmod-ed (it may be shared, like /var/lib itself).
             let meta = std::fs::metadata(dir).map_err(io)?;
-            if meta.permissions().mode() & 0o077 != 0 {
-                std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o700))
-                    .map_err(io)?;
+            if meta.permissions().mode() & 0o022 != 0 {
+                return Err(StoreError::Io {
+                    path: dir.to_owned(),
+                    source: std::io::Error::other(
+                        "writable by group or others; agent.state_dir must be a private directory",
+                    ),
+                });
             }
         }
-        // Create the file 0600 ourselves (SQLite gives -wal/-shm the database file's mode).
+        // Create the file 0600 ourselves (SQLite gives -wal/-shm the database file's mode), and
+        // never through a symbolic link.
         OpenOptions::new()
             .create(true)
             .append(true)
             .mode(0o600)
+            .custom_flags(libc::O_NOFOLLOW)
             .open(path)
             .map_err(io)?;
         std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600)).map_err(io)?;
@@ -499,7 +506,7 @@ impl Store {
 mod tests {
     use super::*;
     use crate::events::{ContainerRef, DenialEvent, Verdict};
-    use std::os::unix::fs::MetadataExt;
+    use std::os::unix::fs::{MetadataExt, PermissionsExt};
 
     pub(crate) fn temp_db(name: &str) -> PathBuf {
         let dir = std::env::temp_dir().join(format!(
@@ -540,6 +547,15 @@ mod tests {
         drop(s);
         // Reopening an existing store works (schema is idempotent).
         Store::open(&path).unwrap();
+        // Never through a symlink, never in a directory others can write to.
+        let dir = path.parent().unwrap();
+        let link = dir.join("link.db");
+        std::os::unix::fs::symlink(&path, &link).unwrap();
+        assert!(Store::open(&link).is_err());
+        std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o1777)).unwrap();
+        let e = Store::open(&path).unwrap_err().to_string();
+        assert!(e.contains("writable by group or others"), "{e}");
+        std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o700)).unwrap();
         std::fs::remove_dir_all(path.parent().unwrap().parent().unwrap()).ok();
     }
 
