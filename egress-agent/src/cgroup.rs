@@ -32,6 +32,7 @@ fn parse_mountinfo(info: &str) -> Option<PathBuf> {
         .map(|m| m.mount_point)
 }
 
+
 /// The cgroup id of a cgroup2 directory.
 pub fn cgroup_id(path: &Path) -> io::Result<u64> {
     Ok(std::fs::metadata(path)?.ino())

@@ -26,10 +26,10 @@ use std::time::Duration;
 use anyhow::{Context as _, anyhow, bail};
 
 use crate::bpf::{self, KernelPolicy, PinnedState};
+use crate::policy::kernel::Endpoints;
 use crate::cgroup;
 use crate::config::{self, Config};
 use crate::events::EventSink;
-use crate::policy::kernel::Endpoints;
 use crate::policy::{self, Mode};
 use crate::proxy::{PolicyProxy, ProxyContext};
 use crate::sandbox::{self, Identity};
@@ -171,14 +171,7 @@ fn is_system_dir(p: &Path) -> bool {
         "/opt", "/proc", "/run", "/sbin", "/sys", "/usr", "/var",
     ];
     const BELOW: [&str; 8] = [
-        "/boot/",
-        "/etc/",
-        "/usr/",
-        "/proc/",
-        "/sys/",
-        "/var/lib",
-        "/var/spool",
-        "/var/log",
+        "/boot/", "/etc/", "/usr/", "/proc/", "/sys/", "/var/lib", "/var/spool", "/var/log",
     ];
     let s = p.to_string_lossy();
     TOP.contains(&s.as_ref()) || BELOW.iter().any(|b| s.starts_with(b)) || s == "/var/lib"
@@ -201,9 +194,7 @@ fn sandbox_spec(
             .chain(["/tmp", "/var/tmp"].map(PathBuf::from));
         for p in implicit {
             match p.canonicalize() {
-                Ok(c)
-                    if !is_system_dir(&c) || c.starts_with("/tmp") || c.starts_with("/var/tmp") =>
-                {
+                Ok(c) if !is_system_dir(&c) || c.starts_with("/tmp") || c.starts_with("/var/tmp") => {
                     writable.push(c)
                 }
                 Ok(c) => eprintln!(

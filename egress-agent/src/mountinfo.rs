@@ -62,6 +62,7 @@ pub fn mount_of<'a>(mounts: &'a [Mount], path: &Path) -> Option<&'a Mount> {
     best
 }
 
+
 /// Undo mountinfo's octal escapes (space, tab, newline and backslash appear as `\ooo`). Anything
 /// that is not exactly three octal digits of a byte value stays as it is.
 pub fn unescape(s: &str) -> String {

@@ -2,8 +2,8 @@
 //! by every hook.
 
 use crate::maps::{CIDR4, CIDR6, CONFIG, INBOUND4, INBOUND6};
-use crate::{IPPROTO_IP, IPPROTO_TCP, IPPROTO_UDP, SOCK_DGRAM, SOCK_STREAM};
 use aya_ebpf::maps::LpmTrie;
+use crate::{IPPROTO_IP, IPPROTO_TCP, IPPROTO_UDP, SOCK_DGRAM, SOCK_STREAM};
 use aya_ebpf::maps::lpm_trie::Key;
 use egress_common::{
     CIDR_ALLOW, CIDR_DENY, CIDR_ID_BITS, Cidr4Data, Cidr6Data, CidrRule, MAX_RULE_PORTS,

@@ -86,24 +86,14 @@ fn try_ingress(ctx: &SkBuffContext) -> Result<i32, i32> {
     let local_port = u16::from_be(dport);
     let allowed = if pkt.family == AF_INET {
         let peer = pkt.saddr[0];
-        allowed_peer(
-            ctx,
-            cg,
-            &peer,
-            local_port,
-            || owner_v4(skb.cast(), false, (pkt.daddr[0], dport), (peer, sport)),
-            p.rules_id,
-        )
+        allowed_peer(ctx, cg, &peer, local_port, || {
+            owner_v4(skb.cast(), false, (pkt.daddr[0], dport), (peer, sport))
+        }, p.rules_id)
     } else {
         let peer = pkt.saddr;
-        allowed_peer(
-            ctx,
-            cg,
-            &peer,
-            local_port,
-            || owner_v6(skb.cast(), false, (pkt.daddr, dport), (peer, sport)),
-            p.rules_id,
-        )
+        allowed_peer(ctx, cg, &peer, local_port, || {
+            owner_v6(skb.cast(), false, (pkt.daddr, dport), (peer, sport))
+        }, p.rules_id)
     };
     if allowed {
         return Ok(ALLOW);

@@ -49,14 +49,11 @@ fn owner_of(sk: *mut bpf_sock) -> u64 {
     }
     // SAFETY: `sk` is a referenced socket returned by a lookup helper; reading its storage
     // without creating any is allowed for it.
-    let v = unsafe { bpf_sk_storage_get(SOCK_OWNER.as_ptr(), sk.cast(), core::ptr::null_mut(), 0) }
-        as *const SockOwner;
+    let v = unsafe {
+        bpf_sk_storage_get(SOCK_OWNER.as_ptr(), sk.cast(), core::ptr::null_mut(), 0)
+    } as *const SockOwner;
     // SAFETY: a non-NULL storage pointer is valid until the socket is released.
-    let owner = if v.is_null() {
-        0
-    } else {
-        unsafe { (*v).entry_id }
-    };
+    let owner = if v.is_null() { 0 } else { unsafe { (*v).entry_id } };
     // SAFETY: releases the reference the lookup took.
     unsafe {
         bpf_sk_release(sk.cast());

@@ -77,12 +77,7 @@ fn try_skb(ctx: &SkBuffContext) -> Result<i32, i32> {
             dst.port = u16::from_be(dport);
             if pkt.family == AF_INET {
                 let same_tree = || {
-                    owner_v4(
-                        skb.cast(),
-                        true,
-                        (pkt.saddr[0], sport),
-                        (pkt.daddr[0], dport),
-                    ) == cg
+                    owner_v4(skb.cast(), true, (pkt.saddr[0], sport), (pkt.daddr[0], dport)) == cg
                 };
                 check(p, &pkt.daddr[0], PROTO_BIT_UDP, dst.port, cookie, same_tree)
             } else {

@@ -26,11 +26,11 @@ use super::directory::{DirEntry, Directory};
 use super::labels::{self, Resolved};
 use super::netinfo;
 use crate::bpf::{KernelPolicy, PinnedState};
+use crate::policy::kernel::Endpoints;
 use crate::cgroup;
 use crate::config::Config;
 use crate::events::{ContainerRef, DenialEvent, EventSink, Source};
 use crate::nft;
-use crate::policy::kernel::Endpoints;
 use crate::policy::{Mode, Policy};
 use crate::proxy::{PolicyProxy, ProxyContext};
 

@@ -4,6 +4,7 @@ use std::collections::HashMap;
 use std::io::{self, Read};
 use std::path::{Path, PathBuf};
 
+
 /// Every host file or directory the doctor reads. [`HostPaths::default`] is the real host;
 /// [`HostPaths::under`] re-roots them all (fixtures in tests).
 #[derive(Clone, Debug)]
@@ -164,8 +165,7 @@ mod tests {
         assert_eq!(cg2.mount_point, Path::new("/sys/fs/cgroup/unified"));
         assert!(!cg2.read_only());
         assert_eq!(m[4].mount_point, Path::new("/mnt/with space"));
-        let bpf =
-            crate::mountinfo::mount_of(&m, Path::new("/sys/fs/bpf/egress-agent")).expect("mount");
+        let bpf = crate::mountinfo::mount_of(&m, Path::new("/sys/fs/bpf/egress-agent")).expect("mount");
         assert_eq!(bpf.fstype, "bpf");
         assert_eq!(
             crate::mountinfo::mount_of(&m, Path::new("/sys/kernel")).map(|m| m.fstype.as_str()),

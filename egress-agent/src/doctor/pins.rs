@@ -5,6 +5,7 @@ use std::io::ErrorKind;
 use std::path::Path;
 use std::sync::Arc;
 
+
 use super::{Ctx, Outcome, blocking};
 
 /// Sub-directory of the pin dir holding pinned maps.

@@ -132,10 +132,7 @@ pub fn child(spec_arg: &str, command: &[OsString]) -> i32 {
     use nix::sched::CloneFlags;
     let flags = CloneFlags::CLONE_NEWNS | CloneFlags::CLONE_NEWCGROUP | CloneFlags::CLONE_NEWPID;
     if let Err(e) = nix::sched::unshare(flags) {
-        return fail(
-            "exec",
-            format!("unsharing the mount, cgroup and pid namespaces: {e}"),
-        );
+        return fail("exec", format!("unsharing the mount, cgroup and pid namespaces: {e}"));
     }
     relay::run_stage(INIT, spec_arg, command, false)
 }

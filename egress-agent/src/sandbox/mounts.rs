@@ -33,9 +33,8 @@ const NONE: Option<&str> = None;
 /// Build the view; any failure aborts before the command runs.
 pub fn build(spec: &Spec) -> Result<(), SandboxError> {
     let root = Path::new("/");
-    mount(NONE, root, NONE, MsFlags::MS_REC | MsFlags::MS_SLAVE, NONE).map_err(
-        SandboxError::path("making mount propagation slave at", root),
-    )?;
+    mount(NONE, root, NONE, MsFlags::MS_REC | MsFlags::MS_SLAVE, NONE)
+        .map_err(SandboxError::path("making mount propagation slave at", root))?;
     let before = read_mounts()?;
     if spec.user.is_root() {
         for w in &spec.writable {
@@ -66,17 +65,8 @@ pub fn build(spec: &Spec) -> Result<(), SandboxError> {
         // view on a tmpfs. cgroup2 has one superblock (its flags are the mount's), so read-only
         // is set per mount afterwards.
         private_tmpfs(&cg.mount_point, "mode=0755,size=4k")?;
-        mount(
-            Some("cgroup2"),
-            &cg.mount_point,
-            Some("cgroup2"),
-            flags,
-            NONE,
-        )
-        .map_err(SandboxError::path(
-            "mounting the command's cgroup2 view on",
-            &cg.mount_point,
-        ))?;
+        mount(Some("cgroup2"), &cg.mount_point, Some("cgroup2"), flags, NONE)
+            .map_err(SandboxError::path("mounting the command's cgroup2 view on", &cg.mount_point))?;
         remount_read_only(&cg.mount_point)
             .map_err(SandboxError::path("making read-only", &cg.mount_point))?;
     }
@@ -135,14 +125,8 @@ fn remount_read_only(path: &Path) -> Result<(), nix::errno::Errno> {
 }
 
 fn bind(src: &Path, dst: &Path) -> Result<(), SandboxError> {
-    mount(
-        Some(src),
-        dst,
-        NONE,
-        MsFlags::MS_BIND | MsFlags::MS_REC,
-        NONE,
-    )
-    .map_err(SandboxError::path("bind-mounting", dst))
+    mount(Some(src), dst, NONE, MsFlags::MS_BIND | MsFlags::MS_REC, NONE)
+        .map_err(SandboxError::path("bind-mounting", dst))
 }
 
 fn bind_read_only(path: &Path) -> Result<(), SandboxError> {
@@ -174,10 +158,7 @@ fn private_tmpfs(path: &Path, options: &str) -> Result<(), SandboxError> {
         .map_err(SandboxError::path("mounting a private tmpfs on", path))
 }
 
-fn io_err<'a>(
-    what: &'static str,
-    path: &'a Path,
-) -> impl FnOnce(std::io::Error) -> SandboxError + 'a {
+fn io_err<'a>(what: &'static str, path: &'a Path) -> impl FnOnce(std::io::Error) -> SandboxError + 'a {
     move |source| SandboxError::Path {
         what,
         path: path.to_owned(),
@@ -197,7 +178,8 @@ fn write_run_file(rel: &Path, contents: &[u8]) -> Result<(), SandboxError> {
         fs::create_dir_all(dir).map_err(io_err("creating", dir))?;
     }
     fs::write(&path, contents).map_err(io_err("writing", &path))?;
-    fs::set_permissions(&path, fs::Permissions::from_mode(0o644)).map_err(io_err("chmod", &path))
+    fs::set_permissions(&path, fs::Permissions::from_mode(0o644))
+        .map_err(io_err("chmod", &path))
 }
 
 /// Cover `path` with something empty and read-only: a tmpfs of mode 000 for a directory, an
@@ -205,14 +187,8 @@ fn write_run_file(rel: &Path, contents: &[u8]) -> Result<(), SandboxError> {
 fn cover(path: &Path) -> Result<(), SandboxError> {
     let ro = MsFlags::MS_RDONLY | MsFlags::MS_NOSUID | MsFlags::MS_NODEV | MsFlags::MS_NOEXEC;
     if fs::metadata(path).is_ok_and(|m| m.is_dir()) {
-        return mount(
-            Some("tmpfs"),
-            path,
-            Some("tmpfs"),
-            ro,
-            Some("mode=000,size=4k"),
-        )
-        .map_err(SandboxError::path("covering", path));
+        return mount(Some("tmpfs"), path, Some("tmpfs"), ro, Some("mode=000,size=4k"))
+            .map_err(SandboxError::path("covering", path));
     }
     let empty = Path::new("/run/.egress-empty");
     if !empty.exists() {
@@ -229,14 +205,8 @@ fn private_dev() -> Result<(), SandboxError> {
     let stage = Path::new("/run/.egress-dev");
     fs::create_dir_all(stage).map_err(io_err("creating", stage))?;
     let flags = MsFlags::MS_NOSUID | MsFlags::MS_NOEXEC;
-    mount(
-        Some("tmpfs"),
-        stage,
-        Some("tmpfs"),
-        flags,
-        Some("mode=0755,size=64k"),
-    )
-    .map_err(SandboxError::path("mounting a private /dev on", stage))?;
+    mount(Some("tmpfs"), stage, Some("tmpfs"), flags, Some("mode=0755,size=64k"))
+        .map_err(SandboxError::path("mounting a private /dev on", stage))?;
     for name in ["null", "zero", "full", "random", "urandom", "tty"] {
         let host = Path::new("/dev").join(name);
         if !host.exists() {
@@ -253,28 +223,13 @@ fn private_dev() -> Result<(), SandboxError> {
         .flatten()
         .map_or(5, |g| g.gid.as_raw());
     let opts = format!("newinstance,ptmxmode=0666,mode=0620,gid={tty_gid}");
-    mount(
-        Some("devpts"),
-        &pts,
-        Some("devpts"),
-        flags,
-        Some(opts.as_str()),
-    )
-    .map_err(SandboxError::path(
-        "mounting a new devpts instance on",
-        &pts,
-    ))?;
+    mount(Some("devpts"), &pts, Some("devpts"), flags, Some(opts.as_str()))
+        .map_err(SandboxError::path("mounting a new devpts instance on", &pts))?;
     let shm = stage.join("shm");
     fs::create_dir(&shm).map_err(io_err("creating", &shm))?;
     let shm_flags = MsFlags::MS_NOSUID | MsFlags::MS_NODEV;
-    mount(
-        Some("tmpfs"),
-        &shm,
-        Some("tmpfs"),
-        shm_flags,
-        Some("mode=1777"),
-    )
-    .map_err(SandboxError::path("mounting a private tmpfs on", &shm))?;
+    mount(Some("tmpfs"), &shm, Some("tmpfs"), shm_flags, Some("mode=1777"))
+        .map_err(SandboxError::path("mounting a private tmpfs on", &shm))?;
     for (link, target) in [
         ("ptmx", "pts/ptmx"),
         ("fd", "/proc/self/fd"),

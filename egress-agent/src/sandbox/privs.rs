@@ -135,8 +135,7 @@ pub fn drop_to(who: &Identity, keep_net_raw: bool) -> Result<(), SandboxError> {
     // The bounding set first (needs CAP_SETPCAP, which the uid change below may take away).
     for cap in caps::all() {
         if !keep.contains(&cap) {
-            caps::drop(None, CapSet::Bounding, cap)
-                .map_err(caps_err("dropping the bounding set"))?;
+            caps::drop(None, CapSet::Bounding, cap).map_err(caps_err("dropping the bounding set"))?;
         }
     }
     caps::clear(None, CapSet::Ambient).map_err(caps_err("clearing ambient capabilities"))?;

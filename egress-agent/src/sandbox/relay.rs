@@ -21,7 +21,8 @@ const RELAYED: [i32; 7] = [SIGINT, SIGTERM, SIGHUP, SIGQUIT, SIGUSR1, SIGUSR2, S
 /// (128+signal when it was killed). `init`: this process is pid 1 of the command's namespace — it
 /// reaps every orphan and, once the child runs, gives up its own capabilities.
 pub(super) fn run_stage(stage: &str, spec: &str, command: &[OsString], init: bool) -> i32 {
-    let mut signals = match signal_hook::iterator::Signals::new(RELAYED.iter().chain(&[SIGCHLD])) {
+    let mut signals = match signal_hook::iterator::Signals::new(RELAYED.iter().chain(&[SIGCHLD]))
+    {
         Ok(s) => s,
         Err(e) => return super::fail("exec", format!("installing signal handlers: {e}")),
     };
