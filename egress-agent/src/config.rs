@@ -25,7 +25,7 @@ use std::time::Duration;
 use serde::{Deserialize, Serialize};
 
 use crate::policy::model::verr;
-use crate::policy::{ALLOW_ALL, DENY_ALL, Policy, ValidationError};
+use crate::policy::{ALLOW_ALL, AUDIT, DENY_ALL, Policy, ValidationError};
 
 /// Where `egress-agent` looks for its configuration unless told otherwise.
 pub const DEFAULT_CONFIG_PATH: &str = "/etc/egress-agent/config.toml";
@@ -39,6 +39,12 @@ pub struct Config {
     pub proxy: ProxyConfig,
     #[serde(default)]
     pub dns: DnsConfig,
+    /// The durable event store (`<agent.state_dir>/events.db`).
+    #[serde(default)]
+    pub store: StoreConfig,
+    /// Event export (syslog, OTLP). Default: none.
+    #[serde(default)]
+    pub export: crate::export::ExportConfig,
     /// Named policies. `allow_all` and `deny_all` are built in.
     #[serde(default)]
     pub policies: BTreeMap<String, Policy>,
@@ -53,6 +59,9 @@ pub struct AgentConfig {
     pub default_policy: String,
     /// Policy for containers without the opt-in label. Default `allow_all`.
     pub unlabeled: String,
+    /// Where the agent keeps its state (the event store). Created mode 0700. Default
+    /// `/var/lib/egress-agent`.
+    pub state_dir: PathBuf,
 }
 
 impl Default for AgentConfig {
@@ -61,7 +70,54 @@ impl Default for AgentConfig {
             bpffs: PathBuf::from("/sys/fs/bpf/egress-agent"),
             default_policy: DENY_ALL.to_owned(),
             unlabeled: ALLOW_ALL.to_owned(),
+            state_dir: PathBuf::from(DEFAULT_STATE_DIR),
         }
+    }
+}
+
+/// Default of `agent.state_dir`.
+pub const DEFAULT_STATE_DIR: &str = "/var/lib/egress-agent";
+
+/// `[store]`: the SQLite event store.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct StoreConfig {
+    /// Record events and flows durably. Default true.
+    pub enabled: bool,
+    /// Events and flows older than this are deleted. Default 168 (7 days).
+    pub max_age_hours: u64,
+    /// The database is kept under this size (oldest events go first). Default 268 435 456 (256 MiB).
+    pub max_bytes: u64,
+    /// Events waiting to be written, at most; more are dropped and counted
+    /// (`egress_agent_event_drops_total{source="store"}`). Default 65 536.
+    pub queue: usize,
+    /// Record allowed traffic as flows (name/address, port, protocol, counts, first/last seen).
+    /// Default true.
+    pub record_allowed: bool,
+}
+
+impl Default for StoreConfig {
+    fn default() -> Self {
+        StoreConfig {
+            enabled: true,
+            max_age_hours: 168,
+            max_bytes: 256 * 1024 * 1024,
+            queue: 65_536,
+            record_allowed: true,
+        }
+    }
+}
+
+impl StoreConfig {
+    pub fn max_age(&self) -> Duration {
+        Duration::from_secs(self.max_age_hours.saturating_mul(3600))
+    }
+}
+
+impl AgentConfig {
+    /// The event store's database file.
+    pub fn store_path(&self) -> PathBuf {
+        self.state_dir.join(crate::store::DB_FILE)
     }
 }
 
@@ -242,16 +298,18 @@ impl Config {
     pub fn policy(&self, name: &str) -> Option<&Policy> {
         static ALLOW: std::sync::LazyLock<Policy> = std::sync::LazyLock::new(Policy::allow_all);
         static DENY: std::sync::LazyLock<Policy> = std::sync::LazyLock::new(Policy::deny_all);
+        static AUDITS: std::sync::LazyLock<Policy> = std::sync::LazyLock::new(Policy::audit);
         match name {
             ALLOW_ALL => Some(&ALLOW),
             DENY_ALL => Some(&DENY),
+            AUDIT => Some(&AUDITS),
             other => self.policies.get(other),
         }
     }
 
     /// All policy names, built-ins first.
     pub fn policy_names(&self) -> impl Iterator<Item = &str> {
-        [ALLOW_ALL, DENY_ALL]
+        [ALLOW_ALL, DENY_ALL, AUDIT]
             .into_iter()
             .chain(self.policies.keys().map(String::as_str))
     }
@@ -336,12 +394,25 @@ impl Config {
                 "must be an algorithm name (1-15 characters of [a-z0-9_]) or \"host\"",
             ));
         }
+        if !self.agent.state_dir.is_absolute() {
+            return Err(verr("agent.state_dir", "must be an absolute path"));
+        }
+        if self.store.max_age_hours == 0 {
+            return Err(verr("store.max_age_hours", "must be > 0"));
+        }
+        if self.store.max_bytes < 1024 * 1024 {
+            return Err(verr("store.max_bytes", "must be at least 1048576 (1 MiB)"));
+        }
+        if !(16..=1 << 22).contains(&self.store.queue) {
+            return Err(verr("store.queue", "must be between 16 and 4194304"));
+        }
+        self.export.validate()?;
         if self.dns.attempts == 0 {
             return Err(verr("dns.attempts", "must be > 0"));
         }
         for (name, policy) in &self.policies {
             let base = format!("policies.{name}");
-            if name == ALLOW_ALL || name == DENY_ALL {
+            if name == ALLOW_ALL || name == DENY_ALL || name == AUDIT {
                 return Err(verr(base, "is a built-in policy and cannot be redefined"));
             }
             if name.is_empty()
@@ -644,6 +715,70 @@ deny_cidrs = ["203.0.113.0/24"]
             e.starts_with("/nonexistent/egress.toml: cannot read"),
             "{e}"
         );
+    }
+
+    #[test]
+    fn enforce_audit_only_on_allowlists_with_location() {
+        let c =
+            parse("[policies.w]\nenforce = \"audit\"\nallow_hosts = [\"a.example\"]\n").unwrap();
+        assert!(c.policy("w").unwrap().audits());
+        assert!(
+            !parse("[policies.w]\n")
+                .unwrap()
+                .policy("w")
+                .unwrap()
+                .audits()
+        );
+        assert!(c.policy("audit").unwrap().audits());
+        let e = err("[policies.w]\nmode = \"allow_all\"\nenforce = \"audit\"\n");
+        assert_eq!(
+            e,
+            "/etc/egress-agent/test.toml:3:1: policies.w.enforce: audit needs mode = \"allowlist\" (allow_all refuses nothing to audit)"
+        );
+        let e = err("[policies.w]\nmode = \"deny_all\"\nenforce = \"audit\"\n");
+        assert!(e.contains(":3:1: policies.w.enforce: audit needs mode = \"allowlist\"; an allowlist with no allow_hosts"), "{e}");
+        let e = err("[policies.w]\nenforce = \"watch\"\n");
+        assert!(
+            e.starts_with("/etc/egress-agent/test.toml:2:11: policies.w.enforce: unknown variant"),
+            "{e}"
+        );
+        let e = err("[policies.audit]\nmode = \"allowlist\"\n");
+        assert!(e.contains("policies.audit: is a built-in policy"), "{e}");
+        let c = parse("[agent]\ndefault_policy = \"audit\"\n").unwrap();
+        assert_eq!(c.agent.default_policy, "audit");
+    }
+
+    #[test]
+    fn store_and_export_sections() {
+        let c = parse("").unwrap();
+        assert_eq!(c.agent.state_dir, PathBuf::from("/var/lib/egress-agent"));
+        assert_eq!(
+            c.agent.store_path(),
+            PathBuf::from("/var/lib/egress-agent/events.db")
+        );
+        assert!(c.store.enabled && c.store.record_allowed);
+        assert_eq!(c.store.max_bytes, 256 * 1024 * 1024);
+        assert_eq!(c.store.max_age_hours, 168);
+        assert!(c.export.syslog.is_none() && c.export.otlp.is_none());
+        let e = err("[agent]\nstate_dir = \"var/lib\"\n");
+        assert!(
+            e.contains(":2:1: agent.state_dir: must be an absolute path"),
+            "{e}"
+        );
+        let e = err("[store]\nmax_bytes = 10\n");
+        assert!(e.contains(":2:1: store.max_bytes: must be at least"), "{e}");
+        let e = err("[export.syslog]\naddress = \"syslog.example:514\"\n");
+        assert!(e.contains(":2:1: export.syslog.address: "), "{e}");
+        let e = err("[export.otlp]\nendpoint = \"https://c.example/v1/logs\"\n");
+        assert!(e.contains(":2:1: export.otlp.endpoint: "), "{e}");
+        let e = err("[export.syslog]\naddress = \"udp://127.0.0.1:514\"\nfacility = \"nope\"\n");
+        assert!(
+            e.contains(":3:1: export.syslog.facility: unknown facility"),
+            "{e}"
+        );
+        let c = parse("[export.syslog]\naddress = \"unix:///dev/log\"\n[export.otlp]\nendpoint = \"http://127.0.0.1:4318\"\n").unwrap();
+        assert_eq!(c.export.syslog.unwrap().facility, "daemon");
+        assert_eq!(c.export.otlp.unwrap().batch, 512);
     }
 
     #[test]

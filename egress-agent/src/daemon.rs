@@ -173,6 +173,11 @@ pub async fn run(opts: RunOptions) -> Result<()> {
 
     let metrics = Arc::new(Metrics::new());
     metrics::spawn_denial_counter(&events, metrics.clone());
+    // The durable event store and exporters: taps on the sink, written off the hot path.
+    let store = crate::store::start(&config, &events, Some(metrics.clone()))
+        .context("opening the event store (store.enabled = false to run without one)")?;
+    crate::export::start(&config.export, &events, Some(metrics.clone()))
+        .map_err(|e| anyhow::anyhow!("starting event export: {e}"))?;
     let metrics_task = match opts.metrics {
         Some(addr) => {
             let listener = metrics::bind(addr, opts.metrics_allow_non_loopback)
@@ -271,6 +276,9 @@ pub async fn run(opts: RunOptions) -> Result<()> {
     api_task.await.ok();
     if let Some(t) = metrics_task {
         t.await.ok();
+    }
+    if let Some(s) = store {
+        s.shutdown().await;
     }
     result
 }

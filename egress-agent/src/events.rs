@@ -1,22 +1,26 @@
-//! Structured denial events from both enforcement points (kernel hooks and the proxy).
+//! Structured events from both enforcement points (kernel hooks and the proxy): denials,
+//! would-denials (a policy in `enforce = "audit"` let it through) and allowed traffic.
 //!
-//! [`EventSink::emit`] writes one structured line through `tracing` (target
-//! [`DENIAL_TARGET`]; the daemon's subscriber formats it as JSON and writes it off the hot path),
-//! keeps the event in a bounded in-memory ring for `egress-agent events`, and broadcasts it to
-//! `events --follow` subscribers. It never blocks on a slow reader: the ring drops its oldest entry,
-//! the broadcast channel makes lagging receivers skip.
+//! [`EventSink::emit`] of a denial or would-deny writes one structured line through `tracing`
+//! (target [`DENIAL_TARGET`]; the daemon's subscriber formats it as JSON and writes it off the hot
+//! path), keeps the event in a bounded in-memory ring for `egress-agent events`, broadcasts it to
+//! `events --follow` subscribers, and hands it to every tap ([`EventSink::tap`]: the durable
+//! store, exporters). Allowed events go to the taps that asked for them and nowhere else (no log
+//! line, no ring). Nothing here blocks on a slow reader: the ring drops its oldest entry, the
+//! broadcast channel makes lagging receivers skip, a full tap drops the event and counts it.
 //!
 //! What an event holds is fixed by its type: destination host (normalised name, never a URL),
 //! IP, port, protocol, policy, reason. There is no field for a path, query string, header or body,
 //! so none can leak into an event or its log line.
 use std::collections::{BTreeMap, VecDeque};
 use std::net::IpAddr;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::SystemTime;
 
+use arc_swap::ArcSwap;
 use serde::{Deserialize, Serialize};
-use tokio::sync::broadcast;
+use tokio::sync::{broadcast, mpsc};
 
 /// `tracing` target of denial log lines.
 pub const DENIAL_TARGET: &str = "egress_agent::denial";
@@ -31,6 +35,51 @@ pub enum Source {
     /// The agent's own lifecycle decisions about a container (refused, invalid labels, host layer
     /// failed): not a connection attempt.
     Agent,
+}
+
+/// What happened to the attempt an event describes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, Default)]
+pub enum Verdict {
+    /// Refused.
+    #[default]
+    #[serde(rename = "deny")]
+    Deny,
+    /// The policy would refuse it, but audits: it went through.
+    #[serde(rename = "would-deny")]
+    WouldDeny,
+    /// Allowed (recorded for the flow summary).
+    #[serde(rename = "allow")]
+    Allow,
+}
+
+impl Verdict {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Verdict::Deny => "deny",
+            Verdict::WouldDeny => "would-deny",
+            Verdict::Allow => "allow",
+        }
+    }
+}
+
+impl std::str::FromStr for Verdict {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "deny" => Ok(Verdict::Deny),
+            "would-deny" => Ok(Verdict::WouldDeny),
+            "allow" => Ok(Verdict::Allow),
+            other => Err(format!(
+                "unknown verdict {other:?} (deny, would-deny, allow)"
+            )),
+        }
+    }
+}
+
+impl std::fmt::Display for Verdict {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -56,8 +105,11 @@ pub struct DenialEvent {
     pub port: u16,
     /// `tcp`, `udp`, `http`, `connect`, ...
     pub protocol: String,
-    /// Machine-readable, e.g. `host-not-allowed`.
+    /// Machine-readable, e.g. `host-not-allowed` (`allowed` for allowed traffic).
     pub reason: String,
+    /// `deny` (absent in events written before audit mode existed), `would-deny` or `allow`.
+    #[serde(default)]
+    pub verdict: Verdict,
 }
 
 impl DenialEvent {
@@ -82,9 +134,19 @@ impl DenialEvent {
             port,
             protocol: protocol.to_owned(),
             reason: reason.to_owned(),
+            verdict: Verdict::Deny,
         }
     }
+
+    /// The same event with another verdict.
+    pub fn with_verdict(mut self, verdict: Verdict) -> Self {
+        self.verdict = verdict;
+        self
+    }
 }
+
+/// `reason` of allowed events.
+pub const ALLOWED_REASON: &str = "allowed";
 
 mod rfc3339 {
     use serde::{Deserialize, Deserializer, Serializer};
@@ -104,6 +166,23 @@ struct Inner {
     capacity: usize,
     tx: broadcast::Sender<DenialEvent>,
     total: AtomicU64,
+    taps: ArcSwap<Vec<Arc<Tap>>>,
+    /// Some tap takes allowed events (so the proxy builds them at all).
+    wants_allowed: AtomicBool,
+}
+
+struct Tap {
+    tx: mpsc::Sender<DenialEvent>,
+    allowed: bool,
+    dropped: Arc<AtomicU64>,
+}
+
+/// The receiving end of [`EventSink::tap`].
+#[derive(Debug)]
+pub struct TapReceiver {
+    pub rx: mpsc::Receiver<DenialEvent>,
+    /// Events dropped because this tap's channel was full (or its reader gone).
+    pub dropped: Arc<AtomicU64>,
 }
 
 /// Clone-able handle to the event ring and stream.
@@ -137,13 +216,60 @@ impl EventSink {
                 capacity,
                 tx,
                 total: AtomicU64::new(0),
+                taps: ArcSwap::from_pointee(Vec::new()),
+                wants_allowed: AtomicBool::new(false),
             }),
         }
     }
 
-    /// Record one denial: log line, ring, subscribers. Never blocks on readers.
+    /// A bounded feed of every event emitted from now on (denials and would-denials; allowed
+    /// events too if `allowed`). A full channel drops the event and counts it in
+    /// [`TapReceiver::dropped`]: the emitter never waits.
+    pub fn tap(&self, capacity: usize, allowed: bool) -> TapReceiver {
+        let (tx, rx) = mpsc::channel(capacity.max(1));
+        let dropped = Arc::new(AtomicU64::new(0));
+        let tap = Arc::new(Tap {
+            tx,
+            allowed,
+            dropped: dropped.clone(),
+        });
+        self.inner.taps.rcu(|taps| {
+            let mut v = Vec::clone(taps);
+            v.push(tap.clone());
+            v
+        });
+        if allowed {
+            self.inner.wants_allowed.store(true, Ordering::Relaxed);
+        }
+        TapReceiver { rx, dropped }
+    }
+
+    /// True when some tap records allowed traffic (build allowed events only then).
+    pub fn wants_allowed(&self) -> bool {
+        self.inner.wants_allowed.load(Ordering::Relaxed)
+    }
+
+    fn to_taps(&self, ev: &DenialEvent) {
+        let allowed = ev.verdict == Verdict::Allow;
+        for tap in self.inner.taps.load().iter() {
+            if allowed && !tap.allowed {
+                continue;
+            }
+            if tap.tx.try_send(ev.clone()).is_err() {
+                tap.dropped.fetch_add(1, Ordering::Relaxed);
+            }
+        }
+    }
+
+    /// Record one event. Denials and would-denials: log line, ring, subscribers, taps; allowed
+    /// events: the taps that take them. Never blocks on readers.
     pub fn emit(&self, ev: DenialEvent) {
+        if ev.verdict == Verdict::Allow {
+            self.to_taps(&ev);
+            return;
+        }
         self.inner.total.fetch_add(1, Ordering::Relaxed);
+        self.to_taps(&ev);
         // Context labels as one JSON object in a string field (tracing fields have static names).
         let context = (!ev.context.is_empty())
             .then(|| serde_json::to_string(&ev.context).ok())
@@ -161,7 +287,12 @@ impl EventSink {
             container_id = ev.container.as_ref().map(|c| c.id.as_str()),
             container_name = ev.container.as_ref().map(|c| c.name.as_str()),
             context = context.as_deref(),
-            "denied"
+            verdict = ev.verdict.as_str(),
+            "{}",
+            match ev.verdict {
+                Verdict::WouldDeny => "would deny (audit)",
+                _ => "denied",
+            }
         );
         {
             let mut ring = match self.inner.ring.lock() {
@@ -193,7 +324,8 @@ impl EventSink {
         self.inner.tx.subscribe()
     }
 
-    /// Events emitted since start (including those the ring no longer holds).
+    /// Denial and would-deny events emitted since start (including those the ring no longer
+    /// holds).
     pub fn total(&self) -> u64 {
         self.inner.total.load(Ordering::Relaxed)
     }
@@ -253,7 +385,40 @@ mod tests {
         assert_eq!(j["source"], "proxy");
         assert_eq!(j["policy"], "ci");
         assert!(j["time"].as_str().unwrap().ends_with('Z'));
-        let back: DenialEvent = serde_json::from_value(j).unwrap();
+        assert_eq!(j["verdict"], "deny");
+        let back: DenialEvent = serde_json::from_value(j.clone()).unwrap();
         assert_eq!(back.host.as_deref(), Some("evil.example"));
+        // Events written before the verdict field existed read as denials.
+        let mut old = j;
+        old.as_object_mut().unwrap().remove("verdict");
+        let back: DenialEvent = serde_json::from_value(old).unwrap();
+        assert_eq!(back.verdict, Verdict::Deny);
+        let wd = serde_json::to_value(back.with_verdict(Verdict::WouldDeny)).unwrap();
+        assert_eq!(wd["verdict"], "would-deny");
+    }
+
+    #[tokio::test]
+    async fn taps_get_what_they_asked_for_and_count_drops() {
+        let sink = EventSink::new(8);
+        let mut all = sink.tap(2, true);
+        let mut denials = sink.tap(8, false);
+        assert!(sink.wants_allowed());
+        let ev = |v| {
+            DenialEvent::proxy("p", Some("h.example".into()), None, 443, "connect", "x")
+                .with_verdict(v)
+        };
+        sink.emit(ev(Verdict::Allow));
+        sink.emit(ev(Verdict::WouldDeny));
+        sink.emit(ev(Verdict::Deny));
+        // The first tap holds 2: the third event was dropped, counted, and nobody waited.
+        assert_eq!(all.dropped.load(Ordering::Relaxed), 1);
+        assert_eq!(all.rx.recv().await.unwrap().verdict, Verdict::Allow);
+        assert_eq!(all.rx.recv().await.unwrap().verdict, Verdict::WouldDeny);
+        assert_eq!(denials.rx.recv().await.unwrap().verdict, Verdict::WouldDeny);
+        assert_eq!(denials.rx.recv().await.unwrap().verdict, Verdict::Deny);
+        assert!(denials.rx.try_recv().is_err());
+        // Allowed events stay out of the ring and the totals.
+        assert_eq!(sink.total(), 2);
+        assert_eq!(sink.recent(10).len(), 2);
     }
 }

@@ -82,7 +82,8 @@ enum Command {
         #[arg(long, default_value = api::DEFAULT_SOCKET)]
         api_socket: PathBuf,
     },
-    /// Print recent denial events (JSON lines) from the daemon.
+    /// Print denial and would-deny events: the daemon's recent ones, or from the event store
+    /// (with a selection, `--flows`, or when no daemon answers). JSON lines unless on a terminal.
     Events {
         /// How many recent events.
         #[arg(short = 'n', long, default_value_t = 100)]
@@ -90,9 +91,38 @@ enum Command {
         /// Keep streaming new events.
         #[arg(short, long)]
         follow: bool,
+        /// Aggregated flows (allowed traffic included) instead of events.
+        #[arg(long)]
+        flows: bool,
+        /// JSON lines even on a terminal.
+        #[arg(long)]
+        json: bool,
+        #[command(flatten)]
+        selection: SelectionArgs,
+        /// Configuration file (for `agent.state_dir`).
+        #[arg(long)]
+        config: Option<PathBuf>,
         /// Control API socket.
         #[arg(long, default_value = api::DEFAULT_SOCKET)]
         api_socket: PathBuf,
+    },
+    /// Print a minimal allowlist policy (TOML) that would have allowed the observed traffic.
+    Suggest {
+        #[command(flatten)]
+        selection: SelectionArgs,
+        /// Also use denied attempts (default: allowed and would-deny traffic only).
+        #[arg(long)]
+        include_denied: bool,
+        /// Show what the suggestion changes against the policy in force (--policy, or the one
+        /// policy of the selection) instead of the policy itself.
+        #[arg(long)]
+        diff: bool,
+        /// Name of the suggested policy (default: --policy, or "suggested").
+        #[arg(long)]
+        name: Option<String>,
+        /// Configuration file (state_dir, proxy endpoint, the policy for --diff).
+        #[arg(long)]
+        config: Option<PathBuf>,
     },
     /// Ask the daemon to re-read its configuration (a bad file is refused, the running policy stays).
     Reload {
@@ -149,6 +179,42 @@ enum Command {
         #[arg(last = true, required = true)]
         command: Vec<OsString>,
     },
+}
+
+/// Which events: shared by `events` and `suggest`.
+#[derive(Debug, clap::Args)]
+struct SelectionArgs {
+    /// Only since then: a duration back from now (30m, 2h, 7d) or an RFC 3339 time.
+    #[arg(long)]
+    since: Option<String>,
+    /// Only this container (name, id, or id prefix).
+    #[arg(long)]
+    container: Option<String>,
+    /// Only this policy.
+    #[arg(long)]
+    policy: Option<String>,
+    /// Only this verdict: deny, would-deny, allow (allow: with --flows).
+    #[arg(long)]
+    verdict: Option<String>,
+    /// Only this run (the `run` context label: Docker label `egress.run`).
+    #[arg(long)]
+    run: Option<String>,
+    /// Only events with this context label, NAME=VALUE (repeatable).
+    #[arg(long = "label")]
+    labels: Vec<String>,
+}
+
+impl From<SelectionArgs> for egress_agent::store::cli::Selection {
+    fn from(a: SelectionArgs) -> Self {
+        egress_agent::store::cli::Selection {
+            since: a.since,
+            container: a.container,
+            policy: a.policy,
+            verdict: a.verdict,
+            run: a.run,
+            labels: a.labels,
+        }
+    }
 }
 
 fn main() -> ExitCode {
@@ -219,31 +285,45 @@ fn main() -> ExitCode {
         Command::Events {
             count,
             follow,
+            flows,
+            json,
+            selection,
+            config,
             api_socket,
         } => {
             init_cli_tracing();
+            let opts = egress_agent::store::cli::EventsOptions {
+                count,
+                follow,
+                flows,
+                json,
+                selection: selection.into(),
+                config,
+                api_socket,
+            };
             runtime()
-                .and_then(|rt| {
-                    rt.block_on(async {
-                        if follow {
-                            api::client::stream_to_stdout(&api_socket, "/v1/events?follow=1")
-                                .await?;
-                        } else {
-                            let body = api::client::request(
-                                &api_socket,
-                                Method::GET,
-                                &format!("/v1/events?n={count}"),
-                            )
-                            .await?;
-                            let events: Vec<serde_json::Value> = serde_json::from_str(&body)?;
-                            for e in events {
-                                println!("{e}");
-                            }
-                        }
-                        anyhow::Ok(())
-                    })
-                })
+                .and_then(|rt| rt.block_on(egress_agent::store::cli::events(opts)))
                 .map(|()| ExitCode::SUCCESS)
+        }
+        Command::Suggest {
+            selection,
+            include_denied,
+            diff,
+            name,
+            config,
+        } => {
+            init_cli_tracing();
+            egress_agent::store::cli::suggest(&egress_agent::store::cli::SuggestOptions {
+                selection: selection.into(),
+                include_denied,
+                diff,
+                name,
+                config,
+            })
+            .map(|text| {
+                print!("{text}");
+                ExitCode::SUCCESS
+            })
         }
         Command::Reload { api_socket } => {
             init_cli_tracing();

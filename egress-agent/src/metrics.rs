@@ -1,7 +1,8 @@
 //! Prometheus metrics and the opt-in `/metrics` listener.
 //!
 //! Metric families (OpenMetrics text, prefix `egress_agent_`):
-//! - `decisions_total{verdict, reason, policy}`: proxy and kernel decisions (`verdict` = allow|deny).
+//! - `decisions_total{verdict, reason, policy}`: proxy and kernel decisions (`verdict` =
+//!   allow|deny|would-deny; `would-deny` counts what a policy in `enforce = "audit"` let through).
 //!   `allow` (reason `allowed`) counts proxy requests/CONNECTs forwarded (kernel allows are in the
 //!   per-cgroup kernel counters, not here); `deny` counts every denial event, both sources.
 //! - `kernel_denials_total{hook}`: denials reported by the kernel programs (connect4, sendmsg6, ...).
@@ -9,7 +10,11 @@
 //! - `proxy_bytes_total{policy, direction}`: bytes relayed (`direction` = upstream|downstream),
 //!   added as each chunk is written on, so a long-lived tunnel or download moves while it runs.
 //! - `enforced_containers`: containers with a policy entry in the kernel (gauge).
-//! - `event_drops_total{source}`: events lost (`kernel` ring buffer overflow, `ring` in-memory ring).
+//! - `event_drops_total{source}`: events lost (`kernel` ring buffer overflow, `ring` in-memory ring,
+//!   `store` the event store's queue full, `export` an exporter's queue full).
+//! - `store_bytes`: the event store's size on disk (database + WAL); `store_write_errors_total`:
+//!   failed store transactions (their events are lost).
+//! - `export_errors_total{sink}`: events a syslog or OTLP exporter could not deliver.
 //! - `reconcile_errors_total`: Docker watcher sessions that failed (Docker unreachable, reconcile
 //!   failed, event stream lost); each is followed by a reconnect with backoff.
 //!
@@ -90,6 +95,8 @@ struct SourceLabels {
 pub enum Verdict {
     Allow,
     Deny,
+    /// Refused by an allowlist in `enforce = "audit"`, let through.
+    WouldDeny,
 }
 
 impl Verdict {
@@ -97,6 +104,7 @@ impl Verdict {
         match self {
             Verdict::Allow => "allow",
             Verdict::Deny => "deny",
+            Verdict::WouldDeny => "would-deny",
         }
     }
 }
@@ -117,6 +125,10 @@ pub enum DropSource {
     Kernel,
     /// The in-memory event ring overwrote unread events.
     Ring,
+    /// The event store's queue was full.
+    Store,
+    /// An exporter's queue was full (or its receiver unreachable).
+    Export,
 }
 
 /// `reason` label of allowed proxy decisions.
@@ -182,6 +194,14 @@ pub struct Metrics {
     event_drops: Family<SourceLabels, Counter>,
     reconcile_errors: Counter,
     reload_errors: Counter,
+    store_bytes: Gauge,
+    store_write_errors: Counter,
+    export_errors: Family<SinkLabels, Counter>,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct SinkLabels {
+    sink: &'static str,
 }
 
 impl Default for Metrics {
@@ -201,6 +221,24 @@ impl Metrics {
         let event_drops = Family::default();
         let reconcile_errors = Counter::default();
         let reload_errors = Counter::default();
+        let store_bytes = Gauge::default();
+        let store_write_errors = Counter::default();
+        let export_errors = Family::default();
+        registry.register(
+            "store_bytes",
+            "Size of the event store on disk (database and WAL)",
+            store_bytes.clone(),
+        );
+        registry.register(
+            "store_write_errors",
+            "Event store transactions that failed (their events were dropped)",
+            store_write_errors.clone(),
+        );
+        registry.register(
+            "export_errors",
+            "Events an exporter could not deliver, by sink (syslog, otlp)",
+            export_errors.clone(),
+        );
         registry.register(
             "decisions",
             "Egress decisions by verdict, reason and policy",
@@ -251,7 +289,27 @@ impl Metrics {
             event_drops,
             reconcile_errors,
             reload_errors,
+            store_bytes,
+            store_write_errors,
+            export_errors,
         }
+    }
+
+    /// The event store's size on disk.
+    pub fn set_store_bytes(&self, n: u64) {
+        self.store_bytes.set(i64::try_from(n).unwrap_or(i64::MAX));
+    }
+
+    /// A failed event store transaction.
+    pub fn store_write_error(&self) {
+        self.store_write_errors.inc();
+    }
+
+    /// `n` events an exporter (`sink` = `syslog` | `otlp`) could not deliver.
+    pub fn export_errors(&self, sink: &'static str, n: u64) {
+        self.export_errors
+            .get_or_create(&SinkLabels { sink })
+            .inc_by(n);
     }
 
     /// One decision. `reason` comes from a typed reason (`as_str()`), `policy` is a configured name.
@@ -339,6 +397,8 @@ impl Metrics {
         let source = match source {
             DropSource::Kernel => "kernel",
             DropSource::Ring => "ring",
+            DropSource::Store => "store",
+            DropSource::Export => "export",
         };
         self.event_drops
             .get_or_create(&SourceLabels { source })
@@ -359,16 +419,23 @@ impl Metrics {
     /// hook. Kernel and proxy reasons and hooks come from typed enums; agent reasons carry a
     /// free-text detail after `:` (`labels-invalid: unknown policy "x"`), which is cut off so the
     /// label values stay bounded.
+    /// Would-deny events (audit) count as `verdict="would-deny"`, not as kernel denials; allowed
+    /// events are not counted here (the proxy counts its own, the kernel keeps per-cgroup counters).
     pub fn record_denial(&self, ev: &crate::events::DenialEvent) {
+        let verdict = match ev.verdict {
+            crate::events::Verdict::Deny => Verdict::Deny,
+            crate::events::Verdict::WouldDeny => Verdict::WouldDeny,
+            crate::events::Verdict::Allow => return,
+        };
         let reason = ev.reason.split(':').next().unwrap_or_default().trim();
         self.decisions
             .get_or_create(&DecisionLabels {
-                verdict: Verdict::Deny.as_str(),
+                verdict: verdict.as_str(),
                 reason: reason.to_owned(),
                 policy: ev.policy.clone(),
             })
             .inc();
-        if ev.source == crate::events::Source::Kernel {
+        if ev.source == crate::events::Source::Kernel && verdict == Verdict::Deny {
             let hook = ev.context.get("hook").map_or("unknown", String::as_str);
             self.kernel_denials
                 .get_or_create(&HookLabels {
@@ -485,6 +552,49 @@ pub async fn serve(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn would_deny_counts_by_policy_and_reason_not_as_kernel_denials() {
+        let m = Metrics::new();
+        let mut ev = crate::events::DenialEvent::proxy(
+            "watch",
+            None,
+            None,
+            443,
+            "connect",
+            "host-not-allowed",
+        )
+        .with_verdict(crate::events::Verdict::WouldDeny);
+        m.record_denial(&ev);
+        m.record_denial(&ev);
+        ev.source = crate::events::Source::Kernel;
+        ev.reason = "kernel-destination-not-allowed".into();
+        ev.context.insert("hook".into(), "connect4".into());
+        m.record_denial(&ev);
+        // Allowed events are not decisions counted here.
+        m.record_denial(&ev.clone().with_verdict(crate::events::Verdict::Allow));
+        m.set_store_bytes(4096);
+        m.store_write_error();
+        m.event_drops(DropSource::Store, 3);
+        let text = m.encode().expect("encode");
+        for want in [
+            r#"egress_agent_decisions_total{verdict="would-deny",reason="host-not-allowed",policy="watch"} 2"#,
+            r#"egress_agent_decisions_total{verdict="would-deny",reason="kernel-destination-not-allowed",policy="watch"} 1"#,
+            "egress_agent_store_bytes 4096",
+            "egress_agent_store_write_errors_total 1",
+            r#"egress_agent_event_drops_total{source="store"} 3"#,
+        ] {
+            assert!(text.contains(want), "{want} missing:\n{text}");
+        }
+        assert!(
+            !text.contains("egress_agent_kernel_denials_total{"),
+            "{text}"
+        );
+        assert!(
+            !text.contains("verdict=\"allow\",reason=\"allowed\",policy=\"watch\""),
+            "{text}"
+        );
+    }
 
     #[test]
     fn denial_reasons_are_cut_to_their_code() {

@@ -575,7 +575,7 @@ async fn serve_binds_one_listener_per_policy() {
     let addrs = server.addrs().clone();
     assert_eq!(
         addrs.keys().map(String::as_str).collect::<Vec<_>>(),
-        vec!["allow_all", "deny_all", "test"]
+        vec!["allow_all", "audit", "deny_all", "test"]
     );
     for a in addrs.values() {
         assert!(a.ip().is_loopback() && a.port() != 0);

@@ -78,6 +78,13 @@ fn unit_has_the_directives_the_agent_relies_on() {
         "{rw}"
     );
     assert_eq!(one("RuntimeDirectory"), "egress-agent");
+    // The event store: agent.state_dir's default, writable under ProtectSystem=strict, private.
+    assert_eq!(one("StateDirectory"), "egress-agent");
+    assert_eq!(one("StateDirectoryMode"), "0700");
+    assert_eq!(
+        egress_agent::config::DEFAULT_STATE_DIR,
+        "/var/lib/egress-agent"
+    );
     assert_eq!(
         one("RestrictAddressFamilies"),
         "AF_UNIX AF_INET AF_INET6 AF_NETLINK"

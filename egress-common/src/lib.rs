@@ -108,6 +108,15 @@ pub const REASON_INBOUND: u32 = 7;
 
 /// `PolicyEntry::flags`: the entry has an IPv6 proxy endpoint + listener.
 pub const POLICY_FLAG_V6: u32 = 1;
+/// `PolicyEntry::flags`: the policy audits (`enforce = "audit"`): what it would refuse is allowed
+/// and reported with [`EVENT_FLAG_AUDIT`].
+pub const POLICY_FLAG_AUDIT: u32 = 2;
+
+/// `Event` flags (the u16 after `port`, `_pad0` until the eBPF side sets it): a would-deny — the
+/// kernel allowed it because the policy audits.
+pub const EVENT_FLAG_AUDIT: u16 = 1;
+/// `Event` flags: an allowed direct connection (reported for audit policies only).
+pub const EVENT_FLAG_ALLOWED: u16 = 2;
 
 /// `CidrRule::action`.
 pub const CIDR_ALLOW: u32 = 1;
@@ -279,6 +288,7 @@ pub struct Event {
     pub protocol: u32,
     /// Destination port, host byte order.
     pub port: u16,
+    /// `EVENT_FLAG_*` (0: a denial). Named `_pad0` until the eBPF programs set it.
     pub _pad0: u16,
     /// `REASON_*`.
     pub reason: u32,

@@ -507,6 +507,7 @@ allow_cidrs = ["198.18.0.1/32"]
             r#"
 [agent]
 bpffs = "{}"
+state_dir = "{}"
 [proxy]
 endpoint = "{PROXY}"
 [dns]
@@ -514,6 +515,7 @@ hosts_file = "{}"
 nameservers = []
 {policies}"#,
             bpffs.display(),
+            dir.join("state").display(),
             dir.join("hosts").display()
         )
     }
@@ -605,9 +607,13 @@ nameservers = []
         // The control API answers once the daemon is ready.
         let deadline = Instant::now() + Duration::from_secs(10);
         loop {
-            // (`events` fails without a daemon; `status` would fall back to reading the pins.)
-            let o = self.cli(&["events", "-n", "1"]);
-            if o.status.success() {
+            // Only the daemon's own status has `uptime_s` (`status` falls back to reading the
+            // pins, `events` to reading the event store, when no daemon answers).
+            let o = self.cli(&["status", "--json"]);
+            if o.status.success()
+                && serde_json::from_slice::<serde_json::Value>(&o.stdout)
+                    .is_ok_and(|v| v.get("uptime_s").is_some())
+            {
                 break;
             }
             assert!(
@@ -628,7 +634,8 @@ nameservers = []
     }
 
     /// The running daemon's recent denial events (`egress-agent events -n 1000`, one JSON object
-    /// a line), oldest first. Empty while no daemon answers.
+    /// a line), oldest first. Empty while no daemon answers (the CLI's fallback, the event store
+    /// under the default `agent.state_dir`, is not this environment's: each Env has its own).
     pub fn events(&self) -> Vec<serde_json::Value> {
         let o = self.cli(&["events", "-n", "1000"]);
         if !o.status.success() {

@@ -29,6 +29,8 @@ const APT_PACKAGES: &[&str] = &[
     "tinyproxy",
     "systemd",
     "libcap2-bin",
+    // export tests: a private rsyslogd receives the RFC 5424 syslog export
+    "rsyslog",
 ];
 
 const BPF_LINKER_VERSION: &str = "0.13.0";

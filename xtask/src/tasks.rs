@@ -123,10 +123,12 @@ pub fn bench(quick: bool) -> Result<()> {
     let mut failed = Vec::new();
     // The second proxy-bench run gives every proxy the same half CPU, so tunnels/s compares the
     // proxies rather than the client's ceiling on this machine's two cores.
-    let runs: [(&str, &[&str]); 3] = [
+    let runs: [(&str, &[&str]); 4] = [
         ("connect-bench", &[]),
         ("proxy-bench", &[]),
         ("proxy-bench", &["--rate-only", "--cpu-quota", "50"]),
+        // Event store ingest, and allowed tunnels/s with and without a flood of refusals.
+        ("store-bench", &[]),
     ];
     for (bench, extra) in runs {
         let bin = release_bin(bench);

@@ -85,3 +85,31 @@ pub async fn stream_to_stdout(socket: &Path, path: &str) -> Result<(), ClientErr
     }
     Ok(())
 }
+
+/// Streams a response body (NDJSON) line by line to `line` until the daemon closes it.
+pub async fn stream_lines(
+    socket: &Path,
+    path: &str,
+    mut line: impl FnMut(&str),
+) -> Result<(), ClientError> {
+    let mut resp = send(socket, Method::GET, path).await?;
+    let status = resp.status();
+    if !status.is_success() {
+        let body = resp.into_body().collect().await?.to_bytes();
+        return Err(ClientError::Status {
+            status,
+            body: String::from_utf8_lossy(&body).into_owned(),
+        });
+    }
+    let mut pending: Vec<u8> = Vec::new();
+    while let Some(frame) = resp.body_mut().frame().await {
+        if let Ok(data) = frame?.into_data() {
+            pending.extend_from_slice(&data);
+            while let Some(nl) = pending.iter().position(|b| *b == b'\n') {
+                let l: Vec<u8> = pending.drain(..=nl).collect();
+                line(String::from_utf8_lossy(&l[..nl]).trim());
+            }
+        }
+    }
+    Ok(())
+}

@@ -16,7 +16,7 @@ use nix::fcntl::{Flock, FlockArg};
 
 use super::BpfError;
 use super::loader::{lock_file, maps_dir};
-use crate::events::{DenialEvent, Source};
+use crate::events::{ALLOWED_REASON, DenialEvent, Source, Verdict};
 
 pub const EVENTS_LOCK: &str = "/run/egress-agent/events.lock";
 
@@ -146,7 +146,7 @@ fn decode(bytes: &[u8]) -> Event {
         family: u32_at(24),
         protocol: u32_at(28),
         port: u16_at(32),
-        _pad0: 0,
+        _pad0: u16_at(34),
         reason: u32_at(36),
         addr: [u32_at(40), u32_at(44), u32_at(48), u32_at(52)],
         comm,
@@ -210,6 +210,27 @@ fn protocol_name(ev: &Event) -> String {
     }
 }
 
+/// The event's `EVENT_FLAG_*` bits (the u16 after `port`).
+pub fn event_flags(ev: &Event) -> u16 {
+    ev._pad0
+}
+
+/// What the kernel did: `EVENT_FLAG_ALLOWED` → allow, `EVENT_FLAG_AUDIT` → would-deny, else deny.
+/// An unknown bit reads as a denial (the conservative reading for an operator).
+pub fn event_verdict(ev: &Event) -> Verdict {
+    let flags = event_flags(ev);
+    if flags & !(egress_common::EVENT_FLAG_AUDIT | egress_common::EVENT_FLAG_ALLOWED) != 0 {
+        return Verdict::Deny;
+    }
+    if flags & egress_common::EVENT_FLAG_ALLOWED != 0 {
+        Verdict::Allow
+    } else if flags & egress_common::EVENT_FLAG_AUDIT != 0 {
+        Verdict::WouldDeny
+    } else {
+        Verdict::Deny
+    }
+}
+
 /// A kernel event as a [`DenialEvent`]; `policy` is the name the caller knows for the cgroup.
 pub fn to_denial(ev: &Event, time: SystemTime, policy: &str) -> DenialEvent {
     let comm_len = ev
@@ -228,6 +249,7 @@ pub fn to_denial(ev: &Event, time: SystemTime, policy: &str) -> DenialEvent {
         // `ip` is the peer that tried to connect in, `port` the cgroup's local port.
         context.insert("direction".to_owned(), "inbound".to_owned());
     }
+    let verdict = event_verdict(ev);
     DenialEvent {
         time,
         source: Source::Kernel,
@@ -239,6 +261,55 @@ pub fn to_denial(ev: &Event, time: SystemTime, policy: &str) -> DenialEvent {
         ip: event_ip(ev),
         port: ev.port,
         protocol: protocol_name(ev),
-        reason: reason_name(ev.reason).to_owned(),
+        reason: match verdict {
+            Verdict::Allow => ALLOWED_REASON.to_owned(),
+            _ => reason_name(ev.reason).to_owned(),
+        },
+        verdict,
+    }
+}
+
+#[cfg(test)]
+#[expect(clippy::unwrap_used, reason = "test assertions")]
+mod tests {
+    use super::*;
+    use egress_common::{EVENT_FLAG_ALLOWED, EVENT_FLAG_AUDIT, HOOK_CONNECT4, REASON_NOT_ALLOWED};
+
+    fn raw(flags: u16) -> Vec<u8> {
+        let mut b = vec![0u8; size_of::<Event>()];
+        b[8..16].copy_from_slice(&42u64.to_ne_bytes());
+        b[16..20].copy_from_slice(&7u32.to_ne_bytes());
+        b[20..24].copy_from_slice(&HOOK_CONNECT4.to_ne_bytes());
+        b[24..28].copy_from_slice(&(libc::AF_INET as u32).to_ne_bytes());
+        b[28..32].copy_from_slice(&(libc::IPPROTO_TCP as u32).to_ne_bytes());
+        b[32..34].copy_from_slice(&5432u16.to_ne_bytes());
+        b[34..36].copy_from_slice(&flags.to_ne_bytes());
+        b[36..40].copy_from_slice(&REASON_NOT_ALLOWED.to_ne_bytes());
+        b[40..44].copy_from_slice(&[10, 0, 0, 5]);
+        b[56..60].copy_from_slice(b"curl");
+        b
+    }
+
+    #[test]
+    fn flags_map_to_verdicts() {
+        let t = SystemTime::now();
+        let deny = to_denial(&decode(&raw(0)), t, "ci");
+        assert_eq!(deny.verdict, Verdict::Deny);
+        assert_eq!(deny.reason, "kernel-destination-not-allowed");
+        assert_eq!(deny.ip, Some("10.0.0.5".parse().unwrap()));
+        assert_eq!(deny.port, 5432);
+        assert_eq!(deny.protocol, "tcp");
+        assert_eq!(deny.context["comm"], "curl");
+        let wd = to_denial(&decode(&raw(EVENT_FLAG_AUDIT)), t, "ci");
+        assert_eq!(wd.verdict, Verdict::WouldDeny);
+        // Exactly the fields a denial has.
+        assert_eq!(wd.clone().with_verdict(Verdict::Deny), deny.clone());
+        let allowed = to_denial(&decode(&raw(EVENT_FLAG_ALLOWED)), t, "ci");
+        assert_eq!(allowed.verdict, Verdict::Allow);
+        assert_eq!(allowed.reason, ALLOWED_REASON);
+        assert_eq!(
+            to_denial(&decode(&raw(0x80)), t, "ci").verdict,
+            Verdict::Deny
+        );
     }
 }

@@ -575,6 +575,7 @@ impl Enforcer {
             port: 0,
             protocol: "docker".to_owned(),
             reason: reason.to_owned(),
+            verdict: crate::events::Verdict::Deny,
         });
     }
 

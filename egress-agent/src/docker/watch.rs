@@ -137,6 +137,12 @@ async fn apply_reload(docker: Option<&Docker>, enforcer: &mut Enforcer, req: Rel
         (old.proxy != new.proxy, "[proxy]"),
         (old.dns != new.dns, "[dns]"),
         (old.agent.bpffs != new.agent.bpffs, "agent.bpffs"),
+        (
+            old.agent.state_dir != new.agent.state_dir,
+            "agent.state_dir",
+        ),
+        (old.store != new.store, "[store]"),
+        (old.export != new.export, "[export]"),
     ]
     .into_iter()
     .filter_map(|(changed, what)| changed.then_some(what))

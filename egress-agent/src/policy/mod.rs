@@ -10,6 +10,14 @@
 //!   `deny_cidrs` → denied (wins over everything); an `allow_cidrs` entry covering address and port
 //!   → allowed; the built-in deny list → denied; an IP literal in `allowlist` mode → denied;
 //!   otherwise allowed. A name with **any** denied address is refused as a whole.
+//!
+//! Audit (`enforce = "audit"`, allowlist only): [`CompiledPolicy::decide_target`] and
+//! [`CompiledPolicy::decide_addr`] take the same decision, then ask whether `allow_all` with the
+//! same `allow_cidrs`/`deny_cidrs` would refuse too. If it would, the refusal stands ([`Decision::Deny`]:
+//! audit never reaches further than `allow_all`, so host-internal addresses and `deny_cidrs` stay
+//! closed); otherwise it becomes [`Decision::WouldDeny`] and the enforcement point records it and
+//! goes on. Request-shape refusals (userinfo, numeric IP forms, Host mismatch, malformed heads) are
+//! not policy decisions and are refused in every mode.
 pub mod addr;
 pub mod kernel;
 pub mod matcher;
@@ -21,7 +29,7 @@ use std::net::IpAddr;
 use ipnet::IpNet;
 
 use matcher::HostMatcher;
-pub use model::{ALLOW_ALL, CidrRule, DENY_ALL, Mode, Policy, ValidationError};
+pub use model::{ALLOW_ALL, AUDIT, CidrRule, DENY_ALL, Enforce, Mode, Policy, ValidationError};
 use name::Destination;
 
 /// Why a request was denied. `as_str` is the machine-readable reason (`X-Egress-Deny`, events).
@@ -73,10 +81,22 @@ impl From<name::NameError> for DenyReason {
     }
 }
 
+/// The outcome of one decision of the policy in force.
+#[must_use]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Decision {
+    Allow,
+    /// Refused (enforced).
+    Deny(DenyReason),
+    /// Refused by the allowlist, let through because the policy audits.
+    WouldDeny(DenyReason),
+}
+
 /// A [`Policy`] prepared for the hot path.
 #[derive(Debug, Clone)]
 pub struct CompiledPolicy {
     mode: Mode,
+    audit: bool,
     hosts: HostMatcher,
     ports: Vec<u16>,
     allow_cidrs: Vec<CidrRule>,
@@ -90,6 +110,7 @@ impl CompiledPolicy {
         ports.dedup();
         CompiledPolicy {
             mode: p.mode,
+            audit: p.audits() && p.mode == Mode::Allowlist,
             hosts: HostMatcher::new(&p.allow_hosts),
             ports,
             allow_cidrs: p.allow_cidrs.clone(),
@@ -101,17 +122,57 @@ impl CompiledPolicy {
         self.mode
     }
 
+    /// True when refusals of the allowlist are recorded, not enforced.
+    pub fn audits(&self) -> bool {
+        self.audit
+    }
+
+    /// [`CompiledPolicy::check_target`] with the audit rule applied (see the module docs).
+    pub fn decide_target(&self, dest: &Destination, port: u16) -> Decision {
+        self.decide(self.check_target(dest, port), || {
+            self.target_in(Mode::AllowAll, dest, port)
+        })
+    }
+
+    /// [`CompiledPolicy::check_addr`] with the audit rule applied (see the module docs).
+    pub fn decide_addr(&self, ip: IpAddr, port: u16, via_name: bool) -> Decision {
+        self.decide(self.check_addr(ip, port, via_name), || {
+            self.addr_in(Mode::AllowAll, ip, port, via_name)
+        })
+    }
+
+    fn decide(
+        &self,
+        enforced: Result<(), DenyReason>,
+        floor: impl FnOnce() -> Result<(), DenyReason>,
+    ) -> Decision {
+        match enforced {
+            Ok(()) => Decision::Allow,
+            Err(reason) if self.audit => match floor() {
+                Ok(()) => Decision::WouldDeny(reason),
+                Err(floor_reason) => Decision::Deny(floor_reason),
+            },
+            Err(reason) => Decision::Deny(reason),
+        }
+    }
+
     /// The early check, before resolution. IP literals get their full address check here.
+    /// Enforce semantics: a refusal here is a refusal whatever `enforce` says (use
+    /// [`CompiledPolicy::decide_target`] at an enforcement point).
     pub fn check_target(&self, dest: &Destination, port: u16) -> Result<(), DenyReason> {
-        if self.mode == Mode::DenyAll {
+        self.target_in(self.mode, dest, port)
+    }
+
+    fn target_in(&self, mode: Mode, dest: &Destination, port: u16) -> Result<(), DenyReason> {
+        if mode == Mode::DenyAll {
             return Err(DenyReason::PolicyDenyAll);
         }
         if port == 0 {
             return Err(DenyReason::PortNotAllowed);
         }
         match dest {
-            Destination::Ip(ip) => self.check_addr(*ip, port, false),
-            Destination::Name(n) => match self.mode {
+            Destination::Ip(ip) => self.addr_in(mode, *ip, port, false),
+            Destination::Name(n) => match mode {
                 Mode::AllowAll => Ok(()),
                 Mode::DenyAll => Err(DenyReason::PolicyDenyAll),
                 Mode::Allowlist => {
@@ -130,7 +191,11 @@ impl CompiledPolicy {
     /// The dial-time check of one address. `via_name`: the address came from resolving an allowed
     /// name (as opposed to an IP literal in the request).
     pub fn check_addr(&self, ip: IpAddr, port: u16, via_name: bool) -> Result<(), DenyReason> {
-        if self.mode == Mode::DenyAll {
+        self.addr_in(self.mode, ip, port, via_name)
+    }
+
+    fn addr_in(&self, mode: Mode, ip: IpAddr, port: u16, via_name: bool) -> Result<(), DenyReason> {
+        if mode == Mode::DenyAll {
             return Err(DenyReason::PolicyDenyAll);
         }
         let ip = addr::unmap(ip);
@@ -153,7 +218,7 @@ impl CompiledPolicy {
                 DenyReason::AddressDenied
             });
         }
-        if !via_name && self.mode == Mode::Allowlist {
+        if !via_name && mode == Mode::Allowlist {
             return Err(if cidr_covers_ip {
                 DenyReason::PortNotAllowed
             } else {
@@ -260,6 +325,71 @@ mod tests {
         assert_eq!(
             p.check_addr("1.2.3.4".parse().unwrap(), 443, true),
             Err(DenyReason::AddressDeniedByPolicy)
+        );
+    }
+
+    #[test]
+    fn audit_turns_allowlist_refusals_into_would_deny_within_allow_all() {
+        let p = policy(
+            "enforce = \"audit\"\nallow_hosts = [\"github.com\"]\nallow_cidrs = [{ cidr = \"10.0.0.0/24\", ports = [5432] }]\ndeny_cidrs = [\"1.2.3.0/24\"]",
+        );
+        assert!(p.audits());
+        let d = |h: &str, port| p.decide_target(&Destination::parse(h).unwrap(), port);
+        assert_eq!(d("github.com", 443), Decision::Allow);
+        assert_eq!(
+            d("evil.example", 443),
+            Decision::WouldDeny(DenyReason::HostNotAllowed)
+        );
+        assert_eq!(
+            d("github.com", 22),
+            Decision::WouldDeny(DenyReason::PortNotAllowed)
+        );
+        assert_eq!(
+            d("1.1.1.1", 443),
+            Decision::WouldDeny(DenyReason::IpLiteralNotAllowed)
+        );
+        // allow_all refuses these too: audit never reaches further.
+        assert_eq!(
+            d("127.0.0.1", 22),
+            Decision::Deny(DenyReason::AddressDenied)
+        );
+        assert_eq!(
+            d("1.2.3.4", 443),
+            Decision::Deny(DenyReason::AddressDeniedByPolicy)
+        );
+        assert_eq!(
+            p.decide_addr("169.254.169.254".parse().unwrap(), 80, true),
+            Decision::Deny(DenyReason::AddressDenied)
+        );
+        // A CIDR-covered private address on another port: the built-in list still holds.
+        assert_eq!(
+            p.decide_addr("10.0.0.7".parse().unwrap(), 443, true),
+            Decision::Deny(DenyReason::PortNotAllowed)
+        );
+        assert_eq!(
+            p.decide_addr("10.0.0.7".parse().unwrap(), 5432, true),
+            Decision::Allow
+        );
+        assert_eq!(
+            p.decide_addr("140.82.112.3".parse().unwrap(), 443, true),
+            Decision::Allow
+        );
+        // The enforce-semantics check is unchanged (explain, API).
+        assert_eq!(
+            target(&p, "evil.example", 443),
+            Err(DenyReason::HostNotAllowed)
+        );
+        // The same policy enforcing: every refusal is a denial.
+        let e = policy("allow_hosts = [\"github.com\"]");
+        assert!(!e.audits());
+        assert_eq!(
+            e.decide_target(&Destination::parse("evil.example").unwrap(), 443),
+            Decision::Deny(DenyReason::HostNotAllowed)
+        );
+        let builtin = CompiledPolicy::new(&Policy::audit());
+        assert_eq!(
+            builtin.decide_target(&Destination::parse("anything.example").unwrap(), 8080),
+            Decision::WouldDeny(DenyReason::HostNotAllowed)
         );
     }
 

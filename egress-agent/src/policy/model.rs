@@ -15,6 +15,10 @@ use super::matcher::HostPattern;
 /// Built-in policy names; always present, cannot be redefined.
 pub const ALLOW_ALL: &str = "allow_all";
 pub const DENY_ALL: &str = "deny_all";
+/// Built-in audit policy: an allowlist that allows nothing, in `enforce = "audit"`. Nothing is
+/// blocked (beyond what `allow_all` refuses) and everything is recorded as would-deny: the policy
+/// to watch a workload you have never watched (`agent.default_policy = "audit"`).
+pub const AUDIT: &str = "audit";
 
 /// Policy mode, shared with the kernel side.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
@@ -28,6 +32,25 @@ pub enum Mode {
     /// Only `allow_hosts` on `allow_ports` (through the proxy) and `allow_cidrs` (direct).
     #[default]
     Allowlist,
+}
+
+/// Whether a policy's refusals are enforced or only recorded.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "snake_case")]
+pub enum Enforce {
+    /// Refuse what the policy does not allow (the default).
+    #[default]
+    Enforce,
+    /// Let it through, and record a would-deny event with the same fields a denial has. Only for
+    /// `allowlist`: what is let through is bounded by what `allow_all` allows (the proxy still
+    /// refuses the built-in deny list, `deny_cidrs` and malformed requests).
+    Audit,
+}
+
+impl Enforce {
+    fn is_enforce(&self) -> bool {
+        *self == Enforce::Enforce
+    }
 }
 
 fn default_ports() -> Vec<u16> {
@@ -64,6 +87,10 @@ pub struct Policy {
     /// like any other inbound connection.
     #[serde(default = "default_true")]
     pub allow_published_ports: bool,
+    /// `enforce` (default) or `audit` (record would-deny events, block nothing the allowlist
+    /// refuses). `allowlist` only.
+    #[serde(default, skip_serializing_if = "Enforce::is_enforce")]
+    pub enforce: Enforce,
 }
 
 fn default_true() -> bool {
@@ -86,7 +113,20 @@ impl Policy {
             deny_cidrs: Vec::new(),
             allow_inbound: Vec::new(),
             allow_published_ports: true,
+            enforce: Enforce::Enforce,
         }
+    }
+    /// The built-in [`AUDIT`] policy.
+    pub fn audit() -> Policy {
+        Policy {
+            mode: Mode::Allowlist,
+            enforce: Enforce::Audit,
+            ..Policy::deny_all()
+        }
+    }
+    /// True when refusals are only recorded.
+    pub fn audits(&self) -> bool {
+        self.enforce == Enforce::Audit
     }
 }
 
@@ -204,6 +244,19 @@ impl Policy {
             return Err(verr(
                 format!("{base}.allow_ports"),
                 "allow_hosts given but no allow_ports",
+            ));
+        }
+        if self.enforce == Enforce::Audit && self.mode != Mode::Allowlist {
+            return Err(verr(
+                format!("{base}.enforce"),
+                match self.mode {
+                    Mode::AllowAll => {
+                        "audit needs mode = \"allowlist\" (allow_all refuses nothing to audit)"
+                    }
+                    _ => {
+                        "audit needs mode = \"allowlist\"; an allowlist with no allow_hosts (or the built-in \"audit\" policy) audits everything"
+                    }
+                },
             ));
         }
         for (field, rules) in [

@@ -8,7 +8,7 @@ use tokio::net::TcpStream;
 use super::request::Target;
 use super::resolve::{DnsResolver, ResolveError};
 use crate::policy::name::Destination;
-use crate::policy::{CompiledPolicy, DenyReason};
+use crate::policy::{CompiledPolicy, Decision, DenyReason};
 
 #[derive(Debug, thiserror::Error)]
 pub enum DialError {
@@ -37,13 +37,23 @@ impl DialError {
     }
 }
 
-/// Resolve (if a name), check each address, connect. `policy.check_target` must already have passed.
+/// A connected upstream.
+#[derive(Debug)]
+pub struct Dialed {
+    pub stream: TcpStream,
+    pub addr: SocketAddr,
+    /// The first address the allowlist refused and the audit let through (its reason).
+    pub would_deny: Option<(DenyReason, IpAddr)>,
+}
+
+/// Resolve (if a name), check each address ([`CompiledPolicy::decide_addr`]), connect.
+/// `policy.decide_target` must already have let the target through.
 pub async fn dial(
     policy: &CompiledPolicy,
     resolver: &DnsResolver,
     target: &Target,
     connect_timeout: Duration,
-) -> Result<(TcpStream, SocketAddr), DialError> {
+) -> Result<Dialed, DialError> {
     let deadline = tokio::time::Instant::now() + connect_timeout;
     let (addrs, via_name) = match &target.dest {
         Destination::Ip(ip) => (vec![*ip], false),
@@ -56,13 +66,20 @@ pub async fn dial(
     };
     // Every address is checked before any connect: a name with one denied address is refused whole
     // (a rebinding answer mixing public and private addresses gets nothing).
+    let mut would_deny = None;
     for ip in &addrs {
-        policy
-            .check_addr(*ip, target.port, via_name)
-            .map_err(|reason| DialError::Denied {
-                reason,
-                ip: Some(*ip),
-            })?;
+        match policy.decide_addr(*ip, target.port, via_name) {
+            Decision::Allow => {}
+            Decision::WouldDeny(reason) => {
+                would_deny.get_or_insert((reason, *ip));
+            }
+            Decision::Deny(reason) => {
+                return Err(DialError::Denied {
+                    reason,
+                    ip: Some(*ip),
+                });
+            }
+        }
     }
     let mut last_err = None;
     for ip in addrs {
@@ -71,7 +88,11 @@ pub async fn dial(
             Err(_) => return Err(DialError::Timeout(connect_timeout)),
             Ok(Ok(stream)) => {
                 stream.set_nodelay(true).ok();
-                return Ok((stream, sa));
+                return Ok(Dialed {
+                    stream,
+                    addr: sa,
+                    would_deny,
+                });
             }
             Ok(Err(e)) => last_err = Some(e),
         }

@@ -366,18 +366,19 @@ async fn handle(mut req: Request<Incoming>, state: &ConnState) -> Response<Body>
     let reuse = match cached.take() {
         Some((t, mut sender)) if t == target && !sender.is_closed() => {
             // Policy may have changed since: re-check the target before reusing.
-            match shared.policy.load().check_target(&target.dest, target.port) {
-                Ok(()) => match sender.ready().await {
+            let decision = shared
+                .policy
+                .load()
+                .decide_target(&target.dest, target.port);
+            match shared.enforce(&target, None, protocol, decision) {
+                Ok(audited) => match sender.ready().await {
                     Ok(()) => {
-                        shared.allowed();
+                        shared.allowed(&target, None, protocol, audited);
                         Some(sender)
                     }
                     Err(_) => None,
                 },
-                Err(reason) => {
-                    shared.deny_event(&target, None, protocol, reason);
-                    return forbidden(reason, &shared.name);
-                }
+                Err(reason) => return forbidden(reason, &shared.name),
             }
         }
         _ => None,

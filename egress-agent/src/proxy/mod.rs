@@ -13,6 +13,7 @@
 pub mod dial;
 pub mod http;
 pub mod listen;
+mod record;
 pub mod request;
 pub mod resolve;
 pub mod response;
@@ -21,7 +22,7 @@ pub mod tunnel;
 use std::collections::BTreeMap;
 use std::future::Future;
 use std::io;
-use std::net::{IpAddr, SocketAddr};
+use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -32,11 +33,10 @@ use tokio::sync::{Semaphore, watch};
 use tokio::task::JoinSet;
 
 use crate::config::{Config, ProxyConfig};
-use crate::events::{DenialEvent, EventSink};
+use crate::events::{DenialEvent, EventSink, Verdict};
 use crate::metrics::{Metrics, ProxyCounters};
 use crate::policy::Policy;
-use crate::policy::name::Destination;
-use crate::policy::{CompiledPolicy, DenyReason};
+use crate::policy::{CompiledPolicy, Decision, DenyReason};
 use dial::DialError;
 use request::{Head, Request, RequestError, Target};
 use resolve::{DnsResolver, ResolveError};
@@ -221,35 +221,6 @@ pub(crate) struct Shared {
 }
 
 impl Shared {
-    pub(crate) fn deny_event(
-        &self,
-        target: &Target,
-        ip: Option<IpAddr>,
-        protocol: &str,
-        reason: DenyReason,
-    ) {
-        let (host, ip) = match &target.dest {
-            Destination::Name(n) => (Some(n.as_str().to_owned()), ip),
-            Destination::Ip(lit) => (None, Some(ip.unwrap_or(*lit))),
-        };
-        let mut ev =
-            DenialEvent::proxy(&self.name, host, ip, target.port, protocol, reason.as_str());
-        if let Some(id) = &self.identity {
-            ev.container = id.container.clone();
-            ev.cgroup_id = id.cgroup_id;
-            ev.context
-                .extend(id.context.iter().map(|(k, v)| (k.clone(), v.clone())));
-        }
-        self.ctx.events().emit(ev);
-    }
-
-    /// An allowed (and forwarded) request or CONNECT.
-    pub(crate) fn allowed(&self) {
-        if let Some(c) = &self.counters {
-            c.allowed();
-        }
-    }
-
     /// Bytes relayed (counted as they are written on, so long-lived connections show up live).
     pub(crate) fn relayed(&self, upstream: u64, downstream: u64) {
         if let Some(c) = &self.counters {
@@ -297,29 +268,44 @@ impl Shared {
         tracing::debug!(policy = %self.name, %target, up, down, ?end, "tunnel closed");
     }
 
-    /// Policy check + dial, with the denial event on refusal.
-    /// Counted as an allowed decision when the upstream connection is made.
+    /// Policy check + dial, with one event for the request: its denial, or its would-deny (the
+    /// first refusal the audit let through, recorded once the outcome is known, so a request
+    /// that ends up denied at dial time has only its denial), or its allow
+    /// ([`Shared::allowed`]). Counted as an allowed decision when the upstream connection is made.
     pub(crate) async fn check_and_dial(
         &self,
         target: &Target,
         protocol: &str,
     ) -> Result<TcpStream, Refusal> {
         let policy = self.policy.load_full();
-        if let Err(reason) = policy.check_target(&target.dest, target.port) {
-            self.deny_event(target, None, protocol, reason);
-            return Err(Refusal::Denied(reason));
-        }
+        let pending = match policy.decide_target(&target.dest, target.port) {
+            Decision::Allow => None,
+            Decision::WouldDeny(reason) => Some((reason, None)),
+            Decision::Deny(reason) => {
+                self.record(target, None, protocol, reason.as_str(), Verdict::Deny);
+                return Err(Refusal::Denied(reason));
+            }
+        };
         let limits = self.ctx.limits();
+        let would_deny = |pending: Option<(DenyReason, Option<std::net::IpAddr>)>| {
+            pending.is_some_and(|(reason, ip)| {
+                self.record(target, ip, protocol, reason.as_str(), Verdict::WouldDeny);
+                true
+            })
+        };
         match dial::dial(&policy, self.ctx.resolver(), target, limits.connect_timeout).await {
-            Ok((stream, _)) => {
-                self.allowed();
-                Ok(stream)
+            Ok(d) => {
+                let audited =
+                    would_deny(pending.or(d.would_deny.map(|(reason, ip)| (reason, Some(ip)))));
+                self.allowed(target, Some(d.addr.ip()), protocol, audited);
+                Ok(d.stream)
             }
             Err(DialError::Denied { reason, ip }) => {
-                self.deny_event(target, ip, protocol, reason);
+                self.record(target, ip, protocol, reason.as_str(), Verdict::Deny);
                 Err(Refusal::Denied(reason))
             }
             Err(e) => {
+                would_deny(pending);
                 tracing::debug!(policy = %self.name, target = %target, error = %e, "upstream unreachable");
                 Err(Refusal::Upstream(e.code()))
             }

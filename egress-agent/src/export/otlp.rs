@@ -1,0 +1,270 @@
+//! OTLP logs export: events as OpenTelemetry log records (the `opentelemetry-proto` crate's
+//! message types, protobuf-encoded by prost), POSTed over OTLP/HTTP (`application/x-protobuf`)
+//! to a collector's `/v1/logs`.
+//!
+//! One record per event: `time_unix_nano` = the event's time, severity WARN (deny), INFO2
+//! (would-deny) or INFO (allow), `severity_text` = the verdict, body = a one-line summary, and the
+//! event's fields as attributes (`egress.verdict`, `egress.source`, `egress.policy`,
+//! `egress.host`, `egress.ip`, `egress.port`, `egress.protocol`, `egress.reason`,
+//! `egress.container.id`, `egress.container.name`, `egress.cgroup_id`, and each context label as
+//! `egress.context.<name>`). Resource: `service.name = egress-agent`, `host.name`.
+//!
+//! A batch is whatever is queued when the exporter wakes (at most `export.otlp.batch`); a batch
+//! the collector refuses or that times out is dropped and counted (`export_errors_total{sink="otlp"}`).
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::{Duration, UNIX_EPOCH};
+
+use http_body_util::{BodyExt, Full};
+use hyper::body::Bytes;
+use opentelemetry_proto::tonic::collector::logs::v1::ExportLogsServiceRequest;
+use opentelemetry_proto::tonic::common::v1::{AnyValue, InstrumentationScope, KeyValue, any_value};
+use opentelemetry_proto::tonic::logs::v1::{LogRecord, ResourceLogs, ScopeLogs, SeverityNumber};
+use opentelemetry_proto::tonic::resource::v1::Resource;
+use prost::Message;
+
+use super::OtlpConfig;
+use crate::events::{DenialEvent, EventSink, Verdict};
+use crate::metrics::Metrics;
+
+/// A parsed `export.otlp.endpoint`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Endpoint {
+    pub host: String,
+    pub port: u16,
+    /// Path and query, e.g. `/v1/logs`.
+    pub path: String,
+}
+
+/// `http://host[:port][/path]` (default port 4318, default path `/v1/logs`).
+pub fn parse_endpoint(s: &str) -> Result<Endpoint, String> {
+    let uri: http::Uri = s.parse().map_err(|e| format!("{s:?}: {e}"))?;
+    match uri.scheme_str() {
+        Some("http") => {}
+        Some(other) => {
+            return Err(format!(
+                "{s:?}: scheme {other:?} not supported (plain http:// to a collector on this host)"
+            ));
+        }
+        None => return Err(format!("{s:?}: expected http://host:port/v1/logs")),
+    }
+    let authority = uri.authority().ok_or_else(|| format!("{s:?}: no host"))?;
+    if authority.as_str().contains('@') {
+        return Err(format!("{s:?}: credentials in the URL are not supported"));
+    }
+    let path = match uri.path_and_query().map(|p| p.as_str()) {
+        None | Some("/") | Some("") => "/v1/logs".to_owned(),
+        Some(p) => p.to_owned(),
+    };
+    Ok(Endpoint {
+        host: authority.host().trim_matches(['[', ']']).to_owned(),
+        port: authority.port_u16().unwrap_or(4318),
+        path,
+    })
+}
+
+fn kv(key: &str, v: any_value::Value) -> KeyValue {
+    KeyValue {
+        key: key.to_owned(),
+        value: Some(AnyValue { value: Some(v) }),
+        ..Default::default()
+    }
+}
+
+fn s(v: impl Into<String>) -> any_value::Value {
+    any_value::Value::StringValue(v.into())
+}
+
+/// The log record of one event.
+pub fn record(ev: &DenialEvent) -> LogRecord {
+    let nanos = ev
+        .time
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| u64::try_from(d.as_nanos()).unwrap_or(u64::MAX));
+    let severity = match ev.verdict {
+        Verdict::Deny => SeverityNumber::Warn,
+        Verdict::WouldDeny => SeverityNumber::Info2,
+        Verdict::Allow => SeverityNumber::Info,
+    };
+    let mut attributes = vec![
+        kv("egress.verdict", s(ev.verdict.as_str())),
+        kv("egress.source", s(crate::store::source_str(ev.source))),
+        kv("egress.policy", s(ev.policy.clone())),
+    ];
+    if let Some(h) = &ev.host {
+        attributes.push(kv("egress.host", s(h.clone())));
+    }
+    if let Some(ip) = ev.ip {
+        attributes.push(kv("egress.ip", s(ip.to_string())));
+    }
+    attributes.push(kv(
+        "egress.port",
+        any_value::Value::IntValue(ev.port.into()),
+    ));
+    attributes.push(kv("egress.protocol", s(ev.protocol.clone())));
+    attributes.push(kv("egress.reason", s(ev.reason.clone())));
+    if let Some(c) = &ev.container {
+        attributes.push(kv("egress.container.id", s(c.id.clone())));
+        attributes.push(kv("egress.container.name", s(c.name.clone())));
+    }
+    if let Some(c) = ev.cgroup_id {
+        attributes.push(kv(
+            "egress.cgroup_id",
+            any_value::Value::IntValue(i64::try_from(c).unwrap_or(i64::MAX)),
+        ));
+    }
+    for (k, v) in &ev.context {
+        attributes.push(kv(&format!("egress.context.{k}"), s(v.clone())));
+    }
+    LogRecord {
+        time_unix_nano: nanos,
+        observed_time_unix_nano: nanos,
+        severity_number: severity as i32,
+        severity_text: ev.verdict.as_str().to_owned(),
+        body: Some(AnyValue {
+            value: Some(s(super::summary(ev))),
+        }),
+        attributes,
+        event_name: "egress.decision".to_owned(),
+        ..Default::default()
+    }
+}
+
+/// One export request for `events`.
+pub fn request(events: &[DenialEvent], host_name: &str) -> ExportLogsServiceRequest {
+    ExportLogsServiceRequest {
+        resource_logs: vec![ResourceLogs {
+            resource: Some(Resource {
+                attributes: vec![
+                    kv("service.name", s("egress-agent")),
+                    kv("service.version", s(env!("CARGO_PKG_VERSION"))),
+                    kv("host.name", s(host_name)),
+                ],
+                ..Default::default()
+            }),
+            scope_logs: vec![ScopeLogs {
+                scope: Some(InstrumentationScope {
+                    name: "egress-agent".to_owned(),
+                    version: env!("CARGO_PKG_VERSION").to_owned(),
+                    ..Default::default()
+                }),
+                log_records: events.iter().map(record).collect(),
+                ..Default::default()
+            }],
+            ..Default::default()
+        }],
+    }
+}
+
+async fn post(ep: &Endpoint, body: Vec<u8>, timeout: Duration) -> Result<(), String> {
+    let go = async {
+        let stream = tokio::net::TcpStream::connect((ep.host.as_str(), ep.port))
+            .await
+            .map_err(|e| format!("connect: {e}"))?;
+        let (mut sender, conn) =
+            hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(stream))
+                .await
+                .map_err(|e| format!("handshake: {e}"))?;
+        tokio::spawn(async move {
+            conn.await.ok();
+        });
+        let host = if ep.host.contains(':') {
+            format!("[{}]:{}", ep.host, ep.port)
+        } else {
+            format!("{}:{}", ep.host, ep.port)
+        };
+        let req = hyper::Request::post(ep.path.as_str())
+            .header(hyper::header::HOST, host)
+            .header(hyper::header::CONTENT_TYPE, "application/x-protobuf")
+            .body(Full::new(Bytes::from(body)))
+            .map_err(|e| e.to_string())?;
+        let resp = sender
+            .send_request(req)
+            .await
+            .map_err(|e| format!("request: {e}"))?;
+        let status = resp.status();
+        // Drain the (small) answer so the connection closes cleanly.
+        resp.into_body().collect().await.ok();
+        if status.is_success() {
+            Ok(())
+        } else {
+            Err(format!("collector answered {status}"))
+        }
+    };
+    tokio::time::timeout(timeout, go)
+        .await
+        .map_err(|_| format!("timed out after {timeout:?}"))?
+}
+
+/// Start exporting what `sink` emits to the collector (a task; call inside a tokio runtime).
+pub fn spawn(
+    cfg: &OtlpConfig,
+    sink: &EventSink,
+    metrics: Option<Arc<Metrics>>,
+) -> Result<tokio::task::JoinHandle<()>, String> {
+    let ep = parse_endpoint(&cfg.endpoint)?;
+    let timeout = Duration::from_millis(cfg.timeout_ms);
+    let batch_max = cfg.batch;
+    let mut tap = sink.tap(cfg.queue, cfg.allowed);
+    let host_name = nix::unistd::gethostname()
+        .ok()
+        .and_then(|h| h.into_string().ok())
+        .unwrap_or_default();
+    Ok(tokio::spawn(async move {
+        let mut reported = 0u64;
+        while let Some(first) = tap.rx.recv().await {
+            let mut batch = vec![first];
+            while batch.len() < batch_max {
+                match tap.rx.try_recv() {
+                    Ok(ev) => batch.push(ev),
+                    Err(_) => break,
+                }
+            }
+            let body = request(&batch, &host_name).encode_to_vec();
+            if let Err(e) = post(&ep, body, timeout).await {
+                tracing::debug!(error = %e, events = batch.len(), "OTLP export failed; batch dropped");
+                if let Some(m) = &metrics {
+                    m.export_errors("otlp", batch.len() as u64);
+                }
+            }
+            if let Some(m) = &metrics {
+                let d = tap.dropped.load(Ordering::Relaxed);
+                if d > reported {
+                    m.event_drops(crate::metrics::DropSource::Export, d - reported);
+                    reported = d;
+                }
+            }
+        }
+    }))
+}
+
+#[cfg(test)]
+#[expect(clippy::unwrap_used, reason = "test assertions")]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn endpoints() {
+        assert_eq!(
+            parse_endpoint("http://127.0.0.1:4318/v1/logs").unwrap(),
+            Endpoint {
+                host: "127.0.0.1".into(),
+                port: 4318,
+                path: "/v1/logs".into()
+            }
+        );
+        let e = parse_endpoint("http://[::1]").unwrap();
+        assert_eq!(
+            (e.host.as_str(), e.port, e.path.as_str()),
+            ("::1", 4318, "/v1/logs")
+        );
+        for bad in [
+            "https://c:4318",
+            "c:4318",
+            "http://u:p@c:4318/v1/logs",
+            "ftp://c/",
+        ] {
+            assert!(parse_endpoint(bad).is_err(), "{bad}");
+        }
+    }
+}

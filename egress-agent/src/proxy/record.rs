@@ -1,0 +1,77 @@
+//! What the proxy records about its decisions: denials, would-denials (a policy in
+//! `enforce = "audit"`) and allowed requests/tunnels, each with the listener's identity. The one
+//! place where a [`Decision`] becomes an action.
+use std::net::IpAddr;
+
+use super::Shared;
+use super::request::Target;
+use crate::events::{ALLOWED_REASON, DenialEvent, Verdict};
+use crate::policy::name::Destination;
+use crate::policy::{Decision, DenyReason};
+
+impl Shared {
+    /// Act on `decision`: `Allow` → `Ok(false)`; `WouldDeny` → would-deny event, `Ok(true)` (go
+    /// on); `Deny` → denial event, `Err(reason)` (refuse).
+    pub(crate) fn enforce(
+        &self,
+        target: &Target,
+        ip: Option<IpAddr>,
+        protocol: &str,
+        decision: Decision,
+    ) -> Result<bool, DenyReason> {
+        match decision {
+            Decision::Allow => Ok(false),
+            Decision::WouldDeny(reason) => {
+                self.record(target, ip, protocol, reason.as_str(), Verdict::WouldDeny);
+                Ok(true)
+            }
+            Decision::Deny(reason) => {
+                self.record(target, ip, protocol, reason.as_str(), Verdict::Deny);
+                Err(reason)
+            }
+        }
+    }
+
+    /// One event about `target` with this listener's identity. Only the normalised host name,
+    /// address, port and protocol: never a URL, path, query string or header.
+    pub(crate) fn record(
+        &self,
+        target: &Target,
+        ip: Option<IpAddr>,
+        protocol: &str,
+        reason: &str,
+        verdict: Verdict,
+    ) {
+        let (host, ip) = match &target.dest {
+            Destination::Name(n) => (Some(n.as_str().to_owned()), ip),
+            Destination::Ip(lit) => (None, Some(ip.unwrap_or(*lit))),
+        };
+        let mut ev = DenialEvent::proxy(&self.name, host, ip, target.port, protocol, reason)
+            .with_verdict(verdict);
+        if let Some(id) = &self.identity {
+            ev.container = id.container.clone();
+            ev.cgroup_id = id.cgroup_id;
+            ev.context
+                .extend(id.context.iter().map(|(k, v)| (k.clone(), v.clone())));
+        }
+        self.ctx.events().emit(ev);
+    }
+
+    /// An allowed (and forwarded) request or CONNECT: the allowed counter, and an allow event
+    /// for the flow summary when something records allowed traffic. `audited`: a would-deny was
+    /// recorded for it already (it is not counted twice).
+    pub(crate) fn allowed(
+        &self,
+        target: &Target,
+        ip: Option<IpAddr>,
+        protocol: &str,
+        audited: bool,
+    ) {
+        if let Some(c) = &self.counters {
+            c.allowed();
+        }
+        if !audited && self.ctx.events().wants_allowed() {
+            self.record(target, ip, protocol, ALLOWED_REASON, Verdict::Allow);
+        }
+    }
+}

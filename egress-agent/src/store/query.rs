@@ -1,0 +1,328 @@
+//! Reading the store: [`EventFilter`] (what `events` and `suggest` select by), events and flows.
+//! The same filter also matches live events (`events --follow`), so both views agree.
+use std::collections::BTreeMap;
+use std::time::SystemTime;
+
+use rusqlite::types::Value;
+
+use super::{Store, StoreError, from_micros, micros};
+use crate::events::{ContainerRef, DenialEvent, Source, Verdict};
+
+/// What to select. Every field set must match.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct EventFilter {
+    /// At or after this time.
+    pub since: Option<SystemTime>,
+    /// A container's name, its id, or a prefix of its id.
+    pub container: Option<String>,
+    pub policy: Option<String>,
+    pub verdict: Option<Verdict>,
+    /// Context labels that must be present with these values (e.g. `run` = `1234`).
+    pub labels: BTreeMap<String, String>,
+}
+
+/// A context label name usable in a filter.
+pub fn valid_label(k: &str) -> bool {
+    !k.is_empty()
+        && k.len() <= 64
+        && k.bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-' || b == b'.')
+}
+
+impl EventFilter {
+    /// Does a live event match?
+    pub fn matches(&self, ev: &DenialEvent) -> bool {
+        self.since.is_none_or(|t| ev.time >= t)
+            && self.policy.as_ref().is_none_or(|p| &ev.policy == p)
+            && self.verdict.is_none_or(|v| ev.verdict == v)
+            && self.container.as_ref().is_none_or(|c| {
+                ev.container
+                    .as_ref()
+                    .is_some_and(|r| &r.name == c || r.id.starts_with(c.as_str()))
+            })
+            && self
+                .labels
+                .iter()
+                .all(|(k, v)| ev.context.get(k).is_some_and(|x| x == v))
+    }
+
+    /// SQL conditions (joined by AND, `1` if none) and their parameters, for `table`'s columns
+    /// (`time` is `time_us` for events, `last_us` for flows; labels live in `context`/`labels`).
+    fn sql(&self, time_col: &str, labels_col: &str) -> (String, Vec<Value>) {
+        let mut conds = vec!["1".to_owned()];
+        let mut params: Vec<Value> = Vec::new();
+        // Each `?` in `cond` takes the next value, numbered after those already pushed.
+        let mut push = |cond: String, vals: Vec<Value>| {
+            let mut parts = cond.split('?');
+            let mut c = parts.next().unwrap_or_default().to_owned();
+            for (part, v) in parts.zip(vals) {
+                params.push(v);
+                c.push_str(&format!("?{}{part}", params.len()));
+            }
+            conds.push(c);
+        };
+        if let Some(t) = self.since {
+            push(format!("{time_col} >= ?"), vec![Value::Integer(micros(t))]);
+        }
+        if let Some(p) = &self.policy {
+            push("policy = ?".into(), vec![Value::Text(p.clone())]);
+        }
+        if let Some(v) = self.verdict {
+            push("verdict = ?".into(), vec![Value::Text(v.as_str().into())]);
+        }
+        if let Some(c) = &self.container {
+            push(
+                "(container_name = ? OR substr(container_id, 1, length(?)) = ?)".into(),
+                vec![
+                    Value::Text(c.clone()),
+                    Value::Text(c.clone()),
+                    Value::Text(c.clone()),
+                ],
+            );
+        }
+        for (k, v) in &self.labels {
+            // Names are checked by `valid_label`; the JSON path quotes them anyway.
+            push(
+                format!("json_extract({labels_col}, ?) = ?"),
+                vec![Value::Text(format!("$.\"{k}\"")), Value::Text(v.clone())],
+            );
+        }
+        (conds.join(" AND "), params)
+    }
+}
+
+/// A stored event and its row id (for following new rows).
+#[derive(Debug, Clone, PartialEq)]
+pub struct StoredEvent {
+    pub id: i64,
+    pub event: DenialEvent,
+}
+
+/// One aggregated flow.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+pub struct Flow {
+    pub verdict: Verdict,
+    pub source: String,
+    pub policy: String,
+    pub container_id: String,
+    pub container_name: String,
+    pub labels: BTreeMap<String, String>,
+    pub host: String,
+    pub ip: String,
+    pub port: u16,
+    pub protocol: String,
+    pub reason: String,
+    pub count: u64,
+    #[serde(serialize_with = "ser_time")]
+    pub first_seen: SystemTime,
+    #[serde(serialize_with = "ser_time")]
+    pub last_seen: SystemTime,
+}
+
+fn ser_time<S: serde::Serializer>(t: &SystemTime, s: S) -> Result<S::Ok, S::Error> {
+    s.collect_str(&humantime::format_rfc3339_micros(*t))
+}
+
+fn parse_source(s: &str) -> Source {
+    match s {
+        "kernel" => Source::Kernel,
+        "agent" => Source::Agent,
+        _ => Source::Proxy,
+    }
+}
+
+impl Store {
+    /// The newest `limit` events matching `filter` with an id above `after`, oldest first.
+    pub fn events(
+        &self,
+        filter: &EventFilter,
+        after: i64,
+        limit: usize,
+    ) -> Result<Vec<StoredEvent>, StoreError> {
+        let (cond, mut params) = filter.sql("time_us", "context");
+        params.push(Value::Integer(after));
+        let after_n = params.len();
+        params.push(Value::Integer(i64::try_from(limit).unwrap_or(i64::MAX)));
+        let limit_n = params.len();
+        let sql = format!(
+            "SELECT id, time_us, verdict, source, policy, container_id, container_name, cgroup_id,
+                    context, host, ip, port, protocol, reason
+             FROM (SELECT * FROM events WHERE {cond} AND id > ?{after_n}
+                   ORDER BY id DESC LIMIT ?{limit_n})
+             ORDER BY id"
+        );
+        let conn = self.conn();
+        let mut stmt = conn.prepare(&sql).map_err(|e| self.err(e))?;
+        let rows = stmt
+            .query_map(rusqlite::params_from_iter(params), |r| {
+                let verdict: String = r.get(2)?;
+                let source: String = r.get(3)?;
+                let cid: Option<String> = r.get(5)?;
+                let cname: Option<String> = r.get(6)?;
+                let cgroup: Option<i64> = r.get(7)?;
+                let context: String = r.get(8)?;
+                let ip: Option<String> = r.get(10)?;
+                Ok(StoredEvent {
+                    id: r.get(0)?,
+                    event: DenialEvent {
+                        time: from_micros(r.get(1)?),
+                        source: parse_source(&source),
+                        cgroup_id: cgroup.map(|c| c as u64),
+                        container: cid.map(|id| ContainerRef {
+                            id,
+                            name: cname.unwrap_or_default(),
+                        }),
+                        context: serde_json::from_str(&context).unwrap_or_default(),
+                        policy: r.get(4)?,
+                        host: r.get(9)?,
+                        ip: ip.and_then(|s| s.parse().ok()),
+                        port: r.get(11)?,
+                        protocol: r.get(12)?,
+                        reason: r.get(13)?,
+                        verdict: verdict.parse().unwrap_or_default(),
+                    },
+                })
+            })
+            .map_err(|e| self.err(e))?;
+        rows.collect::<Result<Vec<_>, _>>().map_err(|e| self.err(e))
+    }
+
+    /// Flows matching `filter` (`since`: last seen at or after), in a stable order.
+    pub fn flows(&self, filter: &EventFilter) -> Result<Vec<Flow>, StoreError> {
+        let (cond, params) = filter.sql("last_us", "labels");
+        let sql = format!(
+            "SELECT verdict, source, policy, container_id, container_name, labels, host, ip, port,
+                    protocol, reason, count, first_us, last_us
+             FROM flows WHERE {cond}
+             ORDER BY host, ip, port, protocol, verdict, policy, container_name, labels, source,
+                      reason"
+        );
+        let conn = self.conn();
+        let mut stmt = conn.prepare(&sql).map_err(|e| self.err(e))?;
+        let rows = stmt
+            .query_map(rusqlite::params_from_iter(params), |r| {
+                let verdict: String = r.get(0)?;
+                let labels: String = r.get(5)?;
+                let count: i64 = r.get(11)?;
+                Ok(Flow {
+                    verdict: verdict.parse().unwrap_or_default(),
+                    source: r.get(1)?,
+                    policy: r.get(2)?,
+                    container_id: r.get(3)?,
+                    container_name: r.get(4)?,
+                    labels: serde_json::from_str(&labels).unwrap_or_default(),
+                    host: r.get(6)?,
+                    ip: r.get(7)?,
+                    port: r.get(8)?,
+                    protocol: r.get(9)?,
+                    reason: r.get(10)?,
+                    count: u64::try_from(count).unwrap_or(0),
+                    first_seen: from_micros(r.get(12)?),
+                    last_seen: from_micros(r.get(13)?),
+                })
+            })
+            .map_err(|e| self.err(e))?;
+        rows.collect::<Result<Vec<_>, _>>().map_err(|e| self.err(e))
+    }
+}
+
+#[cfg(test)]
+#[expect(clippy::unwrap_used, reason = "test assertions")]
+mod tests {
+    use super::*;
+    use crate::store::tests::temp_db;
+    use crate::store::{FlowBatch, add_flow};
+    use std::time::Duration;
+
+    fn ev(name: &str, id: &str, policy: &str, verdict: Verdict, run: &str) -> DenialEvent {
+        let mut e = DenialEvent::proxy(policy, Some("x.example".into()), None, 443, "connect", "r")
+            .with_verdict(verdict);
+        e.container = Some(ContainerRef {
+            id: id.into(),
+            name: name.into(),
+        });
+        e.context.insert("run".into(), run.into());
+        e
+    }
+
+    #[test]
+    fn stored_events_round_trip_and_filter_like_live_ones() {
+        let path = temp_db("query");
+        let mut s = Store::open(&path).unwrap();
+        let t0 = SystemTime::now() - Duration::from_secs(60);
+        let mut all = vec![
+            ev("a", "aaaa1111", "ci", Verdict::Deny, "1"),
+            ev("b", "bbbb2222", "ci", Verdict::WouldDeny, "2"),
+            ev("a", "aaaa1111", "web", Verdict::WouldDeny, "1"),
+        ];
+        all[0].time = t0;
+        all[0].ip = Some("10.0.0.1".parse().unwrap());
+        all[0].cgroup_id = Some(77);
+        let mut batch = FlowBatch::new();
+        for e in &all {
+            add_flow(&mut batch, e);
+        }
+        s.write(&all, &batch).unwrap();
+        let filters = [
+            EventFilter::default(),
+            EventFilter {
+                container: Some("aaaa".into()),
+                ..Default::default()
+            },
+            EventFilter {
+                container: Some("b".into()),
+                ..Default::default()
+            },
+            EventFilter {
+                policy: Some("ci".into()),
+                verdict: Some(Verdict::WouldDeny),
+                ..Default::default()
+            },
+            EventFilter {
+                since: Some(t0 + Duration::from_secs(1)),
+                ..Default::default()
+            },
+            EventFilter {
+                labels: [("run".to_owned(), "1".to_owned())].into(),
+                ..Default::default()
+            },
+            EventFilter {
+                container: Some("%".into()),
+                ..Default::default()
+            },
+        ];
+        for f in &filters {
+            let stored: Vec<DenialEvent> = s
+                .events(f, 0, 100)
+                .unwrap()
+                .into_iter()
+                .map(|e| e.event)
+                .collect();
+            let live: Vec<DenialEvent> = all.iter().filter(|e| f.matches(e)).cloned().collect();
+            // Time is kept to the microsecond.
+            let trunc = |v: Vec<DenialEvent>| -> Vec<DenialEvent> {
+                v.into_iter()
+                    .map(|mut e| {
+                        e.time = from_micros(micros(e.time));
+                        e
+                    })
+                    .collect()
+            };
+            assert_eq!(trunc(stored), trunc(live), "{f:?}");
+            let flows = s.flows(f).unwrap();
+            assert_eq!(
+                flows.len(),
+                all.iter().filter(|e| f.matches(e)).count(),
+                "{f:?}"
+            );
+        }
+        // Limit keeps the newest, oldest first; `after` skips what was seen.
+        let last2 = s.events(&EventFilter::default(), 0, 2).unwrap();
+        assert_eq!(last2.len(), 2);
+        assert!(last2[0].id < last2[1].id);
+        assert_eq!(last2[1].event.policy, "web");
+        let newer = s.events(&EventFilter::default(), last2[0].id, 10).unwrap();
+        assert_eq!(newer.len(), 1);
+        std::fs::remove_dir_all(path.parent().unwrap().parent().unwrap()).ok();
+    }
+}

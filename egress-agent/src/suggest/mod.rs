@@ -1,0 +1,383 @@
+//! `egress-agent suggest`: the minimal allowlist that would have allowed what was observed.
+//!
+//! Input: the store's flows (allowed and would-deny; denied too with `--include-denied`),
+//! selected by container, policy, context label and time. Output: one `[policies.NAME]` table
+//! that the config parser accepts, or with `--diff` what it changes against the policy in force.
+//!
+//! - **Names** (proxy flows): grouped into `*.` wildcards by [`group`]'s rule (registrable domain
+//!   from the Public Suffix List, at least [`group::WILDCARD_MIN_NAMES`] distinct names).
+//! - **Ports**: the model has one `allow_ports` list for all names, so it is the union of the
+//!   names' ports; when names used different ports, a comment lists each name's own.
+//! - **Addresses**: direct connections (kernel flows) and IP literals sent to the proxy become
+//!   `allow_cidrs` host entries (/32, /128) with the ports seen; public ones get a warning comment
+//!   (they are reached without the proxy's name check). Inbound connections (kernel flows with
+//!   `direction = inbound`: the peer's address, the cgroup's local port) become `allow_inbound`.
+//! - Not suggested (a comment counts them): request-shape refusals (userinfo, numeric IP forms,
+//!   Host mismatch), socket types the kernel never allows, connections to the proxy endpoint,
+//!   and agent lifecycle events.
+pub mod group;
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::fmt::Write as _;
+use std::net::{IpAddr, SocketAddr};
+use std::time::SystemTime;
+
+use ipnet::IpNet;
+
+use crate::events::Verdict;
+use crate::policy::matcher::HostMatcher;
+use crate::policy::name::HostName;
+use crate::policy::{DenyReason, Policy};
+use crate::store::query::Flow;
+use group::HostEntry;
+
+/// Proxy reasons a policy can fix (by listing the name, port or address).
+const FIXABLE: &[DenyReason] = &[
+    DenyReason::HostNotAllowed,
+    DenyReason::PortNotAllowed,
+    DenyReason::IpLiteralNotAllowed,
+    DenyReason::AddressDenied,
+    DenyReason::PolicyDenyAll,
+];
+
+/// What `suggest` takes into account.
+#[derive(Debug, Clone, Default)]
+pub struct Options {
+    /// Also use denied flows (default: allowed and would-deny only).
+    pub include_denied: bool,
+    /// The proxy endpoint(s): connections to them are the proxy path, not direct traffic.
+    pub proxy_endpoints: Vec<SocketAddr>,
+}
+
+/// What was observed, reduced to what a policy can say.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Observed {
+    /// Name → ports (through the proxy).
+    pub names: BTreeMap<String, BTreeSet<u16>>,
+    /// Address → ports, and whether any came directly (kernel) rather than as an IP literal to
+    /// the proxy.
+    pub addrs: BTreeMap<IpAddr, BTreeSet<u16>>,
+    /// Names whose answer held a private or special address (they need an `allow_cidrs` entry).
+    pub name_addrs: BTreeMap<IpAddr, BTreeSet<u16>>,
+    /// Peers that connected in → the cgroup's local ports.
+    pub inbound: BTreeMap<IpAddr, BTreeSet<u16>>,
+    /// Flows used, events they stand for, first and last seen.
+    pub flows: usize,
+    pub events: u64,
+    pub first: Option<SystemTime>,
+    pub last: Option<SystemTime>,
+    /// Left out, by why → count of events.
+    pub skipped: BTreeMap<String, u64>,
+}
+
+fn reason_is(flow: &Flow, r: DenyReason) -> bool {
+    flow.reason == r.as_str()
+}
+
+/// Reduce flows to what a policy can allow.
+pub fn observe(flows: &[Flow], opts: &Options) -> Observed {
+    let mut o = Observed::default();
+    for f in flows {
+        let mut skip = |why: &str| {
+            *o.skipped.entry(why.to_owned()).or_default() += f.count;
+        };
+        match f.verdict {
+            Verdict::Deny if !opts.include_denied => {
+                skip("denied (use --include-denied)");
+                continue;
+            }
+            _ => {}
+        }
+        let ip: Option<IpAddr> = f.ip.parse().ok();
+        match f.source.as_str() {
+            "proxy" => {
+                let fixable =
+                    f.verdict == Verdict::Allow || FIXABLE.iter().any(|r| reason_is(f, *r));
+                if !fixable || f.port == 0 {
+                    skip(&format!("proxy refusal {} (not a policy matter)", f.reason));
+                    continue;
+                }
+                if !f.host.is_empty() {
+                    o.names.entry(f.host.clone()).or_default().insert(f.port);
+                    if let Some(ip) = ip
+                        && crate::policy::addr::builtin_denied(crate::policy::addr::unmap(ip))
+                            .is_some()
+                    {
+                        o.name_addrs.entry(ip).or_default().insert(f.port);
+                    }
+                } else if let Some(ip) = ip {
+                    o.addrs
+                        .entry(crate::policy::addr::unmap(ip))
+                        .or_default()
+                        .insert(f.port);
+                } else {
+                    skip("proxy event without a destination");
+                    continue;
+                }
+            }
+            "kernel" => {
+                let Some(ip) = ip else {
+                    skip(&format!("kernel {} (no address)", f.reason));
+                    continue;
+                };
+                let ip = crate::policy::addr::unmap(ip);
+                if opts
+                    .proxy_endpoints
+                    .iter()
+                    .any(|e| e.ip() == ip && e.port() == f.port)
+                {
+                    skip("connections to the proxy endpoint");
+                    continue;
+                }
+                if f.protocol.starts_with("socket(") || f.port == 0 {
+                    skip(&format!("kernel {} ({})", f.reason, f.protocol));
+                    continue;
+                }
+                if f.labels.get("direction").is_some_and(|d| d == "inbound") {
+                    o.inbound.entry(ip).or_default().insert(f.port);
+                } else {
+                    o.addrs.entry(ip).or_default().insert(f.port);
+                }
+            }
+            _ => {
+                skip("agent events");
+                continue;
+            }
+        }
+        o.flows += 1;
+        o.events += f.count;
+        o.first = Some(o.first.map_or(f.first_seen, |t| t.min(f.first_seen)));
+        o.last = Some(o.last.map_or(f.last_seen, |t| t.max(f.last_seen)));
+    }
+    o
+}
+
+/// The suggested policy.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Suggestion {
+    pub hosts: Vec<HostEntry>,
+    pub ports: BTreeSet<u16>,
+    /// Host networks (/32, /128) and their ports.
+    pub cidrs: BTreeMap<IpNet, BTreeSet<u16>>,
+    /// Per-name ports, when they differ between names.
+    pub ports_by_name: Option<BTreeMap<String, BTreeSet<u16>>>,
+    /// Public addresses among `cidrs`.
+    pub public: BTreeSet<IpNet>,
+    /// Inbound peers (/32, /128) and the local ports they connected to.
+    pub inbound: BTreeMap<IpNet, BTreeSet<u16>>,
+}
+
+pub fn suggest(o: &Observed) -> Suggestion {
+    let names: BTreeSet<String> = o.names.keys().cloned().collect();
+    let hosts = group::group(&names);
+    let ports: BTreeSet<u16> = o.names.values().flatten().copied().collect();
+    let uniform = o.names.values().all(|p| *p == ports);
+    let mut cidrs: BTreeMap<IpNet, BTreeSet<u16>> = BTreeMap::new();
+    let mut public = BTreeSet::new();
+    for (ip, p) in o.addrs.iter().chain(o.name_addrs.iter()) {
+        let net = IpNet::from(*ip);
+        cidrs.entry(net).or_default().extend(p.iter().copied());
+        if crate::policy::addr::builtin_denied(*ip).is_none() {
+            public.insert(net);
+        }
+    }
+    let inbound = o
+        .inbound
+        .iter()
+        .map(|(ip, p)| (IpNet::from(*ip), p.clone()))
+        .collect();
+    Suggestion {
+        hosts,
+        ports,
+        cidrs,
+        ports_by_name: (!uniform).then(|| o.names.clone()),
+        public,
+        inbound,
+    }
+}
+
+fn q(s: &str) -> String {
+    toml::Value::String(s.to_owned()).to_string()
+}
+
+fn port_list(p: &BTreeSet<u16>) -> String {
+    p.iter().map(u16::to_string).collect::<Vec<_>>().join(", ")
+}
+
+/// The suggestion as a `[policies.NAME]` table; `header` lines become comments.
+pub fn render(s: &Suggestion, name: &str, header: &[String]) -> String {
+    let mut out = String::new();
+    for h in header {
+        writeln!(out, "# {h}").ok();
+    }
+    writeln!(out, "[policies.{name}]").ok();
+    writeln!(out, "mode = \"allowlist\"").ok();
+    if s.hosts.is_empty() {
+        writeln!(out, "allow_hosts = []").ok();
+    } else {
+        writeln!(out, "allow_hosts = [").ok();
+        for h in &s.hosts {
+            if h.pattern.starts_with("*.") {
+                let covers: Vec<&str> = h.covers.iter().map(String::as_str).collect();
+                writeln!(out, "    {},  # {}", q(&h.pattern), covers.join(", ")).ok();
+            } else {
+                writeln!(out, "    {},", q(&h.pattern)).ok();
+            }
+        }
+        writeln!(out, "]").ok();
+        if let Some(by_name) = &s.ports_by_name {
+            writeln!(
+                out,
+                "# allow_ports applies to every name; ports seen per name (per-host ports: #11):"
+            )
+            .ok();
+            for (n, p) in by_name {
+                writeln!(out, "#   {n}: {}", port_list(p)).ok();
+            }
+        }
+        writeln!(out, "allow_ports = [{}]", port_list(&s.ports)).ok();
+    }
+    if !s.cidrs.is_empty() {
+        writeln!(out, "allow_cidrs = [").ok();
+        for (net, ports) in &s.cidrs {
+            let warn = if s.public.contains(net) {
+                "  # public address reached without a name: prefer a name through the proxy"
+            } else {
+                ""
+            };
+            writeln!(
+                out,
+                "    {{ cidr = {}, ports = [{}] }},{warn}",
+                q(&net.to_string()),
+                port_list(ports)
+            )
+            .ok();
+        }
+        writeln!(out, "]").ok();
+    }
+    if !s.inbound.is_empty() {
+        writeln!(out, "allow_inbound = [").ok();
+        for (net, ports) in &s.inbound {
+            writeln!(
+                out,
+                "    {{ cidr = {}, ports = [{}] }},",
+                q(&net.to_string()),
+                port_list(ports)
+            )
+            .ok();
+        }
+        writeln!(out, "]").ok();
+    }
+    out
+}
+
+/// The header comment lines for `o`.
+pub fn header(o: &Observed, selection: &str) -> Vec<String> {
+    let t = |t: Option<SystemTime>| {
+        t.map_or_else(
+            || "-".to_owned(),
+            |t| humantime::format_rfc3339_seconds(t).to_string(),
+        )
+    };
+    let mut h = vec![
+        format!(
+            "Suggested by egress-agent suggest from {} flows ({} events), {} .. {}",
+            o.flows,
+            o.events,
+            t(o.first),
+            t(o.last)
+        ),
+        format!("Selection: {selection}"),
+    ];
+    for (why, n) in &o.skipped {
+        h.push(format!("Not included: {n} events: {why}"));
+    }
+    h
+}
+
+/// What the suggestion changes against `current` (one line each; `+` needed, `-` unused,
+/// ` ` already allowed).
+pub fn diff(s: &Suggestion, o: &Observed, current: &Policy, current_name: &str) -> String {
+    let mut out = String::new();
+    writeln!(out, "--- policy {current_name} (in force)").ok();
+    writeln!(out, "+++ suggested from observed traffic").ok();
+    let matcher = HostMatcher::new(&current.allow_hosts);
+    let allowed = |n: &str| HostName::parse(n).is_ok_and(|h| matcher.matches(&h));
+    for h in &s.hosts {
+        let mark = if h.covers.iter().all(|n| allowed(n)) {
+            ' '
+        } else {
+            '+'
+        };
+        writeln!(out, "{mark} allow_hosts {}", q(&h.pattern)).ok();
+    }
+    for p in &current.allow_hosts {
+        let one = HostMatcher::new(std::iter::once(p));
+        let used = o
+            .names
+            .keys()
+            .any(|n| HostName::parse(n).is_ok_and(|h| one.matches(&h)));
+        if !used {
+            writeln!(
+                out,
+                "- allow_hosts {}  # nothing observed",
+                q(&p.to_string())
+            )
+            .ok();
+        }
+    }
+    if !s.hosts.is_empty() {
+        for p in &s.ports {
+            let mark = if current.allow_ports.contains(p) {
+                ' '
+            } else {
+                '+'
+            };
+            writeln!(out, "{mark} allow_ports {p}").ok();
+        }
+    }
+    for p in &current.allow_ports {
+        if !s.ports.contains(p) && !current.allow_hosts.is_empty() {
+            writeln!(out, "- allow_ports {p}  # no name used it").ok();
+        }
+    }
+    for (net, ports) in &s.cidrs {
+        for port in ports {
+            let covered = current
+                .allow_cidrs
+                .iter()
+                .any(|r| r.net.contains(&net.addr()) && r.allows_port(*port));
+            let mark = if covered { ' ' } else { '+' };
+            writeln!(out, "{mark} allow_cidrs {net} port {port}").ok();
+        }
+    }
+    for r in &current.allow_cidrs {
+        let used = s.cidrs.keys().any(|n| r.net.contains(&n.addr()));
+        if !used {
+            writeln!(out, "- allow_cidrs {}  # nothing observed", r.net).ok();
+        }
+    }
+    for (net, ports) in &s.inbound {
+        for port in ports {
+            let covered = current
+                .allow_inbound
+                .iter()
+                .any(|r| r.net.contains(&net.addr()) && r.allows_port(*port));
+            let mark = if covered { ' ' } else { '+' };
+            writeln!(out, "{mark} allow_inbound {net} port {port}").ok();
+        }
+    }
+    for r in &current.allow_inbound {
+        if !s.inbound.keys().any(|n| r.net.contains(&n.addr())) {
+            writeln!(out, "- allow_inbound {}  # nothing observed", r.net).ok();
+        }
+    }
+    if current.audits() {
+        writeln!(
+            out,
+            "# policy {current_name} audits; once nothing above starts with '+', set enforce = \"enforce\""
+        )
+        .ok();
+    }
+    out
+}
