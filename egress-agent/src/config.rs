@@ -39,6 +39,9 @@ pub struct Config {
     pub proxy: ProxyConfig,
     #[serde(default)]
     pub dns: DnsConfig,
+    /// TLS interception (for hosts with credential bindings or request rules).
+    #[serde(default)]
+    pub intercept: InterceptConfig,
     /// Named policies. `allow_all` and `deny_all` are built in.
     #[serde(default)]
     pub policies: BTreeMap<String, Policy>,
@@ -53,6 +56,8 @@ pub struct AgentConfig {
     pub default_policy: String,
     /// Policy for containers without the opt-in label. Default `allow_all`.
     pub unlabeled: String,
+    /// The agent's own state (the interception CA), created 0700. Default `/var/lib/egress-agent`.
+    pub state_dir: PathBuf,
 }
 
 impl Default for AgentConfig {
@@ -61,6 +66,7 @@ impl Default for AgentConfig {
             bpffs: PathBuf::from("/sys/fs/bpf/egress-agent"),
             default_policy: DENY_ALL.to_owned(),
             unlabeled: ALLOW_ALL.to_owned(),
+            state_dir: PathBuf::from(crate::ca::DEFAULT_STATE_DIR),
         }
     }
 }
@@ -170,6 +176,25 @@ impl Default for DnsConfig {
     }
 }
 
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct InterceptConfig {
+    /// PEM file of extra CAs trusted for upstream servers of intercepted hosts, besides the
+    /// system roots. Default none.
+    pub upstream_ca_file: Option<PathBuf>,
+    /// Leaf certificates kept (one per intercepted name). Default 1 024.
+    pub leaf_cache_entries: usize,
+}
+
+impl Default for InterceptConfig {
+    fn default() -> Self {
+        InterceptConfig {
+            upstream_ca_file: None,
+            leaf_cache_entries: 1024,
+        }
+    }
+}
+
 /// A configuration error, always naming the file; line, column and field when known.
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
@@ -223,18 +248,22 @@ impl Config {
                 message: e.message().trim().to_owned(),
             }
         })?;
-        config.validate().map_err(|v| {
-            let (line, column) = span_of_path(s, &v.field)
-                .map(|r| line_col(s, r.start))
-                .unwrap_or((0, 0));
-            ConfigError::Invalid {
-                path: origin.to_owned(),
-                line,
-                column,
-                field: v.field,
-                message: v.message,
-            }
-        })?;
+        let mut config = config;
+        config
+            .validate()
+            .and_then(|()| config.resolve_secrets())
+            .map_err(|v| {
+                let (line, column) = span_of_path(s, &v.field)
+                    .map(|r| line_col(s, r.start))
+                    .unwrap_or((0, 0));
+                ConfigError::Invalid {
+                    path: origin.to_owned(),
+                    line,
+                    column,
+                    field: v.field,
+                    message: v.message,
+                }
+            })?;
         Ok(config)
     }
 
@@ -254,6 +283,14 @@ impl Config {
         [ALLOW_ALL, DENY_ALL]
             .into_iter()
             .chain(self.policies.keys().map(String::as_str))
+    }
+
+    /// Load the secrets the policies' credential bindings name (see `policy::credentials`).
+    fn resolve_secrets(&mut self) -> Result<(), ValidationError> {
+        for (name, policy) in &mut self.policies {
+            crate::policy::credentials::resolve(policy, &format!("policies.{name}"))?;
+        }
+        Ok(())
     }
 
     /// Cross-field and semantic checks.
@@ -335,6 +372,12 @@ impl Config {
                 "proxy.client_congestion_control",
                 "must be an algorithm name (1-15 characters of [a-z0-9_]) or \"host\"",
             ));
+        }
+        if self.intercept.leaf_cache_entries == 0 {
+            return Err(verr("intercept.leaf_cache_entries", "must be > 0"));
+        }
+        if !self.agent.state_dir.is_absolute() {
+            return Err(verr("agent.state_dir", "must be an absolute path"));
         }
         if self.dns.attempts == 0 {
             return Err(verr("dns.attempts", "must be > 0"));

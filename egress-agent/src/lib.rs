@@ -15,6 +15,7 @@ pub mod metrics;
 pub mod notify;
 
 pub mod bpf;
+pub mod ca;
 pub mod cgroup;
 pub mod check;
 pub mod cleanup;
@@ -27,4 +28,5 @@ pub mod netif;
 pub mod nft;
 pub mod policy;
 pub mod proxy;
+pub mod secrets;
 pub mod status;

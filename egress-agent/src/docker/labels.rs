@@ -289,6 +289,7 @@ fn inline(hosts: &str, ports: Option<&str>) -> Result<(String, Policy), LabelErr
         allow_ports: ports,
         allow_cidrs: Vec::new(),
         deny_cidrs: Vec::new(),
+        ..Policy::deny_all()
     };
     policy
         .validate("egress.allow_hosts")

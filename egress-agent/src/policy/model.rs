@@ -10,7 +10,9 @@ use ipnet::IpNet;
 use serde::de::{self, MapAccess, Visitor};
 use serde::{Deserialize, Deserializer, Serialize};
 
+use super::credentials::CredentialBinding;
 use super::matcher::HostPattern;
+use super::rules::RequestRule;
 
 /// Built-in policy names; always present, cannot be redefined.
 pub const ALLOW_ALL: &str = "allow_all";
@@ -53,6 +55,14 @@ pub struct Policy {
     /// Added to the built-in deny list; wins over everything. May not overlap `allow_cidrs`.
     #[serde(default)]
     pub deny_cidrs: Vec<IpNet>,
+    /// Credential bindings: the secret a host gets, added by the proxy (TLS interception for
+    /// that host). Default none. See `policy::credentials`.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub credentials: Vec<CredentialBinding>,
+    /// Method/path rules for hosts (TLS interception for those hosts). Default none. See
+    /// `policy::rules`.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub request_rules: Vec<RequestRule>,
 }
 
 impl Policy {
@@ -69,6 +79,8 @@ impl Policy {
             allow_ports: default_ports(),
             allow_cidrs: Vec::new(),
             deny_cidrs: Vec::new(),
+            credentials: Vec::new(),
+            request_rules: Vec::new(),
         }
     }
 }
@@ -211,6 +223,8 @@ impl Policy {
                 }
             }
         }
+        super::credentials::validate(self, base)?;
+        super::rules::validate(&self.request_rules, base)?;
         Ok(())
     }
 }
