@@ -689,6 +689,83 @@ deny_cidrs = ["203.0.113.0/24"]
         );
     }
 
+    /// The commented interception example in config/example.toml is valid once uncommented (with
+    /// its secret file present), and its secret is loaded, not serialised.
+    #[test]
+    fn shipped_interception_example_is_valid() {
+        let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../config/example.toml");
+        let text = std::fs::read_to_string(path).unwrap();
+        let (head, example) = text.split_once("# [policies.agent]").unwrap();
+        let secret = std::env::temp_dir().join(format!("egress-example-{}", std::process::id()));
+        std::fs::write(&secret, "sk-example\n").unwrap();
+        let example: String = format!("# [policies.agent]{example}")
+            .lines()
+            .filter_map(|l| l.strip_prefix("# "))
+            .filter(|l| !l.starts_with('#'))
+            .map(|l| format!("{l}\n"))
+            .collect::<String>()
+            .replace(
+                "/etc/egress-agent/secrets/anthropic",
+                &secret.display().to_string(),
+            );
+        let c =
+            Config::from_toml_str(&format!("{head}{example}"), Path::new("example.toml")).unwrap();
+        std::fs::remove_file(&secret).ok();
+        let p = c.policy("agent").unwrap();
+        assert_eq!(p.credentials.len(), 1);
+        assert_eq!(p.request_rules.len(), 1);
+        assert_eq!(
+            p.credentials[0].secret.as_ref().map(|s| s.expose()),
+            Some(&b"sk-example"[..])
+        );
+        assert!(!toml::to_string(&c).unwrap().contains("sk-example"));
+    }
+
+    #[test]
+    fn credential_errors_are_located() {
+        let base = "[policies.p]\nallow_hosts = [\"api.test\"]\n[[policies.p.credentials]]\nhost = \"api.test\"\nheader = \"x-api-key\"\n";
+        let e = err(&format!(
+            "{base}source = {{ file = \"/nonexistent/key\" }}\n"
+        ));
+        assert!(
+            e.starts_with("/etc/egress-agent/test.toml:6:1: policies.p.credentials[0].source: can't read secret file /nonexistent/key"),
+            "{e}"
+        );
+        let e = err(&format!(
+            "{base}source = {{ env = \"EGRESS_SURELY_UNSET\" }}\n"
+        ));
+        assert!(
+            e.contains("policies.p.credentials[0].source") && e.contains("EGRESS_SURELY_UNSET"),
+            "{e}"
+        );
+        let e = err(
+            "[policies.p]\nallow_hosts = [\"a.test\"]\n[[policies.p.credentials]]\nhost = \"b.test\"\nheader = \"x-k\"\nsource = { env = \"X\" }\n",
+        );
+        assert!(
+            e.contains(":4:1: policies.p.credentials[0].host") && e.contains("allow_hosts"),
+            "{e}"
+        );
+        let e = err(
+            "[policies.p]\nallow_hosts = [\"a.test\"]\n[[policies.p.credentials]]\nhost = \"a.test\"\nheader = \"content-length\"\nsource = { env = \"X\" }\n",
+        );
+        assert!(e.contains("policies.p.credentials[0].header"), "{e}");
+        let e = err(
+            "[policies.p]\nallow_hosts = [\"a.test\"]\n[[policies.p.credentials]]\nhost = \"a.test\"\nheader = \"x-k\"\nrequire = true\nsource = { env = \"X\" }\n",
+        );
+        assert!(e.contains("policies.p.credentials[0].require"), "{e}");
+        let e = err(
+            "[policies.p]\nallow_hosts = [\"a.test\"]\n[[policies.p.request_rules]]\nhost = \"a.test\"\naction = \"allow\"\nmethods = [\"post\"]\n",
+        );
+        assert!(e.contains("policies.p.request_rules[0].methods[0]"), "{e}");
+        let e = err(
+            "[policies.p]\n[[policies.p.request_rules]]\nhost = \"a.test\"\naction = \"allow\"\npath = \"/a/../b\"\n",
+        );
+        assert!(
+            e.contains(":5:") && e.contains("policies.p.request_rules[0].path"),
+            "{e}"
+        );
+    }
+
     #[test]
     fn shipped_example_is_valid() {
         let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../config/example.toml");

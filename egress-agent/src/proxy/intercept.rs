@@ -403,6 +403,10 @@ async fn handle(mut req: Request<Incoming>, s: &Session) -> Response<Body> {
         shared.deny_event(&s.target, None, "https", reason);
         return forbidden(reason, &shared.name);
     }
+    // No tunnels inside an intercepted connection (h2 CONNECT, or HTTP/1.1 CONNECT after TLS).
+    if req.method() == http::Method::CONNECT {
+        return bad_request();
+    }
     if let Err(mismatch) = authority_ok(&req, &s.target) {
         if mismatch {
             shared.deny_request_event(
