@@ -149,5 +149,14 @@ fn key_files_never_appear_with_a_wider_mode() {
     let (looks, wide) = watcher.join().unwrap();
     assert!(wide.is_empty(), "seen with a wider mode: {wide:?}");
     assert!(looks > 0, "the watcher never saw a key file");
+    // Under systemd's UMask=0077 the public certificate is still readable (0644), the key 0600.
+    nix::sys::stat::umask(nix::sys::stat::Mode::from_bits_truncate(0o077));
+    let state = dir.join("umask077");
+    egress_agent::ca::AgentCa::load_or_create(&state).unwrap();
+    let mode = |f: &str| std::fs::metadata(state.join(f)).unwrap().mode() & 0o777;
+    assert_eq!(
+        (mode("ca-key.pem"), mode("ca.pem"), mode("ca-bundle.pem")),
+        (0o600, 0o644, 0o644)
+    );
     std::fs::remove_dir_all(&dir).ok();
 }

@@ -76,6 +76,10 @@ pub fn write_atomic(dir: &Path, name: &str, bytes: &[u8], mode: u32) -> Result<P
             .mode(mode)
             .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
             .open(&tmp)?;
+        // The umask may have narrowed `mode` (the unit's UMask=0077 would make the public
+        // certificate unreadable for containers): set exactly `mode`, still under the temporary
+        // name. This never widens a key beyond what was asked (0600).
+        f.set_permissions(fs::Permissions::from_mode(mode))?;
         f.write_all(bytes)?;
         f.sync_all()?;
         fs::rename(&tmp, &final_path)?;

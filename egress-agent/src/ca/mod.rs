@@ -191,6 +191,11 @@ impl AgentCa {
         &self.cert_pem
     }
 
+    /// The system roots followed by this CA (what `ca-bundle.pem` holds).
+    pub fn client_bundle_pem(&self) -> String {
+        client_bundle_pem(&self.cert_pem)
+    }
+
     pub fn cert_der(&self) -> &CertificateDer<'static> {
         &self.cert_der
     }
@@ -276,4 +281,49 @@ pub fn command_env(
         }
     }
     env
+}
+
+#[cfg(test)]
+#[expect(clippy::unwrap_used, reason = "test assertions")]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn command_env_names_the_ca_files_and_placeholders() {
+        let c = crate::config::Config::from_toml_str(
+            "[policies.p]\nallow_hosts = [\"a.test\"]\n[[policies.p.request_rules]]\nhost = \"a.test\"\naction = \"deny\"\n",
+            Path::new("t.toml"),
+        )
+        .unwrap();
+        let env = command_env(
+            c.policy("p").unwrap(),
+            Path::new("/run/b.pem"),
+            Path::new("/run/ca.pem"),
+        );
+        let get = |k: &str| env.iter().find(|(n, _)| n == k).map(|(_, v)| v.as_str());
+        assert_eq!(get("SSL_CERT_FILE"), Some("/run/b.pem"));
+        assert_eq!(get("REQUESTS_CA_BUNDLE"), Some("/run/b.pem"));
+        assert_eq!(get("NODE_EXTRA_CA_CERTS"), Some("/run/ca.pem"));
+        // A policy that intercepts nothing needs nothing.
+        assert!(
+            command_env(
+                &crate::policy::Policy::allow_all(),
+                Path::new("/b"),
+                Path::new("/c")
+            )
+            .is_empty()
+        );
+    }
+
+    #[test]
+    fn bundle_ends_with_the_agent_ca() {
+        let dir = std::env::temp_dir().join(format!("egress-ca-unit-{}", std::process::id()));
+        let ca = AgentCa::load_or_create(&dir).unwrap();
+        let b = ca.client_bundle_pem();
+        assert!(b.ends_with(ca.cert_pem()) || b.ends_with(&format!("{}\n", ca.cert_pem())));
+        let (chain, _) = ca.issue_leaf("api.test").unwrap();
+        assert_eq!(chain.len(), 2);
+        assert_eq!(&chain[1], ca.cert_der());
+        std::fs::remove_dir_all(&dir).ok();
+    }
 }

@@ -383,6 +383,13 @@ impl Harness {
         let secret = SECRET.as_bytes();
         let has = |b: &[u8]| b.windows(secret.len()).any(|w| w == secret);
         assert!(!has(self.events_json().as_bytes()), "secret in events");
+        // What the control API and `check` answer for policies.
+        let answer = egress_agent::check::effective_policies(&self.config).to_string();
+        assert!(
+            answer.contains(PLACEHOLDER),
+            "policies answer without the binding"
+        );
+        assert!(!has(answer.as_bytes()), "secret in the policies answer");
         let log = log_bytes();
         assert!(!log.is_empty(), "the log capture is not working");
         assert!(!has(&log), "secret in the agent's log");
