@@ -1560,6 +1560,20 @@ http_access deny all
             v.push(t.elapsed().as_secs_f64() * 1e6);
         }
         v.sort_by(f64::total_cmp);
+        if std::env::var_os("PROXY_BENCH_PERCENTILES").is_some() {
+            let q = |f: f64| v[((v.len() as f64 * f) as usize).min(v.len() - 1)];
+            eprintln!(
+                "  {}: p50 {:.0} p90 {:.0} p95 {:.0} p98 {:.0} p99 {:.0} p99.9 {:.0} max {:.0} µs",
+                peer.peer.name,
+                q(0.5),
+                q(0.9),
+                q(0.95),
+                q(0.98),
+                q(0.99),
+                q(0.999),
+                v[v.len() - 1]
+            );
+        }
         Ok((v[v.len() / 2], v[v.len() * 99 / 100]))
     }
 
