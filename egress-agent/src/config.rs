@@ -45,6 +45,9 @@ pub struct Config {
     /// Event export (syslog, OTLP). Default: none.
     #[serde(default)]
     pub export: crate::export::ExportConfig,
+    /// TLS interception (for hosts with credential bindings or request rules).
+    #[serde(default)]
+    pub intercept: InterceptConfig,
     /// Named policies. `allow_all` and `deny_all` are built in.
     #[serde(default)]
     pub policies: BTreeMap<String, Policy>,
@@ -59,8 +62,8 @@ pub struct AgentConfig {
     pub default_policy: String,
     /// Policy for containers without the opt-in label. Default `allow_all`.
     pub unlabeled: String,
-    /// Where the agent keeps its state (the event store). Created mode 0700. Default
-    /// `/var/lib/egress-agent`.
+    /// Where the agent keeps its state (the interception CA, the event store), created 0700.
+    /// Default `/var/lib/egress-agent`.
     pub state_dir: PathBuf,
 }
 
@@ -226,6 +229,25 @@ impl Default for DnsConfig {
     }
 }
 
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct InterceptConfig {
+    /// PEM file of extra CAs trusted for upstream servers of intercepted hosts, besides the
+    /// system roots. Default none.
+    pub upstream_ca_file: Option<PathBuf>,
+    /// Leaf certificates kept (one per intercepted name). Default 1 024.
+    pub leaf_cache_entries: usize,
+}
+
+impl Default for InterceptConfig {
+    fn default() -> Self {
+        InterceptConfig {
+            upstream_ca_file: None,
+            leaf_cache_entries: 1024,
+        }
+    }
+}
+
 /// A configuration error, always naming the file; line, column and field when known.
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
@@ -279,18 +301,22 @@ impl Config {
                 message: e.message().trim().to_owned(),
             }
         })?;
-        config.validate().map_err(|v| {
-            let (line, column) = span_of_path(s, &v.field)
-                .map(|r| line_col(s, r.start))
-                .unwrap_or((0, 0));
-            ConfigError::Invalid {
-                path: origin.to_owned(),
-                line,
-                column,
-                field: v.field,
-                message: v.message,
-            }
-        })?;
+        let mut config = config;
+        config
+            .validate()
+            .and_then(|()| config.resolve_secrets())
+            .map_err(|v| {
+                let (line, column) = span_of_path(s, &v.field)
+                    .map(|r| line_col(s, r.start))
+                    .unwrap_or((0, 0));
+                ConfigError::Invalid {
+                    path: origin.to_owned(),
+                    line,
+                    column,
+                    field: v.field,
+                    message: v.message,
+                }
+            })?;
         Ok(config)
     }
 
@@ -312,6 +338,14 @@ impl Config {
         [ALLOW_ALL, DENY_ALL, AUDIT]
             .into_iter()
             .chain(self.policies.keys().map(String::as_str))
+    }
+
+    /// Load the secrets the policies' credential bindings name (see `policy::credentials`).
+    fn resolve_secrets(&mut self) -> Result<(), ValidationError> {
+        for (name, policy) in &mut self.policies {
+            crate::policy::credentials::resolve(policy, &format!("policies.{name}"))?;
+        }
+        Ok(())
     }
 
     /// Cross-field and semantic checks.
@@ -393,6 +427,9 @@ impl Config {
                 "proxy.client_congestion_control",
                 "must be an algorithm name (1-15 characters of [a-z0-9_]) or \"host\"",
             ));
+        }
+        if self.intercept.leaf_cache_entries == 0 {
+            return Err(verr("intercept.leaf_cache_entries", "must be > 0"));
         }
         if !self.agent.state_dir.is_absolute() {
             return Err(verr("agent.state_dir", "must be an absolute path"));
@@ -713,6 +750,83 @@ deny_cidrs = ["203.0.113.0/24"]
             .to_string();
         assert!(
             e.starts_with("/nonexistent/egress.toml: cannot read"),
+            "{e}"
+        );
+    }
+
+    /// The commented interception example in config/example.toml is valid once uncommented (with
+    /// its secret file present), and its secret is loaded, not serialised.
+    #[test]
+    fn shipped_interception_example_is_valid() {
+        let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../config/example.toml");
+        let text = std::fs::read_to_string(path).unwrap();
+        let (head, example) = text.split_once("# [policies.agent]").unwrap();
+        let secret = std::env::temp_dir().join(format!("egress-example-{}", std::process::id()));
+        std::fs::write(&secret, "sk-example\n").unwrap();
+        let example: String = format!("# [policies.agent]{example}")
+            .lines()
+            .filter_map(|l| l.strip_prefix("# "))
+            .filter(|l| !l.starts_with('#'))
+            .map(|l| format!("{l}\n"))
+            .collect::<String>()
+            .replace(
+                "/etc/egress-agent/secrets/anthropic",
+                &secret.display().to_string(),
+            );
+        let c =
+            Config::from_toml_str(&format!("{head}{example}"), Path::new("example.toml")).unwrap();
+        std::fs::remove_file(&secret).ok();
+        let p = c.policy("agent").unwrap();
+        assert_eq!(p.credentials.len(), 1);
+        assert_eq!(p.request_rules.len(), 1);
+        assert_eq!(
+            p.credentials[0].secret.as_ref().map(|s| s.expose()),
+            Some(&b"sk-example"[..])
+        );
+        assert!(!toml::to_string(&c).unwrap().contains("sk-example"));
+    }
+
+    #[test]
+    fn credential_errors_are_located() {
+        let base = "[policies.p]\nallow_hosts = [\"api.test\"]\n[[policies.p.credentials]]\nhost = \"api.test\"\nheader = \"x-api-key\"\n";
+        let e = err(&format!(
+            "{base}source = {{ file = \"/nonexistent/key\" }}\n"
+        ));
+        assert!(
+            e.starts_with("/etc/egress-agent/test.toml:6:1: policies.p.credentials[0].source: can't read secret file /nonexistent/key"),
+            "{e}"
+        );
+        let e = err(&format!(
+            "{base}source = {{ env = \"EGRESS_SURELY_UNSET\" }}\n"
+        ));
+        assert!(
+            e.contains("policies.p.credentials[0].source") && e.contains("EGRESS_SURELY_UNSET"),
+            "{e}"
+        );
+        let e = err(
+            "[policies.p]\nallow_hosts = [\"a.test\"]\n[[policies.p.credentials]]\nhost = \"b.test\"\nheader = \"x-k\"\nsource = { env = \"X\" }\n",
+        );
+        assert!(
+            e.contains(":4:1: policies.p.credentials[0].host") && e.contains("allow_hosts"),
+            "{e}"
+        );
+        let e = err(
+            "[policies.p]\nallow_hosts = [\"a.test\"]\n[[policies.p.credentials]]\nhost = \"a.test\"\nheader = \"content-length\"\nsource = { env = \"X\" }\n",
+        );
+        assert!(e.contains("policies.p.credentials[0].header"), "{e}");
+        let e = err(
+            "[policies.p]\nallow_hosts = [\"a.test\"]\n[[policies.p.credentials]]\nhost = \"a.test\"\nheader = \"x-k\"\nrequire = true\nsource = { env = \"X\" }\n",
+        );
+        assert!(e.contains("policies.p.credentials[0].require"), "{e}");
+        let e = err(
+            "[policies.p]\nallow_hosts = [\"a.test\"]\n[[policies.p.request_rules]]\nhost = \"a.test\"\naction = \"allow\"\nmethods = [\"post\"]\n",
+        );
+        assert!(e.contains("policies.p.request_rules[0].methods[0]"), "{e}");
+        let e = err(
+            "[policies.p]\n[[policies.p.request_rules]]\nhost = \"a.test\"\naction = \"allow\"\npath = \"/a/../b\"\n",
+        );
+        assert!(
+            e.contains(":5:") && e.contains("policies.p.request_rules[0].path"),
             "{e}"
         );
     }

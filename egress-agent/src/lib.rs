@@ -15,6 +15,7 @@ pub mod metrics;
 pub mod notify;
 
 pub mod bpf;
+pub mod ca;
 pub mod cgroup;
 pub mod check;
 pub mod cleanup;
@@ -30,6 +31,7 @@ pub mod nft;
 pub mod policy;
 pub mod proxy;
 pub mod sandbox;
+pub mod secrets;
 pub mod status;
 pub mod store;
 pub mod suggest;

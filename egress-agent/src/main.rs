@@ -158,6 +158,14 @@ enum Command {
         #[arg(long)]
         config: Option<PathBuf>,
     },
+    /// Print the interception CA: its certificate path, the client bundle path (system roots +
+    /// the CA) and the certificate PEM. Creates the CA in `agent.state_dir` on first use.
+    Ca {
+        /// Configuration file (for `agent.state_dir`; default /etc/egress-agent/config.toml if it
+        /// exists).
+        #[arg(long)]
+        config: Option<PathBuf>,
+    },
     /// Internal: `exec`'s sandbox, stage 1 (cgroup, namespaces).
     #[command(name = "__exec-child", hide = true)]
     ExecChild {
@@ -338,6 +346,10 @@ fn main() -> ExitCode {
                 })
                 .map(|()| ExitCode::SUCCESS)
         }
+        Command::Ca { config } => {
+            init_cli_tracing();
+            print_ca(config.as_deref()).map(|()| ExitCode::SUCCESS)
+        }
         Command::Check {
             config,
             container,
@@ -481,4 +493,14 @@ fn init_daemon_tracing() -> tracing_appender::non_blocking::WorkerGuard {
         eprintln!("egress-agent: logging was already initialised");
     }
     guard
+}
+
+/// `egress-agent ca`.
+fn print_ca(config: Option<&std::path::Path>) -> anyhow::Result<()> {
+    let config = egress_agent::exec::load_config(config)?;
+    let ca = egress_agent::ca::AgentCa::load_or_create(&config.agent.state_dir)?;
+    println!("certificate: {}", ca.cert_path().display());
+    println!("bundle: {}", ca.bundle_path().display());
+    print!("{}", ca.cert_pem());
+    Ok(())
 }

@@ -1,7 +1,9 @@
 //! Idempotent machine setup: everything a fresh machine of this project's kind lacks.
 //!
 //! - Debian packages (build: libnftnl/libmnl/pkg-config; runtime and tests: nftables, iproute2,
-//!   docker.io, busybox-static; benchmark peers: squid, tinyproxy; unit check: systemd-analyze).
+//!   docker.io, busybox-static; benchmark peers: squid-openssl, tinyproxy; unit check:
+//!   systemd-analyze; the interception tests' clients: curl, python3, nodejs).
+//! - mitmproxy (PyPI, pinned) in its own venv: the interception benchmark's second peer.
 //! - `rust-src` for the nightly toolchain (the eBPF object is built with `-Z build-std=core`).
 //! - bpf-linker 0.13, built against the nightly toolchain's own libLLVM with an rpath (a plain
 //!   `cargo install bpf-linker` can't find `-lLLVM` here).
@@ -25,13 +27,23 @@ const APT_PACKAGES: &[&str] = &[
     "iproute2",
     "docker.io",
     "busybox-static",
-    "squid",
+    // squid with OpenSSL (ssl-bump: the interception benchmark's peer); replaces `squid`.
+    "squid-openssl",
     "tinyproxy",
     "systemd",
     "libcap2-bin",
     // export tests: a private rsyslogd receives the RFC 5424 syslog export
     "rsyslog",
+    // Real clients of the interception tests, and the venv mitmproxy is installed into.
+    "curl",
+    "python3",
+    "python3-venv",
+    "nodejs",
 ];
+
+/// mitmproxy (PyPI, pinned) for the interception benchmark, in a venv of its own.
+pub const MITMPROXY_VERSION: &str = "11.0.2";
+pub const MITMPROXY_VENV: &str = "/opt/egress-bench/mitmproxy-11.0.2";
 
 const BPF_LINKER_VERSION: &str = "0.13.0";
 
@@ -41,6 +53,7 @@ pub fn run() -> Result<()> {
     nightly_rust_src()?;
     bpf_linker()?;
     bpffs()?;
+    mitmproxy()?;
     eprintln!("xtask setup: done");
     Ok(())
 }
@@ -51,6 +64,7 @@ pub fn needed() -> bool {
         || !bpf_linker_ok()
         || !rust_src_installed().unwrap_or(false)
         || !bpffs_mounted()
+        || !mitmproxy_ok()
 }
 
 pub fn is_root() -> bool {
@@ -112,6 +126,33 @@ fn apt_packages() -> Result<()> {
         std::fs::remove_file(policy).ok();
     }
     result
+}
+
+fn mitmproxy_ok() -> bool {
+    Command::new(format!("{MITMPROXY_VENV}/bin/mitmdump"))
+        .arg("--version")
+        .output()
+        .is_ok_and(|o| {
+            o.status.success() && String::from_utf8_lossy(&o.stdout).contains(MITMPROXY_VERSION)
+        })
+}
+
+/// `python3 -m venv` + `pip install mitmproxy==<pinned>` (Debian's python3).
+fn mitmproxy() -> Result<()> {
+    if mitmproxy_ok() {
+        return Ok(());
+    }
+    eprintln!("xtask setup: installing mitmproxy {MITMPROXY_VERSION} into {MITMPROXY_VENV}");
+    sh("/usr/bin/python3", &["-m", "venv", MITMPROXY_VENV])?;
+    sh(
+        &format!("{MITMPROXY_VENV}/bin/pip"),
+        &[
+            "install",
+            "-q",
+            "--disable-pip-version-check",
+            &format!("mitmproxy=={MITMPROXY_VERSION}"),
+        ],
+    )
 }
 
 fn rust_src_installed() -> Result<bool> {

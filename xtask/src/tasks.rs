@@ -123,10 +123,12 @@ pub fn bench(quick: bool) -> Result<()> {
     let mut failed = Vec::new();
     // The second proxy-bench run gives every proxy the same half CPU, so tunnels/s compares the
     // proxies rather than the client's ceiling on this machine's two cores.
-    let runs: [(&str, &[&str]); 4] = [
+    // The fourth: TLS interception (credential injection) vs squid ssl-bump and mitmproxy.
+    let runs: [(&str, &[&str]); 5] = [
         ("connect-bench", &[]),
         ("proxy-bench", &[]),
         ("proxy-bench", &["--rate-only", "--cpu-quota", "50"]),
+        ("proxy-bench", &["--intercept"]),
         // Event store ingest, and allowed tunnels/s with and without a flood of refusals.
         ("store-bench", &[]),
     ];

@@ -128,7 +128,8 @@ async fn next_reload(reload: &mut Option<mpsc::Receiver<ReloadRequest>>) -> Opti
 }
 
 /// Apply a new configuration to the tracked containers. Settings that can't change under
-/// running listeners and pins (`[proxy]`, `[dns]`, `agent.bpffs`) need a restart: such a
+/// running listeners and pins (`[proxy]`, `[dns]`, `agent.bpffs`, `[intercept]`, `agent.state_dir`)
+/// need a restart: such a
 /// configuration is refused whole and the running one stays in force.
 async fn apply_reload(docker: Option<&Docker>, enforcer: &mut Enforcer, req: ReloadRequest) {
     let old = enforcer.config().clone();
@@ -137,6 +138,8 @@ async fn apply_reload(docker: Option<&Docker>, enforcer: &mut Enforcer, req: Rel
         (old.proxy != new.proxy, "[proxy]"),
         (old.dns != new.dns, "[dns]"),
         (old.agent.bpffs != new.agent.bpffs, "agent.bpffs"),
+        // The interception CA and upstream trust are set up once per proxy context.
+        (old.intercept != new.intercept, "[intercept]"),
         (
             old.agent.state_dir != new.agent.state_dir,
             "agent.state_dir",

@@ -19,10 +19,13 @@
 //! goes on. Request-shape refusals (userinfo, numeric IP forms, Host mismatch, malformed heads) are
 //! not policy decisions and are refused in every mode.
 pub mod addr;
+pub mod credentials;
 pub mod kernel;
+pub mod l7;
 pub mod matcher;
 pub mod model;
 pub mod name;
+pub mod rules;
 
 use std::net::IpAddr;
 
@@ -47,6 +50,22 @@ pub enum DenyReason {
     AddressDeniedByPolicy,
     HostHeaderMismatch,
     UserinfoNotAllowed,
+    /// A credential placeholder on a request to a host other than its binding's.
+    PlaceholderWrongHost,
+    /// `require = true` and the request to the bound host lacks the placeholder.
+    PlaceholderMissing,
+    /// The binding's secret isn't loaded.
+    CredentialUnavailable,
+    /// A `deny` request rule matched.
+    RequestDeniedByRule,
+    /// The host has `allow` request rules and none matched.
+    RequestNotAllowed,
+    /// A path the request rules can't judge safely (dot/empty segments, encoded `/`, ...).
+    PathNotNormalized,
+    /// The TLS ClientHello named another server than the CONNECT target.
+    SniMismatch,
+    /// Interception is needed for this host but could not be set up (CA, TLS).
+    InterceptionUnavailable,
 }
 
 impl DenyReason {
@@ -62,6 +81,14 @@ impl DenyReason {
             DenyReason::AddressDeniedByPolicy => "address-denied-by-policy",
             DenyReason::HostHeaderMismatch => "host-header-mismatch",
             DenyReason::UserinfoNotAllowed => "userinfo-not-allowed",
+            DenyReason::PlaceholderWrongHost => "placeholder-wrong-host",
+            DenyReason::PlaceholderMissing => "credential-placeholder-missing",
+            DenyReason::CredentialUnavailable => "credential-unavailable",
+            DenyReason::RequestDeniedByRule => "request-denied-by-rule",
+            DenyReason::RequestNotAllowed => "request-not-allowed",
+            DenyReason::PathNotNormalized => "path-not-normalized",
+            DenyReason::SniMismatch => "sni-mismatch",
+            DenyReason::InterceptionUnavailable => "interception-unavailable",
         }
     }
 }
@@ -101,6 +128,7 @@ pub struct CompiledPolicy {
     ports: Vec<u16>,
     allow_cidrs: Vec<CidrRule>,
     deny_cidrs: Vec<IpNet>,
+    l7: l7::L7Policy,
 }
 
 impl CompiledPolicy {
@@ -115,6 +143,7 @@ impl CompiledPolicy {
             ports,
             allow_cidrs: p.allow_cidrs.clone(),
             deny_cidrs: p.deny_cidrs.clone(),
+            l7: l7::L7Policy::new(p),
         }
     }
 
@@ -154,6 +183,11 @@ impl CompiledPolicy {
             },
             Err(reason) => Decision::Deny(reason),
         }
+    }
+
+    /// Request-level decisions (credential bindings, request rules).
+    pub fn l7(&self) -> &l7::L7Policy {
+        &self.l7
     }
 
     /// The early check, before resolution. IP literals get their full address check here.

@@ -10,7 +10,9 @@ use ipnet::IpNet;
 use serde::de::{self, MapAccess, Visitor};
 use serde::{Deserialize, Deserializer, Serialize};
 
+use super::credentials::CredentialBinding;
 use super::matcher::HostPattern;
+use super::rules::RequestRule;
 
 /// Built-in policy names; always present, cannot be redefined.
 pub const ALLOW_ALL: &str = "allow_all";
@@ -91,6 +93,14 @@ pub struct Policy {
     /// refuses). `allowlist` only.
     #[serde(default, skip_serializing_if = "Enforce::is_enforce")]
     pub enforce: Enforce,
+    /// Credential bindings: the secret a host gets, added by the proxy (TLS interception for
+    /// that host). Default none. See `policy::credentials`.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub credentials: Vec<CredentialBinding>,
+    /// Method/path rules for hosts (TLS interception for those hosts). Default none. See
+    /// `policy::rules`.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub request_rules: Vec<RequestRule>,
 }
 
 fn default_true() -> bool {
@@ -114,6 +124,8 @@ impl Policy {
             allow_inbound: Vec::new(),
             allow_published_ports: true,
             enforce: Enforce::Enforce,
+            credentials: Vec::new(),
+            request_rules: Vec::new(),
         }
     }
     /// The built-in [`AUDIT`] policy.
@@ -297,6 +309,8 @@ impl Policy {
                 }
             }
         }
+        super::credentials::validate(self, base)?;
+        super::rules::validate(&self.request_rules, base)?;
         Ok(())
     }
 }

@@ -343,6 +343,18 @@ async fn handle(mut req: Request<Incoming>, state: &ConnState) -> Response<Body>
             // hyper's buffered bytes were read before whatever is left of our prefix.
             let mut pending = parts.read_buf.to_vec();
             pending.extend_from_slice(&client.prefix[client.pos..]);
+            if super::intercept::intercepts(&shared, &target) {
+                let client = super::prefixed::Prefixed::new(pending, client.inner);
+                super::intercept::serve(
+                    client,
+                    upstream,
+                    target,
+                    shared.clone(),
+                    std::future::pending::<()>(),
+                )
+                .await;
+                return;
+            }
             // Shutdown: `serve` aborts this task.
             shared
                 .relay(
@@ -359,6 +371,27 @@ async fn handle(mut req: Request<Incoming>, state: &ConnState) -> Response<Body>
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner) = Some(tunnel);
         return Response::new(Either::Right(Full::new(Bytes::new())));
+    }
+
+    // Request-level rules and placeholders (plain HTTP never gets a secret: a placeholder of any
+    // binding is refused here).
+    {
+        let policy = shared.policy.load();
+        let uri = req.uri();
+        let view = crate::policy::l7::RequestView {
+            method: req.method().as_str(),
+            path: uri.path(),
+            query: uri.query(),
+            headers: req.headers(),
+        };
+        if let Err(reason) = policy
+            .l7()
+            .check(&target.dest, target.port, false, &view)
+            .map(|_| ())
+        {
+            shared.deny_request_event(&target, protocol, reason, req.method().as_str(), uri.path());
+            return forbidden(reason, &shared.name);
+        }
     }
 
     // Reuse the previous upstream only for the same target, and only after this request's check.
@@ -450,7 +483,7 @@ fn target_of_authority(t: &Target) -> Option<HeaderValue> {
     HeaderValue::from_str(&s).ok()
 }
 
-fn strip_hop_by_hop(h: &mut HeaderMap) {
+pub(crate) fn strip_hop_by_hop(h: &mut HeaderMap) {
     let named: Vec<HeaderName> = h
         .get_all(header::CONNECTION)
         .iter()

@@ -12,11 +12,14 @@
 //! is forwarded before the checks pass.
 pub mod dial;
 pub mod http;
+pub mod intercept;
 pub mod listen;
+pub mod prefixed;
 mod record;
 pub mod request;
 pub mod resolve;
 pub mod response;
+pub mod tls;
 pub mod tunnel;
 
 use std::collections::BTreeMap;
@@ -55,6 +58,8 @@ pub enum ProxyError {
     UnknownPolicy(String),
     #[error(transparent)]
     CongestionControl(#[from] listen::CongestionError),
+    #[error("TLS interception: {0}")]
+    Intercept(#[from] tls::TlsSetupError),
 }
 
 /// Timeouts and bounds (from [`ProxyConfig`]).
@@ -96,6 +101,9 @@ struct CtxInner {
     events: EventSink,
     limits: Limits,
     conns: Arc<Semaphore>,
+    /// TLS interception: settings, and the interceptor once set up (see [`ProxyContext::interceptor`]).
+    intercept: Option<tls::InterceptSettings>,
+    interceptor: std::sync::OnceLock<Arc<tls::Interceptor>>,
 }
 
 /// What every listener shares: resolver, event sink, limits, the connection bound, and optionally
@@ -120,12 +128,39 @@ impl ProxyContext {
     pub fn new(config: &Config, events: EventSink) -> Result<ProxyContext, ProxyError> {
         let resolver = DnsResolver::from_config(&config.dns)?;
         let client_cc = listen::client_congestion_control(&config.proxy)?;
-        Ok(ProxyContext::build(
-            Limits::from(&config.proxy),
-            resolver,
-            events,
-            client_cc,
-        ))
+        let mut ctx = ProxyContext::build(Limits::from(&config.proxy), resolver, events, client_cc);
+        let settings = tls::InterceptSettings::from_config(config);
+        // Set up now (CA created, roots read) when a policy intercepts; otherwise on first use
+        // (a reload that adds a binding).
+        let needed = config
+            .policies
+            .values()
+            .any(|p| !p.credentials.is_empty() || !p.request_rules.is_empty());
+        if let Some(inner) = Arc::get_mut(&mut ctx.inner) {
+            if needed {
+                let icpt = tls::Interceptor::new(&settings)?;
+                inner.interceptor.set(Arc::new(icpt)).ok();
+            }
+            inner.intercept = Some(settings);
+        }
+        Ok(ctx)
+    }
+
+    /// The interceptor (CA, leaf cache, upstream TLS), set up on first use; `None` if this
+    /// context has no interception settings or setting up failed (intercepted hosts are then
+    /// refused: `interception-unavailable`).
+    pub fn interceptor(&self) -> Option<Arc<tls::Interceptor>> {
+        if let Some(i) = self.inner.interceptor.get() {
+            return Some(i.clone());
+        }
+        let settings = self.inner.intercept.as_ref()?;
+        match tls::Interceptor::new(settings) {
+            Ok(i) => Some(self.inner.interceptor.get_or_init(|| Arc::new(i)).clone()),
+            Err(e) => {
+                tracing::warn!(error = %e, "TLS interception unavailable");
+                None
+            }
+        }
     }
 
     /// From parts (client-facing sockets keep the host's congestion control).
@@ -147,6 +182,8 @@ impl ProxyContext {
                 events,
                 limits,
                 conns,
+                intercept: None,
+                interceptor: std::sync::OnceLock::new(),
             }),
             metrics: None,
         }
@@ -550,6 +587,11 @@ async fn handle_connection(
             // Bytes the client pipelined after the head; the head buffer itself is freed here.
             let early = buf.split_off(len.min(buf.len()));
             drop(buf);
+            if intercept::intercepts(shared, &target) {
+                let client = prefixed::Prefixed::new(early, stream);
+                intercept::serve(client, upstream, target, shared.clone(), stopped(stop)).await;
+                return;
+            }
             shared
                 .relay(&mut stream, &mut upstream, early, &target, stopped(stop))
                 .await;

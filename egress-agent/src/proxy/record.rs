@@ -42,6 +42,19 @@ impl Shared {
         reason: &str,
         verdict: Verdict,
     ) {
+        self.record_with(target, ip, protocol, reason, verdict, &[]);
+    }
+
+    /// [`Shared::record`] with extra context fields (method and path of a refused request).
+    fn record_with(
+        &self,
+        target: &Target,
+        ip: Option<IpAddr>,
+        protocol: &str,
+        reason: &str,
+        verdict: Verdict,
+        extra: &[(&str, &str)],
+    ) {
         let (host, ip) = match &target.dest {
             Destination::Name(n) => (Some(n.as_str().to_owned()), ip),
             Destination::Ip(lit) => (None, Some(ip.unwrap_or(*lit))),
@@ -54,7 +67,42 @@ impl Shared {
             ev.context
                 .extend(id.context.iter().map(|(k, v)| (k.clone(), v.clone())));
         }
+        for (k, v) in extra {
+            ev.context.insert((*k).to_owned(), (*v).to_owned());
+        }
         self.ctx.events().emit(ev);
+    }
+
+    /// A denial event about `target` (the interception path's refusals).
+    pub(crate) fn deny_event(
+        &self,
+        target: &Target,
+        ip: Option<IpAddr>,
+        protocol: &str,
+        reason: DenyReason,
+    ) {
+        self.record(target, ip, protocol, reason.as_str(), Verdict::Deny);
+    }
+
+    /// A refused request inside an intercepted connection (or plain HTTP): the event also
+    /// carries the method and the path (never the query string or fragment).
+    pub(crate) fn deny_request_event(
+        &self,
+        target: &Target,
+        protocol: &str,
+        reason: DenyReason,
+        method: &str,
+        path: &str,
+    ) {
+        let path = path.split(['?', '#']).next().unwrap_or("");
+        self.record_with(
+            target,
+            None,
+            protocol,
+            reason.as_str(),
+            Verdict::Deny,
+            &[("method", method), ("path", path)],
+        );
     }
 
     /// An allowed (and forwarded) request or CONNECT: the allowed counter, and an allow event

@@ -8,6 +8,9 @@
 //! `/etc/hosts` is a private bind mount (mount namespace) that maps the bench name to 127.0.0.1.
 //! It prints a table with ratios; it never asserts on times.
 //!
+//! `--intercept` measures TLS interception instead (agent vs squid ssl-bump vs mitmproxy; see the
+//! `intercept` module at the end).
+//!
 //! Usage: `proxy-bench [--quick] [--rounds N] [--idle N] [--peers direct,agent,squid,tinyproxy,floor]
 //!         [--rate-only | --bulk-only] [--io-buffer BYTES] [--agent-buffer BYTES]
 //!         [--peer-logs off|default] [--cpu-quota PERCENT]
@@ -130,7 +133,11 @@ fn main() -> Result<()> {
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()?;
-    let r = rt.block_on(run(opts));
+    let r = if args.iter().any(|a| a == "--intercept") {
+        rt.block_on(intercept::run(opts.quick, opts.rounds))
+    } else {
+        rt.block_on(run(opts))
+    };
     drop(rt);
     reap_orphans(Duration::from_secs(5));
     drop(cgroup);
@@ -1094,4 +1101,676 @@ fn print_table(m: &BTreeMap<(&str, &str), f64>, o: &Opts) {
         verdict(get("agent", "added latency p99 µs").map(|v| v < 200.0)),
         verdict(get("agent", "RSS KiB/idle tunnel").map(|v| v < 16.0)),
     );
+}
+
+// ---------------------------------------------------------------- TLS interception (`--intercept`)
+//
+// Requests through an intercepting proxy that terminates TLS, swaps a placeholder
+// `Authorization` for the real one and forwards to a TLS upstream (verified against the
+// upstream's own CA): the agent (a credential binding + a request rule), squid 5 with ssl-bump
+// (Debian's squid-openssl: `ssl_bump peek step1; bump all`, `request_header_replace`) and
+// mitmproxy (PyPI, pinned; `--modify-headers`), next to `direct` TLS to the upstream. Measured:
+// requests/s and proxy CPU µs/request on kept-alive connections (each client one CONNECT + TLS,
+// then sequential GETs) and with a new connection per request (CONNECT + both TLS handshakes +
+// GET; client session resumption off, so every handshake is full), and the p50/p99 of one
+// kept-alive client's sequential requests (added = proxy − direct). The upstream counts requests
+// that arrived with the real secret, so a peer that didn't inject is visible in the output.
+
+mod intercept {
+    use super::*;
+    use bytes::Bytes;
+    use http_body_util::{BodyExt, Empty, Full};
+    use hyper_util::rt::TokioIo;
+    use rustls::pki_types::{CertificateDer, PrivateKeyDer, PrivatePkcs8KeyDer, ServerName};
+
+    const SECRET: &str = "bench-real-secret-0123456789";
+    const PLACEHOLDER: &str = "egress-bench-placeholder";
+    const PEERS: [&str; 4] = ["direct", "agent", "squid", "mitmproxy"];
+
+    pub struct TlsUpstream {
+        pub addr: SocketAddr,
+        pub ca_pem: String,
+        pub with_secret: Arc<AtomicU64>,
+        pub total: Arc<AtomicU64>,
+    }
+
+    fn ca() -> Result<(String, String, rcgen::Issuer<'static, rcgen::KeyPair>)> {
+        let key = rcgen::KeyPair::generate()?;
+        let mut p = rcgen::CertificateParams::default();
+        p.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
+        p.distinguished_name
+            .push(rcgen::DnType::CommonName, "proxy-bench CA");
+        p.key_usages = vec![
+            rcgen::KeyUsagePurpose::KeyCertSign,
+            rcgen::KeyUsagePurpose::DigitalSignature,
+            rcgen::KeyUsagePurpose::CrlSign,
+        ];
+        let cert = p.self_signed(&key)?;
+        let key_pem = key.serialize_pem();
+        Ok((cert.pem(), key_pem, rcgen::Issuer::new(p, key)))
+    }
+
+    pub async fn start_upstream(dir: &Path) -> Result<TlsUpstream> {
+        let (ca_pem, _, issuer) = ca()?;
+        std::fs::write(dir.join("upstream-ca.pem"), &ca_pem)?;
+        let key = rcgen::KeyPair::generate()?;
+        let cert =
+            rcgen::CertificateParams::new(vec![NAME.to_owned()])?.signed_by(&key, &issuer)?;
+        let mut cfg = rustls::ServerConfig::builder_with_provider(Arc::new(
+            rustls::crypto::ring::default_provider(),
+        ))
+        .with_safe_default_protocol_versions()?
+        .with_no_client_auth()
+        .with_single_cert(
+            vec![cert.der().clone()],
+            PrivateKeyDer::Pkcs8(PrivatePkcs8KeyDer::from(key.serialize_der())),
+        )?;
+        cfg.alpn_protocols = vec![b"http/1.1".to_vec()];
+        let acceptor = tokio_rustls::TlsAcceptor::from(Arc::new(cfg));
+        let l = TcpListener::bind("127.0.0.1:0").await?;
+        let addr = l.local_addr()?;
+        let with_secret = Arc::new(AtomicU64::new(0));
+        let total = Arc::new(AtomicU64::new(0));
+        let (ws, tt) = (with_secret.clone(), total.clone());
+        let want = format!("Bearer {SECRET}");
+        tokio::spawn(async move {
+            while let Ok((tcp, _)) = l.accept().await {
+                tcp.set_nodelay(true).ok();
+                let (acceptor, ws, tt, want) =
+                    (acceptor.clone(), ws.clone(), tt.clone(), want.clone());
+                tokio::spawn(async move {
+                    let Ok(tls) = acceptor.accept(tcp).await else {
+                        return;
+                    };
+                    let svc = hyper::service::service_fn(
+                        move |req: hyper::Request<hyper::body::Incoming>| {
+                            tt.fetch_add(1, Ordering::Relaxed);
+                            if req
+                                .headers()
+                                .get("authorization")
+                                .is_some_and(|v| v == want.as_str())
+                            {
+                                ws.fetch_add(1, Ordering::Relaxed);
+                            }
+                            async move {
+                                Ok::<_, std::convert::Infallible>(hyper::Response::new(Full::new(
+                                    Bytes::from_static(b"ok\n"),
+                                )))
+                            }
+                        },
+                    );
+                    hyper::server::conn::http1::Builder::new()
+                        .serve_connection(TokioIo::new(tls), svc)
+                        .await
+                        .ok();
+                });
+            }
+        });
+        Ok(TlsUpstream {
+            addr,
+            ca_pem,
+            with_secret,
+            total,
+        })
+    }
+
+    /// A peer and the CA its clients must trust.
+    pub struct IPeer {
+        pub peer: Peer,
+        pub client: Arc<rustls::ClientConfig>,
+    }
+
+    fn client_config(ca_pem: &str) -> Result<Arc<rustls::ClientConfig>> {
+        let mut roots = rustls::RootCertStore::empty();
+        for p in pem::parse_many(ca_pem)? {
+            if p.tag() == "CERTIFICATE" {
+                roots.add(CertificateDer::from(p.into_contents()))?;
+            }
+        }
+        let mut cfg = rustls::ClientConfig::builder_with_provider(Arc::new(
+            rustls::crypto::ring::default_provider(),
+        ))
+        .with_safe_default_protocol_versions()?
+        .with_root_certificates(roots)
+        .with_no_client_auth();
+        cfg.alpn_protocols = vec![b"http/1.1".to_vec()];
+        // Every new connection is a full handshake (no resumption) for every peer alike.
+        cfg.resumption = rustls::client::Resumption::disabled();
+        Ok(Arc::new(cfg))
+    }
+
+    pub async fn start_agent(dir: &Path, up: &TlsUpstream) -> Result<IPeer> {
+        let state = dir.join("agent-state");
+        std::fs::write(dir.join("agent-secret"), SECRET)?;
+        let cfg = dir.join("agent-intercept.toml");
+        let p = up.addr.port();
+        std::fs::write(
+            &cfg,
+            format!(
+                r#"[agent]
+default_policy = "bench"
+state_dir = "{state}"
+[intercept]
+upstream_ca_file = "{d}/upstream-ca.pem"
+[proxy]
+max_connections = 19000
+max_connections_per_listener = 19000
+[dns]
+nameservers = []
+hosts_file = "{d}/hosts"
+[policies.bench]
+allow_hosts = ["{NAME}"]
+allow_ports = [{p}]
+allow_cidrs = [{{ cidr = "127.0.0.1/32", ports = [{p}] }}]
+[[policies.bench.credentials]]
+host = "{NAME}"
+port = {p}
+header = "authorization"
+prefix = "Bearer "
+source = {{ file = "{d}/agent-secret" }}
+placeholder = "{PLACEHOLDER}"
+require = true
+[[policies.bench.request_rules]]
+host = "{NAME}"
+port = {p}
+action = "allow"
+methods = ["GET"]
+path = "/**"
+"#,
+                state = state.display(),
+                d = dir.display(),
+            ),
+        )?;
+        let out = dir.join("agent-intercept.addrs");
+        let me = std::env::current_exe()?;
+        let child = spawn_pinned(
+            dir,
+            &format!("{} serve {} {}", me.display(), cfg.display(), out.display()),
+            "agent-intercept.log",
+        )?;
+        let peer = started(
+            "agent",
+            "agent proxy",
+            child,
+            &out,
+            &dir.join("agent-intercept.log"),
+        )
+        .await?;
+        let ca_pem = std::fs::read_to_string(state.join("ca.pem"))?;
+        Ok(IPeer {
+            peer,
+            client: client_config(&ca_pem)?,
+        })
+    }
+
+    pub async fn start_squid(dir: &Path, up: &TlsUpstream) -> Result<IPeer> {
+        let port = free_port()?;
+        let sq = dir.join("squid-bump");
+        std::fs::create_dir_all(&sq)?;
+        let (ca_pem, key_pem, _) = ca()?;
+        std::fs::write(sq.join("ca.pem"), &ca_pem)?;
+        std::fs::write(sq.join("ca.key"), key_pem)?;
+        let certgen = "/usr/lib/squid/security_file_certgen";
+        let st = Command::new(certgen)
+            .args(["-c", "-s"])
+            .arg(sq.join("ssl_db"))
+            .args(["-M", "16MB"])
+            .output()
+            .with_context(|| format!("{certgen} (is squid-openssl installed?)"))?;
+        if !st.status.success() {
+            bail!("{certgen} -c: {}", String::from_utf8_lossy(&st.stderr));
+        }
+        Command::new("chown")
+            .args(["-R", "proxy:proxy"])
+            .arg(&sq)
+            .status()?;
+        let conf = sq.join("squid.conf");
+        std::fs::write(
+            &conf,
+            format!(
+                "http_port 127.0.0.1:{port} ssl-bump tls-cert={d}/ca.pem tls-key={d}/ca.key generate-host-certificates=on dynamic_cert_mem_cache_size=16MB
+sslcrtd_program {certgen} -s {d}/ssl_db -M 16MB
+sslcrtd_children 4 startup=1 idle=1
+tls_outgoing_options cafile={top}/upstream-ca.pem
+acl step1 at_step SslBump1
+ssl_bump peek step1
+ssl_bump bump all
+request_header_access Authorization deny all
+request_header_replace Authorization Bearer {SECRET}
+pid_filename {d}/squid.pid
+cache_log {d}/cache.log
+access_log none
+cache_store_log none
+logfile_rotate 0
+coredump_dir {d}
+netdb_filename none
+cache deny all
+cache_mem 8 MB
+hosts_file {top}/hosts
+dns_nameservers 127.0.0.1
+max_filedescriptors 20000
+shutdown_lifetime 0 seconds
+workers 1
+acl bench_hosts dstdomain {NAME}
+acl bench_ports port {p}
+http_access allow bench_hosts bench_ports
+http_access deny all
+",
+                d = sq.display(),
+                top = dir.display(),
+                p = up.addr.port(),
+            ),
+        )?;
+        let mut child = spawn_pinned(
+            dir,
+            &format!("squid -N -f {}", conf.display()),
+            "squid-bump.out",
+        )?;
+        let addr: SocketAddr = format!("127.0.0.1:{port}").parse()?;
+        wait_listening(addr, "squid (ssl-bump)", &mut child).await?;
+        Ok(IPeer {
+            peer: Peer {
+                name: "squid",
+                addr: Some(addr),
+                child: Some(child),
+            },
+            client: client_config(&ca_pem)?,
+        })
+    }
+
+    /// mitmdump from the venv `cargo xtask setup` makes (override: `MITMDUMP`).
+    fn mitmdump() -> PathBuf {
+        std::env::var_os("MITMDUMP").map_or_else(
+            || PathBuf::from("/opt/egress-bench/mitmproxy-11.0.2/bin/mitmdump"),
+            PathBuf::from,
+        )
+    }
+
+    pub async fn start_mitmproxy(dir: &Path, up: &TlsUpstream) -> Result<IPeer> {
+        let port = free_port()?;
+        let conf = dir.join("mitm");
+        std::fs::create_dir_all(&conf)?;
+        let bin = mitmdump();
+        if !bin.exists() {
+            bail!("{} missing (cargo xtask setup installs it)", bin.display());
+        }
+        let mut child = spawn_pinned(
+            dir,
+            &format!(
+                "{bin} -q --listen-host 127.0.0.1 --listen-port {port} --set confdir={c} \
+                 --set ssl_verify_upstream_trusted_ca={d}/upstream-ca.pem \
+                 --modify-headers '/~q/Authorization/Bearer {SECRET}'",
+                bin = bin.display(),
+                c = conf.display(),
+                d = dir.display(),
+            ),
+            "mitmproxy.out",
+        )?;
+        let addr: SocketAddr = format!("127.0.0.1:{port}").parse()?;
+        wait_listening(addr, "mitmproxy", &mut child).await?;
+        let _ = &up.addr;
+        let ca_pem = std::fs::read_to_string(conf.join("mitmproxy-ca-cert.pem"))?;
+        Ok(IPeer {
+            peer: Peer {
+                name: "mitmproxy",
+                addr: Some(addr),
+                child: Some(child),
+            },
+            client: client_config(&ca_pem)?,
+        })
+    }
+
+    type Sender = hyper::client::conn::http1::SendRequest<Empty<Bytes>>;
+
+    /// A kept-alive HTTP/1.1 connection over TLS to the upstream, through the peer (CONNECT).
+    async fn connect(peer: &IPeer, up: SocketAddr) -> Result<Sender> {
+        let tcp = open(peer.peer.addr, up).await?;
+        let name = ServerName::try_from(NAME)?;
+        let tls = tokio_rustls::TlsConnector::from(peer.client.clone())
+            .connect(name, tcp)
+            .await?;
+        let (sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(tls)).await?;
+        tokio::spawn(async move {
+            conn.await.ok();
+        });
+        Ok(sender)
+    }
+
+    async fn get(s: &mut Sender, port: u16) -> Result<()> {
+        s.ready().await?;
+        let req = hyper::Request::get("/v1/bench")
+            .header("host", format!("{NAME}:{port}"))
+            .header("authorization", format!("Bearer {PLACEHOLDER}"))
+            .body(Empty::new())?;
+        let resp = s.send_request(req).await?;
+        if resp.status() != 200 {
+            bail!("status {}", resp.status());
+        }
+        resp.into_body().collect().await?;
+        Ok(())
+    }
+
+    struct Rate {
+        per_sec: f64,
+        cpu_us: Option<f64>,
+        errors: u64,
+    }
+
+    /// CPU ticks of `pid` and its direct children (squid's certificate helpers).
+    fn tree_ticks(pid: u32) -> Option<u64> {
+        let mut total = cpu_ticks(pid)?;
+        for e in std::fs::read_dir("/proc").ok()?.flatten() {
+            let Some(child) = e.file_name().to_str().and_then(|s| s.parse::<u32>().ok()) else {
+                continue;
+            };
+            let Ok(stat) = std::fs::read_to_string(format!("/proc/{child}/stat")) else {
+                continue;
+            };
+            let ppid = stat
+                .rfind(')')
+                .and_then(|i| stat[i + 2..].split_whitespace().nth(1))
+                .and_then(|p| p.parse::<u32>().ok());
+            if ppid == Some(pid) {
+                total += cpu_ticks(child).unwrap_or(0);
+            }
+        }
+        Some(total)
+    }
+
+    async fn rate(peer: &IPeer, up: SocketAddr, clients: usize, secs: f64, kept: bool) -> Rate {
+        let ok = Arc::new(AtomicU64::new(0));
+        let errors = Arc::new(AtomicU64::new(0));
+        let pid = peer.peer.pid();
+        let mut senders = Vec::new();
+        if kept {
+            for _ in 0..clients {
+                match connect(peer, up).await {
+                    Ok(s) => senders.push(Some(s)),
+                    Err(e) => {
+                        eprintln!("  {}: connect failed: {e:#}", peer.peer.name);
+                        errors.fetch_add(1, Ordering::Relaxed);
+                    }
+                }
+            }
+        } else {
+            senders.resize_with(clients, || None);
+        }
+        let cpu0 = pid.and_then(tree_ticks);
+        let start = Instant::now();
+        let deadline = start + Duration::from_secs_f64(secs);
+        let mut tasks = Vec::new();
+        for s in senders {
+            let (ok, errors) = (ok.clone(), errors.clone());
+            let peer_client = (peer.peer.addr, peer.client.clone());
+            tasks.push(tokio::spawn(async move {
+                let p = IPeer {
+                    peer: Peer {
+                        name: "client",
+                        addr: peer_client.0,
+                        child: None,
+                    },
+                    client: peer_client.1,
+                };
+                let mut s = s;
+                while Instant::now() < deadline {
+                    let r = async {
+                        match &mut s {
+                            Some(s) => get(s, up.port()).await,
+                            None => {
+                                let mut fresh = connect(&p, up).await?;
+                                get(&mut fresh, up.port()).await
+                            }
+                        }
+                    }
+                    .await;
+                    match r {
+                        Ok(()) => ok.fetch_add(1, Ordering::Relaxed),
+                        Err(_) => errors.fetch_add(1, Ordering::Relaxed),
+                    };
+                }
+            }));
+        }
+        for t in tasks {
+            t.await.ok();
+        }
+        let n = ok.load(Ordering::Relaxed);
+        let elapsed = start.elapsed().as_secs_f64();
+        let cpu1 = pid.and_then(tree_ticks);
+        Rate {
+            per_sec: n as f64 / elapsed,
+            cpu_us: match (cpu0, cpu1) {
+                (Some(a), Some(b)) if n > 0 => {
+                    Some(b.saturating_sub(a) as f64 * 10_000.0 / n as f64)
+                }
+                _ => None,
+            },
+            errors: errors.load(Ordering::Relaxed),
+        }
+    }
+
+    async fn latency(peer: &IPeer, up: SocketAddr, n: usize) -> Result<(f64, f64)> {
+        let mut s = connect(peer, up).await?;
+        for _ in 0..n / 10 {
+            get(&mut s, up.port()).await?;
+        }
+        let mut v = Vec::with_capacity(n);
+        for _ in 0..n {
+            let t = Instant::now();
+            get(&mut s, up.port()).await?;
+            v.push(t.elapsed().as_secs_f64() * 1e6);
+        }
+        v.sort_by(f64::total_cmp);
+        if std::env::var_os("PROXY_BENCH_PERCENTILES").is_some() {
+            let q = |f: f64| v[((v.len() as f64 * f) as usize).min(v.len() - 1)];
+            eprintln!(
+                "  {}: p50 {:.0} p90 {:.0} p95 {:.0} p98 {:.0} p99 {:.0} p99.9 {:.0} max {:.0} µs",
+                peer.peer.name,
+                q(0.5),
+                q(0.9),
+                q(0.95),
+                q(0.98),
+                q(0.99),
+                q(0.999),
+                v[v.len() - 1]
+            );
+        }
+        Ok((v[v.len() / 2], v[v.len() * 99 / 100]))
+    }
+
+    pub async fn run(quick: bool, rounds: usize) -> Result<()> {
+        let dir = PathBuf::from(format!(
+            "/dev/shm/proxy-bench-intercept-{}",
+            std::process::id()
+        ));
+        std::fs::create_dir_all(&dir)?;
+        Command::new("chmod").arg("0755").arg(&dir).status()?;
+        std::fs::write(
+            dir.join("hosts"),
+            format!("127.0.0.1 localhost\n127.0.0.1 {NAME}\n"),
+        )?;
+        let up = start_upstream(&dir).await?;
+        let direct = IPeer {
+            peer: Peer {
+                name: "direct",
+                addr: None,
+                child: None,
+            },
+            client: client_config(&up.ca_pem)?,
+        };
+        let mut peers = vec![direct];
+        peers.push(start_agent(&dir, &up).await?);
+        match start_squid(&dir, &up).await {
+            Ok(p) => peers.push(p),
+            Err(e) => eprintln!("warning: squid ssl-bump not available: {e:#}"),
+        }
+        match start_mitmproxy(&dir, &up).await {
+            Ok(p) => peers.push(p),
+            Err(e) => eprintln!("warning: mitmproxy not available: {e:#}"),
+        }
+        let secs = if quick { 1.0 } else { 3.0 };
+        let pings = if quick { 500 } else { 3_000 };
+        let clients = 8;
+        eprintln!(
+            "proxy-bench --intercept: {rounds} round(s), peers: {}; proxies on CPU 1, clients+upstream on CPU 0; temp dir {}",
+            peers
+                .iter()
+                .map(|p| p.peer.name)
+                .collect::<Vec<_>>()
+                .join(", "),
+            dir.display()
+        );
+        let mut s: BTreeMap<(&'static str, &'static str), Vec<f64>> = BTreeMap::new();
+        let mut injected: BTreeMap<&'static str, (u64, u64)> = BTreeMap::new();
+        for round in 0..rounds {
+            let mut order: Vec<usize> = (0..peers.len()).collect();
+            order.rotate_left(round % peers.len());
+            for &i in &order {
+                let p = &peers[i];
+                let (w0, t0) = (
+                    up.with_secret.load(Ordering::Relaxed),
+                    up.total.load(Ordering::Relaxed),
+                );
+                for (kept, m_rate, m_cpu) in [
+                    (
+                        true,
+                        "requests/s, kept-alive, 8 cl.",
+                        "proxy CPU µs/request, kept-alive",
+                    ),
+                    (
+                        false,
+                        "requests/s, new conn., 8 cl.",
+                        "proxy CPU µs/request, new conn.",
+                    ),
+                ] {
+                    let r = rate(p, up.addr, clients, secs, kept).await;
+                    if r.errors > 0 {
+                        eprintln!("  {}: {} failed requests ({m_rate})", p.peer.name, r.errors);
+                    }
+                    s.entry((p.peer.name, m_rate)).or_default().push(r.per_sec);
+                    if let Some(c) = r.cpu_us {
+                        s.entry((p.peer.name, m_cpu)).or_default().push(c);
+                    }
+                    tokio::time::sleep(Duration::from_millis(300)).await;
+                }
+                match latency(p, up.addr, pings).await {
+                    Ok((p50, p99)) => {
+                        s.entry((p.peer.name, "request p50 µs, kept-alive"))
+                            .or_default()
+                            .push(p50);
+                        s.entry((p.peer.name, "request p99 µs, kept-alive"))
+                            .or_default()
+                            .push(p99);
+                    }
+                    Err(e) => eprintln!("  {}: latency failed: {e:#}", p.peer.name),
+                }
+                let e = injected.entry(p.peer.name).or_default();
+                e.0 += up.with_secret.load(Ordering::Relaxed) - w0;
+                e.1 += up.total.load(Ordering::Relaxed) - t0;
+                eprintln!("  round {} {} done", round + 1, p.peer.name);
+            }
+        }
+        let mut m: BTreeMap<(&str, &str), f64> = BTreeMap::new();
+        for (k, v) in s.iter_mut() {
+            if let Some(x) = median(v) {
+                m.insert(*k, x);
+            }
+        }
+        for (q, added) in [
+            ("request p50 µs, kept-alive", "added p50 µs, kept-alive"),
+            ("request p99 µs, kept-alive", "added p99 µs, kept-alive"),
+        ] {
+            if let Some(d) = m.get(&("direct", q)).copied() {
+                for p in &PEERS[1..] {
+                    if let Some(v) = m.get(&(*p, q)).copied() {
+                        m.insert((p, added), (v - d).max(0.0));
+                    }
+                }
+            }
+        }
+        print(&m, rounds, quick, &injected);
+        drop(peers);
+        std::fs::remove_dir_all(&dir).ok();
+        Ok(())
+    }
+
+    fn print(
+        m: &BTreeMap<(&str, &str), f64>,
+        rounds: usize,
+        quick: bool,
+        injected: &BTreeMap<&str, (u64, u64)>,
+    ) {
+        let metrics = [
+            "requests/s, kept-alive, 8 cl.",
+            "requests/s, new conn., 8 cl.",
+            "proxy CPU µs/request, kept-alive",
+            "proxy CPU µs/request, new conn.",
+            "request p50 µs, kept-alive",
+            "request p99 µs, kept-alive",
+            "added p50 µs, kept-alive",
+            "added p99 µs, kept-alive",
+        ];
+        let cell = |p: &str, k: &str| {
+            m.get(&(p, k)).map_or("-".to_owned(), |v| {
+                if *v >= 100.0 {
+                    format!("{v:.0}")
+                } else {
+                    format!("{v:.1}")
+                }
+            })
+        };
+        let ratio = |a: &str, b: &str, k: &str| match (m.get(&(a, k)), m.get(&(b, k))) {
+            (Some(x), Some(y)) if *y > 0.0 => format!("{:.2}", x / y),
+            _ => "-".to_owned(),
+        };
+        println!();
+        println!(
+            "proxy-bench --intercept{} (medians of {rounds} round(s); HTTP/1.1 GET over TLS, placeholder swapped for the secret; client TLS resumption off)",
+            if quick { " --quick" } else { "" }
+        );
+        println!(
+            "| {:<34} | {:>8} | {:>8} | {:>8} | {:>9} | {:>11} | {:>15} |",
+            "metric", "direct", "agent", "squid", "mitmproxy", "agent/squid", "agent/mitmproxy"
+        );
+        println!(
+            "|{}|{}|{}|{}|{}|{}|{}|",
+            "-".repeat(36),
+            "-".repeat(10),
+            "-".repeat(10),
+            "-".repeat(10),
+            "-".repeat(11),
+            "-".repeat(13),
+            "-".repeat(17)
+        );
+        for k in metrics {
+            println!(
+                "| {:<34} | {:>8} | {:>8} | {:>8} | {:>9} | {:>11} | {:>15} |",
+                k,
+                cell("direct", k),
+                cell("agent", k),
+                cell("squid", k),
+                cell("mitmproxy", k),
+                ratio("agent", "squid", k),
+                ratio("agent", "mitmproxy", k),
+            );
+        }
+        let inj: Vec<String> = PEERS
+            .iter()
+            .filter_map(|p| injected.get(p).map(|(w, t)| format!("{p} {w}/{t}")))
+            .collect();
+        println!(
+            "requests that reached the upstream with the real secret: {}",
+            inj.join(", ")
+        );
+        let (Some(a), Some(s)) = (
+            m.get(&("agent", "proxy CPU µs/request, kept-alive")),
+            m.get(&("squid", "proxy CPU µs/request, kept-alive")),
+        ) else {
+            return;
+        };
+        println!(
+            "targets: agent CPU/request ≤ 0.5× squid (kept-alive: {:.2}×); added p99 ≤ 1 ms kept-alive (agent: {} µs)",
+            a / s,
+            cell("agent", "added p99 µs, kept-alive")
+        );
+    }
 }

@@ -1,0 +1,301 @@
+//! Request-level decisions (credential bindings + request rules), shared by the explicit proxy,
+//! transparent interception, `explain` and the API.
+//!
+//! - [`L7Policy::intercepts`]: is this destination TLS-terminated? Only names with a credential
+//!   binding or request rules on that port are; everything else stays a pass-through tunnel.
+//! - [`L7Policy::check`]: one request (intercepted, or plain HTTP through the proxy). In order:
+//!   1. any placeholder of the policy's bindings seen in the request line or a header value, when
+//!      this request is not an intercepted one to that binding's host:port → refused
+//!      (`placeholder-wrong-host`), never forwarded;
+//!   2. request rules of the host:port: the path must be in normal form
+//!      (`path-not-normalized`), then the first matching rule decides (`request-denied-by-rule`,
+//!      `request-not-allowed`);
+//!   3. the binding of the host:port (intercepted only): secret not loaded →
+//!      `credential-unavailable`; `require` without the placeholder →
+//!      `credential-placeholder-missing`; otherwise the binding to apply.
+use http::HeaderMap;
+
+use super::DenyReason;
+use super::Policy;
+use super::credentials::{self, CompiledBinding, Injection};
+use super::name::{Destination, HostName};
+use super::rules::{self, RequestRule, RuleVerdict};
+
+/// The request-level part of a policy, compiled.
+#[derive(Debug, Clone, Default)]
+pub struct L7Policy {
+    bindings: Vec<CompiledBinding>,
+    rules: Vec<RequestRule>,
+}
+
+/// One request as the decision needs it.
+#[derive(Debug, Clone, Copy)]
+pub struct RequestView<'a> {
+    pub method: &'a str,
+    /// The path, without the query.
+    pub path: &'a str,
+    pub query: Option<&'a str>,
+    pub headers: &'a HeaderMap,
+}
+
+/// What to do with a request that may go on.
+#[derive(Debug, Clone, Copy)]
+#[must_use]
+pub enum Forward<'a> {
+    /// Forward as it is.
+    AsIs,
+    /// Put this binding's secret in place, then forward.
+    Inject(&'a CompiledBinding),
+}
+
+impl L7Policy {
+    pub fn new(p: &Policy) -> L7Policy {
+        L7Policy {
+            bindings: p.credentials.iter().map(CompiledBinding::new).collect(),
+            rules: p.request_rules.clone(),
+        }
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.bindings.is_empty() && self.rules.is_empty()
+    }
+
+    /// TLS-terminate connections to this destination?
+    pub fn intercepts(&self, dest: &Destination, port: u16) -> bool {
+        let Destination::Name(host) = dest else {
+            return false;
+        };
+        self.binding(host, port).is_some() || self.rules.iter().any(|r| r.applies_to(host, port))
+    }
+
+    fn binding(&self, host: &HostName, port: u16) -> Option<&CompiledBinding> {
+        self.bindings.iter().find(|b| b.applies_to(host, port))
+    }
+
+    /// Placeholders the policy's bindings define (for `exec`'s environment: see `ca::command_env`).
+    pub fn placeholders(&self) -> impl Iterator<Item = &str> {
+        self.bindings
+            .iter()
+            .filter_map(CompiledBinding::placeholder)
+    }
+
+    /// Decide one request to `dest:port`; `intercepted`: it arrived inside a terminated TLS
+    /// connection to exactly that destination (plain HTTP never gets a secret).
+    pub fn check<'a>(
+        &'a self,
+        dest: &Destination,
+        port: u16,
+        intercepted: bool,
+        req: &RequestView<'_>,
+    ) -> Result<Forward<'a>, DenyReason> {
+        let host = match dest {
+            Destination::Name(n) => Some(n),
+            Destination::Ip(_) => None,
+        };
+        let own = if intercepted {
+            host.and_then(|h| self.binding(h, port))
+        } else {
+            None
+        };
+        for b in &self.bindings {
+            let Some(ph) = b.placeholder() else { continue };
+            if own.is_some_and(|o| std::ptr::eq(o, b)) {
+                continue;
+            }
+            if carries(req, ph.as_bytes()) {
+                return Err(DenyReason::PlaceholderWrongHost);
+            }
+        }
+        if let Some(h) = host {
+            let mut of_host = self
+                .rules
+                .iter()
+                .filter(|r| r.applies_to(h, port))
+                .peekable();
+            if of_host.peek().is_some() {
+                let path =
+                    rules::normalize_path(req.path).map_err(|_| DenyReason::PathNotNormalized)?;
+                match rules::decide(of_host, req.method, &path) {
+                    RuleVerdict::Allowed => {}
+                    RuleVerdict::Denied => return Err(DenyReason::RequestDeniedByRule),
+                    RuleVerdict::NotAllowed => return Err(DenyReason::RequestNotAllowed),
+                }
+            }
+        }
+        let Some(b) = own else {
+            return Ok(Forward::AsIs);
+        };
+        match b.decide(req.headers, req.query) {
+            Injection::Inject => Ok(Forward::Inject(b)),
+            Injection::Unchanged => Ok(Forward::AsIs),
+            Injection::MissingPlaceholder => Err(DenyReason::PlaceholderMissing),
+            Injection::Unavailable => Err(DenyReason::CredentialUnavailable),
+        }
+    }
+}
+
+/// Does the request line or any header value carry `needle` (raw, or percent-decoded in the
+/// path/query)?
+fn carries(req: &RequestView<'_>, needle: &[u8]) -> bool {
+    let in_text = |s: &str| {
+        credentials::contains(s.as_bytes(), needle)
+            || (s.contains('%') || s.contains('+'))
+                && credentials::percent_decode(s).is_some_and(|d| credentials::contains(&d, needle))
+    };
+    in_text(req.path)
+        || req.query.is_some_and(in_text)
+        || req
+            .headers
+            .iter()
+            .any(|(_, v)| credentials::contains(v.as_bytes(), needle))
+}
+
+#[cfg(test)]
+#[expect(clippy::unwrap_used, reason = "test assertions")]
+mod tests {
+    use super::*;
+    use crate::config::Config;
+    use http::HeaderValue;
+    use std::path::Path;
+
+    fn l7() -> L7Policy {
+        // SAFETY of the test: a variable only this test reads.
+        let dir = std::env::temp_dir().join(format!("egress-l7-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        std::fs::write(dir.join("k"), "real-secret\n").unwrap();
+        let c = Config::from_toml_str(
+            &format!(
+                r#"
+[policies.p]
+allow_hosts = ["api.test", "other.test", "*.rules.test"]
+allow_ports = [443, 8443]
+[[policies.p.credentials]]
+host = "api.test"
+header = "x-api-key"
+source = {{ file = "{}" }}
+placeholder = "PH-0123456789"
+require = true
+[[policies.p.request_rules]]
+host = "api.test"
+action = "allow"
+methods = ["POST"]
+path = "/v1/messages"
+[[policies.p.request_rules]]
+host = "*.rules.test"
+action = "deny"
+path = "/admin/**"
+"#,
+                dir.join("k").display()
+            ),
+            Path::new("t.toml"),
+        )
+        .unwrap();
+        std::fs::remove_dir_all(&dir).ok();
+        L7Policy::new(c.policy("p").unwrap())
+    }
+
+    fn dest(s: &str) -> Destination {
+        Destination::parse(s).unwrap()
+    }
+
+    fn view<'a>(method: &'a str, path: &'a str, h: &'a HeaderMap) -> RequestView<'a> {
+        let (path, query) = match path.split_once('?') {
+            Some((p, q)) => (p, Some(q)),
+            None => (path, None),
+        };
+        RequestView {
+            method,
+            path,
+            query,
+            headers: h,
+        }
+    }
+
+    #[test]
+    fn interception_only_for_bound_or_ruled_hosts() {
+        let l = l7();
+        assert!(l.intercepts(&dest("api.test"), 443));
+        assert!(!l.intercepts(&dest("api.test"), 8443));
+        assert!(l.intercepts(&dest("x.rules.test"), 443));
+        assert!(!l.intercepts(&dest("rules.test"), 443));
+        assert!(!l.intercepts(&dest("other.test"), 443));
+        assert!(!l.intercepts(&dest("1.2.3.4"), 443));
+    }
+
+    #[test]
+    fn placeholder_goes_only_to_its_host() {
+        let l = l7();
+        let mut h = HeaderMap::new();
+        h.insert("x-api-key", HeaderValue::from_static("PH-0123456789"));
+        let v = view("POST", "/v1/messages", &h);
+        assert!(matches!(
+            l.check(&dest("api.test"), 443, true, &v),
+            Ok(Forward::Inject(_))
+        ));
+        // Same host over plain HTTP, another port, another host: refused.
+        for (d, port, i) in [
+            ("api.test", 443, false),
+            ("api.test", 8443, true),
+            ("other.test", 443, true),
+            ("other.test", 443, false),
+        ] {
+            assert_eq!(
+                l.check(&dest(d), port, i, &v).err(),
+                Some(DenyReason::PlaceholderWrongHost),
+                "{d}:{port} {i}"
+            );
+        }
+        // In the path or query, also percent-encoded.
+        let empty = HeaderMap::new();
+        for p in [
+            "/x?k=PH-0123456789",
+            "/PH-0123456789",
+            "/x?k=PH%2D0123456789",
+        ] {
+            assert_eq!(
+                l.check(&dest("other.test"), 443, true, &view("GET", p, &empty))
+                    .err(),
+                Some(DenyReason::PlaceholderWrongHost),
+                "{p}"
+            );
+        }
+        assert!(matches!(
+            l.check(&dest("other.test"), 443, true, &view("GET", "/x", &empty)),
+            Ok(Forward::AsIs)
+        ));
+    }
+
+    #[test]
+    fn rules_and_require() {
+        let l = l7();
+        let mut h = HeaderMap::new();
+        h.insert("x-api-key", HeaderValue::from_static("PH-0123456789"));
+        let d = dest("api.test");
+        assert_eq!(
+            l.check(&d, 443, true, &view("GET", "/v1/messages", &h))
+                .err(),
+            Some(DenyReason::RequestNotAllowed)
+        );
+        assert_eq!(
+            l.check(&d, 443, true, &view("POST", "/v1/x/../messages", &h))
+                .err(),
+            Some(DenyReason::PathNotNormalized)
+        );
+        let empty = HeaderMap::new();
+        assert_eq!(
+            l.check(&d, 443, true, &view("POST", "/v1/messages", &empty))
+                .err(),
+            Some(DenyReason::PlaceholderMissing)
+        );
+        let r = dest("a.rules.test");
+        assert_eq!(
+            l.check(&r, 443, true, &view("GET", "/admin/keys", &empty))
+                .err(),
+            Some(DenyReason::RequestDeniedByRule)
+        );
+        assert!(matches!(
+            l.check(&r, 443, true, &view("GET", "/public?x=1", &empty)),
+            Ok(Forward::AsIs)
+        ));
+    }
+}

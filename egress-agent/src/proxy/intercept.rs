@@ -1,0 +1,542 @@
+//! TLS interception of one client connection to an intercepted host: terminate the client's TLS
+//! with a leaf for the target name, open TLS to the upstream (verified), and forward every
+//! request through hyper with the policy's request-level decisions ([`crate::policy::l7`]):
+//! request rules, placeholder checks, credential injection.
+//!
+//! Entry point for both ways a connection arrives: [`serve`] takes the client stream with any
+//! bytes already read replayed first ([`Prefixed`]: after an explicit `CONNECT`'s 200, or a
+//! ClientHello peeked by transparent interception), the checked [`Target`] and the first upstream
+//! TCP connection (dialled by [`Shared::check_and_dial`], so every address check has passed).
+//! Whether to call it is [`intercepts`]: only destinations with a credential binding or request
+//! rules; everything else stays a pass-through tunnel.
+//!
+//! Per connection:
+//! 1. read the ClientHello (rustls `Acceptor`) under the head deadline; an SNI naming another
+//!    server than the target is refused (`sni-mismatch`: no domain fronting into a binding);
+//! 2. TLS to the upstream offering the client's ALPN (`h2`, `http/1.1`), verified against the
+//!    system roots + `intercept.upstream_ca_file`; the protocol it picks is the only one offered
+//!    to the client, so both legs speak the same version (see [`super::tls`]);
+//! 3. finish the client handshake with the cached leaf, then serve HTTP/1.1 or h2 (hyper).
+//!
+//! Per request: the target is re-checked against the current policy (reloads apply to kept-alive
+//! connections); the Host header (HTTP/1.1) or `:authority` (h2) must name the target; then
+//! [`crate::policy::l7::L7Policy::check`]; a refusal is a 403 with `X-Egress-Deny` and an event
+//! carrying method and path (never the query). Bodies stream both ways (hyper; never buffered
+//! whole), an HTTP/1.1 `Upgrade` (WebSocket) is forwarded and, after the upstream's 101, the two
+//! upgraded streams are relayed. Response headers that contain the secret are dropped.
+use std::convert::Infallible;
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+
+use bytes::Bytes;
+use http::header::{self, HeaderValue};
+use http::{Request, Response, StatusCode, Uri, Version};
+use http_body_util::{Either, Full};
+use hyper::body::Incoming;
+use hyper::client::conn::{http1 as client1, http2 as client2};
+use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
+use tokio::io::{AsyncRead, AsyncWrite};
+use tokio::net::TcpStream;
+use tokio_rustls::LazyConfigAcceptor;
+use tokio_rustls::client::TlsStream;
+
+use super::prefixed::Prefixed;
+use super::request::{self, Target};
+use super::tls::{self, Interceptor, Offer, Proto};
+use super::{Refusal, Shared};
+use crate::policy::DenyReason;
+use crate::policy::credentials::CompiledBinding;
+use crate::policy::l7::{Forward, RequestView};
+use crate::policy::name::{Destination, HostName};
+
+type Body = Either<Incoming, Full<Bytes>>;
+
+/// Does the current policy TLS-terminate connections to `target`?
+pub(crate) fn intercepts(shared: &Shared, target: &Target) -> bool {
+    shared
+        .policy
+        .load()
+        .l7()
+        .intercepts(&target.dest, target.port)
+}
+
+enum Sender {
+    H1(client1::SendRequest<Incoming>),
+    H2(client2::SendRequest<Incoming>),
+}
+
+impl Sender {
+    fn is_closed(&self) -> bool {
+        match self {
+            Sender::H1(s) => s.is_closed(),
+            Sender::H2(s) => s.is_closed(),
+        }
+    }
+}
+
+struct Session {
+    shared: Arc<Shared>,
+    target: Target,
+    host: HostName,
+    icpt: Arc<Interceptor>,
+    proto: Proto,
+    /// The upstream connection (HTTP/1.1: taken out while a request is in flight).
+    upstream: tokio::sync::Mutex<Option<Sender>>,
+    /// Why the first upstream TLS failed (every request then gets a 502 with this code).
+    failed: Option<&'static str>,
+    /// Upgraded (WebSocket) relays, awaited before the connection's slot is released.
+    relays: std::sync::Mutex<Vec<tokio::task::JoinHandle<()>>>,
+}
+
+async fn handshake(tls: TlsStream<TcpStream>, proto: Proto) -> Result<Sender, hyper::Error> {
+    let io = TokioIo::new(tls);
+    Ok(match proto {
+        Proto::H2 => {
+            let (sender, conn) = client2::Builder::new(TokioExecutor::new())
+                .timer(TokioTimer::new())
+                .handshake(io)
+                .await?;
+            tokio::spawn(async move {
+                conn.await.ok();
+            });
+            Sender::H2(sender)
+        }
+        Proto::Http1 => {
+            let (sender, conn) = client1::handshake(io).await?;
+            tokio::spawn(async move {
+                conn.with_upgrades().await.ok();
+            });
+            Sender::H1(sender)
+        }
+    })
+}
+
+impl Session {
+    /// A new upstream connection: the target re-checked and dialled, TLS in this connection's
+    /// protocol.
+    async fn redial(&self) -> Result<Sender, Refusal> {
+        let tcp = self.shared.check_and_dial(&self.target, "https").await?;
+        let limits = self.shared.ctx.limits();
+        let (tls, proto) = tokio::time::timeout(
+            limits.connect_timeout,
+            self.icpt
+                .connect_upstream(tcp, self.host.as_str(), tls::offer_for(self.proto)),
+        )
+        .await
+        .map_err(|_| Refusal::Upstream("upstream-tls-timeout"))?
+        .map_err(|e| {
+            tracing::warn!(target = %self.target, error = %e, "upstream TLS failed");
+            Refusal::Upstream("upstream-tls")
+        })?;
+        if proto != self.proto {
+            return Err(Refusal::Upstream("upstream-protocol-changed"));
+        }
+        handshake(tls, proto)
+            .await
+            .map_err(|_| Refusal::Upstream("upstream-handshake"))
+    }
+
+    async fn send(&self, req: Request<Incoming>) -> Result<Response<Incoming>, Refusal> {
+        if let Some(code) = self.failed {
+            return Err(Refusal::Upstream(code));
+        }
+        let mut slot = self.upstream.lock().await;
+        let mut sender = match slot.take() {
+            Some(s) if !s.is_closed() => s,
+            _ => self.redial().await?,
+        };
+        match &mut sender {
+            Sender::H2(s) => {
+                let mut s2 = s.clone();
+                *slot = Some(sender);
+                drop(slot);
+                s2.ready()
+                    .await
+                    .map_err(|_| Refusal::Upstream("upstream-failed"))?;
+                s2.send_request(req).await.map_err(|e| {
+                    tracing::debug!(target = %self.target, error = %e, "upstream request failed");
+                    Refusal::Upstream("upstream-failed")
+                })
+            }
+            Sender::H1(s) => {
+                if s.ready().await.is_err() {
+                    sender = self.redial().await?;
+                }
+                let Sender::H1(s) = &mut sender else {
+                    return Err(Refusal::Upstream("upstream-failed"));
+                };
+                let r = s.send_request(req).await;
+                *slot = Some(sender);
+                r.map_err(|e| {
+                    tracing::debug!(target = %self.target, error = %e, "upstream request failed");
+                    Refusal::Upstream("upstream-failed")
+                })
+            }
+        }
+    }
+}
+
+/// Serve one intercepted client connection until it ends, idles out or `shutdown` completes.
+/// `upstream` is the first upstream TCP connection, already checked and dialled.
+pub(crate) async fn serve<C>(
+    client: Prefixed<C>,
+    upstream: TcpStream,
+    target: Target,
+    shared: Arc<Shared>,
+    shutdown: impl Future<Output = ()>,
+) where
+    C: AsyncRead + AsyncWrite + Unpin + Send + 'static,
+{
+    let Destination::Name(host) = &target.dest else {
+        return;
+    };
+    let host = host.clone();
+    let limits = shared.ctx.limits().clone();
+    let Some(icpt) = shared.ctx.interceptor() else {
+        shared.deny_event(&target, None, "https", DenyReason::InterceptionUnavailable);
+        return;
+    };
+    let activity = client.activity();
+    let acceptor = LazyConfigAcceptor::new(rustls::server::Acceptor::default(), client);
+    let start = match tokio::time::timeout(limits.header_timeout, acceptor).await {
+        Ok(Ok(s)) => s,
+        Ok(Err(e)) => {
+            tracing::debug!(%target, error = %e, "no TLS ClientHello from the client");
+            return;
+        }
+        Err(_) => return,
+    };
+    let (offer, sni_ok) = {
+        let hello = start.client_hello();
+        let sni_ok = hello
+            .server_name()
+            .is_none_or(|s| HostName::parse(s).is_ok_and(|n| n == host));
+        (Offer::from_hello(&hello), sni_ok)
+    };
+    if !sni_ok {
+        shared.deny_event(&target, None, "https", DenyReason::SniMismatch);
+        return;
+    }
+    let up = tokio::time::timeout(
+        limits.connect_timeout,
+        icpt.connect_upstream(upstream, host.as_str(), offer),
+    )
+    .await;
+    let fallback = match offer {
+        Offer::H2Only => Proto::H2,
+        _ => Proto::Http1,
+    };
+    let (first, proto, failed) = match up {
+        Ok(Ok((tls, proto))) => (Some(tls), proto, None),
+        Ok(Err(e)) => {
+            tracing::warn!(%target, error = %e, "upstream TLS failed");
+            (None, fallback, Some("upstream-tls"))
+        }
+        Err(_) => (None, fallback, Some("upstream-tls-timeout")),
+    };
+    let client_proto = (offer != Offer::None).then_some(proto);
+    let config = match icpt.server_config(host.as_str(), client_proto) {
+        Ok(c) => c,
+        Err(e) => {
+            tracing::warn!(%target, error = %e, "no leaf certificate");
+            shared.deny_event(&target, None, "https", DenyReason::InterceptionUnavailable);
+            return;
+        }
+    };
+    let tls = match tokio::time::timeout(limits.header_timeout, start.into_stream(config)).await {
+        Ok(Ok(t)) => t,
+        Ok(Err(e)) => {
+            tracing::debug!(%target, error = %e, "client TLS handshake failed");
+            return;
+        }
+        Err(_) => return,
+    };
+    let (sender, failed) = match first {
+        Some(tls) => match handshake(tls, proto).await {
+            Ok(s) => (Some(s), failed),
+            Err(_) => (None, Some("upstream-handshake")),
+        },
+        None => (None, failed),
+    };
+    let session = Arc::new(Session {
+        shared,
+        target,
+        host,
+        icpt,
+        proto,
+        upstream: tokio::sync::Mutex::new(sender),
+        failed,
+        relays: std::sync::Mutex::new(Vec::new()),
+    });
+    let s = session.clone();
+    let service = hyper::service::service_fn(move |req| {
+        let s = s.clone();
+        async move { Ok::<_, Infallible>(handle(req, &s).await) }
+    });
+    let io = TokioIo::new(tls);
+    let conn: Pin<Box<dyn Future<Output = Result<(), hyper::Error>> + Send>> = match proto {
+        Proto::H2 => Box::pin(
+            hyper::server::conn::http2::Builder::new(TokioExecutor::new())
+                .timer(TokioTimer::new())
+                .max_header_list_size(u32::try_from(limits.max_header_bytes).unwrap_or(u32::MAX))
+                .serve_connection(io, service),
+        ),
+        Proto::Http1 => Box::pin(
+            hyper::server::conn::http1::Builder::new()
+                .timer(TokioTimer::new())
+                .header_read_timeout(limits.header_timeout)
+                .max_buf_size(limits.max_header_bytes.max(8192))
+                .max_headers(request::MAX_HEADERS)
+                .serve_connection(io, service)
+                .with_upgrades(),
+        ),
+    };
+    let mut shutdown = std::pin::pin!(shutdown);
+    let stopped = tokio::select! {
+        r = conn => {
+            if let Err(e) = r { tracing::debug!(error = %e, "intercepted connection ended") }
+            false
+        }
+        () = activity.idle_for(limits.idle_timeout) => false,
+        () = &mut shutdown => true,
+    };
+    let relays = std::mem::take(
+        &mut *session
+            .relays
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner),
+    );
+    for mut relay in relays {
+        if stopped {
+            relay.abort();
+            continue;
+        }
+        tokio::select! {
+            _ = &mut relay => {}
+            () = &mut shutdown => relay.abort(),
+        }
+    }
+}
+
+fn text(status: StatusCode, header: (&'static str, &'static str), body: String) -> Response<Body> {
+    let mut resp = Response::new(Either::Right(Full::new(Bytes::from(body))));
+    *resp.status_mut() = status;
+    let h = resp.headers_mut();
+    h.insert(header::CONTENT_TYPE, HeaderValue::from_static("text/plain"));
+    h.insert(header.0, HeaderValue::from_static(header.1));
+    resp
+}
+
+fn forbidden(reason: DenyReason, policy: &str) -> Response<Body> {
+    text(
+        StatusCode::FORBIDDEN,
+        ("x-egress-deny", reason.as_str()),
+        format!("egress-agent: denied by policy {policy}: {reason}\n"),
+    )
+}
+
+fn refusal(r: Refusal, policy: &str) -> Response<Body> {
+    match r {
+        Refusal::Denied(reason) => forbidden(reason, policy),
+        Refusal::Upstream(code) => text(
+            StatusCode::BAD_GATEWAY,
+            ("x-egress-error", code),
+            format!("egress-agent: {code}\n"),
+        ),
+    }
+}
+
+fn bad_request() -> Response<Body> {
+    text(
+        StatusCode::BAD_REQUEST,
+        ("x-egress-error", "malformed-request"),
+        "egress-agent: malformed-request\n".to_owned(),
+    )
+}
+
+/// An HTTP/1.1 upgrade request (`Connection: upgrade` + `Upgrade`).
+fn is_upgrade(req: &Request<Incoming>) -> bool {
+    req.version() == Version::HTTP_11
+        && req.headers().contains_key(header::UPGRADE)
+        && req
+            .headers()
+            .get_all(header::CONNECTION)
+            .iter()
+            .filter_map(|v| v.to_str().ok())
+            .flat_map(|v| v.split(','))
+            .any(|t| t.trim().eq_ignore_ascii_case("upgrade"))
+}
+
+/// The request's authority must be the target: `Host` (HTTP/1.1), `:authority` (h2), and both
+/// when both are present.
+/// `Err(true)`: names another host; `Err(false)`: missing or malformed.
+fn authority_ok(req: &Request<Incoming>, target: &Target) -> Result<(), bool> {
+    let mut seen = false;
+    if let Some(a) = req.uri().authority() {
+        seen = true;
+        request::check_host_header(a.as_str().as_bytes(), target, Some(443)).map_err(|_| true)?;
+    }
+    let mut hosts = req.headers().get_all(header::HOST).iter();
+    if let Some(h) = hosts.next() {
+        if hosts.next().is_some() {
+            return Err(false);
+        }
+        seen = true;
+        request::check_host_header(h.as_bytes(), target, Some(443)).map_err(|_| true)?;
+    }
+    if seen { Ok(()) } else { Err(false) }
+}
+
+fn authority_value(t: &Target) -> String {
+    if t.port == 443 {
+        t.dest.to_string()
+    } else {
+        t.to_string()
+    }
+}
+
+async fn handle(mut req: Request<Incoming>, s: &Session) -> Response<Body> {
+    let shared = &s.shared;
+    let policy = shared.policy.load_full();
+    if let Err(reason) = policy.check_target(&s.target.dest, s.target.port) {
+        shared.deny_event(&s.target, None, "https", reason);
+        return forbidden(reason, &shared.name);
+    }
+    // No tunnels inside an intercepted connection (h2 CONNECT, or HTTP/1.1 CONNECT after TLS).
+    if req.method() == http::Method::CONNECT {
+        return bad_request();
+    }
+    if let Err(mismatch) = authority_ok(&req, &s.target) {
+        if mismatch {
+            shared.deny_request_event(
+                &s.target,
+                "https",
+                DenyReason::HostHeaderMismatch,
+                req.method().as_str(),
+                req.uri().path(),
+            );
+            return forbidden(DenyReason::HostHeaderMismatch, &shared.name);
+        }
+        return bad_request();
+    }
+    let view = RequestView {
+        method: req.method().as_str(),
+        path: req.uri().path(),
+        query: req.uri().query(),
+        headers: req.headers(),
+    };
+    let binding: Option<&CompiledBinding> =
+        match policy
+            .l7()
+            .check(&s.target.dest, s.target.port, true, &view)
+        {
+            Ok(Forward::AsIs) => None,
+            Ok(Forward::Inject(b)) => Some(b),
+            Err(reason) => {
+                shared.deny_request_event(
+                    &s.target,
+                    "https",
+                    reason,
+                    req.method().as_str(),
+                    req.uri().path(),
+                );
+                return forbidden(reason, &shared.name);
+            }
+        };
+    let upgrade = s.proto == Proto::Http1 && is_upgrade(&req);
+    let client_upgrade = upgrade.then(|| hyper::upgrade::on(&mut req));
+    let mut pq = req
+        .uri()
+        .path_and_query()
+        .map_or("/", |p| p.as_str())
+        .to_owned();
+    let (mut parts, body) = req.into_parts();
+    let upgrade_to = parts.headers.get(header::UPGRADE).cloned();
+    super::http::strip_hop_by_hop(&mut parts.headers);
+    if let Some(b) = binding
+        && let Some(new) = b.inject(&mut parts.headers, &pq)
+    {
+        pq = new;
+    }
+    let authority = authority_value(&s.target);
+    let uri = match s.proto {
+        Proto::Http1 => pq.parse::<Uri>(),
+        Proto::H2 => format!("https://{authority}{pq}").parse::<Uri>(),
+    };
+    let Ok(uri) = uri else {
+        return bad_request();
+    };
+    parts.uri = uri;
+    match s.proto {
+        Proto::Http1 => {
+            parts.version = Version::HTTP_11;
+            let Ok(host) = HeaderValue::from_str(&authority) else {
+                return bad_request();
+            };
+            parts.headers.insert(header::HOST, host);
+            if let (true, Some(to)) = (upgrade, upgrade_to) {
+                parts
+                    .headers
+                    .insert(header::CONNECTION, HeaderValue::from_static("upgrade"));
+                parts.headers.insert(header::UPGRADE, to);
+            }
+        }
+        Proto::H2 => {
+            parts.version = Version::HTTP_2;
+            parts.headers.remove(header::HOST);
+        }
+    }
+    let mut resp = match s.send(Request::from_parts(parts, body)).await {
+        Ok(r) => r,
+        Err(r) => return refusal(r, &shared.name),
+    };
+    let switching = resp.status() == StatusCode::SWITCHING_PROTOCOLS;
+    if let (true, Some(client_up)) = (switching, client_upgrade) {
+        let upstream_up = hyper::upgrade::on(&mut resp);
+        let relay = tokio::spawn(async move {
+            let (Ok(c), Ok(u)) = tokio::join!(client_up, upstream_up) else {
+                return;
+            };
+            let (mut c, mut u) = (TokioIo::new(c), TokioIo::new(u));
+            tokio::io::copy_bidirectional(&mut c, &mut u).await.ok();
+        });
+        s.relays
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .push(relay);
+    }
+    let (mut parts, body) = resp.into_parts();
+    let keep = switching.then(|| {
+        (
+            parts.headers.get(header::CONNECTION).cloned(),
+            parts.headers.get(header::UPGRADE).cloned(),
+        )
+    });
+    super::http::strip_hop_by_hop(&mut parts.headers);
+    if let Some((conn, up)) = keep {
+        if let Some(c) = conn {
+            parts.headers.insert(header::CONNECTION, c);
+        }
+        if let Some(u) = up {
+            parts.headers.insert(header::UPGRADE, u);
+        }
+    }
+    if let Some(b) = binding {
+        // An upstream that reflects the credential must not hand it to the client.
+        let leaking: Vec<_> = parts
+            .headers
+            .iter()
+            .filter(|(_, v)| b.appears_in(v.as_bytes()))
+            .map(|(k, _)| k.clone())
+            .collect();
+        for k in leaking {
+            parts.headers.remove(k);
+        }
+    }
+    parts.version = match s.proto {
+        Proto::H2 => Version::HTTP_2,
+        Proto::Http1 => Version::HTTP_11,
+    };
+    Response::from_parts(parts, Either::Left(body))
+}

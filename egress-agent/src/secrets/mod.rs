@@ -1,0 +1,210 @@
+//! Secrets for credential injection: where they come from and how they are held.
+//!
+//! A [`Secret`] is bytes in a [`Zeroizing`] buffer behind an `Arc` (zeroed when the last holder
+//! drops it), with a `Debug` that prints nothing of it and no `Display`/`Serialize` at all, so it
+//! can't reach a log line, an event, an error message or an API answer by accident.
+//!
+//! Sources ([`SecretSource`]):
+//! - `file`: the whole file, one trailing newline dropped.
+//! - `env`: an environment variable **of the agent**. It is read once, the first time any
+//!   configuration names it, kept in a process-wide table (so a reload finds it again), and then
+//!   removed from the process environment *and* overwritten in place in the memory that
+//!   `/proc/<pid>/environ` shows (see [`sys`]); child processes (`exec`'s command) never inherit it.
+//! - `credential`: a systemd credential, `$CREDENTIALS_DIRECTORY/<name>` (`LoadCredential=` /
+//!   `LoadCredentialEncrypted=` in the unit).
+//!
+//! Errors name the source (path, variable or credential name), never its content.
+mod sys;
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+
+use serde::{Deserialize, Serialize};
+use zeroize::Zeroizing;
+
+/// Where a secret comes from (`source = { file = "..." }` / `{ env = "..." }` /
+/// `{ credential = "..." }`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case", deny_unknown_fields)]
+pub enum SecretSource {
+    /// A file (root-only, e.g. 0600); one trailing newline is dropped.
+    File(PathBuf),
+    /// An environment variable of the agent process (read once, then scrubbed).
+    Env(String),
+    /// A systemd credential: `$CREDENTIALS_DIRECTORY/<name>`.
+    Credential(String),
+}
+
+/// Secret bytes. Cloning shares one zeroizing buffer.
+#[derive(Clone)]
+pub struct Secret(Arc<Zeroizing<Vec<u8>>>);
+
+impl Secret {
+    pub fn new(bytes: Vec<u8>) -> Secret {
+        Secret(Arc::new(Zeroizing::new(bytes)))
+    }
+    /// The secret's bytes: only for building what goes to the upstream.
+    pub fn expose(&self) -> &[u8] {
+        &self.0
+    }
+}
+
+impl std::fmt::Debug for Secret {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Secret(<redacted>)")
+    }
+}
+
+impl PartialEq for Secret {
+    /// Length, then every byte (no early exit on the first difference).
+    fn eq(&self, other: &Secret) -> bool {
+        let (a, b) = (self.expose(), other.expose());
+        a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+    }
+}
+
+/// Why a secret could not be loaded. Never carries the secret.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum SecretError {
+    #[error("can't read secret file {path}: {error}")]
+    File { path: PathBuf, error: String },
+    #[error(
+        "environment variable {0} is not set in the agent's environment (nor was it at an earlier load)"
+    )]
+    EnvMissing(String),
+    #[error("{0:?} is not a valid environment variable name")]
+    EnvName(String),
+    #[error(
+        "systemd credential {0:?}: $CREDENTIALS_DIRECTORY is not set (use LoadCredential= in the unit)"
+    )]
+    NoCredentialsDirectory(String),
+    #[error("{0:?} is not a valid credential name (one path component)")]
+    CredentialName(String),
+    #[error("secret from {0} is empty")]
+    Empty(String),
+    #[error("secret from {0} contains bytes not allowed in an HTTP header (control characters)")]
+    NotHeaderSafe(String),
+}
+
+/// Environment secrets taken out of the process environment so far (name → value).
+static ENV_SECRETS: Mutex<Option<HashMap<String, Secret>>> = Mutex::new(None);
+
+/// Load `source`.
+pub fn load(source: &SecretSource) -> Result<Secret, SecretError> {
+    let (label, bytes) = match source {
+        SecretSource::File(path) => (path.display().to_string(), read_file(path)?),
+        SecretSource::Env(name) => return from_env(name),
+        SecretSource::Credential(name) => {
+            if name.is_empty() || name == "." || name == ".." || name.contains('/') {
+                return Err(SecretError::CredentialName(name.clone()));
+            }
+            let dir = std::env::var_os("CREDENTIALS_DIRECTORY")
+                .ok_or_else(|| SecretError::NoCredentialsDirectory(name.clone()))?;
+            let path = Path::new(&dir).join(name);
+            (format!("credential {name}"), read_file(&path)?)
+        }
+    };
+    checked(label, bytes)
+}
+
+fn read_file(path: &Path) -> Result<Zeroizing<Vec<u8>>, SecretError> {
+    let mut bytes = Zeroizing::new(std::fs::read(path).map_err(|e| SecretError::File {
+        path: path.to_owned(),
+        error: e.kind().to_string(),
+    })?);
+    if bytes.ends_with(b"\n") {
+        bytes.pop();
+        if bytes.ends_with(b"\r") {
+            bytes.pop();
+        }
+    }
+    Ok(bytes)
+}
+
+fn checked(label: String, bytes: Zeroizing<Vec<u8>>) -> Result<Secret, SecretError> {
+    if bytes.is_empty() {
+        return Err(SecretError::Empty(label));
+    }
+    // What http::HeaderValue accepts, minus tab: visible ASCII, space, obs-text.
+    if bytes.iter().any(|b| *b < 0x20 || *b == 0x7f) {
+        return Err(SecretError::NotHeaderSafe(label));
+    }
+    Ok(Secret(Arc::new(bytes)))
+}
+
+fn valid_env_name(name: &str) -> bool {
+    let mut b = name.bytes();
+    matches!(b.next(), Some(c) if c.is_ascii_alphabetic() || c == b'_')
+        && b.all(|c| c.is_ascii_alphanumeric() || c == b'_')
+}
+
+fn from_env(name: &str) -> Result<Secret, SecretError> {
+    if !valid_env_name(name) {
+        return Err(SecretError::EnvName(name.to_owned()));
+    }
+    let mut table = ENV_SECRETS
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
+    let table = table.get_or_insert_with(HashMap::new);
+    if let Some(s) = table.get(name) {
+        return Ok(s.clone());
+    }
+    let Some(bytes) = sys::take_env(name) else {
+        return Err(SecretError::EnvMissing(name.to_owned()));
+    };
+    let secret = checked(format!("environment variable {name}"), bytes)?;
+    table.insert(name.to_owned(), secret.clone());
+    Ok(secret)
+}
+
+#[cfg(test)]
+#[expect(clippy::unwrap_used, reason = "test assertions")]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn file_source_drops_one_newline_and_rejects_empty_and_control_bytes() {
+        let dir = std::env::temp_dir().join(format!("egress-secret-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let f = dir.join("k");
+        std::fs::write(&f, "sk-123\n").unwrap();
+        let s = load(&SecretSource::File(f.clone())).unwrap();
+        assert_eq!(s.expose(), b"sk-123");
+        assert_eq!(format!("{s:?}"), "Secret(<redacted>)");
+        std::fs::write(&f, "\n").unwrap();
+        assert!(matches!(
+            load(&SecretSource::File(f.clone())),
+            Err(SecretError::Empty(_))
+        ));
+        std::fs::write(&f, "a\r\nb").unwrap();
+        let e = load(&SecretSource::File(f.clone())).unwrap_err();
+        assert!(matches!(e, SecretError::NotHeaderSafe(_)));
+        assert!(!e.to_string().contains("a\r\nb"));
+        let e = load(&SecretSource::File(dir.join("missing"))).unwrap_err();
+        assert!(e.to_string().contains("missing"), "{e}");
+        std::fs::remove_dir_all(&dir).ok();
+    }
+
+    #[test]
+    fn credential_names_are_one_component() {
+        for bad in ["", ".", "..", "a/b", "../etc/shadow"] {
+            assert!(matches!(
+                load(&SecretSource::Credential(bad.into())),
+                Err(SecretError::CredentialName(_))
+            ));
+        }
+    }
+
+    #[test]
+    fn env_names_are_checked() {
+        assert!(matches!(
+            load(&SecretSource::Env("1BAD".into())),
+            Err(SecretError::EnvName(_))
+        ));
+        assert!(matches!(
+            load(&SecretSource::Env("EGRESS_TEST_SURELY_UNSET_VAR".into())),
+            Err(SecretError::EnvMissing(_))
+        ));
+    }
+}

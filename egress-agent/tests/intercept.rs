@@ -1,0 +1,606 @@
+//! TLS interception with credential injection and request rules, end to end on loopback: real
+//! clients (curl, python3 urllib, node) through the explicit proxy (`HTTPS_PROXY`, trusting the
+//! agent CA through the variables `ca::command_env` hands a command), a TLS upstream with its own
+//! test CA that records what it received.
+#![expect(clippy::unwrap_used, reason = "test assertions")]
+
+mod intercept_support;
+
+use std::time::Duration;
+
+use futures_util::{SinkExt, StreamExt};
+use intercept_support::*;
+use tokio::io::{AsyncBufReadExt, AsyncWriteExt};
+
+const NODE_CLIENT: &str = concat!(
+    env!("CARGO_MANIFEST_DIR"),
+    "/tests/intercept_support/client.js"
+);
+
+fn bearer() -> String {
+    format!("Authorization: Bearer {PLACEHOLDER}")
+}
+
+async fn curl(h: &Harness, args: &[&str]) -> Out {
+    let mut a = vec!["-sS", "--max-time", "15", "-D", "-"];
+    a.extend_from_slice(args);
+    run_client("curl", &a, &h.client_env()).await
+}
+
+fn assert_secret_arrived(r: &Received) {
+    assert_eq!(
+        r.header("authorization"),
+        Some(format!("Bearer {SECRET}").as_str()),
+        "{r:?}"
+    );
+}
+
+#[tokio::test]
+async fn curl_http1_and_h2_get_the_secret_injected() {
+    let h = harness().await;
+    let url = h.url("api.test", "/v1/messages");
+    let b = bearer();
+    let h1 = curl(&h, &["--http1.1", "-X", "POST", "-d", "{}", "-H", &b, &url]).await;
+    assert!(
+        h1.status.success(),
+        "{}",
+        String::from_utf8_lossy(&h1.all())
+    );
+    assert!(h1.text().contains("ok HTTP/1.1 2"), "{}", h1.text());
+    let h2 = curl(&h, &["--http2", "-X", "POST", "-d", "{}", "-H", &b, &url]).await;
+    assert!(
+        h2.status.success(),
+        "{}",
+        String::from_utf8_lossy(&h2.all())
+    );
+    assert!(h2.text().contains("\nHTTP/2 200"), "{}", h2.text());
+    assert!(h2.text().contains("ok HTTP/2.0 2"), "{}", h2.text());
+    let seen = h.up.requests();
+    assert_eq!(seen.len(), 2, "{seen:?}");
+    assert_eq!(seen[0].version, "HTTP/1.1");
+    assert_eq!(seen[1].version, "HTTP/2.0");
+    for r in &seen {
+        assert_eq!(
+            (r.method.as_str(), r.target.as_str()),
+            ("POST", "/v1/messages")
+        );
+        assert_secret_arrived(r);
+        // The placeholder itself never reaches the upstream.
+        assert!(!r.headers.iter().any(|(_, v)| v.contains(PLACEHOLDER)));
+    }
+    h.assert_no_secret_written(&[&h1.all(), &h2.all()]);
+}
+
+#[tokio::test]
+async fn python_urllib_gets_the_secret_injected() {
+    let h = harness().await;
+    let script = format!(
+        r#"
+import urllib.request, os
+req = urllib.request.Request({url:?}, data=b'{{}}', method='POST',
+    headers={{'Authorization': 'Bearer ' + os.environ['API_KEY']}})
+with urllib.request.urlopen(req, timeout=10) as r:
+    print(r.status, r.read().decode())
+"#,
+        url = h.url("api.test", "/v1/messages")
+    );
+    // Debian's python3 (the CA comes from SSL_CERT_FILE, the placeholder from API_KEY).
+    let out = run_client("/usr/bin/python3", &["-c", &script], &h.client_env()).await;
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.all())
+    );
+    assert!(out.text().contains("200 ok HTTP/1.1 2"), "{}", out.text());
+    let seen = h.up.requests();
+    assert_eq!(seen.len(), 1);
+    assert_secret_arrived(&seen[0]);
+    h.assert_no_secret_written(&[&out.all()]);
+}
+
+#[tokio::test]
+async fn node_h1_and_h2_get_the_secret_injected() {
+    let h = harness().await;
+    let url = h.url("api.test", "/v1/messages");
+    let auth = format!("authorization=Bearer {PLACEHOLDER}");
+    let mut outs = Vec::new();
+    for mode in ["h1", "h2"] {
+        let out = run_client(
+            "node",
+            &[NODE_CLIENT, mode, "POST", &url, &auth],
+            &h.client_env(),
+        )
+        .await;
+        assert!(
+            out.status.success(),
+            "{mode}: {}",
+            String::from_utf8_lossy(&out.all())
+        );
+        let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        assert_eq!(v["status"], 200, "{mode}: {v}");
+        outs.push(out);
+    }
+    let seen = h.up.requests();
+    assert_eq!(seen.len(), 2);
+    assert_eq!(seen[0].version, "HTTP/1.1");
+    assert_eq!(seen[1].version, "HTTP/2.0");
+    seen.iter().for_each(assert_secret_arrived);
+    h.assert_no_secret_written(&[&outs[0].all(), &outs[1].all()]);
+}
+
+#[tokio::test]
+async fn placeholder_to_another_host_is_refused_and_never_arrives() {
+    let h = harness().await;
+    let b = bearer();
+    // Another allowed, intercepted host.
+    let out = curl(&h, &["-H", &b, &h.url("other.test", "/v1/messages")]).await;
+    assert!(out.text().starts_with("HTTP/1.1 200"), "{}", out.text()); // the CONNECT
+    assert!(
+        out.text().contains("HTTP/2 403") || out.text().contains("HTTP/1.1 403"),
+        "{}",
+        out.text()
+    );
+    assert!(
+        out.text().contains("x-egress-deny: placeholder-wrong-host"),
+        "{}",
+        out.text()
+    );
+    let ev = h.wait_event("placeholder-wrong-host").await;
+    assert_eq!(ev.host.as_deref(), Some("other.test"));
+    assert_eq!(
+        ev.context.get("path").map(String::as_str),
+        Some("/v1/messages")
+    );
+    // In the query string, and in another header.
+    let q = format!("{}?key={PLACEHOLDER}", h.url("other.test", "/x"));
+    let out2 = curl(&h, &["--http1.1", &q]).await;
+    assert!(
+        out2.text().contains("placeholder-wrong-host"),
+        "{}",
+        out2.text()
+    );
+    let hdr = format!("X-Anything: {PLACEHOLDER}");
+    let out3 = curl(&h, &["--http1.1", "-H", &hdr, &h.url("other.test", "/")]).await;
+    assert!(
+        out3.text().contains("placeholder-wrong-host"),
+        "{}",
+        out3.text()
+    );
+    // Plain HTTP through the proxy (absolute-form): refused before any dial.
+    let plain = format!("http://other.test:{}/x", h.port());
+    let out4 = curl(&h, &["-H", &b, &plain]).await;
+    assert!(out4.text().contains("403"), "{}", out4.text());
+    assert!(
+        out4.text().contains("placeholder-wrong-host"),
+        "{}",
+        out4.text()
+    );
+    // The bound host over plain HTTP (same port): never gets the secret, refused too.
+    let plain_api = format!("http://api.test:{}/v1/messages", h.port());
+    let out5 = curl(&h, &["-X", "POST", "-H", &b, &plain_api]).await;
+    assert!(
+        out5.text().contains("placeholder-wrong-host"),
+        "{}",
+        out5.text()
+    );
+    assert!(
+        h.up.requests().is_empty(),
+        "arrived upstream: {:?}",
+        h.up.requests()
+    );
+    // Without the placeholder, other.test is served as usual (interception works there).
+    let ok = curl(&h, &["--http1.1", &h.url("other.test", "/hello")]).await;
+    assert!(ok.text().contains("ok HTTP/1.1 0"), "{}", ok.text());
+    let seen = h.up.requests();
+    assert_eq!(seen.len(), 1);
+    assert_eq!(seen[0].header("authorization"), None);
+    h.assert_no_secret_written(&[&out.all(), &out2.all(), &out3.all(), &out4.all(), &ok.all()]);
+}
+
+#[tokio::test]
+async fn method_and_path_rules_hold() {
+    let h = harness().await;
+    let b = bearer();
+    let deny = |o: &Out| {
+        o.text()
+            .lines()
+            .find_map(|l| l.strip_prefix("x-egress-deny: "))
+            .map(|s| s.trim().to_owned())
+    };
+    // Only POST /v1/messages (and /<one segment>) on api.test.
+    let get = curl(
+        &h,
+        &[
+            "--http1.1",
+            "-H",
+            &b,
+            &format!("{}?token=q", h.url("api.test", "/v1/messages")),
+        ],
+    )
+    .await;
+    assert_eq!(
+        deny(&get).as_deref(),
+        Some("request-not-allowed"),
+        "{}",
+        get.text()
+    );
+    let ev = h.wait_event("request-not-allowed").await;
+    assert_eq!(ev.context.get("method").map(String::as_str), Some("GET"));
+    // The event has the path without the query string.
+    assert_eq!(
+        ev.context.get("path").map(String::as_str),
+        Some("/v1/messages")
+    );
+    assert!(!h.events_json().contains("token=q"));
+    let other = curl(
+        &h,
+        &[
+            "--http2",
+            "-X",
+            "POST",
+            "-H",
+            &b,
+            &h.url("api.test", "/v1/admin/keys"),
+        ],
+    )
+    .await;
+    assert_eq!(
+        deny(&other).as_deref(),
+        Some("request-not-allowed"),
+        "{}",
+        other.text()
+    );
+    let dots = curl(
+        &h,
+        &[
+            "--http1.1",
+            "--path-as-is",
+            "-X",
+            "POST",
+            "-H",
+            &b,
+            &h.url("api.test", "/v1/x/../messages"),
+        ],
+    )
+    .await;
+    assert_eq!(
+        deny(&dots).as_deref(),
+        Some("path-not-normalized"),
+        "{}",
+        dots.text()
+    );
+    let enc = curl(
+        &h,
+        &[
+            "--http1.1",
+            "-X",
+            "POST",
+            "-H",
+            &b,
+            &h.url("api.test", "/v1%2Fmessages"),
+        ],
+    )
+    .await;
+    assert_eq!(
+        deny(&enc).as_deref(),
+        Some("path-not-normalized"),
+        "{}",
+        enc.text()
+    );
+    // require = true: no placeholder, no request.
+    let bare = curl(
+        &h,
+        &[
+            "--http1.1",
+            "-X",
+            "POST",
+            &h.url("api.test", "/v1/messages"),
+        ],
+    )
+    .await;
+    assert_eq!(
+        deny(&bare).as_deref(),
+        Some("credential-placeholder-missing"),
+        "{}",
+        bare.text()
+    );
+    // Deny rules: DELETE anywhere on rules.test, /admin/** on other.test; others pass.
+    let del = curl(
+        &h,
+        &["--http1.1", "-X", "DELETE", &h.url("rules.test", "/thing")],
+    )
+    .await;
+    assert_eq!(
+        deny(&del).as_deref(),
+        Some("request-denied-by-rule"),
+        "{}",
+        del.text()
+    );
+    let adm = curl(&h, &["--http2", &h.url("other.test", "/admin/users")]).await;
+    assert_eq!(
+        deny(&adm).as_deref(),
+        Some("request-denied-by-rule"),
+        "{}",
+        adm.text()
+    );
+    assert!(h.up.requests().is_empty(), "arrived: {:?}", h.up.requests());
+    let ok = curl(&h, &["--http1.1", &h.url("rules.test", "/thing")]).await;
+    assert!(ok.text().contains("ok HTTP/1.1"), "{}", ok.text());
+    let ok2 = curl(
+        &h,
+        &[
+            "--http1.1",
+            "-X",
+            "POST",
+            "-H",
+            &b,
+            &h.url("api.test", "/v1/messages"),
+        ],
+    )
+    .await;
+    assert!(ok2.text().contains("ok HTTP/1.1"), "{}", ok2.text());
+    assert_eq!(h.up.requests().len(), 2);
+    h.assert_no_secret_written(&[&get.all(), &ok2.all()]);
+}
+
+/// The upstream sends one event, then waits until the test has read it from the client's
+/// output; only then the second event and the end. A proxy that buffered the body would stall.
+#[tokio::test]
+async fn sse_arrives_event_by_event() {
+    let h = harness().await;
+    let b = bearer();
+    for v in ["--http1.1", "--http2"] {
+        let mut cmd = tokio::process::Command::new("curl");
+        cmd.args([
+            "-sSN",
+            "--max-time",
+            "15",
+            v,
+            "-H",
+            &b,
+            &h.url("api.test", "/sse"),
+        ])
+        .env_clear()
+        .env("PATH", "/usr/bin:/bin")
+        .envs(h.client_env())
+        .stdout(std::process::Stdio::piped())
+        .kill_on_drop(true);
+        let mut child = cmd.spawn().unwrap();
+        let mut lines = tokio::io::BufReader::new(child.stdout.take().unwrap()).lines();
+        let first = tokio::time::timeout(T, lines.next_line())
+            .await
+            .unwrap_or_else(|_| panic!("{v}: first event not delivered before the stream ended"))
+            .unwrap();
+        assert_eq!(first.as_deref(), Some("data: one"), "{v}");
+        h.up.sse_gate.notify_one();
+        let mut rest = Vec::new();
+        while let Some(l) = tokio::time::timeout(T, lines.next_line())
+            .await
+            .unwrap()
+            .unwrap()
+        {
+            rest.push(l);
+        }
+        assert!(rest.contains(&"data: two".to_owned()), "{v}: {rest:?}");
+        assert!(child.wait().await.unwrap().success(), "{v}");
+    }
+    assert_eq!(h.up.requests().len(), 2);
+    h.up.requests().iter().for_each(assert_secret_arrived);
+}
+
+#[tokio::test]
+async fn websocket_echo_after_the_swap() {
+    let h = harness().await;
+    let agent_ca = std::fs::read_to_string(h.state_dir().join("ca.pem")).unwrap();
+    let tls = connect_tls(
+        h.proxy,
+        "api.test",
+        h.port(),
+        client_tls(&agent_ca, &[b"http/1.1"]),
+    )
+    .await
+    .unwrap();
+    let mut req = tokio_tungstenite::tungstenite::client::IntoClientRequest::into_client_request(
+        h.url("api.test", "/ws").replace("https://", "wss://"),
+    )
+    .unwrap();
+    req.headers_mut().insert(
+        "authorization",
+        format!("Bearer {PLACEHOLDER}").parse().unwrap(),
+    );
+    let (mut ws, resp) = tokio_tungstenite::client_async(req, tls).await.unwrap();
+    assert_eq!(resp.status(), 101);
+    for i in 0..3 {
+        let msg = format!("hello {i}");
+        ws.send(tokio_tungstenite::tungstenite::Message::text(msg.clone()))
+            .await
+            .unwrap();
+        let back = tokio::time::timeout(T, ws.next())
+            .await
+            .unwrap()
+            .unwrap()
+            .unwrap();
+        assert_eq!(back.into_text().unwrap().as_str(), msg);
+    }
+    ws.close(None).await.ok();
+    let seen = h.up.requests();
+    assert_eq!(seen.len(), 1);
+    assert_eq!(seen[0].header("upgrade"), Some("websocket"));
+    assert_secret_arrived(&seen[0]);
+}
+
+/// A host with neither binding nor rules is a plain tunnel: the client sees the upstream's own
+/// certificate (it verifies against the upstream's CA, not the agent's).
+#[tokio::test]
+async fn pass_through_host_is_not_intercepted() {
+    let h = harness().await;
+    let tls = connect_tls(
+        h.proxy,
+        "plain.test",
+        h.port(),
+        client_tls(&h.test_ca.pem, &[b"http/1.1"]),
+    )
+    .await
+    .unwrap();
+    let certs = tls.get_ref().1.peer_certificates().unwrap();
+    assert_eq!(certs[0], h.up.cert);
+    // Trusting only the agent CA, the same host fails verification: nobody re-signed it.
+    let agent_ca = std::fs::read_to_string(h.state_dir().join("ca.pem")).unwrap();
+    let e = connect_tls(
+        h.proxy,
+        "plain.test",
+        h.port(),
+        client_tls(&agent_ca, &[b"http/1.1"]),
+    )
+    .await
+    .unwrap_err();
+    assert!(e.to_string().contains("certificate"), "{e}");
+    // And curl with the agent's bundle: unknown issuer.
+    let out = curl(&h, &["--http1.1", &h.url("plain.test", "/")]).await;
+    assert!(!out.status.success(), "{}", out.text());
+    // An intercepted host presents the agent's leaf instead.
+    let tls = connect_tls(
+        h.proxy,
+        "api.test",
+        h.port(),
+        client_tls(&agent_ca, &[b"h2", b"http/1.1"]),
+    )
+    .await
+    .unwrap();
+    assert_ne!(tls.get_ref().1.peer_certificates().unwrap()[0], h.up.cert);
+    assert_eq!(tls.get_ref().1.alpn_protocol(), Some(&b"h2"[..]));
+}
+
+#[tokio::test]
+async fn secret_reflected_by_the_upstream_is_not_passed_on() {
+    let h = harness().await;
+    let b = bearer();
+    let out = curl(&h, &["--http1.1", "-H", &b, &h.url("api.test", "/reflect")]).await;
+    assert!(out.text().contains("reflected"), "{}", out.text());
+    assert!(
+        !out.text().contains("x-reflected-authorization"),
+        "{}",
+        out.text()
+    );
+    assert_secret_arrived(&h.up.requests()[0]);
+    h.assert_no_secret_written(&[&out.all()]);
+}
+
+#[tokio::test]
+async fn large_upload_streams_through() {
+    let h = harness().await;
+    let b = bearer();
+    let file = h.dir.join("upload.bin");
+    std::fs::write(&file, vec![b'x'; 24 << 20]).unwrap();
+    let data = format!("@{}", file.display());
+    for v in ["--http1.1", "--http2"] {
+        let out = curl(
+            &h,
+            &[
+                v,
+                "-X",
+                "POST",
+                "-H",
+                &b,
+                "--data-binary",
+                &data,
+                &h.url("api.test", "/upload"),
+            ],
+        )
+        .await;
+        assert!(
+            out.text().contains(&format!(" {}\n", 24 << 20)),
+            "{v}: {}",
+            out.text()
+        );
+    }
+}
+
+#[tokio::test]
+async fn sni_naming_another_server_is_refused() {
+    let h = harness().await;
+    let agent_ca = std::fs::read_to_string(h.state_dir().join("ca.pem")).unwrap();
+    let (resp, s) = {
+        let mut s = tokio::net::TcpStream::connect(h.proxy).await.unwrap();
+        let t = format!("api.test:{}", h.port());
+        s.write_all(format!("CONNECT {t} HTTP/1.1\r\nHost: {t}\r\n\r\n").as_bytes())
+            .await
+            .unwrap();
+        let mut buf = [0u8; 39];
+        tokio::io::AsyncReadExt::read_exact(&mut s, &mut buf)
+            .await
+            .unwrap();
+        (String::from_utf8_lossy(&buf).into_owned(), s)
+    };
+    assert!(resp.starts_with("HTTP/1.1 200"), "{resp}");
+    let name = rustls::pki_types::ServerName::try_from("plain.test").unwrap();
+    let r = tokio_rustls::TlsConnector::from(client_tls(&agent_ca, &[]))
+        .connect(name, s)
+        .await;
+    assert!(r.is_err());
+    h.wait_event("sni-mismatch").await;
+    assert!(h.up.requests().is_empty());
+}
+
+#[tokio::test]
+async fn untrusted_upstream_certificate_is_a_502() {
+    // The upstream's CA is not configured here: only the system roots.
+    let h = harness_untrusting_upstream().await;
+    let b = bearer();
+    let out = curl(
+        &h,
+        &[
+            "--http1.1",
+            "-X",
+            "POST",
+            "-H",
+            &b,
+            &h.url("api.test", "/v1/messages"),
+        ],
+    )
+    .await;
+    assert!(out.text().contains("502"), "{}", out.text());
+    assert!(
+        out.text().contains("x-egress-error: upstream-tls"),
+        "{}",
+        out.text()
+    );
+    assert!(h.up.requests().is_empty());
+    h.assert_no_secret_written(&[&out.all()]);
+}
+
+#[tokio::test]
+async fn ca_is_kept_across_restarts_and_the_key_is_0600() {
+    use std::os::unix::fs::PermissionsExt;
+    let h = harness().await;
+    let state = h.state_dir();
+    let mode = |p: &str| {
+        std::fs::metadata(state.join(p))
+            .unwrap()
+            .permissions()
+            .mode()
+            & 0o7777
+    };
+    assert_eq!(mode("ca-key.pem"), 0o600);
+    assert_eq!(mode("ca.pem"), 0o644);
+    assert_eq!(
+        std::fs::metadata(&state).unwrap().permissions().mode() & 0o777,
+        0o700
+    );
+    let before = std::fs::read(state.join("ca.pem")).unwrap();
+    let again = egress_agent::ca::AgentCa::load_or_create(&state).unwrap();
+    assert_eq!(again.cert_pem().as_bytes(), &before[..]);
+    // The bundle has the system roots and the agent CA.
+    let bundle = std::fs::read_to_string(state.join("ca-bundle.pem")).unwrap();
+    assert!(bundle.ends_with(again.cert_pem()) || bundle.contains(again.cert_pem()));
+    assert!(bundle.matches("BEGIN CERTIFICATE").count() > 1);
+    // A key readable by others is refused, not used.
+    std::fs::set_permissions(
+        state.join("ca-key.pem"),
+        std::fs::Permissions::from_mode(0o644),
+    )
+    .unwrap();
+    let e = egress_agent::ca::AgentCa::load_or_create(&state).unwrap_err();
+    assert!(e.to_string().contains("0644"), "{e}");
+    let _ = Duration::ZERO;
+}

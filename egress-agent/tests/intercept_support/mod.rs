@@ -1,0 +1,597 @@
+//! Harness for the interception tests: a test CA (rcgen), a TLS upstream on loopback that speaks
+//! h2 and HTTP/1.1 and **records what it received**, a policy listener with credential bindings
+//! and request rules, and everything the agent wrote (events, log lines) for the no-leak checks.
+#![allow(dead_code, reason = "each test binary uses a different subset")]
+#![expect(clippy::unwrap_used, reason = "test harness")]
+
+use std::convert::Infallible;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex, OnceLock};
+use std::time::Duration;
+
+use bytes::Bytes;
+use egress_agent::config::Config;
+use egress_agent::events::EventSink;
+use egress_agent::proxy::{PolicyProxy, ProxyContext};
+use futures_util::{SinkExt, StreamExt};
+use http_body_util::{BodyExt, Full, StreamBody};
+use hyper::body::{Frame, Incoming};
+use hyper_util::rt::{TokioExecutor, TokioIo};
+use rcgen::{BasicConstraints, CertificateParams, IsCa, Issuer, KeyPair};
+use rustls::pki_types::{CertificateDer, PrivateKeyDer, PrivatePkcs8KeyDer};
+use tokio::net::TcpListener;
+use tokio::sync::{Notify, oneshot};
+
+#[path = "../proxy_support/mod.rs"]
+mod proxy_support;
+pub use proxy_support::{T, TempDir, temp_dir};
+
+/// The real secret (what only the upstream may see) and the placeholder the client holds.
+pub const SECRET: &str = "sk-real-Zq8v2LmP0xW7-never-leak";
+pub const PLACEHOLDER: &str = "egress-ph-7f3a9c1d5e";
+
+/// Everything the agent logs in this test process (a global subscriber writes here).
+pub fn log_bytes() -> Vec<u8> {
+    LOG.get()
+        .map(|l| l.lock().unwrap().clone())
+        .unwrap_or_default()
+}
+
+static LOG: OnceLock<Arc<Mutex<Vec<u8>>>> = OnceLock::new();
+
+#[derive(Clone)]
+struct LogWriter(Arc<Mutex<Vec<u8>>>);
+impl std::io::Write for LogWriter {
+    fn write(&mut self, b: &[u8]) -> std::io::Result<usize> {
+        self.0.lock().unwrap().extend_from_slice(b);
+        Ok(b.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+fn init_logging() {
+    let buf = LOG.get_or_init(|| Arc::new(Mutex::new(Vec::new()))).clone();
+    let w = LogWriter(buf);
+    tracing_subscriber::fmt()
+        .with_env_filter("trace")
+        .with_writer(move || w.clone())
+        .with_ansi(false)
+        .try_init()
+        .ok();
+}
+
+/// One request as the upstream saw it.
+#[derive(Debug, Clone)]
+pub struct Received {
+    pub method: String,
+    /// Path and query.
+    pub target: String,
+    pub version: String,
+    pub headers: Vec<(String, String)>,
+    pub body_len: usize,
+}
+
+impl Received {
+    pub fn header(&self, name: &str) -> Option<&str> {
+        self.headers
+            .iter()
+            .find(|(k, _)| k == name)
+            .map(|(_, v)| v.as_str())
+    }
+}
+
+/// A test CA and certificates it issues.
+pub struct TestCa {
+    pub pem: String,
+    issuer: Issuer<'static, KeyPair>,
+}
+
+impl TestCa {
+    pub fn new() -> TestCa {
+        let key = KeyPair::generate().unwrap();
+        let mut p = CertificateParams::default();
+        p.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+        p.distinguished_name
+            .push(rcgen::DnType::CommonName, "egress test upstream CA");
+        let cert = p.self_signed(&key).unwrap();
+        TestCa {
+            pem: cert.pem(),
+            issuer: Issuer::new(p, key),
+        }
+    }
+
+    pub fn leaf(&self, names: &[&str]) -> (Vec<CertificateDer<'static>>, PrivateKeyDer<'static>) {
+        let key = KeyPair::generate().unwrap();
+        let p = CertificateParams::new(names.iter().map(|s| (*s).to_owned()).collect::<Vec<_>>())
+            .unwrap();
+        let cert = p.signed_by(&key, &self.issuer).unwrap();
+        (
+            vec![cert.der().clone()],
+            PrivateKeyDer::Pkcs8(PrivatePkcs8KeyDer::from(key.serialize_der())),
+        )
+    }
+}
+
+/// The recording TLS upstream.
+pub struct Upstream {
+    pub addr: SocketAddr,
+    pub cert: CertificateDer<'static>,
+    pub seen: Arc<Mutex<Vec<Received>>>,
+    /// `/sse` sends its first event, then waits for this before the second and the end.
+    pub sse_gate: Arc<Notify>,
+}
+
+impl Upstream {
+    pub fn requests(&self) -> Vec<Received> {
+        self.seen.lock().unwrap().clone()
+    }
+}
+
+type UpBody = http_body_util::combinators::BoxBody<Bytes, Infallible>;
+
+async fn upstream_service(
+    req: hyper::Request<Incoming>,
+    seen: Arc<Mutex<Vec<Received>>>,
+    gate: Arc<Notify>,
+) -> Result<hyper::Response<UpBody>, Infallible> {
+    {
+        let mut req = req;
+        let method = req.method().as_str().to_owned();
+        let target = req
+            .uri()
+            .path_and_query()
+            .map(|p| p.as_str().to_owned())
+            .unwrap_or_default();
+        let version = format!("{:?}", req.version());
+        let mut headers: Vec<(String, String)> = req
+            .headers()
+            .iter()
+            .map(|(k, v)| {
+                (
+                    k.as_str().to_owned(),
+                    String::from_utf8_lossy(v.as_bytes()).into_owned(),
+                )
+            })
+            .collect();
+        if let Some(a) = req.uri().authority() {
+            headers.push((":authority".to_owned(), a.as_str().to_owned()));
+        }
+        let path = req.uri().path().to_owned();
+        let reflect = req.headers().get("authorization").cloned();
+        let ws_key = req.headers().get("sec-websocket-key").cloned();
+        let on_upgrade = (path == "/ws").then(|| hyper::upgrade::on(&mut req));
+        let body_len = if path == "/ws" {
+            0
+        } else {
+            let mut n = 0usize;
+            let mut body = req.into_body();
+            while let Some(f) = body.frame().await {
+                match f {
+                    Ok(f) => n += f.data_ref().map_or(0, |d| d.len()),
+                    Err(_) => break,
+                }
+            }
+            n
+        };
+        seen.lock().unwrap().push(Received {
+            method,
+            target,
+            version: version.clone(),
+            headers,
+            body_len,
+        });
+        let full = |s: String| Full::new(Bytes::from(s)).boxed();
+        let resp = match path.as_str() {
+            "/sse" => {
+                let (tx, rx) = tokio::sync::mpsc::channel::<Result<Frame<Bytes>, Infallible>>(4);
+                tokio::spawn(async move {
+                    tx.send(Ok(Frame::data(Bytes::from_static(b"data: one\n\n"))))
+                        .await
+                        .ok();
+                    gate.notified().await;
+                    tx.send(Ok(Frame::data(Bytes::from_static(b"data: two\n\n"))))
+                        .await
+                        .ok();
+                });
+                let stream = tokio_stream::wrappers::ReceiverStream::new(rx);
+                hyper::Response::builder()
+                    .header("content-type", "text/event-stream")
+                    .body(BodyExt::boxed(StreamBody::new(stream)))
+                    .unwrap()
+            }
+            "/ws" => {
+                let key = ws_key.unwrap();
+                let accept =
+                    tokio_tungstenite::tungstenite::handshake::derive_accept_key(key.as_bytes());
+                let on_upgrade = on_upgrade.unwrap();
+                tokio::spawn(async move {
+                    let up = on_upgrade.await.unwrap();
+                    let mut ws = tokio_tungstenite::WebSocketStream::from_raw_socket(
+                        TokioIo::new(up),
+                        tokio_tungstenite::tungstenite::protocol::Role::Server,
+                        None,
+                    )
+                    .await;
+                    while let Some(Ok(m)) = ws.next().await {
+                        if m.is_text() || m.is_binary() {
+                            ws.send(m).await.ok();
+                        }
+                    }
+                });
+                hyper::Response::builder()
+                    .status(101)
+                    .header("connection", "upgrade")
+                    .header("upgrade", "websocket")
+                    .header("sec-websocket-accept", accept)
+                    .body(full(String::new()))
+                    .unwrap()
+            }
+            "/reflect" => hyper::Response::builder()
+                .header(
+                    "x-reflected-authorization",
+                    reflect.unwrap_or(http::HeaderValue::from_static("-")),
+                )
+                .body(full("reflected\n".to_owned()))
+                .unwrap(),
+            _ => hyper::Response::new(full(format!("ok {version} {body_len}\n"))),
+        };
+        Ok(resp)
+    }
+}
+
+/// Start the recording upstream with a certificate for `names` from `ca`.
+pub async fn upstream(ca: &TestCa, names: &[&str]) -> Upstream {
+    let (chain, key) = ca.leaf(names);
+    let cert = chain[0].clone();
+    let mut cfg = rustls::ServerConfig::builder_with_provider(Arc::new(
+        rustls::crypto::ring::default_provider(),
+    ))
+    .with_safe_default_protocol_versions()
+    .unwrap()
+    .with_no_client_auth()
+    .with_single_cert(chain, key)
+    .unwrap();
+    cfg.alpn_protocols = vec![b"h2".to_vec(), b"http/1.1".to_vec()];
+    let acceptor = tokio_rustls::TlsAcceptor::from(Arc::new(cfg));
+    let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = l.local_addr().unwrap();
+    let seen = Arc::new(Mutex::new(Vec::new()));
+    let sse_gate = Arc::new(Notify::new());
+    let (s2, g2) = (seen.clone(), sse_gate.clone());
+    tokio::spawn(async move {
+        loop {
+            let Ok((tcp, _)) = l.accept().await else {
+                return;
+            };
+            let acceptor = acceptor.clone();
+            let (seen, gate) = (s2.clone(), g2.clone());
+            tokio::spawn(async move {
+                let Ok(tls) = acceptor.accept(tcp).await else {
+                    return;
+                };
+                let h2 = tls.get_ref().1.alpn_protocol() == Some(b"h2");
+                let svc = hyper::service::service_fn(move |req| {
+                    upstream_service(req, seen.clone(), gate.clone())
+                });
+                let io = TokioIo::new(tls);
+                if h2 {
+                    hyper::server::conn::http2::Builder::new(TokioExecutor::new())
+                        .serve_connection(io, svc)
+                        .await
+                        .ok();
+                } else {
+                    hyper::server::conn::http1::Builder::new()
+                        .serve_connection(io, svc)
+                        .with_upgrades()
+                        .await
+                        .ok();
+                }
+            });
+        }
+    });
+    Upstream {
+        addr,
+        cert,
+        seen,
+        sse_gate,
+    }
+}
+
+/// Names the tests use; all on loopback.
+pub const HOSTS: &str = "127.0.0.1 api.test other.test plain.test rules.test\n";
+
+pub struct Harness {
+    pub proxy: SocketAddr,
+    pub events: EventSink,
+    pub up: Upstream,
+    pub test_ca: TestCa,
+    pub config: Arc<Config>,
+    pub ctx: ProxyContext,
+    pub dir: TempDir,
+    stop: Option<oneshot::Sender<()>>,
+}
+
+impl Drop for Harness {
+    fn drop(&mut self) {
+        if let Some(s) = self.stop.take() {
+            s.send(()).ok();
+        }
+    }
+}
+
+impl Harness {
+    pub fn port(&self) -> u16 {
+        self.up.addr.port()
+    }
+    pub fn url(&self, host: &str, path: &str) -> String {
+        format!("https://{host}:{}{path}", self.port())
+    }
+    pub fn proxy_url(&self) -> String {
+        format!("http://{}", self.proxy)
+    }
+    pub fn state_dir(&self) -> PathBuf {
+        self.dir.join("state")
+    }
+    /// The environment a confined command gets (`ca::command_env`) plus the proxy variables.
+    pub fn client_env(&self) -> Vec<(String, String)> {
+        let state = self.state_dir();
+        let mut env = egress_agent::ca::command_env(
+            self.config.policy("test").unwrap(),
+            &state.join("ca-bundle.pem"),
+            &state.join("ca.pem"),
+        );
+        for k in ["HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy"] {
+            env.push((k.to_owned(), self.proxy_url()));
+        }
+        env.push(("NO_PROXY".to_owned(), String::new()));
+        env.push(("no_proxy".to_owned(), String::new()));
+        env
+    }
+    pub fn events_json(&self) -> String {
+        self.events
+            .recent(1000)
+            .iter()
+            .map(|e| serde_json::to_string(e).unwrap())
+            .collect::<Vec<_>>()
+            .join("\n")
+    }
+    /// Wait for an event with this reason.
+    pub async fn wait_event(&self, reason: &str) -> egress_agent::events::DenialEvent {
+        let deadline = tokio::time::Instant::now() + T;
+        loop {
+            if let Some(e) = self
+                .events
+                .recent(1000)
+                .into_iter()
+                .find(|e| e.reason == reason)
+            {
+                return e;
+            }
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "no {reason} event; have {}",
+                self.events_json()
+            );
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    }
+    /// The secret must be nowhere the agent wrote: events, log lines, state files.
+    pub fn assert_no_secret_written(&self, client_saw: &[&[u8]]) {
+        let secret = SECRET.as_bytes();
+        let has = |b: &[u8]| b.windows(secret.len()).any(|w| w == secret);
+        assert!(!has(self.events_json().as_bytes()), "secret in events");
+        // What the control API and `check` answer for policies.
+        let answer = egress_agent::check::effective_policies(&self.config).to_string();
+        assert!(
+            answer.contains(PLACEHOLDER),
+            "policies answer without the binding"
+        );
+        assert!(!has(answer.as_bytes()), "secret in the policies answer");
+        let log = log_bytes();
+        assert!(!log.is_empty(), "the log capture is not working");
+        assert!(!has(&log), "secret in the agent's log");
+        for e in std::fs::read_dir(self.state_dir()).unwrap() {
+            let p = e.unwrap().path();
+            assert!(
+                !has(&std::fs::read(&p).unwrap()),
+                "secret in {}",
+                p.display()
+            );
+        }
+        for (i, seen) in client_saw.iter().enumerate() {
+            assert!(!has(seen), "the client saw the secret (output {i})");
+        }
+    }
+}
+
+pub async fn harness() -> Harness {
+    harness_with("").await
+}
+
+/// The harness without the upstream's CA configured (only the system roots are trusted).
+pub async fn harness_untrusting_upstream() -> Harness {
+    harness_opts("", false).await
+}
+
+pub async fn harness_with(extra: &str) -> Harness {
+    harness_opts(extra, true).await
+}
+
+/// Test policy on the recording upstream; `extra` is appended to `[policies.test]`'s tables.
+pub async fn harness_opts(extra: &str, trust_upstream: bool) -> Harness {
+    init_logging();
+    let dir = temp_dir();
+    let test_ca = TestCa::new();
+    let up = upstream(
+        &test_ca,
+        &["api.test", "other.test", "plain.test", "rules.test"],
+    )
+    .await;
+    std::fs::write(dir.join("hosts"), HOSTS).unwrap();
+    std::fs::write(dir.join("upstream-ca.pem"), &test_ca.pem).unwrap();
+    std::fs::write(dir.join("secret"), format!("{SECRET}\n")).unwrap();
+    let p = up.addr.port();
+    let toml = format!(
+        r#"
+[agent]
+state_dir = "{state}"
+{intercept}
+[proxy]
+connect_timeout_ms = 2000
+header_timeout_ms = 3000
+[dns]
+nameservers = []
+hosts_file = "{dir}/hosts"
+timeout_ms = 500
+attempts = 1
+
+[policies.test]
+allow_hosts = ["api.test", "other.test", "plain.test", "rules.test"]
+allow_ports = [{p}]
+allow_cidrs = [{{ cidr = "127.0.0.1/32", ports = [{p}] }}]
+
+[[policies.test.credentials]]
+host = "api.test"
+port = {p}
+header = "authorization"
+prefix = "Bearer "
+source = {{ file = "{dir}/secret" }}
+placeholder = "{PLACEHOLDER}"
+placeholder_env = "API_KEY"
+require = true
+
+[[policies.test.request_rules]]
+host = "api.test"
+port = {p}
+action = "allow"
+methods = ["POST"]
+path = "/v1/messages"
+
+[[policies.test.request_rules]]
+host = "api.test"
+port = {p}
+action = "allow"
+methods = ["GET", "POST"]
+path = "/*"
+
+[[policies.test.request_rules]]
+host = "other.test"
+port = {p}
+action = "deny"
+path = "/admin/**"
+
+[[policies.test.request_rules]]
+host = "rules.test"
+port = {p}
+action = "deny"
+methods = ["DELETE"]
+
+{extra}
+"#,
+        state = dir.join("state").display(),
+        dir = dir.display(),
+        intercept = if trust_upstream {
+            format!(
+                "[intercept]\nupstream_ca_file = \"{}/upstream-ca.pem\"",
+                dir.display()
+            )
+        } else {
+            String::new()
+        },
+    );
+    let config = Arc::new(Config::from_toml_str(&toml, Path::new("intercept.toml")).unwrap());
+    let events = EventSink::new(1000);
+    let ctx = ProxyContext::new(&config, events.clone()).unwrap();
+    let proxy = PolicyProxy::bind(
+        "127.0.0.1:0".parse().unwrap(),
+        "test".to_owned(),
+        Arc::new(config.policy("test").unwrap().clone()),
+        ctx.clone(),
+    )
+    .await
+    .unwrap();
+    let addr = proxy.local_addr();
+    let (tx, rx) = oneshot::channel();
+    tokio::spawn(proxy.run(async move {
+        rx.await.ok();
+    }));
+    Harness {
+        proxy: addr,
+        events,
+        up,
+        test_ca,
+        config,
+        ctx,
+        dir,
+        stop: Some(tx),
+    }
+}
+
+/// Output of a client process.
+pub struct Out {
+    pub status: std::process::ExitStatus,
+    pub stdout: Vec<u8>,
+    pub stderr: Vec<u8>,
+}
+
+impl Out {
+    pub fn text(&self) -> String {
+        String::from_utf8_lossy(&self.stdout).into_owned()
+    }
+    pub fn all(&self) -> Vec<u8> {
+        [self.stdout.clone(), self.stderr.clone()].concat()
+    }
+}
+
+/// Run a client with exactly `env` (plus PATH/HOME), under a timeout.
+pub async fn run_client(prog: &str, args: &[&str], env: &[(String, String)]) -> Out {
+    let mut cmd = tokio::process::Command::new(prog);
+    cmd.args(args)
+        .env_clear()
+        .env("PATH", "/usr/bin:/bin")
+        .env("HOME", "/tmp")
+        .envs(env.iter().map(|(k, v)| (k.as_str(), v.as_str())))
+        .kill_on_drop(true);
+    let out = tokio::time::timeout(Duration::from_secs(20), cmd.output())
+        .await
+        .unwrap_or_else(|_| panic!("{prog} timed out"))
+        .unwrap_or_else(|e| panic!("{prog}: {e}"));
+    Out {
+        status: out.status,
+        stdout: out.stdout,
+        stderr: out.stderr,
+    }
+}
+
+/// A client-side TLS config trusting only `ca_pem` (ALPN as given).
+pub fn client_tls(ca_pem: &str, alpn: &[&[u8]]) -> Arc<rustls::ClientConfig> {
+    let mut roots = rustls::RootCertStore::empty();
+    for p in pem::parse_many(ca_pem).unwrap() {
+        roots.add(CertificateDer::from(p.into_contents())).unwrap();
+    }
+    let mut cfg = rustls::ClientConfig::builder_with_provider(Arc::new(
+        rustls::crypto::ring::default_provider(),
+    ))
+    .with_safe_default_protocol_versions()
+    .unwrap()
+    .with_root_certificates(roots)
+    .with_no_client_auth();
+    cfg.alpn_protocols = alpn.iter().map(|a| a.to_vec()).collect();
+    Arc::new(cfg)
+}
+
+/// CONNECT through the proxy, then TLS with `tls` to `host`.
+pub async fn connect_tls(
+    proxy: SocketAddr,
+    host: &str,
+    port: u16,
+    tls: Arc<rustls::ClientConfig>,
+) -> std::io::Result<tokio_rustls::client::TlsStream<tokio::net::TcpStream>> {
+    let (resp, s) = proxy_support::connect(proxy, &format!("{host}:{port}")).await;
+    assert_eq!(resp.status, 200, "CONNECT {host}");
+    let name = rustls::pki_types::ServerName::try_from(host.to_owned()).unwrap();
+    tokio_rustls::TlsConnector::from(tls).connect(name, s).await
+}
