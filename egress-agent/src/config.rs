@@ -588,6 +588,88 @@ deny_cidrs = ["203.0.113.0/24"]
     }
 
     #[test]
+    fn host_entries_resolve_private_and_transparent() {
+        let c = parse(
+            r#"
+[policies.ci]
+allow_hosts = ["example.com", { host = "GitHub.com.", ports = [2222, 22, 22] }]
+resolve_private = ["10.0.0.0/8", "127.0.0.1/32"]
+[policies.explicit]
+allow_hosts = ["example.com"]
+transparent = false
+"#,
+        )
+        .unwrap();
+        let p = c.policy("ci").unwrap();
+        assert_eq!(p.allow_hosts[0].to_string(), "example.com");
+        assert!(p.allow_hosts[0].ports.is_empty());
+        assert_eq!(p.allow_hosts[1].pattern.to_string(), "github.com");
+        assert_eq!(p.allow_hosts[1].ports, vec![22, 2222]);
+        assert_eq!(p.allow_hosts[1].to_string(), "github.com (ports 22, 2222)");
+        assert!(p.transparent() && p.answers_dns());
+        let e = c.policy("explicit").unwrap();
+        assert!(!e.transparent() && e.answers_dns());
+        assert!(!c.policy("allow_all").unwrap().transparent());
+        assert!(!c.policy("deny_all").unwrap().answers_dns());
+        let again: Config = toml::from_str(&toml::to_string(&c).unwrap()).unwrap();
+        assert_eq!(again, c);
+    }
+
+    #[test]
+    fn host_entry_and_range_errors_are_located() {
+        for (text, start, needle) in [
+            (
+                "[policies.ci]\nallow_hosts = [\"a.com\",\n  { host = \"b.com\", ports = [0] }]\n",
+                "/etc/egress-agent/test.toml:3:3: policies.ci.allow_hosts[1]:",
+                "port 0",
+            ),
+            (
+                "[policies.ci]\nallow_hosts = [{ host = \"b.com\", port = [22] }]\n",
+                "/etc/egress-agent/test.toml:2:",
+                "unknown field",
+            ),
+            (
+                "[policies.ci]\nallow_hosts = [{ host = \"10.0.0.1\", ports = [22] }]\n",
+                "/etc/egress-agent/test.toml:2:",
+                "allow_cidrs",
+            ),
+            (
+                "[policies.ci]\nallow_hosts = [{ host = \"b.com\" }]\n",
+                "/etc/egress-agent/test.toml:2:",
+                "ports",
+            ),
+            (
+                "[policies.ci]\nallow_hosts = [{ host = \"b.com\", ports = [] }]\n",
+                "/etc/egress-agent/test.toml:2:",
+                "plain string",
+            ),
+            (
+                "[policies.ci]\nresolve_private = [\"10.0.0.0/8\", \"8.8.8.0/24\"]\n",
+                "/etc/egress-agent/test.toml:2:34: policies.ci.resolve_private[1]:",
+                "built-in deny list",
+            ),
+            (
+                "[policies.ci]\nresolve_private = [\"10.0.0.1/8\"]\n",
+                "/etc/egress-agent/test.toml:2:20: policies.ci.resolve_private[0]:",
+                "host bits",
+            ),
+            (
+                "[policies.ci]\nresolve_private = [\"10.0.0.0/8\"]\ndeny_cidrs = [\"10.1.0.0/16\"]\n",
+                "/etc/egress-agent/test.toml:2:20: policies.ci.resolve_private[0]:",
+                "overlaps",
+            ),
+            (
+                "[policies.ci]\nmode = \"deny_all\"\ntransparent = true\n",
+                "/etc/egress-agent/test.toml:3:1: policies.ci.transparent:",
+                "allowlist",
+            ),
+        ] {
+            let e = err(text);
+            assert!(e.starts_with(start) && e.contains(needle), "{text:?}: {e}");
+        }
+    }
+
+    #[test]
     fn unspecified_listen_is_refused_unless_explicit() {
         let e = err("[proxy]\nlisten = \"0.0.0.0\"\n");
         assert!(e.contains("proxy.listen") && e.contains(":2:"), "{e}");

@@ -285,10 +285,9 @@ fn inline(hosts: &str, ports: Option<&str>) -> Result<(String, Policy), LabelErr
     let key = format!("{}|{:?}", canon.join(","), sorted_ports);
     let policy = Policy {
         mode: Mode::Allowlist,
-        allow_hosts: patterns,
+        allow_hosts: patterns.into_iter().map(Into::into).collect(),
         allow_ports: ports,
-        allow_cidrs: Vec::new(),
-        deny_cidrs: Vec::new(),
+        ..Policy::deny_all()
     };
     policy
         .validate("egress.allow_hosts")
