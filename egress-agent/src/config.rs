@@ -148,8 +148,9 @@ impl ProxyConfig {
 pub struct DnsConfig {
     /// resolv.conf to read nameservers/search/options from. Default `/etc/resolv.conf`.
     pub resolv_conf: PathBuf,
-    /// If set, these nameservers (port 53, UDP+TCP) replace resolv.conf's. `[]` = hosts file only.
-    pub nameservers: Option<Vec<IpAddr>>,
+    /// If set, these nameservers (UDP+TCP; `"192.0.2.53"` is port 53, `"127.0.0.1:5353"` /
+    /// `"[::1]:5353"` name a port) replace resolv.conf's. `[]` = hosts file only.
+    pub nameservers: Option<Vec<NameServer>>,
     /// Static hosts file consulted before DNS. Default `/etc/hosts`.
     pub hosts_file: PathBuf,
     /// Per-query timeout. Default 5 000 ms.
@@ -166,6 +167,47 @@ impl Default for DnsConfig {
             hosts_file: PathBuf::from("/etc/hosts"),
             timeout_ms: 5_000,
             attempts: 2,
+        }
+    }
+}
+
+/// A `[dns] nameservers` entry: an address (port 53) or an address with a port.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct NameServer(pub SocketAddr);
+
+impl From<IpAddr> for NameServer {
+    fn from(ip: IpAddr) -> Self {
+        NameServer(SocketAddr::new(ip, 53))
+    }
+}
+
+impl std::fmt::Display for NameServer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        if self.0.port() == 53 {
+            write!(f, "{}", self.0.ip())
+        } else {
+            write!(f, "{}", self.0)
+        }
+    }
+}
+
+impl Serialize for NameServer {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.collect_str(self)
+    }
+}
+
+impl<'de> Deserialize<'de> for NameServer {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let s = String::deserialize(d)?;
+        if let Ok(ip) = s.parse::<IpAddr>() {
+            return Ok(ip.into());
+        }
+        match s.parse::<SocketAddr>() {
+            Ok(sa) if sa.port() != 0 => Ok(NameServer(sa)),
+            _ => Err(serde::de::Error::custom(format!(
+                "invalid nameserver {s:?}: an IP address, or IP:port (\"[v6]:port\")"
+            ))),
         }
     }
 }
@@ -613,6 +655,26 @@ transparent = false
         assert!(!c.policy("deny_all").unwrap().answers_dns());
         let again: Config = toml::from_str(&toml::to_string(&c).unwrap()).unwrap();
         assert_eq!(again, c);
+    }
+
+    #[test]
+    fn nameservers_with_and_without_ports() {
+        let c =
+            parse("[dns]\nnameservers = [\"192.0.2.53\", \"127.0.0.1:5353\", \"[::1]:5354\"]\n")
+                .unwrap();
+        let ns = c.dns.nameservers.clone().unwrap();
+        assert_eq!(ns[0].0, "192.0.2.53:53".parse().unwrap());
+        assert_eq!(ns[1].0, "127.0.0.1:5353".parse().unwrap());
+        assert_eq!(ns[2].to_string(), "[::1]:5354");
+        let again: Config = toml::from_str(&toml::to_string(&c).unwrap()).unwrap();
+        assert_eq!(again, c);
+        for bad in ["\"localhost\"", "\"127.0.0.1:0\"", "\"1.2.3.4:x\""] {
+            let e = err(&format!("[dns]\nnameservers = [{bad}]\n"));
+            assert!(
+                e.contains("dns.nameservers[0]") && e.contains(":2:"),
+                "{bad}: {e}"
+            );
+        }
     }
 
     #[test]

@@ -28,6 +28,10 @@ const APT_PACKAGES: &[&str] = &[
     "squid",
     "tinyproxy",
     "systemd",
+    // DNS responder tests and dns-bench: dnsmasq as the recording upstream and the peer,
+    // dig as the client.
+    "dnsmasq-base",
+    "bind9-dnsutils",
 ];
 
 const BPF_LINKER_VERSION: &str = "0.13.0";

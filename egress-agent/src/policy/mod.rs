@@ -54,6 +54,8 @@ pub enum DenyReason {
     NoOriginalDestination,
     /// A DNS query of another type than A/AAAA (TXT, NULL, ANY, ...), or not class IN.
     DnsTypeRefused,
+    /// A redirected connection reached a policy whose `transparent` is off (after a reload).
+    TransparentOff,
 }
 
 impl DenyReason {
@@ -75,6 +77,7 @@ impl DenyReason {
             DenyReason::UnknownProtocol => "unknown-protocol",
             DenyReason::NoOriginalDestination => "no-original-destination",
             DenyReason::DnsTypeRefused => "dns-type-refused",
+            DenyReason::TransparentOff => "transparent-off",
         }
     }
 }

@@ -10,12 +10,17 @@
 //! address → `200` → [`tunnel`]. Anything else goes to [`http`] (hyper), which checks **every**
 //! request on the keep-alive connection the same way. Every error path answers and closes; nothing
 //! is forwarded before the checks pass.
+mod accept;
 pub mod dial;
 pub mod http;
+pub mod intercept;
 pub mod listen;
+pub mod original_dst;
 pub mod request;
 pub mod resolve;
 pub mod response;
+pub mod sniff;
+pub mod transparent;
 pub mod tunnel;
 
 use std::collections::BTreeMap;
@@ -38,6 +43,7 @@ use crate::policy::Policy;
 use crate::policy::name::Destination;
 use crate::policy::{CompiledPolicy, DenyReason};
 use dial::DialError;
+pub use intercept::{InterceptAddrs, InterceptHooks};
 use request::{Head, Request, RequestError, Target};
 use resolve::{DnsResolver, ResolveError};
 
@@ -104,6 +110,8 @@ struct CtxInner {
 pub struct ProxyContext {
     inner: Arc<CtxInner>,
     metrics: Option<Arc<Metrics>>,
+    /// Transparent interception and DNS ([`ProxyContext::with_interception`]).
+    interception: Option<Arc<InterceptHooks>>,
 }
 
 impl std::fmt::Debug for ProxyContext {
@@ -111,6 +119,7 @@ impl std::fmt::Debug for ProxyContext {
         f.debug_struct("ProxyContext")
             .field("limits", &self.inner.limits)
             .field("metrics", &self.metrics.is_some())
+            .field("interception", &self.interception.is_some())
             .finish_non_exhaustive()
     }
 }
@@ -149,7 +158,22 @@ impl ProxyContext {
                 conns,
             }),
             metrics: None,
+            interception: None,
         }
+    }
+
+    /// Bind interception sockets next to every listener bound from this context (and its clones
+    /// made afterwards): a transparent TCP listener for policies with `transparent`, a DNS
+    /// responder (UDP + TCP) for policies that [`Policy::answers_dns`]. `hooks` is what the kernel
+    /// side provides (original destinations, the answer sink). Without it (the default) listeners
+    /// are explicit-proxy only, as before.
+    pub fn with_interception(mut self, hooks: InterceptHooks) -> ProxyContext {
+        self.interception = Some(Arc::new(hooks));
+        self
+    }
+
+    pub fn interception(&self) -> Option<&Arc<InterceptHooks>> {
+        self.interception.as_ref()
     }
 
     /// Report to `metrics`: per listener, connections accepted, allowed decisions (`reason =
@@ -232,8 +256,18 @@ impl Shared {
             Destination::Name(n) => (Some(n.as_str().to_owned()), ip),
             Destination::Ip(lit) => (None, Some(ip.unwrap_or(*lit))),
         };
-        let mut ev =
-            DenialEvent::proxy(&self.name, host, ip, target.port, protocol, reason.as_str());
+        self.emit_denial(DenialEvent::proxy(
+            &self.name,
+            host,
+            ip,
+            target.port,
+            protocol,
+            reason.as_str(),
+        ));
+    }
+
+    /// Emit `ev` with this listener's identity (container, cgroup, context labels) filled in.
+    pub(crate) fn emit_denial(&self, mut ev: DenialEvent) {
         if let Some(id) = &self.identity {
             ev.container = id.container.clone();
             ev.cgroup_id = id.cgroup_id;
@@ -334,11 +368,14 @@ pub(crate) enum Refusal {
     Upstream(&'static str),
 }
 
-/// One policy's listener.
+/// One policy's listener, with its interception sockets when the context has hooks.
 pub struct PolicyProxy {
     listener: TcpListener,
     local: SocketAddr,
     shared: Arc<Shared>,
+    intercept: Option<intercept::Interception>,
+    /// The policy at bind time (decides which interception sockets exist for a sibling).
+    bound_policy: Arc<Policy>,
 }
 
 impl PolicyProxy {
@@ -373,10 +410,18 @@ impl PolicyProxy {
             ctx,
             counters,
         });
+        let intercept = match shared.ctx.interception.clone() {
+            Some(hooks) => {
+                Some(intercept::Interception::bind(local.ip(), &shared, &hooks, &policy).await?)
+            }
+            None => None,
+        };
         Ok(PolicyProxy {
             listener,
             local,
             shared,
+            intercept,
+            bound_policy: policy,
         })
     }
 
@@ -384,11 +429,27 @@ impl PolicyProxy {
     pub async fn bind_sibling(&self, addr: SocketAddr) -> io::Result<PolicyProxy> {
         let listener = listen::listen(addr, self.shared.ctx.inner.client_cc.as_deref())?;
         let local = listener.local_addr()?;
+        let intercept = match self.shared.ctx.interception.clone() {
+            Some(hooks) => Some(
+                intercept::Interception::bind(local.ip(), &self.shared, &hooks, &self.bound_policy)
+                    .await?,
+            ),
+            None => None,
+        };
         Ok(PolicyProxy {
             listener,
             local,
             shared: self.shared.clone(),
+            intercept,
+            bound_policy: self.bound_policy.clone(),
         })
+    }
+
+    /// This listener's interception addresses (what the kernel entry of its cgroups points
+    /// redirected TCP and port-53 traffic at), or `None` when the context has no
+    /// [`InterceptHooks`].
+    pub fn intercept_addrs(&self) -> Option<InterceptAddrs> {
+        self.intercept.as_ref().map(intercept::Interception::addrs)
     }
 
     pub fn local_addr(&self) -> SocketAddr {
@@ -406,52 +467,28 @@ impl PolicyProxy {
         }
     }
 
-    /// Accept until `shutdown` completes; then stop accepting and end open connections.
+    /// Accept until `shutdown` completes; then stop accepting and end open connections. The
+    /// listener's interception sockets (transparent listener, DNS responder) run and stop with it.
     pub async fn run(self, shutdown: impl Future<Output = ()>) {
         let (stop_tx, stop_rx) = watch::channel(false);
-        let conns = self.shared.ctx.inner.conns.clone();
-        let mine = self.shared.conns.clone();
-        tokio::pin!(shutdown);
-        loop {
-            // Backpressure: at this listener's bound, then at the global one, stop accepting (the
-            // kernel backlog holds the rest). This listener's permit comes first, so a listener
-            // at its own bound holds no global permit while it waits.
-            let permits = tokio::select! {
-                p = async {
-                    let mine = mine.clone().acquire_owned().await?;
-                    let global = conns.clone().acquire_owned().await?;
-                    Ok::<_, tokio::sync::AcquireError>((mine, global))
-                } => match p { Ok(p) => p, Err(_) => break },
-                () = &mut shutdown => break,
-            };
-            let accepted = tokio::select! {
-                r = self.listener.accept() => r,
-                () = &mut shutdown => break,
-            };
-            match accepted {
-                Ok((stream, peer)) => {
-                    if let Some(c) = &self.shared.counters {
-                        c.connection();
-                    }
-                    let shared = self.shared.clone();
-                    let stop = stop_rx.clone();
-                    tokio::spawn(async move {
-                        handle_connection(stream, peer, &shared, stop).await;
-                        drop(permits);
-                    });
-                }
-                Err(e) => {
-                    // EMFILE/ENFILE and friends: back off instead of spinning.
-                    tracing::warn!(policy = %self.shared.name, error = %e, "accept failed");
-                    tokio::time::sleep(Duration::from_millis(50)).await;
-                }
-            }
+        if let Some(i) = self.intercept {
+            i.spawn(&self.shared, &stop_rx);
         }
+        accept::accept_loop(
+            self.listener,
+            self.shared,
+            shutdown,
+            stop_rx,
+            |stream, peer, shared, stop| async move {
+                handle_connection(stream, peer, &shared, stop).await
+            },
+        )
+        .await;
         stop_tx.send(true).ok();
     }
 }
 
-async fn stopped(mut stop: watch::Receiver<bool>) {
+pub(crate) async fn stopped(mut stop: watch::Receiver<bool>) {
     // Ends when `true` is sent or the sender is gone.
     stop.wait_for(|v| *v).await.ok();
 }
@@ -511,6 +548,12 @@ async fn handle_connection(
                     .parse(&buf)
                     .is_err_and(|e| e != httparse::Error::TooManyHeaders)
             {
+                // Not HTTP: a connection the kernel redirected here transparently (it has an
+                // original destination) is decided on its SNI; anything else is malformed.
+                if let Some(orig) = transparent::original_dst(shared, &stream, peer) {
+                    transparent::intercepted(stream, orig, buf, shared, stop).await;
+                    return;
+                }
                 refuse(&mut stream, &response::error(400, "malformed-request")).await;
                 return;
             }
@@ -579,6 +622,8 @@ async fn handle_connection(
 pub struct ProxyServer {
     addrs: BTreeMap<String, SocketAddr>,
     addrs_v6: BTreeMap<String, SocketAddr>,
+    intercept: BTreeMap<String, InterceptAddrs>,
+    intercept_v6: BTreeMap<String, InterceptAddrs>,
     handles: BTreeMap<String, PolicyHandle>,
     tasks: JoinSet<()>,
 }
@@ -593,6 +638,16 @@ impl ProxyServer {
     /// `proxy.listen` is IPv4); empty otherwise.
     pub fn addrs_v6(&self) -> &BTreeMap<String, SocketAddr> {
         &self.addrs_v6
+    }
+
+    /// Interception addresses of each policy's listener (empty without [`InterceptHooks`]).
+    pub fn intercept_addrs(&self) -> &BTreeMap<String, InterceptAddrs> {
+        &self.intercept
+    }
+
+    /// Interception addresses of each policy's IPv6 listener (see [`ProxyServer::addrs_v6`]).
+    pub fn intercept_addrs_v6(&self) -> &BTreeMap<String, InterceptAddrs> {
+        &self.intercept_v6
     }
 
     /// Swap handle of a policy's listener(s), for config reload.
@@ -624,6 +679,8 @@ pub async fn serve(
     let mut proxies = Vec::new();
     let mut addrs = BTreeMap::new();
     let mut addrs_v6 = BTreeMap::new();
+    let mut intercept = BTreeMap::new();
+    let mut intercept_v6 = BTreeMap::new();
     let mut handles = BTreeMap::new();
     for name in config.policy_names() {
         let policy = config
@@ -638,6 +695,9 @@ pub async fn serve(
                 source,
             })?;
         addrs.insert(name.to_owned(), proxy.local_addr());
+        if let Some(a) = proxy.intercept_addrs() {
+            intercept.insert(name.to_owned(), a);
+        }
         handles.insert(name.to_owned(), proxy.policy_handle());
         if let Some(ip6) = ip6 {
             let addr = SocketAddr::new(ip6, 0);
@@ -650,6 +710,9 @@ pub async fn serve(
                     source,
                 })?;
             addrs_v6.insert(name.to_owned(), v6.local_addr());
+            if let Some(a) = v6.intercept_addrs() {
+                intercept_v6.insert(name.to_owned(), a);
+            }
             proxies.push(v6);
         }
         proxies.push(proxy);
@@ -667,6 +730,8 @@ pub async fn serve(
     Ok(ProxyServer {
         addrs,
         addrs_v6,
+        intercept,
+        intercept_v6,
         handles,
         tasks,
     })
