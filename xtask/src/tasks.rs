@@ -123,10 +123,13 @@ pub fn bench(quick: bool) -> Result<()> {
     let mut failed = Vec::new();
     // The second proxy-bench run gives every proxy the same half CPU, so tunnels/s compares the
     // proxies rather than the client's ceiling on this machine's two cores.
-    let runs: [(&str, &[&str]); 3] = [
+    let runs: [(&str, &[&str]); 5] = [
         ("connect-bench", &[]),
         ("proxy-bench", &[]),
         ("proxy-bench", &["--rate-only", "--cpu-quota", "50"]),
+        // The agent's DNS responder vs dnsmasq; transparent tunnels vs explicit CONNECT.
+        ("dns-bench", &[]),
+        ("transparent-bench", &[]),
     ];
     for (bench, extra) in runs {
         let bin = release_bin(bench);

@@ -33,7 +33,7 @@
 //! bytes).
 pub mod answer;
 pub mod decide;
-pub mod handler;
+mod handler;
 pub mod responder;
 
 use std::net::{IpAddr, SocketAddr};

@@ -16,6 +16,7 @@ pub mod http;
 pub mod intercept;
 pub mod listen;
 pub mod original_dst;
+pub mod records_cache;
 pub mod request;
 pub mod resolve;
 pub mod response;

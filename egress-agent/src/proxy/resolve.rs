@@ -22,6 +22,7 @@ use hickory_resolver::proto::op::ResponseCode;
 use hickory_resolver::proto::rr::{Name, Record, RecordType};
 use hickory_resolver::{Hosts, TokioResolver};
 
+use super::records_cache::RecordsCache;
 use crate::config::DnsConfig;
 use crate::policy::name::HostName;
 
@@ -51,6 +52,8 @@ pub struct DnsResolver {
     /// No nameservers configured: a family missing from the hosts file can only fail.
     no_nameservers: bool,
     timeout: Duration,
+    /// [`DnsResolver::lookup_records`] answers, for the DNS responder's hot path.
+    records: Arc<RecordsCache>,
 }
 
 impl std::fmt::Debug for DnsResolver {
@@ -130,6 +133,7 @@ impl DnsResolver {
             hosts,
             no_nameservers,
             timeout,
+            records: Arc::default(),
         })
     }
 
@@ -238,8 +242,19 @@ impl NameRecords {
 impl DnsResolver {
     /// A and AAAA records of `name` (CNAME chains included), looked up concurrently through the
     /// same resolver, cache and hosts file as [`DnsResolver::lookup`]. Bounded by the same whole-
-    /// lookup timeout; a family that times out is [`Family::Failed`].
-    pub async fn lookup_records(&self, name: &HostName) -> NameRecords {
+    /// lookup timeout; a family that times out is [`Family::Failed`]. Answers are kept for reuse
+    /// no longer than their records live ([`RecordsCache`]).
+    pub async fn lookup_records(&self, name: &HostName) -> Arc<NameRecords> {
+        let now = Instant::now();
+        if let Some(hit) = self.records.get(name, now) {
+            return hit;
+        }
+        let fresh = Arc::new(self.lookup_records_uncached(name).await);
+        self.records.put(name, fresh.clone(), Instant::now());
+        fresh
+    }
+
+    async fn lookup_records_uncached(&self, name: &HostName) -> NameRecords {
         let fqdn = match Name::from_ascii(format!("{}.", name.as_str())) {
             Ok(n) => n,
             Err(e) => {
@@ -392,7 +407,7 @@ mod tests {
         ));
         let none = r.lookup_records(&n("none.test")).await;
         assert!(matches!(
-            (none.v4, none.v6),
+            (&none.v4, &none.v6),
             (Family::NxDomain, Family::NxDomain)
         ));
     }
