@@ -495,3 +495,46 @@ async fn deny_all_and_allow_all_get_no_responder_and_a_reload_to_deny_all_refuse
     let ev = f.events.recent(1).pop().unwrap();
     assert_eq!(ev.reason, "policy-deny-all");
 }
+
+#[tokio::test]
+async fn serve_reports_interception_addresses_per_policy_v6_siblings_included() {
+    if std::net::UdpSocket::bind("[::1]:0").is_err() {
+        eprintln!("skipping: no IPv6 loopback");
+        return;
+    }
+    let f = fixture().await;
+    let mut config = (*f.config).clone();
+    config.proxy.endpoint_v6 = Some("[::1]:3128".parse().unwrap());
+    let config = Arc::new(config);
+    let heard = Arc::new(Recorder::default());
+    let ctx = ProxyContext::new(&config, f.events.clone())
+        .unwrap()
+        .with_interception(InterceptHooks {
+            original_dst: Arc::new(StaticOriginalDst::default()),
+            answers: heard.clone(),
+        });
+    let server = egress_agent::proxy::serve(config.clone(), ctx, std::future::pending())
+        .await
+        .unwrap();
+    let v4 = server.intercept_addrs();
+    let v6 = server.intercept_addrs_v6();
+    for (name, a) in v4.iter().chain(v6.iter()) {
+        let all = [a.transparent, a.dns_udp, a.dns_tcp];
+        if name == "test" {
+            assert!(all.iter().all(Option::is_some), "{name}: {a:?}");
+        } else {
+            assert!(all.iter().all(Option::is_none), "{name}: {a:?}");
+        }
+    }
+    let (a4, a6) = (v4["test"], v6["test"]);
+    assert!(a4.dns_udp.unwrap().ip().is_loopback() && a4.dns_udp.unwrap().is_ipv4());
+    assert!(a6.dns_udp.unwrap().is_ipv6() && a6.transparent.unwrap().is_ipv6());
+    // The v6 responder serves the same policy.
+    for (server, tcp) in [(a6.dns_udp.unwrap(), false), (a6.dns_tcp.unwrap(), true)] {
+        let d = dig(server, tcp, "allowed.test", "A").await;
+        assert_eq!(d.status, "NOERROR", "{}", d.raw);
+        let d = dig(server, tcp, "evil.test", "A").await;
+        assert_eq!(d.status, "NXDOMAIN", "{}", d.raw);
+    }
+    assert_eq!(heard.0.lock().unwrap().len(), 2);
+}

@@ -18,6 +18,7 @@ use std::sync::Arc;
 use tokio::io::AsyncReadExt;
 use tokio::net::TcpStream;
 use tokio::sync::watch;
+use tracing::Instrument;
 
 use super::dial::{self, DialError};
 use super::original_dst::ConnKey;
@@ -46,7 +47,8 @@ pub(crate) async fn handle(
     shared: &Arc<Shared>,
     stop: watch::Receiver<bool>,
 ) {
-    let Some(orig) = original_dst(shared, &stream, peer) else {
+    let span = tracing::debug_span!("transparent", policy = %shared.name, %peer);
+    let Some(orig) = span.in_scope(|| original_dst(shared, &stream, peer)) else {
         shared.emit_denial(DenialEvent::proxy(
             &shared.name,
             None,
@@ -59,7 +61,9 @@ pub(crate) async fn handle(
         refuse(&mut stream, &[]).await;
         return;
     };
-    intercepted(stream, orig, buf, shared, stop).await;
+    intercepted(stream, orig, buf, shared, stop)
+        .instrument(span)
+        .await;
 }
 
 /// One refusal of a redirected connection.
