@@ -207,8 +207,9 @@ impl ProxyConfig {
 pub struct DnsConfig {
     /// resolv.conf to read nameservers/search/options from. Default `/etc/resolv.conf`.
     pub resolv_conf: PathBuf,
-    /// If set, these nameservers (port 53, UDP+TCP) replace resolv.conf's. `[]` = hosts file only.
-    pub nameservers: Option<Vec<IpAddr>>,
+    /// If set, these nameservers (UDP+TCP; `"192.0.2.53"` is port 53, `"127.0.0.1:5353"` /
+    /// `"[::1]:5353"` name a port) replace resolv.conf's. `[]` = hosts file only.
+    pub nameservers: Option<Vec<NameServer>>,
     /// Static hosts file consulted before DNS. Default `/etc/hosts`.
     pub hosts_file: PathBuf,
     /// Per-query timeout. Default 5 000 ms.
@@ -244,6 +245,47 @@ impl Default for InterceptConfig {
         InterceptConfig {
             upstream_ca_file: None,
             leaf_cache_entries: 1024,
+        }
+    }
+}
+
+/// A `[dns] nameservers` entry: an address (port 53) or an address with a port.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct NameServer(pub SocketAddr);
+
+impl From<IpAddr> for NameServer {
+    fn from(ip: IpAddr) -> Self {
+        NameServer(SocketAddr::new(ip, 53))
+    }
+}
+
+impl std::fmt::Display for NameServer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        if self.0.port() == 53 {
+            write!(f, "{}", self.0.ip())
+        } else {
+            write!(f, "{}", self.0)
+        }
+    }
+}
+
+impl Serialize for NameServer {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.collect_str(self)
+    }
+}
+
+impl<'de> Deserialize<'de> for NameServer {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let s = String::deserialize(d)?;
+        if let Ok(ip) = s.parse::<IpAddr>() {
+            return Ok(ip.into());
+        }
+        match s.parse::<SocketAddr>() {
+            Ok(sa) if sa.port() != 0 => Ok(NameServer(sa)),
+            _ => Err(serde::de::Error::custom(format!(
+                "invalid nameserver {s:?}: an IP address, or IP:port (\"[v6]:port\")"
+            ))),
         }
     }
 }
@@ -693,6 +735,108 @@ deny_cidrs = ["203.0.113.0/24"]
             "{e}"
         );
         assert!(e.contains("overlaps"), "{e}");
+    }
+
+    #[test]
+    fn host_entries_resolve_private_and_transparent() {
+        let c = parse(
+            r#"
+[policies.ci]
+allow_hosts = ["example.com", { host = "GitHub.com.", ports = [2222, 22, 22] }]
+resolve_private = ["10.0.0.0/8", "127.0.0.1/32"]
+[policies.explicit]
+allow_hosts = ["example.com"]
+transparent = false
+"#,
+        )
+        .unwrap();
+        let p = c.policy("ci").unwrap();
+        assert_eq!(p.allow_hosts[0].to_string(), "example.com");
+        assert!(p.allow_hosts[0].ports.is_empty());
+        assert_eq!(p.allow_hosts[1].pattern.to_string(), "github.com");
+        assert_eq!(p.allow_hosts[1].ports, vec![22, 2222]);
+        assert_eq!(p.allow_hosts[1].to_string(), "github.com (ports 22, 2222)");
+        assert!(p.transparent() && p.answers_dns());
+        let e = c.policy("explicit").unwrap();
+        assert!(!e.transparent() && e.answers_dns());
+        assert!(!c.policy("allow_all").unwrap().transparent());
+        assert!(!c.policy("deny_all").unwrap().answers_dns());
+        let again: Config = toml::from_str(&toml::to_string(&c).unwrap()).unwrap();
+        assert_eq!(again, c);
+    }
+
+    #[test]
+    fn nameservers_with_and_without_ports() {
+        let c =
+            parse("[dns]\nnameservers = [\"192.0.2.53\", \"127.0.0.1:5353\", \"[::1]:5354\"]\n")
+                .unwrap();
+        let ns = c.dns.nameservers.clone().unwrap();
+        assert_eq!(ns[0].0, "192.0.2.53:53".parse().unwrap());
+        assert_eq!(ns[1].0, "127.0.0.1:5353".parse().unwrap());
+        assert_eq!(ns[2].to_string(), "[::1]:5354");
+        let again: Config = toml::from_str(&toml::to_string(&c).unwrap()).unwrap();
+        assert_eq!(again, c);
+        for bad in ["\"localhost\"", "\"127.0.0.1:0\"", "\"1.2.3.4:x\""] {
+            let e = err(&format!("[dns]\nnameservers = [{bad}]\n"));
+            assert!(
+                e.contains("dns.nameservers[0]") && e.contains(":2:"),
+                "{bad}: {e}"
+            );
+        }
+    }
+
+    #[test]
+    fn host_entry_and_range_errors_are_located() {
+        for (text, start, needle) in [
+            (
+                "[policies.ci]\nallow_hosts = [\"a.com\",\n  { host = \"b.com\", ports = [0] }]\n",
+                "/etc/egress-agent/test.toml:3:3: policies.ci.allow_hosts[1]:",
+                "port 0",
+            ),
+            (
+                "[policies.ci]\nallow_hosts = [{ host = \"b.com\", port = [22] }]\n",
+                "/etc/egress-agent/test.toml:2:",
+                "unknown field",
+            ),
+            (
+                "[policies.ci]\nallow_hosts = [{ host = \"10.0.0.1\", ports = [22] }]\n",
+                "/etc/egress-agent/test.toml:2:",
+                "allow_cidrs",
+            ),
+            (
+                "[policies.ci]\nallow_hosts = [{ host = \"b.com\" }]\n",
+                "/etc/egress-agent/test.toml:2:",
+                "ports",
+            ),
+            (
+                "[policies.ci]\nallow_hosts = [{ host = \"b.com\", ports = [] }]\n",
+                "/etc/egress-agent/test.toml:2:",
+                "plain string",
+            ),
+            (
+                "[policies.ci]\nresolve_private = [\"10.0.0.0/8\", \"8.8.8.0/24\"]\n",
+                "/etc/egress-agent/test.toml:2:34: policies.ci.resolve_private[1]:",
+                "built-in deny list",
+            ),
+            (
+                "[policies.ci]\nresolve_private = [\"10.0.0.1/8\"]\n",
+                "/etc/egress-agent/test.toml:2:20: policies.ci.resolve_private[0]:",
+                "host bits",
+            ),
+            (
+                "[policies.ci]\nresolve_private = [\"10.0.0.0/8\"]\ndeny_cidrs = [\"10.1.0.0/16\"]\n",
+                "/etc/egress-agent/test.toml:2:20: policies.ci.resolve_private[0]:",
+                "overlaps",
+            ),
+            (
+                "[policies.ci]\nmode = \"deny_all\"\ntransparent = true\n",
+                "/etc/egress-agent/test.toml:3:1: policies.ci.transparent:",
+                "allowlist",
+            ),
+        ] {
+            let e = err(text);
+            assert!(e.starts_with(start) && e.contains(needle), "{text:?}: {e}");
+        }
     }
 
     #[test]

@@ -10,6 +10,7 @@
 // `deny`, not `forbid`: the loader's two raw syscalls (bpf/sys.rs) are the one allowed exception.
 #![deny(unsafe_code)]
 pub mod api;
+pub mod dns;
 pub mod doctor;
 pub mod metrics;
 pub mod notify;

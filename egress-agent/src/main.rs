@@ -469,10 +469,12 @@ fn init_cli_tracing() {
 
 /// The daemon: JSON lines on stdout (journald keeps them), human format on a terminal.
 /// Lines go through a non-blocking writer (a bounded queue drained by its own thread), so
-/// logging never sits on the proxy's hot path; the guard flushes it at exit.
+/// logging never sits on the proxy's hot path; the guard flushes it at exit. hickory-server logs
+/// every DNS request at `info` (query names included): the agent's own denial events cover what
+/// matters, so it is held at `warn` by default.
 fn init_daemon_tracing() -> tracing_appender::non_blocking::WorkerGuard {
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info,hickory_server=warn"));
     let tty = std::io::stdout().is_terminal();
     let (writer, guard) = tracing_appender::non_blocking(std::io::stdout());
     let builder = tracing_subscriber::fmt()

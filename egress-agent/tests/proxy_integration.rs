@@ -144,9 +144,22 @@ async fn connect_port_not_allowed() {
     assert_eq!(h.events.recent(1)[0].reason, "port-not-allowed");
 }
 
+/// The explicit `allow_cidrs` entry (127.0.0.1/32 on the upstream ports) is what lets IP literals
+/// through; `resolve_private` alone never does.
 #[tokio::test]
 async fn connect_ip_literals_need_allow_cidrs() {
     let h = harness().await;
+    let p = h.up.echo.port();
+    let (r, _) = connect(h.addr, &format!("127.0.0.1:{p}")).await;
+    assert_eq!((r.status, r.deny()), (403, Some("address-denied")));
+    let up = upstreams().await;
+    let cidr = format!(
+        "allow_cidrs = [{{ cidr = \"127.0.0.1/32\", ports = [{}, {}, {}] }}]",
+        up.echo.port(),
+        up.http.port(),
+        up.closed.port()
+    );
+    let h = harness_on(up, "header_timeout_ms = 2000", &cidr, "test", None).await;
     let p = h.up.echo.port();
     // Covered by allow_cidrs 127.0.0.1/32 on this port: allowed, also in v4-mapped form.
     let (r, mut s) = connect(h.addr, &format!("127.0.0.1:{p}")).await;

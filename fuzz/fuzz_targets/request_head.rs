@@ -14,8 +14,12 @@ static POLICY: LazyLock<CompiledPolicy> = LazyLock::new(|| {
     let mut p = Policy::deny_all();
     p.mode = egress_agent::policy::Mode::Allowlist;
     p.allow_hosts = vec![
-        egress_agent::policy::matcher::HostPattern::parse("github.com").unwrap(),
-        egress_agent::policy::matcher::HostPattern::parse("*.github.com").unwrap(),
+        egress_agent::policy::matcher::HostPattern::parse("github.com")
+            .unwrap()
+            .into(),
+        egress_agent::policy::matcher::HostPattern::parse("*.github.com")
+            .unwrap()
+            .into(),
     ];
     p.allow_ports = vec![443, 80];
     CompiledPolicy::new(&p)

@@ -45,7 +45,10 @@ fn check_normal(n: &NormalPath) {
             let hex = &s[i + 1..i + 3];
             assert_eq!(hex, hex.to_ascii_uppercase(), "{s}");
             let v = u8::from_str_radix(hex, 16).expect("escape");
-            assert!(!(v.is_ascii_alphanumeric() || b"-._~/\\".contains(&v)), "{s}");
+            assert!(
+                !(v.is_ascii_alphanumeric() || b"-._~/\\".contains(&v)),
+                "{s}"
+            );
         }
     }
     assert_eq!(normalize_path(s).as_ref(), Ok(n), "not idempotent: {s}");
@@ -74,7 +77,12 @@ fuzz_target!(|data: &[u8]| {
     }
     if let Ok(g) = PathGlob::parse(glob) {
         let gsegs: Vec<&str> = g.as_str()[1..].split('/').collect();
-        assert_eq!(g.matches(&norm), glob_ref(&gsegs, &segs), "{glob} vs {}", norm.as_str());
+        assert_eq!(
+            g.matches(&norm),
+            glob_ref(&gsegs, &segs),
+            "{glob} vs {}",
+            norm.as_str()
+        );
         let host = HostPattern::parse("api.test").expect("pattern");
         let rule = |action, path: PathGlob| RequestRule {
             host: host.clone(),
@@ -90,7 +98,10 @@ fuzz_target!(|data: &[u8]| {
             RuleVerdict::NotAllowed
         };
         assert_eq!(rules::decide(&rs, method, &norm), want);
-        let deny = [rule(RuleAction::Deny, PathGlob::default()), rule(RuleAction::Allow, g)];
+        let deny = [
+            rule(RuleAction::Deny, PathGlob::default()),
+            rule(RuleAction::Allow, g),
+        ];
         assert_eq!(rules::decide(&deny, method, &norm), RuleVerdict::Denied);
     }
 });

@@ -71,7 +71,10 @@ fuzz_target!(|data: &[u8]| {
             let ip: std::net::IpAddr = f.ip.parse().expect("ip");
             let ip = egress_agent::policy::addr::unmap(ip);
             assert!(
-                policy.allow_cidrs.iter().any(|r| r.net.contains(&ip) && r.allows_port(f.port)),
+                policy
+                    .allow_cidrs
+                    .iter()
+                    .any(|r| r.net.contains(&ip) && r.allows_port(f.port)),
                 "{f:?}\n{text}"
             );
         } else {

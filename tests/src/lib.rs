@@ -7,6 +7,7 @@
 //! - [`agent`]: locating the built `egress-agent` / `egress-probe` binaries, running the probe
 //!   inside or outside `egress-agent exec`, test config files, attached-program counts.
 pub mod agent;
+pub mod bench;
 pub mod bpf;
 pub mod canary;
 pub mod escape;

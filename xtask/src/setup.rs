@@ -39,6 +39,10 @@ const APT_PACKAGES: &[&str] = &[
     "python3",
     "python3-venv",
     "nodejs",
+    // DNS responder tests and dns-bench: dnsmasq as the recording upstream and the peer,
+    // dig as the client.
+    "dnsmasq-base",
+    "bind9-dnsutils",
 ];
 
 /// mitmproxy (PyPI, pinned) for the interception benchmark, in a venv of its own.

@@ -124,13 +124,16 @@ pub fn bench(quick: bool) -> Result<()> {
     // The second proxy-bench run gives every proxy the same half CPU, so tunnels/s compares the
     // proxies rather than the client's ceiling on this machine's two cores.
     // The fourth: TLS interception (credential injection) vs squid ssl-bump and mitmproxy.
-    let runs: [(&str, &[&str]); 5] = [
+    let runs: [(&str, &[&str]); 7] = [
         ("connect-bench", &[]),
         ("proxy-bench", &[]),
         ("proxy-bench", &["--rate-only", "--cpu-quota", "50"]),
         ("proxy-bench", &["--intercept"]),
         // Event store ingest, and allowed tunnels/s with and without a flood of refusals.
         ("store-bench", &[]),
+        // The agent's DNS responder vs dnsmasq; transparent tunnels vs explicit CONNECT.
+        ("dns-bench", &[]),
+        ("transparent-bench", &[]),
     ];
     for (bench, extra) in runs {
         let bin = release_bin(bench);

@@ -285,7 +285,7 @@ fn inline(hosts: &str, ports: Option<&str>) -> Result<(String, Policy), LabelErr
     let key = format!("{}|{:?}", canon.join(","), sorted_ports);
     let policy = Policy {
         mode: Mode::Allowlist,
-        allow_hosts: patterns,
+        allow_hosts: patterns.into_iter().map(Into::into).collect(),
         allow_ports: ports,
         ..Policy::deny_all()
     };

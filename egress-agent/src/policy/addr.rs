@@ -102,6 +102,11 @@ pub fn builtin_denied(ip: IpAddr) -> Option<&'static str> {
     None
 }
 
+/// Does one range of the built-in deny list contain all of `net`?
+pub fn builtin_covers(net: &IpNet) -> bool {
+    BUILTIN.iter().any(|(b, _)| b.contains(net))
+}
+
 /// Does any of `nets` contain `ip` (unmapped first; IPv4 nets also match the v4 embedded in v6)?
 pub fn any_contains(nets: &[IpNet], ip: IpAddr) -> bool {
     let ip = unmap(ip);

@@ -358,7 +358,8 @@ pub fn validate(p: &Policy, base: &str) -> Result<(), ValidationError> {
             "a deny_all policy reaches no host to send credentials to",
         ));
     }
-    let allowed = HostMatcher::new(&p.allow_hosts);
+    let patterns: Vec<HostPattern> = p.allow_hosts.iter().map(|e| e.pattern.clone()).collect();
+    let allowed = HostMatcher::new(&patterns);
     let mut placeholders: Vec<&str> = Vec::new();
     let mut envs: Vec<&str> = Vec::new();
     for (i, b) in p.credentials.iter().enumerate() {
@@ -366,7 +367,7 @@ pub fn validate(p: &Policy, base: &str) -> Result<(), ValidationError> {
         if b.port == 0 {
             return Err(verr(format!("{at}.port"), "port 0 is not a port"));
         }
-        if p.mode == Mode::Allowlist && !pattern_allowed(&b.host, &p.allow_hosts, &allowed) {
+        if p.mode == Mode::Allowlist && !pattern_allowed(&b.host, &patterns, &allowed) {
             return Err(verr(
                 format!("{at}.host"),
                 format!(

@@ -6,7 +6,7 @@
 //! Matching is on label boundaries only: `evilgithub.com` never matches `*.github.com`, and
 //! `github.com.evil.com` never matches `github.com`. Patterns are normalised exactly like request
 //! targets (see [`super::name`]); IP addresses are not host patterns (use `allow_cidrs`).
-use std::collections::HashSet;
+use std::collections::HashMap;
 use std::fmt;
 
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
@@ -93,21 +93,32 @@ impl<'de> Deserialize<'de> for HostPattern {
     }
 }
 
-/// A set of patterns compiled for O(labels) lookups.
+/// A set of patterns compiled for O(labels) lookups, each with the ports its `allow_hosts` entry
+/// carries (`{ host = "github.com", ports = [22] }`; none for a plain string entry).
 #[derive(Debug, Default, Clone)]
 pub struct HostMatcher {
-    exact: HashSet<Box<str>>,
-    suffixes: HashSet<Box<str>>,
+    exact: HashMap<Box<str>, Box<[u16]>>,
+    suffixes: HashMap<Box<str>, Box<[u16]>>,
 }
 
 impl HostMatcher {
+    /// Patterns without ports of their own.
     pub fn new<'a>(patterns: impl IntoIterator<Item = &'a HostPattern>) -> HostMatcher {
+        HostMatcher::with_ports(patterns.into_iter().map(|p| (p, &[][..])))
+    }
+
+    /// Patterns with the ports of their entries. A pattern listed twice gets both entries' ports.
+    pub fn with_ports<'a>(
+        entries: impl IntoIterator<Item = (&'a HostPattern, &'a [u16])>,
+    ) -> HostMatcher {
         let mut m = HostMatcher::default();
-        for p in patterns {
-            match p {
-                HostPattern::Exact(n) => m.exact.insert(n.as_str().into()),
-                HostPattern::Suffix(n) => m.suffixes.insert(n.as_str().into()),
+        for (p, ports) in entries {
+            let (map, name) = match p {
+                HostPattern::Exact(n) => (&mut m.exact, n),
+                HostPattern::Suffix(n) => (&mut m.suffixes, n),
             };
+            let slot = map.entry(name.as_str().into()).or_default();
+            *slot = union(slot, ports);
         }
         m
     }
@@ -119,16 +130,40 @@ impl HostMatcher {
     /// Is `name` allowed by any pattern?
     pub fn matches(&self, name: &HostName) -> bool {
         let s = name.as_str();
-        if self.exact.contains(s) {
+        if self.exact.contains_key(s) {
             return true;
         }
         if self.suffixes.is_empty() {
             return false;
         }
-        // Every proper suffix that starts right after a dot: "a.b.c" → "b.c", "c".
-        s.match_indices('.')
-            .any(|(i, _)| self.suffixes.contains(&s[i + 1..]))
+        proper_suffixes(s).any(|suffix| self.suffixes.contains_key(suffix))
     }
+
+    /// The ports the entries matching `name` carry (the union over every matching pattern,
+    /// sorted), or `None` when no pattern matches. `Some([])`: matched, no ports of its own.
+    pub fn entry_ports(&self, name: &HostName) -> Option<Vec<u16>> {
+        let s = name.as_str();
+        let mut found: Option<Vec<u16>> = self.exact.get(s).map(|p| p.to_vec());
+        for suffix in proper_suffixes(s) {
+            if let Some(p) = self.suffixes.get(suffix) {
+                found = Some(union(found.as_deref().unwrap_or(&[]), p).into_vec());
+            }
+        }
+        found
+    }
+}
+
+/// Every proper suffix that starts right after a dot: "a.b.c" → "b.c", "c".
+fn proper_suffixes(s: &str) -> impl Iterator<Item = &str> {
+    s.match_indices('.').map(move |(i, _)| &s[i + 1..])
+}
+
+/// Sorted, deduplicated union of two port lists.
+fn union(a: &[u16], b: &[u16]) -> Box<[u16]> {
+    let mut v: Vec<u16> = a.iter().chain(b).copied().collect();
+    v.sort_unstable();
+    v.dedup();
+    v.into_boxed_slice()
 }
 
 #[cfg(test)]
@@ -225,6 +260,24 @@ mod tests {
             HostPattern::parse("10.0.0.1"),
             Err(PatternError::IpAddress(_))
         ));
+    }
+
+    #[test]
+    fn entry_ports_are_the_union_over_matching_patterns() {
+        let ps = [
+            (HostPattern::parse("github.com").unwrap(), vec![22]),
+            (HostPattern::parse("*.github.com").unwrap(), vec![9418, 22]),
+            (HostPattern::parse("*.api.github.com").unwrap(), vec![2222]),
+            (HostPattern::parse("plain.test").unwrap(), vec![]),
+        ];
+        let m = HostMatcher::with_ports(ps.iter().map(|(p, v)| (p, v.as_slice())));
+        let ports = |h: &str| m.entry_ports(&HostName::parse(h).unwrap());
+        assert_eq!(ports("github.com"), Some(vec![22]));
+        assert_eq!(ports("x.github.com"), Some(vec![22, 9418]));
+        assert_eq!(ports("v3.api.github.com"), Some(vec![22, 2222, 9418]));
+        assert_eq!(ports("plain.test"), Some(vec![]));
+        assert_eq!(ports("evilgithub.com"), None);
+        assert!(m.matches(&HostName::parse("plain.test").unwrap()));
     }
 
     #[test]

@@ -4,12 +4,15 @@
 //!
 //! Rules, in order:
 //! - `deny_all`: everything denied.
-//! - A name: `allowlist` needs a matching `allow_hosts` pattern and a port in `allow_ports`;
-//!   `allow_all` allows any name and port.
+//! - A name: `allowlist` needs a matching `allow_hosts` pattern and a port in `allow_ports` or in
+//!   the matching entries' own `ports`; `allow_all` allows any name and port.
 //! - Every address (from DNS or an IP literal) is unmapped (v4-mapped v6 → v4), then:
 //!   `deny_cidrs` → denied (wins over everything); an `allow_cidrs` entry covering address and port
-//!   → allowed; the built-in deny list → denied; an IP literal in `allowlist` mode → denied;
-//!   otherwise allowed. A name with **any** denied address is refused as a whole.
+//!   → allowed; the built-in deny list → denied, unless the address came from resolving a name and
+//!   lies in `resolve_private` (allowed, through the proxy only); an IP literal in `allowlist` mode
+//!   → denied; otherwise allowed. A name with **any** denied address is refused as a whole — by
+//!   the proxy at dial time and by the DNS responder ([`CompiledPolicy::classify_addr`] is the one
+//!   check both use).
 //!
 //! Audit (`enforce = "audit"`, allowlist only): [`CompiledPolicy::decide_target`] and
 //! [`CompiledPolicy::decide_addr`] take the same decision, then ask whether `allow_all` with the
@@ -32,7 +35,9 @@ use std::net::IpAddr;
 use ipnet::IpNet;
 
 use matcher::HostMatcher;
-pub use model::{ALLOW_ALL, AUDIT, CidrRule, DENY_ALL, Enforce, Mode, Policy, ValidationError};
+pub use model::{
+    ALLOW_ALL, AUDIT, CidrRule, DENY_ALL, Enforce, HostEntry, Mode, Policy, ValidationError,
+};
 use name::Destination;
 
 /// Why a request was denied. `as_str` is the machine-readable reason (`X-Egress-Deny`, events).
@@ -66,6 +71,20 @@ pub enum DenyReason {
     SniMismatch,
     /// Interception is needed for this host but could not be set up (CA, TLS).
     InterceptionUnavailable,
+    /// Transparent TLS without a server name (no SNI, or an IP address as SNI).
+    TlsNoServerName,
+    /// Transparent bytes that start like TLS but are no ClientHello rustls accepts.
+    TlsInvalidHello,
+    /// Transparent plain HTTP without a Host header.
+    HttpNoHost,
+    /// Transparent bytes that are neither TLS nor an HTTP/1 request.
+    UnknownProtocol,
+    /// The kernel has no original destination for a transparently accepted connection.
+    NoOriginalDestination,
+    /// A DNS query of another type than A/AAAA (TXT, NULL, ANY, ...), or not class IN.
+    DnsTypeRefused,
+    /// A redirected connection reached a policy whose `transparent` is off (after a reload).
+    TransparentOff,
 }
 
 impl DenyReason {
@@ -89,6 +108,13 @@ impl DenyReason {
             DenyReason::PathNotNormalized => "path-not-normalized",
             DenyReason::SniMismatch => "sni-mismatch",
             DenyReason::InterceptionUnavailable => "interception-unavailable",
+            DenyReason::TlsNoServerName => "tls-no-sni",
+            DenyReason::TlsInvalidHello => "tls-invalid-hello",
+            DenyReason::HttpNoHost => "http-no-host",
+            DenyReason::UnknownProtocol => "unknown-protocol",
+            DenyReason::NoOriginalDestination => "no-original-destination",
+            DenyReason::DnsTypeRefused => "dns-type-refused",
+            DenyReason::TransparentOff => "transparent-off",
         }
     }
 }
@@ -119,6 +145,20 @@ pub enum Decision {
     WouldDeny(DenyReason),
 }
 
+/// How an address passed [`CompiledPolicy::classify_addr`]. The kernel side needs the
+/// difference: only [`AddrClass::Public`] addresses of a name may be opened directly.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[must_use]
+pub enum AddrClass {
+    /// Not on any deny list.
+    Public,
+    /// Covered by an `allow_cidrs` entry (already allowed directly by the kernel).
+    Cidr,
+    /// On the built-in deny list, reachable because the name resolved into `resolve_private`:
+    /// through the proxy only.
+    ResolvePrivate,
+}
+
 /// A [`Policy`] prepared for the hot path.
 #[derive(Debug, Clone)]
 pub struct CompiledPolicy {
@@ -128,6 +168,8 @@ pub struct CompiledPolicy {
     ports: Vec<u16>,
     allow_cidrs: Vec<CidrRule>,
     deny_cidrs: Vec<IpNet>,
+    resolve_private: Vec<IpNet>,
+    transparent: bool,
     l7: l7::L7Policy,
 }
 
@@ -139,16 +181,41 @@ impl CompiledPolicy {
         CompiledPolicy {
             mode: p.mode,
             audit: p.audits() && p.mode == Mode::Allowlist,
-            hosts: HostMatcher::new(&p.allow_hosts),
+            hosts: HostMatcher::with_ports(
+                p.allow_hosts
+                    .iter()
+                    .map(|e| (&e.pattern, e.ports.as_slice())),
+            ),
             ports,
             allow_cidrs: p.allow_cidrs.clone(),
             deny_cidrs: p.deny_cidrs.clone(),
+            resolve_private: p.resolve_private.clone(),
+            transparent: p.transparent(),
             l7: l7::L7Policy::new(p),
         }
     }
 
     pub fn mode(&self) -> Mode {
         self.mode
+    }
+
+    /// Transparent interception on (see [`Policy::transparent`]).
+    pub fn transparent(&self) -> bool {
+        self.transparent
+    }
+
+    /// The early check of a name the DNS responder was asked for (no port: a DNS answer is for
+    /// every port). Same rules as [`CompiledPolicy::check_target`] for names. On success, the
+    /// ports the matching `allow_hosts` entries carry for direct TCP (empty for most names).
+    pub fn check_name(&self, name: &name::HostName) -> Result<Vec<u16>, DenyReason> {
+        match self.mode {
+            Mode::DenyAll => Err(DenyReason::PolicyDenyAll),
+            Mode::AllowAll => Ok(Vec::new()),
+            Mode::Allowlist => self
+                .hosts
+                .entry_ports(name)
+                .ok_or(DenyReason::HostNotAllowed),
+        }
     }
 
     /// True when refusals of the allowlist are recorded, not enforced.
@@ -212,10 +279,15 @@ impl CompiledPolicy {
                 Mode::Allowlist => {
                     if !self.hosts.matches(n) {
                         Err(DenyReason::HostNotAllowed)
-                    } else if self.ports.binary_search(&port).is_err() {
-                        Err(DenyReason::PortNotAllowed)
-                    } else {
+                    } else if self.ports.binary_search(&port).is_ok()
+                        || self
+                            .hosts
+                            .entry_ports(n)
+                            .is_some_and(|p| p.binary_search(&port).is_ok())
+                    {
                         Ok(())
+                    } else {
+                        Err(DenyReason::PortNotAllowed)
                     }
                 }
             },
@@ -225,10 +297,32 @@ impl CompiledPolicy {
     /// The dial-time check of one address. `via_name`: the address came from resolving an allowed
     /// name (as opposed to an IP literal in the request).
     pub fn check_addr(&self, ip: IpAddr, port: u16, via_name: bool) -> Result<(), DenyReason> {
-        self.addr_in(self.mode, ip, port, via_name)
+        self.classify_addr(ip, Some(port), via_name).map(|_| ())
+    }
+
+    /// The one address check (proxy dial time, DNS answers, transparent dials). `port: None`
+    /// asks for any port (a DNS answer): an `allow_cidrs` entry then covers the address whatever
+    /// its ports.
+    pub fn classify_addr(
+        &self,
+        ip: IpAddr,
+        port: Option<u16>,
+        via_name: bool,
+    ) -> Result<AddrClass, DenyReason> {
+        self.classify_in(self.mode, ip, port, via_name)
     }
 
     fn addr_in(&self, mode: Mode, ip: IpAddr, port: u16, via_name: bool) -> Result<(), DenyReason> {
+        self.classify_in(mode, ip, Some(port), via_name).map(|_| ())
+    }
+
+    fn classify_in(
+        &self,
+        mode: Mode,
+        ip: IpAddr,
+        port: Option<u16>,
+        via_name: bool,
+    ) -> Result<AddrClass, DenyReason> {
         if mode == Mode::DenyAll {
             return Err(DenyReason::PolicyDenyAll);
         }
@@ -239,13 +333,16 @@ impl CompiledPolicy {
         let mut cidr_covers_ip = false;
         for rule in &self.allow_cidrs {
             if rule.net.contains(&ip) {
-                if rule.allows_port(port) {
-                    return Ok(());
+                if port.is_none_or(|p| rule.allows_port(p)) {
+                    return Ok(AddrClass::Cidr);
                 }
                 cidr_covers_ip = true;
             }
         }
         if addr::builtin_denied(ip).is_some() {
+            if via_name && addr::any_contains(&self.resolve_private, ip) {
+                return Ok(AddrClass::ResolvePrivate);
+            }
             return Err(if cidr_covers_ip {
                 DenyReason::PortNotAllowed
             } else {
@@ -259,7 +356,7 @@ impl CompiledPolicy {
                 DenyReason::IpLiteralNotAllowed
             });
         }
-        Ok(())
+        Ok(AddrClass::Public)
     }
 }
 
@@ -424,6 +521,73 @@ mod tests {
         assert_eq!(
             builtin.decide_target(&Destination::parse("anything.example").unwrap(), 8080),
             Decision::WouldDeny(DenyReason::HostNotAllowed)
+        );
+    }
+
+    #[test]
+    fn entry_ports_allow_that_name_on_those_ports_only() {
+        let p = policy(
+            "allow_hosts = [{ host = \"github.com\", ports = [22] }, \"example.com\"]\nallow_ports = [443]",
+        );
+        assert_eq!(target(&p, "github.com", 22), Ok(()));
+        assert_eq!(target(&p, "github.com", 443), Ok(()));
+        assert_eq!(
+            target(&p, "example.com", 22),
+            Err(DenyReason::PortNotAllowed)
+        );
+        let name = |s: &str| name::HostName::parse(s).unwrap();
+        assert_eq!(p.check_name(&name("github.com")), Ok(vec![22]));
+        assert_eq!(p.check_name(&name("example.com")), Ok(vec![]));
+        assert_eq!(
+            p.check_name(&name("evil.example")),
+            Err(DenyReason::HostNotAllowed)
+        );
+    }
+
+    #[test]
+    fn resolve_private_opens_names_not_literals() {
+        let p = policy(
+            "allow_hosts = [\"registry.internal\"]\nresolve_private = [\"10.0.0.0/8\", \"127.0.0.1/32\"]",
+        );
+        let ip = |s: &str| s.parse::<IpAddr>().unwrap();
+        assert_eq!(
+            p.classify_addr(ip("10.1.2.3"), Some(443), true),
+            Ok(AddrClass::ResolvePrivate)
+        );
+        assert_eq!(
+            p.classify_addr(ip("::ffff:10.1.2.3"), None, true),
+            Ok(AddrClass::ResolvePrivate)
+        );
+        assert_eq!(
+            p.classify_addr(ip("127.0.0.1"), Some(8080), true),
+            Ok(AddrClass::ResolvePrivate)
+        );
+        // Outside the ranges, and IP literals: still denied.
+        assert_eq!(
+            p.check_addr(ip("127.0.0.2"), 443, true),
+            Err(DenyReason::AddressDenied)
+        );
+        assert_eq!(
+            p.check_addr(ip("192.168.0.1"), 443, true),
+            Err(DenyReason::AddressDenied)
+        );
+        assert_eq!(target(&p, "10.1.2.3", 443), Err(DenyReason::AddressDenied));
+        assert_eq!(
+            p.classify_addr(ip("140.82.112.3"), None, true),
+            Ok(AddrClass::Public)
+        );
+    }
+
+    #[test]
+    fn dns_answers_ignore_cidr_ports() {
+        let p = policy(
+            "allow_hosts = [\"db.internal\"]\nallow_cidrs = [{ cidr = \"10.0.0.0/24\", ports = [5432] }]",
+        );
+        let ip = "10.0.0.7".parse().unwrap();
+        assert_eq!(p.classify_addr(ip, None, true), Ok(AddrClass::Cidr));
+        assert_eq!(
+            p.classify_addr(ip, Some(443), true),
+            Err(DenyReason::PortNotAllowed)
         );
     }
 

@@ -65,9 +65,11 @@ pub struct Policy {
     /// Default `allowlist`.
     #[serde(default)]
     pub mode: Mode,
-    /// Exact names and `*.suffix` wildcards (strictly below the suffix: `*.x` does not match `x`).
+    /// Exact names and `*.suffix` wildcards (strictly below the suffix: `*.x` does not match `x`),
+    /// each a string or `{ host = "github.com", ports = [22] }` (ports of its own, see
+    /// [`HostEntry`]).
     #[serde(default)]
-    pub allow_hosts: Vec<HostPattern>,
+    pub allow_hosts: Vec<HostEntry>,
     /// Ports allowed for `allow_hosts`. Default `[443]`.
     #[serde(default = "default_ports")]
     pub allow_ports: Vec<u16>,
@@ -101,6 +103,17 @@ pub struct Policy {
     /// `policy::rules`.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub request_rules: Vec<RequestRule>,
+    /// Ranges of the built-in deny list (private, loopback, ...) that names in `allow_hosts` may
+    /// resolve into, reached **through the proxy only**: no direct kernel allow (unlike
+    /// `allow_cidrs`), never for IP literals, never as a direct-port address. Default `[]`.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub resolve_private: Vec<IpNet>,
+    /// Transparent interception (allowlist only): TCP from the confined cgroup to any address on
+    /// an `allow_ports` port is redirected by the kernel to this policy's transparent listener,
+    /// which decides on the TLS SNI or HTTP Host exactly as for CONNECT. Unset = `true` for
+    /// `allowlist`; setting it for another mode is an error. See [`Policy::transparent`].
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub transparent: Option<bool>,
 }
 
 fn default_true() -> bool {
@@ -126,6 +139,8 @@ impl Policy {
             enforce: Enforce::Enforce,
             credentials: Vec::new(),
             request_rules: Vec::new(),
+            resolve_private: Vec::new(),
+            transparent: None,
         }
     }
     /// The built-in [`AUDIT`] policy.
@@ -139,6 +154,116 @@ impl Policy {
     /// True when refusals are only recorded.
     pub fn audits(&self) -> bool {
         self.enforce == Enforce::Audit
+    }
+
+    /// Is transparent interception on? Only ever for `allowlist` (default on).
+    pub fn transparent(&self) -> bool {
+        self.mode == Mode::Allowlist && self.transparent.unwrap_or(true)
+    }
+
+    /// Does this policy get a DNS responder? Every `allowlist` policy (also with `transparent =
+    /// false`: entries with ports need the agent's answers); `allow_all` is untouched by the
+    /// kernel and `deny_all` gets no DNS at all.
+    pub fn answers_dns(&self) -> bool {
+        self.mode == Mode::Allowlist
+    }
+}
+
+/// Most ports one `allow_hosts` entry may carry (the kernel's per-rule bound for CIDR rules).
+pub const MAX_ENTRY_PORTS: usize = 30;
+
+/// One `allow_hosts` entry: `"github.com"` or `{ host = "github.com", ports = [22] }`.
+///
+/// An entry's own `ports` allow that name on those ports in addition to `allow_ports`: through
+/// the proxy (CONNECT) like any allowed port, and **directly** (plain TCP, any protocol) to the
+/// addresses the agent's DNS responder answered for the name to that cgroup, until the answer's
+/// TTL runs out (the kernel keeps those addresses; see docs/architecture.md). Addresses that are
+/// allowed only through `resolve_private` are never opened directly.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct HostEntry {
+    pub pattern: HostPattern,
+    /// Sorted, deduplicated; empty for a plain string entry.
+    pub ports: Vec<u16>,
+}
+
+impl From<HostPattern> for HostEntry {
+    fn from(pattern: HostPattern) -> Self {
+        HostEntry {
+            pattern,
+            ports: Vec::new(),
+        }
+    }
+}
+
+impl fmt::Display for HostEntry {
+    /// The pattern alone for a plain entry; `pattern (ports 22, 2222)` otherwise.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}", self.pattern)?;
+        if !self.ports.is_empty() {
+            let ports: Vec<String> = self.ports.iter().map(u16::to_string).collect();
+            write!(f, " (ports {})", ports.join(", "))?;
+        }
+        Ok(())
+    }
+}
+
+impl Serialize for HostEntry {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        use serde::ser::SerializeStruct;
+        if self.ports.is_empty() {
+            return s.collect_str(&self.pattern);
+        }
+        let mut st = s.serialize_struct("HostEntry", 2)?;
+        st.serialize_field("host", &self.pattern.to_string())?;
+        st.serialize_field("ports", &self.ports)?;
+        st.end()
+    }
+}
+
+impl<'de> Deserialize<'de> for HostEntry {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct V;
+        impl<'de> Visitor<'de> for V {
+            type Value = HostEntry;
+            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str("a host pattern or { host = \"...\", ports = [...] }")
+            }
+            fn visit_str<E: de::Error>(self, s: &str) -> Result<HostEntry, E> {
+                Ok(HostPattern::parse(s).map_err(E::custom)?.into())
+            }
+            fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<HostEntry, A::Error> {
+                let mut host: Option<String> = None;
+                let mut ports: Option<Vec<u16>> = None;
+                while let Some(key) = map.next_key::<String>()? {
+                    match key.as_str() {
+                        "host" if host.is_none() => host = Some(map.next_value()?),
+                        "ports" if ports.is_none() => ports = Some(map.next_value()?),
+                        "host" | "ports" => return Err(de::Error::duplicate_field("host/ports")),
+                        other => return Err(de::Error::unknown_field(other, &["host", "ports"])),
+                    }
+                }
+                let host = host.ok_or_else(|| de::Error::missing_field("host"))?;
+                let pattern = HostPattern::parse(&host).map_err(de::Error::custom)?;
+                let mut ports = ports.ok_or_else(|| de::Error::missing_field("ports"))?;
+                if ports.contains(&0) {
+                    return Err(de::Error::custom("port 0 is not a port"));
+                }
+                ports.sort_unstable();
+                ports.dedup();
+                if ports.is_empty() {
+                    return Err(de::Error::custom(
+                        "ports = [] gives nothing: write the entry as a plain string",
+                    ));
+                }
+                if ports.len() > MAX_ENTRY_PORTS {
+                    return Err(de::Error::custom(format!(
+                        "at most {MAX_ENTRY_PORTS} ports per allow_hosts entry"
+                    )));
+                }
+                Ok(HostEntry { pattern, ports })
+            }
+        }
+        d.deserialize_any(V)
     }
 }
 
@@ -285,6 +410,42 @@ impl Policy {
                         ),
                     ));
                 }
+            }
+        }
+        if self.transparent.is_some() && self.mode != Mode::Allowlist {
+            return Err(verr(
+                format!("{base}.transparent"),
+                "only allowlist policies are intercepted (allow_all is untouched, deny_all gets nothing)",
+            ));
+        }
+        for (i, net) in self.resolve_private.iter().enumerate() {
+            let field = format!("{base}.resolve_private[{i}]");
+            if net.trunc() != *net {
+                return Err(verr(
+                    field,
+                    format!(
+                        "CIDR {net} has host bits set; did you mean \"{}\"?",
+                        net.trunc()
+                    ),
+                ));
+            }
+            if !super::addr::builtin_covers(net) {
+                return Err(verr(
+                    field,
+                    format!(
+                        "{net} is not inside one range of the built-in deny list; addresses outside it need no entry"
+                    ),
+                ));
+            }
+            if let Some(d) = self
+                .deny_cidrs
+                .iter()
+                .find(|d| d.contains(net) || net.contains(*d))
+            {
+                return Err(verr(
+                    field,
+                    format!("{net} overlaps deny_cidrs entry {d}; an address can't be both"),
+                ));
             }
         }
         for (i, net) in self.deny_cidrs.iter().enumerate() {

@@ -10,16 +10,22 @@
 //! address → `200` → [`tunnel`]. Anything else goes to [`http`] (hyper), which checks **every**
 //! request on the keep-alive connection the same way. Every error path answers and closes; nothing
 //! is forwarded before the checks pass.
+mod accept;
 pub mod dial;
+pub mod hooks;
 pub mod http;
 pub mod intercept;
 pub mod listen;
+pub mod original_dst;
 pub mod prefixed;
 mod record;
+pub mod records_cache;
 pub mod request;
 pub mod resolve;
 pub mod response;
+pub mod sniff;
 pub mod tls;
+pub mod transparent;
 pub mod tunnel;
 
 use std::collections::BTreeMap;
@@ -41,6 +47,7 @@ use crate::metrics::{Metrics, ProxyCounters};
 use crate::policy::Policy;
 use crate::policy::{CompiledPolicy, Decision, DenyReason};
 use dial::DialError;
+pub use hooks::{InterceptAddrs, InterceptHooks};
 use request::{Head, Request, RequestError, Target};
 use resolve::{DnsResolver, ResolveError};
 
@@ -112,6 +119,8 @@ struct CtxInner {
 pub struct ProxyContext {
     inner: Arc<CtxInner>,
     metrics: Option<Arc<Metrics>>,
+    /// Transparent interception and DNS ([`ProxyContext::with_interception`]).
+    interception: Option<Arc<InterceptHooks>>,
 }
 
 impl std::fmt::Debug for ProxyContext {
@@ -119,6 +128,7 @@ impl std::fmt::Debug for ProxyContext {
         f.debug_struct("ProxyContext")
             .field("limits", &self.inner.limits)
             .field("metrics", &self.metrics.is_some())
+            .field("interception", &self.interception.is_some())
             .finish_non_exhaustive()
     }
 }
@@ -186,7 +196,22 @@ impl ProxyContext {
                 interceptor: std::sync::OnceLock::new(),
             }),
             metrics: None,
+            interception: None,
         }
+    }
+
+    /// Bind interception sockets next to every listener bound from this context (and its clones
+    /// made afterwards): a transparent TCP listener for policies with `transparent`, a DNS
+    /// responder (UDP + TCP) for policies that [`Policy::answers_dns`]. `hooks` is what the kernel
+    /// side provides (original destinations, the answer sink). Without it (the default) listeners
+    /// are explicit-proxy only, as before.
+    pub fn with_interception(mut self, hooks: InterceptHooks) -> ProxyContext {
+        self.interception = Some(Arc::new(hooks));
+        self
+    }
+
+    pub fn interception(&self) -> Option<&Arc<InterceptHooks>> {
+        self.interception.as_ref()
     }
 
     /// Report to `metrics`: per listener, connections accepted, allowed decisions (`reason =
@@ -357,11 +382,14 @@ pub(crate) enum Refusal {
     Upstream(&'static str),
 }
 
-/// One policy's listener.
+/// One policy's listener, with its interception sockets when the context has hooks.
 pub struct PolicyProxy {
     listener: TcpListener,
     local: SocketAddr,
     shared: Arc<Shared>,
+    intercept: Option<hooks::Interception>,
+    /// The policy at bind time (decides which interception sockets exist for a sibling).
+    bound_policy: Arc<Policy>,
 }
 
 impl PolicyProxy {
@@ -396,10 +424,18 @@ impl PolicyProxy {
             ctx,
             counters,
         });
+        let intercept = match shared.ctx.interception.clone() {
+            Some(hooks) => {
+                Some(hooks::Interception::bind(local.ip(), &shared, &hooks, &policy).await?)
+            }
+            None => None,
+        };
         Ok(PolicyProxy {
             listener,
             local,
             shared,
+            intercept,
+            bound_policy: policy,
         })
     }
 
@@ -407,11 +443,27 @@ impl PolicyProxy {
     pub async fn bind_sibling(&self, addr: SocketAddr) -> io::Result<PolicyProxy> {
         let listener = listen::listen(addr, self.shared.ctx.inner.client_cc.as_deref())?;
         let local = listener.local_addr()?;
+        let intercept = match self.shared.ctx.interception.clone() {
+            Some(hooks) => Some(
+                hooks::Interception::bind(local.ip(), &self.shared, &hooks, &self.bound_policy)
+                    .await?,
+            ),
+            None => None,
+        };
         Ok(PolicyProxy {
             listener,
             local,
             shared: self.shared.clone(),
+            intercept,
+            bound_policy: self.bound_policy.clone(),
         })
+    }
+
+    /// This listener's interception addresses (what the kernel entry of its cgroups points
+    /// redirected TCP and port-53 traffic at), or `None` when the context has no
+    /// [`InterceptHooks`].
+    pub fn intercept_addrs(&self) -> Option<InterceptAddrs> {
+        self.intercept.as_ref().map(hooks::Interception::addrs)
     }
 
     pub fn local_addr(&self) -> SocketAddr {
@@ -429,52 +481,28 @@ impl PolicyProxy {
         }
     }
 
-    /// Accept until `shutdown` completes; then stop accepting and end open connections.
+    /// Accept until `shutdown` completes; then stop accepting and end open connections. The
+    /// listener's interception sockets (transparent listener, DNS responder) run and stop with it.
     pub async fn run(self, shutdown: impl Future<Output = ()>) {
         let (stop_tx, stop_rx) = watch::channel(false);
-        let conns = self.shared.ctx.inner.conns.clone();
-        let mine = self.shared.conns.clone();
-        tokio::pin!(shutdown);
-        loop {
-            // Backpressure: at this listener's bound, then at the global one, stop accepting (the
-            // kernel backlog holds the rest). This listener's permit comes first, so a listener
-            // at its own bound holds no global permit while it waits.
-            let permits = tokio::select! {
-                p = async {
-                    let mine = mine.clone().acquire_owned().await?;
-                    let global = conns.clone().acquire_owned().await?;
-                    Ok::<_, tokio::sync::AcquireError>((mine, global))
-                } => match p { Ok(p) => p, Err(_) => break },
-                () = &mut shutdown => break,
-            };
-            let accepted = tokio::select! {
-                r = self.listener.accept() => r,
-                () = &mut shutdown => break,
-            };
-            match accepted {
-                Ok((stream, peer)) => {
-                    if let Some(c) = &self.shared.counters {
-                        c.connection();
-                    }
-                    let shared = self.shared.clone();
-                    let stop = stop_rx.clone();
-                    tokio::spawn(async move {
-                        handle_connection(stream, peer, &shared, stop).await;
-                        drop(permits);
-                    });
-                }
-                Err(e) => {
-                    // EMFILE/ENFILE and friends: back off instead of spinning.
-                    tracing::warn!(policy = %self.shared.name, error = %e, "accept failed");
-                    tokio::time::sleep(Duration::from_millis(50)).await;
-                }
-            }
+        if let Some(i) = self.intercept {
+            i.spawn(&self.shared, &stop_rx);
         }
+        accept::accept_loop(
+            self.listener,
+            self.shared,
+            shutdown,
+            stop_rx,
+            |stream, peer, shared, stop| async move {
+                handle_connection(stream, peer, &shared, stop).await
+            },
+        )
+        .await;
         stop_tx.send(true).ok();
     }
 }
 
-async fn stopped(mut stop: watch::Receiver<bool>) {
+pub(crate) async fn stopped(mut stop: watch::Receiver<bool>) {
     // Ends when `true` is sent or the sender is gone.
     stop.wait_for(|v| *v).await.ok();
 }
@@ -534,6 +562,12 @@ async fn handle_connection(
                     .parse(&buf)
                     .is_err_and(|e| e != httparse::Error::TooManyHeaders)
             {
+                // Not HTTP: a connection the kernel redirected here transparently (it has an
+                // original destination) is decided on its SNI; anything else is malformed.
+                if let Some(orig) = transparent::original_dst(shared, &stream, peer) {
+                    transparent::intercepted(stream, orig, buf, shared, stop).await;
+                    return;
+                }
                 refuse(&mut stream, &response::error(400, "malformed-request")).await;
                 return;
             }
@@ -607,6 +641,8 @@ async fn handle_connection(
 pub struct ProxyServer {
     addrs: BTreeMap<String, SocketAddr>,
     addrs_v6: BTreeMap<String, SocketAddr>,
+    intercept: BTreeMap<String, InterceptAddrs>,
+    intercept_v6: BTreeMap<String, InterceptAddrs>,
     handles: BTreeMap<String, PolicyHandle>,
     tasks: JoinSet<()>,
 }
@@ -621,6 +657,16 @@ impl ProxyServer {
     /// `proxy.listen` is IPv4); empty otherwise.
     pub fn addrs_v6(&self) -> &BTreeMap<String, SocketAddr> {
         &self.addrs_v6
+    }
+
+    /// Interception addresses of each policy's listener (empty without [`InterceptHooks`]).
+    pub fn intercept_addrs(&self) -> &BTreeMap<String, InterceptAddrs> {
+        &self.intercept
+    }
+
+    /// Interception addresses of each policy's IPv6 listener (see [`ProxyServer::addrs_v6`]).
+    pub fn intercept_addrs_v6(&self) -> &BTreeMap<String, InterceptAddrs> {
+        &self.intercept_v6
     }
 
     /// Swap handle of a policy's listener(s), for config reload.
@@ -652,6 +698,8 @@ pub async fn serve(
     let mut proxies = Vec::new();
     let mut addrs = BTreeMap::new();
     let mut addrs_v6 = BTreeMap::new();
+    let mut intercept = BTreeMap::new();
+    let mut intercept_v6 = BTreeMap::new();
     let mut handles = BTreeMap::new();
     for name in config.policy_names() {
         let policy = config
@@ -666,6 +714,9 @@ pub async fn serve(
                 source,
             })?;
         addrs.insert(name.to_owned(), proxy.local_addr());
+        if let Some(a) = proxy.intercept_addrs() {
+            intercept.insert(name.to_owned(), a);
+        }
         handles.insert(name.to_owned(), proxy.policy_handle());
         if let Some(ip6) = ip6 {
             let addr = SocketAddr::new(ip6, 0);
@@ -678,6 +729,9 @@ pub async fn serve(
                     source,
                 })?;
             addrs_v6.insert(name.to_owned(), v6.local_addr());
+            if let Some(a) = v6.intercept_addrs() {
+                intercept_v6.insert(name.to_owned(), a);
+            }
             proxies.push(v6);
         }
         proxies.push(proxy);
@@ -695,6 +749,8 @@ pub async fn serve(
     Ok(ProxyServer {
         addrs,
         addrs_v6,
+        intercept,
+        intercept_v6,
         handles,
         tasks,
     })

@@ -45,6 +45,18 @@ impl Shared {
         self.record_with(target, ip, protocol, reason, verdict, &[]);
     }
 
+    /// Emit a prepared event (the transparent path and the DNS responder build their own) with
+    /// this listener's identity (container, cgroup, context labels) filled in.
+    pub(crate) fn emit_denial(&self, mut ev: DenialEvent) {
+        if let Some(id) = &self.identity {
+            ev.container = id.container.clone();
+            ev.cgroup_id = id.cgroup_id;
+            ev.context
+                .extend(id.context.iter().map(|(k, v)| (k.clone(), v.clone())));
+        }
+        self.ctx.events().emit(ev);
+    }
+
     /// [`Shared::record`] with extra context fields (method and path of a refused request).
     fn record_with(
         &self,
@@ -61,16 +73,10 @@ impl Shared {
         };
         let mut ev = DenialEvent::proxy(&self.name, host, ip, target.port, protocol, reason)
             .with_verdict(verdict);
-        if let Some(id) = &self.identity {
-            ev.container = id.container.clone();
-            ev.cgroup_id = id.cgroup_id;
-            ev.context
-                .extend(id.context.iter().map(|(k, v)| (k.clone(), v.clone())));
-        }
         for (k, v) in extra {
             ev.context.insert((*k).to_owned(), (*v).to_owned());
         }
-        self.ctx.events().emit(ev);
+        self.emit_denial(ev);
     }
 
     /// A denial event about `target` (the interception path's refusals).

@@ -2,18 +2,27 @@
 //!
 //! The proxy resolves once per request and dials only addresses it has checked (see
 //! [`super::dial`]), so a rebinding answer between check and connect is impossible.
+//!
+//! The DNS responder ([`crate::dns`]) asks the same resolver (same cache, hosts file and
+//! nameservers) for whole records — the CNAME chain and A/AAAA answers with their remaining
+//! lifetime — through [`DnsResolver::lookup_records`], for both families at once, so it can check
+//! every address of a name exactly as the proxy does before answering either family.
 use std::net::IpAddr;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use hickory_resolver::config::{
     LookupIpStrategy, NameServerConfig, ResolveHosts, ResolverConfig, ResolverOpts,
 };
+use hickory_resolver::lookup::Lookup;
 use hickory_resolver::net::runtime::TokioRuntimeProvider;
+use hickory_resolver::net::{DnsError, NetError};
 use hickory_resolver::proto::op::Query;
-use hickory_resolver::proto::rr::{Name, RecordType};
+use hickory_resolver::proto::op::ResponseCode;
+use hickory_resolver::proto::rr::{Name, Record, RecordType};
 use hickory_resolver::{Hosts, TokioResolver};
 
+use super::records_cache::RecordsCache;
 use crate::config::DnsConfig;
 use crate::policy::name::HostName;
 
@@ -43,6 +52,8 @@ pub struct DnsResolver {
     /// No nameservers configured: a family missing from the hosts file can only fail.
     no_nameservers: bool,
     timeout: Duration,
+    /// [`DnsResolver::lookup_records`] answers, for the DNS responder's hot path.
+    records: Arc<RecordsCache>,
 }
 
 impl std::fmt::Debug for DnsResolver {
@@ -60,7 +71,13 @@ impl DnsResolver {
                 ResolverConfig::from_name_servers(
                     servers
                         .iter()
-                        .map(|ip| NameServerConfig::udp_and_tcp(*ip))
+                        .map(|ns| {
+                            let mut c = NameServerConfig::udp_and_tcp(ns.0.ip());
+                            for conn in &mut c.connections {
+                                conn.port = ns.0.port();
+                            }
+                            c
+                        })
                         .collect(),
                 ),
                 ResolverOpts::default(),
@@ -116,6 +133,7 @@ impl DnsResolver {
             hosts,
             no_nameservers,
             timeout,
+            records: Arc::default(),
         })
     }
 
@@ -170,6 +188,150 @@ impl DnsResolver {
     }
 }
 
+/// What the resolver said for one record type of a name.
+#[derive(Debug, Clone)]
+pub enum Family {
+    /// The answer: the CNAME chain (if any) then the records of the asked type, as the resolver
+    /// returned them, and when its cache stops holding them.
+    Records {
+        records: Vec<Record>,
+        valid_until: Instant,
+    },
+    /// The name exists, but has no record of this type.
+    NoData,
+    /// The name does not exist (upstream NXDOMAIN, or not in the hosts file and no nameservers).
+    NxDomain,
+    /// Timeout, SERVFAIL, REFUSED, no reachable nameserver, ...
+    Failed(String),
+}
+
+impl Family {
+    /// The addresses of the asked type in this answer (CNAME records skipped).
+    pub fn addrs(&self) -> impl Iterator<Item = IpAddr> + '_ {
+        let records = match self {
+            Family::Records { records, .. } => records.as_slice(),
+            _ => &[],
+        };
+        records.iter().filter_map(|r| r.data.ip_addr())
+    }
+}
+
+/// Both families of a name, looked up together ([`DnsResolver::lookup_records`]).
+#[derive(Debug, Clone)]
+pub struct NameRecords {
+    pub v4: Family,
+    pub v6: Family,
+}
+
+impl NameRecords {
+    /// The family of `record_type` (A → `v4`, anything else → `v6`).
+    pub fn family(&self, record_type: RecordType) -> &Family {
+        if record_type == RecordType::A {
+            &self.v4
+        } else {
+            &self.v6
+        }
+    }
+
+    /// Every address of the name, A then AAAA (what the proxy's dial-time check sees).
+    pub fn addrs(&self) -> impl Iterator<Item = IpAddr> + '_ {
+        self.v4.addrs().chain(self.v6.addrs())
+    }
+}
+
+impl DnsResolver {
+    /// A and AAAA records of `name` (CNAME chains included), looked up concurrently through the
+    /// same resolver, cache and hosts file as [`DnsResolver::lookup`]. Bounded by the same whole-
+    /// lookup timeout; a family that times out is [`Family::Failed`]. Answers are kept for reuse
+    /// no longer than their records live ([`RecordsCache`]).
+    pub async fn lookup_records(&self, name: &HostName) -> Arc<NameRecords> {
+        let now = Instant::now();
+        if let Some(hit) = self.records.get(name, now) {
+            return hit;
+        }
+        let fresh = Arc::new(self.lookup_records_uncached(name).await);
+        self.records.put(name, fresh.clone(), Instant::now());
+        fresh
+    }
+
+    async fn lookup_records_uncached(&self, name: &HostName) -> NameRecords {
+        let fqdn = match Name::from_ascii(format!("{}.", name.as_str())) {
+            Ok(n) => n,
+            Err(e) => {
+                let f = Family::Failed(format!("{name}: {e}"));
+                return NameRecords {
+                    v4: f.clone(),
+                    v6: f,
+                };
+            }
+        };
+        let (v4, v6) = tokio::join!(
+            self.family(&fqdn, RecordType::A),
+            self.family(&fqdn, RecordType::AAAA)
+        );
+        if self.no_nameservers {
+            // Hosts file only: a name it lists in one family has no data in the other.
+            match (&v4, &v6) {
+                (Family::Records { .. }, Family::NxDomain) => {
+                    return NameRecords {
+                        v4,
+                        v6: Family::NoData,
+                    };
+                }
+                (Family::NxDomain, Family::Records { .. }) => {
+                    return NameRecords {
+                        v4: Family::NoData,
+                        v6,
+                    };
+                }
+                _ => {}
+            }
+        }
+        NameRecords { v4, v6 }
+    }
+
+    async fn family(&self, fqdn: &Name, rt: RecordType) -> Family {
+        let query = Query::query(fqdn.clone(), rt);
+        if let Some(lookup) = self.hosts.lookup_static_host(&query) {
+            return records_of(&lookup, rt);
+        }
+        if self.no_nameservers && !special_use(&fqdn.to_ascii()) {
+            return Family::NxDomain;
+        }
+        match tokio::time::timeout(self.timeout, self.inner.lookup(fqdn.clone(), rt)).await {
+            Err(_) => Family::Failed(format!("timed out after {:?}", self.timeout)),
+            Ok(Ok(lookup)) => records_of(&lookup, rt),
+            Ok(Err(NetError::Dns(DnsError::NoRecordsFound(nr)))) => {
+                if nr.response_code == ResponseCode::NXDomain {
+                    Family::NxDomain
+                } else {
+                    Family::NoData
+                }
+            }
+            Ok(Err(e)) => Family::Failed(e.to_string()),
+        }
+    }
+}
+
+/// The CNAME chain and the `rt` records of a lookup, in answer order, without repeats (a hosts
+/// file may list an address twice).
+fn records_of(lookup: &Lookup, rt: RecordType) -> Family {
+    let mut records: Vec<Record> = Vec::with_capacity(lookup.answers().len());
+    for r in lookup.answers() {
+        let wanted = r.record_type() == rt || r.record_type() == RecordType::CNAME;
+        if wanted && !records.iter().any(|k| k.name == r.name && k.data == r.data) {
+            records.push(r.clone());
+        }
+    }
+    if !records.iter().any(|r| r.record_type() == rt) {
+        return Family::NoData;
+    }
+    Family::Records {
+        records,
+        valid_until: lookup.valid_until(),
+    }
+}
+
 /// `ips` without repeats, in order; none at all is [`ResolveError::NoAddress`].
 fn distinct(
     name: &HostName,
@@ -200,10 +362,13 @@ mod tests {
     use super::*;
 
     fn resolver(hosts: &str, nameservers: Option<Vec<IpAddr>>) -> DnsResolver {
+        let nameservers = nameservers.map(|v| v.into_iter().map(Into::into).collect::<Vec<_>>());
+        // Unique per call: tests run in parallel and each removes its file.
+        static N: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
         let path = std::env::temp_dir().join(format!(
             "egress-agent-resolve-test-{}-{}",
             std::process::id(),
-            nameservers.as_ref().map_or(0, Vec::len)
+            N.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
         ));
         std::fs::write(&path, hosts).unwrap();
         let cfg = DnsConfig {
@@ -221,6 +386,31 @@ mod tests {
     const HOSTS: &str = "127.0.0.1 v4.test localhost\n::1 localhost\n\
         10.0.0.1 both.test\n2001:db8::1 both.test\n10.0.0.2 both.test\n10.0.0.1 both.test\n\
         2001:db8::2 v6.test\n127.0.0.2 a.localhost\n";
+
+    #[tokio::test]
+    async fn records_of_both_families_from_the_hosts_file() {
+        let r = resolver(HOSTS, Some(vec![]));
+        let n = |s: &str| HostName::parse(s).unwrap();
+        let both = r.lookup_records(&n("both.test")).await;
+        let v4: Vec<IpAddr> = both.v4.addrs().collect();
+        assert_eq!(
+            v4,
+            ["10.0.0.1", "10.0.0.2"].map(|a| a.parse::<IpAddr>().unwrap())
+        );
+        assert_eq!(both.v6.addrs().count(), 1);
+        assert_eq!(both.addrs().count(), 3);
+        let v4only = r.lookup_records(&n("v4.test")).await;
+        assert!(matches!(v4only.v6, Family::NoData), "{v4only:?}");
+        assert!(matches!(
+            v4only.family(RecordType::A),
+            Family::Records { .. }
+        ));
+        let none = r.lookup_records(&n("none.test")).await;
+        assert!(matches!(
+            (&none.v4, &none.v6),
+            (Family::NxDomain, Family::NxDomain)
+        ));
+    }
 
     /// The hosts fast path answers exactly what hickory answers (addresses, order, errors).
     #[tokio::test]

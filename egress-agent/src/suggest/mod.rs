@@ -301,7 +301,7 @@ pub fn diff(s: &Suggestion, o: &Observed, current: &Policy, current_name: &str) 
     let mut out = String::new();
     writeln!(out, "--- policy {current_name} (in force)").ok();
     writeln!(out, "+++ suggested from observed traffic").ok();
-    let matcher = HostMatcher::new(&current.allow_hosts);
+    let matcher = HostMatcher::new(current.allow_hosts.iter().map(|e| &e.pattern));
     let allowed = |n: &str| HostName::parse(n).is_ok_and(|h| matcher.matches(&h));
     for h in &s.hosts {
         let mark = if h.covers.iter().all(|n| allowed(n)) {
@@ -311,7 +311,7 @@ pub fn diff(s: &Suggestion, o: &Observed, current: &Policy, current_name: &str) 
         };
         writeln!(out, "{mark} allow_hosts {}", q(&h.pattern)).ok();
     }
-    for p in &current.allow_hosts {
+    for p in current.allow_hosts.iter().map(|e| &e.pattern) {
         let one = HostMatcher::new(std::iter::once(p));
         let used = o
             .names

@@ -1,6 +1,7 @@
 //! Shared harness for the proxy integration tests: a policy listener on loopback, a real echo
-//! upstream and a real HTTP upstream on loopback (reachable only through the test policy's explicit
-//! `allow_cidrs`), and a hosts file the test controls (DNS never leaves the machine: no nameservers).
+//! upstream and a real HTTP upstream on loopback (reachable by name only, through the test policy's
+//! `resolve_private = ["127.0.0.1/32"]`: no IP literal and no other loopback address), and a hosts
+//! file the test controls (DNS never leaves the machine: no nameservers).
 #![allow(dead_code, reason = "each test binary uses a different subset")]
 #![expect(clippy::unwrap_used, reason = "test harness")]
 
@@ -161,8 +162,9 @@ impl Drop for Harness {
     }
 }
 
-/// The test policy: allowlist of a few `.test` names on the upstream ports, loopback upstreams
-/// allowed only through an explicit allow_cidrs entry (127.0.0.1/32 on those ports).
+/// The test policy: allowlist of a few `.test` names on the upstream ports; names may resolve to
+/// the loopback upstreams through `resolve_private` (127.0.0.1/32, through the proxy only). IP
+/// literals stay refused unless `policy_extra` adds an `allow_cidrs` entry.
 pub fn test_config(
     up: &Upstreams,
     hosts_file: &Path,
@@ -184,7 +186,7 @@ attempts = 1
 mode = "allowlist"
 allow_hosts = ["allowed.test", "*.wild.test", "rebind.test", "metadata.test", "private.test", "mixed.test", "v6loop.test", "bücher.test"]
 allow_ports = [{echo}, {http}, {closed}]
-allow_cidrs = [{{ cidr = "127.0.0.1/32", ports = [{echo}, {http}, {closed}] }}]
+resolve_private = ["127.0.0.1/32"]
 {policy_extra}
 "#,
         hosts = hosts_file.display(),

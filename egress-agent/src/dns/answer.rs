@@ -1,0 +1,231 @@
+//! From the resolver's records of an allowed name to the answer: the address check (every
+//! address of both families, the proxy's own dial-time check) and one TTL. Pure.
+use std::net::IpAddr;
+use std::time::{Duration, Instant};
+
+use hickory_server::proto::rr::{Record, RecordType};
+
+use crate::policy::{AddrClass, CompiledPolicy, DenyReason};
+use crate::proxy::resolve::{Family, NameRecords};
+
+/// Longest TTL answered (a hosts-file entry has hickory's one day): the kernel's allowance for
+/// direct ports follows the answered TTL, so it is kept short.
+pub const MAX_ANSWER_TTL: Duration = Duration::from_secs(300);
+/// Shortest TTL answered: a TTL-0 answer would let the direct-port allowance lapse before the
+/// client has connected.
+pub const MIN_ANSWER_TTL: Duration = Duration::from_secs(5);
+
+/// What to answer for one allowed name.
+#[derive(Debug, Clone, PartialEq)]
+#[must_use]
+pub enum Planned {
+    /// NOERROR with `records` (CNAME chain, then the asked type), each with TTL `ttl`.
+    Answer {
+        records: Vec<Record>,
+        addrs: Vec<IpAddr>,
+        direct_addrs: Vec<IpAddr>,
+        ttl: Duration,
+    },
+    /// NOERROR, no records of the asked type.
+    NoData,
+    /// The name doesn't exist (the resolver said so).
+    NxDomain,
+    /// An address of the name is denied: the name is refused whole (NXDOMAIN + event).
+    Denied { reason: DenyReason, ip: IpAddr },
+    /// The resolver failed for the asked family (SERVFAIL).
+    Failed(String),
+}
+
+/// Check every address of `names` (both families) and shape the `record_type` answer.
+pub fn plan(
+    policy: &CompiledPolicy,
+    names: &NameRecords,
+    record_type: RecordType,
+    now: Instant,
+) -> Planned {
+    let mut public: Vec<IpAddr> = Vec::new();
+    for ip in names.addrs() {
+        match policy.classify_addr(ip, None, true) {
+            Ok(AddrClass::Public) => public.push(ip),
+            Ok(AddrClass::Cidr | AddrClass::ResolvePrivate) => {}
+            Err(reason) => return Planned::Denied { reason, ip },
+        }
+    }
+    match names.family(record_type) {
+        Family::NoData => Planned::NoData,
+        Family::NxDomain => Planned::NxDomain,
+        Family::Failed(why) => Planned::Failed(why.clone()),
+        Family::Records {
+            records,
+            valid_until,
+        } => {
+            let remaining = valid_until.saturating_duration_since(now);
+            let lowest = records
+                .iter()
+                .map(|r| Duration::from_secs(u64::from(r.ttl)))
+                .min()
+                .unwrap_or(remaining);
+            let ttl = remaining.min(lowest).clamp(MIN_ANSWER_TTL, MAX_ANSWER_TTL);
+            let secs = u32::try_from(ttl.as_secs()).unwrap_or(u32::MAX);
+            let mut out = records.clone();
+            for r in &mut out {
+                r.ttl = secs;
+            }
+            let addrs: Vec<IpAddr> = out.iter().filter_map(|r| r.data.ip_addr()).collect();
+            let direct_addrs = addrs
+                .iter()
+                .copied()
+                .filter(|ip| public.contains(ip))
+                .collect();
+            Planned::Answer {
+                records: out,
+                addrs,
+                direct_addrs,
+                ttl,
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+#[expect(clippy::unwrap_used, reason = "test assertions")]
+mod tests {
+    use super::*;
+    use crate::config::Config;
+    use hickory_server::proto::rr::rdata::{A, CNAME};
+    use hickory_server::proto::rr::{Name, RData};
+    use std::path::Path;
+
+    fn policy(toml: &str) -> CompiledPolicy {
+        let c =
+            Config::from_toml_str(&format!("[policies.p]\n{toml}"), Path::new("t.toml")).unwrap();
+        CompiledPolicy::new(c.policy("p").unwrap())
+    }
+
+    fn a(name: &str, ip: &str, ttl: u32) -> Record {
+        Record::from_rdata(
+            Name::from_ascii(name).unwrap(),
+            ttl,
+            RData::A(A(ip.parse().unwrap())),
+        )
+    }
+
+    fn family(records: Vec<Record>, secs: u64, now: Instant) -> Family {
+        Family::Records {
+            records,
+            valid_until: now + Duration::from_secs(secs),
+        }
+    }
+
+    #[test]
+    fn cname_chain_is_kept_with_one_capped_ttl() {
+        let p = policy("allow_hosts = [\"www.test\"]");
+        let now = Instant::now();
+        let cname = Record::from_rdata(
+            Name::from_ascii("www.test.").unwrap(),
+            3600,
+            RData::CNAME(CNAME(Name::from_ascii("edge.cdn.test.").unwrap())),
+        );
+        let names = NameRecords {
+            v4: family(
+                vec![cname, a("edge.cdn.test.", "140.82.112.3", 600)],
+                86_400,
+                now,
+            ),
+            v6: Family::NoData,
+        };
+        match plan(&p, &names, RecordType::A, now) {
+            Planned::Answer {
+                records,
+                addrs,
+                direct_addrs,
+                ttl,
+            } => {
+                assert_eq!(records.len(), 2);
+                assert_eq!(records[0].record_type(), RecordType::CNAME);
+                assert!(records.iter().all(|r| r.ttl == 300));
+                assert_eq!(ttl, MAX_ANSWER_TTL);
+                assert_eq!(addrs, vec!["140.82.112.3".parse::<IpAddr>().unwrap()]);
+                assert_eq!(direct_addrs, addrs);
+            }
+            other => panic!("{other:?}"),
+        }
+        assert_eq!(plan(&p, &names, RecordType::AAAA, now), Planned::NoData);
+        // Short TTLs are raised to the floor, remaining cache time counts.
+        let short = NameRecords {
+            v4: family(vec![a("www.test.", "140.82.112.3", 0)], 0, now),
+            v6: Family::NoData,
+        };
+        let Planned::Answer { ttl, .. } = plan(&p, &short, RecordType::A, now) else {
+            panic!()
+        };
+        assert_eq!(ttl, MIN_ANSWER_TTL);
+        let mid = NameRecords {
+            v4: family(vec![a("www.test.", "140.82.112.3", 120)], 60, now),
+            v6: Family::NoData,
+        };
+        let Planned::Answer { ttl, .. } = plan(&p, &mid, RecordType::A, now) else {
+            panic!()
+        };
+        assert_eq!(ttl, Duration::from_secs(60));
+    }
+
+    #[test]
+    fn one_denied_address_in_either_family_refuses_the_name_whole() {
+        let p = policy("allow_hosts = [\"mixed.test\"]");
+        let now = Instant::now();
+        let v6 = Record::from_rdata(
+            Name::from_ascii("mixed.test.").unwrap(),
+            60,
+            RData::AAAA("::1".parse::<std::net::Ipv6Addr>().unwrap().into()),
+        );
+        let names = NameRecords {
+            v4: family(vec![a("mixed.test.", "140.82.112.3", 60)], 60, now),
+            v6: family(vec![v6], 60, now),
+        };
+        // Asking for A alone still sees the loopback AAAA.
+        assert_eq!(
+            plan(&p, &names, RecordType::A, now),
+            Planned::Denied {
+                reason: DenyReason::AddressDenied,
+                ip: "::1".parse().unwrap()
+            }
+        );
+    }
+
+    #[test]
+    fn resolve_private_addresses_are_answered_but_never_direct() {
+        let p = policy(
+            "allow_hosts = [{ host = \"reg.test\", ports = [22] }]\nresolve_private = [\"10.0.0.0/8\"]",
+        );
+        let now = Instant::now();
+        let names = NameRecords {
+            v4: family(
+                vec![
+                    a("reg.test.", "10.1.2.3", 60),
+                    a("reg.test.", "140.82.112.3", 60),
+                ],
+                60,
+                now,
+            ),
+            v6: Family::Failed("timeout".into()),
+        };
+        let Planned::Answer {
+            addrs,
+            direct_addrs,
+            ..
+        } = plan(&p, &names, RecordType::A, now)
+        else {
+            panic!()
+        };
+        assert_eq!(addrs.len(), 2);
+        assert_eq!(
+            direct_addrs,
+            vec!["140.82.112.3".parse::<IpAddr>().unwrap()]
+        );
+        assert!(matches!(
+            plan(&p, &names, RecordType::AAAA, now),
+            Planned::Failed(_)
+        ));
+    }
+}

@@ -1,0 +1,272 @@
+//! The first decision on a DNS query, made before anything leaves the agent. Pure: a policy and a
+//! parsed request in, a [`Decision`] out (the fuzz target drives it with arbitrary packets).
+use hickory_server::proto::op::{MessageType, OpCode, ResponseCode};
+use hickory_server::proto::rr::{DNSClass, RecordType};
+use hickory_server::zone_handler::MessageRequest;
+
+use crate::policy::name::{HostName, MAX_NAME_LEN};
+use crate::policy::{CompiledPolicy, DenyReason};
+
+/// What to do with one request.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[must_use]
+pub enum Decision {
+    /// Answer `code` with no records; `denied` is the denial to report, if it is one.
+    Reply {
+        code: ResponseCode,
+        denied: Option<Denied>,
+    },
+    /// Send nothing (a response packet: never answered, against reflection loops).
+    Drop,
+    /// The name is allowed: resolve it (both families) and answer `record_type` after the address
+    /// check. `direct_ports`: the ports its `allow_hosts` entries carry.
+    Resolve {
+        name: HostName,
+        record_type: RecordType,
+        direct_ports: Vec<u16>,
+    },
+}
+
+/// A denial: the normalised name when there is one, and why.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Denied {
+    pub host: Option<HostName>,
+    pub reason: DenyReason,
+}
+
+fn reply(code: ResponseCode, host: Option<HostName>, reason: Option<DenyReason>) -> Decision {
+    Decision::Reply {
+        code,
+        denied: reason.map(|reason| Denied { host, reason }),
+    }
+}
+
+/// Decide on `request` under `policy`. Only [`Decision::Resolve`] lets a name reach a resolver,
+/// and only for a name `allow_hosts` matches.
+pub fn decide(policy: &CompiledPolicy, request: &MessageRequest) -> Decision {
+    if request.metadata.message_type != MessageType::Query {
+        return Decision::Drop;
+    }
+    if request.metadata.op_code != OpCode::Query {
+        return reply(ResponseCode::NotImp, None, None);
+    }
+    let [query] = request.queries.queries() else {
+        // RFC 9619: exactly one question.
+        return reply(ResponseCode::FormErr, None, None);
+    };
+    // The name first, so a refused type still reports which name it was for.
+    let ascii = query.name().to_ascii();
+    let name = match ascii.strip_suffix('.').unwrap_or(&ascii) {
+        s if s.len() > MAX_NAME_LEN => Err(DenyReason::InvalidHost),
+        s => HostName::parse(s).map_err(DenyReason::from),
+    };
+    let type_ok = matches!(query.query_type(), RecordType::A | RecordType::AAAA)
+        && query.query_class() == DNSClass::IN;
+    if !type_ok {
+        return reply(
+            ResponseCode::Refused,
+            name.ok(),
+            Some(DenyReason::DnsTypeRefused),
+        );
+    }
+    let name = match name {
+        Ok(n) => n,
+        Err(reason) => return reply(ResponseCode::NXDomain, None, Some(reason)),
+    };
+    match policy.check_name(&name) {
+        Ok(direct_ports) => Decision::Resolve {
+            name,
+            record_type: query.query_type(),
+            direct_ports,
+        },
+        Err(DenyReason::PolicyDenyAll) => reply(
+            ResponseCode::Refused,
+            Some(name),
+            Some(DenyReason::PolicyDenyAll),
+        ),
+        Err(reason) => reply(ResponseCode::NXDomain, Some(name), Some(reason)),
+    }
+}
+
+#[cfg(test)]
+#[expect(clippy::unwrap_used, reason = "test assertions")]
+mod tests {
+    use super::*;
+    use crate::config::Config;
+    use hickory_server::net::xfer::Protocol;
+    use hickory_server::proto::op::{Message, Query};
+    use hickory_server::proto::rr::Name;
+    use hickory_server::server::Request;
+    use std::path::Path;
+
+    fn policy(toml: &str) -> CompiledPolicy {
+        let c =
+            Config::from_toml_str(&format!("[policies.p]\n{toml}"), Path::new("t.toml")).unwrap();
+        CompiledPolicy::new(c.policy("p").unwrap())
+    }
+
+    fn parse(m: &Message) -> Request {
+        let src = "127.0.0.1:5353".parse().unwrap();
+        Request::from_bytes(m.to_vec().unwrap(), src, Protocol::Udp).unwrap()
+    }
+
+    fn request(name: &str, rt: RecordType) -> Request {
+        let mut m = Message::query();
+        m.add_query(Query::query(Name::from_ascii(name).unwrap(), rt));
+        parse(&m)
+    }
+
+    fn denied(d: Decision) -> (ResponseCode, Option<String>, Option<&'static str>) {
+        match d {
+            Decision::Reply { code, denied } => (
+                code,
+                denied
+                    .as_ref()
+                    .and_then(|d| d.host.as_ref().map(ToString::to_string)),
+                denied.map(|d| d.reason.as_str()),
+            ),
+            other => panic!("not a reply: {other:?}"),
+        }
+    }
+
+    #[test]
+    fn allowed_names_resolve_everything_else_is_answered_here() {
+        let p = policy("allow_hosts = [\"allowed.test\", { host = \"*.ssh.test\", ports = [22] }]");
+        assert_eq!(
+            decide(&p, &request("Allowed.TEST.", RecordType::A)),
+            Decision::Resolve {
+                name: HostName::parse("allowed.test").unwrap(),
+                record_type: RecordType::A,
+                direct_ports: vec![],
+            }
+        );
+        assert_eq!(
+            decide(&p, &request("git.ssh.test", RecordType::AAAA)),
+            Decision::Resolve {
+                name: HostName::parse("git.ssh.test").unwrap(),
+                record_type: RecordType::AAAA,
+                direct_ports: vec![22],
+            }
+        );
+        for (name, rt, want) in [
+            (
+                "c2VjcmV0.evil.test.",
+                RecordType::A,
+                (
+                    ResponseCode::NXDomain,
+                    Some("c2vjcmv0.evil.test"),
+                    Some("host-not-allowed"),
+                ),
+            ),
+            (
+                "allowed.test.evil.test.",
+                RecordType::A,
+                (
+                    ResponseCode::NXDomain,
+                    Some("allowed.test.evil.test"),
+                    Some("host-not-allowed"),
+                ),
+            ),
+            (
+                "allowed.test.",
+                RecordType::TXT,
+                (
+                    ResponseCode::Refused,
+                    Some("allowed.test"),
+                    Some("dns-type-refused"),
+                ),
+            ),
+            (
+                "allowed.test.",
+                RecordType::NULL,
+                (
+                    ResponseCode::Refused,
+                    Some("allowed.test"),
+                    Some("dns-type-refused"),
+                ),
+            ),
+            (
+                "allowed.test.",
+                RecordType::ANY,
+                (
+                    ResponseCode::Refused,
+                    Some("allowed.test"),
+                    Some("dns-type-refused"),
+                ),
+            ),
+            (
+                "allowed.test.",
+                RecordType::MX,
+                (
+                    ResponseCode::Refused,
+                    Some("allowed.test"),
+                    Some("dns-type-refused"),
+                ),
+            ),
+            (
+                "2130706433.",
+                RecordType::A,
+                (ResponseCode::NXDomain, None, Some("numeric-ip-form")),
+            ),
+            (
+                ".",
+                RecordType::A,
+                (ResponseCode::NXDomain, None, Some("invalid-host")),
+            ),
+        ] {
+            let (code, host, reason) = denied(decide(&p, &request(name, rt)));
+            assert_eq!((code, host.as_deref(), reason), want, "{name} {rt}");
+        }
+    }
+
+    #[test]
+    fn labels_with_odd_bytes_are_refused_not_resolved() {
+        let p = policy("allow_hosts = [\"*.allowed.test\"]");
+        // A label with a dot, a space and binary inside: escaped by to_ascii, so never a name.
+        let mut m = Message::query();
+        let name = Name::from_labels(vec![&b"a.b c\x00"[..], b"allowed", b"test"]).unwrap();
+        m.add_query(Query::query(name, RecordType::A));
+        let req = parse(&m);
+        assert_eq!(
+            denied(decide(&p, &req)),
+            (ResponseCode::NXDomain, None, Some("invalid-host"))
+        );
+    }
+
+    #[test]
+    fn deny_all_opcodes_counts_and_responses() {
+        let none = CompiledPolicy::new(&crate::policy::Policy::deny_all());
+        assert_eq!(
+            denied(decide(&none, &request("allowed.test.", RecordType::A))).2,
+            Some("policy-deny-all")
+        );
+        let p = policy("allow_hosts = [\"allowed.test\"]");
+        let mut m = Message::query();
+        m.add_query(Query::query(
+            Name::from_ascii("allowed.test.").unwrap(),
+            RecordType::A,
+        ));
+        m.add_query(Query::query(
+            Name::from_ascii("other.test.").unwrap(),
+            RecordType::A,
+        ));
+        let two = parse(&m);
+        assert_eq!(denied(decide(&p, &two)).0, ResponseCode::FormErr);
+        let mut m = Message::query();
+        m.metadata.op_code = OpCode::Update;
+        m.add_query(Query::query(
+            Name::from_ascii("allowed.test.").unwrap(),
+            RecordType::A,
+        ));
+        let upd = parse(&m);
+        assert_eq!(denied(decide(&p, &upd)).0, ResponseCode::NotImp);
+        let mut m = Message::query();
+        m.metadata.message_type = MessageType::Response;
+        m.add_query(Query::query(
+            Name::from_ascii("allowed.test.").unwrap(),
+            RecordType::A,
+        ));
+        let resp = parse(&m);
+        assert_eq!(decide(&p, &resp), Decision::Drop);
+    }
+}

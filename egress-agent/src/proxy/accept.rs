@@ -1,0 +1,62 @@
+//! The accept loop every proxy listener runs (explicit and transparent): the per-listener and
+//! global connection bounds, metrics, backoff on accept errors.
+use std::future::Future;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::watch;
+
+use super::Shared;
+
+/// Accept on `listener` until `shutdown` completes, handing each connection (with a receiver
+/// that turns `true` when the listener stops) to `handle` on a task of its own.
+pub(crate) async fn accept_loop<F, Fut>(
+    listener: TcpListener,
+    shared: Arc<Shared>,
+    shutdown: impl Future<Output = ()>,
+    stop_rx: watch::Receiver<bool>,
+    handle: F,
+) where
+    F: Fn(TcpStream, SocketAddr, Arc<Shared>, watch::Receiver<bool>) -> Fut,
+    Fut: Future<Output = ()> + Send + 'static,
+{
+    let conns = shared.ctx.inner.conns.clone();
+    let mine = shared.conns.clone();
+    tokio::pin!(shutdown);
+    loop {
+        // Backpressure: at this listener's bound, then at the global one, stop accepting (the
+        // kernel backlog holds the rest). This listener's permit comes first, so a listener
+        // at its own bound holds no global permit while it waits.
+        let permits = tokio::select! {
+            p = async {
+                let mine = mine.clone().acquire_owned().await?;
+                let global = conns.clone().acquire_owned().await?;
+                Ok::<_, tokio::sync::AcquireError>((mine, global))
+            } => match p { Ok(p) => p, Err(_) => break },
+            () = &mut shutdown => break,
+        };
+        let accepted = tokio::select! {
+            r = listener.accept() => r,
+            () = &mut shutdown => break,
+        };
+        match accepted {
+            Ok((stream, peer)) => {
+                if let Some(c) = &shared.counters {
+                    c.connection();
+                }
+                let task = handle(stream, peer, shared.clone(), stop_rx.clone());
+                tokio::spawn(async move {
+                    task.await;
+                    drop(permits);
+                });
+            }
+            Err(e) => {
+                // EMFILE/ENFILE and friends: back off instead of spinning.
+                tracing::warn!(policy = %shared.name, error = %e, "accept failed");
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        }
+    }
+}

@@ -1,0 +1,111 @@
+//! A listener identity's interception sockets: the transparent TCP listener and the DNS
+//! responder, bound next to its proxy listener when the context has [`InterceptHooks`].
+//!
+//! What the kernel side writes into a cgroup's entry comes from [`InterceptAddrs`]
+//! ([`super::PolicyProxy::intercept_addrs`]): TCP on `allow_ports` goes to `transparent`, UDP to
+//! port 53 to `dns_udp`, TCP to port 53 to `dns_tcp`. Which sockets exist follows the policy at
+//! bind time: `transparent` for [`crate::policy::Policy::transparent`], DNS for
+//! [`crate::policy::Policy::answers_dns`] (never `deny_all`).
+use std::io;
+use std::net::{IpAddr, SocketAddr};
+use std::sync::Arc;
+
+use tokio::net::TcpListener;
+use tokio::sync::watch;
+
+use super::original_dst::OriginalDst;
+use super::{Shared, accept, listen, stopped, transparent};
+use crate::dns::{AnswerSink, DnsResponder};
+use crate::policy::Policy;
+
+/// What the kernel side provides to transparent interception and DNS (see docs/architecture.md,
+/// "Transparent interception and DNS: kernel interface").
+#[derive(Clone)]
+pub struct InterceptHooks {
+    /// Original destinations of redirected connections.
+    pub original_dst: Arc<dyn OriginalDst>,
+    /// Hears of every DNS answer before it is sent.
+    pub answers: Arc<dyn AnswerSink>,
+}
+
+impl std::fmt::Debug for InterceptHooks {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("InterceptHooks").finish_non_exhaustive()
+    }
+}
+
+/// The interception addresses of one listener identity (all on the proxy listen IP, kernel-chosen
+/// ports); `None` where the policy gets no such socket.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct InterceptAddrs {
+    /// Transparent TCP (redirected connections on `allow_ports`).
+    pub transparent: Option<SocketAddr>,
+    /// DNS over UDP (redirected port-53 datagrams).
+    pub dns_udp: Option<SocketAddr>,
+    /// DNS over TCP (redirected port-53 connections).
+    pub dns_tcp: Option<SocketAddr>,
+}
+
+/// Bound interception sockets of one listener, not yet running.
+pub(crate) struct Interception {
+    transparent: Option<TcpListener>,
+    dns: Option<DnsResponder>,
+    addrs: InterceptAddrs,
+}
+
+impl Interception {
+    /// Bind what `policy` needs on `ip` for the listener `shared` belongs to.
+    pub(crate) async fn bind(
+        ip: IpAddr,
+        shared: &Arc<Shared>,
+        hooks: &InterceptHooks,
+        policy: &Policy,
+    ) -> io::Result<Interception> {
+        let mut addrs = InterceptAddrs::default();
+        let transparent = if policy.transparent() {
+            let l = listen::listen(
+                SocketAddr::new(ip, 0),
+                shared.ctx.inner.client_cc.as_deref(),
+            )?;
+            addrs.transparent = Some(l.local_addr()?);
+            Some(l)
+        } else {
+            None
+        };
+        let dns = if policy.answers_dns() {
+            let d = DnsResponder::bind(ip, shared.clone(), hooks.answers.clone()).await?;
+            addrs.dns_udp = Some(d.udp_addr());
+            addrs.dns_tcp = Some(d.tcp_addr());
+            Some(d)
+        } else {
+            None
+        };
+        Ok(Interception {
+            transparent,
+            dns,
+            addrs,
+        })
+    }
+
+    pub(crate) fn addrs(&self) -> InterceptAddrs {
+        self.addrs
+    }
+
+    /// Run the sockets on tasks of their own until `stop` turns `true`.
+    pub(crate) fn spawn(self, shared: &Arc<Shared>, stop: &watch::Receiver<bool>) {
+        if let Some(dns) = self.dns {
+            tokio::spawn(dns.run(stopped(stop.clone())));
+        }
+        if let Some(l) = self.transparent {
+            tokio::spawn(accept::accept_loop(
+                l,
+                shared.clone(),
+                stopped(stop.clone()),
+                stop.clone(),
+                |stream, peer, shared, stop| async move {
+                    transparent::handle(stream, peer, Vec::new(), &shared, stop).await
+                },
+            ));
+        }
+    }
+}

@@ -1,0 +1,240 @@
+//! Transparent TCP: a connection the kernel redirected to this listener identity (any address, a
+//! port of `allow_ports`), decided on the name it carries.
+//!
+//! Per connection: the original destination from [`super::original_dst::OriginalDst`] (refused
+//! without one) → read the first bytes under `proxy.header_timeout_ms` and [`MAX_SNIFF_BYTES`]
+//! ([`Sniffer`]: TLS SNI without terminating TLS, or the HTTP Host) → the policy check of CONNECT
+//! on that name and the **original port** → resolve the name, check every address → dial **the
+//! name's own addresses** → replay the bytes read → tunnel ([`Shared::relay`]).
+//!
+//! Domain fronting: the original IP is never dialed. A client that connected to an address of
+//! its choosing (a pinned IP, a fronting CDN, a rebinding answer) reaches whatever the *name* it
+//! sent resolves to for the agent, or nothing. Every refusal emits a denial event with the name
+//! (when there is one), the original IP and port, protocol `tls`/`http`, and the reason, and the
+//! client gets a TLS `access_denied` alert or an HTTP 403 (`X-Egress-Deny`) before the close.
+use std::net::SocketAddr;
+use std::sync::Arc;
+
+use tokio::io::AsyncReadExt;
+use tokio::net::TcpStream;
+use tokio::sync::watch;
+use tracing::Instrument;
+
+use super::dial::{self, DialError};
+use super::original_dst::ConnKey;
+use super::sniff::{Kind, MAX_SNIFF_BYTES, Sniffed, Sniffer, TLS_ACCESS_DENIED};
+use super::{Shared, refuse, response, stopped};
+use crate::events::DenialEvent;
+use crate::events::Verdict;
+use crate::policy::name::Destination;
+use crate::policy::{Decision, DenyReason};
+
+/// The original destination of `stream` as the kernel recorded it, if it was redirected.
+pub(crate) fn original_dst(
+    shared: &Shared,
+    stream: &TcpStream,
+    peer: SocketAddr,
+) -> Option<SocketAddr> {
+    let hooks = shared.ctx.interception()?;
+    let local = stream.local_addr().ok()?;
+    hooks.original_dst.original_dst(&ConnKey { peer, local })
+}
+
+/// A connection accepted on the transparent listener.
+pub(crate) async fn handle(
+    mut stream: TcpStream,
+    peer: SocketAddr,
+    buf: Vec<u8>,
+    shared: &Arc<Shared>,
+    stop: watch::Receiver<bool>,
+) {
+    let span = tracing::debug_span!("transparent", policy = %shared.name, %peer);
+    let Some(orig) = span.in_scope(|| original_dst(shared, &stream, peer)) else {
+        shared.emit_denial(DenialEvent::proxy(
+            &shared.name,
+            None,
+            None,
+            0,
+            "tcp",
+            DenyReason::NoOriginalDestination.as_str(),
+        ));
+        tracing::debug!(policy = %shared.name, %peer, "transparent: no original destination");
+        refuse(&mut stream, &[]).await;
+        return;
+    };
+    intercepted(stream, orig, buf, shared, stop)
+        .instrument(span)
+        .await;
+}
+
+/// One refusal of a redirected connection.
+struct Refusal<'a> {
+    kind: Option<Kind>,
+    /// The name the client sent (normalised, or raw when it didn't parse).
+    host: Option<String>,
+    reason: DenyReason,
+    /// The resolved address the dial-time check refused.
+    resolved: Option<std::net::IpAddr>,
+    /// rustls' alert for a malformed hello (else `access_denied`).
+    alert: &'a [u8],
+}
+
+/// Refuse: event (name, original IP and port, reason), then the alert or 403, then close.
+async fn deny(shared: &Shared, stream: &mut TcpStream, orig: SocketAddr, r: Refusal<'_>) {
+    let Refusal {
+        kind,
+        host,
+        reason,
+        resolved,
+        alert,
+    } = r;
+    let protocol = kind.map_or("tcp", Kind::as_str);
+    let mut ev = DenialEvent::proxy(
+        &shared.name,
+        host,
+        Some(orig.ip()),
+        orig.port(),
+        protocol,
+        reason.as_str(),
+    );
+    if let Some(ip) = resolved {
+        ev.context.insert("denied_address".into(), ip.to_string());
+    }
+    shared.emit_denial(ev);
+    let answer = match kind {
+        Some(Kind::Http) => response::forbidden(reason, &shared.name),
+        Some(Kind::Tls) if !alert.is_empty() => alert.to_vec(),
+        Some(Kind::Tls) => TLS_ACCESS_DENIED.to_vec(),
+        None => Vec::new(),
+    };
+    refuse(stream, &answer).await;
+}
+
+/// A redirected connection whose original destination is `orig`; `buf` holds bytes already read
+/// from it (the explicit listener's fallback passes what it read).
+pub(crate) async fn intercepted(
+    mut stream: TcpStream,
+    orig: SocketAddr,
+    mut buf: Vec<u8>,
+    shared: &Arc<Shared>,
+    stop: watch::Receiver<bool>,
+) {
+    let limits = shared.ctx.limits().clone();
+    let mut sniffer = Sniffer::new(orig.port());
+    let deadline = tokio::time::Instant::now() + limits.header_timeout;
+    buf.reserve(4096);
+    let mut fed = 0;
+    let (kind, target) = loop {
+        if buf.len() > fed {
+            match sniffer.feed(&buf, fed) {
+                Sniffed::More => {}
+                Sniffed::Target { kind, target } => break (kind, target),
+                Sniffed::Refused {
+                    kind,
+                    reason,
+                    host,
+                    alert,
+                } => {
+                    let r = Refusal {
+                        kind,
+                        host,
+                        reason,
+                        resolved: None,
+                        alert: &alert,
+                    };
+                    deny(shared, &mut stream, orig, r).await;
+                    return;
+                }
+            }
+            fed = buf.len();
+        }
+        let room = MAX_SNIFF_BYTES.saturating_sub(buf.len()).max(1);
+        let mut chunk = (&mut stream).take(room as u64);
+        let read = tokio::select! {
+            r = tokio::time::timeout_at(deadline, chunk.read_buf(&mut buf)) => r,
+            () = stopped(stop.clone()) => return,
+        };
+        match read {
+            Err(_) => {
+                tracing::debug!(policy = %shared.name, %orig, "transparent: first bytes timed out");
+                return;
+            }
+            Ok(Err(_)) | Ok(Ok(0)) => return,
+            Ok(Ok(_)) => {}
+        }
+    };
+    let host = match &target.dest {
+        Destination::Name(n) => Some(n.as_str().to_owned()),
+        Destination::Ip(_) => None,
+    };
+    let policy = shared.policy.load_full();
+    let protocol = kind.as_str();
+    // The same decision as for CONNECT (audit included): the name on the original port.
+    let decision = if policy.transparent() {
+        policy.decide_target(&target.dest, target.port)
+    } else {
+        // The policy was reloaded with `transparent = false` while the kernel still redirected.
+        Decision::Deny(DenyReason::TransparentOff)
+    };
+    let pending = match decision {
+        Decision::Allow => None,
+        Decision::WouldDeny(reason) => Some((reason, Some(orig.ip()))),
+        Decision::Deny(reason) => {
+            let r = Refusal {
+                kind: Some(kind),
+                host,
+                reason,
+                resolved: None,
+                alert: &[],
+            };
+            deny(shared, &mut stream, orig, r).await;
+            return;
+        }
+    };
+    let record_would_deny = |pending: Option<(DenyReason, Option<std::net::IpAddr>)>| {
+        pending.is_some_and(|(reason, ip)| {
+            shared.record(&target, ip, protocol, reason.as_str(), Verdict::WouldDeny);
+            true
+        })
+    };
+    let dialed = dial::dial(
+        &policy,
+        shared.ctx.resolver(),
+        &target,
+        limits.connect_timeout,
+    )
+    .await;
+    let mut upstream = match dialed {
+        Ok(d) => {
+            let audited =
+                record_would_deny(pending.or(d.would_deny.map(|(reason, ip)| (reason, Some(ip)))));
+            shared.allowed(&target, Some(d.addr.ip()), protocol, audited);
+            d.stream
+        }
+        Err(DialError::Denied { reason, ip }) => {
+            let r = Refusal {
+                kind: Some(kind),
+                host,
+                reason,
+                resolved: ip,
+                alert: &[],
+            };
+            deny(shared, &mut stream, orig, r).await;
+            return;
+        }
+        Err(e) => {
+            record_would_deny(pending);
+            tracing::debug!(policy = %shared.name, %target, error = %e, "transparent: upstream unreachable");
+            let answer = match kind {
+                Kind::Http => response::error(502, e.code()),
+                Kind::Tls => Vec::new(),
+            };
+            refuse(&mut stream, &answer).await;
+            return;
+        }
+    };
+    // The bytes read (the whole ClientHello, or the request head) go first, untouched.
+    shared
+        .relay(&mut stream, &mut upstream, buf, &target, stopped(stop))
+        .await;
+}
