@@ -463,7 +463,7 @@ impl Env {
         let bpffs = PathBuf::from(format!("/sys/fs/bpf/egress-test-docker-{pid}"));
         std::fs::write(
             dir.join("hosts"),
-            format!("{UPSTREAM_IP} allowed.test\n{UPSTREAM_IP} denied.test\n"),
+            format!("{UPSTREAM_IP} allowed.test\n{UPSTREAM_IP} denied.test\n{GATEWAY} tls.test\n"),
         )
         .expect("hosts");
         let config = Env::config_with(&bpffs, &dir, "");
@@ -681,6 +681,19 @@ nameservers = []
         args.extend_from_slice(extra);
         args.extend_from_slice(&[IMAGE, "sh", "-c", script]);
         self.d.docker(&args)
+    }
+
+    /// `docker run --rm` without any proxy variable: what a program that ignores them sees.
+    pub fn run_bare_out(&self, extra: &[&str], script: &str) -> String {
+        let mut args = vec!["run", "--rm", "--network", NETWORK];
+        args.extend_from_slice(extra);
+        args.extend_from_slice(&[IMAGE, "sh", "-c", script]);
+        let o = self.d.docker(&args);
+        format!(
+            "{}{}",
+            String::from_utf8_lossy(&o.stdout),
+            String::from_utf8_lossy(&o.stderr)
+        )
     }
 
     pub fn run_out(&self, extra: &[&str], script: &str) -> String {

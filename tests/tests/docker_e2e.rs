@@ -13,13 +13,15 @@ use std::net::TcpStream;
 use std::time::{Duration, Instant};
 
 use egress_tests::docker::{
-    Env, IMAGE, PROXY, SERIAL, UPSTREAM_IP, cgroup2_mount, require_root, sh_ok,
+    Env, GATEWAY, IMAGE, PROXY, SERIAL, UPSTREAM_IP, cgroup2_mount, require_root, sh_ok,
 };
+use egress_tests::upstreams::{TempDir, TestCa, WebServer};
 
 fn env_new() -> Env {
-    Env::new(&[std::path::Path::new(env!(
-        "CARGO_BIN_EXE_egress-test-rawsend"
-    ))])
+    Env::new(&[
+        std::path::Path::new(env!("CARGO_BIN_EXE_egress-test-rawsend")),
+        std::path::Path::new(env!("CARGO_BIN_EXE_egress-probe")),
+    ])
 }
 
 const DIRECT: &str = "nc -w 2 198.18.0.1 9000 </dev/null && echo DIRECT-OK || echo DIRECT-FAIL";
@@ -675,4 +677,97 @@ fn drain(sink: &std::net::UdpSocket) -> Vec<String> {
         got.push(String::from_utf8_lossy(&buf[..n]).into_owned());
     }
     got
+}
+
+/// Transparent interception and the agent's DNS for a labelled container that is given no proxy
+/// variable: Docker's embedded resolver (127.0.0.11) is answered by the agent, an allowed name is
+/// fetched through the kernel redirect (plain HTTP by busybox wget, HTTPS by a rustls client with
+/// SNI against a TLS upstream with the test's CA), and every refusal is checked where it would
+/// have arrived: the TLS upstream's request log and the canary.
+#[test]
+fn transparent_without_proxy_variables() {
+    if !require_root() {
+        return;
+    }
+    let _g = lock();
+    let env = env_new();
+    // The TLS upstream `tls.test` on the gateway address (the dockerd side), port 8443.
+    let ca_dir = TempDir::new("docker-transparent");
+    let ca = TestCa::new(ca_dir.path(), &["tls.test", "denied.test"]);
+    let tls = env.d.netns.run(|| {
+        WebServer::start(
+            format!("{GATEWAY}:8443").parse().expect("addr"),
+            Some(&ca),
+            "docker-tls",
+        )
+    });
+    env.write_config(&env.config_text(
+        r#"[policies.tp]
+allow_hosts = ["allowed.test", "tls.test"]
+allow_ports = [8080, 8443, 9000]
+resolve_private = ["198.18.0.0/24"]
+[policies.canary]
+allow_cidrs = ["198.18.0.1/32"]
+"#,
+    ));
+    let o = env.cli(&["reload"]);
+    assert!(o.status.success(), "reload refused: {o:?}");
+    let before = env.canary.count();
+    let mount = format!("{}:/ca:ro", ca_dir.path().display());
+    let label = ["--name", "tp-1", "--label", "egress.policy=tp", "-v", &mount];
+    let out = env.run_bare_out(
+        &label,
+        "grep nameserver /etc/resolv.conf; env | grep -i proxy; echo ---; \
+         wget -q -T 5 -O- http://allowed.test:8080/; echo ---; \
+         egress-probe tls-get tls.test tls.test 8443 /ca/ca.pem; echo ---; \
+         nslookup denied.test && echo RESOLVED-DENIED || echo NX-DENIED; echo ---; \
+         egress-probe tls-get denied.test 198.18.0.1 8443 /ca/ca.pem || echo SNI-REFUSED; \
+         egress-probe tls-get 198.18.0.1 198.18.0.1 8443 /ca/ca.pem || echo NOSNI-REFUSED; \
+         wget -q -T 5 -O- http://198.18.0.1:9000/ && echo IP-OK || echo IP-REFUSED; \
+         (printf 'GET / HTTP/1.1\\r\\nHost: denied.test:9000\\r\\n\\r\\n'; sleep 1) | nc -w 3 198.18.0.1 9000; echo ---; \
+         (printf 'GET / HTTP/1.1\\r\\nHost: allowed.test:9000\\r\\n\\r\\n'; sleep 1) | nc -w 3 198.18.0.1 9000; echo END",
+    );
+    assert!(
+        out.contains("nameserver 127.0.0.11") && !out.to_lowercase().contains("proxy="),
+        "the container should use Docker's embedded resolver and have no proxy variable: {out}"
+    );
+    assert!(
+        out.contains("hello-upstream"),
+        "allowed name over plain HTTP without proxy variables: {out}"
+    );
+    assert!(
+        out.contains("TLS-OK upstream-ok docker-tls"),
+        "allowed name over TLS (SNI tls.test, end to end with the test's CA): {out}"
+    );
+    assert_eq!(tls.hits().len(), 1, "only the allowed TLS request arrived: {:?}", tls.hits());
+    assert!(
+        out.contains("NX-DENIED") && !out.contains("RESOLVED-DENIED"),
+        "a name outside the policy must not resolve: {out}"
+    );
+    assert!(
+        out.contains("SNI-REFUSED") && out.contains("NOSNI-REFUSED"),
+        "a denied SNI and a ClientHello without SNI must be refused: {out}"
+    );
+    assert!(out.contains("IP-REFUSED"), "an IP literal Host must be refused: {out}");
+    assert!(out.contains("END"), "{out}");
+    // Neither the IP literal, nor a foreign Host, nor an allowed Host sent to the canary's
+    // address (the proxy dials allowed.test's own address, never the client's) arrived.
+    assert_eq!(
+        env.canary.count(),
+        before,
+        "a transparent refusal reached the canary: {out}"
+    );
+    for (host, port) in [("denied.test", 53), ("denied.test", 8443)] {
+        assert!(
+            env.wait_event(
+                |e| e["container"]["name"] == "tp-1"
+                    && e["host"] == host
+                    && e["port"] == port
+                    && e["policy"] == "tp",
+                Duration::from_secs(5)
+            ),
+            "no denial event for {host}:{port}: {:?}",
+            env.events()
+        );
+    }
 }

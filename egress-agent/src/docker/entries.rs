@@ -10,7 +10,7 @@ use super::directory::{DirEntry, Directory};
 use crate::bpf::PinnedState;
 use crate::cgroup;
 use crate::events::ContainerRef;
-use crate::policy::kernel::{Endpoints, KernelPolicy};
+use crate::policy::kernel::{Endpoints, InterceptAddrs, KernelPolicy};
 use crate::policy::{DENY_ALL, Policy};
 
 /// What was written for a container's cgroup.
@@ -51,19 +51,23 @@ impl Entries {
         &self.directory
     }
 
-    /// Write `policy` for `cgroup_id` with the container's `listener` and `published` TCP ports.
+    /// Write `policy` for `cgroup_id` with the container's `listener` (and its interception
+    /// sockets) and `published` TCP ports.
     fn write(
         &mut self,
         cgroup_id: u64,
         policy: &Policy,
-        listener: Option<SocketAddr>,
+        listener: Option<(SocketAddr, InterceptAddrs)>,
         published: &[u16],
     ) -> Result<(), String> {
+        let listener = listener.filter(|(a, _)| a.is_ipv4());
         let endpoints = Endpoints {
             endpoint4: Some(SocketAddr::V4(self.endpoint4)),
-            listener4: listener.filter(SocketAddr::is_ipv4),
+            listener4: listener.map(|(a, _)| a),
             endpoint6: self.endpoint6,
             listener6: None,
+            intercept4: listener.map(|(_, i)| i).unwrap_or_default(),
+            intercept6: InterceptAddrs::default(),
         };
         let kp = KernelPolicy::compile(policy, endpoints, published).map_err(|e| e.to_string())?;
         self.state
@@ -77,7 +81,7 @@ impl Entries {
         &mut self,
         cgroup_id: u64,
         policy: &Policy,
-        listener: Option<SocketAddr>,
+        listener: Option<(SocketAddr, InterceptAddrs)>,
         published: &[u16],
     ) -> Written {
         match self.write(cgroup_id, policy, listener, published) {

@@ -132,8 +132,12 @@ pub async fn serve_with(
         .as_ref()
         .map(|w| w.to_string());
     let bpf::Enforcement { state, .. } = enforcement;
-    let mut ctx =
-        ProxyContext::new(&config, events.clone()).map_err(|e| ServeError::Proxy(e.to_string()))?;
+    // Transparent interception and DNS: original destinations and DNS-answer allowances live in
+    // the pinned maps the programs just attached read.
+    let redirects = Arc::new(bpf::redirects::KernelRedirects::open(&config.agent.bpffs)?);
+    let mut ctx = ProxyContext::new(&config, events.clone())
+        .map_err(|e| ServeError::Proxy(e.to_string()))?
+        .with_interception(redirects.hooks());
     if let Some(m) = &hooks.metrics {
         ctx = ctx.with_metrics(m.clone());
     }

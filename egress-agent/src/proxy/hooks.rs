@@ -34,17 +34,7 @@ impl std::fmt::Debug for InterceptHooks {
     }
 }
 
-/// The interception addresses of one listener identity (all on the proxy listen IP, kernel-chosen
-/// ports); `None` where the policy gets no such socket.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct InterceptAddrs {
-    /// Transparent TCP (redirected connections on `allow_ports`).
-    pub transparent: Option<SocketAddr>,
-    /// DNS over UDP (redirected port-53 datagrams).
-    pub dns_udp: Option<SocketAddr>,
-    /// DNS over TCP (redirected port-53 connections).
-    pub dns_tcp: Option<SocketAddr>,
-}
+pub use crate::policy::kernel::InterceptAddrs;
 
 /// Bound interception sockets of one listener, not yet running.
 pub(crate) struct Interception {
