@@ -47,7 +47,7 @@ fn setup(up: &Upstream, ca: &TestCa) -> (Dir, TestConfig) {
     std::fs::set_permissions(&secret, std::fs::Permissions::from_mode(0o600)).expect("chmod");
     std::fs::write(
         dir.join("hosts"),
-        "127.0.0.1 api.test\n127.0.0.1 env.test\n127.0.0.1 other.test\n",
+        "127.0.0.1 api.test\n127.0.0.1 env.test\n127.0.0.1 other.test\n127.0.0.1 pass.test\n",
     )
     .expect("hosts");
     std::fs::write(dir.join("upstream-ca.pem"), &ca.pem).expect("upstream CA");
@@ -79,7 +79,8 @@ nameservers = []
 hosts_file = "{d}/hosts"
 
 [policies.agent]
-allow_hosts = ["api.test", "env.test", "other.test"]
+# pass.test: no binding, no rule, so never intercepted.
+allow_hosts = ["api.test", "env.test", "other.test", "pass.test"]
 allow_ports = [{p}]
 resolve_private = ["127.0.0.0/8"]
 
@@ -238,7 +239,7 @@ fn real_clients_get_the_secret_injected_and_never_hold_it() {
     let ca = TestCa::new();
     let up = Upstream::start(
         &ca,
-        &["api.test", "env.test", "other.test"],
+        &["api.test", "env.test", "other.test", "pass.test"],
         "127.0.0.1:0".parse().expect("test value"),
     );
     let (dir, cfg) = setup(&up, &ca);
@@ -253,6 +254,9 @@ echo "== node-h1"; node {d}/client.js h1 GET https://api.test:{p}/v1/node-h1 "au
 echo "== node-h2"; node {d}/client.js h2 GET https://api.test:{p}/v1/node-h2 "authorization=Bearer $API_KEY"
 echo "== env-binding"; {curl} -H "x-api-key: $ENV_KEY" https://env.test:{p}/v1/env
 echo "== wrong-host"; {curl} -o /dev/null -D - -H "Authorization: Bearer $API_KEY" https://other.test:{p}/leak
+echo "== pass-own-ca"; {curl} -v --cacert {d}/upstream-ca.pem -H "x-pass: sent-by-the-client" https://pass.test:{p}/v1/pass-curl 2>&1
+echo "== pass-agent-bundle"; {curl} https://pass.test:{p}/v1/pass-bundle 2>&1; echo "bundle-rc=$?"
+echo "== pass-python"; /usr/bin/python3 -c 'import ssl, sys, urllib.request as u; c = ssl.create_default_context(cafile=sys.argv[2]); print(u.urlopen(sys.argv[1], context=c, timeout=10).read().decode())' https://pass.test:{p}/v1/pass-python {d}/upstream-ca.pem
 echo "== direct"; {curl} --noproxy '*' -k https://127.0.0.1:{p}/direct; echo "direct-rc=$?"
 echo "== state"; ls -A {d}/state; cat {d}/state/secret 2>/dev/null || echo STATE-UNREADABLE
 echo "== env"; env | sort
@@ -297,7 +301,7 @@ echo READY; read x
     );
     let r = up.request("/v1/env").expect("env binding request");
     assert_eq!(r.header("x-api-key"), Some(SECRET_ENV), "{r:?}");
-    for r in up.requests() {
+    for r in up.requests().into_iter().filter(|r| !r.target.starts_with("/v1/pass")) {
         let t = r.text();
         assert!(
             !t.contains(PH) && !t.contains(PH_ENV),
@@ -315,6 +319,31 @@ echo READY; read x
         up.request("/leak").is_none(),
         "the placeholder reached other.test"
     );
+    // A host without a binding or rule is passed through, TLS and all: the client verifies the
+    // upstream's own certificate (issued by the test's CA, not the agent's), the agent's bundle
+    // does not verify it, and what the client sent arrives untouched (the proxy never saw it).
+    let pass = section(&text, "pass-own-ca");
+    assert!(
+        pass.contains("issuer: CN=egress-tests upstream CA")
+            && pass.contains("upstream-ok HTTP/2.0 /v1/pass-curl"),
+        "pass-through host: {pass}"
+    );
+    let r = up.request("/v1/pass-curl").expect("pass-through request");
+    assert_eq!(
+        r.header("x-pass"),
+        Some("sent-by-the-client"),
+        "{r:?}"
+    );
+    let bundle = section(&text, "pass-agent-bundle");
+    assert!(
+        bundle.contains("bundle-rc=60") && up.request("/v1/pass-bundle").is_none(),
+        "the agent's bundle verified the upstream's own certificate: {bundle}"
+    );
+    assert!(
+        section(&text, "pass-python").contains("upstream-ok HTTP/1.1 /v1/pass-python"),
+        "python through the pass-through host:\n{text}"
+    );
+    assert!(up.request("/v1/pass-python").is_some());
     // Loopback is reachable by name through the proxy only: the kernel refuses it directly.
     assert!(
         !section(&text, "direct").contains("direct-rc=0") && up.request("/direct").is_none(),
@@ -387,7 +416,7 @@ fn a_non_root_command_trusts_the_ca_too() {
     let ca = TestCa::new();
     let up = Upstream::start(
         &ca,
-        &["api.test", "env.test", "other.test"],
+        &["api.test", "env.test", "other.test", "pass.test"],
         "127.0.0.1:0".parse().expect("test value"),
     );
     let (dir, cfg) = setup(&up, &ca);
@@ -432,11 +461,19 @@ fn a_policy_without_bindings_changes_nothing() {
         &["api.test"],
         "127.0.0.1:0".parse().expect("test value"),
     );
-    let (_dir, cfg) = setup(&up, &ca);
+    let (dir, cfg) = setup(&up, &ca);
+    // api.test has a binding in the other policy, none in this one: passed through, so the
+    // client verifies the upstream's own certificate and what it sends arrives as sent.
+    let script = format!(
+        "env; ls -A /run; curl -sS --max-time 15 --cacert {d}/upstream-ca.pem \
+         -H 'Authorization: Bearer {PH}' https://api.test:{p}/v1/plain; echo; echo DONE",
+        d = dir.0.display(),
+        p = up.port()
+    );
     let out = Command::new(agent_bin())
         .args(["exec", "--policy", "plain", "--config"])
         .arg(&cfg.path)
-        .args(["--", "sh", "-c", "env; ls -A /run; echo DONE"])
+        .args(["--", "sh", "-c", &script])
         // The configuration's other policy has an env-sourced binding: its source must exist.
         .env("EGRESS_TEST_SECRET_ENV", SECRET_ENV)
         .stdin(Stdio::null())
@@ -468,4 +505,11 @@ fn a_policy_without_bindings_changes_nothing() {
     assert!(!text.lines().any(|l| l.starts_with("API_KEY=")), "{text}");
     assert!(!text.contains("egress-agent-ca"), "{text}");
     assert!(text.contains("HTTPS_PROXY="), "{text}");
+    assert!(text.contains("upstream-ok HTTP/2.0 /v1/plain"), "{text}");
+    let r = up.request("/v1/plain").expect("the plain request");
+    assert_eq!(
+        r.header("authorization"),
+        Some(format!("Bearer {PH}").as_str()),
+        "{r:?}"
+    );
 }
