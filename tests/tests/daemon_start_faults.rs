@@ -171,7 +171,11 @@ fn host_layer_failing_at_start_never_reports_ready() {
     );
     assert!(!text.contains("channel closed"), "{text}");
     // ... once: not repeated by each level of the error chain.
-    let last = text.lines().rev().find(|l| l.contains("error")).unwrap_or_default();
+    let last = text
+        .lines()
+        .rev()
+        .find(|l| l.contains("error"))
+        .unwrap_or_default();
     assert_eq!(
         last.matches("Operation not permitted").count(),
         1,

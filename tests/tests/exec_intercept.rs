@@ -301,7 +301,11 @@ echo READY; read x
     );
     let r = up.request("/v1/env").expect("env binding request");
     assert_eq!(r.header("x-api-key"), Some(SECRET_ENV), "{r:?}");
-    for r in up.requests().into_iter().filter(|r| !r.target.starts_with("/v1/pass")) {
+    for r in up
+        .requests()
+        .into_iter()
+        .filter(|r| !r.target.starts_with("/v1/pass"))
+    {
         let t = r.text();
         assert!(
             !t.contains(PH) && !t.contains(PH_ENV),
@@ -329,11 +333,7 @@ echo READY; read x
         "pass-through host: {pass}"
     );
     let r = up.request("/v1/pass-curl").expect("pass-through request");
-    assert_eq!(
-        r.header("x-pass"),
-        Some("sent-by-the-client"),
-        "{r:?}"
-    );
+    assert_eq!(r.header("x-pass"), Some("sent-by-the-client"), "{r:?}");
     let bundle = section(&text, "pass-agent-bundle");
     assert!(
         bundle.contains("bundle-rc=60") && up.request("/v1/pass-bundle").is_none(),
