@@ -42,9 +42,6 @@ pub const EXEC_ROOT: &str = "egress-agent";
 /// `NO_PROXY` for confined commands: their own loopback servers.
 pub const LOOPBACK_NO_PROXY: &str = "localhost,127.0.0.1,::1";
 
-/// Where the agent keeps state a command must never see (CA key, event store).
-pub const STATE_DIR: &str = "/var/lib/egress-agent";
-
 /// Options of `egress-agent exec`.
 #[derive(Debug, Clone)]
 pub struct ExecOptions {
@@ -239,11 +236,55 @@ fn sandbox_spec(
         cgroup: cgroup.to_owned(),
         user,
         keep_net_raw,
-        hide: vec![config.agent.bpffs.clone(), PathBuf::from(STATE_DIR)],
+        hide: hidden_state(config),
         read_only,
         writable,
         run_files: Vec::new(),
+        run_copies: Vec::new(),
     })
+}
+
+/// Where the agent keeps what a command must never see (CA key, secrets, event store): the
+/// configured `agent.state_dir`, and the default one too (a daemon with the default
+/// configuration may keep its CA there while this exec runs with another).
+fn hidden_state(config: &Config) -> Vec<PathBuf> {
+    let mut hide = vec![config.agent.bpffs.clone(), config.agent.state_dir.clone()];
+    let default = PathBuf::from(config::DEFAULT_STATE_DIR);
+    if !hide.contains(&default) {
+        hide.push(default);
+    }
+    hide
+}
+
+/// Where the command finds the agent's CA (in its private `/run`).
+pub const CA_IN_RUN: &str = "egress-agent-ca.pem";
+/// Where the command finds the client bundle (the host's roots plus the agent's CA).
+pub const BUNDLE_IN_RUN: &str = "egress-agent-ca-bundle.pem";
+
+/// What a command needs for TLS interception (`ca::command_env`): the agent's CA and client
+/// bundle in its private `/run`, the variables naming them, and the placeholders the policy's
+/// bindings name. Nothing at all when the policy intercepts nothing.
+fn interception(
+    config: &Config,
+    policy: &policy::Policy,
+    spec: &mut sandbox::Spec,
+) -> anyhow::Result<Vec<(String, String)>> {
+    let run = Path::new("/run");
+    let env = crate::ca::command_env(policy, &run.join(BUNDLE_IN_RUN), &run.join(CA_IN_RUN));
+    if env.is_empty() || policy.mode != Mode::Allowlist {
+        return Ok(Vec::new());
+    }
+    // The proxy context loaded (or created) this CA moments ago; the lock in `load_or_create`
+    // makes both loads agree.
+    let ca = crate::ca::AgentCa::load_or_create(&config.agent.state_dir)
+        .context("exec: loading the interception CA")?;
+    spec.run_files
+        .push((PathBuf::from(CA_IN_RUN), ca.cert_pem().as_bytes().to_vec()));
+    // Copied by the sandbox, not carried in its argument: the bundle is larger than one
+    // argument may be. `load_or_create` has just rewritten it.
+    spec.run_copies
+        .push((PathBuf::from(BUNDLE_IN_RUN), ca.bundle_path()));
+    Ok(env)
 }
 
 async fn run_async(
@@ -398,7 +439,8 @@ async fn run_async(
 
     // 5. the command, in its sandbox (see `sandbox`): /proc/self/exe, not current_exe(): the
     // running image, even if the file was replaced (upgrade, rebuild) since exec started.
-    let spec = sandbox_spec(&opts, &config, &path, user, policy.mode == Mode::AllowAll)?;
+    let mut spec = sandbox_spec(&opts, &config, &path, user, policy.mode == Mode::AllowAll)?;
+    let interception_env = interception(&config, &policy, &mut spec)?;
     let mut cmd = tokio::process::Command::new("/proc/self/exe");
     cmd.arg(sandbox::CHILD)
         .arg(spec.to_arg()?)
@@ -418,6 +460,7 @@ async fn run_async(
             cmd.env(var, LOOPBACK_NO_PROXY);
         }
     }
+    cmd.envs(interception_env);
     let mut child = cmd.spawn().context("starting the command")?;
     let pid = child.id().ok_or_else(|| anyhow!("child has no pid"))?;
 

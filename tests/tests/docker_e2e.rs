@@ -21,6 +21,8 @@ fn env_new() -> Env {
     Env::new(&[
         std::path::Path::new(env!("CARGO_BIN_EXE_egress-test-rawsend")),
         std::path::Path::new(env!("CARGO_BIN_EXE_egress-probe")),
+        // Debian's curl (its libraries come along), for the TLS interception check.
+        std::path::Path::new("/usr/bin/curl"),
     ])
 }
 
@@ -42,7 +44,7 @@ fn policies_labels_and_events() {
         return;
     }
     let _g = lock();
-    let env = env_new();
+    let mut env = env_new();
 
     // Unlabelled: untouched (allow_all), direct connections arrive.
     let before = env.canary.count();
@@ -206,6 +208,119 @@ fn policies_labels_and_events() {
         !out.contains("hello-upstream"),
         "deny_all container used another container's listener: {out}"
     );
+
+    interception_in_a_labelled_container(&mut env);
+}
+
+/// TLS interception for a labelled container (#12 item 5): the container holds the placeholder
+/// and trusts the agent's CA (its bundle mounted read-only over the image's, as README's
+/// `docker run` line for Debian-based images does); a TLS
+/// upstream of the test's own (own CA, on the gateway address in dockerd's namespace) receives
+/// the real secret; a host of the same policy without binding is passed through (curl sees the
+/// upstream's own certificate). `[intercept]` takes a restart, so the daemon is restarted once.
+fn interception_in_a_labelled_container(env: &mut Env) {
+    use egress_tests::tls_upstream::{TestCa, Upstream};
+    use std::os::unix::fs::PermissionsExt;
+    const SECRET: &str = "sk-docker-Jr8Wq2Vn6Tx4-never-inside";
+    const PH: &str = "egress-ph-docker-5eed";
+    let ca = TestCa::new();
+    let up = Upstream::start_in(
+        &ca,
+        &["api.test", "pass.test"],
+        "198.18.0.1:8443".parse().expect("test value"),
+        &env.d.netns.path(),
+    );
+    let dir = env.dir.clone();
+    std::fs::write(dir.join("upstream-ca.pem"), &ca.pem).expect("upstream CA");
+    let secret = dir.join("secret");
+    std::fs::write(&secret, SECRET).expect("secret");
+    std::fs::set_permissions(&secret, std::fs::Permissions::from_mode(0o600)).expect("chmod");
+    let hosts = std::fs::read_to_string(dir.join("hosts")).expect("hosts");
+    std::fs::write(
+        dir.join("hosts"),
+        format!("{hosts}198.18.0.1 api.test\n198.18.0.1 pass.test\n"),
+    )
+    .expect("hosts");
+    let d = dir.display();
+    env.write_config(&env.config_text(&format!(
+        r#"[intercept]
+upstream_ca_file = "{d}/upstream-ca.pem"
+
+[policies.web]
+allow_hosts = ["allowed.test"]
+allow_ports = [8080]
+allow_cidrs = ["{UPSTREAM_IP}/32"]
+[policies.canary]
+allow_cidrs = ["198.18.0.1/32"]
+
+[policies.agent]
+allow_hosts = ["api.test", "pass.test"]
+allow_ports = [8443]
+resolve_private = ["198.18.0.1/32"]
+[[policies.agent.credentials]]
+host = "api.test"
+port = 8443
+header = "authorization"
+prefix = "Bearer "
+source = {{ file = "{d}/secret" }}
+placeholder = "{PH}"
+require = true
+"#
+    )));
+    env.kill_agent();
+    env.start_agent();
+    let out = env.run_out(
+        &[
+            "--label",
+            "egress.policy=agent",
+            "-e",
+            &format!("API_KEY={PH}"),
+            "-e",
+            "HTTPS_PROXY=http://169.254.100.1:3128",
+            // README's line for Debian-based images.
+            "-v",
+            &format!("{d}/state/ca-bundle.pem:/etc/ssl/certs/ca-certificates.crt:ro"),
+            "-e",
+            "SSL_CERT_FILE=/etc/ssl/certs/ca-certificates.crt",
+            "-v",
+            &format!("{d}/upstream-ca.pem:/upstream-ca.pem:ro"),
+        ],
+        r#"C="curl -sS --max-time 15"
+echo "== bound"; $C -H "Authorization: Bearer $API_KEY" https://api.test:8443/v1/docker
+echo; echo "== missing"; $C -o /dev/null -w "%{http_code}\n" https://api.test:8443/v1/docker-missing
+echo "== pass"; $C -v --cacert /upstream-ca.pem https://pass.test:8443/v1/docker-pass 2>&1
+echo; echo "== pass-agent-ca"; $C https://pass.test:8443/v1/docker-pass-agent-ca 2>&1; echo "rc=$?"
+echo "== env"; env"#,
+    );
+    let r = up
+        .request("/v1/docker")
+        .unwrap_or_else(|| panic!("the upstream never got the request:\n{out}\n{}", env.log()));
+    assert_eq!(
+        r.header("authorization"),
+        Some(format!("Bearer {SECRET}").as_str()),
+        "{r:?}"
+    );
+    assert!(out.contains("upstream-ok HTTP/2.0 /v1/docker"), "{out}");
+    // require = true: without the placeholder, refused and never forwarded.
+    assert!(
+        out.contains("== missing\n403\n") && up.request("/v1/docker-missing").is_none(),
+        "{out}"
+    );
+    // pass.test has no binding: the container sees the upstream's own certificate.
+    assert!(
+        out.contains("issuer: CN=egress-tests upstream CA")
+            && out.contains("upstream-ok HTTP/2.0 /v1/docker-pass"),
+        "pass-through: {out}"
+    );
+    assert!(
+        out.contains("rc=60") && up.request("/v1/docker-pass-agent-ca").is_none(),
+        "the agent's CA verified a pass-through host: {out}"
+    );
+    assert!(out.contains(&format!("API_KEY={PH}")), "{out}");
+    assert!(!out.contains(SECRET), "the container saw the secret: {out}");
+    for r in up.requests() {
+        assert!(!r.text().contains(PH), "placeholder upstream: {}", r.text());
+    }
 }
 
 #[test]

@@ -38,7 +38,7 @@ use crate::proxy::ProxyContext;
 
 #[derive(Debug, thiserror::Error)]
 pub enum EnforceError {
-    #[error("nftables: {0}")]
+    #[error(transparent)]
     Nft(#[from] nft::NftError),
 }
 

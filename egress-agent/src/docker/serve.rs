@@ -68,8 +68,9 @@ pub enum ServeError {
     Proxy(String),
     #[error(transparent)]
     Nft(#[from] crate::nft::NftError),
+    /// Not a `#[source]`: the cause is in the message already (`{:#}` would repeat it).
     #[error("the nftables host layer could not be set up: {0}")]
-    HostLayer(#[from] super::enforce::EnforceError),
+    HostLayer(super::enforce::EnforceError),
 }
 
 /// How the daemon talks to a running [`serve_with`].
@@ -161,7 +162,7 @@ pub async fn serve_with(
         directory.clone(),
     );
     // Before READY: without the host layer the proxy address is reachable from the LAN.
-    enforcer.init().await?;
+    enforcer.init().await.map_err(ServeError::HostLayer)?;
     let stop = CancellationToken::new();
     let pump = opts.kernel_events.then(|| {
         tokio::spawn(kernel_events(
