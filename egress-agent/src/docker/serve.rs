@@ -136,9 +136,22 @@ pub async fn serve_with(
     // Transparent interception and DNS: original destinations and DNS-answer allowances live in
     // the pinned maps the programs just attached read.
     let redirects = Arc::new(bpf::redirects::KernelRedirects::open(&config.agent.bpffs)?);
+    let mut hooks_in = redirects.hooks();
+    if opts.nft {
+        // The host layer forwards a container's traffic only to its allow_cidrs: a direct
+        // allowance from a DNS answer (`{ host, ports }`) would be let through by the kernel and
+        // then dropped silently by nftables. Refuse it in the kernel instead (EPERM and a denial
+        // event at once, not a timeout); the second layer stays as strict as it is.
+        hooks_in.answers = Arc::new(crate::dns::NoAnswerSink);
+        for (name, p) in &config.policies {
+            if p.allow_hosts.iter().any(|h| !h.ports.is_empty()) {
+                tracing::warn!(policy = %name, "direct ports of allow_hosts entries are not reachable from Docker containers (the nftables host layer forwards only to allow_cidrs); list the addresses in allow_cidrs, or use the ports through the proxy");
+            }
+        }
+    }
     let mut ctx = ProxyContext::new(&config, events.clone())
         .map_err(|e| ServeError::Proxy(e.to_string()))?
-        .with_interception(redirects.hooks());
+        .with_interception(hooks_in);
     if let Some(m) = &hooks.metrics {
         ctx = ctx.with_metrics(m.clone());
     }
