@@ -27,6 +27,7 @@ pub mod events;
 pub mod exec;
 pub mod export;
 pub mod manage;
+pub mod mcp;
 pub mod mountinfo;
 pub mod netif;
 pub mod nft;

@@ -32,6 +32,7 @@
 //! The optional loopback TCP address (`api.ui_listen`) serves the GET endpoints and the page
 //! only, to the same peers (found by their socket), and only with a loopback `Host` header.
 
+pub mod backend;
 pub mod client;
 pub mod peer;
 pub mod routes;

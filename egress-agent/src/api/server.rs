@@ -192,3 +192,34 @@ async fn accept_tcp(l: Option<&TcpListener>) -> io::Result<(TcpStream, SocketAdd
         None => std::future::pending().await,
     }
 }
+
+/// Apply `[api]`: the read-only group (resolved now: an unknown group fails the start) and the
+/// status page's loopback address.
+pub async fn with_config(
+    server: ApiServer,
+    api: &crate::config::ApiConfig,
+) -> Result<ApiServer, BindError> {
+    let mut server = server;
+    if let Some(name) = &api.read_group {
+        let gid = match nix::unistd::Group::from_name(name) {
+            Ok(Some(g)) => g.gid.as_raw(),
+            Ok(None) => {
+                return Err(BindError::Io {
+                    path: server.path.clone(),
+                    source: io::Error::other(format!("api.read_group: no group named {name:?}")),
+                });
+            }
+            Err(e) => {
+                return Err(BindError::Io {
+                    path: server.path.clone(),
+                    source: io::Error::other(format!("api.read_group {name:?}: {e}")),
+                });
+            }
+        };
+        server = server.read_group(gid)?;
+    }
+    if let Some(addr) = api.ui_listen {
+        server = server.ui_listen(addr).await?;
+    }
+    Ok(server)
+}

@@ -148,7 +148,11 @@ pub fn explain(
     let compiled = CompiledPolicy::new(policy);
     let endpoints = endpoints(config);
     let kp = KernelPolicy::compile(policy, endpoints, &[]);
-    let dest = Destination::parse(&target.host);
+    // An address as written (`::1` too, without brackets) is an IP destination.
+    let dest = match target.host.parse::<IpAddr>() {
+        Ok(ip) => Ok(Destination::Ip(ip)),
+        Err(_) => Destination::parse(&target.host),
+    };
     let port = target.port;
     let base = json!({
         "policy": { "name": chosen.name, "why": chosen.why, "badge": crate::manage::badge(policy),
