@@ -219,7 +219,9 @@ impl Control for Daemon {
     }
 
     fn doctor(&self) -> BoxFuture<'_, Value> {
-        Box::pin(async move { backend::doctor(&self.config.load_full()).await })
+        Box::pin(
+            async move { backend::doctor(&self.config.load_full(), &self.docker_socket).await },
+        )
     }
 }
 

@@ -44,7 +44,7 @@ print(s.recv(65536).decode().splitlines()[0])
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn read_endpoints_answer_with_what_the_daemon_has() {
     if !is_root() {
-        eprintln!("skipping: needs root (the API serves root)");
+        api_support::skip("needs root (the API serves root)");
         return;
     }
     let s = serve("read").await;
@@ -177,7 +177,7 @@ async fn read_endpoints_answer_with_what_the_daemon_has() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn writes_validate_like_the_config_file_apply_and_are_recorded() {
     if !is_root() {
-        eprintln!("skipping: needs root (the API serves root)");
+        api_support::skip("needs root (the API serves root)");
         return;
     }
     let s = serve("write").await;
@@ -391,7 +391,7 @@ async fn writes_validate_like_the_config_file_apply_and_are_recorded() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_read_group_reads_others_are_refused_and_tcp_serves_get_only() {
     if !is_root() || Command::new("python3").arg("-V").output().is_err() {
-        eprintln!("skipping: needs root and python3 (clients of other users)");
+        api_support::skip("needs root and python3 (clients of other users)");
         return;
     }
     let s = serve("access").await;
@@ -449,5 +449,63 @@ async fn the_read_group_reads_others_are_refused_and_tcp_serves_get_only() {
     assert_eq!(rebinding, "403");
     assert_eq!(write, "403");
     assert_eq!(stranger, "403");
+    s.stop().await;
+}
+
+/// The (method, path) pairs `docs/api.yaml` describes (each with its responses).
+fn documented() -> Vec<(String, String)> {
+    let text = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../docs/api.yaml"))
+        .expect("docs/api.yaml");
+    let spec: serde_json::Value = serde_yaml_ng::from_str(&text).expect("docs/api.yaml is YAML");
+    assert!(
+        spec["openapi"]
+            .as_str()
+            .is_some_and(|v| v.starts_with("3.")),
+        "openapi version"
+    );
+    let mut out = Vec::new();
+    for (path, ops) in spec["paths"].as_object().expect("paths") {
+        for (method, op) in ops.as_object().expect("path item") {
+            if !["get", "put", "post", "delete", "patch"].contains(&method.as_str()) {
+                continue;
+            }
+            assert!(
+                op["responses"].as_object().is_some_and(|r| !r.is_empty()),
+                "{method} {path}: no responses documented"
+            );
+            out.push((method.to_uppercase(), path.clone()));
+        }
+    }
+    out
+}
+
+#[test]
+fn the_openapi_description_covers_every_endpoint_and_no_other() {
+    let mut documented = documented();
+    documented.sort();
+    let mut served: Vec<(String, String)> = api::routes::ENDPOINTS
+        .iter()
+        .map(|(m, p)| ((*m).to_owned(), (*p).to_owned()))
+        .collect();
+    served.sort();
+    assert_eq!(documented, served);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_listed_endpoint_is_routed() {
+    if !is_root() {
+        api_support::skip("needs root (the API serves root)");
+        return;
+    }
+    let s = serve("routed").await;
+    for (m, p) in api::routes::ENDPOINTS {
+        let path = p.replace("{name}", "ci").replace("{file}", "app.js");
+        let method: Method = m.parse().expect("method");
+        let (st, v) = call(&s.sock, method, &path, None).await;
+        assert!(
+            st != StatusCode::METHOD_NOT_ALLOWED && v["error"] != "no such endpoint",
+            "{m} {path}: {st} {v}"
+        );
+    }
     s.stop().await;
 }

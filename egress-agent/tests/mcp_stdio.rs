@@ -48,7 +48,7 @@ async fn call(c: &RunningService<RoleClient, ()>, tool: &str, a: Value) -> (bool
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_mcp_client_lists_and_calls_the_tools() {
     if !is_root() {
-        eprintln!("skipping: needs root (the control API serves root)");
+        api_support::skip("needs root (the control API serves root)");
         return;
     }
     let s = serve("mcp").await;
@@ -206,7 +206,7 @@ fn cli(sock: &Path, a: &[&str]) -> (bool, String) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_policy_and_explain_commands_drive_the_api() {
     if !is_root() {
-        eprintln!("skipping: needs root (the control API serves root)");
+        api_support::skip("needs root (the control API serves root)");
         return;
     }
     let s = serve("cli").await;

@@ -194,10 +194,31 @@ pub fn changes(config: &Config, n: usize) -> Result<Vec<Value>, ApiError> {
         .collect())
 }
 
-/// The doctor's probes, run off the runtime's threads.
-pub async fn doctor(config: &Config) -> Value {
-    let opts = crate::doctor::Options::from_config(config);
-    match tokio::task::spawn_blocking(move || crate::doctor::run(opts)).await {
+/// The doctor's probes as the running daemon sees itself, run off the runtime's threads. The
+/// doctor's own discovery skips the calling process (it is meant for `egress-agent doctor`), so
+/// the daemon names its policy listeners (from the pins) and the Docker socket it really uses.
+pub async fn doctor(config: &Config, docker_socket: &str) -> Value {
+    let mut opts = crate::doctor::Options::from_config(config);
+    opts.docker_socket = PathBuf::from(
+        docker_socket
+            .strip_prefix("unix://")
+            .unwrap_or(docker_socket),
+    );
+    let bpffs = config.agent.bpffs.clone();
+    let run = move || {
+        if let Ok(s) = crate::status::collect(&bpffs) {
+            let mut listeners: Vec<std::net::SocketAddr> = s
+                .cgroups
+                .iter()
+                .flat_map(|c| c.listener.iter().filter_map(|l| l.parse().ok()))
+                .collect();
+            listeners.sort();
+            listeners.dedup();
+            opts.proxy_listeners = listeners;
+        }
+        crate::doctor::run(opts)
+    };
+    match tokio::task::spawn_blocking(run).await {
         Ok(report) => serde_json::to_value(&report).unwrap_or(Value::Null),
         Err(e) => json!({ "error": e.to_string() }),
     }

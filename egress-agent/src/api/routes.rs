@@ -16,6 +16,31 @@ use crate::manage::{Body as ChangeBody, Change, Who};
 
 pub type Body = BoxBody<Bytes, Infallible>;
 
+/// Every endpoint [`route`] serves, as (method, OpenAPI path). `docs/api.yaml` must describe each
+/// (tests/api_endpoints.rs checks both ways).
+pub const ENDPOINTS: &[(&str, &str)] = &[
+    ("GET", "/"),
+    ("GET", "/ui/{file}"),
+    ("GET", "/v1/status"),
+    ("GET", "/v1/containers"),
+    ("GET", "/v1/policies"),
+    ("GET", "/v1/policies/{name}"),
+    ("PUT", "/v1/policies/{name}"),
+    ("DELETE", "/v1/policies/{name}"),
+    ("GET", "/v1/defaults"),
+    ("PUT", "/v1/defaults"),
+    ("GET", "/v1/export"),
+    ("POST", "/v1/import"),
+    ("GET", "/v1/explain"),
+    ("GET", "/v1/denials"),
+    ("GET", "/v1/suggest"),
+    ("GET", "/v1/changes"),
+    ("GET", "/v1/doctor"),
+    ("GET", "/v1/events"),
+    ("GET", "/v1/events/sse"),
+    ("POST", "/v1/reload"),
+];
+
 /// Largest request body (a policy, a bundle).
 pub const MAX_BODY: usize = 1 << 20;
 

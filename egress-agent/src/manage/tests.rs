@@ -406,3 +406,25 @@ fn export_import_round_trip_with_diff_and_prune() {
         e.body()
     );
 }
+
+/// What import writes (the canonical TOML of a policy) loads back to the same policy, for every
+/// policy of the shipped example.
+#[test]
+fn canonical_policy_text_round_trips() {
+    let example = include_str!("../../../config/example.toml");
+    let c = Config::from_toml_str(example, Path::new("example.toml")).unwrap();
+    assert!(c.policies.len() >= 4);
+    for (name, p) in &c.policies {
+        let again = Config::load_parts(
+            Path::new("/etc/egress-agent/config.toml"),
+            "",
+            vec![PolicyFile {
+                name: name.clone(),
+                path: PathBuf::from(format!("/etc/egress-agent/policies.d/{name}.toml")),
+                text: bundle::canonical(p),
+            }],
+        )
+        .unwrap();
+        assert_eq!(again.policy(name), Some(p), "{name}");
+    }
+}

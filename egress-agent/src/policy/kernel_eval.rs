@@ -90,7 +90,7 @@ impl KernelVerdict {
 }
 
 /// The longest rule of `rules` whose network contains `ip` (the LPM trie's answer).
-fn longest<'a>(rules: &'a [(IpNet, CidrRule)], ip: IpAddr) -> Option<&'a (IpNet, CidrRule)> {
+fn longest(rules: &[(IpNet, CidrRule)], ip: IpAddr) -> Option<&(IpNet, CidrRule)> {
     rules
         .iter()
         .filter(|(net, _)| net.contains(&ip))

@@ -174,6 +174,15 @@ pub fn is_root() -> bool {
     nix::unistd::Uid::effective().is_root()
 }
 
+/// Says a test is skipped, straight to the stderr fd: libtest's capture only intercepts
+/// `eprintln!`, and a skip must be visible in a normal (captured) run.
+pub fn skip(why: &str) {
+    use std::io::Write as _;
+    std::io::stderr()
+        .write_all(format!("skipping: {why}\n").as_bytes())
+        .ok();
+}
+
 pub struct Served {
     pub dir: PathBuf,
     pub sock: PathBuf,
