@@ -8,7 +8,7 @@ use std::net::{IpAddr, SocketAddr};
 use serde::Serialize;
 use serde_json::{Value, json};
 
-use super::kernel::{Endpoints, KernelPolicy};
+use super::kernel::{Endpoints, InterceptAddrs, KernelPolicy};
 use super::kernel_eval::{self, KernelVerdict, Netns, Transport};
 use super::name::Destination;
 use super::{CompiledPolicy, Decision, Mode, Policy};
@@ -191,6 +191,8 @@ pub fn explain(
             let tcp = kernel_eval::connect(&kp, dst, Transport::Tcp, netns);
             let udp = kernel_eval::connect(&kp, dst, Transport::Udp, netns);
             let direct_ok = matches!(tcp, KernelVerdict::Allow { .. });
+            let redirected = matches!(tcp, KernelVerdict::Redirect { .. });
+            let audited = matches!(tcp, KernelVerdict::WouldDeny { .. });
             out["kernel"] = json!({
                 "direct_tcp": kernel(&tcp),
                 "direct_udp": kernel(&udp),
@@ -198,6 +200,14 @@ pub fn explain(
             });
             summary = match (direct_ok, via_proxy) {
                 (true, _) => format!("allowed directly by the kernel ({})", rule_of(&tcp)),
+                _ if redirected => format!(
+                    "redirected by the kernel ({}); the agent then decides on the name the client sends, not on this address",
+                    rule_of(&tcp)
+                ),
+                _ if audited => format!(
+                    "audit: the kernel lets it through and records a would-deny ({})",
+                    reason_of(&tcp)
+                ),
                 (false, Decision::Allow) => {
                     "refused directly by the kernel; allowed through the proxy (CONNECT to the address)".to_owned()
                 }
@@ -240,13 +250,14 @@ fn rule_of(v: &KernelVerdict) -> String {
         KernelVerdict::Allow { rule }
         | KernelVerdict::Redirect { rule }
         | KernelVerdict::SameTreeOnly { rule }
-        | KernelVerdict::Deny { rule, .. } => rule.clone(),
+        | KernelVerdict::Deny { rule, .. }
+        | KernelVerdict::WouldDeny { rule, .. } => rule.clone(),
     }
 }
 
 fn reason_of(v: &KernelVerdict) -> &'static str {
     match v {
-        KernelVerdict::Deny { reason, .. } => reason,
+        KernelVerdict::Deny { reason, .. } | KernelVerdict::WouldDeny { reason, .. } => reason,
         _ => "allowed",
     }
 }
@@ -258,11 +269,20 @@ fn endpoints(config: &Config) -> Endpoints {
         SocketAddr::V4(_) => (Some(config.proxy.endpoint), config.proxy.endpoint_v6),
         SocketAddr::V6(_) => (None, Some(config.proxy.endpoint)),
     };
+    // Interception sockets live next to the listener; the policy decides whether the kernel
+    // uses them (`KernelPolicy::transparent` / `dns`).
+    let intercept = |l: Option<SocketAddr>| InterceptAddrs {
+        transparent: l,
+        dns_udp: l,
+        dns_tcp: l,
+    };
     Endpoints {
         endpoint4: e4,
         listener4: e4.and_then(listener),
         endpoint6: e6,
         listener6: e6.and_then(listener),
+        intercept4: intercept(e4.and_then(listener)),
+        intercept6: intercept(e6.and_then(listener)),
     }
 }
 

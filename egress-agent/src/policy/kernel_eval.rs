@@ -8,13 +8,19 @@
 //! 2. only kernel TCP and UDP sockets go on (others: `kernel-socket-type-not-allowed`);
 //! 3. allowlist, TCP: the proxy endpoint is rewritten to the cgroup's listener (no listener:
 //!    `kernel-proxy-not-running`); the listener itself is allowed;
-//! 4. allowlist: the **longest** matching CIDR rule decides alone (an allow rule whose ports
+//! 4. port 53 (TCP or UDP, any address) → the cgroup's DNS responder, when the policy answers DNS;
+//! 5. allowlist: the **longest** matching CIDR rule decides alone (an allow rule whose ports
 //!    don't include the port is no match; the loader merges wider rules' ports into narrower ones
 //!    so that nothing is lost);
-//! 5. loopback or unspecified: Docker's resolver 127.0.0.11 is refused; the socket's own network
+//! 6. loopback or unspecified: Docker's resolver 127.0.0.11 is refused; the socket's own network
 //!    namespace's loopback is allowed; in the host's namespace only a server of the same
 //!    confined tree (decided per socket at run time) — otherwise `kernel-host-loopback`;
-//! 6. anything else: `kernel-destination-not-allowed`.
+//! 7. (TCP to an address the agent's DNS answered for a name with this port: allowed until the
+//!    answer's TTL ends — run-time state, not evaluated here);
+//! 8. TCP to a port of `allow_ports` of a transparent policy → the transparent listener (the proxy
+//!    then decides on the SNI / Host);
+//! 9. anything else: `kernel-destination-not-allowed` — or, for an auditing policy, let through
+//!    and reported as a would-deny.
 //!
 //! Inbound (`egress-ebpf/src/inbound.rs`, TCP to a listening socket): `allow_all` passes; the
 //! longest matching inbound rule allowing the local port passes; a loopback peer passes in the
@@ -75,6 +81,11 @@ pub enum KernelVerdict {
         rule: String,
     },
     Deny {
+        reason: &'static str,
+        rule: String,
+    },
+    /// An auditing policy: what [`KernelVerdict::Deny`] would refuse is let through and reported.
+    WouldDeny {
         reason: &'static str,
         rule: String,
     },
@@ -148,6 +159,7 @@ fn is_local(ip: IpAddr) -> bool {
 }
 
 const DOCKER_DNS: Ipv4Addr = Ipv4Addr::new(127, 0, 0, 11);
+const DNS_PORT: u16 = 53;
 
 /// A `connect()` (or a UDP send) from a cgroup under `kp` to `dst`.
 pub fn connect(
@@ -186,6 +198,42 @@ pub fn connect(
             };
         }
     }
+    let intercept = match ip {
+        IpAddr::V4(_) => kp.intercept4,
+        IpAddr::V6(_) => kp.intercept6,
+    };
+    if port == DNS_PORT && kp.dns {
+        let responder = match transport {
+            Transport::Tcp => intercept.dns_tcp,
+            Transport::Udp => intercept.dns_udp,
+        };
+        if let Some(r) = responder {
+            return KernelVerdict::Redirect {
+                rule: format!("port 53: rewritten to this cgroup's DNS responder {r} (any address, allow_cidrs too)"),
+            };
+        }
+    }
+    let verdict = checked(kp, ip, port, bit, netns);
+    let KernelVerdict::Deny { reason, rule } = verdict else {
+        return verdict;
+    };
+    if transport == Transport::Tcp
+        && kp.transparent
+        && kp.redirect_ports.contains(&port)
+        && let Some(t) = intercept.transparent
+    {
+        return KernelVerdict::Redirect {
+            rule: format!("allow_ports {port}: rewritten to this cgroup's transparent listener {t} (the proxy decides on the TLS SNI or HTTP Host, and dials that name's own addresses)"),
+        };
+    }
+    if kp.audit {
+        return KernelVerdict::WouldDeny { reason, rule };
+    }
+    KernelVerdict::Deny { reason, rule }
+}
+
+/// `check` of `egress-ebpf/src/addr.rs`: the CIDR rules, then loopback.
+fn checked(kp: &KernelPolicy, ip: IpAddr, port: u16, bit: u32, netns: Netns) -> KernelVerdict {
     let mut near = None;
     if kp.mode == MODE_ALLOWLIST {
         match lpm(&kp.rules(), ip, bit, port) {
@@ -271,6 +319,12 @@ mod tests {
                 listener4: Some("169.254.100.1:40001".parse().unwrap()),
                 endpoint6: None,
                 listener6: None,
+                intercept4: crate::policy::kernel::InterceptAddrs {
+                    transparent: Some("169.254.100.1:40002".parse().unwrap()),
+                    dns_udp: Some("169.254.100.1:40003".parse().unwrap()),
+                    dns_tcp: Some("169.254.100.1:40004".parse().unwrap()),
+                },
+                intercept6: crate::policy::kernel::InterceptAddrs::default(),
             },
             published,
         )
@@ -389,20 +443,25 @@ mod tests {
             connect(&k, sa("[::1]:9"), Transport::Tcp, Netns::Own),
             KernelVerdict::Allow { .. }
         ));
+        // Docker's embedded resolver: only through the agent's DNS (port 53 is redirected first).
         assert_eq!(
             reason(&connect(
                 &k,
-                sa("127.0.0.11:53"),
+                sa("127.0.0.11:40000"),
                 Transport::Udp,
                 Netns::Own
             )),
             "kernel-destination-not-allowed"
         );
+        assert!(redirected(
+            &connect(&k, sa("127.0.0.11:53"), Transport::Udp, Netns::Own),
+            "DNS responder"
+        ));
     }
 
     #[test]
     fn everything_else_is_refused_and_deny_all_has_no_rules() {
-        let k = kp("allow_hosts = [\"github.com\"]", &[]);
+        let k = kp("allow_hosts = [\"github.com\"]\ntransparent = false", &[]);
         assert_eq!(
             reason(&connect(
                 &k,
@@ -420,6 +479,66 @@ mod tests {
         assert!(matches!(
             connect(&d, sa("127.0.0.1:80"), Transport::Tcp, Netns::Own),
             KernelVerdict::Allow { .. }
+        ));
+    }
+
+    fn redirected(v: &KernelVerdict, to: &str) -> bool {
+        matches!(v, KernelVerdict::Redirect { rule } if rule.contains(to))
+    }
+
+    #[test]
+    fn dns_and_transparent_redirects_follow_the_ebpf_order() {
+        let k = kp(
+            "allow_hosts = [\"github.com\"]\nallow_ports = [443]\nallow_cidrs = [\"10.0.0.0/8\"]",
+            &[],
+        );
+        // Port 53 goes to the responder at any address, allow_cidrs included, both transports.
+        for dst in ["8.8.8.8:53", "127.0.0.11:53", "10.0.0.2:53", "127.0.0.53:53"] {
+            assert!(redirected(&connect(&k, sa(dst), Transport::Udp, Netns::Own), "40003"), "{dst}");
+            assert!(redirected(&connect(&k, sa(dst), Transport::Tcp, Netns::Own), "40004"), "{dst}");
+        }
+        // allow_cidrs stay direct; a transparent port elsewhere goes to the transparent listener,
+        // another port or UDP on it stays refused.
+        assert!(matches!(
+            connect(&k, sa("10.1.2.3:443"), Transport::Tcp, Netns::Own),
+            KernelVerdict::Allow { .. }
+        ));
+        assert!(redirected(
+            &connect(&k, sa("140.82.112.3:443"), Transport::Tcp, Netns::Own),
+            "40002"
+        ));
+        assert_eq!(
+            reason(&connect(&k, sa("140.82.112.3:22"), Transport::Tcp, Netns::Own)),
+            "kernel-destination-not-allowed"
+        );
+        assert_eq!(
+            reason(&connect(&k, sa("140.82.112.3:443"), Transport::Udp, Netns::Own)),
+            "kernel-destination-not-allowed"
+        );
+        // deny_all answers no DNS and redirects nothing.
+        let d = kp("mode = \"deny_all\"", &[]);
+        for t in [Transport::Udp, Transport::Tcp] {
+            assert_eq!(
+                reason(&connect(&d, sa("8.8.8.8:53"), t, Netns::Own)),
+                "kernel-destination-not-allowed"
+            );
+        }
+    }
+
+    #[test]
+    fn an_auditing_policy_reports_what_it_would_refuse() {
+        let k = kp(
+            "allow_hosts = [\"github.com\"]\nallow_ports = [443]\nenforce = \"audit\"",
+            &[],
+        );
+        assert!(matches!(
+            connect(&k, sa("140.82.112.3:22"), Transport::Tcp, Netns::Own),
+            KernelVerdict::WouldDeny { reason: "kernel-destination-not-allowed", .. }
+        ));
+        // What the enforcing policy redirects stays redirected.
+        assert!(redirected(
+            &connect(&k, sa("140.82.112.3:443"), Transport::Tcp, Netns::Own),
+            "40002"
         ));
     }
 
