@@ -488,12 +488,12 @@ fn lifecycle_restarts_and_agent_failure() {
     // restart the agent replays the last second of Docker events: a listener for a container that
     // is already gone may exist until its queued `destroy` is applied, so let it settle.
     let deadline = Instant::now() + Duration::from_secs(10);
-    while env.listener_ports().len() != 1 && Instant::now() < deadline {
+    while env.listener_ports().len() != Env::TCP_SOCKETS_PER_CONTAINER && Instant::now() < deadline {
         std::thread::sleep(Duration::from_millis(200));
     }
     assert_eq!(
         env.listener_ports().len(),
-        1,
+        Env::TCP_SOCKETS_PER_CONTAINER,
         "listeners after restart: {:?}",
         env.listener_ports()
     );
@@ -796,7 +796,7 @@ fn drain(sink: &std::net::UdpSocket) -> Vec<String> {
 
 /// Transparent interception and the agent's DNS for a labelled container that is given no proxy
 /// variable: Docker's embedded resolver (127.0.0.11) is answered by the agent, an allowed name is
-/// fetched through the kernel redirect (plain HTTP by busybox wget, HTTPS by a rustls client with
+/// fetched through the kernel redirect (plain HTTP by Debian's curl, HTTPS by a rustls client with
 /// SNI against a TLS upstream with the test's CA), and every refusal is checked where it would
 /// have arrived: the TLS upstream's request log and the canary.
 #[test]
@@ -833,12 +833,12 @@ allow_cidrs = ["198.18.0.1/32"]
     let out = env.run_bare_out(
         &label,
         "grep nameserver /etc/resolv.conf; env | grep -i proxy; echo ---; \
-         wget -q -T 5 -O- http://allowed.test:8080/; echo ---; \
+         curl -sS -m 5 http://allowed.test:8080/; echo ---; \
          egress-probe tls-get tls.test tls.test 8443 /ca/ca.pem; echo ---; \
          nslookup denied.test && echo RESOLVED-DENIED || echo NX-DENIED; echo ---; \
          egress-probe tls-get denied.test 198.18.0.1 8443 /ca/ca.pem || echo SNI-REFUSED; \
          egress-probe tls-get 198.18.0.1 198.18.0.1 8443 /ca/ca.pem || echo NOSNI-REFUSED; \
-         wget -q -T 5 -O- http://198.18.0.1:9000/ && echo IP-OK || echo IP-REFUSED; \
+         curl -fsS -m 5 http://198.18.0.1:9000/ && echo IP-OK || echo IP-REFUSED; \
          (printf 'GET / HTTP/1.1\\r\\nHost: denied.test:9000\\r\\n\\r\\n'; sleep 1) | nc -w 3 198.18.0.1 9000; echo ---; \
          (printf 'GET / HTTP/1.1\\r\\nHost: allowed.test:9000\\r\\n\\r\\n'; sleep 1) | nc -w 3 198.18.0.1 9000; echo END",
     );

@@ -428,22 +428,17 @@ impl Loader {
             path: pin.to_owned(),
             source,
         })?;
-        let policies_pin = maps_dir(&self.bpffs).join(egress_common::maps::POLICIES);
-        let map_id = aya::maps::MapData::from_pin(&policies_pin)
-            .and_then(|m| m.info())
-            .map(|i| i.id())
-            .map_err(|source| BpfError::OpenMap {
-                path: policies_pin.clone(),
-                source,
-            })?;
+        let pinned_maps = pinned_map_ids(&maps_dir(&self.bpffs))?;
         let prog_id = info.program_id();
         let pinned = aya::programs::loaded_programs()
             .filter_map(Result::ok)
             .find(|p| p.id() == prog_id);
+        // Every map the program uses is one of the pinned maps (not every program uses POLICIES:
+        // sock_ops only touches the original-destination maps).
         let uses_pinned_maps = pinned
             .as_ref()
             .and_then(|p| p.map_ids().ok().flatten())
-            .is_some_and(|ids| ids.contains(&map_id));
+            .is_some_and(|ids| !ids.is_empty() && ids.iter().all(|id| pinned_maps.contains(id)));
         let maps = maps_dir(&self.bpffs);
         let ours = self.load(name)?;
         let ours_tag = ours
@@ -589,6 +584,26 @@ impl Loader {
         link.pin(pin).map_err(|e| pin_err(name, pin, e))?;
         Ok(())
     }
+}
+
+/// The ids of the maps pinned in `dir` (the agent's maps directory).
+fn pinned_map_ids(dir: &Path) -> Result<std::collections::BTreeSet<u32>, BpfError> {
+    let mut ids = std::collections::BTreeSet::new();
+    let entries = std::fs::read_dir(dir).map_err(BpfError::io("reading the maps directory", dir))?;
+    for entry in entries {
+        let path = entry
+            .map_err(BpfError::io("reading the maps directory", dir))?
+            .path();
+        let id = aya::maps::MapData::from_pin(&path)
+            .and_then(|m| m.info())
+            .map(|i| i.id())
+            .map_err(|source| BpfError::OpenMap {
+                path: path.clone(),
+                source,
+            })?;
+        ids.insert(id);
+    }
+    Ok(ids)
 }
 
 /// The shape of a map: (type, key size, value size, max entries).
