@@ -30,8 +30,8 @@
 //!   client with MARKER, exits
 //! - `tls-get SERVER_NAME ADDR PORT CA_PEM`: GET / over TLS with SERVER_NAME in the ClientHello
 //!   (an IP literal: no SNI), no proxy variables; prints `TLS-OK BODY`
-//! - `cgroup`                            prints /proc/self/cgroup's v2 line and the id of the
-//!                                        cgroup at the root of its cgroup2 mount, then `ok`
+//! - `cgroup`: prints /proc/self/cgroup's v2 line and the id of the cgroup at the root of its
+//!   cgroup2 mount, then `ok`
 //! - `sleep-then SECS MODE ARGS...`      sleep, then run MODE (for lifecycle tests)
 //! - `escape TECHNIQUE ARGS... [-- MODE ARGS...]`: try to leave confinement (`egress_tests::escape`),
 //!   print `escape TECHNIQUE: ok ...|err ...`, then run MODE
