@@ -29,7 +29,8 @@ impl Drop for TempDir {
     }
 }
 
-/// A CA and one server certificate for `names`, as PEM files in `dir`.
+/// A CA and one server certificate for `names`, as PEM files in `dir` (for servers and clients
+/// that read files): [`crate::tls_upstream::TestCa`] written out.
 pub struct TestCa {
     pub ca_pem: PathBuf,
     pub cert_pem: PathBuf,
@@ -38,31 +39,21 @@ pub struct TestCa {
 
 impl TestCa {
     pub fn new(dir: &Path, names: &[&str]) -> TestCa {
-        let ca_key = rcgen::KeyPair::generate().expect("ca key");
-        let mut p = rcgen::CertificateParams::default();
-        p.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
-        p.distinguished_name
-            .push(rcgen::DnType::CommonName, "egress-tests upstream CA");
-        p.key_usages = vec![
-            rcgen::KeyUsagePurpose::KeyCertSign,
-            rcgen::KeyUsagePurpose::DigitalSignature,
-        ];
-        let ca = p.self_signed(&ca_key).expect("ca cert");
-        let issuer = rcgen::Issuer::new(p, ca_key);
-        let key = rcgen::KeyPair::generate().expect("leaf key");
-        let names: Vec<String> = names.iter().map(|s| (*s).to_owned()).collect();
-        let leaf = rcgen::CertificateParams::new(names)
-            .expect("leaf params")
-            .signed_by(&key, &issuer)
-            .expect("leaf cert");
+        let ca = crate::tls_upstream::TestCa::new();
+        let (chain, key) = ca.leaf(names);
         let out = TestCa {
             ca_pem: dir.join("ca.pem"),
             cert_pem: dir.join("server.pem"),
             key_pem: dir.join("server.key"),
         };
-        std::fs::write(&out.ca_pem, ca.pem()).expect("write ca");
-        std::fs::write(&out.cert_pem, leaf.pem()).expect("write cert");
-        std::fs::write(&out.key_pem, key.serialize_pem()).expect("write key");
+        let cert: String = chain
+            .iter()
+            .map(|c| pem::encode(&pem::Pem::new("CERTIFICATE", c.to_vec())))
+            .collect();
+        let key = pem::encode(&pem::Pem::new("PRIVATE KEY", key.secret_der().to_vec()));
+        std::fs::write(&out.ca_pem, &ca.pem).expect("write ca");
+        std::fs::write(&out.cert_pem, cert).expect("write cert");
+        std::fs::write(&out.key_pem, key).expect("write key");
         out
     }
 }
@@ -251,7 +242,11 @@ impl DummyNet {
             "ip link add {name} type veth peer name {name}p && ip link set {name} up && ip link set {name}p up"
         ));
         for a in addrs {
-            let (len, flags) = if a.is_ipv4() { (32, "") } else { (128, " nodad") };
+            let (len, flags) = if a.is_ipv4() {
+                (32, "")
+            } else {
+                (128, " nodad")
+            };
             crate::sh(&format!("ip addr add {a}/{len} dev {name}{flags}"));
         }
         DummyNet {

@@ -258,7 +258,11 @@ fn host_layer_filters_real_packets() {
     while dns.load(Ordering::SeqCst) < 3 && std::time::Instant::now() < deadline {
         std::thread::sleep(Duration::from_millis(20));
     }
-    assert_eq!(dns.load(Ordering::SeqCst), 3, "datagrams to its DNS port arrive");
+    assert_eq!(
+        dns.load(Ordering::SeqCst),
+        3,
+        "datagrams to its DNS port arrive"
+    );
     settle();
     assert_eq!(
         other_udp.load(Ordering::SeqCst),

@@ -225,19 +225,33 @@ except OSError as e:
         );
     }
     // An HTTP refusal is an answer from the proxy, naming the reason.
-    assert!(out.contains("host: ") && !out.contains("host: upstream-ok"), "{out}");
+    assert!(
+        out.contains("host: ") && !out.contains("host: upstream-ok"),
+        "{out}"
+    );
     // A name the policy allows, sent to another address: the proxy dials the name (the real
     // upstream answers), never the address the client chose.
     assert!(out.contains("lying-dns: upstream-ok tls"), "{out}");
     assert!(up.tls.saw(&format!("lying-{m}")), "{:?}", up.tls.hits());
-    assert!(!up.evil.saw(&m), "the lying address got a request: {:?}", up.evil.hits());
+    assert!(
+        !up.evil.saw(&m),
+        "the lying address got a request: {:?}",
+        up.evil.hits()
+    );
     // An IP literal on an allowed port: refused (no name), nothing at the address.
     assert!(!out.contains("iplit: upstream-ok"), "{out}");
     // UDP to an allowed port (QUIC) is not intercepted: refused in the kernel.
-    assert!(out.contains("quic: refused 1"), "UDP/443 must be refused with EPERM:\n{out}");
+    assert!(
+        out.contains("quic: refused 1"),
+        "UDP/443 must be refused with EPERM:\n{out}"
+    );
     std::thread::sleep(Duration::from_millis(200));
     assert!(!public.saw(&m), "something reached the public address");
-    assert_eq!(public.accepts(), 0, "a TCP connection reached the public address");
+    assert_eq!(
+        public.accepts(),
+        0,
+        "a TCP connection reached the public address"
+    );
     assert_enforcement_intact("after transparent refusals");
 }
 
@@ -268,7 +282,10 @@ echo "allowed-tcp: $(dig +tcp +short +tries=1 +time=3 @192.0.2.53 app.test)"
 "#
     );
     let out = run_confined(&cfg, "web", &script);
-    assert!(out.contains("glibc: 2"), "getent must fail (NXDOMAIN):\n{out}");
+    assert!(
+        out.contains("glibc: 2"),
+        "getent must fail (NXDOMAIN):\n{out}"
+    );
     assert!(out.contains("dig-udp: status: NXDOMAIN"), "{out}");
     assert!(out.contains("dig-tcp: status: NXDOMAIN"), "{out}");
     assert!(
@@ -283,7 +300,11 @@ echo "allowed-tcp: $(dig +tcp +short +tries=1 +time=3 @192.0.2.53 app.test)"
     assert!(out.contains("allowed-dig: 127.0.0.1"), "{out}");
     assert!(out.contains("allowed-tcp: 127.0.0.1"), "{out}");
     // The allowed name reached the agent's resolver; no denied label did, by any path.
-    assert!(up.dns.wait_query("app.test", Duration::from_secs(5)), "{}", up.dns.log());
+    assert!(
+        up.dns.wait_query("app.test", Duration::from_secs(5)),
+        "{}",
+        up.dns.log()
+    );
     assert_eq!(
         up.dns.queries_for(&m),
         0,
@@ -352,13 +373,22 @@ fn dns_answers_open_direct_ports_for_their_ttl_only() {
     }
     a.wait().ok();
     let text = seen.join("\n");
-    assert!(text.contains(&format!("ERR before-{m} 1")), "before the answer: EPERM\n{text}");
+    assert!(
+        text.contains(&format!("ERR before-{m} 1")),
+        "before the answer: EPERM\n{text}"
+    );
     assert!(text.contains(PUBLIC_A), "getent answered:\n{text}");
-    assert!(text.contains(&format!("OK after-{m}")), "after the answer: connected\n{text}");
+    assert!(
+        text.contains(&format!("OK after-{m}")),
+        "after the answer: connected\n{text}"
+    );
     assert!(text.contains(&format!("ERR otherport-{m} 1")), "{text}");
     assert!(text.contains(&format!("ERR otheraddr-{m} 1")), "{text}");
     assert!(b.contains(&format!("ERR othercgroup-{m} 1")), "{b}");
-    assert!(text.contains("EXPIRED"), "the allowance must end with the TTL:\n{text}");
+    assert!(
+        text.contains("EXPIRED"),
+        "the allowance must end with the TTL:\n{text}"
+    );
     assert!(canary.wait_for(&format!("after-{m}"), Duration::from_secs(3)));
     for refused in ["before", "otherport", "otheraddr", "othercgroup"] {
         assert!(
@@ -370,8 +400,7 @@ fn dns_answers_open_direct_ports_for_their_ttl_only() {
     let last = text
         .lines()
         .filter_map(|l| l.strip_prefix("ERR "))
-        .filter(|l| l.starts_with("expired-"))
-        .next_back()
+        .rfind(|l| l.starts_with("expired-"))
         .and_then(|l| l.split(' ').next())
         .expect("an expired attempt")
         .to_owned();
@@ -414,7 +443,9 @@ fn an_auditing_policy_lets_everything_through_and_reports_it() {
         "no would-deny for the name:\n{out}"
     );
     assert!(
-        would.iter().any(|l| l.contains(PUBLIC_A) && l.contains("2223")),
+        would
+            .iter()
+            .any(|l| l.contains(PUBLIC_A) && l.contains("2223")),
         "no kernel would-deny for the connection:\n{out}"
     );
 }

@@ -593,7 +593,10 @@ fn tls_get(server_name: &str, target: &str, port: u16, ca_file: &str) -> io::Res
     let mut sock = TcpStream::connect_timeout(&addr, Duration::from_secs(5))?;
     sock.set_read_timeout(Some(Duration::from_secs(5)))?;
     let mut tls = rustls::Stream::new(&mut conn, &mut sock);
-    write!(tls, "GET / HTTP/1.1\r\nHost: {server_name}\r\nConnection: close\r\n\r\n")?;
+    write!(
+        tls,
+        "GET / HTTP/1.1\r\nHost: {server_name}\r\nConnection: close\r\n\r\n"
+    )?;
     let mut out = Vec::new();
     match tls.read_to_end(&mut out) {
         Ok(_) => {}
