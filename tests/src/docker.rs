@@ -683,19 +683,6 @@ nameservers = []
         self.d.docker(&args)
     }
 
-    /// `docker run --rm` without any proxy variable: what a program that ignores them sees.
-    pub fn run_bare_out(&self, extra: &[&str], script: &str) -> String {
-        let mut args = vec!["run", "--rm", "--network", NETWORK];
-        args.extend_from_slice(extra);
-        args.extend_from_slice(&[IMAGE, "sh", "-c", script]);
-        let o = self.d.docker(&args);
-        format!(
-            "{}{}",
-            String::from_utf8_lossy(&o.stdout),
-            String::from_utf8_lossy(&o.stderr)
-        )
-    }
-
     pub fn run_out(&self, extra: &[&str], script: &str) -> String {
         let o = self.run(extra, script);
         format!(

@@ -488,7 +488,8 @@ fn lifecycle_restarts_and_agent_failure() {
     // restart the agent replays the last second of Docker events: a listener for a container that
     // is already gone may exist until its queued `destroy` is applied, so let it settle.
     let deadline = Instant::now() + Duration::from_secs(10);
-    while env.listener_ports().len() != Env::TCP_SOCKETS_PER_CONTAINER && Instant::now() < deadline {
+    while env.listener_ports().len() != Env::TCP_SOCKETS_PER_CONTAINER && Instant::now() < deadline
+    {
         std::thread::sleep(Duration::from_millis(200));
     }
     assert_eq!(
@@ -829,9 +830,29 @@ allow_cidrs = ["198.18.0.1/32"]
     assert!(o.status.success(), "reload refused: {o:?}");
     let before = env.canary.count();
     let mount = format!("{}:/ca:ro", ca_dir.path().display());
-    let label = ["--name", "tp-1", "--label", "egress.policy=tp", "-v", &mount];
-    let out = env.run_bare_out(
-        &label,
+    // Started first, then used once its host layer is in place: on hosts without BPF-LSM (this
+    // one) the L2 guard drops a new container's frames until the agent has classified it, and a
+    // DNS query lost there is retried by the resolver only after 5 s.
+    env.start_ok(
+        "tp-1",
+        &["--label", "egress.policy=tp", "-v", &mount],
+        &["sleep", "600"],
+    );
+    assert!(env.wait_enforced("tp-1", 2));
+    assert!(
+        env.wait_log(
+            |l| l
+                .lines()
+                .any(|x| x.contains("host layer enforced") && x.contains("\"name\":\"tp-1\"")),
+            Duration::from_secs(10)
+        ),
+        "host layer never enforced for tp-1"
+    );
+    let o = env.d.docker(&[
+        "exec",
+        "tp-1",
+        "sh",
+        "-c",
         "grep nameserver /etc/resolv.conf; env | grep -i proxy; echo ---; \
          curl -sS -m 5 http://allowed.test:8080/; echo ---; \
          egress-probe tls-get tls.test tls.test 8443 /ca/ca.pem; echo ---; \
@@ -841,6 +862,11 @@ allow_cidrs = ["198.18.0.1/32"]
          curl -fsS -m 5 http://198.18.0.1:9000/ && echo IP-OK || echo IP-REFUSED; \
          (printf 'GET / HTTP/1.1\\r\\nHost: denied.test:9000\\r\\n\\r\\n'; sleep 1) | nc -w 3 198.18.0.1 9000; echo ---; \
          (printf 'GET / HTTP/1.1\\r\\nHost: allowed.test:9000\\r\\n\\r\\n'; sleep 1) | nc -w 3 198.18.0.1 9000; echo END",
+    ]);
+    let out = format!(
+        "{}{}",
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr)
     );
     assert!(
         out.contains("nameserver 127.0.0.11") && !out.to_lowercase().contains("proxy="),
@@ -854,7 +880,12 @@ allow_cidrs = ["198.18.0.1/32"]
         out.contains("TLS-OK upstream-ok docker-tls"),
         "allowed name over TLS (SNI tls.test, end to end with the test's CA): {out}"
     );
-    assert_eq!(tls.hits().len(), 1, "only the allowed TLS request arrived: {:?}", tls.hits());
+    assert_eq!(
+        tls.hits().len(),
+        1,
+        "only the allowed TLS request arrived: {:?}",
+        tls.hits()
+    );
     assert!(
         out.contains("NX-DENIED") && !out.contains("RESOLVED-DENIED"),
         "a name outside the policy must not resolve: {out}"
@@ -863,7 +894,10 @@ allow_cidrs = ["198.18.0.1/32"]
         out.contains("SNI-REFUSED") && out.contains("NOSNI-REFUSED"),
         "a denied SNI and a ClientHello without SNI must be refused: {out}"
     );
-    assert!(out.contains("IP-REFUSED"), "an IP literal Host must be refused: {out}");
+    assert!(
+        out.contains("IP-REFUSED"),
+        "an IP literal Host must be refused: {out}"
+    );
     assert!(out.contains("END"), "{out}");
     // Neither the IP literal, nor a foreign Host, nor an allowed Host sent to the canary's
     // address (the proxy dials allowed.test's own address, never the client's) arrived.
@@ -898,7 +932,9 @@ fn pull(env: &Env, addr: &str) -> String {
             let mut buf = Vec::new();
             match s.read_to_end(&mut buf) {
                 Ok(_) => {}
-                Err(e) if !buf.is_empty() => return Ok(format!("{} ({e})", String::from_utf8_lossy(&buf))),
+                Err(e) if !buf.is_empty() => {
+                    return Ok(format!("{} ({e})", String::from_utf8_lossy(&buf)));
+                }
                 Err(e) => return Err(e),
             }
             Ok(String::from_utf8_lossy(&buf).into_owned())
@@ -969,9 +1005,15 @@ allow_cidrs = ["198.18.0.1/32"]
     }
     // Positive controls: the same kind of server answers an allowed peer.
     let got = pull(&env, &format!("{allowed}:7001"));
-    assert!(got.contains("PAYLOAD-in-allowed"), "allow_inbound peer: {got}");
+    assert!(
+        got.contains("PAYLOAD-in-allowed"),
+        "allow_inbound peer: {got}"
+    );
     let got = pull(&env, "127.0.0.1:18091");
-    assert!(got.contains("PAYLOAD-in-pub"), "published port (default allowed): {got}");
+    assert!(
+        got.contains("PAYLOAD-in-pub"),
+        "published port (default allowed): {got}"
+    );
     // The refused servers are still waiting: nobody was ever served.
     for name in ["in-deny", "in-list", "in-sealed"] {
         assert!(
