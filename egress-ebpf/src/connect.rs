@@ -95,7 +95,8 @@ fn connect_policy(
     if p.mode == MODE_ALLOW_ALL {
         return Err(allow(cg));
     }
-    let (bit, proto) = proto_bit(sock_type, protocol).ok_or_else(|| refuse(p, cg, hook, REASON_SOCKET_TYPE, dst, true))?;
+    let (bit, proto) = proto_bit(sock_type, protocol)
+        .ok_or_else(|| refuse(p, cg, hook, REASON_SOCKET_TYPE, dst, true))?;
     Ok((cg, found.entry, bit, proto))
 }
 
@@ -150,14 +151,20 @@ fn try_connect4(ctx: &SockAddrContext) -> Result<i32, i32> {
     // SAFETY: map value pointer returned by a successful lookup.
     let p = unsafe { &*p };
     // SAFETY (every `to` below): user_ip4 and user_port are writable in connect4.
-    let to = |a: u32, pt: u16| move || unsafe {
-        (*sa).user_ip4 = a;
-        (*sa).user_port = pt as u32;
+    let to = |a: u32, pt: u16| {
+        move || unsafe {
+            (*sa).user_ip4 = a;
+            (*sa).user_port = pt as u32;
+        }
     };
     let who = (cg, HOOK_CONNECT4, &dst(proto));
-    if let Some(verdict) =
-        endpoint4_verdict((p, bit), addr, port_be, who, to(p.listener4_addr, p.listener4_port))
-    {
+    if let Some(verdict) = endpoint4_verdict(
+        (p, bit),
+        addr,
+        port_be,
+        who,
+        to(p.listener4_addr, p.listener4_port),
+    ) {
         return Ok(verdict);
     }
     let tcp = bit == PROTO_BIT_TCP;
@@ -229,13 +236,19 @@ fn try_connect6(ctx: &SockAddrContext) -> Result<i32, i32> {
     if let Some(v4) = unmap_v4(&addr) {
         // SAFETY (every `to4`): user_ip6 and user_port are writable in connect6; the address
         // stays ::ffff:a.b.c.d with the listener's IPv4 in the last word.
-        let to4 = |a: u32, pt: u16| move || unsafe {
-            (*sa).user_ip6[3] = a;
-            (*sa).user_port = pt as u32;
+        let to4 = |a: u32, pt: u16| {
+            move || unsafe {
+                (*sa).user_ip6[3] = a;
+                (*sa).user_port = pt as u32;
+            }
         };
-        if let Some(verdict) =
-            endpoint4_verdict((p, bit), v4, port_be, who, to4(p.listener4_addr, p.listener4_port))
-        {
+        if let Some(verdict) = endpoint4_verdict(
+            (p, bit),
+            v4,
+            port_be,
+            who,
+            to4(p.listener4_addr, p.listener4_port),
+        ) {
             return Ok(verdict);
         }
         if port == DNS_PORT
@@ -258,12 +271,14 @@ fn try_connect6(ctx: &SockAddrContext) -> Result<i32, i32> {
     }
 
     // SAFETY (every `to6`): user_ip6 and user_port are writable in connect6.
-    let to6 = |a: [u32; 4], pt: u16| move || unsafe {
-        (*sa).user_ip6[0] = a[0];
-        (*sa).user_ip6[1] = a[1];
-        (*sa).user_ip6[2] = a[2];
-        (*sa).user_ip6[3] = a[3];
-        (*sa).user_port = pt as u32;
+    let to6 = |a: [u32; 4], pt: u16| {
+        move || unsafe {
+            (*sa).user_ip6[0] = a[0];
+            (*sa).user_ip6[1] = a[1];
+            (*sa).user_ip6[2] = a[2];
+            (*sa).user_ip6[3] = a[3];
+            (*sa).user_port = pt as u32;
+        }
     };
     if p.flags & POLICY_FLAG_V6 != 0
         && let Some(verdict) = endpoint_verdict(

@@ -105,7 +105,13 @@ const _: () = assert!(str_eq(egress_common::maps::NAMES, "EGRESS_NAMES"));
 const _: () = assert!(str_eq(egress_common::maps::INBOUND4, "EGRESS_INBOUND4"));
 const _: () = assert!(str_eq(egress_common::maps::INBOUND6, "EGRESS_INBOUND6"));
 const _: () = assert!(str_eq(egress_common::maps::SOCK_OWNER, "EGRESS_SOCK_OWNER"));
-const _: () = assert!(str_eq(egress_common::maps::ORIG_BY_COOKIE, "EGRESS_ORIG_COOKIE"));
-const _: () = assert!(str_eq(egress_common::maps::ORIG_BY_TUPLE, "EGRESS_ORIG_TUPLE"));
+const _: () = assert!(str_eq(
+    egress_common::maps::ORIG_BY_COOKIE,
+    "EGRESS_ORIG_COOKIE"
+));
+const _: () = assert!(str_eq(
+    egress_common::maps::ORIG_BY_TUPLE,
+    "EGRESS_ORIG_TUPLE"
+));
 const _: () = assert!(str_eq(egress_common::maps::DIRECT4, "EGRESS_DIRECT4"));
 const _: () = assert!(str_eq(egress_common::maps::DIRECT6, "EGRESS_DIRECT6"));

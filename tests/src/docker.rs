@@ -126,6 +126,8 @@ pub const NETWORK: &str = "egress-test";
 pub const BRIDGE: &str = "egd-br0";
 pub const SUBNET: &str = "198.18.0.0/24";
 pub const GATEWAY: &str = "198.18.0.1";
+/// A public address `direct.test` resolves to (the tests put it on the dockerd namespace's `lo`).
+pub const DIRECT_IP: &str = "45.90.0.1";
 
 /// A private dockerd in its own network namespace.
 pub struct Dockerd {
@@ -463,7 +465,9 @@ impl Env {
         let bpffs = PathBuf::from(format!("/sys/fs/bpf/egress-test-docker-{pid}"));
         std::fs::write(
             dir.join("hosts"),
-            format!("{UPSTREAM_IP} allowed.test\n{UPSTREAM_IP} denied.test\n{GATEWAY} tls.test\n"),
+            format!(
+                "{UPSTREAM_IP} allowed.test\n{UPSTREAM_IP} denied.test\n{GATEWAY} tls.test\n{DIRECT_IP} direct.test\n"
+            ),
         )
         .expect("hosts");
         let config = Env::config_with(&bpffs, &dir, "");

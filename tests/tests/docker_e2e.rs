@@ -12,8 +12,9 @@ use std::io::Read;
 use std::net::TcpStream;
 use std::time::{Duration, Instant};
 
+use egress_tests::canary::Canary;
 use egress_tests::docker::{
-    Env, GATEWAY, IMAGE, PROXY, SERIAL, UPSTREAM_IP, cgroup2_mount, require_root, sh_ok,
+    DIRECT_IP, Env, GATEWAY, IMAGE, PROXY, SERIAL, UPSTREAM_IP, cgroup2_mount, require_root, sh_ok,
 };
 use egress_tests::upstreams::{TempDir, TestCa, WebServer};
 
@@ -1021,4 +1022,135 @@ allow_cidrs = ["198.18.0.1/32"]
             "{name} exited: it served someone"
         );
     }
+}
+
+/// Direct ports in Docker (`{ host, ports }`): the agent's DNS answer to one container opens the
+/// answered address on that port in both layers (its cgroup's kernel allowance and its host-layer
+/// set), for that container only; the same port at another address, another port at the
+/// answered address, and the same address from a container that never asked stay refused — and
+/// nothing of theirs arrives.
+#[test]
+fn direct_ports_follow_dns_answers() {
+    if !require_root() {
+        return;
+    }
+    let _g = lock();
+    let env = env_new();
+    const OTHER_IP: &str = "45.90.0.2";
+    env.d.netns.sh(&format!(
+        "ip addr add {DIRECT_IP}/32 dev lo; ip addr add {OTHER_IP}/32 dev lo"
+    ));
+    let sock = |s: String| s.parse::<std::net::SocketAddr>().expect("test value");
+    let listeners = env.d.netns.run(|| {
+        Canary::on(
+            &[
+                sock(format!("{DIRECT_IP}:2222")),
+                sock(format!("{DIRECT_IP}:2223")),
+                sock(format!("{OTHER_IP}:2222")),
+            ],
+            &[],
+        )
+    });
+    env.write_config(&env.config_text(
+        r#"[policies.ssh]
+allow_hosts = [{ host = "direct.test", ports = [2222] }]
+allow_ports = [8080]
+[policies.canary]
+allow_cidrs = ["198.18.0.1/32"]
+"#,
+    ));
+    let o = env.cli(&["reload"]);
+    assert!(o.status.success(), "reload refused: {o:?}");
+    for name in ["ds-1", "ds-2"] {
+        env.start_ok(name, &["--label", "egress.policy=ssh"], &["sleep", "600"]);
+    }
+    for name in ["ds-1", "ds-2"] {
+        assert!(
+            env.wait_log(
+                |l| l.lines().any(|x| x.contains("host layer enforced")
+                    && x.contains(&format!("\"name\":\"{name}\""))),
+                Duration::from_secs(10)
+            ),
+            "host layer never enforced for {name}"
+        );
+    }
+    let m = std::process::id();
+    let out = env.exec_out(
+        "ds-1",
+        &format!(
+            "echo \"before $(egress-probe tcp {DIRECT_IP} 2222 before-{m})\"; \
+             echo \"dns $(nslookup direct.test 2>&1 | tr '\\n' ' ')\"; \
+             echo \"after $(egress-probe tcp {DIRECT_IP} 2222 after-{m})\"; \
+             echo \"otheraddr $(egress-probe tcp {OTHER_IP} 2222 otheraddr-{m})\"; \
+             echo \"otherport $(egress-probe tcp {DIRECT_IP} 2223 otherport-{m})\"; echo END"
+        ),
+    );
+    let other = env.exec_out(
+        "ds-2",
+        &format!("echo \"othercontainer $(egress-probe tcp {DIRECT_IP} 2222 othercontainer-{m})\""),
+    );
+    assert!(
+        out.contains("before err 1 "),
+        "before the answer: EPERM\n{out}"
+    );
+    assert!(
+        out.lines()
+            .any(|l| l.starts_with("dns ") && l.contains(DIRECT_IP)),
+        "the agent answered:\n{out}"
+    );
+    assert!(
+        out.contains("after ok"),
+        "after the answer: connected\n{out}"
+    );
+    assert!(out.contains("otheraddr err 1 "), "{out}");
+    assert!(out.contains("otherport err 1 "), "{out}");
+    assert!(other.contains("othercontainer err 1 "), "{other}");
+    assert!(listeners.wait_for(&format!("after-{m}"), Duration::from_secs(3)));
+    for refused in ["before", "otheraddr", "otherport", "othercontainer"] {
+        assert!(
+            !listeners.saw(&format!("{refused}-{m}")),
+            "{refused}: arrived at the listener"
+        );
+    }
+    // The second layer holds the address for ds-1 only, with the answer's TTL as its timeout.
+    let id = env.d.inspect("ds-1", "{{.Id}}");
+    let set = format!("d{}p2222", &id.trim()[..12]);
+    let listing = env
+        .d
+        .netns
+        .sh(&format!("nft list set inet egress_agent {set}"));
+    assert!(
+        listing.contains(DIRECT_IP) && listing.contains("expires"),
+        "ds-1's direct set: {listing}"
+    );
+    let id2 = env.d.inspect("ds-2", "{{.Id}}");
+    let listing2 = env.d.netns.sh(&format!(
+        "nft list set inet egress_agent d{}p2222",
+        &id2.trim()[..12]
+    ));
+    assert!(
+        !listing2.contains(DIRECT_IP),
+        "ds-2 never asked: {listing2}"
+    );
+    assert!(
+        env.wait_event(
+            |e| e["source"] == "kernel" && e["container"]["name"] == "ds-1" && e["port"] == 2223,
+            Duration::from_secs(5)
+        ),
+        "no kernel denial event for the other port: {:?}",
+        env.events()
+    );
+    // Stopped: its set goes with its rules.
+    env.d.docker_ok(&["rm", "-f", "ds-1", "ds-2"]);
+    assert!(
+        env.wait_log(
+            |_| !env
+                .d
+                .netns
+                .sh("nft list table inet egress_agent")
+                .contains(&set),
+            Duration::from_secs(10)
+        ),
+        "ds-1's set outlived it"
+    );
 }

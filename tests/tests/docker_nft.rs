@@ -5,7 +5,7 @@
 //! ```text
 //!   C1 (enforced) 198.18.1.2 ─ ev1 ┐
 //!   C2 (unlabelled) 198.18.1.3 ─ ev2 ┴ ebr0 198.18.1.1 ── H ── eu0 198.18.2.1 ─ U 198.18.2.2
-//!   H also holds the proxy address 169.254.100.1 (on egress0)
+//!   H also holds the proxy address 169.254.100.1 (on egress0); U also 198.18.2.3
 //! ```
 use std::io::{Read, Write};
 use std::net::{Ipv4Addr, SocketAddr, SocketAddrV4, TcpListener, TcpStream, UdpSocket};
@@ -14,7 +14,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
-use egress_agent::nft::{self, Endpoint, Enforced, ProxyPort, Ruleset};
+use egress_agent::nft::{self, DirectError, DirectSets, Endpoint, Enforced, ProxyPort, Ruleset};
 use egress_agent::policy::CidrRule;
 use egress_tests::docker::{NetNs, require_root, sh};
 use egress_tests::packet::{ethernet_ipv4_udp, packet_socket, send_frame};
@@ -94,6 +94,7 @@ impl Topo {
                         mac: C1_MAC,
                         ipv4: Ipv4Addr::new(198, 18, 1, 2),
                     }],
+                    direct_ports: vec![2222],
                 },
             );
         }
@@ -101,7 +102,11 @@ impl Topo {
     }
 
     fn apply(&self, r: &Ruleset) {
-        self.h.run(|| r.apply()).expect("apply ruleset");
+        self.apply_with(r, &DirectSets::new());
+    }
+
+    fn apply_with(&self, r: &Ruleset, direct: &DirectSets) {
+        self.h.run(|| r.apply(direct)).expect("apply ruleset");
     }
 }
 
@@ -348,6 +353,130 @@ fn host_layer_filters_real_packets() {
     assert!(!listing.contains("egress_agent"), "{listing}");
     t.h.run(nft::cleanup).expect("cleanup is idempotent");
 
+    assert_eq!(
+        sh("nft list ruleset"),
+        host_before,
+        "the host's ruleset changed"
+    );
+}
+
+/// Direct ports in the host layer: C1's set for port 2222 lets it reach exactly the addresses an
+/// answer put there, for the answer's TTL, across ruleset rebuilds; nothing else on that port,
+/// no other port, and nothing once the container's rules are gone.
+#[test]
+fn direct_sets_follow_answers_and_expire() {
+    if !require_root() {
+        return;
+    }
+    let host_before = sh("nft list ruleset");
+    let t = Topo::new();
+    sh(&format!(
+        "ip -n {} addr add 198.18.2.3/24 dev eth0",
+        t.u.name
+    ));
+    let answered = tcp_server(&t.u, "198.18.2.2:2222");
+    let other_addr = tcp_server(&t.u, "198.18.2.3:2222");
+    let other_port = tcp_server(&t.u, "198.18.2.2:2223");
+    let c1 = "c1".repeat(32);
+    let direct = DirectSets::new();
+    let allow = |addr: Ipv4Addr, port: u16, ttl: Duration| {
+        t.h.run(|| direct.allow(&c1, port, &[addr], ttl))
+    };
+    // No set before the container's rules are written: refused, and nothing is opened.
+    let e =
+        allow(Ipv4Addr::new(198, 18, 2, 2), 2222, Duration::from_secs(30)).expect_err("no set yet");
+    assert!(matches!(e, DirectError::NoSet { .. }), "{e}");
+    t.apply_with(&t.ruleset(true), &direct);
+    assert!(!reach(&t.c1, "198.18.2.2:2222"), "before any answer");
+    assert!(
+        matches!(
+            allow(Ipv4Addr::new(198, 18, 2, 2), 2223, Duration::from_secs(30)),
+            Err(DirectError::NoSet { port: 2223, .. })
+        ),
+        "a port the policy doesn't carry has no set"
+    );
+
+    allow(Ipv4Addr::new(198, 18, 2, 2), 2222, Duration::from_secs(30)).expect("allow");
+    assert!(reach(&t.c1, "198.18.2.2:2222"), "the answered address");
+    assert!(
+        !reach(&t.c1, "198.18.2.3:2222"),
+        "another address, same port"
+    );
+    assert!(
+        !reach(&t.c1, "198.18.2.2:2223"),
+        "the answered address, another port"
+    );
+    assert_eq!(
+        other_addr.load(Ordering::SeqCst),
+        0,
+        "the unanswered address got nothing"
+    );
+    assert!(
+        reach(&t.c2, "198.18.2.3:2222"),
+        "the unlabelled neighbour is unaffected"
+    );
+    let listing = t.h.sh("nft list set inet egress_agent dc1c1c1c1c1c1p2222");
+    assert!(
+        listing.contains("198.18.2.2") && listing.contains("expires"),
+        "the element carries its timeout: {listing}"
+    );
+
+    // A rebuild (another container came or went) keeps the live element, with its time left.
+    t.apply_with(&t.ruleset(true), &direct);
+    assert!(reach(&t.c1, "198.18.2.2:2222"), "kept across a rebuild");
+    let listing = t.h.sh("nft list set inet egress_agent dc1c1c1c1c1c1p2222");
+    assert!(
+        listing.contains("198.18.2.2") && listing.contains("expires"),
+        "{listing}"
+    );
+
+    // A shorter answer for an address held longer changes nothing; a new short one expires.
+    allow(Ipv4Addr::new(198, 18, 2, 2), 2222, Duration::from_secs(1)).expect("allow again");
+    allow(Ipv4Addr::new(198, 18, 2, 3), 2222, Duration::from_secs(2)).expect("allow .3");
+    assert!(reach(&t.c1, "198.18.2.3:2222"), "the second answer");
+    let deadline = std::time::Instant::now() + Duration::from_secs(6);
+    while reach(&t.c1, "198.18.2.3:2222") {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the element did not expire with its TTL"
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    let listing = t.h.sh("nft list set inet egress_agent dc1c1c1c1c1c1p2222");
+    assert!(
+        !listing.contains("198.18.2.3"),
+        "expired element still listed: {listing}"
+    );
+    let after_expiry = other_addr.load(Ordering::SeqCst);
+    assert!(!reach(&t.c1, "198.18.2.3:2222"));
+    assert_eq!(
+        other_addr.load(Ordering::SeqCst),
+        after_expiry,
+        "arrived after the TTL"
+    );
+    assert!(
+        reach(&t.c1, "198.18.2.2:2222"),
+        "the longer one is still there"
+    );
+    let arrived_other_port = other_port.load(Ordering::SeqCst);
+    assert_eq!(
+        arrived_other_port, 0,
+        "nothing arrived on the port without a set"
+    );
+
+    // The container's rules go: its set with them, and no answer can open it again.
+    t.apply_with(&t.ruleset(false), &direct);
+    assert!(direct.addresses(&c1, 2222).is_empty());
+    assert!(matches!(
+        allow(Ipv4Addr::new(198, 18, 2, 2), 2222, Duration::from_secs(30)),
+        Err(DirectError::NoSet { .. })
+    ));
+    assert!(answered.load(Ordering::SeqCst) >= 3);
+    assert!(
+        other_addr.load(Ordering::SeqCst) >= 2,
+        "reached while allowed and by C2"
+    );
+    t.h.run(nft::cleanup).expect("cleanup");
     assert_eq!(
         sh("nft list ruleset"),
         host_before,

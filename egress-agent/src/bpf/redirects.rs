@@ -21,8 +21,8 @@ use super::BpfError;
 use super::state::open_typed;
 use crate::dns::{Answer, AnswerSink};
 use crate::policy::kernel::ip6_words;
-use crate::proxy::original_dst::{ConnKey, OriginalDst};
 use crate::proxy::InterceptHooks;
+use crate::proxy::original_dst::{ConnKey, OriginalDst};
 
 const AF_INET: u32 = libc::AF_INET as u32;
 const AF_INET6: u32 = libc::AF_INET6 as u32;
@@ -136,27 +136,27 @@ impl OriginalDst for KernelRedirects {
 /// CLOCK_MONOTONIC in ns (`bpf_ktime_get_ns`'s clock) + `ttl`.
 fn kernel_deadline(ttl: std::time::Duration) -> Option<u64> {
     let now = clock_gettime(ClockId::CLOCK_MONOTONIC).ok()?;
-    let now_ns = u64::try_from(now.tv_sec()).ok()? * 1_000_000_000
-        + u64::try_from(now.tv_nsec()).ok()?;
+    let now_ns =
+        u64::try_from(now.tv_sec()).ok()? * 1_000_000_000 + u64::try_from(now.tv_nsec()).ok()?;
     now_ns.checked_add(u64::try_from(ttl.as_nanos()).ok()?)
 }
 
-impl AnswerSink for KernelRedirects {
-    fn answered(&self, answer: &Answer<'_>) {
-        if answer.direct_ports.is_empty() || answer.direct_addrs.is_empty() {
-            return;
-        }
-        // Allowances are per confined cgroup: a listener that serves no one cgroup (the
-        // daemon's shared per-policy listeners) allows nothing directly.
-        let Some(entry_id) = answer.identity.and_then(|i| i.cgroup_id) else {
-            return;
-        };
-        let Some(deadline) = kernel_deadline(answer.ttl) else {
-            return;
+impl KernelRedirects {
+    /// Let cgroup `entry_id` open `addrs` on `ports` directly until `ttl` from now (the kernel's
+    /// clock). Returns how many (address, port) writes failed; those stay refused.
+    pub fn allow_direct(
+        &self,
+        entry_id: u64,
+        addrs: &[IpAddr],
+        ports: &[u16],
+        ttl: std::time::Duration,
+    ) -> u64 {
+        let Some(deadline) = kernel_deadline(ttl) else {
+            return (addrs.len() * ports.len()) as u64;
         };
         let mut failed = 0;
-        for addr in answer.direct_addrs {
-            for port in answer.direct_ports {
+        for addr in addrs {
+            for port in ports {
                 let ok = match addr {
                     IpAddr::V4(ip) => self.direct4.lock().is_ok_and(|mut m| {
                         let key = Direct4Key {
@@ -184,6 +184,28 @@ impl AnswerSink for KernelRedirects {
         }
         if failed > 0 {
             self.failed.fetch_add(failed, Ordering::Relaxed);
+        }
+        failed
+    }
+}
+
+impl AnswerSink for KernelRedirects {
+    fn answered(&self, answer: &Answer<'_>) {
+        if answer.direct_ports.is_empty() || answer.direct_addrs.is_empty() {
+            return;
+        }
+        // Allowances are per confined cgroup: a listener that serves no one cgroup (the
+        // daemon's shared per-policy listeners) allows nothing directly.
+        let Some(entry_id) = answer.identity.and_then(|i| i.cgroup_id) else {
+            return;
+        };
+        let failed = self.allow_direct(
+            entry_id,
+            answer.direct_addrs,
+            answer.direct_ports,
+            answer.ttl,
+        );
+        if failed > 0 {
             tracing::warn!(
                 policy = answer.policy,
                 name = %answer.name,
@@ -230,14 +252,20 @@ mod tests {
             _pad: 0,
             family: AF_INET,
         };
-        assert_eq!(orig_addr(&o), Some("93.184.216.34:443".parse().expect("addr")));
+        assert_eq!(
+            orig_addr(&o),
+            Some("93.184.216.34:443".parse().expect("addr"))
+        );
         let o6 = OrigDst {
             addr: ip6_words(&"2001:db8::1".parse().expect("ip")),
             port: 80u16.to_be(),
             _pad: 0,
             family: AF_INET6,
         };
-        assert_eq!(orig_addr(&o6), Some("[2001:db8::1]:80".parse().expect("addr")));
+        assert_eq!(
+            orig_addr(&o6),
+            Some("[2001:db8::1]:80".parse().expect("addr"))
+        );
         assert_eq!(orig_addr(&OrigDst::default()), None);
     }
 

@@ -80,6 +80,9 @@ pub struct Settings {
     /// Guard Docker's bridges at L2 until each container is classified: on when the BPF-LSM
     /// socket hook is unavailable.
     pub l2_guard: bool,
+    /// The host layer's direct-port sets, shared with the DNS answer sink
+    /// ([`super::direct::DockerAnswers`]).
+    pub direct: Arc<crate::nft::DirectSets>,
 }
 
 pub struct Enforcer {
@@ -104,7 +107,12 @@ impl Enforcer {
         directory: Directory,
     ) -> Enforcer {
         let entries = Entries::new(state, directory, settings.endpoint4, settings.endpoint6);
-        let host = HostLayer::new(*settings.endpoint4.ip(), settings.nft, settings.l2_guard);
+        let host = HostLayer::new(
+            *settings.endpoint4.ip(),
+            settings.nft,
+            settings.l2_guard,
+            settings.direct.clone(),
+        );
         Enforcer {
             settings,
             config,
@@ -331,10 +339,12 @@ impl Enforcer {
             None
         };
         let addrs = listener.as_ref().map(|l| (l.addr, l.intercept));
-        let written_name = match self
-            .entries
-            .write_or_deny(id, &plan.policy, addrs, &plan.published)
-        {
+        let written_name = match self.entries.write_or_deny(
+            id,
+            &plan.policy,
+            addrs,
+            &plan.published,
+        ) {
             Written::Policy => plan.policy_name.clone(),
             Written::DenyAll(why) => {
                 tracing::error!(cgroup_id = id, error = %why, "writing policy entry failed; wrote deny_all");

@@ -25,12 +25,15 @@ pub trait RulesetWriter: Send + Sync + 'static {
     fn tables_exist(&self) -> Result<bool, nft::NftError>;
 }
 
-/// The real writer: netlink to nf_tables in the agent's network namespace.
-pub struct Netlink;
+/// The real writer: netlink to nf_tables in the agent's network namespace, with the live
+/// direct-port elements the DNS answers wrote ([`nft::DirectSets`]).
+pub struct Netlink {
+    pub direct: Arc<nft::DirectSets>,
+}
 
 impl RulesetWriter for Netlink {
     fn apply(&self, ruleset: &nft::Ruleset) -> Result<(), nft::NftError> {
-        ruleset.apply()
+        ruleset.apply(&self.direct)
     }
     fn tables_exist(&self) -> Result<bool, nft::NftError> {
         nft::tables_exist()
@@ -71,8 +74,13 @@ pub struct HostLayer {
 pub struct WriteFailures(pub Vec<(String, String)>);
 
 impl HostLayer {
-    pub fn new(proxy_ip: std::net::Ipv4Addr, enabled: bool, l2_guard: bool) -> HostLayer {
-        HostLayer::with_writer(proxy_ip, enabled, l2_guard, Arc::new(Netlink))
+    pub fn new(
+        proxy_ip: std::net::Ipv4Addr,
+        enabled: bool,
+        l2_guard: bool,
+        direct: Arc<nft::DirectSets>,
+    ) -> HostLayer {
+        HostLayer::with_writer(proxy_ip, enabled, l2_guard, Arc::new(Netlink { direct }))
     }
 
     /// [`HostLayer::new`] writing through `writer` (tests inject failing ones).
@@ -329,6 +337,7 @@ mod tests {
             allow_cidrs: Vec::new(),
             allow_inbound: Vec::new(),
             redirects: Vec::new(),
+            direct_ports: Vec::new(),
             endpoints: vec![nft::Endpoint {
                 bridge: "br-test".into(),
                 veth: format!("veth{n}"),

@@ -5,6 +5,7 @@
 //! - [`cgroups`]: the enforcement root and the containers' cgroup2 directories (pre-created
 //!   before `start`).
 //! - [`netinfo`]: a container's host-side veth and bridge, for the nftables layer.
+//! - [`direct`]: direct ports of `{ host, ports }` entries, opened in both layers by DNS answers.
 //! - [`directory`]: cgroup id → container, policy and context, for attributing kernel events.
 //! - [`plan`]: what a container gets (pure decisions from its inspect data and labels).
 //! - [`entries`]: the containers' kernel entries and the event directory (`deny_all` fallback).
@@ -17,6 +18,7 @@
 //! See `docs/architecture.md`, section Docker, for the lifecycle and why it is race-free.
 pub mod cgroups;
 pub mod container;
+pub mod direct;
 pub mod directory;
 pub mod enforce;
 pub mod entries;

@@ -106,12 +106,20 @@ pub fn host_entry(
         .into_iter()
         .map(|(net, ports)| CidrRule { net, ports })
         .collect();
+    // Direct ports (`{ host, ports }`): to the addresses the agent's DNS answers this container,
+    // each for its TTL (an auditing policy is open anyway).
+    let direct_ports = if plan.policy.audits() {
+        Vec::new()
+    } else {
+        plan.policy.direct_ports()
+    };
     Ok(HostEntry::Enforced(nft::Enforced {
         listener,
         redirects,
         allow_cidrs,
         allow_inbound,
         endpoints,
+        direct_ports,
     }))
 }
 
@@ -219,7 +227,10 @@ mod tests {
             panic!("enforced expected");
         };
         assert_eq!(e.listener.port(), 0);
-        assert!(e.redirects.is_empty(), "deny_all reaches nothing on the proxy address");
+        assert!(
+            e.redirects.is_empty(),
+            "deny_all reaches nothing on the proxy address"
+        );
         assert!(e.allow_inbound.is_empty() && e.allow_cidrs.is_empty());
         // Unlabelled: known ports, unrestricted.
         let i = info(&[], &[], &[]);

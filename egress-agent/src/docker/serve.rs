@@ -137,17 +137,15 @@ pub async fn serve_with(
     // the pinned maps the programs just attached read.
     let redirects = Arc::new(bpf::redirects::KernelRedirects::open(&config.agent.bpffs)?);
     let mut hooks_in = redirects.hooks();
+    // Direct ports (`{ host, ports }`): the nftables layer forwards a container's traffic only
+    // where its rules say, so a DNS answer opens the addresses in the host layer's direct set
+    // first, then in the kernel (docker::direct).
+    let direct = Arc::new(crate::nft::DirectSets::new());
     if opts.nft {
-        // The host layer forwards a container's traffic only to its allow_cidrs: a direct
-        // allowance from a DNS answer (`{ host, ports }`) would be let through by the kernel and
-        // then dropped silently by nftables. Refuse it in the kernel instead (EPERM and a denial
-        // event at once, not a timeout); the second layer stays as strict as it is.
-        hooks_in.answers = Arc::new(crate::dns::NoAnswerSink);
-        for (name, p) in &config.policies {
-            if p.allow_hosts.iter().any(|h| !h.ports.is_empty()) {
-                tracing::warn!(policy = %name, "direct ports of allow_hosts entries are not reachable from Docker containers (the nftables host layer forwards only to allow_cidrs); list the addresses in allow_cidrs, or use the ports through the proxy");
-            }
-        }
+        hooks_in.answers = Arc::new(super::direct::DockerAnswers::new(
+            redirects.clone(),
+            direct.clone(),
+        ));
     }
     let mut ctx = ProxyContext::new(&config, events.clone())
         .map_err(|e| ServeError::Proxy(e.to_string()))?
@@ -164,6 +162,7 @@ pub async fn serve_with(
         // Without the LSM hook, AF_PACKET frames of a container the agent has not classified
         // yet are stopped only by the L2 guard on Docker's bridges.
         l2_guard: opts.nft && enforcement_lsm.is_some(),
+        direct,
     };
     let directory = opts.directory.clone();
     let mut enforcer = Enforcer::new(

@@ -167,6 +167,22 @@ impl Policy {
     pub fn answers_dns(&self) -> bool {
         self.mode == Mode::Allowlist
     }
+
+    /// The ports of `{ host, ports }` entries (sorted, deduplicated): direct TCP to the addresses
+    /// the agent's DNS answers for those names. Empty unless the policy answers DNS.
+    pub fn direct_ports(&self) -> Vec<u16> {
+        if !self.answers_dns() {
+            return Vec::new();
+        }
+        let mut ports: Vec<u16> = self
+            .allow_hosts
+            .iter()
+            .flat_map(|h| h.ports.iter().copied())
+            .collect();
+        ports.sort_unstable();
+        ports.dedup();
+        ports
+    }
 }
 
 /// Most ports one `allow_hosts` entry may carry (the kernel's per-rule bound for CIDR rules).

@@ -235,6 +235,12 @@ pub(crate) async fn intercepted(
     };
     // The bytes read (the whole ClientHello, or the request head) go first, untouched.
     shared
-        .relay(&mut stream, &mut upstream, buf, &target, stop.cancelled_owned())
+        .relay(
+            &mut stream,
+            &mut upstream,
+            buf,
+            &target,
+            stop.cancelled_owned(),
+        )
         .await;
 }

@@ -54,6 +54,9 @@ use nftnl::{
 
 use crate::policy::CidrRule;
 
+pub mod direct;
+pub use direct::{DirectError, DirectSets};
+
 /// Name of both of the agent's tables.
 pub const TABLE: &CStr = c"egress_agent";
 /// Priority of our base chains: before the default filter priority (0), so our drops are seen
@@ -124,6 +127,10 @@ pub struct Enforced {
     pub allow_inbound: Vec<CidrRule>,
     /// Empty for `--network host` / `none` containers: those are confined by cgroup only.
     pub endpoints: Vec<Endpoint>,
+    /// The ports of its policy's `{ host, ports }` entries (sorted, deduplicated): TCP to them is
+    /// let through to the addresses in the container's direct set of that port
+    /// ([`direct`]: filled from the agent's DNS answers, each until its TTL).
+    pub direct_ports: Vec<u16>,
 }
 
 /// The whole ruleset: built from scratch on every change.
@@ -161,10 +168,12 @@ impl Ruleset {
         Ok(())
     }
 
-    /// Replace both tables with this ruleset, atomically.
-    pub fn apply(&self) -> Result<(), NftError> {
-        let batch = self.build()?;
-        send(&batch)?;
+    /// Replace both tables with this ruleset, atomically, with the live elements of `direct`.
+    pub fn apply(&self, direct: &DirectSets) -> Result<(), NftError> {
+        direct.rebuild(self.direct_sets(), |live| {
+            let batch = self.build(&live.sets)?;
+            send(&batch)
+        })?;
         tracing::debug!(
             containers = self.containers.len(),
             "nftables host layer applied"
@@ -172,7 +181,19 @@ impl Ruleset {
         Ok(())
     }
 
-    fn build(&self) -> Result<FinalizedBatch, NftError> {
+    /// The direct sets this ruleset creates: (container, port).
+    fn direct_sets(&self) -> BTreeSet<direct::SetKey> {
+        self.containers
+            .iter()
+            .filter(|(_, c)| !c.endpoints.is_empty())
+            .flat_map(|(id, c)| c.direct_ports.iter().map(|p| (id.clone(), *p)))
+            .collect()
+    }
+
+    fn build(
+        &self,
+        live: &BTreeMap<direct::SetKey, BTreeMap<Ipv4Addr, std::time::Instant>>,
+    ) -> Result<FinalizedBatch, NftError> {
         // One page for the whole batch: the kernel needs begin..end in a single datagram (mnl
         // sends each page separately). ~40 rules of < 1 KiB per endpoint, generously.
         let endpoints: usize = self
@@ -183,7 +204,19 @@ impl Ruleset {
             // Known ports and guarded bridges: two small rules each (< 1 KiB), counted generously.
             + self.unrestricted.values().map(Vec::len).sum::<usize>().div_ceil(8)
             + self.guarded_bridges.len().div_ceil(8);
-        let page = (endpoints * 24 * 1024 + (256 << 10)).next_power_of_two();
+        // Direct sets: a set and one rule per endpoint and port, and ~64 bytes per element.
+        let direct: usize = self
+            .containers
+            .values()
+            .map(|c| c.direct_ports.len() * (c.endpoints.len() + 1))
+            .sum::<usize>()
+            .div_ceil(8)
+            + live
+                .values()
+                .map(BTreeMap::len)
+                .sum::<usize>()
+                .div_ceil(256);
+        let page = ((endpoints + direct) * 24 * 1024 + (256 << 10)).next_power_of_two();
         let page = u32::try_from(page).map_err(|_| NftError::TooLarge(page))?;
         let mut batch = Batch::with_page_size(page.max(nftnl::default_batch_page_size()));
         let bridge = Table::new(TABLE, ProtoFamily::Bridge);
@@ -203,6 +236,30 @@ impl Ruleset {
         i_pre.set_hook(Hook::PreRouting, PRE_PRIORITY);
         for c in [&b_pre, &b_in, &b_fwd, &i_in, &i_fwd, &i_pre] {
             batch.add(c, MsgType::Add);
+        }
+        // Direct sets, before the rules that look them up, with the elements still alive.
+        let now = std::time::Instant::now();
+        let mut set_id = 0u32;
+        let mut sets = BTreeMap::new();
+        for key in self.direct_sets() {
+            set_id += 1;
+            let name = direct::set_name(&key.0, key.1);
+            let mut set = direct::timeout_set(&name, set_id, &inet);
+            batch.add(&set, MsgType::Add);
+            if let Some(addrs) = live.get(&key) {
+                for (addr, deadline) in addrs {
+                    if let Some(left) = deadline
+                        .checked_duration_since(now)
+                        .filter(|d| !d.is_zero())
+                    {
+                        direct::push_element(&mut set, *addr, Some(left));
+                    }
+                }
+                if addrs.values().any(|d| *d > now) {
+                    batch.add(&direct::Elements(&set), MsgType::Add);
+                }
+            }
+            sets.insert(key, nftnl::expr::Lookup::new(&set));
         }
 
         for (id, c) in &self.containers {
@@ -301,12 +358,26 @@ impl Ruleset {
                     r.add_expr(&nft_expr!(verdict accept));
                     batch.add(&r, MsgType::Add);
                 }
-                // (b) allow_cidrs, forwarded or local.
+                // (b) allow_cidrs, forwarded or local; direct ports to the addresses in their set.
                 for chain in [&i_in, &i_fwd] {
                     for cidr in &c.allow_cidrs {
                         for r in cidr_rules(chain, &short, from, cidr, Port::Dst)? {
                             batch.add(&r, MsgType::Add);
                         }
+                    }
+                    for port in &c.direct_ports {
+                        let Some(lookup) = sets.get(&(id.clone(), *port)) else {
+                            continue;
+                        };
+                        let mut r = rule(chain, &short)?;
+                        from(&mut r);
+                        l4(&mut r, IPPROTO_TCP);
+                        r.add_expr(&nft_expr!(payload tcp dport));
+                        r.add_expr(&nft_expr!(cmp == port.to_be()));
+                        r.add_expr(&nft_expr!(payload ipv4 daddr));
+                        r.add_expr(lookup);
+                        r.add_expr(&nft_expr!(verdict accept));
+                        batch.add(&r, MsgType::Add);
                     }
                     // (b)/(c) everything else from it.
                     let mut r = rule(chain, &short)?;
@@ -689,6 +760,7 @@ mod tests {
                         mac: [2, 0x42, 198, 18, 0, i as u8],
                         ipv4: Ipv4Addr::new(198, 18, (i / 250) as u8, (i % 250) as u8 + 2),
                     }],
+                    direct_ports: vec![22, 2222],
                 },
             );
             // As many unlabelled containers, known ports on the same bridge.
@@ -710,7 +782,7 @@ mod tests {
     #[test]
     fn batch_is_one_datagram_with_room_to_spare() {
         for n in [0, 1, 50, 300] {
-            let b = ruleset(n).build().expect("test value");
+            let b = ruleset(n).build(&BTreeMap::new()).expect("test value");
             assert_eq!(b.iter().count(), 1, "{n} containers");
             let bytes: usize = b.iter().map(<[u8]>::len).sum();
             // The estimate (24 KiB per endpoint/cidr) must cover the real size.
@@ -726,19 +798,46 @@ mod tests {
     }
 
     #[test]
+    fn direct_sets_and_their_elements_fit_the_batch() {
+        let r = ruleset(50);
+        let now = std::time::Instant::now();
+        let mut live = BTreeMap::new();
+        for id in r.containers.keys() {
+            let addrs: BTreeMap<Ipv4Addr, std::time::Instant> = (0..200u32)
+                .map(|i| {
+                    (
+                        Ipv4Addr::from(0x2d5a_0000 + i),
+                        now + std::time::Duration::from_secs(60),
+                    )
+                })
+                .collect();
+            live.insert((id.clone(), 22), addrs);
+        }
+        let b = r.build(&live).expect("test value");
+        assert_eq!(b.iter().count(), 1);
+        assert_eq!(r.direct_sets().len(), 100, "two ports of 50 containers");
+    }
+
+    #[test]
     fn guard_rules_need_no_containers() {
         // Bridges guarded before any container is classified: still one valid datagram.
         let mut r = Ruleset::new(Ipv4Addr::new(169, 254, 100, 1));
         r.guarded_bridges.insert("egd-br0".into());
-        let b = r.build().expect("test value");
+        let b = r.build(&BTreeMap::new()).expect("test value");
         assert_eq!(b.iter().count(), 1);
         r.guarded_bridges.insert("x".repeat(16));
-        assert!(matches!(r.build(), Err(NftError::BadIfName(_))));
+        assert!(matches!(
+            r.build(&BTreeMap::new()),
+            Err(NftError::BadIfName(_))
+        ));
         let mut r = ruleset(1);
         if let Some(eps) = r.unrestricted.values_mut().next() {
             eps[0].veth = "a/b".into();
         }
-        assert!(matches!(r.build(), Err(NftError::BadIfName(_))));
+        assert!(matches!(
+            r.build(&BTreeMap::new()),
+            Err(NftError::BadIfName(_))
+        ));
         assert!(
             Ruleset::check_endpoints(&r.unrestricted.values().next().cloned().unwrap_or_default())
                 .is_err()
@@ -751,6 +850,9 @@ mod tests {
         if let Some(c) = r.containers.values_mut().next() {
             c.endpoints[0].veth = "x".repeat(16);
         }
-        assert!(matches!(r.build(), Err(NftError::BadIfName(_))));
+        assert!(matches!(
+            r.build(&BTreeMap::new()),
+            Err(NftError::BadIfName(_))
+        ));
     }
 }
