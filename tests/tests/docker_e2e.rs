@@ -834,9 +834,17 @@ allow_cidrs = ["198.18.0.1/32"]
     // Started first, then used once its host layer is in place: on hosts without BPF-LSM (this
     // one) the L2 guard drops a new container's frames until the agent has classified it, and a
     // DNS query lost there is retried by the resolver only after 5 s.
+    // The host's /usr (read-only): Debian's python3 and nodejs as the container's clients.
     env.start_ok(
         "tp-1",
-        &["--label", "egress.policy=tp", "-v", &mount],
+        &[
+            "--label",
+            "egress.policy=tp",
+            "-v",
+            &mount,
+            "-v",
+            "/usr:/usr:ro",
+        ],
         &["sleep", "600"],
     );
     assert!(env.wait_enforced("tp-1", 2));
@@ -881,12 +889,55 @@ allow_cidrs = ["198.18.0.1/32"]
         out.contains("TLS-OK upstream-ok docker-tls"),
         "allowed name over TLS (SNI tls.test, end to end with the test's CA): {out}"
     );
-    assert_eq!(
-        tls.hits().len(),
-        1,
-        "only the allowed TLS request arrived: {:?}",
-        tls.hits()
+    // Real clients that have no proxy support configured: python urllib, node fetch, busybox
+    // wget — each reaches the allowed name, and fails at once (no such name) for a denied one.
+    let m = std::process::id();
+    let clients = env.d.docker(&[
+        "exec",
+        "tp-1",
+        "sh",
+        "-c",
+        &format!(
+            r#"echo "python: $(/usr/bin/python3 -c "import urllib.request,ssl; c=ssl.create_default_context(cafile='/ca/ca.pem'); print(urllib.request.urlopen('https://tls.test:8443/py-{m}', context=c, timeout=10).read().decode().strip())" 2>&1)"
+echo "node: $(NODE_EXTRA_CA_CERTS=/ca/ca.pem /usr/bin/node -e "fetch('https://tls.test:8443/node-{m}').then(r=>r.text()).then(t=>process.stdout.write(t.trim())).catch(e=>{{console.log(String(e.cause||e));process.exit(1)}})" 2>&1)"
+echo "wget: $(wget -q -O - http://allowed.test:8080/ 2>&1)"
+echo "python-denied: $(/usr/bin/python3 -c "import urllib.request; urllib.request.urlopen('http://denied.test:8080/py-denied-{m}', timeout=10)" 2>&1 | tail -1)"
+echo "node-denied: $(/usr/bin/node -e "fetch('http://denied.test:8080/node-denied-{m}').then(()=>console.log('FETCHED')).catch(e=>{{console.log(String(e.cause||e));process.exit(1)}})" 2>&1)""#
+        ),
+    ]);
+    let clients = format!(
+        "{}{}",
+        String::from_utf8_lossy(&clients.stdout),
+        String::from_utf8_lossy(&clients.stderr)
     );
+    for line in [
+        "python: upstream-ok docker-tls",
+        "node: upstream-ok docker-tls",
+        "wget: hello-upstream",
+    ] {
+        assert!(clients.contains(line), "expected `{line}`:\n{clients}");
+    }
+    assert!(
+        clients
+            .lines()
+            .any(|l| l.starts_with("python-denied:") && l.contains("Name or service not known")),
+        "python: a denied name must not resolve:\n{clients}"
+    );
+    assert!(
+        clients
+            .lines()
+            .any(|l| l.starts_with("node-denied:") && l.contains("ENOTFOUND")),
+        "node: a denied name must not resolve:\n{clients}"
+    );
+    let hits = tls.hits();
+    assert_eq!(
+        hits.len(),
+        3,
+        "only the allowed TLS requests arrived: {hits:?}"
+    );
+    for path in [format!("py-{m}"), format!("node-{m}")] {
+        assert!(tls.saw(&path), "{path} did not arrive: {hits:?}");
+    }
     assert!(
         out.contains("NX-DENIED") && !out.contains("RESOLVED-DENIED"),
         "a name outside the policy must not resolve: {out}"
