@@ -798,9 +798,10 @@ fn drain(sink: &std::net::UdpSocket) -> Vec<String> {
 
 /// Transparent interception and the agent's DNS for a labelled container that is given no proxy
 /// variable: Docker's embedded resolver (127.0.0.11) is answered by the agent, an allowed name is
-/// fetched through the kernel redirect (plain HTTP by Debian's curl, HTTPS by a rustls client with
-/// SNI against a TLS upstream with the test's CA), and every refusal is checked where it would
-/// have arrived: the TLS upstream's request log and the canary.
+/// fetched through the kernel redirect (plain HTTP by Debian's curl and busybox wget, HTTPS by a
+/// rustls client with SNI, python urllib and node fetch against a TLS upstream with the test's
+/// CA), and every refusal is checked where it would have arrived: the TLS upstream's request log
+/// and the canary.
 #[test]
 fn transparent_without_proxy_variables() {
     if !require_root() {
