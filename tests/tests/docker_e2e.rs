@@ -1276,6 +1276,43 @@ allow_cidrs = ["198.18.0.1/32"]
         );
         std::thread::sleep(Duration::from_millis(100));
     }
+    // A reload that drops direct.test's ports takes back what its answer opened, in both layers,
+    // at once (not at the end of its TTL).
+    assert!(
+        env.exec_out(
+            "ds-1",
+            &format!("egress-probe tcp {DIRECT_IP} 2222 prereload-{m}")
+        )
+        .contains("ok"),
+        "still open before the reload"
+    );
+    env.write_config(
+        &env.config_text(
+            r#"[policies.ssh]
+allow_hosts = ["direct.test", { host = "short.test", ports = [2222] }]
+allow_ports = [8080]
+[policies.canary]
+allow_cidrs = ["198.18.0.1/32"]
+"#,
+        )
+        .replace("nameservers = []", "nameservers = [\"127.0.0.1:5353\"]"),
+    );
+    let o = env.cli(&["reload"]);
+    assert!(o.status.success(), "reload refused: {o:?}");
+    let after_reload = env.exec_out(
+        "ds-1",
+        &format!("egress-probe tcp {DIRECT_IP} 2222 postreload-{m}"),
+    );
+    assert!(after_reload.contains("err 1 "), "{after_reload}");
+    assert!(
+        !listeners.saw(&format!("postreload-{m}")),
+        "arrived after the reload"
+    );
+    assert!(
+        !list(&set).contains(DIRECT_IP),
+        "the nft element outlived the reload: {}",
+        list(&set)
+    );
     // Stopped: its set goes with its rules.
     env.d.docker_ok(&["rm", "-f", "ds-1", "ds-2"]);
     assert!(

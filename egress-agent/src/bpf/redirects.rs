@@ -189,6 +189,31 @@ impl KernelRedirects {
     }
 }
 
+impl KernelRedirects {
+    /// Delete every direct allowance of cgroup `entry_id` (both families). Returns how many
+    /// went. Walks the maps: for reloads, not for every answer.
+    pub fn forget_direct(&self, entry_id: u64) -> usize {
+        let mut removed = 0;
+        if let Ok(mut m) = self.direct4.lock() {
+            let keys: Vec<Direct4Key> = m
+                .keys()
+                .filter_map(Result::ok)
+                .filter(|k| k.entry_id == entry_id)
+                .collect();
+            removed += keys.iter().filter(|k| m.remove(k).is_ok()).count();
+        }
+        if let Ok(mut m) = self.direct6.lock() {
+            let keys: Vec<Direct6Key> = m
+                .keys()
+                .filter_map(Result::ok)
+                .filter(|k| k.entry_id == entry_id)
+                .collect();
+            removed += keys.iter().filter(|k| m.remove(k).is_ok()).count();
+        }
+        removed
+    }
+}
+
 impl AnswerSink for KernelRedirects {
     fn answered(&self, answer: &Answer<'_>) {
         if answer.direct_ports.is_empty() || answer.direct_addrs.is_empty() {

@@ -66,6 +66,14 @@ struct Tracked {
     refused: Option<String>,
 }
 
+/// A policy's `{ host, ports }` entries: what direct allowances were given for.
+fn direct_entries(p: &crate::policy::Policy) -> Vec<&crate::policy::HostEntry> {
+    p.allow_hosts
+        .iter()
+        .filter(|h| !h.ports.is_empty())
+        .collect()
+}
+
 /// Static settings of the Docker enforcer.
 #[derive(Debug, Clone)]
 pub struct Settings {
@@ -80,9 +88,9 @@ pub struct Settings {
     /// Guard Docker's bridges at L2 until each container is classified: on when the BPF-LSM
     /// socket hook is unavailable.
     pub l2_guard: bool,
-    /// The host layer's direct-port sets, shared with the DNS answer sink
-    /// ([`super::direct::DockerAnswers`]).
-    pub direct: Arc<crate::nft::DirectSets>,
+    /// Direct ports of `{ host, ports }` entries: the DNS answer sink, which also owns the host
+    /// layer's direct sets.
+    pub direct: Arc<super::direct::DirectPorts>,
 }
 
 pub struct Enforcer {
@@ -111,7 +119,7 @@ impl Enforcer {
             *settings.endpoint4.ip(),
             settings.nft,
             settings.l2_guard,
-            settings.direct.clone(),
+            settings.direct.host_sets(),
         );
         Enforcer {
             settings,
@@ -320,6 +328,15 @@ impl Enforcer {
         precreated: Option<PathBuf>,
     ) -> Outcome {
         let plan = plan::plan(info, &resolved);
+        // Re-applied to the same cgroup (reload) with other `{ host, ports }` entries: what the
+        // old ones opened directly is taken back.
+        if let Some(t) = self.tracked.get(&info.id)
+            && t.cgroup.as_ref().is_some_and(|c| c.1 == id)
+            && direct_entries(&plan::plan(&t.info, &t.resolved).policy)
+                != direct_entries(&plan.policy)
+        {
+            self.settings.direct.forget(&info.id, id);
+        }
         // A new cgroup id (restart, or runc beat us to it): drop the old entry.
         if let Some(old) = self.tracked.get_mut(&info.id).and_then(|t| t.cgroup.take())
             && old.1 != id

@@ -140,13 +140,11 @@ pub async fn serve_with(
     // Direct ports (`{ host, ports }`): the nftables layer forwards a container's traffic only
     // where its rules say, so a DNS answer opens the addresses in the host layer's direct set
     // first, then in the kernel (docker::direct).
-    let direct = Arc::new(crate::nft::DirectSets::new());
-    if opts.nft {
-        hooks_in.answers = Arc::new(super::direct::DockerAnswers::new(
-            redirects.clone(),
-            direct.clone(),
-        ));
-    }
+    let direct = Arc::new(super::direct::DirectPorts::new(
+        redirects.clone(),
+        opts.nft.then(|| Arc::new(crate::nft::DirectSets::new())),
+    ));
+    hooks_in.answers = direct.clone();
     let mut ctx = ProxyContext::new(&config, events.clone())
         .map_err(|e| ServeError::Proxy(e.to_string()))?
         .with_interception(hooks_in);

@@ -160,6 +160,12 @@ impl DirectSets {
         Ok(out)
     }
 
+    /// Forget every element of `container` (its policy's entries with ports changed): the next
+    /// ruleset write creates its sets empty.
+    pub fn forget(&self, container: &str) {
+        self.lock().sets.retain(|(c, _), _| c != container);
+    }
+
     /// The addresses `container` may reach directly on `port` now (for `status` and tests).
     pub fn addresses(&self, container: &str, port: u16) -> Vec<Ipv4Addr> {
         let now = Instant::now();
