@@ -67,14 +67,21 @@ pub fn run(args: &[String]) -> Result<()> {
 pub fn test(filter: Option<&str>) -> Result<()> {
     ensure_setup()?;
     eprintln!("== unit tests (all crates but the eBPF object and the privileged suite)");
-    cargo(&[
-        "test",
-        "--workspace",
-        "--exclude",
-        "egress-ebpf",
-        "--exclude",
-        "egress-tests",
-    ])?;
+    // Line tables are all a failing test's backtrace needs; full debug info makes the cold debug
+    // build of every dependency noticeably slower on CI's two cores.
+    let debug: &std::ffi::OsStr = "line-tables-only".as_ref();
+    let dev = [("CARGO_PROFILE_DEV_DEBUG", debug)];
+    cargo_with(
+        &[
+            "test",
+            "--workspace",
+            "--exclude",
+            "egress-ebpf",
+            "--exclude",
+            "egress-tests",
+        ],
+        &dev,
+    )?;
     eprintln!("== privileged integration tests (egress-tests)");
     if !is_root() {
         eprintln!("skipping privileged integration tests: needs root (each test says so too)");
@@ -102,7 +109,7 @@ pub fn test(filter: Option<&str>) -> Result<()> {
     // Tests share cgroups, netns names and one private dockerd: run them one at a time.
     args.push("--test-threads=1");
     let agent = release_bin("egress-agent");
-    cargo_with(&args, &[("EGRESS_AGENT_BIN", agent.as_os_str())])
+    cargo_with(&args, &[("EGRESS_AGENT_BIN", agent.as_os_str()), dev[0]])
         .context("privileged integration tests failed")
 }
 
