@@ -17,6 +17,15 @@
 //! - `export_errors_total{sink}`: events a syslog or OTLP exporter could not deliver.
 //! - `reconcile_errors_total`: Docker watcher sessions that failed (Docker unreachable, reconcile
 //!   failed, event stream lost); each is followed by a reconnect with backoff.
+//! - `dns_answers_total{policy, outcome}`: answers the DNS responder sent ([`DnsOutcome`]:
+//!   `allowed` addresses answered and reported to the kernel side, `empty` an allowed name without
+//!   addresses of that type, `denied` NXDOMAIN/REFUSED with a denial event, `truncated` TC set for
+//!   a UDP client, `servfail`, `formerr` malformed or unsupported queries).
+//! - `dns_dropped_total{policy, reason}`: datagrams and messages the responder did not answer
+//!   (`malformed` shorter than a header or cut off, `response` QR=1, `bad-source` port 0 or an
+//!   unspecified/broadcast source, `send-failed` the answer could not be sent).
+//! - `dns_tcp_refused_total{policy}`: DNS-over-TCP connections closed at once because the
+//!   responder already had its most open (`dns::tcp::MAX_TCP_CONNECTIONS`).
 //!
 //! Label values are bounded by construction: `verdict`, `reason`, `hook`, `direction`, `source` are
 //! `&'static str` from typed enums; `policy` is a configured policy name. Never put hostnames,
@@ -86,6 +95,18 @@ struct BytesLabels {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct DnsLabels {
+    policy: String,
+    outcome: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct DnsDropLabels {
+    policy: String,
+    reason: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct SourceLabels {
     source: &'static str,
 }
@@ -129,6 +150,99 @@ pub enum DropSource {
     Store,
     /// An exporter's queue was full (or its receiver unreachable).
     Export,
+}
+
+/// `outcome` of a DNS answer (`dns_answers_total`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DnsOutcome {
+    /// Addresses answered (the answer sink heard of them).
+    Allowed,
+    /// An allowed name, no addresses of the asked type (NODATA, or the upstream's NXDOMAIN).
+    Empty,
+    /// NXDOMAIN or REFUSED with a denial event.
+    Denied,
+    /// The answer did not fit the UDP client's payload: TC set, no records.
+    Truncated,
+    /// The upstream failed, or too many lookups were in flight.
+    ServFail,
+    /// FORMERR or NOTIMP: a malformed or unsupported query.
+    FormErr,
+}
+
+impl DnsOutcome {
+    pub const ALL: [DnsOutcome; 6] = [
+        DnsOutcome::Allowed,
+        DnsOutcome::Empty,
+        DnsOutcome::Denied,
+        DnsOutcome::Truncated,
+        DnsOutcome::ServFail,
+        DnsOutcome::FormErr,
+    ];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            DnsOutcome::Allowed => "allowed",
+            DnsOutcome::Empty => "empty",
+            DnsOutcome::Denied => "denied",
+            DnsOutcome::Truncated => "truncated",
+            DnsOutcome::ServFail => "servfail",
+            DnsOutcome::FormErr => "formerr",
+        }
+    }
+}
+
+/// Why the DNS responder sent nothing (`dns_dropped_total`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DnsDrop {
+    /// Shorter than a header, or cut off (larger than the receive buffer).
+    Malformed,
+    /// A response (QR=1): never answered, against reflection loops.
+    Response,
+    /// From port 0 or an unspecified/broadcast address: nowhere to answer.
+    BadSource,
+    /// The answer was built but the socket refused it.
+    SendFailed,
+}
+
+impl DnsDrop {
+    pub const ALL: [DnsDrop; 4] = [
+        DnsDrop::Malformed,
+        DnsDrop::Response,
+        DnsDrop::BadSource,
+        DnsDrop::SendFailed,
+    ];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            DnsDrop::Malformed => "malformed",
+            DnsDrop::Response => "response",
+            DnsDrop::BadSource => "bad-source",
+            DnsDrop::SendFailed => "send-failed",
+        }
+    }
+}
+
+/// One DNS responder's counters (see [`Metrics::dns_counters`]): label lookups done once, at bind,
+/// so the responder's hot path is a relaxed atomic add.
+#[derive(Clone, Debug)]
+pub struct DnsCounters {
+    answers: [Counter; 6],
+    dropped: [Counter; 4],
+    tcp_refused: Counter,
+}
+
+impl DnsCounters {
+    pub fn answer(&self, outcome: DnsOutcome) {
+        self.answers[outcome as usize].inc();
+    }
+
+    pub fn dropped(&self, reason: DnsDrop) {
+        self.dropped[reason as usize].inc();
+    }
+
+    pub fn tcp_refused(&self) {
+        self.tcp_refused.inc();
+    }
 }
 
 /// `reason` label of allowed proxy decisions.
@@ -197,6 +311,9 @@ pub struct Metrics {
     store_bytes: Gauge,
     store_write_errors: Counter,
     export_errors: Family<SinkLabels, Counter>,
+    dns_answers: Family<DnsLabels, Counter>,
+    dns_dropped: Family<DnsDropLabels, Counter>,
+    dns_tcp_refused: Family<PolicyLabels, Counter>,
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -224,6 +341,24 @@ impl Metrics {
         let store_bytes = Gauge::default();
         let store_write_errors = Counter::default();
         let export_errors = Family::default();
+        let dns_answers = Family::default();
+        let dns_dropped = Family::default();
+        let dns_tcp_refused = Family::default();
+        registry.register(
+            "dns_answers",
+            "Answers of the DNS responder, by policy and outcome",
+            dns_answers.clone(),
+        );
+        registry.register(
+            "dns_dropped",
+            "DNS queries the responder did not answer, by policy and reason",
+            dns_dropped.clone(),
+        );
+        registry.register(
+            "dns_tcp_refused",
+            "DNS-over-TCP connections refused because the responder had its most open",
+            dns_tcp_refused.clone(),
+        );
         registry.register(
             "store_bytes",
             "Size of the event store on disk (database and WAL)",
@@ -292,6 +427,37 @@ impl Metrics {
             store_bytes,
             store_write_errors,
             export_errors,
+            dns_answers,
+            dns_dropped,
+            dns_tcp_refused,
+        }
+    }
+
+    /// Counter handles of one policy's DNS responder; every series exists (at 0) from here on.
+    pub fn dns_counters(&self, policy: &str) -> DnsCounters {
+        DnsCounters {
+            answers: DnsOutcome::ALL.map(|outcome| {
+                self.dns_answers
+                    .get_or_create(&DnsLabels {
+                        policy: policy.to_owned(),
+                        outcome: outcome.as_str(),
+                    })
+                    .clone()
+            }),
+            dropped: DnsDrop::ALL.map(|reason| {
+                self.dns_dropped
+                    .get_or_create(&DnsDropLabels {
+                        policy: policy.to_owned(),
+                        reason: reason.as_str(),
+                    })
+                    .clone()
+            }),
+            tcp_refused: self
+                .dns_tcp_refused
+                .get_or_create(&PolicyLabels {
+                    policy: policy.to_owned(),
+                })
+                .clone(),
         }
     }
 

@@ -1,8 +1,11 @@
-//! The DNS responder's query path: hickory's request parsing → `dns::decide` → (for allowed
-//! names) `dns::answer::plan` over a fixed resolver answer → the response encoded as sent.
+//! The DNS responder's query path, as both transports run it: `dns::wire::read` (hickory's
+//! parser, FORMERR or drop for what doesn't parse) → `dns::decide` → (for allowed names)
+//! `dns::answer::plan` over a fixed resolver answer → `dns::wire::fits` → `dns::wire::encode`.
+//! The first byte picks the transport (UDP with its payload limit, or TCP).
 //! Invariants: never panics; only names `allow_hosts` matches are ever handed to a resolver, and
-//! only for A/AAAA; a denial names a normalised name or none; every response we build encodes and
-//! re-parses with the request's id.
+//! only for A/AAAA; a denial names a normalised name or none; every response we build encodes
+//! within the transport's budget and re-parses with the request's id; a UDP answer that doesn't
+//! fit is truncated (TC) and carries no records.
 #![no_main]
 
 use std::net::SocketAddr;
@@ -15,13 +18,10 @@ use egress_agent::policy::matcher::HostPattern;
 use egress_agent::policy::name::HostName;
 use egress_agent::policy::{CompiledPolicy, HostEntry, Mode, Policy};
 use egress_agent::proxy::resolve::{Family, NameRecords};
-use hickory_server::net::xfer::Protocol;
-use hickory_server::proto::op::{Message, Metadata, ResponseCode};
+use egress_agent::dns::wire::{Read, Reply, Transport, budget, encode, fits, read};
+use hickory_server::proto::op::{Message, ResponseCode};
 use hickory_server::proto::rr::rdata::{A, CNAME};
 use hickory_server::proto::rr::{Name, RData, Record, RecordType};
-use hickory_server::proto::serialize::binary::BinEncoder;
-use hickory_server::server::Request;
-use hickory_server::zone_handler::MessageResponseBuilder;
 use libfuzzer_sys::fuzz_target;
 
 static POLICY: LazyLock<CompiledPolicy> = LazyLock::new(|| {
@@ -41,31 +41,36 @@ fn allowed(n: &HostName) -> bool {
     n.as_str() == "allowed.test" || n.as_str().ends_with(".wild.test")
 }
 
-fn emit<'a>(
-    msg: hickory_server::zone_handler::MessageResponse<
-        '_,
-        'a,
-        impl Iterator<Item = &'a Record> + Send + 'a,
-        impl Iterator<Item = &'a Record> + Send + 'a,
-        impl Iterator<Item = &'a Record> + Send + 'a,
-        impl Iterator<Item = &'a Record> + Send + 'a,
-    >,
-    id: u16,
-) {
-    let mut bytes = Vec::new();
-    let mut enc = BinEncoder::new(&mut bytes);
-    msg.destructive_emit(&mut enc).expect("response encodes");
+fn check(bytes: Option<Vec<u8>>, id: u16, max: usize) -> Message {
+    let bytes = bytes.expect("response encodes");
+    assert!(bytes.len() <= max, "{} > {max}", bytes.len());
     let back = Message::from_vec(&bytes).expect("response re-parses");
     assert_eq!(back.metadata.id, id);
+    back
 }
 
 fuzz_target!(|data: &[u8]| {
-    let src: SocketAddr = "127.0.0.1:5353".parse().unwrap();
-    let Ok(req) = Request::from_bytes(data.to_vec(), src, Protocol::Udp) else {
+    let Some((&t, data)) = data.split_first() else {
         return;
     };
+    let transport = if t & 1 == 0 {
+        Transport::Udp
+    } else {
+        Transport::Tcp
+    };
+    let src: SocketAddr = "127.0.0.1:5353".parse().unwrap();
+    let req = match read(data, src, transport) {
+        Read::Message(r) => r,
+        Read::FormErr(out) => {
+            let m = Message::from_vec(&out).expect("FORMERR re-parses");
+            assert_eq!(m.metadata.response_code, ResponseCode::FormErr);
+            assert_eq!(&out[..2], &data[..2], "same id");
+            return;
+        }
+        Read::Drop(_) => return,
+    };
     let id = req.metadata.id;
-    let mut meta = Metadata::response_from_request(&req.metadata);
+    let max = budget(&req, transport);
     match decide(&POLICY, &req) {
         Decision::Drop => {}
         Decision::Reply { code, denied } => {
@@ -75,11 +80,7 @@ fuzz_target!(|data: &[u8]| {
                 assert_eq!(HostName::parse(h.as_str()).as_ref(), Ok(h), "normalised");
             }
             assert_ne!(code, ResponseCode::NoError);
-            meta.response_code = code;
-            emit(
-                MessageResponseBuilder::new(&req.queries, None).build_no_records(meta),
-                id,
-            );
+            check(encode(&req, transport, &Reply::code(code)), id, max);
         }
         Decision::Resolve {
             name,
@@ -93,37 +94,40 @@ fuzz_target!(|data: &[u8]| {
             assert_eq!(direct_ports.is_empty(), name.as_str() == "allowed.test");
             let owner = Name::from_ascii(format!("{name}.")).unwrap();
             let now = Instant::now();
+            // A long CNAME chain, so small UDP payloads truncate.
+            let mut records = Vec::new();
+            let mut from = owner.clone();
+            for i in 0..(usize::from(t >> 1) % 24) {
+                let to = Name::from_ascii(format!("hop{i}.edge.cdn.test.")).unwrap();
+                records.push(Record::from_rdata(from, 60, RData::CNAME(CNAME(to.clone()))));
+                from = to;
+            }
+            records.push(Record::from_rdata(from, 60, RData::A(A::new(140, 82, 112, 3))));
             let names = NameRecords {
                 v4: Family::Records {
-                    records: vec![
-                        Record::from_rdata(
-                            owner.clone(),
-                            60,
-                            RData::CNAME(CNAME(Name::from_ascii("edge.cdn.test.").unwrap())),
-                        ),
-                        Record::from_rdata(
-                            Name::from_ascii("edge.cdn.test.").unwrap(),
-                            60,
-                            RData::A(A::new(140, 82, 112, 3)),
-                        ),
-                    ],
+                    records,
                     valid_until: now + Duration::from_secs(60),
                 },
                 v6: Family::NoData,
             };
             match plan(&POLICY, &names, record_type, now) {
                 Planned::Answer { records, .. } => {
-                    let none: [&Record; 0] = [];
-                    emit(
-                        MessageResponseBuilder::new(&req.queries, None).build(
-                            meta,
-                            records.iter(),
-                            none,
-                            none,
-                            none,
-                        ),
-                        id,
-                    );
+                    let reply = if fits(&req, transport, &records) {
+                        Reply {
+                            code: ResponseCode::NoError,
+                            records,
+                            truncated: false,
+                        }
+                    } else {
+                        assert_eq!(transport, Transport::Udp, "TCP takes any answer");
+                        Reply {
+                            truncated: true,
+                            ..Reply::code(ResponseCode::NoError)
+                        }
+                    };
+                    let back = check(encode(&req, transport, &reply), id, max);
+                    assert_eq!(back.metadata.truncation, reply.truncated);
+                    assert_eq!(back.answers.len(), reply.records.len());
                 }
                 Planned::NoData => assert_eq!(record_type, RecordType::AAAA),
                 other => panic!("unexpected plan {other:?}"),

@@ -1,38 +1,80 @@
-//! The hickory-server [`RequestHandler`] of one responder: [`decide`], resolve, [`plan`], report
-//! to the [`AnswerSink`], send. Every path answers or drops; none panics.
+//! One place per decision for both transports: the UDP batch loop ([`super::udp`]) and the
+//! DNS-over-TCP connections ([`super::tcp`]) call the same [`Core`] functions, in the same order:
+//!
+//! 1. [`Core::now`] — [`wire::read`], [`decide`], denial events, and, for an allowed name whose
+//!    records the resolver still caches, [`Core::finish`] at once: everything that needs no
+//!    network is answered here, synchronously.
+//! 2. Otherwise a [`Miss`]: [`Core::admit`] takes a slot of the in-flight bound (none left:
+//!    [`Core::servfail`]), and [`Core::resolve`] asks the resolver and calls [`Core::finish`].
+//!
+//! [`Core::finish`] is the only place that [`plan`]s an answer, decides truncation, reports to the
+//! [`AnswerSink`] (before the bytes exist, so before any client can see the addresses), emits the
+//! address denial, and counts the outcome. Every path answers or drops; none panics.
+use std::net::{IpAddr, SocketAddr};
 use std::sync::Arc;
 use std::time::Instant;
 
-use hickory_server::net::runtime::Time;
-use hickory_server::net::xfer::Protocol;
-use hickory_server::proto::op::{Edns, Header, HeaderCounts, Metadata, ResponseCode};
-use hickory_server::proto::rr::Record;
-use hickory_server::server::{Request, RequestHandler, ResponseHandler, ResponseInfo};
-use hickory_server::zone_handler::MessageResponseBuilder;
-use tokio::sync::Semaphore;
+use hickory_server::proto::op::ResponseCode;
+use hickory_server::proto::rr::RecordType;
+use hickory_server::server::Request;
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
 use super::answer::{Planned, plan};
 use super::decide::{Decision, Denied, decide};
+use super::wire::{self, Read, Reply, Transport};
 use super::{Answer, AnswerSink, DNS_PORT};
 use crate::events::{DenialEvent, Verdict};
-use crate::policy::DenyReason;
+use crate::metrics::{DnsCounters, DnsDrop, DnsOutcome};
 use crate::policy::name::HostName;
+use crate::policy::{CompiledPolicy, DenyReason};
 use crate::proxy::Shared;
+use crate::proxy::resolve::NameRecords;
 
-/// Largest UDP answer offered to EDNS clients (the DNS flag day 2020 value: no fragmentation).
-pub const MAX_UDP_PAYLOAD: u16 = 1232;
-/// Answers without EDNS (RFC 1035).
-const PLAIN_UDP_PAYLOAD: u16 = 512;
-
-pub(crate) struct Handler {
+pub(crate) struct Core {
     pub(crate) shared: Arc<Shared>,
     pub(crate) sink: Arc<dyn AnswerSink>,
-    /// Resolutions in flight on this responder (a flood of allowed names can't pile up tasks
-    /// without bound: beyond it, SERVFAIL at once).
+    /// Resolutions in flight on this responder (a flood of allowed, uncached names can't pile up
+    /// tasks without bound: beyond it, SERVFAIL at once).
     pub(crate) inflight: Arc<Semaphore>,
+    pub(crate) counters: Option<DnsCounters>,
 }
 
-impl Handler {
+/// An allowed name whose records are not cached: to be resolved, then [`Core::finish`]ed.
+pub(crate) struct Miss {
+    pub(crate) request: Box<Request>,
+    pending: Pending,
+}
+
+struct Pending {
+    policy: Arc<CompiledPolicy>,
+    name: HostName,
+    record_type: RecordType,
+    direct_ports: Vec<u16>,
+}
+
+/// What [`Core::now`] made of one message.
+pub(crate) enum Now {
+    /// Send these bytes.
+    Send(Vec<u8>),
+    /// Send nothing (counted).
+    Drop,
+    /// Needs the resolver.
+    Miss(Miss),
+}
+
+impl Core {
+    pub(crate) fn count(&self, outcome: DnsOutcome) {
+        if let Some(c) = &self.counters {
+            c.answer(outcome);
+        }
+    }
+
+    pub(crate) fn dropped(&self, reason: DnsDrop) {
+        if let Some(c) = &self.counters {
+            c.dropped(reason);
+        }
+    }
+
     /// A name the auditing policy would refuse, answered anyway.
     fn report(&self, host: &HostName, reason: DenyReason, verdict: Verdict) {
         self.shared.emit_denial(
@@ -48,7 +90,7 @@ impl Handler {
         );
     }
 
-    fn deny(&self, host: Option<&HostName>, ip: Option<std::net::IpAddr>, reason: DenyReason) {
+    fn deny(&self, host: Option<&HostName>, ip: Option<IpAddr>, reason: DenyReason) {
         self.shared.emit_denial(DenialEvent::proxy(
             &self.shared.name,
             host.map(|h| h.as_str().to_owned()),
@@ -58,69 +100,49 @@ impl Handler {
             reason.as_str(),
         ));
     }
-}
 
-/// Upper bound of the encoded size of a response with `records` (no name compression assumed):
-/// header, the question, and each record's owner name, fixed fields and data.
-fn size_bound(request: &Request, records: &[Record]) -> usize {
-    let question: usize = request
-        .queries
-        .queries()
-        .iter()
-        .map(|q| q.name().len() + 2 + 4)
-        .sum();
-    let answers: usize = records
-        .iter()
-        .map(|r| {
-            let data = match r.data.ip_addr() {
-                Some(std::net::IpAddr::V4(_)) => 4,
-                Some(std::net::IpAddr::V6(_)) => 16,
-                None => 255 + 2, // a CNAME target: at most one full name
-            };
-            r.name.len() + 2 + 10 + data
-        })
-        .sum();
-    // OPT record of the response.
-    12 + question + answers + 11
-}
-
-#[async_trait::async_trait]
-impl RequestHandler for Handler {
-    async fn handle_request<R: ResponseHandler, T: Time>(
-        &self,
-        request: &Request,
-        mut response: R,
-    ) -> ResponseInfo {
-        let mut meta = Metadata::response_from_request(&request.metadata);
-        meta.recursion_available = true;
-        let edns = request.edns.as_ref().map(|req| {
-            let mut e = Edns::new();
-            e.set_max_payload(req.max_payload().clamp(PLAIN_UDP_PAYLOAD, MAX_UDP_PAYLOAD));
-            e
-        });
-        let budget = match (request.protocol(), &edns) {
-            (Protocol::Udp, Some(e)) => usize::from(e.max_payload()),
-            (Protocol::Udp, None) => usize::from(PLAIN_UDP_PAYLOAD),
-            _ => usize::from(u16::MAX),
-        };
-        let mut builder = MessageResponseBuilder::new(&request.queries, None);
-        if let Some(e) = &edns {
-            builder.edns(e);
+    /// The encoded response, or nothing (counted) when it can't be encoded.
+    fn encode(&self, request: &Request, transport: Transport, reply: &Reply) -> Option<Vec<u8>> {
+        let out = wire::encode(request, transport, reply);
+        if out.is_none() {
+            self.dropped(DnsDrop::SendFailed);
         }
+        out
+    }
+
+    /// Step 1 for one message from `src`: everything that needs no network.
+    pub(crate) fn now(&self, bytes: &[u8], src: SocketAddr, transport: Transport) -> Now {
+        if !wire::answerable(src) {
+            self.dropped(DnsDrop::BadSource);
+            return Now::Drop;
+        }
+        let request = match wire::read(bytes, src, transport) {
+            Read::Message(r) => r,
+            Read::FormErr(out) => {
+                self.count(DnsOutcome::FormErr);
+                return Now::Send(out);
+            }
+            Read::Drop(why) => {
+                self.dropped(why);
+                return Now::Drop;
+            }
+        };
         let policy = self.shared.policy.load_full();
-        let (name, record_type, direct_ports) = match decide(&policy, request) {
+        let pending = match decide(&policy, &request) {
             Decision::Drop => {
-                return ResponseInfo::from(Header {
-                    metadata: meta,
-                    counts: HeaderCounts::default(),
-                });
+                self.dropped(DnsDrop::Response);
+                return Now::Drop;
             }
             Decision::Reply { code, denied } => {
                 if let Some(Denied { host, reason }) = denied {
                     self.deny(host.as_ref(), None, reason);
+                    self.count(DnsOutcome::Denied);
+                } else {
+                    self.count(DnsOutcome::FormErr);
                 }
-                meta.response_code = code;
-                return send(&mut response, builder.build_no_records(meta)).await;
+                return self
+                    .encode(&request, transport, &Reply::code(code))
+                    .map_or(Now::Drop, Now::Send);
             }
             Decision::Resolve {
                 name,
@@ -131,83 +153,117 @@ impl RequestHandler for Handler {
                 if let Some(reason) = would_deny {
                     self.report(&name, reason, Verdict::WouldDeny);
                 }
-                (name, record_type, direct_ports)
+                Pending {
+                    policy,
+                    name,
+                    record_type,
+                    direct_ports,
+                }
             }
         };
-        let Ok(_permit) = self.inflight.try_acquire() else {
+        match self.shared.ctx.resolver().cached_records(&pending.name) {
+            Some(names) => {
+                let reply = self.finish(&request, transport, &pending, &names);
+                self.encode(&request, transport, &reply)
+                    .map_or(Now::Drop, Now::Send)
+            }
+            None => Now::Miss(Miss { request, pending }),
+        }
+    }
+
+    /// A slot of the in-flight bound for one resolution, if one is free.
+    pub(crate) fn admit(&self) -> Option<OwnedSemaphorePermit> {
+        let permit = self.inflight.clone().try_acquire_owned().ok();
+        if permit.is_none() {
             tracing::debug!(policy = %self.shared.name, "dns: too many lookups in flight");
-            meta.response_code = ResponseCode::ServFail;
-            return send(&mut response, builder.build_no_records(meta)).await;
-        };
-        let names = self.shared.ctx.resolver().lookup_records(&name).await;
-        match plan(&policy, &names, record_type, Instant::now()) {
+        }
+        permit
+    }
+
+    /// SERVFAIL for a miss that got no slot.
+    pub(crate) fn servfail(&self, miss: &Miss, transport: Transport) -> Option<Vec<u8>> {
+        self.count(DnsOutcome::ServFail);
+        self.encode(
+            &miss.request,
+            transport,
+            &Reply::code(ResponseCode::ServFail),
+        )
+    }
+
+    /// Step 2: resolve a miss (the caller holds its slot) and answer it.
+    pub(crate) async fn resolve(&self, miss: &Miss, transport: Transport) -> Option<Vec<u8>> {
+        let names = self
+            .shared
+            .ctx
+            .resolver()
+            .lookup_records(&miss.pending.name)
+            .await;
+        let reply = self.finish(&miss.request, transport, &miss.pending, &names);
+        self.encode(&miss.request, transport, &reply)
+    }
+
+    /// The answer to an allowed name from its records: the address check, truncation, the sink
+    /// report, events and counters. The only place an answer is planned.
+    fn finish(
+        &self,
+        request: &Request,
+        transport: Transport,
+        pending: &Pending,
+        names: &NameRecords,
+    ) -> Reply {
+        let name = &pending.name;
+        match plan(&pending.policy, names, pending.record_type, Instant::now()) {
             Planned::Answer {
                 records,
                 addrs,
                 direct_addrs,
                 ttl,
             } => {
-                if size_bound(request, &records) > budget {
-                    // Too big for this UDP client: truncated, it retries over TCP.
-                    meta.truncation = true;
-                    return send(&mut response, builder.build_no_records(meta)).await;
+                if !wire::fits(request, transport, &records) {
+                    // Too big for this UDP client: truncated, it retries over TCP (and is
+                    // reported to the sink then, with the addresses it gets).
+                    self.count(DnsOutcome::Truncated);
+                    return Reply {
+                        truncated: true,
+                        ..Reply::code(ResponseCode::NoError)
+                    };
                 }
                 // Before the client can see the addresses (and connect to them).
                 self.sink.answered(&Answer {
                     policy: &self.shared.name,
                     identity: self.shared.identity.as_ref(),
                     client: request.src(),
-                    name: &name,
+                    name,
                     addrs: &addrs,
                     ttl,
-                    direct_ports: &direct_ports,
+                    direct_ports: &pending.direct_ports,
                     direct_addrs: &direct_addrs,
                 });
-                let none: [&Record; 0] = [];
-                let msg = builder.build(meta, records.iter(), none, none, none);
-                send(&mut response, msg).await
+                self.count(DnsOutcome::Allowed);
+                Reply {
+                    code: ResponseCode::NoError,
+                    records,
+                    truncated: false,
+                }
             }
-            Planned::NoData => send(&mut response, builder.build_no_records(meta)).await,
+            Planned::NoData => {
+                self.count(DnsOutcome::Empty);
+                Reply::code(ResponseCode::NoError)
+            }
             Planned::NxDomain => {
-                meta.response_code = ResponseCode::NXDomain;
-                send(&mut response, builder.build_no_records(meta)).await
+                self.count(DnsOutcome::Empty);
+                Reply::code(ResponseCode::NXDomain)
             }
             Planned::Denied { reason, ip } => {
-                self.deny(Some(&name), Some(ip), reason);
-                meta.response_code = ResponseCode::NXDomain;
-                send(&mut response, builder.build_no_records(meta)).await
+                self.deny(Some(name), Some(ip), reason);
+                self.count(DnsOutcome::Denied);
+                Reply::code(ResponseCode::NXDomain)
             }
             Planned::Failed(why) => {
                 tracing::debug!(policy = %self.shared.name, %name, why, "dns: lookup failed");
-                meta.response_code = ResponseCode::ServFail;
-                send(&mut response, builder.build_no_records(meta)).await
+                self.count(DnsOutcome::ServFail);
+                Reply::code(ResponseCode::ServFail)
             }
-        }
-    }
-}
-
-async fn send<'a, R: ResponseHandler>(
-    response: &mut R,
-    msg: hickory_server::zone_handler::MessageResponse<
-        '_,
-        'a,
-        impl Iterator<Item = &'a Record> + Send + 'a,
-        impl Iterator<Item = &'a Record> + Send + 'a,
-        impl Iterator<Item = &'a Record> + Send + 'a,
-        impl Iterator<Item = &'a Record> + Send + 'a,
-    >,
-) -> ResponseInfo {
-    let meta = *msg.metadata();
-    match response.send_response(msg).await {
-        Ok(info) => info,
-        Err(e) => {
-            tracing::debug!(error = %e, "dns: answer not delivered");
-            let mut m = meta;
-            m.response_code = ResponseCode::ServFail;
-            ResponseInfo::from(Header {
-                metadata: m,
-                counts: HeaderCounts::default(),
-            })
         }
     }
 }

@@ -3,7 +3,9 @@
 //! The kernel redirects a confined cgroup's UDP and TCP to port 53 (any address: Docker's
 //! `127.0.0.11`, the host's resolver, `8.8.8.8`) to the responder of that cgroup's own listener
 //! identity and restores the reply's source (see docs/architecture.md, "Transparent interception
-//! and DNS: kernel interface"). The responder ([`DnsResponder`], hickory-server) then, per query:
+//! and DNS: kernel interface"). The responder ([`DnsResponder`]) reads UDP in batches
+//! ([`udp`]: `recvmmsg`/`sendmmsg`) and TCP per connection ([`tcp`], bounded), parses with
+//! hickory ([`wire`]), and answers both through the same steps ([`handler`]), per query:
 //!
 //! 1. [`decide`] — before anything leaves the agent: one question, opcode QUERY, class IN, type A
 //!    or AAAA (else REFUSED, with a `dns-type-refused` denial event for other types/classes); the
@@ -27,14 +29,24 @@
 //! (other record types, classes, opcodes) and `deny_all` (a listener whose policy was reloaded to
 //! `deny_all`; such policies get no responder at bind time). Upstream failures are SERVFAIL.
 //!
-//! Malformed packets: fewer than 12 bytes are dropped; a header that parses but a body that
-//! doesn't gets FORMERR (both by hickory-server); responses (QR=1) are dropped; nothing panics
-//! (`fuzz/fuzz_targets/dns_query.rs` drives [`decide`] and the answer encoding with arbitrary
-//! bytes).
+//! What needs no network is answered on the UDP receive loop, synchronously: refusals, denials
+//! and allowed names whose records the resolver caches. A miss is resolved on a task of its own
+//! (at most `proxy.max_connections_per_listener` at once per responder; beyond it SERVFAIL) that
+//! sends its answer when done.
+//!
+//! Malformed packets: fewer than 12 bytes, or cut off by the 4 KiB receive buffer, are dropped; a
+//! header that parses but a body that doesn't gets FORMERR; responses (QR=1) are dropped; nothing
+//! panics (`fuzz/fuzz_targets/dns_query.rs` drives [`wire::read`], [`decide`], the answer plan
+//! and [`wire::encode`] with arbitrary bytes). Each outcome is counted (`dns_answers_total`,
+//! `dns_dropped_total`, see [`crate::metrics`]).
 pub mod answer;
+mod batch;
 pub mod decide;
 mod handler;
 pub mod responder;
+pub mod tcp;
+mod udp;
+pub mod wire;
 
 use std::net::{IpAddr, SocketAddr};
 use std::time::Duration;

@@ -1,21 +1,24 @@
-//! One responder's sockets: a UDP socket and a TCP listener on the proxy's listen IP, each on a
-//! kernel-chosen port, served by hickory-server with this listener identity's [`Handler`].
+//! One responder's sockets: a UDP socket ([`super::udp`], batched) and a TCP listener
+//! ([`super::tcp`], bounded) on the proxy's listen IP, each on a kernel-chosen port, both
+//! answering through this listener identity's [`Core`].
 use std::future::Future;
 use std::io;
 use std::net::{IpAddr, SocketAddr};
 use std::sync::Arc;
 use std::time::Duration;
 
-use hickory_server::Server;
 use tokio::net::{TcpListener, UdpSocket};
 use tokio::sync::Semaphore;
+use tokio_util::sync::CancellationToken;
 
 use super::AnswerSink;
-use super::handler::Handler;
+use super::handler::Core;
+use super::{tcp, udp};
 use crate::proxy::Shared;
 
-/// Response buffer per DNS-over-TCP connection (hickory-server's outgoing queue).
-const TCP_RESPONSE_BUFFER: usize = 32;
+/// Receive buffer asked for the UDP socket (the kernel caps it at `net.core.rmem_max`): a burst
+/// of queries from many clients waits here for the next batch instead of being dropped.
+pub const UDP_RECV_BUFFER: usize = 1 << 20;
 
 /// A bound, not yet running responder.
 pub struct DnsResponder {
@@ -23,7 +26,7 @@ pub struct DnsResponder {
     tcp: TcpListener,
     udp_addr: SocketAddr,
     tcp_addr: SocketAddr,
-    handler: Handler,
+    core: Arc<Core>,
     tcp_timeout: Duration,
 }
 
@@ -35,20 +38,25 @@ impl DnsResponder {
         sink: Arc<dyn AnswerSink>,
     ) -> io::Result<DnsResponder> {
         let udp = UdpSocket::bind(SocketAddr::new(ip, 0)).await?;
+        if let Err(e) = socket2::SockRef::from(&udp).set_recv_buffer_size(UDP_RECV_BUFFER) {
+            tracing::debug!(error = %e, "dns: keeping the default UDP receive buffer");
+        }
         let tcp = TcpListener::bind(SocketAddr::new(ip, 0)).await?;
         let limits = shared.ctx.limits();
         let tcp_timeout = limits.header_timeout;
         let inflight = Arc::new(Semaphore::new(limits.max_connections_per_listener));
+        let counters = shared.ctx.metrics().map(|m| m.dns_counters(&shared.name));
         Ok(DnsResponder {
             udp_addr: udp.local_addr()?,
             tcp_addr: tcp.local_addr()?,
             udp,
             tcp,
-            handler: Handler {
+            core: Arc::new(Core {
                 shared,
                 sink,
                 inflight,
-            },
+                counters,
+            }),
             tcp_timeout,
         })
     }
@@ -64,22 +72,22 @@ impl DnsResponder {
     /// Serve until `shutdown` completes. A DNS-over-TCP connection idle for
     /// `proxy.header_timeout_ms` is closed.
     pub async fn run(self, shutdown: impl Future<Output = ()>) {
-        let name = self.handler.shared.name.clone();
-        let mut server = Server::new(self.handler);
-        server.register_socket(self.udp);
-        server.register_listener(self.tcp, self.tcp_timeout, TCP_RESPONSE_BUFFER);
-        tracing::debug!(policy = %name, udp = %self.udp_addr, tcp = %self.tcp_addr, "dns responder listening");
-        let token = server.shutdown_token().clone();
-        tokio::select! {
-            r = server.block_until_done() => {
-                if let Err(e) = r {
-                    tracing::warn!(policy = %name, error = %e, "dns responder stopped");
-                }
-            }
-            () = shutdown => {
-                token.cancel();
-                server.block_until_done().await.ok();
-            }
-        }
+        let stop = CancellationToken::new();
+        tracing::debug!(policy = %self.core.shared.name, udp = %self.udp_addr, tcp = %self.tcp_addr, "dns responder listening");
+        let udp = tokio::spawn(udp::serve(
+            Arc::new(self.udp),
+            self.core.clone(),
+            stop.clone(),
+        ));
+        let tcp = tokio::spawn(tcp::serve(
+            self.tcp,
+            self.core,
+            self.tcp_timeout,
+            stop.clone(),
+        ));
+        shutdown.await;
+        stop.cancel();
+        udp.await.ok();
+        tcp.await.ok();
     }
 }

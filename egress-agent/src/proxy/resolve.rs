@@ -254,6 +254,12 @@ impl DnsResolver {
         fresh
     }
 
+    /// The [`DnsResolver::lookup_records`] answer for `name` if it is still cached, without
+    /// waiting: the DNS responder answers such queries on its receive loop.
+    pub fn cached_records(&self, name: &HostName) -> Option<Arc<NameRecords>> {
+        self.records.get(name, Instant::now())
+    }
+
     async fn lookup_records_uncached(&self, name: &HostName) -> NameRecords {
         let fqdn = match Name::from_ascii(format!("{}.", name.as_str())) {
             Ok(n) => n,

@@ -7,11 +7,15 @@
 //! this process (pinned to CPU 0) to the peer (pinned to CPU 1): answers/s and the peer's CPU time
 //! per answer (from /proc/PID/stat), for allowed names (A, cached) and for denied names. Peer
 //! `floor` is no DNS server: one thread doing only the `recv` + `send` of each query (it flips the
-//! response bit and sets the code), so its CPU per answer is what any UDP responder pays here. It
-//! prints medians and the ratios agent/dnsmasq and floor/dnsmasq; it asserts nothing.
+//! response bit and sets the code), so its CPU per answer is what any UDP responder pays here.
+//! Peer `mmsg` is the same floor with batches: one blocking `recvmmsg` (up to 32 datagrams, back
+//! as soon as one is there) and one `sendmmsg` per batch — the least a batched responder pays. It
+//! prints medians and the ratios to dnsmasq; it asserts nothing.
 //!
 //! Usage: `dns-bench [--quick] [--rounds N] [--secs N] [--clients N] [--loads allowed,denied]
-//!         [--agent PATH (ignored)]`.
+//!         [--agent PATH (ignored)] [--before PATH]`. `--before` names another build of this
+//! benchmark (e.g. from the previous commit): its `serve` runs as one more peer, `before`, so an
+//! old and a new responder are measured in the same run.
 //! Internal: `dns-bench serve CONFIG OUT` runs the agent's responder for policy `bench` (with the
 //! daemon's shape: a metrics registry, one worker thread, an `AnswerSink` that counts).
 #![forbid(unsafe_code)]
@@ -39,6 +43,8 @@ struct Opts {
     clients: usize,
     /// `--loads allowed,denied` (default both), e.g. to profile one path.
     loads: Vec<String>,
+    /// `--before PATH`: another dns-bench build whose responder runs as peer `before`.
+    before: Option<PathBuf>,
 }
 
 fn main() -> Result<()> {
@@ -48,6 +54,12 @@ fn main() -> Result<()> {
             bail!("usage: dns-bench floor OUT")
         };
         return floor(Path::new(out));
+    }
+    if args.first().map(String::as_str) == Some("mmsg") {
+        let Some(out) = args.get(1) else {
+            bail!("usage: dns-bench mmsg OUT")
+        };
+        return floor_mmsg(Path::new(out));
     }
     if args.first().map(String::as_str) == Some("serve") {
         let (Some(cfg), Some(out)) = (args.get(1), args.get(2)) else {
@@ -67,6 +79,11 @@ fn main() -> Result<()> {
         rounds: flag("--rounds").unwrap_or(if quick { 1 } else { 3 }),
         secs: if quick { 1.0 } else { 3.0 },
         clients: flag("--clients").unwrap_or(32),
+        before: args
+            .iter()
+            .position(|a| a == "--before")
+            .and_then(|i| args.get(i + 1))
+            .map(PathBuf::from),
         loads: args
             .iter()
             .position(|a| a == "--loads")
@@ -151,13 +168,65 @@ fn floor(out: &Path) -> Result<()> {
     let mut buf = [0u8; 1500];
     loop {
         let (n, from) = s.recv_from(&mut buf)?;
-        if n < 12 {
-            continue;
+        if floor_answer(&mut buf[..n]) {
+            s.send_to(&buf[..n], from)?;
         }
-        let bench = buf[12..n].windows(5).any(|w| w == b"bench");
-        buf[2] |= 0x80;
-        buf[3] = (buf[3] & 0xf0) | if bench { 0 } else { 3 };
-        s.send_to(&buf[..n], from)?;
+    }
+}
+
+/// Flip a query into the floor's answer in place: response bit, NOERROR for `bench` names,
+/// NXDOMAIN otherwise.
+fn floor_answer(buf: &mut [u8]) -> bool {
+    if buf.len() < 12 {
+        return false;
+    }
+    let bench = buf[12..].windows(5).any(|w| w == b"bench");
+    buf[2] |= 0x80;
+    buf[3] = (buf[3] & 0xf0) | if bench { 0 } else { 3 };
+    true
+}
+
+/// The batched floor: `recvmmsg` (blocking until one datagram is there, then taking what else
+/// waits, up to 32) and one `sendmmsg` of the answers.
+fn floor_mmsg(out: &Path) -> Result<()> {
+    use nix::sys::socket::{
+        ControlMessage, MsgFlags, MultiHeaders, SockaddrStorage, recvmmsg, sendmmsg,
+    };
+    use std::io::{IoSlice, IoSliceMut};
+    use std::os::fd::AsRawFd;
+    const BATCH: usize = 32;
+    let s = std::net::UdpSocket::bind("127.0.0.1:0")?;
+    let tmp = out.with_extension("tmp");
+    std::fs::write(&tmp, format!("dns {}\n", s.local_addr()?))?;
+    std::fs::rename(&tmp, out)?;
+    let fd = s.as_raw_fd();
+    let mut bufs = vec![[0u8; 1500]; BATCH];
+    let mut rx = MultiHeaders::<SockaddrStorage>::preallocate(BATCH, None);
+    let mut tx = MultiHeaders::<SockaddrStorage>::preallocate(BATCH, None);
+    loop {
+        let mut got: Vec<(usize, Option<SockaddrStorage>)> = Vec::with_capacity(BATCH);
+        {
+            let mut iovs: Vec<[IoSliceMut<'_>; 1]> =
+                bufs.iter_mut().map(|b| [IoSliceMut::new(b)]).collect();
+            let res = recvmmsg(fd, &mut rx, iovs.iter_mut(), MsgFlags::MSG_WAITFORONE, None)?;
+            got.extend(res.map(|m| (m.bytes, m.address)));
+        }
+        let mut addrs = Vec::with_capacity(got.len());
+        let mut lens = Vec::with_capacity(got.len());
+        for (i, (n, from)) in got.iter().enumerate() {
+            if floor_answer(&mut bufs[i][..*n]) {
+                addrs.push(*from);
+                lens.push((i, *n));
+            }
+        }
+        let iovs: Vec<[IoSlice<'_>; 1]> = lens
+            .iter()
+            .map(|(i, n)| [IoSlice::new(&bufs[*i][..*n])])
+            .collect();
+        let none: [ControlMessage<'_>; 0] = [];
+        if !iovs.is_empty() {
+            sendmmsg(fd, &mut tx, &iovs, &addrs, none, MsgFlags::empty())?;
+        }
     }
 }
 
@@ -209,22 +278,27 @@ fn start_dnsmasq_peer(dir: &Path, upstream: SocketAddr) -> Result<Server> {
     })
 }
 
-fn start_floor(dir: &Path) -> Result<Server> {
-    let out = dir.join("floor.addrs");
-    let log = dir.join("floor.log");
+fn start_floor(dir: &Path, name: &'static str) -> Result<Server> {
+    let out = dir.join(format!("{name}.addrs"));
+    let log = dir.join(format!("{name}.log"));
     let me = std::env::current_exe()?;
     let argv = vec![
         me.display().to_string(),
-        "floor".to_owned(),
+        name.to_owned(),
         out.display().to_string(),
     ];
-    let mut peer = Peer::spawn("floor", 1, &argv, &log)?;
+    let mut peer = Peer::spawn(name, 1, &argv, &log)?;
     let addr = wait_addr(&mut peer, &out, "dns", &log)?;
     Ok(Server { peer, addr })
 }
 
-fn start_agent(dir: &Path, upstream: SocketAddr) -> Result<Server> {
-    let cfg = dir.join("agent.toml");
+fn start_agent(
+    dir: &Path,
+    upstream: SocketAddr,
+    exe: &Path,
+    name: &'static str,
+) -> Result<Server> {
+    let cfg = dir.join(format!("{name}.toml"));
     let hosts = dir.join("hosts");
     std::fs::write(&hosts, "")?;
     std::fs::write(
@@ -241,16 +315,15 @@ allow_hosts = ["*.bench.test"]
             hosts = hosts.display()
         ),
     )?;
-    let out = dir.join("agent.addrs");
-    let log = dir.join("agent.log");
-    let me = std::env::current_exe()?;
+    let out = dir.join(format!("{name}.addrs"));
+    let log = dir.join(format!("{name}.log"));
     let argv = vec![
-        me.display().to_string(),
+        exe.display().to_string(),
         "serve".to_owned(),
         cfg.display().to_string(),
         out.display().to_string(),
     ];
-    let mut peer = Peer::spawn("agent", 1, &argv, &log)?;
+    let mut peer = Peer::spawn(name, 1, &argv, &log)?;
     let addr = wait_addr(&mut peer, &out, "dns", &log)?;
     Ok(Server { peer, addr })
 }
@@ -379,11 +452,14 @@ async fn run(o: Opts) -> Result<()> {
     let allowed = Arc::new(queries("bench.test")?);
     let denied = Arc::new(queries("denied.test")?);
     ready(upstream, &allowed[0]).await?;
-    let servers = [
-        start_agent(&dir, upstream)?,
-        start_dnsmasq_peer(&dir, upstream)?,
-        start_floor(&dir)?,
-    ];
+    let me = std::env::current_exe()?;
+    let mut servers = vec![start_agent(&dir, upstream, &me, "agent")?];
+    if let Some(before) = &o.before {
+        servers.push(start_agent(&dir, upstream, before, "before")?);
+    }
+    servers.push(start_dnsmasq_peer(&dir, upstream)?);
+    servers.push(start_floor(&dir, "floor")?);
+    servers.push(start_floor(&dir, "mmsg")?);
     for s in &servers {
         ready(s.addr, &allowed[0]).await?;
         // Warm-up: every allowed name once (fills the caches), then a short burst.
@@ -450,14 +526,21 @@ async fn run(o: Opts) -> Result<()> {
         o.clients,
         NAMES
     );
-    println!(
-        "| {:<30} | {:>9} | {:>9} | {:>9} | {:>13} | {:>13} |",
-        "metric", "agent", "dnsmasq", "floor", "agent/dnsmasq", "floor/dnsmasq"
-    );
-    println!(
-        "|{:-<32}|{:-<11}|{:-<11}|{:-<11}|{:-<15}|{:-<15}|",
-        "", "", "", "", "", ""
-    );
+    let peers: Vec<&str> = servers.iter().map(|s| s.peer.name).collect();
+    let others: Vec<&str> = peers.iter().copied().filter(|p| *p != "dnsmasq").collect();
+    let mut head = format!("| {:<30} |", "metric");
+    let mut rule = format!("|{:-<32}|", "");
+    for p in &peers {
+        head.push_str(&format!(" {p:>9} |"));
+        rule.push_str(&format!("{:-<11}|", ""));
+    }
+    for p in &others {
+        let h = format!("{p}/dnsmasq");
+        head.push_str(&format!(" {h:>15} |"));
+        rule.push_str(&format!("{:-<17}|", ""));
+    }
+    println!("{head}");
+    println!("{rule}");
     for k in [
         "answers/s, allowed (cached)",
         "answers/s, denied (NXDOMAIN)",
@@ -477,15 +560,14 @@ async fn run(o: Opts) -> Result<()> {
             (Some(a), Some(d)) if *d > 0.0 => format!("{:.2}", a / d),
             _ => "-".to_owned(),
         };
-        println!(
-            "| {:<30} | {:>9} | {:>9} | {:>9} | {:>13} | {:>13} |",
-            k,
-            cell("agent"),
-            cell("dnsmasq"),
-            cell("floor"),
-            ratio("agent"),
-            ratio("floor")
-        );
+        let mut line = format!("| {k:<30} |");
+        for p in &peers {
+            line.push_str(&format!(" {:>9} |", cell(p)));
+        }
+        for p in &others {
+            line.push_str(&format!(" {:>15} |", ratio(p)));
+        }
+        println!("{line}");
     }
     if wrong > 0 {
         println!("({wrong} queries timed out or got an unexpected answer)");

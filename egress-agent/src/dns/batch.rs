@@ -1,0 +1,180 @@
+//! Many datagrams per system call: `recvmmsg(2)` and `sendmmsg(2)` through nix's safe wrappers
+//! (no `unsafe` here). Non-blocking (`MSG_DONTWAIT`): the caller runs them inside tokio's
+//! readiness (`UdpSocket::try_io`), so `WouldBlock` clears the socket's readiness as usual.
+use std::io::{self, IoSlice, IoSliceMut};
+use std::net::SocketAddr;
+use std::os::fd::RawFd;
+
+use nix::sys::socket::{
+    ControlMessage, MsgFlags, MultiHeaders, SockaddrStorage, recvmmsg, sendmmsg,
+};
+
+/// Most datagrams per system call.
+pub const BATCH: usize = 32;
+/// Receive buffer per datagram: a query larger than this is cut off (and dropped as malformed);
+/// hickory-server's UDP buffer is the same size.
+pub const DATAGRAM: usize = 4096;
+
+/// One received datagram's place in a [`RecvBatch`].
+#[derive(Debug, Clone, Copy)]
+pub struct Received {
+    pub len: usize,
+    /// `None`: not an IPv4/IPv6 source.
+    pub src: Option<SocketAddr>,
+    /// The datagram was larger than [`DATAGRAM`] (`MSG_TRUNC`).
+    pub cut: bool,
+}
+
+fn socket_addr(s: &SockaddrStorage) -> Option<SocketAddr> {
+    if let Some(v4) = s.as_sockaddr_in() {
+        return Some(SocketAddr::V4((*v4).into()));
+    }
+    s.as_sockaddr_in6().map(|v6| SocketAddr::V6((*v6).into()))
+}
+
+/// Buffers for one `recvmmsg` call, reused from call to call.
+pub struct RecvBatch {
+    bufs: Vec<u8>,
+    got: Vec<Received>,
+}
+
+impl Default for RecvBatch {
+    fn default() -> Self {
+        RecvBatch {
+            bufs: vec![0; BATCH * DATAGRAM],
+            got: Vec::with_capacity(BATCH),
+        }
+    }
+}
+
+impl RecvBatch {
+    /// Receive up to [`BATCH`] datagrams waiting on `fd` without blocking; how many.
+    pub fn recv(&mut self, fd: RawFd) -> io::Result<usize> {
+        self.got.clear();
+        let mut headers = MultiHeaders::<SockaddrStorage>::preallocate(BATCH, None);
+        let mut iovs: Vec<[IoSliceMut<'_>; 1]> = self
+            .bufs
+            .chunks_mut(DATAGRAM)
+            .map(|c| [IoSliceMut::new(c)])
+            .collect();
+        let results = recvmmsg(
+            fd,
+            &mut headers,
+            iovs.iter_mut(),
+            MsgFlags::MSG_DONTWAIT,
+            None,
+        )
+        .map_err(io::Error::from)?;
+        for m in results {
+            self.got.push(Received {
+                len: m.bytes.min(DATAGRAM),
+                src: m.address.as_ref().and_then(socket_addr),
+                cut: m.flags.contains(MsgFlags::MSG_TRUNC),
+            });
+        }
+        Ok(self.got.len())
+    }
+
+    /// The datagrams of the last [`RecvBatch::recv`].
+    pub fn iter(&self) -> impl Iterator<Item = (Received, &[u8])> + '_ {
+        self.got
+            .iter()
+            .enumerate()
+            .map(|(i, r)| (*r, &self.bufs[i * DATAGRAM..i * DATAGRAM + r.len]))
+    }
+}
+
+/// Answers waiting to go out in one `sendmmsg` call.
+#[derive(Default)]
+pub struct SendBatch {
+    out: Vec<(Vec<u8>, SocketAddr)>,
+}
+
+impl SendBatch {
+    pub fn push(&mut self, bytes: Vec<u8>, to: SocketAddr) {
+        self.out.push((bytes, to));
+    }
+
+    pub fn len(&self) -> usize {
+        self.out.len()
+    }
+
+    /// Send the queued answers from index `from` without blocking; how many went out (at least
+    /// one, or an error for the first of them).
+    pub fn send(&self, fd: RawFd, from: usize) -> io::Result<usize> {
+        let rest = self.out.get(from..).unwrap_or_default();
+        if rest.is_empty() {
+            return Ok(0);
+        }
+        let n = rest.len().min(BATCH);
+        let mut headers = MultiHeaders::<SockaddrStorage>::preallocate(n, None);
+        let iovs: Vec<[IoSlice<'_>; 1]> =
+            rest[..n].iter().map(|(b, _)| [IoSlice::new(b)]).collect();
+        let addrs: Vec<Option<SockaddrStorage>> = rest[..n]
+            .iter()
+            .map(|(_, to)| Some(SockaddrStorage::from(*to)))
+            .collect();
+        let none: [ControlMessage<'_>; 0] = [];
+        let sent = sendmmsg(
+            fd,
+            &mut headers,
+            &iovs,
+            &addrs,
+            none,
+            MsgFlags::MSG_DONTWAIT,
+        )
+        .map_err(io::Error::from)?;
+        Ok(sent.count())
+    }
+
+    pub fn clear(&mut self) {
+        self.out.clear();
+    }
+}
+
+#[cfg(test)]
+#[expect(clippy::unwrap_used, reason = "test assertions")]
+mod tests {
+    use super::*;
+    use std::os::fd::AsRawFd;
+
+    #[test]
+    fn a_batch_in_and_out_keeps_sources_and_cut_datagrams_are_flagged() {
+        let server = std::net::UdpSocket::bind("127.0.0.1:0").unwrap();
+        let clients: Vec<_> = (0..3)
+            .map(|_| std::net::UdpSocket::bind("127.0.0.1:0").unwrap())
+            .collect();
+        for (i, c) in clients.iter().enumerate() {
+            c.send_to(&[i as u8; 20], server.local_addr().unwrap())
+                .unwrap();
+        }
+        clients[0]
+            .send_to(&vec![9u8; DATAGRAM + 10], server.local_addr().unwrap())
+            .unwrap();
+        let mut rx = RecvBatch::default();
+        let mut got = Vec::new();
+        while got.len() < 4 {
+            match rx.recv(server.as_raw_fd()) {
+                Ok(_) => got.extend(rx.iter().map(|(r, b)| (r, b.to_vec()))),
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => std::thread::yield_now(),
+                Err(e) => panic!("{e}"),
+            }
+        }
+        for (i, (r, b)) in got.iter().take(3).enumerate() {
+            assert_eq!(r.src, Some(clients[i].local_addr().unwrap()));
+            assert_eq!((r.len, r.cut, b[0]), (20, false, i as u8));
+        }
+        assert!(got[3].0.cut, "{:?}", got[3].0);
+        let mut tx = SendBatch::default();
+        for (r, b) in got.iter().take(3) {
+            tx.push(b.clone(), r.src.unwrap());
+        }
+        assert_eq!(tx.send(server.as_raw_fd(), 0).unwrap(), 3);
+        assert_eq!(tx.send(server.as_raw_fd(), 3).unwrap(), 0);
+        for (i, c) in clients.iter().enumerate() {
+            let mut b = [0u8; 64];
+            let n = c.recv(&mut b).unwrap();
+            assert_eq!(&b[..n], &[i as u8; 20]);
+        }
+    }
+}

@@ -1,0 +1,111 @@
+//! The responder's UDP loop: a batch of queries per `recvmmsg`, each answered on the loop when no
+//! network is needed ([`Core::now`]: denied names, refused types, malformed queries, allowed
+//! names whose records are cached), the answers of the batch sent with one `sendmmsg`. A miss
+//! takes a slot of the in-flight bound and is resolved on a task of its own, which sends its
+//! answer when done; without a slot it is SERVFAIL in the same batch. Hits keep flowing while
+//! misses resolve.
+use std::io;
+use std::os::fd::AsRawFd;
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::io::Interest;
+use tokio::net::UdpSocket;
+use tokio_util::sync::CancellationToken;
+
+use super::batch::{RecvBatch, SendBatch};
+use super::handler::{Core, Now};
+use super::wire::Transport;
+use crate::metrics::DnsDrop;
+
+/// Pause after a receive error that is not `WouldBlock` (the socket stays readable: without it
+/// the loop would spin).
+const ERROR_BACKOFF: Duration = Duration::from_millis(10);
+
+pub(crate) async fn serve(socket: Arc<UdpSocket>, core: Arc<Core>, stop: CancellationToken) {
+    let fd = socket.as_raw_fd();
+    let mut rx = RecvBatch::default();
+    let mut tx = SendBatch::default();
+    loop {
+        if stop.is_cancelled() {
+            return;
+        }
+        tokio::select! {
+            biased;
+            r = socket.readable() => {
+                if let Err(e) = r {
+                    tracing::warn!(policy = %core.shared.name, error = %e, "dns responder: UDP socket failed");
+                    return;
+                }
+            }
+            () = stop.cancelled() => return,
+        }
+        match socket.try_io(Interest::READABLE, || rx.recv(fd)) {
+            Ok(_) => {}
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => continue,
+            Err(e) => {
+                tracing::debug!(policy = %core.shared.name, error = %e, "dns: receive failed");
+                tokio::time::sleep(ERROR_BACKOFF).await;
+                continue;
+            }
+        }
+        for (r, bytes) in rx.iter() {
+            let Some(src) = r.src else {
+                core.dropped(DnsDrop::BadSource);
+                continue;
+            };
+            if r.cut {
+                core.dropped(DnsDrop::Malformed);
+                continue;
+            }
+            match core.now(bytes, src, Transport::Udp) {
+                Now::Send(out) => tx.push(out, src),
+                Now::Drop => {}
+                Now::Miss(miss) => match core.admit() {
+                    Some(permit) => {
+                        let (core, socket) = (core.clone(), socket.clone());
+                        tokio::spawn(async move {
+                            let out = core.resolve(&miss, Transport::Udp).await;
+                            drop(permit);
+                            if let Some(out) = out
+                                && let Err(e) = socket.send_to(&out, src).await
+                            {
+                                tracing::debug!(error = %e, "dns: answer not delivered");
+                                core.dropped(DnsDrop::SendFailed);
+                            }
+                        });
+                    }
+                    None => {
+                        if let Some(out) = core.servfail(&miss, Transport::Udp) {
+                            tx.push(out, src);
+                        }
+                    }
+                },
+            }
+        }
+        flush(&socket, &core, &mut tx).await;
+    }
+}
+
+/// Send every queued answer: in `sendmmsg` batches, waiting for the socket when its buffer is
+/// full; an answer the kernel refuses is dropped (counted), the rest still go.
+async fn flush(socket: &UdpSocket, core: &Core, tx: &mut SendBatch) {
+    let fd = socket.as_raw_fd();
+    let mut at = 0;
+    while at < tx.len() {
+        match socket.try_io(Interest::WRITABLE, || tx.send(fd, at)) {
+            Ok(n) => at += n.max(1),
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
+                if socket.writable().await.is_err() {
+                    break;
+                }
+            }
+            Err(e) => {
+                tracing::debug!(error = %e, "dns: answer not delivered");
+                core.dropped(DnsDrop::SendFailed);
+                at += 1;
+            }
+        }
+    }
+    tx.clear();
+}

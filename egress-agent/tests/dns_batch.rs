@@ -1,0 +1,532 @@
+//! The responder's batched UDP path and bounded DNS-over-TCP on loopback (no root): many clients
+//! at once, bursts larger than one `recvmmsg` batch (32), malformed datagrams inside a batch,
+//! truncation (TC) and the TCP retry, a slow upstream lookup that doesn't hold up cached answers,
+//! the answer sink hearing every allowed answer on both transports, the TCP connection bound, and
+//! the DNS metrics. The upstream is a resolver the test controls (it can hold an answer until
+//! released, and logs every name it is asked), so each test checks what arrived upstream too.
+#![expect(clippy::unwrap_used, reason = "test assertions")]
+
+mod proxy_support;
+
+use std::collections::HashMap;
+use std::net::{IpAddr, SocketAddr};
+use std::path::Path;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use egress_agent::config::Config;
+use egress_agent::dns::tcp::MAX_TCP_CONNECTIONS;
+use egress_agent::dns::{Answer, AnswerSink};
+use egress_agent::events::EventSink;
+use egress_agent::metrics::Metrics;
+use egress_agent::proxy::original_dst::StaticOriginalDst;
+use egress_agent::proxy::{InterceptHooks, PolicyProxy, ProxyContext};
+use hickory_server::proto::op::{Edns, Message, OpCode, Query, ResponseCode};
+use hickory_server::proto::rr::rdata::A;
+use hickory_server::proto::rr::{Name, RData, Record, RecordType};
+use proxy_support::{TempDir, temp_dir};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpStream, UdpSocket};
+use tokio::sync::watch;
+
+const T: Duration = Duration::from_secs(5);
+/// Names in the hosts file with this many addresses: too big for a 512-byte answer.
+const BIG: usize = 40;
+
+/// The agent's upstream nameserver: NOERROR without records for every name, except `slow.*`
+/// names, answered A 140.82.112.7 only once `release` turns true.
+struct Upstream {
+    addr: SocketAddr,
+    release: watch::Sender<bool>,
+    asked: Arc<Mutex<Vec<String>>>,
+}
+
+async fn upstream() -> Upstream {
+    let s = Arc::new(UdpSocket::bind("127.0.0.1:0").await.unwrap());
+    let addr = s.local_addr().unwrap();
+    let (release, rx) = watch::channel(false);
+    let asked = Arc::new(Mutex::new(Vec::new()));
+    let log = asked.clone();
+    tokio::spawn(async move {
+        let mut buf = [0u8; 1500];
+        loop {
+            let Ok((n, from)) = s.recv_from(&mut buf).await else {
+                return;
+            };
+            let Ok(q) = Message::from_vec(&buf[..n]) else {
+                continue;
+            };
+            let Some(query) = q.queries.first().cloned() else {
+                continue;
+            };
+            let name = query.name().to_ascii().to_ascii_lowercase();
+            log.lock()
+                .unwrap()
+                .push(format!("{name} {}", query.query_type()));
+            let mut r = Message::response(q.metadata.id, OpCode::Query);
+            r.metadata.recursion_desired = q.metadata.recursion_desired;
+            r.metadata.recursion_available = true;
+            r.add_query(query.clone());
+            let slow = name.ends_with(".slow.test.");
+            if slow && query.query_type() == RecordType::A {
+                r.add_answer(Record::from_rdata(
+                    query.name().clone(),
+                    60,
+                    RData::A(A::new(140, 82, 112, 7)),
+                ));
+            }
+            let (s, mut rx) = (s.clone(), rx.clone());
+            tokio::spawn(async move {
+                if slow {
+                    rx.wait_for(|go| *go).await.ok();
+                }
+                s.send_to(&r.to_vec().unwrap(), from).await.ok();
+            });
+        }
+    });
+    Upstream {
+        addr,
+        release,
+        asked,
+    }
+}
+
+#[derive(Default)]
+struct Recorder {
+    heard: Mutex<Vec<(String, Vec<IpAddr>)>>,
+    n: AtomicUsize,
+}
+
+impl AnswerSink for Recorder {
+    fn answered(&self, a: &Answer<'_>) {
+        self.n.fetch_add(1, Ordering::SeqCst);
+        self.heard
+            .lock()
+            .unwrap()
+            .push((a.name.to_string(), a.addrs.to_vec()));
+    }
+}
+
+struct Fixture {
+    up: Upstream,
+    events: EventSink,
+    sink: Arc<Recorder>,
+    metrics: Arc<Metrics>,
+    udp: SocketAddr,
+    tcp: SocketAddr,
+    _dir: TempDir,
+}
+
+async fn fixture() -> Fixture {
+    let dir = temp_dir();
+    let up = upstream().await;
+    let hosts = dir.join("hosts");
+    let mut text = String::new();
+    for i in 0..8 {
+        text.push_str(&format!("140.82.112.{} h{i}.hit.test\n", 10 + i));
+    }
+    for i in 0..BIG {
+        text.push_str(&format!("140.82.113.{} big.test\n", 10 + i));
+    }
+    std::fs::write(&hosts, text).unwrap();
+    let toml = format!(
+        r#"
+[dns]
+nameservers = ["{up}"]
+hosts_file = "{hosts}"
+timeout_ms = 5000
+attempts = 1
+
+[policies.test]
+allow_hosts = ["*.hit.test", "big.test", "*.slow.test"]
+"#,
+        up = up.addr,
+        hosts = hosts.display()
+    );
+    let config = Arc::new(Config::from_toml_str(&toml, Path::new("test.toml")).unwrap());
+    let events = EventSink::new(4096);
+    let sink = Arc::new(Recorder::default());
+    let metrics = Arc::new(Metrics::new());
+    let ctx = ProxyContext::new(&config, events.clone())
+        .unwrap()
+        .with_metrics(metrics.clone())
+        .with_interception(InterceptHooks {
+            original_dst: Arc::new(StaticOriginalDst::default()),
+            answers: sink.clone(),
+        });
+    let proxy = PolicyProxy::bind(
+        "127.0.0.1:0".parse().unwrap(),
+        "test".to_owned(),
+        Arc::new(config.policy("test").unwrap().clone()),
+        ctx,
+    )
+    .await
+    .unwrap();
+    let a = proxy.intercept_addrs().unwrap();
+    tokio::spawn(proxy.run(std::future::pending()));
+    Fixture {
+        up,
+        events,
+        sink,
+        metrics,
+        udp: a.dns_udp.unwrap(),
+        tcp: a.dns_tcp.unwrap(),
+        _dir: dir,
+    }
+}
+
+fn query(id: u16, name: &str, rt: RecordType, edns: Option<u16>) -> Vec<u8> {
+    let mut m = Message::query();
+    m.metadata.id = id;
+    m.metadata.recursion_desired = true;
+    m.add_query(Query::query(Name::from_ascii(name).unwrap(), rt));
+    if let Some(p) = edns {
+        let mut e = Edns::new();
+        e.set_max_payload(p);
+        m.set_edns(e);
+    }
+    m.to_vec().unwrap()
+}
+
+async fn client() -> UdpSocket {
+    UdpSocket::bind("127.0.0.1:0").await.unwrap()
+}
+
+async fn recv(s: &UdpSocket) -> Option<Message> {
+    let mut b = vec![0u8; 65_535];
+    let n = tokio::time::timeout(T, s.recv(&mut b)).await.ok()?.unwrap();
+    Some(Message::from_vec(&b[..n]).unwrap())
+}
+
+/// `(id, code, answers)` of every reply arriving on `s` until `n` have come (or a timeout).
+async fn replies(s: &UdpSocket, n: usize) -> HashMap<u16, (ResponseCode, usize)> {
+    let mut got = HashMap::new();
+    while got.len() < n {
+        let Some(m) = recv(s).await else { break };
+        got.insert(m.metadata.id, (m.metadata.response_code, m.answers.len()));
+    }
+    got
+}
+
+/// The value of one `dns_answers_total` / `dns_dropped_total` series.
+fn metric(m: &Metrics, name: &str, label: &str) -> u64 {
+    let text = m.encode().unwrap();
+    let key = format!("egress_agent_{name}_total{{policy=\"test\",{label}}} ");
+    text.lines()
+        .find_map(|l| l.strip_prefix(&key))
+        .unwrap_or_else(|| panic!("no {key} in\n{text}"))
+        .trim()
+        .parse()
+        .unwrap()
+}
+
+/// Warm the cache for the `hit.test` names (their first query is a miss, resolved on a task).
+async fn warm(f: &Fixture) {
+    let s = client().await;
+    for i in 0..8u16 {
+        s.send_to(
+            &query(i, &format!("h{i}.hit.test."), RecordType::A, None),
+            f.udp,
+        )
+        .await
+        .unwrap();
+    }
+    let got = replies(&s, 8).await;
+    assert_eq!(got.len(), 8, "{got:?}");
+    assert!(
+        got.values()
+            .all(|(c, n)| *c == ResponseCode::NoError && *n == 1)
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn many_clients_and_bursts_larger_than_a_batch_are_all_answered_and_reported() {
+    let f = fixture().await;
+    warm(&f).await;
+    let before = f.sink.n.load(Ordering::SeqCst);
+    // 40 clients at once, each a burst of 8 (alternating allowed and denied): 320 datagrams, ten
+    // batches' worth, arriving while earlier batches are answered (and within the socket's
+    // default receive buffer: beyond it the kernel drops, as for any UDP server).
+    let mut tasks = Vec::new();
+    for c in 0..40u16 {
+        let server = f.udp;
+        tasks.push(tokio::spawn(async move {
+            let s = client().await;
+            for k in 0..8u16 {
+                let name = if k % 2 == 0 {
+                    format!("h{}.hit.test.", (c + k) % 8)
+                } else {
+                    format!("x{c}-{k}.denied.test.")
+                };
+                s.send_to(&query(k, &name, RecordType::A, None), server)
+                    .await
+                    .unwrap();
+            }
+            replies(&s, 8).await
+        }));
+    }
+    let mut allowed = 0;
+    for t in tasks {
+        let got = t.await.unwrap();
+        assert_eq!(got.len(), 8, "every query answered: {got:?}");
+        for (id, (code, n)) in got {
+            if id % 2 == 0 {
+                assert_eq!((code, n), (ResponseCode::NoError, 1));
+                allowed += 1;
+            } else {
+                assert_eq!((code, n), (ResponseCode::NXDomain, 0));
+            }
+        }
+    }
+    assert_eq!(allowed, 160);
+    // Every allowed answer was reported to the sink, every denied one is an event.
+    assert_eq!(f.sink.n.load(Ordering::SeqCst) - before, 160);
+    assert_eq!(f.events.total(), 160);
+    // Only hit.test names reached the upstream (their AAAA, at warm-up): no denied name.
+    let asked = f.up.asked.lock().unwrap().clone();
+    assert!(asked.iter().all(|a| a.contains(".hit.test")), "{asked:?}");
+    assert_eq!(
+        metric(&f.metrics, "dns_answers", "outcome=\"allowed\""),
+        168
+    );
+    assert_eq!(metric(&f.metrics, "dns_answers", "outcome=\"denied\""), 160);
+}
+
+#[tokio::test]
+async fn malformed_datagrams_mixed_into_a_batch_are_dropped_or_formerr_and_the_rest_answered() {
+    let f = fixture().await;
+    warm(&f).await;
+    let s = client().await;
+    let mut formerr = vec![0xab, 0xcd, 0x01, 0x00, 0x00, 0x01, 0, 0, 0, 0, 0, 0];
+    formerr.extend_from_slice(&[0xc0, 0xff, 0x3f, 0x3f, 0x3f]);
+    let mut response = query(0x0101, "h1.hit.test.", RecordType::A, None);
+    response[2] |= 0x80;
+    // All sent before the responder reads any: they share batches.
+    let mut sent: Vec<Vec<u8>> = Vec::new();
+    for round in 0..10u16 {
+        sent.push(query(round * 10 + 1, "h1.hit.test.", RecordType::A, None));
+        sent.push(vec![0x12, 0x34, 0x01]);
+        sent.push(formerr.clone());
+        sent.push(response.clone());
+        // Junk behind a header of its own (id 0xeeee, not one of the ids checked below).
+        let mut junk = vec![0xee, 0xee];
+        junk.extend((2..40u8).map(|i| i.wrapping_mul(37).wrapping_add(round as u8)));
+        sent.push(junk);
+        sent.push(query(
+            round * 10 + 2,
+            "h2.hit.test.",
+            RecordType::AAAA,
+            Some(1232),
+        ));
+        sent.push(vec![0u8; 5000]);
+    }
+    for p in &sent {
+        s.send_to(p, f.udp).await.unwrap();
+    }
+    let mut ok = 0;
+    let mut formerrs = 0;
+    while let Some(m) = recv(&s).await {
+        match m.metadata.id {
+            0xabcd => {
+                assert_eq!(m.metadata.response_code, ResponseCode::FormErr);
+                formerrs += 1;
+            }
+            0x0101 => panic!("a response was answered"),
+            id if id % 10 == 1 => {
+                assert_eq!(m.answers.len(), 1);
+                ok += 1;
+            }
+            id if id % 10 == 2 => {
+                // NODATA for AAAA (hosts file has A only; upstream NOERROR, no records).
+                assert_eq!(
+                    (m.metadata.response_code, m.answers.len()),
+                    (ResponseCode::NoError, 0)
+                );
+                ok += 1;
+            }
+            _ => {}
+        }
+        if ok == 20 && formerrs == 10 {
+            break;
+        }
+    }
+    assert_eq!((ok, formerrs), (20, 10));
+    assert!(metric(&f.metrics, "dns_dropped", "reason=\"malformed\"") >= 20);
+    assert_eq!(metric(&f.metrics, "dns_dropped", "reason=\"response\""), 10);
+}
+
+#[tokio::test]
+async fn answers_too_big_for_udp_are_truncated_then_answered_whole_over_tcp() {
+    let f = fixture().await;
+    let s = client().await;
+    // Without EDNS (512 bytes): TC, no records, nothing reported.
+    s.send_to(&query(1, "big.test.", RecordType::A, None), f.udp)
+        .await
+        .unwrap();
+    let m = recv(&s).await.unwrap();
+    assert!(m.metadata.truncation, "{m:?}");
+    assert!(m.answers.is_empty());
+    assert_eq!(f.sink.n.load(Ordering::SeqCst), 0);
+    // Now cached: still truncated on the fast path (same code, same limit).
+    s.send_to(&query(2, "big.test.", RecordType::A, Some(512)), f.udp)
+        .await
+        .unwrap();
+    let m = recv(&s).await.unwrap();
+    assert!(m.metadata.truncation && m.answers.is_empty());
+    // EDNS 1232: fits.
+    s.send_to(&query(3, "big.test.", RecordType::A, Some(1232)), f.udp)
+        .await
+        .unwrap();
+    let m = recv(&s).await.unwrap();
+    assert!(!m.metadata.truncation);
+    assert_eq!(m.answers.len(), BIG);
+    // TCP: the whole answer, without EDNS.
+    let mut t = TcpStream::connect(f.tcp).await.unwrap();
+    let q = query(4, "big.test.", RecordType::A, None);
+    let mut framed = (q.len() as u16).to_be_bytes().to_vec();
+    framed.extend_from_slice(&q);
+    t.write_all(&framed).await.unwrap();
+    let len = tokio::time::timeout(T, t.read_u16())
+        .await
+        .unwrap()
+        .unwrap();
+    let mut b = vec![0; usize::from(len)];
+    t.read_exact(&mut b).await.unwrap();
+    let m = Message::from_vec(&b).unwrap();
+    assert_eq!((m.metadata.id, m.answers.len()), (4, BIG));
+    assert!(!m.metadata.truncation);
+    // Reported once per answer that carried addresses (UDP with EDNS, TCP), never when truncated.
+    let heard = f.sink.heard.lock().unwrap().clone();
+    assert_eq!(heard.len(), 2, "{heard:?}");
+    assert!(heard.iter().all(|(n, a)| n == "big.test" && a.len() == BIG));
+    assert_eq!(
+        metric(&f.metrics, "dns_answers", "outcome=\"truncated\""),
+        2
+    );
+}
+
+#[tokio::test]
+async fn a_slow_lookup_resolves_on_its_own_while_cached_answers_keep_flowing() {
+    let f = fixture().await;
+    warm(&f).await;
+    let s = client().await;
+    s.send_to(&query(7, "a.slow.test.", RecordType::A, None), f.udp)
+        .await
+        .unwrap();
+    // The upstream holds it; meanwhile 200 cached answers to another client.
+    let other = client().await;
+    for i in 0..200u16 {
+        other
+            .send_to(
+                &query(
+                    1000 + i,
+                    &format!("h{}.hit.test.", i % 8),
+                    RecordType::A,
+                    None,
+                ),
+                f.udp,
+            )
+            .await
+            .unwrap();
+    }
+    let got = replies(&other, 200).await;
+    assert_eq!(got.len(), 200);
+    assert!(
+        got.values()
+            .all(|(c, n)| *c == ResponseCode::NoError && *n == 1)
+    );
+    assert!(
+        f.up.asked
+            .lock()
+            .unwrap()
+            .iter()
+            .any(|a| a == "a.slow.test. A"),
+        "the miss reached the upstream"
+    );
+    // Nothing for the slow name yet; released, its answer comes.
+    let mut b = [0u8; 512];
+    assert!(
+        tokio::time::timeout(Duration::from_millis(200), s.recv(&mut b))
+            .await
+            .is_err()
+    );
+    assert!(
+        !f.sink
+            .heard
+            .lock()
+            .unwrap()
+            .iter()
+            .any(|(n, _)| n == "a.slow.test")
+    );
+    f.up.release.send(true).unwrap();
+    let m = recv(&s).await.unwrap();
+    assert_eq!((m.metadata.id, m.answers.len()), (7, 1));
+    assert_eq!(
+        m.answers[0].data.ip_addr(),
+        Some("140.82.112.7".parse().unwrap())
+    );
+    let heard = f.sink.heard.lock().unwrap().clone();
+    assert!(
+        heard
+            .iter()
+            .any(|(n, a)| n == "a.slow.test"
+                && a == &vec!["140.82.112.7".parse::<IpAddr>().unwrap()]),
+        "{heard:?}"
+    );
+}
+
+#[tokio::test]
+async fn tcp_connections_beyond_the_bound_are_refused_and_counted() {
+    let f = fixture().await;
+    let mut open = Vec::new();
+    for _ in 0..MAX_TCP_CONNECTIONS {
+        open.push(TcpStream::connect(f.tcp).await.unwrap());
+    }
+    // One query on the last of them proves they were all accepted (accepts are in order).
+    let ask = |id: u16| {
+        let q = query(id, "h0.hit.test.", RecordType::A, None);
+        let mut framed = (q.len() as u16).to_be_bytes().to_vec();
+        framed.extend_from_slice(&q);
+        framed
+    };
+    let last = open.last_mut().unwrap();
+    last.write_all(&ask(1)).await.unwrap();
+    assert!(
+        tokio::time::timeout(T, last.read_u16())
+            .await
+            .unwrap()
+            .is_ok()
+    );
+    // One more: closed without an answer.
+    let mut extra = TcpStream::connect(f.tcp).await.unwrap();
+    extra.write_all(&ask(2)).await.ok();
+    let mut b = [0u8; 2];
+    let r = tokio::time::timeout(T, extra.read(&mut b)).await.unwrap();
+    assert!(matches!(r, Ok(0) | Err(_)), "{r:?}");
+    assert_eq!(metric_plain(&f.metrics, "dns_tcp_refused"), 1);
+    // Closing one frees a slot.
+    drop(open.remove(0));
+    let mut again = None;
+    for _ in 0..50 {
+        let mut t = TcpStream::connect(f.tcp).await.unwrap();
+        t.write_all(&ask(3)).await.unwrap();
+        if let Ok(Ok(_)) = tokio::time::timeout(Duration::from_millis(500), t.read_u16()).await {
+            again = Some(t);
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert!(again.is_some(), "a slot came free");
+}
+
+fn metric_plain(m: &Metrics, name: &str) -> u64 {
+    let text = m.encode().unwrap();
+    let key = format!("egress_agent_{name}_total{{policy=\"test\"}} ");
+    text.lines()
+        .find_map(|l| l.strip_prefix(&key))
+        .unwrap_or_else(|| panic!("no {key} in\n{text}"))
+        .trim()
+        .parse()
+        .unwrap()
+}
