@@ -160,6 +160,22 @@ pub struct ProxyConfig {
     /// available (`/proc/sys/net/ipv4/tcp_available_congestion_control`) or the proxy won't start.
     /// Upstream sockets always use the host default.
     pub client_congestion_control: Option<String>,
+    /// Relay allowed pass-through tunnels (CONNECT, transparent) in the kernel — both sockets in
+    /// a sockhash with an `sk_skb` verdict program, so bytes no longer cross user space —
+    /// instead of copying them in the proxy. `"auto"`: where the kernel supports it, else in
+    /// user space (logged once); `"on"`: the proxy refuses to start without it; `"off"`: always
+    /// in user space. TLS-intercepted tunnels always stay in user space. Default `"auto"`.
+    pub kernel_relay: KernelRelayMode,
+}
+
+/// `proxy.kernel_relay`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum KernelRelayMode {
+    #[default]
+    Auto,
+    On,
+    Off,
 }
 
 impl Default for ProxyConfig {
@@ -177,6 +193,7 @@ impl Default for ProxyConfig {
             max_connections_per_listener: None,
             tunnel_buffer_bytes: 256 * 1024,
             client_congestion_control: None,
+            kernel_relay: KernelRelayMode::Auto,
         }
     }
 }

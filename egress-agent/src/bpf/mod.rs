@@ -3,12 +3,14 @@
 //! - [`loader`]: bpffs mount, loader lock, load + attach or adopt per enforcement root, pins.
 //! - [`state`]: the pinned maps (policy entries, CIDR rules, counters, global config).
 //! - [`events`]: the denial ring buffer → `DenialEvent`s.
+//! - [`relay`]: the in-kernel tunnel relay (sockhash + sk_skb verdict), per proxy process.
 //! - `sys`: the two raw syscalls aya does not wrap (the only `unsafe` in the agent).
 //!
 //! [`enforce_root`] is the entry point for `exec` and the daemon.
 mod error;
 pub mod events;
 pub mod loader;
+pub mod relay;
 pub mod state;
 #[allow(
     unsafe_code,

@@ -358,8 +358,8 @@ async fn handle(mut req: Request<Incoming>, state: &ConnState) -> Response<Body>
             // Shutdown: `serve` aborts this task.
             shared
                 .relay(
-                    &mut client.inner,
-                    &mut upstream,
+                    client.inner,
+                    upstream,
                     pending,
                     &target,
                     std::future::pending::<()>(),
