@@ -48,9 +48,26 @@ pub struct Config {
     /// TLS interception (for hosts with credential bindings or request rules).
     #[serde(default)]
     pub intercept: InterceptConfig,
+    /// The control API's access and the status page (`[api]`).
+    #[serde(default)]
+    pub api: ApiConfig,
     /// Named policies. `allow_all` and `deny_all` are built in.
     #[serde(default)]
     pub policies: BTreeMap<String, Policy>,
+}
+
+/// `[api]`: who may read the control API, and the status page's optional TCP address. Changes
+/// take effect on a restart.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(default, deny_unknown_fields)]
+pub struct ApiConfig {
+    /// Members of this group (primary or supplementary, of the connecting process) may use the
+    /// read-only endpoints (GET) and the status page; everything else stays root-only. The
+    /// socket is then group-owned by it, mode 0660. Default none: root only.
+    pub read_group: Option<String>,
+    /// Also serve the status page and the GET endpoints on this loopback TCP address, behind the
+    /// same access rules (the peer's process is looked up by its socket). Default none.
+    pub ui_listen: Option<SocketAddr>,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -315,6 +332,9 @@ pub enum ConfigError {
         path: PathBuf,
         source: std::io::Error,
     },
+    /// A file or directory the agent won't read (owner, mode, kind).
+    #[error("{path}: {message}")]
+    Refused { path: PathBuf, message: String },
     #[error("{path}:{line}:{column}: {field}: {message}")]
     Invalid {
         path: PathBuf,
@@ -326,57 +346,73 @@ pub enum ConfigError {
 }
 
 impl Config {
-    /// Read, parse and validate `path`.
+    /// Read, parse and validate `path`, then the policy files of its `policies.d/` directory
+    /// (see [`crate::manage::dir`]): one `<policy>.toml` per policy, loaded after the main file.
+    /// A policy defined in both is an error. Every error names its own file, line and column.
     pub fn load(path: &Path) -> Result<Config, ConfigError> {
         let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
             path: path.to_owned(),
             source,
         })?;
-        Config::from_toml_str(&text, path)
+        let files = crate::manage::dir::read_policies(&crate::manage::dir::policies_dir(path))?;
+        Config::load_parts(path, &text, files)
+    }
+
+    /// [`Config::load`] of texts already read: the main file's and the policy files'. The
+    /// control API validates a change by loading the files it would write through this.
+    pub fn load_parts(
+        path: &Path,
+        text: &str,
+        files: Vec<crate::manage::dir::PolicyFile>,
+    ) -> Result<Config, ConfigError> {
+        let mut config: Config = parse_located(text, path, "")?;
+        let mut sources = Sources::main(path, text);
+        for file in files {
+            let base = format!("policies.{}", file.name);
+            if config.policies.contains_key(&file.name) {
+                let (line, column) = span_of_path(text, &base)
+                    .map(|r| line_col(text, r.start))
+                    .unwrap_or((0, 0));
+                return Err(ConfigError::Invalid {
+                    path: path.to_owned(),
+                    line,
+                    column,
+                    field: base,
+                    message: format!(
+                        "also defined in {}; define a policy in one place",
+                        file.path.display()
+                    ),
+                });
+            }
+            if let Err(message) = check_policy_name(&file.name) {
+                return Err(ConfigError::Invalid {
+                    path: file.path,
+                    line: 1,
+                    column: 1,
+                    field: base,
+                    message: message.to_owned(),
+                });
+            }
+            let policy: Policy = parse_located(&file.text, &file.path, &format!("{base}."))?;
+            config.policies.insert(file.name.clone(), policy);
+            sources.files.insert(file.name, (file.path, file.text));
+        }
+        config.finish(&sources)
     }
 
     /// Parse and validate TOML text; `origin` names the file in errors.
     pub fn from_toml_str(s: &str, origin: &Path) -> Result<Config, ConfigError> {
-        let config: Config = toml::from_str(s).map_err(|e| {
-            let located = e.span().and_then(|r| field_at(s, r, e.message()));
-            let start = located
-                .as_ref()
-                .map(|(_, r)| r.start)
-                .or(e.span().map(|r| r.start));
-            let (line, column) = start.map(|o| line_col(s, o)).unwrap_or((0, 0));
-            let field = located.map(|(f, _)| f).unwrap_or_else(|| {
-                // E.g. a duplicate key, where the document can't be re-parsed: name the text.
-                e.span()
-                    .and_then(|r| s.get(r))
-                    .filter(|t| !t.is_empty() && t.len() <= 64 && !t.contains('\n'))
-                    .unwrap_or("-")
-                    .to_owned()
-            });
-            ConfigError::Invalid {
-                path: origin.to_owned(),
-                line,
-                column,
-                field,
-                message: e.message().trim().to_owned(),
-            }
-        })?;
-        let mut config = config;
-        config
-            .validate()
-            .and_then(|()| config.resolve_secrets())
-            .map_err(|v| {
-                let (line, column) = span_of_path(s, &v.field)
-                    .map(|r| line_col(s, r.start))
-                    .unwrap_or((0, 0));
-                ConfigError::Invalid {
-                    path: origin.to_owned(),
-                    line,
-                    column,
-                    field: v.field,
-                    message: v.message,
-                }
-            })?;
-        Ok(config)
+        let config: Config = parse_located(s, origin, "")?;
+        config.finish(&Sources::main(origin, s))
+    }
+
+    /// Validate and load the credentials' secrets; errors are located in the file each policy
+    /// came from.
+    pub(crate) fn finish(mut self, sources: &Sources<'_>) -> Result<Config, ConfigError> {
+        self.validate()
+            .and_then(|()| self.resolve_secrets())
+            .map_err(|v| sources.locate(v))?;
+        Ok(self)
     }
 
     /// A policy by name, including the built-ins `allow_all` and `deny_all`.
@@ -503,29 +539,126 @@ impl Config {
             return Err(verr("store.queue", "must be between 16 and 4194304"));
         }
         self.export.validate()?;
+        if let Some(a) = self.api.ui_listen
+            && (!a.ip().is_loopback() || a.port() == 0)
+        {
+            return Err(verr(
+                "api.ui_listen",
+                "must be a loopback address with a port (127.0.0.1:PORT or [::1]:PORT)",
+            ));
+        }
+        if let Some(g) = &self.api.read_group
+            && (g.is_empty()
+                || g.len() > 32
+                || !g
+                    .bytes()
+                    .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-' || b == b'.'))
+        {
+            return Err(verr("api.read_group", "must be a group name"));
+        }
         if self.dns.attempts == 0 {
             return Err(verr("dns.attempts", "must be > 0"));
         }
         for (name, policy) in &self.policies {
             let base = format!("policies.{name}");
-            if name == ALLOW_ALL || name == DENY_ALL || name == AUDIT {
-                return Err(verr(base, "is a built-in policy and cannot be redefined"));
-            }
-            if name.is_empty()
-                || name.len() > 64
-                || !name
-                    .bytes()
-                    .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-')
-            {
-                return Err(verr(
-                    base,
-                    "policy names are 1-64 characters of [A-Za-z0-9_-]",
-                ));
-            }
+            check_policy_name(name).map_err(|m| verr(&base, m))?;
             policy.validate(&base)?;
         }
         Ok(())
     }
+}
+
+/// Where the text of a configuration came from: the main file, and the `policies.d` files by
+/// policy name. Validation errors name the file their field is in.
+pub(crate) struct Sources<'a> {
+    pub main: (&'a Path, &'a str),
+    pub files: BTreeMap<String, (PathBuf, String)>,
+}
+
+impl<'a> Sources<'a> {
+    pub fn main(path: &'a Path, text: &'a str) -> Self {
+        Sources {
+            main: (path, text),
+            files: BTreeMap::new(),
+        }
+    }
+
+    /// A validation error as a located configuration error.
+    pub fn locate(&self, v: ValidationError) -> ConfigError {
+        let in_file = v.field.strip_prefix("policies.").and_then(|rest| {
+            let name = rest.split(['.', '[']).next()?;
+            let (path, text) = self.files.get(name)?;
+            let inner = rest[name.len()..].trim_start_matches('.');
+            Some((path.as_path(), text.as_str(), inner))
+        });
+        let (path, text, at) = match in_file {
+            Some((path, text, inner)) => (path, text, inner),
+            None => (self.main.0, self.main.1, v.field.as_str()),
+        };
+        let (line, column) = if at.is_empty() {
+            (1, 1)
+        } else {
+            span_of_path(text, at)
+                .map(|r| line_col(text, r.start))
+                .unwrap_or((0, 0))
+        };
+        ConfigError::Invalid {
+            path: path.to_owned(),
+            line,
+            column,
+            field: v.field,
+            message: v.message,
+        }
+    }
+}
+
+/// Parse TOML text into `T`, locating errors: file:line:column, and the field as `prefix` + its
+/// dotted path (`policies.ci.` for a `policies.d/ci.toml` file).
+pub(crate) fn parse_located<T: serde::de::DeserializeOwned>(
+    s: &str,
+    origin: &Path,
+    prefix: &str,
+) -> Result<T, ConfigError> {
+    toml::from_str(s).map_err(|e| {
+        let located = e.span().and_then(|r| field_at(s, r, e.message()));
+        let start = located
+            .as_ref()
+            .map(|(_, r)| r.start)
+            .or(e.span().map(|r| r.start));
+        let (line, column) = start.map(|o| line_col(s, o)).unwrap_or((0, 0));
+        let field = located.map(|(f, _)| f).unwrap_or_else(|| {
+            // E.g. a duplicate key, where the document can't be re-parsed: name the text.
+            e.span()
+                .and_then(|r| s.get(r))
+                .filter(|t| !t.is_empty() && t.len() <= 64 && !t.contains('\n'))
+                .unwrap_or("-")
+                .to_owned()
+        });
+        ConfigError::Invalid {
+            path: origin.to_owned(),
+            line,
+            column,
+            field: format!("{prefix}{field}"),
+            message: e.message().trim().to_owned(),
+        }
+    })
+}
+
+/// A name a configured policy may have: not a built-in, 1-64 characters of `[A-Za-z0-9_-]`
+/// (so it is also a safe file name in `policies.d`).
+pub fn check_policy_name(name: &str) -> Result<(), &'static str> {
+    if name == ALLOW_ALL || name == DENY_ALL || name == AUDIT {
+        return Err("is a built-in policy and cannot be redefined");
+    }
+    if name.is_empty()
+        || name.len() > 64
+        || !name
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-')
+    {
+        return Err("policy names are 1-64 characters of [A-Za-z0-9_-]");
+    }
+    Ok(())
 }
 
 fn line_col(s: &str, offset: usize) -> (usize, usize) {

@@ -19,11 +19,12 @@ use tokio_util::sync::CancellationToken;
 use tracing::{error, info, warn};
 
 use crate::{
-    api::{BoxFuture, Control, server::ApiServer},
+    api::{ApiError, BoxFuture, Control, ExplainQuery, StoreQuery, backend, server::ApiServer},
     bpf, check,
     config::Config,
     docker::{self, DockerOptions, ReloadRequest},
     events::EventSink,
+    manage::{Change, Who},
     metrics::{self, Metrics},
     notify, status,
 };
@@ -49,11 +50,18 @@ struct Daemon {
     reload_lock: tokio::sync::Mutex<()>,
     /// What the enforcement task reported when it became ready (root, endpoint, LSM hook).
     ready: Value,
+    /// For `explain --container` (the daemon's Docker socket).
+    docker_socket: String,
 }
 
 impl Daemon {
     async fn reload(&self) -> Result<Value, String> {
         let _guard = self.reload_lock.lock().await;
+        self.reload_locked().await
+    }
+
+    /// A reload with `reload_lock` held (by [`Daemon::reload`], or by a policy change).
+    async fn reload_locked(&self) -> Result<Value, String> {
         if let Err(e) = notify::reloading() {
             warn!(error = %e, "sd_notify RELOADING failed");
         }
@@ -71,6 +79,9 @@ impl Daemon {
 
     async fn reload_inner(&self) -> Result<Value, String> {
         let new = Config::load(&self.config_path).map_err(|e| e.to_string())?;
+        if new.api != self.config.load().api {
+            return Err("[api] changed: these settings take effect only on a restart (systemctl restart egress-agent); nothing was applied".to_owned());
+        }
         let new = Arc::new(new);
         let (done_tx, done_rx) = oneshot::channel();
         self.reload_tx
@@ -106,11 +117,7 @@ impl Control for Daemon {
     }
 
     fn containers(&self) -> Value {
-        let config = self.config.load();
-        match status::collect(&config.agent.bpffs) {
-            Ok(s) => serde_json::to_value(s.cgroups).unwrap_or(Value::Null),
-            Err(e) => json!({ "error": e.to_string() }),
-        }
+        backend::containers(&self.config.load())
     }
 
     fn policies(&self) -> Value {
@@ -154,6 +161,68 @@ impl Control for Daemon {
     fn reload(&self) -> BoxFuture<'_, Result<Value, String>> {
         Box::pin(Daemon::reload(self))
     }
+
+    fn policy(&self, name: &str) -> Option<Value> {
+        crate::manage::describe(&self.config_path, &self.config.load(), name)
+    }
+
+    fn defaults(&self) -> Result<Value, ApiError> {
+        Ok(backend::defaults(&self.config_path, &self.config.load()))
+    }
+
+    fn export(&self) -> Result<crate::manage::bundle::Bundle, ApiError> {
+        Ok(crate::manage::bundle::Bundle::export(&self.config.load()))
+    }
+
+    fn change(
+        &self,
+        change: Change,
+        who: Who,
+        dry_run: bool,
+    ) -> BoxFuture<'_, Result<Value, ApiError>> {
+        Box::pin(async move {
+            // Changes and reloads one at a time: the files written are the files reloaded.
+            let _guard = self.reload_lock.lock().await;
+            let config = self.config.load_full();
+            let in_use = backend::in_use(&config);
+            if dry_run {
+                return Ok(crate::manage::dry_run(&self.config_path, &change, &in_use)?);
+            }
+            let log = backend::StoreChangeLog {
+                db: config.store.enabled.then(|| config.agent.store_path()),
+            };
+            let applied =
+                crate::manage::apply(&self.config_path, &change, &who, &in_use, &log, || {
+                    self.reload_locked()
+                })
+                .await?;
+            Ok(applied)
+        })
+    }
+
+    fn explain(&self, q: ExplainQuery) -> BoxFuture<'_, Result<Value, ApiError>> {
+        Box::pin(
+            async move { backend::explain(&self.config.load_full(), &self.docker_socket, q).await },
+        )
+    }
+
+    fn denials(&self, q: &StoreQuery) -> Result<Vec<Value>, ApiError> {
+        backend::denials(&self.config.load(), q)
+    }
+
+    fn suggest(&self, q: &StoreQuery) -> Result<String, ApiError> {
+        backend::suggest(&self.config.load(), q)
+    }
+
+    fn changes(&self, n: usize) -> Result<Vec<Value>, ApiError> {
+        backend::changes(&self.config.load(), n)
+    }
+
+    fn doctor(&self) -> BoxFuture<'_, Value> {
+        Box::pin(
+            async move { backend::doctor(&self.config.load_full(), &self.docker_socket).await },
+        )
+    }
 }
 
 /// Runs the daemon until SIGINT/SIGTERM.
@@ -168,6 +237,7 @@ pub async fn run(opts: RunOptions) -> Result<()> {
     let api = ApiServer::bind(&opts.api_socket)
         .await?
         .refusing_roots(docker_root.ok());
+    let api = crate::api::server::with_config(api, &config.api).await?;
 
     let stop = CancellationToken::new();
 
@@ -232,6 +302,7 @@ pub async fn run(opts: RunOptions) -> Result<()> {
         reload_tx,
         reload_lock: tokio::sync::Mutex::new(()),
         ready,
+        docker_socket: opts.docker.socket.clone(),
     });
     let api_task = tokio::spawn(api.run(daemon.clone(), stop.clone().cancelled_owned()));
     if let Err(e) = notify::ready("enforcing") {

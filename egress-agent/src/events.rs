@@ -148,7 +148,7 @@ impl DenialEvent {
 /// `reason` of allowed events.
 pub const ALLOWED_REASON: &str = "allowed";
 
-mod rfc3339 {
+pub(crate) mod rfc3339 {
     use serde::{Deserialize, Deserializer, Serializer};
     use std::time::SystemTime;
 

@@ -2,8 +2,10 @@
 //!
 //! Standalone (no daemon needed), per docs/architecture.md:
 //! 1. load or adopt the programs on the exec root `<cgroup2>/egress-agent` (loader lock);
-//! 2. bind an in-process proxy listener for P on `proxy.listen` port 0 (allowlist policies);
-//! 3. create `<exec root>/exec-<pid>-<n>` and write its policy entry (listener = step 2);
+//! 2. create `<exec root>/exec-<pid>-<n>`;
+//! 3. bind an in-process proxy listener for P on `proxy.listen` port 0 (allowlist policies),
+//!    with its transparent listener and DNS responder (`proxy::hooks`), and write the cgroup's
+//!    policy entry pointing the endpoint, TCP on `allow_ports` and port 53 at them;
 //! 4. start CMD through a tiny re-exec of this binary (`__exec-child`) that moves itself into the
 //!    cgroup, drops CAP_NET_RAW from all capability sets incl. the bounding set (unless the policy
 //!    is allow_all), and then `execvp`s CMD — so CMD's first instruction is already confined,
@@ -39,9 +41,6 @@ use crate::sandbox::{self, Identity};
 pub const EXEC_ROOT: &str = "egress-agent";
 /// `NO_PROXY` for confined commands: their own loopback servers.
 pub const LOOPBACK_NO_PROXY: &str = "localhost,127.0.0.1,::1";
-
-/// Where the agent keeps state a command must never see (CA key, event store).
-pub const STATE_DIR: &str = "/var/lib/egress-agent";
 
 /// Options of `egress-agent exec`.
 #[derive(Debug, Clone)]
@@ -237,11 +236,55 @@ fn sandbox_spec(
         cgroup: cgroup.to_owned(),
         user,
         keep_net_raw,
-        hide: vec![config.agent.bpffs.clone(), PathBuf::from(STATE_DIR)],
+        hide: hidden_state(config),
         read_only,
         writable,
         run_files: Vec::new(),
+        run_copies: Vec::new(),
     })
+}
+
+/// Where the agent keeps what a command must never see (CA key, secrets, event store): the
+/// configured `agent.state_dir`, and the default one too (a daemon with the default
+/// configuration may keep its CA there while this exec runs with another).
+fn hidden_state(config: &Config) -> Vec<PathBuf> {
+    let mut hide = vec![config.agent.bpffs.clone(), config.agent.state_dir.clone()];
+    let default = PathBuf::from(config::DEFAULT_STATE_DIR);
+    if !hide.contains(&default) {
+        hide.push(default);
+    }
+    hide
+}
+
+/// Where the command finds the agent's CA (in its private `/run`).
+pub const CA_IN_RUN: &str = "egress-agent-ca.pem";
+/// Where the command finds the client bundle (the host's roots plus the agent's CA).
+pub const BUNDLE_IN_RUN: &str = "egress-agent-ca-bundle.pem";
+
+/// What a command needs for TLS interception (`ca::command_env`): the agent's CA and client
+/// bundle in its private `/run`, the variables naming them, and the placeholders the policy's
+/// bindings name. Nothing at all when the policy intercepts nothing.
+fn interception(
+    config: &Config,
+    policy: &policy::Policy,
+    spec: &mut sandbox::Spec,
+) -> anyhow::Result<Vec<(String, String)>> {
+    let run = Path::new("/run");
+    let env = crate::ca::command_env(policy, &run.join(BUNDLE_IN_RUN), &run.join(CA_IN_RUN));
+    if env.is_empty() || policy.mode != Mode::Allowlist {
+        return Ok(Vec::new());
+    }
+    // The proxy context loaded (or created) this CA moments ago; the lock in `load_or_create`
+    // makes both loads agree.
+    let ca = crate::ca::AgentCa::load_or_create(&config.agent.state_dir)
+        .context("exec: loading the interception CA")?;
+    spec.run_files
+        .push((PathBuf::from(CA_IN_RUN), ca.cert_pem().as_bytes().to_vec()));
+    // Copied by the sandbox, not carried in its argument: the bundle is larger than one
+    // argument may be. `load_or_create` has just rewritten it.
+    spec.run_copies
+        .push((PathBuf::from(BUNDLE_IN_RUN), ca.bundle_path()));
+    Ok(env)
 }
 
 async fn run_async(
@@ -284,61 +327,8 @@ async fn run_async(
     }
     reap_abandoned(&root);
 
-    // 2. the policy's proxy listener (allowlist only: deny_all/allow_all never use it).
-    let events = EventSink::default();
-    let shutdown = CancellationToken::new();
-    let mut listener4 = None;
-    let mut listener6 = None;
-    let mut proxy_tasks = Vec::new();
-    if policy.mode == Mode::Allowlist {
-        let ctx = ProxyContext::new(&config, events.clone()).context("proxy context")?;
-        let shared_policy = Arc::new(policy.clone());
-        // A non-loopback proxy address (the Docker-style 169.254.100.1) lives on the agent's
-        // interface: make sure it exists, as the daemon does, before binding on it.
-        if let std::net::IpAddr::V4(ip) = config.proxy.listen_ip()
-            && !ip.is_loopback()
-        {
-            crate::netif::ensure(ip)
-                .with_context(|| format!("setting up the proxy address {ip}"))?;
-        }
-        let mut addrs = vec![std::net::SocketAddr::new(config.proxy.listen_ip(), 0)];
-        if let Some(v6) = config.proxy.endpoint_v6 {
-            addrs.push(std::net::SocketAddr::new(v6.ip(), 0));
-        }
-        for addr in addrs {
-            let proxy = PolicyProxy::bind(
-                addr,
-                opts.policy.clone(),
-                shared_policy.clone(),
-                ctx.clone(),
-            )
-            .await
-            .with_context(|| {
-                format!(
-                    "binding the proxy listener for policy {} on {addr}",
-                    opts.policy
-                )
-            })?;
-            let local = proxy.local_addr();
-            if local.is_ipv4() {
-                listener4 = Some(local)
-            } else {
-                listener6 = Some(local)
-            }
-            proxy_tasks.push(tokio::spawn(proxy.run(shutdown.clone().cancelled_owned())));
-        }
-    }
-    let endpoint4 = Some(config.proxy.endpoint).filter(|e| e.is_ipv4());
-    let endpoint6 = config.proxy.endpoint_v6;
-    let endpoints = Endpoints {
-        endpoint4,
-        listener4,
-        endpoint6,
-        listener6,
-    };
-    let kpolicy = KernelPolicy::compile(&policy, endpoints, &[])?;
-
-    // 3. the cgroup and its entry. The guard removes both on every path from here on.
+    // 2. the cgroup (its id names the listener's client). The guard removes it and its entry
+    // on every path from here on.
     let name = format!(
         "exec-{}-{}",
         std::process::id(),
@@ -352,6 +342,75 @@ async fn run_async(
         id,
         bpffs: bpffs.clone(),
     };
+
+    // 3. the policy's proxy listener (allowlist only: deny_all/allow_all never use it), with
+    // its transparent listener and DNS responder backed by the kernel's redirect maps.
+    let events = EventSink::default();
+    // The durable event store records this run's events like the daemon's (`events`, `suggest`).
+    let store = crate::store::start(&config, &events, None)
+        .context("opening the event store (store.enabled = false to run without one)")?;
+    let shutdown = CancellationToken::new();
+    let mut endpoints = Endpoints {
+        endpoint4: Some(config.proxy.endpoint).filter(|e| e.is_ipv4()),
+        endpoint6: config.proxy.endpoint_v6,
+        ..Endpoints::default()
+    };
+    let mut proxy_tasks = Vec::new();
+    if policy.mode == Mode::Allowlist {
+        let redirects = Arc::new(
+            bpf::redirects::KernelRedirects::open(&bpffs).context("opening the redirect maps")?,
+        );
+        let ctx = ProxyContext::new(&config, events.clone())
+            .context("proxy context")?
+            .with_interception(redirects.hooks());
+        let shared_policy = Arc::new(policy.clone());
+        // A non-loopback proxy address (the Docker-style 169.254.100.1) lives on the agent's
+        // interface: make sure it exists, as the daemon does, before binding on it.
+        if let std::net::IpAddr::V4(ip) = config.proxy.listen_ip()
+            && !ip.is_loopback()
+        {
+            crate::netif::ensure(ip)
+                .with_context(|| format!("setting up the proxy address {ip}"))?;
+        }
+        let mut addrs = vec![std::net::SocketAddr::new(config.proxy.listen_ip(), 0)];
+        if let Some(v6) = config.proxy.endpoint_v6 {
+            addrs.push(std::net::SocketAddr::new(v6.ip(), 0));
+        }
+        let identity = crate::proxy::Identity {
+            container: None,
+            cgroup_id: Some(id),
+            context: Default::default(),
+        };
+        for addr in addrs {
+            let proxy = PolicyProxy::bind_for(
+                addr,
+                opts.policy.clone(),
+                shared_policy.clone(),
+                ctx.clone(),
+                Some(identity.clone()),
+            )
+            .await
+            .with_context(|| {
+                format!(
+                    "binding the proxy listener for policy {} on {addr}",
+                    opts.policy
+                )
+            })?;
+            let local = proxy.local_addr();
+            let intercept = proxy.intercept_addrs().unwrap_or_default();
+            if local.is_ipv4() {
+                endpoints.listener4 = Some(local);
+                endpoints.intercept4 = intercept;
+            } else {
+                endpoints.listener6 = Some(local);
+                endpoints.intercept6 = intercept;
+            }
+            proxy_tasks.push(tokio::spawn(proxy.run(shutdown.clone().cancelled_owned())));
+        }
+    }
+    let kpolicy = KernelPolicy::compile(&policy, endpoints, &[])?;
+
+    // 4. the entry (listener = step 3).
     enforcement.state.set_policy(id, &kpolicy)?;
     enforcement
         .state
@@ -378,9 +437,10 @@ async fn run_async(
             ))
         });
 
-    // 4. the command, in its sandbox (see `sandbox`): /proc/self/exe, not current_exe(): the
+    // 5. the command, in its sandbox (see `sandbox`): /proc/self/exe, not current_exe(): the
     // running image, even if the file was replaced (upgrade, rebuild) since exec started.
-    let spec = sandbox_spec(&opts, &config, &path, user, policy.mode == Mode::AllowAll)?;
+    let mut spec = sandbox_spec(&opts, &config, &path, user, policy.mode == Mode::AllowAll)?;
+    let interception_env = interception(&config, &policy, &mut spec)?;
     let mut cmd = tokio::process::Command::new("/proc/self/exe");
     cmd.arg(sandbox::CHILD)
         .arg(spec.to_arg()?)
@@ -400,10 +460,11 @@ async fn run_async(
             cmd.env(var, LOOPBACK_NO_PROXY);
         }
     }
+    cmd.envs(interception_env);
     let mut child = cmd.spawn().context("starting the command")?;
     let pid = child.id().ok_or_else(|| anyhow!("child has no pid"))?;
 
-    // 5. wait, forwarding signals (kernel events are pumped meanwhile).
+    // 6. wait, forwarding signals (kernel events are pumped meanwhile).
     let forward = |sig: nix::sys::signal::Signal| {
         nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid as i32), sig).ok();
     };
@@ -417,7 +478,7 @@ async fn run_async(
         }
     };
 
-    // 6. cleanup (guard), proxy shutdown, the last kernel events.
+    // 7. cleanup (guard), proxy shutdown, the last kernel events.
     shutdown.cancel();
     drop(guard);
     for t in proxy_tasks {
@@ -430,6 +491,9 @@ async fn run_async(
             Ok(Err(e)) => eprintln!("egress-agent: warning: kernel event pump: {e}"),
             Err(_) => eprintln!("egress-agent: warning: kernel event pump did not stop"),
         }
+    }
+    if let Some(s) = store {
+        s.shutdown().await;
     }
     use std::os::unix::process::ExitStatusExt as _;
     Ok(match (status.code(), status.signal()) {

@@ -166,6 +166,13 @@ enum Command {
         #[arg(long)]
         config: Option<PathBuf>,
     },
+    /// Manage policies through the daemon: list, show, set, delete, defaults, export, import.
+    Policy(egress_agent::manage::cli::PolicyArgs),
+    /// Which policy applies to a destination and why: what the proxy and the kernel would do.
+    Explain(egress_agent::manage::cli::ExplainArgs),
+    /// An MCP server on stdio (for AI assistants): policies, explain, containers, denials,
+    /// suggest; write tools only with --allow-writes.
+    Mcp(egress_agent::mcp::McpArgs),
     /// Internal: `exec`'s sandbox, stage 1 (cgroup, namespaces).
     #[command(name = "__exec-child", hide = true)]
     ExecChild {
@@ -344,6 +351,21 @@ fn main() -> ExitCode {
                         anyhow::Ok(())
                     })
                 })
+                .map(|()| ExitCode::SUCCESS)
+        }
+        Command::Policy(args) => {
+            init_cli_tracing();
+            egress_agent::manage::cli::policy(args).map(|()| ExitCode::SUCCESS)
+        }
+        Command::Explain(args) => {
+            init_cli_tracing();
+            egress_agent::manage::cli::explain(args).map(|()| ExitCode::SUCCESS)
+        }
+        Command::Mcp(args) => {
+            // stdout is the MCP channel: logs go to stderr only.
+            init_cli_tracing();
+            runtime()
+                .and_then(|rt| rt.block_on(egress_agent::mcp::serve_stdio(args)))
                 .map(|()| ExitCode::SUCCESS)
         }
         Command::Ca { config } => {

@@ -100,11 +100,22 @@ pub struct Endpoint {
     pub ipv4: Ipv4Addr,
 }
 
+/// A port on the proxy address an enforced container may reach besides its listener.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub enum ProxyPort {
+    Tcp(u16),
+    Udp(u16),
+}
+
 /// The host-layer view of one enforced container.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Enforced {
-    /// The container's policy listener (`proxy_ip:port`); the only proxy port it may reach.
+    /// The container's policy listener (`proxy_ip:port`); with `redirects`, the only proxy
+    /// ports it may reach.
     pub listener: SocketAddrV4,
+    /// Its transparent listener and DNS responder ports on the listener's address (what the
+    /// kernel redirects its connections and port-53 datagrams to).
+    pub redirects: Vec<ProxyPort>,
     /// The policy's direct allows (IPv4 entries apply here; IPv6 is dropped for enforced
     /// endpoints at the bridge layer).
     pub allow_cidrs: Vec<CidrRule>,
@@ -267,16 +278,29 @@ impl Ruleset {
                     r.add_expr(&nft_expr!(verdict accept));
                     batch.add(&r, MsgType::Add);
                 }
-                // (a) its own listener only.
-                let mut r = rule(&i_in, &short)?;
-                from(&mut r);
-                r.add_expr(&nft_expr!(payload ipv4 daddr));
-                r.add_expr(&nft_expr!(cmp == *c.listener.ip()));
-                l4(&mut r, IPPROTO_TCP);
-                r.add_expr(&nft_expr!(payload tcp dport));
-                r.add_expr(&nft_expr!(cmp == c.listener.port().to_be()));
-                r.add_expr(&nft_expr!(verdict accept));
-                batch.add(&r, MsgType::Add);
+                // (a) its own listener, transparent listener and DNS responder only.
+                let own = std::iter::once(ProxyPort::Tcp(c.listener.port()))
+                    .chain(c.redirects.iter().copied());
+                for port in own {
+                    let mut r = rule(&i_in, &short)?;
+                    from(&mut r);
+                    r.add_expr(&nft_expr!(payload ipv4 daddr));
+                    r.add_expr(&nft_expr!(cmp == *c.listener.ip()));
+                    match port {
+                        ProxyPort::Tcp(p) => {
+                            l4(&mut r, IPPROTO_TCP);
+                            r.add_expr(&nft_expr!(payload tcp dport));
+                            r.add_expr(&nft_expr!(cmp == p.to_be()));
+                        }
+                        ProxyPort::Udp(p) => {
+                            l4(&mut r, IPPROTO_UDP);
+                            r.add_expr(&nft_expr!(payload udp dport));
+                            r.add_expr(&nft_expr!(cmp == p.to_be()));
+                        }
+                    }
+                    r.add_expr(&nft_expr!(verdict accept));
+                    batch.add(&r, MsgType::Add);
+                }
                 // (b) allow_cidrs, forwarded or local.
                 for chain in [&i_in, &i_fwd] {
                     for cidr in &c.allow_cidrs {
@@ -644,6 +668,7 @@ mod tests {
                 format!("{i:064x}"),
                 Enforced {
                     listener: SocketAddrV4::new(Ipv4Addr::new(169, 254, 100, 1), 40000 + i as u16),
+                    redirects: vec![ProxyPort::Udp(41000 + i as u16)],
                     allow_cidrs: vec![
                         CidrRule {
                             net: "198.18.0.10/32".parse().expect("test value"),

@@ -35,9 +35,35 @@ pub mod maps {
     /// under, written at socket creation; read when a peer on the host's loopback is looked up.
     pub const SOCK_OWNER: &str = "EGRESS_SOCK_OWNER";
 
+    /// `LruHashMap<u64 socket cookie, OrigDst>`: the original destination of a redirected TCP
+    /// connection (until it is established) or of a redirected DNS datagram (for recvmsg).
+    pub const ORIG_BY_COOKIE: &str = "EGRESS_ORIG_COOKIE";
+    /// `LruHashMap<ConnTuple, OrigDst>`: the original destination of an established redirected
+    /// TCP connection, written by sock_ops, read (and deleted) by the proxy when it accepts.
+    pub const ORIG_BY_TUPLE: &str = "EGRESS_ORIG_TUPLE";
+    /// `LruHashMap<Direct4Key, u64 expiry>`: direct TCP allowances from the agent's DNS answers
+    /// (`bpf_ktime_get_ns` deadline).
+    pub const DIRECT4: &str = "EGRESS_DIRECT4";
+    /// `LruHashMap<Direct6Key, u64 expiry>` (a full map evicts the least recently used: that
+    /// address is then reached through the transparent proxy again, or refused).
+    pub const DIRECT6: &str = "EGRESS_DIRECT6";
+
     /// All maps, for pin bookkeeping.
-    pub const ALL: [&str; 10] = [
-        POLICIES, CIDR4, CIDR6, COUNTERS, EVENTS, CONFIG, NAMES, INBOUND4, INBOUND6, SOCK_OWNER,
+    pub const ALL: [&str; 14] = [
+        POLICIES,
+        CIDR4,
+        CIDR6,
+        COUNTERS,
+        EVENTS,
+        CONFIG,
+        NAMES,
+        INBOUND4,
+        INBOUND6,
+        SOCK_OWNER,
+        ORIG_BY_COOKIE,
+        ORIG_BY_TUPLE,
+        DIRECT4,
+        DIRECT6,
     ];
 }
 
@@ -50,10 +76,13 @@ pub mod programs {
     pub const SKB_EGRESS: &str = "egress_skb";
     pub const SKB_INGRESS: &str = "egress_skb_ingress";
     pub const SOCK_CREATE: &str = "egress_sock_create";
+    pub const RECVMSG4: &str = "egress_recvmsg4";
+    pub const RECVMSG6: &str = "egress_recvmsg6";
+    pub const SOCK_OPS: &str = "egress_sock_ops";
     pub const LSM_SOCKET_CREATE: &str = "egress_lsm_socket_create";
 
     /// Programs attached to every enforcement root (the LSM one is attached when available).
-    pub const CGROUP: [&str; 7] = [
+    pub const CGROUP: [&str; 10] = [
         CONNECT4,
         CONNECT6,
         SENDMSG4,
@@ -61,11 +90,16 @@ pub mod programs {
         SKB_EGRESS,
         SKB_INGRESS,
         SOCK_CREATE,
+        RECVMSG4,
+        RECVMSG6,
+        SOCK_OPS,
     ];
 }
 
 /// Capacity of [`maps::POLICIES`] and [`maps::COUNTERS`].
 pub const MAX_CGROUPS: u32 = 16_384;
+/// Capacity of the original-destination maps and of each direct-allowance map.
+pub const MAX_REDIRECTS: u32 = 65_536;
 /// Capacity of each CIDR trie.
 pub const MAX_CIDRS: u32 = 16_384;
 /// Size of the denial ring buffer in bytes (power of two, multiple of the page size).
@@ -113,8 +147,12 @@ pub const POLICY_FLAG_V6: u32 = 1;
 /// `PolicyEntry::flags`: the policy audits (`enforce = "audit"`): what it would refuse is allowed
 /// and reported with [`EVENT_FLAG_AUDIT`].
 pub const POLICY_FLAG_AUDIT: u32 = 2;
+/// `PolicyEntry::flags`: TCP to a port in `redirect_ports` goes to the transparent listener.
+pub const POLICY_FLAG_TRANSPARENT: u32 = 4;
+/// `PolicyEntry::flags`: UDP and TCP to port 53 at any address go to the DNS listeners.
+pub const POLICY_FLAG_DNS: u32 = 8;
 
-/// `Event` flags (the u16 after `port`, `_pad0` until the eBPF side sets it): a would-deny — the
+/// `Event::flags`: a would-deny — the
 /// kernel allowed it because the policy audits.
 pub const EVENT_FLAG_AUDIT: u16 = 1;
 /// `Event` flags: an allowed direct connection (reported for audit policies only).
@@ -150,6 +188,26 @@ pub struct PolicyEntry {
     pub listener6_port: u16,
     pub endpoint6_addr: [u32; 4],
     pub listener6_addr: [u32; 4],
+    /// Transparent interception and the agent's DNS ([`POLICY_FLAG_TRANSPARENT`],
+    /// [`POLICY_FLAG_DNS`]): this cgroup's transparent TCP listener and DNS listeners (UDP, TCP),
+    /// network byte order like the listener above; port 0 = none (that traffic stays refused).
+    pub transparent4_addr: u32,
+    pub dns_udp4_addr: u32,
+    pub dns_tcp4_addr: u32,
+    pub transparent4_port: u16,
+    pub dns_udp4_port: u16,
+    pub dns_tcp4_port: u16,
+    /// Number of valid entries in `redirect_ports`.
+    pub nredirect: u16,
+    pub transparent6_addr: [u32; 4],
+    pub dns_udp6_addr: [u32; 4],
+    pub dns_tcp6_addr: [u32; 4],
+    pub transparent6_port: u16,
+    pub dns_udp6_port: u16,
+    pub dns_tcp6_port: u16,
+    pub _pad: u16,
+    /// TCP destination ports redirected to the transparent listener (`allow_ports`), host order.
+    pub redirect_ports: [u16; MAX_RULE_PORTS],
 }
 
 /// Data part of the IPv4 LPM key: `(rules_id, address)`; the prefix length covers the 64 bits
@@ -231,6 +289,53 @@ impl Default for CidrRule {
     }
 }
 
+/// Key of [`maps::ORIG_BY_TUPLE`]: a redirected TCP connection as the proxy sees it when it
+/// accepts — the client's address and port, and the listener's — in network byte order (IPv4 in
+/// `[0]`, the rest 0; v4-mapped IPv6 is stored as IPv4).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct ConnTuple {
+    pub client_addr: [u32; 4],
+    pub listener_addr: [u32; 4],
+    pub client_port: u16,
+    pub listener_port: u16,
+    /// AF_INET / AF_INET6 of the addresses.
+    pub family: u32,
+}
+
+/// Where a redirected connection or datagram was going ([`maps::ORIG_BY_COOKIE`],
+/// [`maps::ORIG_BY_TUPLE`]): network byte order, IPv4 in `addr[0]`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct OrigDst {
+    pub addr: [u32; 4],
+    pub port: u16,
+    pub _pad: u16,
+    /// AF_INET / AF_INET6.
+    pub family: u32,
+}
+
+/// Key of [`maps::DIRECT4`]: an address the agent's DNS answered to this entry, for a port of
+/// an `allow_hosts` entry (network byte order, port host order).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct Direct4Key {
+    pub entry_id: u64,
+    pub addr: u32,
+    pub port: u16,
+    pub _pad: u16,
+}
+
+/// Key of [`maps::DIRECT6`].
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct Direct6Key {
+    pub entry_id: u64,
+    pub addr: [u32; 4],
+    pub port: u16,
+    pub _pad: [u16; 3],
+}
+
 /// Value of [`maps::SOCK_OWNER`]: the cgroup id of the policy entry a socket was created under
 /// (the nearest ancestor with an entry). Two sockets with the same owner belong to the same
 /// confined tree (one `exec` command and its children, or one container).
@@ -290,8 +395,8 @@ pub struct Event {
     pub protocol: u32,
     /// Destination port, host byte order.
     pub port: u16,
-    /// `EVENT_FLAG_*` (0: a denial). Named `_pad0` until the eBPF programs set it.
-    pub _pad0: u16,
+    /// `EVENT_FLAG_*` (0: a denial).
+    pub flags: u16,
     /// `REASON_*`.
     pub reason: u32,
     /// Destination address in network byte order; IPv4 in `addr[0]`.
@@ -314,10 +419,18 @@ mod user {
     unsafe impl aya::Pod for Event {}
     unsafe impl aya::Pod for PolicyName {}
     unsafe impl aya::Pod for SockOwner {}
+    unsafe impl aya::Pod for ConnTuple {}
+    unsafe impl aya::Pod for OrigDst {}
+    unsafe impl aya::Pod for Direct4Key {}
+    unsafe impl aya::Pod for Direct6Key {}
 }
 
 // Layout guards: a change here must be a deliberate change on both sides.
-const _: () = assert!(core::mem::size_of::<PolicyEntry>() == 64);
+const _: () = assert!(core::mem::size_of::<PolicyEntry>() == 200);
+const _: () = assert!(core::mem::size_of::<ConnTuple>() == 40);
+const _: () = assert!(core::mem::size_of::<OrigDst>() == 24);
+const _: () = assert!(core::mem::size_of::<Direct4Key>() == 16);
+const _: () = assert!(core::mem::size_of::<Direct6Key>() == 32);
 const _: () = assert!(core::mem::size_of::<Cidr4Data>() == 12);
 const _: () = assert!(core::mem::size_of::<Cidr6Data>() == 24);
 const _: () = assert!(core::mem::size_of::<CidrRule>() == 12 + 2 * MAX_RULE_PORTS);

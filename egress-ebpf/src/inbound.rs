@@ -20,7 +20,7 @@
 use crate::addr::{CidrVerdict, DstAddr, in_host_netns};
 use crate::peer::{owner_v4, owner_v6};
 use crate::policy::policy_of_skb;
-use crate::report::{Dst, deny};
+use crate::report::{Dst, deny, refuse};
 use crate::skb::Packet;
 use crate::{AF_INET, ALLOW, DENY, IPPROTO_TCP, SOCK_STREAM};
 use aya_ebpf::helpers::generated::{bpf_get_netns_cookie, bpf_sk_fullsock};
@@ -114,7 +114,7 @@ fn try_ingress(ctx: &SkBuffContext) -> Result<i32, i32> {
         port: local_port,
         addr: pkt.saddr,
     };
-    Ok(deny(cg, HOOK_SKB_INGRESS, REASON_INBOUND, &dst, false))
+    Ok(refuse(p, cg, HOOK_SKB_INGRESS, REASON_INBOUND, &dst, false))
 }
 
 /// May `peer` connect to the cgroup's listener on `local_port`? `peer_owner` finds the owner tag

@@ -25,6 +25,10 @@
 //!   AF_INET/AF_INET6, so AF_PACKET needs the LSM hook below.
 //! - `cgroup_skb/ingress` (4.10): inbound connections into confined listeners only from allowed
 //!   peers ([`inbound`]).
+//! - `cgroup/recvmsg4`, `cgroup/recvmsg6` (5.2): the agent's DNS answers appear to come from the
+//!   server the program asked ([`sendmsg`]).
+//! - `sockops` (4.13), `BPF_SOCK_OPS_ACTIVE_ESTABLISHED_CB`: a redirected connection's original
+//!   destination re-keyed by 4-tuple for the proxy ([`established`]).
 //!   https://github.com/torvalds/linux/blob/v6.18/net/ipv4/af_inet.c (`inet_create`)
 //! - BPF-LSM `socket_create` attached with `BPF_LSM_CGROUP` (6.0): every socket family, so
 //!   AF_PACKET, AF_XDP, vsock, ... are refused for tasks in the cgroup.
@@ -60,10 +64,12 @@ pub(crate) const IPPROTO_UDP: u32 = 17;
 
 mod addr;
 mod connect;
+mod established;
 mod inbound;
 mod maps;
 mod peer;
 mod policy;
+mod redirect;
 mod report;
 mod sendmsg;
 mod skb;

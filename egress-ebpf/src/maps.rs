@@ -1,10 +1,11 @@
 //! The pinned maps, named by the constants the loader opens (checked at compile time).
 
 use aya_ebpf::macros::map;
-use aya_ebpf::maps::{Array, HashMap, LpmTrie, PerCpuHashMap, RingBuf};
+use aya_ebpf::maps::{Array, HashMap, LpmTrie, LruHashMap, PerCpuHashMap, RingBuf};
 use egress_common::{
-    Cidr4Data, Cidr6Data, CidrRule, Counters, EVENTS_BYTES, GlobalConfig, MAX_CGROUPS, MAX_CIDRS,
-    PolicyEntry, PolicyName, SockOwner,
+    Cidr4Data, Cidr6Data, CidrRule, ConnTuple, Counters, Direct4Key, Direct6Key, EVENTS_BYTES,
+    GlobalConfig, MAX_CGROUPS, MAX_CIDRS, MAX_REDIRECTS, OrigDst, PolicyEntry, PolicyName,
+    SockOwner,
 };
 
 #[map(name = "EGRESS_POLICIES")]
@@ -28,6 +29,16 @@ pub(crate) static NAMES: HashMap<u64, PolicyName> = HashMap::pinned(MAX_CGROUPS,
 pub(crate) static INBOUND4: LpmTrie<Cidr4Data, CidrRule> = LpmTrie::pinned(MAX_CIDRS, 0);
 #[map(name = "EGRESS_INBOUND6")]
 pub(crate) static INBOUND6: LpmTrie<Cidr6Data, CidrRule> = LpmTrie::pinned(MAX_CIDRS, 0);
+
+#[map(name = "EGRESS_ORIG_COOKIE")]
+pub(crate) static ORIG_BY_COOKIE: LruHashMap<u64, OrigDst> = LruHashMap::pinned(MAX_REDIRECTS, 0);
+#[map(name = "EGRESS_ORIG_TUPLE")]
+pub(crate) static ORIG_BY_TUPLE: LruHashMap<ConnTuple, OrigDst> =
+    LruHashMap::pinned(MAX_REDIRECTS, 0);
+#[map(name = "EGRESS_DIRECT4")]
+pub(crate) static DIRECT4: LruHashMap<Direct4Key, u64> = LruHashMap::pinned(MAX_REDIRECTS, 0);
+#[map(name = "EGRESS_DIRECT6")]
+pub(crate) static DIRECT6: LruHashMap<Direct6Key, u64> = LruHashMap::pinned(MAX_REDIRECTS, 0);
 
 /// BTF definition of a pinned `BPF_MAP_TYPE_SK_STORAGE` map (aya-ebpf's `SkStorage` has no
 /// pinning field). Field names and shapes follow libbpf's BTF map convention; the loader patches
@@ -94,3 +105,7 @@ const _: () = assert!(str_eq(egress_common::maps::NAMES, "EGRESS_NAMES"));
 const _: () = assert!(str_eq(egress_common::maps::INBOUND4, "EGRESS_INBOUND4"));
 const _: () = assert!(str_eq(egress_common::maps::INBOUND6, "EGRESS_INBOUND6"));
 const _: () = assert!(str_eq(egress_common::maps::SOCK_OWNER, "EGRESS_SOCK_OWNER"));
+const _: () = assert!(str_eq(egress_common::maps::ORIG_BY_COOKIE, "EGRESS_ORIG_COOKIE"));
+const _: () = assert!(str_eq(egress_common::maps::ORIG_BY_TUPLE, "EGRESS_ORIG_TUPLE"));
+const _: () = assert!(str_eq(egress_common::maps::DIRECT4, "EGRESS_DIRECT4"));
+const _: () = assert!(str_eq(egress_common::maps::DIRECT6, "EGRESS_DIRECT6"));

@@ -4,7 +4,9 @@ use crate::maps::{COUNTERS, EVENTS};
 use crate::{ALLOW, DENY};
 use aya_ebpf::helpers::generated::bpf_ktime_get_ns;
 use aya_ebpf::helpers::{bpf_get_current_comm, bpf_get_current_pid_tgid};
-use egress_common::{Counters, Event};
+use egress_common::{
+    Counters, EVENT_FLAG_ALLOWED, EVENT_FLAG_AUDIT, Event, POLICY_FLAG_AUDIT, PolicyEntry,
+};
 
 const C_ALLOWED: u32 = 0;
 const C_DENIED: u32 = 1;
@@ -43,10 +45,46 @@ pub(crate) struct Dst {
     pub(crate) addr: [u32; 4],
 }
 
-/// Count a denial and emit its event; returns the DENY verdict.
+/// Count a denial and emit its event; returns the DENY verdict. For refusals under a policy,
+/// use [`refuse`] (audit).
 #[inline(always)]
 pub(crate) fn deny(cgroup_id: u64, hook: u32, reason: u32, dst: &Dst, with_task: bool) -> i32 {
     count(cgroup_id, C_DENIED);
+    emit(cgroup_id, hook, reason, dst, with_task, 0);
+    DENY
+}
+
+/// What policy `p` refuses: denied — or, when the policy audits (`enforce = "audit"`), allowed
+/// and reported as a would-deny (`EVENT_FLAG_AUDIT`).
+#[inline(always)]
+pub(crate) fn refuse(
+    p: &PolicyEntry,
+    cgroup_id: u64,
+    hook: u32,
+    reason: u32,
+    dst: &Dst,
+    with_task: bool,
+) -> i32 {
+    if p.flags & POLICY_FLAG_AUDIT == 0 {
+        return deny(cgroup_id, hook, reason, dst, with_task);
+    }
+    count(cgroup_id, C_ALLOWED);
+    emit(cgroup_id, hook, reason, dst, with_task, EVENT_FLAG_AUDIT);
+    ALLOW
+}
+
+/// What policy `p` allows directly: counted — and, when the policy audits, reported
+/// (`EVENT_FLAG_ALLOWED`) so the full picture of a watched workload exists.
+#[inline(always)]
+pub(crate) fn allow_direct(p: &PolicyEntry, cgroup_id: u64, hook: u32, dst: &Dst) -> i32 {
+    if p.flags & POLICY_FLAG_AUDIT != 0 {
+        emit(cgroup_id, hook, 0, dst, true, EVENT_FLAG_ALLOWED);
+    }
+    allow(cgroup_id)
+}
+
+#[inline(always)]
+fn emit(cgroup_id: u64, hook: u32, reason: u32, dst: &Dst, with_task: bool, flags: u16) {
     let (pid, comm) = if with_task {
         (
             (bpf_get_current_pid_tgid() >> 32) as u32,
@@ -64,7 +102,7 @@ pub(crate) fn deny(cgroup_id: u64, hook: u32, reason: u32, dst: &Dst, with_task:
         family: dst.family,
         protocol: dst.protocol,
         port: dst.port,
-        _pad0: 0,
+        flags,
         reason,
         addr: dst.addr,
         comm,
@@ -72,7 +110,6 @@ pub(crate) fn deny(cgroup_id: u64, hook: u32, reason: u32, dst: &Dst, with_task:
     if EVENTS.output::<Event>(&event, 0).is_err() {
         count(cgroup_id, C_LOST);
     }
-    DENY
 }
 
 #[inline(always)]

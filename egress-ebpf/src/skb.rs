@@ -3,13 +3,15 @@
 use crate::addr::check;
 use crate::peer::{owner_v4, owner_v6};
 use crate::policy::policy_of_skb;
+use crate::redirect::{dns4, dns6};
 use crate::report::{Dst, deny};
 use crate::{AF_INET, AF_INET6, ALLOW, DENY, IPPROTO_TCP, IPPROTO_UDP, SOCK_STREAM};
 use aya_ebpf::helpers::generated::{bpf_get_netns_cookie, bpf_sk_fullsock};
 use aya_ebpf::macros::cgroup_skb;
 use aya_ebpf::programs::SkBuffContext;
 use egress_common::{
-    HOOK_SKB_EGRESS, MODE_ALLOW_ALL, PROTO_BIT_UDP, REASON_NO_POLICY, REASON_SOCKET_TYPE,
+    HOOK_SKB_EGRESS, MODE_ALLOW_ALL, POLICY_FLAG_AUDIT, PROTO_BIT_UDP, REASON_NO_POLICY,
+    REASON_SOCKET_TYPE,
 };
 
 #[cgroup_skb(egress)]
@@ -75,6 +77,15 @@ fn try_skb(ctx: &SkBuffContext) -> Result<i32, i32> {
         Some(at) if pkt.proto as u32 == IPPROTO_UDP => {
             let (sport, dport) = pkt.ports(ctx, at)?;
             dst.port = u16::from_be(dport);
+            // A query sendmsg4/6 redirected to the cgroup's DNS listener.
+            let to_dns = if pkt.family == AF_INET {
+                dns4(p, false).is_some_and(|(a, pt)| a == pkt.daddr[0] && pt == dport)
+            } else {
+                dns6(p, false).is_some_and(|(a, pt)| a == pkt.daddr && pt == dport)
+            };
+            if to_dns {
+                return Ok(ALLOW);
+            }
             if pkt.family == AF_INET {
                 let same_tree = || {
                     owner_v4(
@@ -95,6 +106,8 @@ fn try_skb(ctx: &SkBuffContext) -> Result<i32, i32> {
     };
     match verdict {
         Ok(()) => Ok(ALLOW),
+        // Audit: the socket-level hooks already reported this flow once; not once per packet.
+        Err(_) if p.flags & POLICY_FLAG_AUDIT != 0 => Ok(ALLOW),
         Err(reason) => Ok(deny(cg, HOOK_SKB_EGRESS, reason, &dst, false)),
     }
 }

@@ -3,7 +3,7 @@
 use crate::addr::proto_bit;
 use crate::peer::tag;
 use crate::policy::policy_of_current;
-use crate::report::{Dst, deny};
+use crate::report::{Dst, deny, refuse};
 use crate::{AF_INET, AF_INET6, AF_NETLINK, AF_UNIX, ALLOW, DENY, SOCK_TYPE_MASK};
 use aya_ebpf::bindings::bpf_sock;
 use aya_ebpf::macros::{cgroup_sock, lsm_cgroup};
@@ -44,7 +44,7 @@ fn socket_verdict(hook: u32, family: u32, sock_type: u32, protocol: u32) -> i32 
     if p.mode == MODE_ALLOW_ALL {
         return ALLOW;
     }
-    deny(found.cgroup_id, hook, REASON_SOCKET_TYPE, &dst, true)
+    refuse(p, found.cgroup_id, hook, REASON_SOCKET_TYPE, &dst, true)
 }
 
 #[cgroup_sock(sock_create)]

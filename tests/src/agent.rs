@@ -203,14 +203,17 @@ pub fn status_json() -> serde_json::Value {
 }
 
 /// Kernel attach types (`enum bpf_attach_type`) of the agent's cgroup programs.
-pub const ATTACH_TYPES: [(&str, u32); 8] = [
+pub const ATTACH_TYPES: [(&str, u32); 11] = [
     ("skb_ingress", 0),
     ("skb_egress", 1),
     ("sock_create", 2),
+    ("sock_ops", 3),
     ("connect4", 10),
     ("connect6", 11),
     ("sendmsg4", 14),
     ("sendmsg6", 15),
+    ("recvmsg4", 19),
+    ("recvmsg6", 20),
     ("lsm_cgroup", 43),
 ];
 

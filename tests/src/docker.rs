@@ -463,7 +463,7 @@ impl Env {
         let bpffs = PathBuf::from(format!("/sys/fs/bpf/egress-test-docker-{pid}"));
         std::fs::write(
             dir.join("hosts"),
-            format!("{UPSTREAM_IP} allowed.test\n{UPSTREAM_IP} denied.test\n"),
+            format!("{UPSTREAM_IP} allowed.test\n{UPSTREAM_IP} denied.test\n{GATEWAY} tls.test\n"),
         )
         .expect("hosts");
         let config = Env::config_with(&bpffs, &dir, "");
@@ -754,6 +754,10 @@ nameservers = []
     }
 
     /// Ports of the proxy listeners on the proxy address.
+    /// TCP sockets the agent listens on per opted-in allowlist container: the explicit proxy
+    /// listener, the transparent listener and DNS over TCP ([`Env::listener_ports`] counts all).
+    pub const TCP_SOCKETS_PER_CONTAINER: usize = 3;
+
     pub fn listener_ports(&self) -> Vec<u16> {
         let out = self.d.netns.sh("ss -Hltn 'src 169.254.100.1'");
         out.lines()

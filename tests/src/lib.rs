@@ -4,6 +4,8 @@
 //! - [`netns`]: a network namespace + veth pair on a TEST-NET range, removed on drop.
 //! - [`canary`]: TCP/UDP listeners and an AF_PACKET capture that record what *arrived*.
 //! - [`packet`]: hand-made Ethernet/IPv4/UDP frames sent through AF_PACKET.
+//! - [`upstreams`]: a test CA, python web servers, a recording dnsmasq, local "public" addresses.
+//! - [`tls_upstream`]: a recording TLS upstream with its own CA (interception tests).
 //! - [`agent`]: locating the built `egress-agent` / `egress-probe` binaries, running the probe
 //!   inside or outside `egress-agent exec`, test config files, attached-program counts.
 pub mod agent;
@@ -13,6 +15,8 @@ pub mod canary;
 pub mod escape;
 pub mod netns;
 pub mod packet;
+pub mod tls_upstream;
+pub mod upstreams;
 
 /// Is the effective user root?
 pub fn is_root() -> bool {

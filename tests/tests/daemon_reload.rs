@@ -325,7 +325,7 @@ fn reload_narrows_and_widens_running_containers() {
     // Still one listener per opted-in container (same-name policies are swapped in place).
     assert_eq!(
         env.listener_ports().len(),
-        2,
+        2 * Env::TCP_SOCKETS_PER_CONTAINER,
         "listeners: {:?}",
         env.listener_ports()
     );

@@ -13,13 +13,17 @@ use std::net::TcpStream;
 use std::time::{Duration, Instant};
 
 use egress_tests::docker::{
-    Env, IMAGE, PROXY, SERIAL, UPSTREAM_IP, cgroup2_mount, require_root, sh_ok,
+    Env, GATEWAY, IMAGE, PROXY, SERIAL, UPSTREAM_IP, cgroup2_mount, require_root, sh_ok,
 };
+use egress_tests::upstreams::{TempDir, TestCa, WebServer};
 
 fn env_new() -> Env {
-    Env::new(&[std::path::Path::new(env!(
-        "CARGO_BIN_EXE_egress-test-rawsend"
-    ))])
+    Env::new(&[
+        std::path::Path::new(env!("CARGO_BIN_EXE_egress-test-rawsend")),
+        std::path::Path::new(env!("CARGO_BIN_EXE_egress-probe")),
+        // Debian's curl (its libraries come along), for the TLS interception check.
+        std::path::Path::new("/usr/bin/curl"),
+    ])
 }
 
 const DIRECT: &str = "nc -w 2 198.18.0.1 9000 </dev/null && echo DIRECT-OK || echo DIRECT-FAIL";
@@ -40,7 +44,7 @@ fn policies_labels_and_events() {
         return;
     }
     let _g = lock();
-    let env = env_new();
+    let mut env = env_new();
 
     // Unlabelled: untouched (allow_all), direct connections arrive.
     let before = env.canary.count();
@@ -204,6 +208,119 @@ fn policies_labels_and_events() {
         !out.contains("hello-upstream"),
         "deny_all container used another container's listener: {out}"
     );
+
+    interception_in_a_labelled_container(&mut env);
+}
+
+/// TLS interception for a labelled container (#12 item 5): the container holds the placeholder
+/// and trusts the agent's CA (its bundle mounted read-only over the image's, as README's
+/// `docker run` line for Debian-based images does); a TLS
+/// upstream of the test's own (own CA, on the gateway address in dockerd's namespace) receives
+/// the real secret; a host of the same policy without binding is passed through (curl sees the
+/// upstream's own certificate). `[intercept]` takes a restart, so the daemon is restarted once.
+fn interception_in_a_labelled_container(env: &mut Env) {
+    use egress_tests::tls_upstream::{TestCa, Upstream};
+    use std::os::unix::fs::PermissionsExt;
+    const SECRET: &str = "sk-docker-Jr8Wq2Vn6Tx4-never-inside";
+    const PH: &str = "egress-ph-docker-5eed";
+    let ca = TestCa::new();
+    let up = Upstream::start_in(
+        &ca,
+        &["api.test", "pass.test"],
+        "198.18.0.1:8443".parse().expect("test value"),
+        &env.d.netns.path(),
+    );
+    let dir = env.dir.clone();
+    std::fs::write(dir.join("upstream-ca.pem"), &ca.pem).expect("upstream CA");
+    let secret = dir.join("secret");
+    std::fs::write(&secret, SECRET).expect("secret");
+    std::fs::set_permissions(&secret, std::fs::Permissions::from_mode(0o600)).expect("chmod");
+    let hosts = std::fs::read_to_string(dir.join("hosts")).expect("hosts");
+    std::fs::write(
+        dir.join("hosts"),
+        format!("{hosts}198.18.0.1 api.test\n198.18.0.1 pass.test\n"),
+    )
+    .expect("hosts");
+    let d = dir.display();
+    env.write_config(&env.config_text(&format!(
+        r#"[intercept]
+upstream_ca_file = "{d}/upstream-ca.pem"
+
+[policies.web]
+allow_hosts = ["allowed.test"]
+allow_ports = [8080]
+allow_cidrs = ["{UPSTREAM_IP}/32"]
+[policies.canary]
+allow_cidrs = ["198.18.0.1/32"]
+
+[policies.agent]
+allow_hosts = ["api.test", "pass.test"]
+allow_ports = [8443]
+resolve_private = ["198.18.0.1/32"]
+[[policies.agent.credentials]]
+host = "api.test"
+port = 8443
+header = "authorization"
+prefix = "Bearer "
+source = {{ file = "{d}/secret" }}
+placeholder = "{PH}"
+require = true
+"#
+    )));
+    env.kill_agent();
+    env.start_agent();
+    let out = env.run_out(
+        &[
+            "--label",
+            "egress.policy=agent",
+            "-e",
+            &format!("API_KEY={PH}"),
+            "-e",
+            "HTTPS_PROXY=http://169.254.100.1:3128",
+            // README's line for Debian-based images.
+            "-v",
+            &format!("{d}/state/ca-bundle.pem:/etc/ssl/certs/ca-certificates.crt:ro"),
+            "-e",
+            "SSL_CERT_FILE=/etc/ssl/certs/ca-certificates.crt",
+            "-v",
+            &format!("{d}/upstream-ca.pem:/upstream-ca.pem:ro"),
+        ],
+        r#"C="curl -sS --max-time 15"
+echo "== bound"; $C -H "Authorization: Bearer $API_KEY" https://api.test:8443/v1/docker
+echo; echo "== missing"; $C -o /dev/null -w "%{http_code}\n" https://api.test:8443/v1/docker-missing
+echo "== pass"; $C -v --cacert /upstream-ca.pem https://pass.test:8443/v1/docker-pass 2>&1
+echo; echo "== pass-agent-ca"; $C https://pass.test:8443/v1/docker-pass-agent-ca 2>&1; echo "rc=$?"
+echo "== env"; env"#,
+    );
+    let r = up
+        .request("/v1/docker")
+        .unwrap_or_else(|| panic!("the upstream never got the request:\n{out}\n{}", env.log()));
+    assert_eq!(
+        r.header("authorization"),
+        Some(format!("Bearer {SECRET}").as_str()),
+        "{r:?}"
+    );
+    assert!(out.contains("upstream-ok HTTP/2.0 /v1/docker"), "{out}");
+    // require = true: without the placeholder, refused and never forwarded.
+    assert!(
+        out.contains("== missing\n403\n") && up.request("/v1/docker-missing").is_none(),
+        "{out}"
+    );
+    // pass.test has no binding: the container sees the upstream's own certificate.
+    assert!(
+        out.contains("issuer: CN=egress-tests upstream CA")
+            && out.contains("upstream-ok HTTP/2.0 /v1/docker-pass"),
+        "pass-through: {out}"
+    );
+    assert!(
+        out.contains("rc=60") && up.request("/v1/docker-pass-agent-ca").is_none(),
+        "the agent's CA verified a pass-through host: {out}"
+    );
+    assert!(out.contains(&format!("API_KEY={PH}")), "{out}");
+    assert!(!out.contains(SECRET), "the container saw the secret: {out}");
+    for r in up.requests() {
+        assert!(!r.text().contains(PH), "placeholder upstream: {}", r.text());
+    }
 }
 
 #[test]
@@ -371,12 +488,13 @@ fn lifecycle_restarts_and_agent_failure() {
     // restart the agent replays the last second of Docker events: a listener for a container that
     // is already gone may exist until its queued `destroy` is applied, so let it settle.
     let deadline = Instant::now() + Duration::from_secs(10);
-    while env.listener_ports().len() != 1 && Instant::now() < deadline {
+    while env.listener_ports().len() != Env::TCP_SOCKETS_PER_CONTAINER && Instant::now() < deadline
+    {
         std::thread::sleep(Duration::from_millis(200));
     }
     assert_eq!(
         env.listener_ports().len(),
-        1,
+        Env::TCP_SOCKETS_PER_CONTAINER,
         "listeners after restart: {:?}",
         env.listener_ports()
     );
@@ -675,4 +793,232 @@ fn drain(sink: &std::net::UdpSocket) -> Vec<String> {
         got.push(String::from_utf8_lossy(&buf[..n]).into_owned());
     }
     got
+}
+
+/// Transparent interception and the agent's DNS for a labelled container that is given no proxy
+/// variable: Docker's embedded resolver (127.0.0.11) is answered by the agent, an allowed name is
+/// fetched through the kernel redirect (plain HTTP by Debian's curl, HTTPS by a rustls client with
+/// SNI against a TLS upstream with the test's CA), and every refusal is checked where it would
+/// have arrived: the TLS upstream's request log and the canary.
+#[test]
+fn transparent_without_proxy_variables() {
+    if !require_root() {
+        return;
+    }
+    let _g = lock();
+    let env = env_new();
+    // The TLS upstream `tls.test` on the gateway address (the dockerd side), port 8443.
+    let ca_dir = TempDir::new("docker-transparent");
+    let ca = TestCa::new(ca_dir.path(), &["tls.test", "denied.test"]);
+    let tls = env.d.netns.run(|| {
+        WebServer::start(
+            format!("{GATEWAY}:8443").parse().expect("addr"),
+            Some(&ca),
+            "docker-tls",
+        )
+    });
+    env.write_config(&env.config_text(
+        r#"[policies.tp]
+allow_hosts = ["allowed.test", "tls.test"]
+allow_ports = [8080, 8443, 9000]
+resolve_private = ["198.18.0.0/24"]
+[policies.canary]
+allow_cidrs = ["198.18.0.1/32"]
+"#,
+    ));
+    let o = env.cli(&["reload"]);
+    assert!(o.status.success(), "reload refused: {o:?}");
+    let before = env.canary.count();
+    let mount = format!("{}:/ca:ro", ca_dir.path().display());
+    // Started first, then used once its host layer is in place: on hosts without BPF-LSM (this
+    // one) the L2 guard drops a new container's frames until the agent has classified it, and a
+    // DNS query lost there is retried by the resolver only after 5 s.
+    env.start_ok(
+        "tp-1",
+        &["--label", "egress.policy=tp", "-v", &mount],
+        &["sleep", "600"],
+    );
+    assert!(env.wait_enforced("tp-1", 2));
+    assert!(
+        env.wait_log(
+            |l| l
+                .lines()
+                .any(|x| x.contains("host layer enforced") && x.contains("\"name\":\"tp-1\"")),
+            Duration::from_secs(10)
+        ),
+        "host layer never enforced for tp-1"
+    );
+    let o = env.d.docker(&[
+        "exec",
+        "tp-1",
+        "sh",
+        "-c",
+        "grep nameserver /etc/resolv.conf; env | grep -i proxy; echo ---; \
+         curl -sS -m 5 http://allowed.test:8080/; echo ---; \
+         egress-probe tls-get tls.test tls.test 8443 /ca/ca.pem; echo ---; \
+         nslookup denied.test && echo RESOLVED-DENIED || echo NX-DENIED; echo ---; \
+         egress-probe tls-get denied.test 198.18.0.1 8443 /ca/ca.pem || echo SNI-REFUSED; \
+         egress-probe tls-get 198.18.0.1 198.18.0.1 8443 /ca/ca.pem || echo NOSNI-REFUSED; \
+         curl -fsS -m 5 http://198.18.0.1:9000/ && echo IP-OK || echo IP-REFUSED; \
+         (printf 'GET / HTTP/1.1\\r\\nHost: denied.test:9000\\r\\n\\r\\n'; sleep 1) | nc -w 3 198.18.0.1 9000; echo ---; \
+         (printf 'GET / HTTP/1.1\\r\\nHost: allowed.test:9000\\r\\n\\r\\n'; sleep 1) | nc -w 3 198.18.0.1 9000; echo END",
+    ]);
+    let out = format!(
+        "{}{}",
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr)
+    );
+    assert!(
+        out.contains("nameserver 127.0.0.11") && !out.to_lowercase().contains("proxy="),
+        "the container should use Docker's embedded resolver and have no proxy variable: {out}"
+    );
+    assert!(
+        out.contains("hello-upstream"),
+        "allowed name over plain HTTP without proxy variables: {out}"
+    );
+    assert!(
+        out.contains("TLS-OK upstream-ok docker-tls"),
+        "allowed name over TLS (SNI tls.test, end to end with the test's CA): {out}"
+    );
+    assert_eq!(
+        tls.hits().len(),
+        1,
+        "only the allowed TLS request arrived: {:?}",
+        tls.hits()
+    );
+    assert!(
+        out.contains("NX-DENIED") && !out.contains("RESOLVED-DENIED"),
+        "a name outside the policy must not resolve: {out}"
+    );
+    assert!(
+        out.contains("SNI-REFUSED") && out.contains("NOSNI-REFUSED"),
+        "a denied SNI and a ClientHello without SNI must be refused: {out}"
+    );
+    assert!(
+        out.contains("IP-REFUSED"),
+        "an IP literal Host must be refused: {out}"
+    );
+    assert!(out.contains("END"), "{out}");
+    // Neither the IP literal, nor a foreign Host, nor an allowed Host sent to the canary's
+    // address (the proxy dials allowed.test's own address, never the client's) arrived.
+    assert_eq!(
+        env.canary.count(),
+        before,
+        "a transparent refusal reached the canary: {out}"
+    );
+    for (host, port) in [("denied.test", 53), ("denied.test", 8443)] {
+        assert!(
+            env.wait_event(
+                |e| e["container"]["name"] == "tp-1"
+                    && e["host"] == host
+                    && e["port"] == port
+                    && e["policy"] == "tp",
+                Duration::from_secs(5)
+            ),
+            "no denial event for {host}:{port}: {:?}",
+            env.events()
+        );
+    }
+}
+
+/// Connect from the dockerd side (the bridge gateway, outside every policy here) to `addr` and
+/// read what the server sends within 3 s.
+fn pull(env: &Env, addr: &str) -> String {
+    let addr: std::net::SocketAddr = addr.parse().expect("test value");
+    env.d.netns.run(|| {
+        let r = (|| -> std::io::Result<String> {
+            let mut s = TcpStream::connect_timeout(&addr, Duration::from_secs(3))?;
+            s.set_read_timeout(Some(Duration::from_secs(3)))?;
+            let mut buf = Vec::new();
+            match s.read_to_end(&mut buf) {
+                Ok(_) => {}
+                Err(e) if !buf.is_empty() => {
+                    return Ok(format!("{} ({e})", String::from_utf8_lossy(&buf)));
+                }
+                Err(e) => return Err(e),
+            }
+            Ok(String::from_utf8_lossy(&buf).into_owned())
+        })();
+        format!("{r:?}")
+    })
+}
+
+/// Inbound connections are policy too (#10 part 2), for labelled containers: a listener of a
+/// `deny_all` or allowlist container sends nothing to a peer outside the policy; `allow_inbound`
+/// lets a named peer in; a published port (`-p`) is reachable by default and not at all with
+/// `allow_published_ports = false`. Each server answers its first client with a marker, so a
+/// payload that arrives is seen.
+#[test]
+fn inbound_connections_follow_the_policy() {
+    if !require_root() {
+        return;
+    }
+    let _g = lock();
+    let env = env_new();
+    env.write_config(&env.config_text(
+        r#"[policies.listener]
+allow_hosts = ["allowed.test"]
+allow_inbound = [{ cidr = "198.18.0.1/32", ports = [7001] }]
+[policies.sealed]
+mode = "deny_all"
+allow_published_ports = false
+[policies.canary]
+allow_cidrs = ["198.18.0.1/32"]
+"#,
+    ));
+    let o = env.cli(&["reload"]);
+    assert!(o.status.success(), "reload refused: {o:?}");
+    let serve = |name: &str, extra: &[&str], port: u16| {
+        let mut args = vec!["--label"];
+        args.extend_from_slice(extra);
+        let cmd = format!("exec egress-probe serve {port} PAYLOAD-{name}");
+        env.start_ok(name, &args, &["sh", "-c", &cmd]);
+        assert!(env.wait_enforced(name, 2), "{name} never enforced");
+        env.d.ip_of(name)
+    };
+    let deny = serve("in-deny", &["egress.policy=deny_all"], 7000);
+    let allow_other_port = serve("in-list", &["egress.policy=listener"], 7000);
+    let allowed = serve("in-allowed", &["egress.policy=listener"], 7001);
+    // Reached through the published port only (docker-proxy connects from the gateway: the
+    // kernel can't tell it from any other peer there, so the port is open to the gateway too).
+    serve(
+        "in-pub",
+        &["egress.policy=deny_all", "-p", "18091:7000"],
+        7000,
+    );
+    let sealed = serve(
+        "in-sealed",
+        &["egress.policy=sealed", "-p", "18092:7000"],
+        7000,
+    );
+    for (name, addr) in [
+        ("in-deny", format!("{deny}:7000")),
+        ("in-list", format!("{allow_other_port}:7000")),
+        ("in-sealed", "127.0.0.1:18092".to_owned()),
+        ("in-sealed", format!("{sealed}:7000")),
+    ] {
+        let got = pull(&env, &addr);
+        assert!(
+            !got.contains("PAYLOAD"),
+            "{name}: a peer outside the policy pulled data from {addr}: {got}"
+        );
+    }
+    // Positive controls: the same kind of server answers an allowed peer.
+    let got = pull(&env, &format!("{allowed}:7001"));
+    assert!(
+        got.contains("PAYLOAD-in-allowed"),
+        "allow_inbound peer: {got}"
+    );
+    let got = pull(&env, "127.0.0.1:18091");
+    assert!(
+        got.contains("PAYLOAD-in-pub"),
+        "published port (default allowed): {got}"
+    );
+    // The refused servers are still waiting: nobody was ever served.
+    for name in ["in-deny", "in-list", "in-sealed"] {
+        assert!(
+            env.wait_state(name, "running", Duration::from_secs(1)),
+            "{name} exited: it served someone"
+        );
+    }
 }

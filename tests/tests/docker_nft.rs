@@ -14,7 +14,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
-use egress_agent::nft::{self, Endpoint, Enforced, Ruleset};
+use egress_agent::nft::{self, Endpoint, Enforced, ProxyPort, Ruleset};
 use egress_agent::policy::CidrRule;
 use egress_tests::docker::{NetNs, require_root, sh};
 use egress_tests::packet::{ethernet_ipv4_udp, packet_socket, send_frame};
@@ -82,6 +82,7 @@ impl Topo {
                 "c1".repeat(32),
                 Enforced {
                     listener: SocketAddrV4::new(PROXY, 4001),
+                    redirects: vec![ProxyPort::Udp(4053), ProxyPort::Tcp(4054)],
                     allow_cidrs: vec![CidrRule {
                         net: "198.18.2.2/32".parse().expect("test value"),
                         ports: vec![80],
@@ -195,6 +196,9 @@ fn host_layer_filters_real_packets() {
     let _u81 = tcp_server(&t.u, "198.18.2.2:81");
     let _c1_server = tcp_server(&t.c1, "198.18.1.2:8080");
     let udp = udp_sink(&t.u, "198.18.2.2:9999");
+    let _transparent = tcp_server(&t.h, "169.254.100.1:4054");
+    let dns = udp_sink(&t.h, "169.254.100.1:4053");
+    let other_udp = udp_sink(&t.h, "169.254.100.1:4055");
 
     // Without rules everything is reachable (the topology works).
     for (ns, addr) in [
@@ -228,6 +232,42 @@ fn host_layer_filters_real_packets() {
     assert!(
         reach(&t.h, "169.254.100.1:4001"),
         "host loopback reaches the proxy"
+    );
+    // Its transparent listener (TCP) and DNS responder (UDP) too — nothing else on UDP.
+    assert!(
+        reach(&t.c1, "169.254.100.1:4054"),
+        "enforced container reaches its transparent listener"
+    );
+    assert!(
+        !reach(&t.c2, "169.254.100.1:4054"),
+        "unlabelled container must not reach a transparent listener"
+    );
+    let send_udp = |ns: &NetNs, to: &str| {
+        let to: SocketAddr = to.parse().expect("test value");
+        ns.run(|| {
+            let s = UdpSocket::bind("0.0.0.0:0").expect("bind");
+            for _ in 0..3 {
+                s.send_to(b"query", to).ok();
+            }
+        });
+    };
+    send_udp(&t.c1, "169.254.100.1:4053");
+    send_udp(&t.c1, "169.254.100.1:4055");
+    send_udp(&t.c2, "169.254.100.1:4055");
+    let deadline = std::time::Instant::now() + Duration::from_secs(3);
+    while dns.load(Ordering::SeqCst) < 3 && std::time::Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert_eq!(
+        dns.load(Ordering::SeqCst),
+        3,
+        "datagrams to its DNS port arrive"
+    );
+    settle();
+    assert_eq!(
+        other_udp.load(Ordering::SeqCst),
+        0,
+        "no other UDP port on the proxy address is reachable from containers"
     );
     assert!(
         !reach(&t.u, "169.254.100.1:4001"),

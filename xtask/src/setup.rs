@@ -43,6 +43,9 @@ const APT_PACKAGES: &[&str] = &[
     // dig as the client.
     "dnsmasq-base",
     "bind9-dnsutils",
+    // The status page test: headless Chromium renders the page (driven over its DevTools
+    // protocol by node), and takes the screenshot in docs/.
+    "chromium",
 ];
 
 /// mitmproxy (PyPI, pinned) for the interception benchmark, in a venv of its own.

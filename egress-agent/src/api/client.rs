@@ -2,7 +2,7 @@
 
 use std::path::{Path, PathBuf};
 
-use http_body_util::{BodyExt, Empty};
+use http_body_util::{BodyExt, Full};
 use hyper::{Method, Request, StatusCode, body::Bytes};
 use hyper_util::rt::TokioIo;
 use tokio::{io::AsyncWriteExt, net::UnixStream};
@@ -33,6 +33,16 @@ async fn send(
     method: Method,
     path: &str,
 ) -> Result<hyper::Response<hyper::body::Incoming>, ClientError> {
+    send_body(socket, method, path, None).await
+}
+
+/// A request with an optional body (`(content type, bytes)`).
+async fn send_body(
+    socket: &Path,
+    method: Method,
+    path: &str,
+    body: Option<(&str, Vec<u8>)>,
+) -> Result<hyper::Response<hyper::body::Incoming>, ClientError> {
     let stream = UnixStream::connect(socket)
         .await
         .map_err(|source| ClientError::Connect {
@@ -45,12 +55,18 @@ async fn send(
             tracing::debug!(error = %e, "control API client connection ended");
         }
     });
-    let req = Request::builder()
+    let mut req = Request::builder()
         .method(method)
         .uri(path)
-        .header("host", "egress-agent")
-        .body(Empty::<Bytes>::new())?;
-    Ok(sender.send_request(req).await?)
+        .header("host", "egress-agent");
+    let body = match body {
+        Some((ct, bytes)) => {
+            req = req.header("content-type", ct);
+            Full::new(Bytes::from(bytes))
+        }
+        None => Full::new(Bytes::new()),
+    };
+    Ok(sender.send_request(req.body(body)?).await?)
 }
 
 /// One request; returns the body of a 2xx answer, or the error the daemon gave.
@@ -63,6 +79,20 @@ pub async fn request(socket: &Path, method: Method, path: &str) -> Result<String
         return Err(ClientError::Status { status, body });
     }
     Ok(body)
+}
+
+/// One request with a body; returns the status and the body whatever the status (the caller
+/// shows a 422's field and reason).
+pub async fn request_body(
+    socket: &Path,
+    method: Method,
+    path: &str,
+    body: Option<(&str, Vec<u8>)>,
+) -> Result<(StatusCode, String), ClientError> {
+    let resp = send_body(socket, method, path, body).await?;
+    let status = resp.status();
+    let body = resp.into_body().collect().await?.to_bytes();
+    Ok((status, String::from_utf8_lossy(&body).into_owned()))
 }
 
 /// Streams a response body (NDJSON) to stdout until the daemon closes it.

@@ -3,20 +3,39 @@
 //! The daemon serves it ([`server`]); the CLI subcommands `status`, `events` and `reload` are its
 //! clients ([`client`]). Endpoints (all JSON; see `docs/api.yaml` for the OpenAPI description):
 //!
-//! | method | path                  | answer                                                    |
-//! |--------|-----------------------|-----------------------------------------------------------|
-//! | GET    | `/v1/status`          | what is loaded and pinned, listeners, counts              |
-//! | GET    | `/v1/containers`      | enforced containers/cgroups with their policy and counters |
-//! | GET    | `/v1/policies`        | the effective policies                                    |
-//! | GET    | `/v1/events?n=N`      | the N most recent denial events (default 100)             |
-//! | GET    | `/v1/events?follow=1` | NDJSON stream of denial events as they happen             |
-//! | POST   | `/v1/reload`          | re-read the config; 200 if applied, 422 with the error    |
+//! | method | path                     | answer                                                 |
+//! |--------|--------------------------|--------------------------------------------------------|
+//! | GET    | `/v1/status`             | what is loaded and pinned, listeners, counts           |
+//! | GET    | `/v1/containers`         | enforced containers/cgroups with their policy, badge and counters |
+//! | GET    | `/v1/policies`           | the effective policies                                 |
+//! | GET    | `/v1/policies/{name}`    | one policy: source (built-in, config, policies.d), file, badge |
+//! | PUT    | `/v1/policies/{name}`    | create/replace (TOML or JSON body); 422 names the field |
+//! | DELETE | `/v1/policies/{name}`    | remove a `policies.d` policy (409 if in use, `?force=1`) |
+//! | GET    | `/v1/defaults`           | `agent.default_policy`, `agent.unlabeled`              |
+//! | PUT    | `/v1/defaults`           | set either or both                                     |
+//! | GET    | `/v1/export`             | the bundle (JSON; `?format=toml`)                      |
+//! | POST   | `/v1/import`             | a bundle: the diff (dry run), applied with `?apply=1`  |
+//! | GET    | `/v1/explain`            | `?policy=P` or `?container=C`, `&target=HOST[:PORT]`   |
+//! | GET    | `/v1/denials`            | recent denials from the event store (selection)        |
+//! | GET    | `/v1/suggest`            | a suggested allowlist for a selection                  |
+//! | GET    | `/v1/changes`            | the policy changes made through the API, with the uid  |
+//! | GET    | `/v1/doctor`             | the doctor's probes                                    |
+//! | GET    | `/v1/events?n=N`         | the N most recent denial events (default 100)          |
+//! | GET    | `/v1/events?follow=1`    | NDJSON stream of denial events as they happen          |
+//! | GET    | `/v1/events/sse`         | the same stream as server-sent events (status page)    |
+//! | POST   | `/v1/reload`             | re-read the config; 200 if applied, 422 with the error |
+//! | GET    | `/ui/`                   | the status page (HTML, JS, CSS; no external assets)    |
 //!
-//! Access: the socket file is created mode 0600 (root only), and every connection's peer
-//! credentials (SO_PEERCRED) are checked again: a non-root peer gets 403 even if the file mode
-//! was loosened by hand.
+//! Access (see [`peer`]): the socket file is mode 0600 root (0660 with the `api.read_group`
+//! group), and every connection's peer credentials are checked again: root gets everything, a
+//! member of `api.read_group` the GET endpoints, a confined process nothing, whatever its uid.
+//! The optional loopback TCP address (`api.ui_listen`) serves the GET endpoints and the page
+//! only, to the same peers (found by their socket), and only with a loopback `Host` header.
 
+pub mod backend;
 pub mod client;
+pub mod peer;
+pub mod routes;
 pub mod server;
 
 use std::{future::Future, pin::Pin};
@@ -29,8 +48,57 @@ pub const DEFAULT_SOCKET: &str = "/run/egress-agent/api.sock";
 /// A boxed future, for the one async method of [`Control`].
 pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
 
+/// An answer other than 200: the HTTP status and the message (`{"error": ...}`), or a whole
+/// JSON body.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ApiError {
+    pub status: u16,
+    pub body: Value,
+}
+
+impl ApiError {
+    pub fn new(status: u16, message: impl std::fmt::Display) -> Self {
+        ApiError {
+            status,
+            body: serde_json::json!({ "error": message.to_string() }),
+        }
+    }
+    pub fn unavailable(what: &str) -> Self {
+        ApiError::new(501, format!("{what} is not available here"))
+    }
+}
+
+impl From<crate::manage::ManageError> for ApiError {
+    fn from(e: crate::manage::ManageError) -> Self {
+        ApiError {
+            status: e.status(),
+            body: e.body(),
+        }
+    }
+}
+
+/// `GET /v1/explain`'s question.
+#[derive(Debug, Clone, Default)]
+pub struct ExplainQuery {
+    pub policy: Option<String>,
+    pub container: Option<String>,
+    pub target: String,
+    /// `own` (a container, the default) or `host` (`exec`).
+    pub netns: Option<String>,
+}
+
+/// A selection of stored events (`/v1/denials`, `/v1/suggest`): the `events`/`suggest` flags.
+#[derive(Debug, Clone, Default)]
+pub struct StoreQuery {
+    pub selection: crate::store::cli::Selection,
+    pub n: usize,
+    pub include_denied: bool,
+    pub name: Option<String>,
+}
+
 /// What the daemon exposes to the API. Answers are JSON values so the API layer stays a thin
-/// transport over the daemon's own types.
+/// transport over the daemon's own types. The methods with a default answer 501 (test fakes
+/// need not implement what they don't serve).
 pub trait Control: Send + Sync + 'static {
     fn status(&self) -> Value;
     fn containers(&self) -> Value;
@@ -42,4 +110,43 @@ pub trait Control: Send + Sync + 'static {
     /// Re-reads and applies the config. `Err` carries the message shown to the operator; the
     /// running policy stays in force then.
     fn reload(&self) -> BoxFuture<'_, Result<Value, String>>;
+    /// One policy (`None`: no such policy).
+    fn policy(&self, _name: &str) -> Option<Value> {
+        None
+    }
+    fn defaults(&self) -> Result<Value, ApiError> {
+        Err(ApiError::unavailable("defaults"))
+    }
+    /// The bundle of this host's policies.
+    fn export(&self) -> Result<crate::manage::bundle::Bundle, ApiError> {
+        Err(ApiError::unavailable("export"))
+    }
+    /// Validate and apply a change as `who` (or only validate it: `dry_run`).
+    fn change(
+        &self,
+        _change: crate::manage::Change,
+        _who: crate::manage::Who,
+        _dry_run: bool,
+    ) -> BoxFuture<'_, Result<Value, ApiError>> {
+        Box::pin(async { Err(ApiError::unavailable("policy changes")) })
+    }
+    fn explain(&self, _q: ExplainQuery) -> BoxFuture<'_, Result<Value, ApiError>> {
+        Box::pin(async { Err(ApiError::unavailable("explain")) })
+    }
+    /// Stored denials (and would-denials) matching the selection, oldest first.
+    fn denials(&self, _q: &StoreQuery) -> Result<Vec<Value>, ApiError> {
+        Err(ApiError::unavailable("the event store"))
+    }
+    /// The suggested policy (TOML) for the selection.
+    fn suggest(&self, _q: &StoreQuery) -> Result<String, ApiError> {
+        Err(ApiError::unavailable("suggest"))
+    }
+    /// The newest `n` recorded policy changes, oldest first.
+    fn changes(&self, _n: usize) -> Result<Vec<Value>, ApiError> {
+        Err(ApiError::unavailable("the change record"))
+    }
+    /// The doctor's report (JSON).
+    fn doctor(&self) -> BoxFuture<'_, Value> {
+        Box::pin(async { serde_json::json!({ "error": "not available" }) })
+    }
 }

@@ -1,29 +1,25 @@
-//! Serves the control API on a root-only unix socket.
+//! Serves the control API on a root-only unix socket (and, optionally, the status page and GET
+//! endpoints on a loopback TCP address). Routing and access are in [`super::routes`] and
+//! [`super::peer`].
 
 use std::{
     convert::Infallible,
     future::Future,
     io,
+    net::SocketAddr,
     os::unix::fs::PermissionsExt,
     path::{Path, PathBuf},
     sync::Arc,
 };
 
-use http_body_util::{BodyExt, Full, StreamBody, combinators::BoxBody};
-use hyper::{
-    Method, Request, Response, StatusCode,
-    body::{Bytes, Frame, Incoming},
-    service::service_fn,
-};
+use hyper::service::service_fn;
 use hyper_util::rt::TokioIo;
-use serde_json::{Value, json};
-use tokio::net::{UnixListener, UnixStream};
-use tokio_stream::{StreamExt, wrappers::ReceiverStream};
+use tokio::net::{TcpListener, TcpStream, UnixListener, UnixStream};
 use tracing::{debug, info, warn};
 
 use super::Control;
-
-type Body = BoxBody<Bytes, Infallible>;
+use super::peer::Peer;
+use super::routes::{self, Transport};
 
 /// Errors binding the control socket.
 #[derive(Debug, thiserror::Error)]
@@ -45,31 +41,10 @@ pub struct ApiServer {
     /// Enforcement roots: a peer whose cgroup is at or below one of them is a confined process
     /// and is refused, whatever its uid.
     refused_roots: Vec<PathBuf>,
-}
-
-/// Who is on the other end of a control connection (`SO_PEERCRED`, then its cgroup).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-struct Peer {
-    uid: Option<u32>,
-    /// In an enforcement root — or its cgroup could not be read (refused as well).
-    confined: bool,
-}
-
-impl Peer {
-    fn of(stream: &UnixStream, roots: &[PathBuf]) -> Peer {
-        let cred = stream.peer_cred().ok();
-        let confined = match cred.and_then(|c| c.pid()) {
-            Some(pid) if pid > 0 => match crate::cgroup::cgroup_of_pid(pid as u32) {
-                Ok(cg) => roots.iter().any(|r| cg.starts_with(r)),
-                Err(_) => true,
-            },
-            _ => true,
-        };
-        Peer {
-            uid: cred.map(|c| c.uid()),
-            confined,
-        }
-    }
+    /// `api.read_group`: its members get the GET endpoints.
+    read_gid: Option<u32>,
+    /// `api.ui_listen`: the status page and GET endpoints on loopback TCP.
+    tcp: Option<TcpListener>,
 }
 
 impl ApiServer {
@@ -97,6 +72,8 @@ impl ApiServer {
             path: path.to_owned(),
             // `exec` commands always; the daemon adds its Docker root.
             refused_roots: crate::exec::exec_root().into_iter().collect(),
+            read_gid: None,
+            tcp: None,
         })
     }
 
@@ -106,30 +83,96 @@ impl ApiServer {
         self
     }
 
+    /// Let members of group `gid` use the GET endpoints: the socket becomes `root:gid` 0660.
+    pub fn read_group(mut self, gid: u32) -> Result<Self, BindError> {
+        let io_err = |source| BindError::Io {
+            path: self.path.clone(),
+            source,
+        };
+        std::os::unix::fs::chown(&self.path, Some(0), Some(gid)).map_err(io_err)?;
+        std::fs::set_permissions(&self.path, std::fs::Permissions::from_mode(0o660))
+            .map_err(io_err)?;
+        self.read_gid = Some(gid);
+        Ok(self)
+    }
+
+    /// Also serve the status page and the GET endpoints on `addr` (loopback only).
+    pub async fn ui_listen(mut self, addr: SocketAddr) -> Result<Self, BindError> {
+        let err = |source| BindError::Io {
+            path: PathBuf::from(addr.to_string()),
+            source,
+        };
+        if !addr.ip().is_loopback() {
+            return Err(err(io::Error::other(
+                "the status page listens on loopback only",
+            )));
+        }
+        let l = TcpListener::bind(addr).await.map_err(err)?;
+        info!(address = %addr, "status page listening");
+        self.tcp = Some(l);
+        Ok(self)
+    }
+
+    /// The TCP address actually bound, if any.
+    pub fn ui_addr(&self) -> Option<SocketAddr> {
+        self.tcp.as_ref().and_then(|l| l.local_addr().ok())
+    }
+
     pub async fn run(self, control: Arc<dyn Control>, shutdown: impl Future<Output = ()>) {
         tokio::pin!(shutdown);
+        let roots = Arc::new(self.refused_roots);
+        let read_gid = self.read_gid;
+        let tcp = self.tcp;
         loop {
-            let stream = tokio::select! {
+            let (io, peer, transport) = tokio::select! {
                 _ = &mut shutdown => break,
                 accepted = self.listener.accept() => match accepted {
-                    Ok((stream, _)) => stream,
+                    Ok((stream, _)) => {
+                        let peer = Peer::of_unix(&stream, &roots);
+                        (Stream::Unix(stream), peer, Transport::Unix)
+                    }
                     Err(e) => {
                         warn!(error = %e, "control API accept failed");
                         continue;
                     }
                 },
+                accepted = accept_tcp(tcp.as_ref()) => match accepted {
+                    Ok((stream, remote)) => {
+                        let Ok(local) = stream.local_addr() else { continue };
+                        let roots = roots.clone();
+                        // The /proc lookups block: off the runtime's threads. A failed lookup
+                        // is a refused peer.
+                        let peer = tokio::task::spawn_blocking(move || {
+                            Peer::of_tcp(local, remote, &roots)
+                        })
+                        .await
+                        .unwrap_or(Peer { confined: true, ..Peer::default() });
+                        (Stream::Tcp(stream), peer, Transport::Tcp(local))
+                    }
+                    Err(e) => {
+                        warn!(error = %e, "status page accept failed");
+                        continue;
+                    }
+                },
             };
             let control = control.clone();
-            let peer = Peer::of(&stream, &self.refused_roots);
             tokio::spawn(async move {
+                let peer = Arc::new(peer);
                 let service = service_fn(move |req| {
                     let control = control.clone();
-                    async move { Ok::<_, Infallible>(route(req, peer, control.as_ref()).await) }
+                    let peer = peer.clone();
+                    async move {
+                        Ok::<_, Infallible>(
+                            routes::route(req, &peer, read_gid, transport, control.as_ref()).await,
+                        )
+                    }
                 });
-                if let Err(e) = hyper::server::conn::http1::Builder::new()
-                    .serve_connection(TokioIo::new(stream), service)
-                    .await
-                {
+                let builder = hyper::server::conn::http1::Builder::new();
+                let result = match io {
+                    Stream::Unix(s) => builder.serve_connection(TokioIo::new(s), service).await,
+                    Stream::Tcp(s) => builder.serve_connection(TokioIo::new(s), service).await,
+                };
+                if let Err(e) = result {
                     debug!(error = %e, "control API connection ended");
                 }
             });
@@ -138,80 +181,45 @@ impl ApiServer {
     }
 }
 
-fn json_response(status: StatusCode, value: &Value) -> Response<Body> {
-    let mut body = serde_json::to_vec_pretty(value).unwrap_or_default();
-    body.push(b'\n');
-    Response::builder()
-        .status(status)
-        .header("content-type", "application/json")
-        .body(Full::new(Bytes::from(body)).boxed())
-        .unwrap_or_else(|_| Response::new(Full::new(Bytes::new()).boxed()))
+enum Stream {
+    Unix(UnixStream),
+    Tcp(TcpStream),
 }
 
-fn error(status: StatusCode, message: &str) -> Response<Body> {
-    json_response(status, &json!({ "error": message }))
-}
-
-fn query_param<'a>(query: Option<&'a str>, key: &str) -> Option<&'a str> {
-    query?
-        .split('&')
-        .filter_map(|kv| kv.split_once('='))
-        .find(|(k, _)| *k == key)
-        .map(|(_, v)| v)
-}
-
-async fn route(req: Request<Incoming>, peer: Peer, control: &dyn Control) -> Response<Body> {
-    if peer.uid != Some(0) {
-        warn!(
-            peer_uid = ?peer.uid,
-            path = req.uri().path(),
-            "control API refused a non-root client"
-        );
-        return error(StatusCode::FORBIDDEN, "the control API is root-only");
+async fn accept_tcp(l: Option<&TcpListener>) -> io::Result<(TcpStream, SocketAddr)> {
+    match l {
+        Some(l) => l.accept().await,
+        None => std::future::pending().await,
     }
-    if peer.confined {
-        warn!(
-            path = req.uri().path(),
-            "control API refused a confined process (its cgroup is in an enforcement root)"
-        );
-        return error(
-            StatusCode::FORBIDDEN,
-            "the control API refuses confined processes",
-        );
-    }
-    let query = req.uri().query();
-    match (req.method(), req.uri().path()) {
-        (&Method::GET, "/v1/status") => json_response(StatusCode::OK, &control.status()),
-        (&Method::GET, "/v1/containers") => json_response(StatusCode::OK, &control.containers()),
-        (&Method::GET, "/v1/policies") => json_response(StatusCode::OK, &control.policies()),
-        (&Method::GET, "/v1/events") => {
-            if matches!(query_param(query, "follow"), Some("1" | "true")) {
-                let rx = control.subscribe();
-                let stream = ReceiverStream::new(rx).map(|ev| {
-                    let mut line = serde_json::to_vec(&ev).unwrap_or_default();
-                    line.push(b'\n');
-                    Ok::<_, Infallible>(Frame::data(Bytes::from(line)))
+}
+
+/// Apply `[api]`: the read-only group (resolved now: an unknown group fails the start) and the
+/// status page's loopback address.
+pub async fn with_config(
+    server: ApiServer,
+    api: &crate::config::ApiConfig,
+) -> Result<ApiServer, BindError> {
+    let mut server = server;
+    if let Some(name) = &api.read_group {
+        let gid = match nix::unistd::Group::from_name(name) {
+            Ok(Some(g)) => g.gid.as_raw(),
+            Ok(None) => {
+                return Err(BindError::Io {
+                    path: server.path.clone(),
+                    source: io::Error::other(format!("api.read_group: no group named {name:?}")),
                 });
-                return Response::builder()
-                    .status(StatusCode::OK)
-                    .header("content-type", "application/x-ndjson")
-                    .body(BodyExt::boxed(StreamBody::new(stream)))
-                    .unwrap_or_else(|_| error(StatusCode::INTERNAL_SERVER_ERROR, "stream"));
             }
-            let n = match query_param(query, "n").map(str::parse::<usize>) {
-                None => 100,
-                Some(Ok(n)) => n,
-                Some(Err(_)) => return error(StatusCode::BAD_REQUEST, "n must be a number"),
-            };
-            json_response(StatusCode::OK, &Value::Array(control.events(n)))
-        }
-        (&Method::POST, "/v1/reload") => match control.reload().await {
-            Ok(v) => json_response(StatusCode::OK, &v),
-            Err(msg) => error(StatusCode::UNPROCESSABLE_ENTITY, &msg),
-        },
-        (_, "/v1/status" | "/v1/containers" | "/v1/policies" | "/v1/events" | "/v1/reload") => {
-            error(StatusCode::METHOD_NOT_ALLOWED, "method not allowed")
-        }
-        _ => error(StatusCode::NOT_FOUND, "no such endpoint"),
+            Err(e) => {
+                return Err(BindError::Io {
+                    path: server.path.clone(),
+                    source: io::Error::other(format!("api.read_group {name:?}: {e}")),
+                });
+            }
+        };
+        server = server.read_group(gid)?;
     }
+    if let Some(addr) = api.ui_listen {
+        server = server.ui_listen(addr).await?;
+    }
+    Ok(server)
 }

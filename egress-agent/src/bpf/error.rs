@@ -20,6 +20,14 @@ pub enum BpfError {
     NotBpffs { path: PathBuf },
     #[error("the embedded eBPF object is empty: this binary was built with AYA_BUILD_SKIP=1")]
     NoObject,
+    #[error(
+        "pinned map {path} was created by another egress-agent build ({pinned}; this build needs {built}); run `egress-agent cleanup` to remove the old pins (enforcement stops until the agent starts again), then start the agent"
+    )]
+    IncompatiblePin {
+        path: PathBuf,
+        pinned: String,
+        built: String,
+    },
     #[error("parsing/creating maps of the eBPF object: {0}")]
     Object(#[source] Box<aya::EbpfError>),
     #[error("program {program} missing from the eBPF object")]

@@ -146,7 +146,7 @@ fn decode(bytes: &[u8]) -> Event {
         family: u32_at(24),
         protocol: u32_at(28),
         port: u16_at(32),
-        _pad0: u16_at(34),
+        flags: u16_at(34),
         reason: u32_at(36),
         addr: [u32_at(40), u32_at(44), u32_at(48), u32_at(52)],
         comm,
@@ -212,7 +212,7 @@ fn protocol_name(ev: &Event) -> String {
 
 /// The event's `EVENT_FLAG_*` bits (the u16 after `port`).
 pub fn event_flags(ev: &Event) -> u16 {
-    ev._pad0
+    ev.flags
 }
 
 /// What the kernel did: `EVENT_FLAG_ALLOWED` → allow, `EVENT_FLAG_AUDIT` → would-deny, else deny.

@@ -19,6 +19,7 @@ use aya::Btf;
 use aya::programs::links::{FdLink, PinnedLink};
 use aya::programs::{
     CgroupAttachMode, CgroupSkb, CgroupSkbAttachType, CgroupSock, CgroupSockAddr, LsmCgroup,
+    SockOps,
 };
 use aya::{Ebpf, EbpfLoader};
 use egress_common::programs as prog;
@@ -162,6 +163,7 @@ enum Kind {
     SockAddr,
     Skb(CgroupSkbAttachType),
     Sock,
+    SockOps,
     Lsm,
 }
 
@@ -170,6 +172,7 @@ fn kind(name: &str) -> Kind {
         prog::SKB_EGRESS => Kind::Skb(CgroupSkbAttachType::Egress),
         prog::SKB_INGRESS => Kind::Skb(CgroupSkbAttachType::Ingress),
         prog::SOCK_CREATE => Kind::Sock,
+        prog::SOCK_OPS => Kind::SockOps,
         prog::LSM_SOCKET_CREATE => Kind::Lsm,
         _ => Kind::SockAddr,
     }
@@ -292,6 +295,7 @@ impl Loader {
             }
             let maps = maps_dir(&self.bpffs);
             fs::create_dir_all(&maps).map_err(BpfError::io("creating", &maps))?;
+            check_pins(&maps)?;
             let ebpf = EbpfLoader::new()
                 .default_map_pin_directory(&maps)
                 .load(OBJECT)
@@ -424,22 +428,17 @@ impl Loader {
             path: pin.to_owned(),
             source,
         })?;
-        let policies_pin = maps_dir(&self.bpffs).join(egress_common::maps::POLICIES);
-        let map_id = aya::maps::MapData::from_pin(&policies_pin)
-            .and_then(|m| m.info())
-            .map(|i| i.id())
-            .map_err(|source| BpfError::OpenMap {
-                path: policies_pin.clone(),
-                source,
-            })?;
+        let pinned_maps = pinned_map_ids(&maps_dir(&self.bpffs))?;
         let prog_id = info.program_id();
         let pinned = aya::programs::loaded_programs()
             .filter_map(Result::ok)
             .find(|p| p.id() == prog_id);
+        // Every map the program uses is one of the pinned maps (not every program uses POLICIES:
+        // sock_ops only touches the original-destination maps).
         let uses_pinned_maps = pinned
             .as_ref()
             .and_then(|p| p.map_ids().ok().flatten())
-            .is_some_and(|ids| ids.contains(&map_id));
+            .is_some_and(|ids| !ids.is_empty() && ids.iter().all(|id| pinned_maps.contains(id)));
         let maps = maps_dir(&self.bpffs);
         let ours = self.load(name)?;
         let ours_tag = ours
@@ -515,6 +514,10 @@ impl Loader {
                 let p: &mut CgroupSock = program.try_into().map_err(load_err)?;
                 p.load().map_err(|e| BpfError::from_load(name, e))?;
             }
+            Kind::SockOps => {
+                let p: &mut SockOps = program.try_into().map_err(load_err)?;
+                p.load().map_err(|e| BpfError::from_load(name, e))?;
+            }
             Kind::Lsm => {
                 let btf = btf.ok_or(BpfError::MissingProgram { program: name })?;
                 let p: &mut LsmCgroup = program.try_into().map_err(load_err)?;
@@ -562,6 +565,14 @@ impl Loader {
                 let link = p.take_link(id).map_err(attach_err)?;
                 FdLink::try_from(link).map_err(|e| pin_err(name, pin, e))?
             }
+            Kind::SockOps => {
+                let p: &mut SockOps = program.try_into().map_err(load_err)?;
+                let id = p
+                    .attach(cgroup_dir.as_fd(), CgroupAttachMode::Single)
+                    .map_err(attach_err)?;
+                let link = p.take_link(id).map_err(attach_err)?;
+                FdLink::try_from(link).map_err(|e| pin_err(name, pin, e))?
+            }
             Kind::Lsm => {
                 let p: &mut LsmCgroup = program.try_into().map_err(load_err)?;
                 let id = p.attach(cgroup_dir.as_fd()).map_err(attach_err)?;
@@ -573,6 +584,83 @@ impl Loader {
         link.pin(pin).map_err(|e| pin_err(name, pin, e))?;
         Ok(())
     }
+}
+
+/// The ids of the maps pinned in `dir` (the agent's maps directory).
+fn pinned_map_ids(dir: &Path) -> Result<std::collections::BTreeSet<u32>, BpfError> {
+    let mut ids = std::collections::BTreeSet::new();
+    let entries = std::fs::read_dir(dir).map_err(BpfError::io("reading the maps directory", dir))?;
+    for entry in entries {
+        let path = entry
+            .map_err(BpfError::io("reading the maps directory", dir))?
+            .path();
+        let id = aya::maps::MapData::from_pin(&path)
+            .and_then(|m| m.info())
+            .map(|i| i.id())
+            .map_err(|source| BpfError::OpenMap {
+                path: path.clone(),
+                source,
+            })?;
+        ids.insert(id);
+    }
+    Ok(ids)
+}
+
+/// The shape of a map: (type, key size, value size, max entries).
+type Shape = (u32, u32, u32, u32);
+
+fn shape_text((t, k, v, n): Shape) -> String {
+    format!("type {t}, key {k} B, value {v} B, {n} entries")
+}
+
+/// Every pinned map under `dir` has the shape this build's object defines. aya reuses a pin
+/// without comparing, so an older build's map (e.g. a smaller `PolicyEntry`) would otherwise
+/// fail later with a verifier error that does not say why — or, worse, load.
+fn check_pins(dir: &Path) -> Result<(), BpfError> {
+    let object = aya_obj::Object::parse(OBJECT).map_err(|e| BpfError::Pin {
+        what: "the embedded eBPF object".into(),
+        path: dir.to_owned(),
+        message: format!("cannot parse it to check pinned maps: {e}"),
+    })?;
+    for (name, def) in &object.maps {
+        let path = dir.join(name);
+        if !path.exists() {
+            continue;
+        }
+        let built: Shape = (
+            def.map_type(),
+            def.key_size(),
+            def.value_size(),
+            def.max_entries(),
+        );
+        let data = aya::maps::MapData::from_pin(&path).map_err(|source| BpfError::OpenMap {
+            path: path.clone(),
+            source,
+        })?;
+        let info = data.info().map_err(|source| BpfError::OpenMap {
+            path: path.clone(),
+            source,
+        })?;
+        let pinned: Shape = (
+            raw_map_type(&info),
+            info.key_size(),
+            info.value_size(),
+            info.max_entries(),
+        );
+        if pinned != built {
+            return Err(BpfError::IncompatiblePin {
+                path,
+                pinned: shape_text(pinned),
+                built: shape_text(built),
+            });
+        }
+    }
+    Ok(())
+}
+
+/// The kernel's map type number (`u32::MAX` for a type aya does not know).
+fn raw_map_type(info: &aya::maps::MapInfo) -> u32 {
+    info.map_type().map_or(u32::MAX, |t| t as u32)
 }
 
 fn pin_err(name: &str, pin: &Path, e: impl std::fmt::Display) -> BpfError {

@@ -3,6 +3,7 @@
 //! - [`loader`]: bpffs mount, loader lock, load + attach or adopt per enforcement root, pins.
 //! - [`state`]: the pinned maps (policy entries, CIDR rules, counters, global config).
 //! - [`events`]: the denial ring buffer → `DenialEvent`s.
+//! - [`redirects`]: original destinations and DNS-answer allowances (transparent interception).
 //! - [`relay`]: the in-kernel tunnel relay (sockhash + sk_skb verdict), per proxy process.
 //! - `sys`: the two raw syscalls aya does not wrap (the only `unsafe` in the agent).
 //!
@@ -10,6 +11,7 @@
 mod error;
 pub mod events;
 pub mod loader;
+pub mod redirects;
 pub mod relay;
 pub mod state;
 #[allow(

@@ -8,8 +8,8 @@ use std::path::{Path, PathBuf};
 use aya::maps::lpm_trie::{Key, LpmTrie};
 use aya::maps::{Array, HashMap, Map, MapData, PerCpuHashMap};
 use egress_common::{
-    CIDR_ID_BITS, Cidr4Data, Cidr6Data, CidrRule, Counters, GlobalConfig, PolicyEntry, PolicyName,
-    maps,
+    CIDR_ID_BITS, Cidr4Data, Cidr6Data, CidrRule, Counters, Direct4Key, Direct6Key, GlobalConfig,
+    PolicyEntry, PolicyName, maps,
 };
 use ipnet::IpNet;
 
@@ -110,6 +110,9 @@ pub struct PinnedState {
     counters: PerCpuHashMap<MapData, u64, Counters>,
     config: Array<MapData, GlobalConfig>,
     names: HashMap<MapData, u64, PolicyName>,
+    /// Direct allowances from DNS answers (removed with their entry).
+    direct4: HashMap<MapData, Direct4Key, u64>,
+    direct6: HashMap<MapData, Direct6Key, u64>,
 }
 
 fn fixed<const N: usize>(s: &str) -> [u8; N] {
@@ -142,6 +145,16 @@ fn open_map(dir: &Path, name: &'static str) -> Result<Map, BpfError> {
     Map::from_map_data(data).map_err(|source| BpfError::OpenMap { path, source })
 }
 
+/// Open the pinned map `name` under `dir` as the typed map `T`.
+pub(crate) fn open_typed<T>(dir: &Path, name: &'static str) -> Result<T, BpfError>
+where
+    T: TryFrom<Map, Error = aya::maps::MapError>,
+{
+    open_map(dir, name)?
+        .try_into()
+        .map_err(map_err(name, "open"))
+}
+
 fn map_err(map: &'static str, op: &'static str) -> impl FnOnce(aya::maps::MapError) -> BpfError {
     move |source| BpfError::Map { map, op, source }
 }
@@ -172,6 +185,8 @@ impl PinnedState {
             names: open_map(&dir, maps::NAMES)?
                 .try_into()
                 .map_err(conv(maps::NAMES))?,
+            direct4: open_typed(&dir, maps::DIRECT4)?,
+            direct6: open_typed(&dir, maps::DIRECT6)?,
             dir,
         })
     }
@@ -247,7 +262,40 @@ impl PinnedState {
 
     fn remove_rules(&mut self, cgroup_id: u64) -> Result<(), BpfError> {
         self.cidr.remove_all(cgroup_id)?;
-        self.inbound.remove_all(cgroup_id)
+        self.inbound.remove_all(cgroup_id)?;
+        self.remove_direct(cgroup_id)
+    }
+
+    /// Drop the DNS-answer allowances of `cgroup_id` (a new policy starts with none; they come
+    /// back with the next answers).
+    fn remove_direct(&mut self, cgroup_id: u64) -> Result<(), BpfError> {
+        let keys4: Vec<Direct4Key> = self
+            .direct4
+            .keys()
+            .filter_map(Result::ok)
+            .filter(|k| k.entry_id == cgroup_id)
+            .collect();
+        for k in keys4 {
+            match self.direct4.remove(&k) {
+                Ok(()) => {}
+                Err(e) if is_not_found(&e) => {}
+                Err(e) => return Err(map_err(maps::DIRECT4, "remove")(e)),
+            }
+        }
+        let keys6: Vec<Direct6Key> = self
+            .direct6
+            .keys()
+            .filter_map(Result::ok)
+            .filter(|k| k.entry_id == cgroup_id)
+            .collect();
+        for k in keys6 {
+            match self.direct6.remove(&k) {
+                Ok(()) => {}
+                Err(e) if is_not_found(&e) => {}
+                Err(e) => return Err(map_err(maps::DIRECT6, "remove")(e)),
+            }
+        }
+        Ok(())
     }
 
     pub fn policy(&self, cgroup_id: u64) -> Result<Option<PolicyEntry>, BpfError> {

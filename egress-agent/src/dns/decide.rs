@@ -19,11 +19,13 @@ pub enum Decision {
     /// Send nothing (a response packet: never answered, against reflection loops).
     Drop,
     /// The name is allowed: resolve it (both families) and answer `record_type` after the address
-    /// check. `direct_ports`: the ports its `allow_hosts` entries carry.
+    /// check. `direct_ports`: the ports its `allow_hosts` entries carry. `would_deny`: the policy
+    /// audits and would refuse the name for this reason (it is answered and reported).
     Resolve {
         name: HostName,
         record_type: RecordType,
         direct_ports: Vec<u16>,
+        would_deny: Option<DenyReason>,
     },
 }
 
@@ -42,7 +44,8 @@ fn reply(code: ResponseCode, host: Option<HostName>, reason: Option<DenyReason>)
 }
 
 /// Decide on `request` under `policy`. Only [`Decision::Resolve`] lets a name reach a resolver,
-/// and only for a name `allow_hosts` matches.
+/// and only for a name `allow_hosts` matches — or, under an auditing policy, any valid name
+/// (reported as a would-deny).
 pub fn decide(policy: &CompiledPolicy, request: &MessageRequest) -> Decision {
     if request.metadata.message_type != MessageType::Query {
         return Decision::Drop;
@@ -78,12 +81,19 @@ pub fn decide(policy: &CompiledPolicy, request: &MessageRequest) -> Decision {
             name,
             record_type: query.query_type(),
             direct_ports,
+            would_deny: None,
         },
         Err(DenyReason::PolicyDenyAll) => reply(
             ResponseCode::Refused,
             Some(name),
             Some(DenyReason::PolicyDenyAll),
         ),
+        Err(reason) if policy.audits() => Decision::Resolve {
+            name,
+            record_type: query.query_type(),
+            direct_ports: Vec::new(),
+            would_deny: Some(reason),
+        },
         Err(reason) => reply(ResponseCode::NXDomain, Some(name), Some(reason)),
     }
 }
@@ -138,6 +148,7 @@ mod tests {
                 name: HostName::parse("allowed.test").unwrap(),
                 record_type: RecordType::A,
                 direct_ports: vec![],
+                would_deny: None,
             }
         );
         assert_eq!(
@@ -146,6 +157,7 @@ mod tests {
                 name: HostName::parse("git.ssh.test").unwrap(),
                 record_type: RecordType::AAAA,
                 direct_ports: vec![22],
+                would_deny: None,
             }
         );
         for (name, rt, want) in [
@@ -268,5 +280,24 @@ mod tests {
         ));
         let resp = parse(&m);
         assert_eq!(decide(&p, &resp), Decision::Drop);
+    }
+
+    #[test]
+    fn auditing_policies_answer_names_they_would_refuse() {
+        let p = policy("enforce = \"audit\"\nallow_hosts = [\"allowed.test\"]");
+        assert_eq!(
+            decide(&p, &request("other.test.", RecordType::A)),
+            Decision::Resolve {
+                name: HostName::parse("other.test").unwrap(),
+                record_type: RecordType::A,
+                direct_ports: vec![],
+                would_deny: Some(DenyReason::HostNotAllowed),
+            }
+        );
+        // Not a name decision: still refused.
+        assert!(matches!(
+            decide(&p, &request("other.test.", RecordType::TXT)),
+            Decision::Reply { .. }
+        ));
     }
 }

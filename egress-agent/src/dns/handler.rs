@@ -14,7 +14,7 @@ use tokio::sync::Semaphore;
 use super::answer::{Planned, plan};
 use super::decide::{Decision, Denied, decide};
 use super::{Answer, AnswerSink, DNS_PORT};
-use crate::events::DenialEvent;
+use crate::events::{DenialEvent, Verdict};
 use crate::policy::DenyReason;
 use crate::policy::name::HostName;
 use crate::proxy::Shared;
@@ -33,6 +33,21 @@ pub(crate) struct Handler {
 }
 
 impl Handler {
+    /// A name the auditing policy would refuse, answered anyway.
+    fn report(&self, host: &HostName, reason: DenyReason, verdict: Verdict) {
+        self.shared.emit_denial(
+            DenialEvent::proxy(
+                &self.shared.name,
+                Some(host.as_str().to_owned()),
+                None,
+                DNS_PORT,
+                "dns",
+                reason.as_str(),
+            )
+            .with_verdict(verdict),
+        );
+    }
+
     fn deny(&self, host: Option<&HostName>, ip: Option<std::net::IpAddr>, reason: DenyReason) {
         self.shared.emit_denial(DenialEvent::proxy(
             &self.shared.name,
@@ -111,7 +126,13 @@ impl RequestHandler for Handler {
                 name,
                 record_type,
                 direct_ports,
-            } => (name, record_type, direct_ports),
+                would_deny,
+            } => {
+                if let Some(reason) = would_deny {
+                    self.report(&name, reason, Verdict::WouldDeny);
+                }
+                (name, record_type, direct_ports)
+            }
         };
         let Ok(_permit) = self.inflight.try_acquire() else {
             tracing::debug!(policy = %self.shared.name, "dns: too many lookups in flight");

@@ -38,7 +38,7 @@ use crate::proxy::ProxyContext;
 
 #[derive(Debug, thiserror::Error)]
 pub enum EnforceError {
-    #[error("nftables: {0}")]
+    #[error(transparent)]
     Nft(#[from] nft::NftError),
 }
 
@@ -319,7 +319,7 @@ impl Enforcer {
             self.entries.remove(old.1);
         }
         let listener = if plan.listener {
-            match self.listener_for(info, &plan, &resolved).await {
+            match self.listener_for(info, id, &plan, &resolved).await {
                 Ok(l) => Some(l),
                 Err(e) => {
                     // No listener: the kernel refuses the endpoint (listener None); still enforced.
@@ -330,10 +330,10 @@ impl Enforcer {
         } else {
             None
         };
-        let addr = listener.as_ref().map(|l| l.addr);
+        let addrs = listener.as_ref().map(|l| (l.addr, l.intercept));
         let written_name = match self
             .entries
-            .write_or_deny(id, &plan.policy, addr, &plan.published)
+            .write_or_deny(id, &plan.policy, addrs, &plan.published)
         {
             Written::Policy => plan.policy_name.clone(),
             Written::DenyAll(why) => {
@@ -382,16 +382,19 @@ impl Enforcer {
         Outcome::Refuse(reasons)
     }
 
-    /// Reuse the container's listener if it serves the same policy, else bind a new one.
+    /// Reuse the container's listener if it serves the same policy for the same cgroup, else
+    /// bind a new one.
     async fn listener_for(
         &mut self,
         info: &ContainerInfo,
+        cgroup_id: u64,
         plan: &Plan,
         resolved: &Resolved,
     ) -> std::io::Result<Listener> {
         if let Some(t) = self.tracked.get_mut(&info.id)
             && let Some(l) = t.listener.take()
             && l.policy == plan.policy_name
+            && l.cgroup_id == cgroup_id
         {
             // Same name, possibly new content (reload): every new request sees it.
             l.set(&plan.policy);
@@ -400,6 +403,7 @@ impl Enforcer {
         Listener::bind(
             self.settings.listen_ip,
             info,
+            cgroup_id,
             &plan.policy_name,
             &plan.policy,
             &resolved.context,
@@ -421,8 +425,8 @@ impl Enforcer {
         }
         let opted_in = t.resolved.opted_in();
         let plan = plan::plan(info, &t.resolved);
-        let listener = match t.listener.as_ref().map(|l| l.addr) {
-            Some(SocketAddr::V4(l)) => Some(l),
+        let listener = match t.listener.as_ref().map(|l| (l.addr, l.intercept)) {
+            Some((SocketAddr::V4(l), intercept)) => Some((l, intercept)),
             _ => None,
         };
         let (Some(pid), false) = (info.pid, info.endpoints.is_empty()) else {

@@ -3,14 +3,18 @@
 //!
 //! Fail closed: when a container's policy can't be written, `deny_all` is written in its place;
 //! only when that fails too is the container refused ([`Written::Failed`]: the caller stops it).
+//!
+//! The map is reached through [`KernelMap`], implemented by [`PinnedState`] (the only
+//! implementation outside tests): a seam so unit tests can make writes fail.
+use std::collections::HashSet;
 use std::net::{SocketAddr, SocketAddrV4};
 use std::path::Path;
 
 use super::directory::{DirEntry, Directory};
-use crate::bpf::PinnedState;
+use crate::bpf::{BpfError, PinnedState};
 use crate::cgroup;
 use crate::events::ContainerRef;
-use crate::policy::kernel::{Endpoints, KernelPolicy};
+use crate::policy::kernel::{Endpoints, InterceptAddrs, KernelPolicy};
 use crate::policy::{DENY_ALL, Policy};
 
 /// What was written for a container's cgroup.
@@ -25,8 +29,44 @@ pub enum Written {
     Failed(String),
 }
 
+/// The pinned maps as the entries use them ([`PinnedState`]'s methods of the same names).
+pub trait KernelMap: Send {
+    fn set_policy(&mut self, cgroup_id: u64, policy: &KernelPolicy) -> Result<(), BpfError>;
+    fn remove_policy(&mut self, cgroup_id: u64) -> Result<(), BpfError>;
+    fn set_name(&mut self, cgroup_id: u64, policy: &str, owner: &str) -> Result<(), BpfError>;
+    /// See [`PinnedState::prune`]: `existing` is called after the keys were read.
+    fn prune(&mut self, existing: &mut dyn FnMut() -> HashSet<u64>) -> Result<Vec<u64>, BpfError>;
+}
+
+impl KernelMap for PinnedState {
+    fn set_policy(&mut self, cgroup_id: u64, policy: &KernelPolicy) -> Result<(), BpfError> {
+        PinnedState::set_policy(self, cgroup_id, policy)
+    }
+    fn remove_policy(&mut self, cgroup_id: u64) -> Result<(), BpfError> {
+        PinnedState::remove_policy(self, cgroup_id)
+    }
+    fn set_name(&mut self, cgroup_id: u64, policy: &str, owner: &str) -> Result<(), BpfError> {
+        PinnedState::set_name(self, cgroup_id, policy, owner)
+    }
+    fn prune(&mut self, existing: &mut dyn FnMut() -> HashSet<u64>) -> Result<Vec<u64>, BpfError> {
+        PinnedState::prune(self, existing)
+    }
+}
+
+/// An error with its sources (the errno of a map write is two levels down).
+fn with_sources(e: &dyn std::error::Error) -> String {
+    let mut out = e.to_string();
+    let mut next = e.source();
+    while let Some(s) = next {
+        out.push_str(": ");
+        out.push_str(&s.to_string());
+        next = s.source();
+    }
+    out
+}
+
 pub struct Entries {
-    state: PinnedState,
+    state: Box<dyn KernelMap>,
     directory: Directory,
     endpoint4: SocketAddrV4,
     endpoint6: Option<SocketAddr>,
@@ -35,6 +75,16 @@ pub struct Entries {
 impl Entries {
     pub fn new(
         state: PinnedState,
+        directory: Directory,
+        endpoint4: SocketAddrV4,
+        endpoint6: Option<SocketAddr>,
+    ) -> Entries {
+        Entries::with_map(Box::new(state), directory, endpoint4, endpoint6)
+    }
+
+    /// [`Entries::new`] on any [`KernelMap`] (tests inject failing ones).
+    pub fn with_map(
+        state: Box<dyn KernelMap>,
         directory: Directory,
         endpoint4: SocketAddrV4,
         endpoint6: Option<SocketAddr>,
@@ -51,24 +101,29 @@ impl Entries {
         &self.directory
     }
 
-    /// Write `policy` for `cgroup_id` with the container's `listener` and `published` TCP ports.
+    /// Write `policy` for `cgroup_id` with the container's `listener` (and its interception
+    /// sockets) and `published` TCP ports.
     fn write(
         &mut self,
         cgroup_id: u64,
         policy: &Policy,
-        listener: Option<SocketAddr>,
+        listener: Option<(SocketAddr, InterceptAddrs)>,
         published: &[u16],
     ) -> Result<(), String> {
+        let listener = listener.filter(|(a, _)| a.is_ipv4());
         let endpoints = Endpoints {
             endpoint4: Some(SocketAddr::V4(self.endpoint4)),
-            listener4: listener.filter(SocketAddr::is_ipv4),
+            listener4: listener.map(|(a, _)| a),
             endpoint6: self.endpoint6,
             listener6: None,
+            intercept4: listener.map(|(_, i)| i).unwrap_or_default(),
+            intercept6: InterceptAddrs::default(),
         };
-        let kp = KernelPolicy::compile(policy, endpoints, published).map_err(|e| e.to_string())?;
+        let kp =
+            KernelPolicy::compile(policy, endpoints, published).map_err(|e| with_sources(&e))?;
         self.state
             .set_policy(cgroup_id, &kp)
-            .map_err(|e| e.to_string())
+            .map_err(|e| with_sources(&e))
     }
 
     /// Write the container's policy, or `deny_all` (no listener, no published ports) if that
@@ -77,7 +132,7 @@ impl Entries {
         &mut self,
         cgroup_id: u64,
         policy: &Policy,
-        listener: Option<SocketAddr>,
+        listener: Option<(SocketAddr, InterceptAddrs)>,
         published: &[u16],
     ) -> Written {
         match self.write(cgroup_id, policy, listener, published) {
@@ -141,7 +196,7 @@ impl Entries {
         let mount = mount.to_owned();
         match self
             .state
-            .prune(|| cgroup::all_ids(&mount).into_keys().collect())
+            .prune(&mut || cgroup::all_ids(&mount).into_keys().collect())
         {
             Ok(removed) if !removed.is_empty() => {
                 tracing::info!(?removed, "pruned entries of vanished cgroups")
@@ -149,5 +204,128 @@ impl Entries {
             Ok(_) => {}
             Err(e) => tracing::warn!(error = %e, "prune failed"),
         }
+    }
+}
+
+#[cfg(test)]
+#[expect(clippy::unwrap_used, reason = "test assertions")]
+mod tests {
+    use super::*;
+    use std::sync::{Arc, Mutex};
+
+    /// A map whose `set_policy` fails for the first `fail` calls (as a full map does: E2BIG),
+    /// recording every write that succeeded.
+    #[derive(Clone, Default)]
+    struct FailingMap {
+        fail: Arc<Mutex<usize>>,
+        written: Arc<Mutex<Vec<(u64, KernelPolicy)>>>,
+    }
+
+    fn full() -> BpfError {
+        BpfError::Map {
+            map: "EGRESS_POLICIES",
+            op: "insert",
+            source: aya::maps::MapError::SyscallError(aya::sys::SyscallError {
+                call: "bpf_map_update_elem",
+                io_error: std::io::Error::from_raw_os_error(libc::E2BIG),
+            }),
+        }
+    }
+
+    impl KernelMap for FailingMap {
+        fn set_policy(&mut self, cgroup_id: u64, policy: &KernelPolicy) -> Result<(), BpfError> {
+            let mut fail = self.fail.lock().unwrap();
+            if *fail > 0 {
+                *fail -= 1;
+                return Err(full());
+            }
+            self.written
+                .lock()
+                .unwrap()
+                .push((cgroup_id, policy.clone()));
+            Ok(())
+        }
+        fn remove_policy(&mut self, _: u64) -> Result<(), BpfError> {
+            Ok(())
+        }
+        fn set_name(&mut self, _: u64, _: &str, _: &str) -> Result<(), BpfError> {
+            Ok(())
+        }
+        fn prune(&mut self, _: &mut dyn FnMut() -> HashSet<u64>) -> Result<Vec<u64>, BpfError> {
+            Ok(Vec::new())
+        }
+    }
+
+    fn entries(fail: usize) -> (Entries, FailingMap) {
+        let map = FailingMap::default();
+        *map.fail.lock().unwrap() = fail;
+        let e = Entries::with_map(
+            Box::new(map.clone()),
+            Directory::default(),
+            "169.254.100.1:3128".parse().unwrap(),
+            None,
+        );
+        (e, map)
+    }
+
+    fn allowlist() -> Policy {
+        let c = crate::config::Config::from_toml_str(
+            "[policies.web]\nallow_hosts = [\"a.test\"]\nallow_cidrs = [\"10.1.0.0/16\"]\n",
+            Path::new("t.toml"),
+        )
+        .unwrap();
+        c.policy("web").unwrap().clone()
+    }
+
+    const LISTENER: &str = "169.254.100.1:40000";
+
+    #[test]
+    fn the_policy_when_it_can_be_written() {
+        let (mut e, map) = entries(0);
+        let w = e.write_or_deny(7, &allowlist(), Some((LISTENER.parse().unwrap(), InterceptAddrs::default())), &[8080]);
+        assert_eq!(w, Written::Policy);
+        let written = map.written.lock().unwrap();
+        assert_eq!(written.len(), 1);
+        assert_eq!(written[0].0, 7);
+        assert_eq!(written[0].1.mode, egress_common::MODE_ALLOWLIST);
+    }
+
+    #[test]
+    fn deny_all_when_the_policy_write_fails() {
+        let (mut e, map) = entries(1);
+        let w = e.write_or_deny(7, &allowlist(), Some((LISTENER.parse().unwrap(), InterceptAddrs::default())), &[8080]);
+        let Written::DenyAll(why) = w else {
+            panic!("expected deny_all, got {w:?}");
+        };
+        // The cause is named down to the errno.
+        assert!(
+            why.contains("EGRESS_POLICIES") && why.contains("os error 7"),
+            "{why}"
+        );
+        let written = map.written.lock().unwrap();
+        assert_eq!(written.len(), 1, "exactly the fallback was written");
+        let (id, kp) = &written[0];
+        assert_eq!(*id, 7);
+        assert_eq!(kp.mode, egress_common::MODE_DENY_ALL);
+        // deny_all: no listener, no direct allows, no published ports from anywhere.
+        assert_eq!(kp.listener4, None);
+        assert!(kp.allow.is_empty() && kp.inbound.is_empty(), "{kp:?}");
+    }
+
+    #[test]
+    fn failed_when_deny_all_fails_too() {
+        let (mut e, map) = entries(2);
+        let w = e.write_or_deny(7, &allowlist(), Some((LISTENER.parse().unwrap(), InterceptAddrs::default())), &[8080]);
+        let Written::Failed(why) = w else {
+            panic!("expected a failure, got {w:?}");
+        };
+        assert!(why.contains("writing deny_all failed too"), "{why}");
+        assert!(map.written.lock().unwrap().is_empty());
+        // `deny` alone (the host layer's fallback) reports the double fault the same way.
+        *map.fail.lock().unwrap() = 1;
+        assert!(matches!(
+            e.deny(8, "host layer failed".into()),
+            Written::Failed(w) if w.starts_with("host layer failed; writing deny_all failed too")
+        ));
     }
 }

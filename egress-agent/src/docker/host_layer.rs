@@ -9,9 +9,33 @@
 //! previous ruleset (the batch is atomic); the containers whose rules it carried are handed back
 //! to the caller, which confines them another way ([`super::enforce`]: `deny_all`, or stopping
 //! them).
+//!
+//! The kernel is reached through [`RulesetWriter`], implemented by [`Netlink`] (the only
+//! implementation outside tests): a seam so unit tests can make writes fail.
 use std::collections::BTreeMap;
+use std::sync::Arc;
 
 use crate::nft;
+
+/// Writes rulesets to the kernel.
+pub trait RulesetWriter: Send + Sync + 'static {
+    /// Replace our tables with `ruleset` in one atomic batch ([`nft::Ruleset::apply`]).
+    fn apply(&self, ruleset: &nft::Ruleset) -> Result<(), nft::NftError>;
+    /// Do our tables exist ([`nft::tables_exist`])?
+    fn tables_exist(&self) -> Result<bool, nft::NftError>;
+}
+
+/// The real writer: netlink to nf_tables in the agent's network namespace.
+pub struct Netlink;
+
+impl RulesetWriter for Netlink {
+    fn apply(&self, ruleset: &nft::Ruleset) -> Result<(), nft::NftError> {
+        ruleset.apply()
+    }
+    fn tables_exist(&self) -> Result<bool, nft::NftError> {
+        nft::tables_exist()
+    }
+}
 
 /// A container's place in the host layer.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -38,6 +62,7 @@ pub struct HostLayer {
     pending: Vec<String>,
     /// Container names, for the log.
     names: std::collections::HashMap<String, String>,
+    writer: Arc<dyn RulesetWriter>,
 }
 
 /// Containers whose rules could not be written: (container id, why).
@@ -47,7 +72,18 @@ pub struct WriteFailures(pub Vec<(String, String)>);
 
 impl HostLayer {
     pub fn new(proxy_ip: std::net::Ipv4Addr, enabled: bool, l2_guard: bool) -> HostLayer {
+        HostLayer::with_writer(proxy_ip, enabled, l2_guard, Arc::new(Netlink))
+    }
+
+    /// [`HostLayer::new`] writing through `writer` (tests inject failing ones).
+    pub fn with_writer(
+        proxy_ip: std::net::Ipv4Addr,
+        enabled: bool,
+        l2_guard: bool,
+        writer: Arc<dyn RulesetWriter>,
+    ) -> HostLayer {
         HostLayer {
+            writer,
             enabled,
             l2_guard,
             ruleset: nft::Ruleset::new(proxy_ip),
@@ -67,12 +103,13 @@ impl HostLayer {
             return Ok(());
         }
         let ruleset = self.ruleset.clone();
+        let writer = self.writer.clone();
         let done = tokio::task::spawn_blocking(move || {
-            if nft::tables_exist()? {
+            if writer.tables_exist()? {
                 tracing::info!("nftables tables present: kept until the first reconcile");
                 Ok(())
             } else {
-                ruleset.apply()
+                writer.apply(&ruleset)
             }
         })
         .await;
@@ -132,7 +169,8 @@ impl HostLayer {
     async fn write(&self) -> Result<(), String> {
         // The netlink round trip grows with the ruleset: keep it off the async workers.
         let ruleset = self.ruleset.clone();
-        match tokio::task::spawn_blocking(move || ruleset.apply()).await {
+        let writer = self.writer.clone();
+        match tokio::task::spawn_blocking(move || writer.apply(&ruleset)).await {
             Ok(Ok(())) => Ok(()),
             Ok(Err(e)) => Err(e.to_string()),
             Err(e) => Err(e.to_string()),
@@ -230,5 +268,184 @@ impl HostLayer {
             self.sync_guarded_bridges();
             self.write_now("network destroyed").await;
         }
+    }
+}
+
+#[cfg(test)]
+#[expect(clippy::unwrap_used, reason = "test assertions")]
+mod tests {
+    use super::*;
+    use std::collections::VecDeque;
+    use std::sync::Mutex;
+
+    /// A writer that fails the writes scripted as `false` (in order; unscripted writes succeed)
+    /// the way the kernel refuses a batch, and records every ruleset it was asked to write.
+    #[derive(Default)]
+    struct Scripted {
+        results: Mutex<VecDeque<bool>>,
+        tables: Mutex<Option<bool>>,
+        attempts: Mutex<Vec<nft::Ruleset>>,
+    }
+
+    impl Scripted {
+        fn new(results: &[bool]) -> Arc<Scripted> {
+            Arc::new(Scripted {
+                results: Mutex::new(results.iter().copied().collect()),
+                ..Default::default()
+            })
+        }
+        fn attempts(&self) -> Vec<nft::Ruleset> {
+            self.attempts.lock().unwrap().clone()
+        }
+    }
+
+    fn eperm() -> nft::NftError {
+        nft::NftError::Rejected(std::io::Error::from_raw_os_error(libc::EPERM))
+    }
+
+    impl RulesetWriter for Scripted {
+        fn apply(&self, ruleset: &nft::Ruleset) -> Result<(), nft::NftError> {
+            self.attempts.lock().unwrap().push(ruleset.clone());
+            if self.results.lock().unwrap().pop_front().unwrap_or(true) {
+                Ok(())
+            } else {
+                Err(eperm())
+            }
+        }
+        fn tables_exist(&self) -> Result<bool, nft::NftError> {
+            self.tables.lock().unwrap().ok_or_else(eperm)
+        }
+    }
+
+    fn layer(w: &Arc<Scripted>) -> HostLayer {
+        HostLayer::with_writer("169.254.100.1".parse().unwrap(), true, true, w.clone())
+    }
+
+    fn enforced(n: u8) -> HostEntry {
+        HostEntry::Enforced(nft::Enforced {
+            listener: format!("169.254.100.1:{}", 40000 + u16::from(n))
+                .parse()
+                .unwrap(),
+            allow_cidrs: Vec::new(),
+            allow_inbound: Vec::new(),
+            redirects: Vec::new(),
+            endpoints: vec![nft::Endpoint {
+                bridge: "br-test".into(),
+                veth: format!("veth{n}"),
+                mac: [2, 0, 0, 0, 0, n],
+                ipv4: std::net::Ipv4Addr::new(198, 18, 0, n),
+            }],
+        })
+    }
+
+    fn ids(r: &nft::Ruleset) -> Vec<&str> {
+        r.containers
+            .keys()
+            .chain(r.unrestricted.keys())
+            .map(String::as_str)
+            .collect()
+    }
+
+    /// A layer that has completed one reconcile with container `a` written.
+    async fn synced_with_a(w: &Arc<Scripted>) -> HostLayer {
+        let mut h = layer(w);
+        h.begin_batch();
+        h.put("a", "a", enforced(1)).await.unwrap();
+        assert!(h.end_batch(true).await.0.is_empty());
+        h
+    }
+
+    #[tokio::test]
+    async fn nothing_is_written_before_the_first_reconcile() {
+        let w = Scripted::new(&[]);
+        let mut h = layer(&w);
+        h.put("a", "a", enforced(1)).await.unwrap();
+        h.begin_batch();
+        let failed = h.end_batch(false).await;
+        assert!(failed.0.is_empty());
+        assert!(w.attempts().is_empty(), "the previous tables must stay");
+    }
+
+    #[tokio::test]
+    async fn a_batch_is_written_once() {
+        let w = Scripted::new(&[]);
+        let mut h = synced_with_a(&w).await;
+        h.begin_batch();
+        h.put("b", "b", enforced(2)).await.unwrap();
+        h.put("c", "c", HostEntry::Unrestricted(Vec::new()))
+            .await
+            .unwrap();
+        assert_eq!(w.attempts().len(), 1, "deferred inside the batch");
+        assert!(h.end_batch(false).await.0.is_empty());
+        let attempts = w.attempts();
+        assert_eq!(attempts.len(), 2);
+        assert_eq!(ids(&attempts[1]), ["a", "b", "c"]);
+    }
+
+    #[tokio::test]
+    async fn a_failed_batch_hands_its_containers_back() {
+        let w = Scripted::new(&[]);
+        let mut h = synced_with_a(&w).await;
+        *w.results.lock().unwrap() = [false].into();
+        h.begin_batch();
+        h.put("c", "c", enforced(3)).await.unwrap();
+        h.put("b", "b", enforced(2)).await.unwrap();
+        h.put("b", "b", enforced(2)).await.unwrap();
+        let failed = h.end_batch(false).await;
+        let got: Vec<&str> = failed.0.iter().map(|(id, _)| id.as_str()).collect();
+        assert_eq!(got, ["b", "c"], "each changed container once");
+        assert!(
+            failed.0.iter().all(|(_, why)| why.contains("os error 1")),
+            "the kernel's cause is kept: {failed:?}"
+        );
+        // The failed write carried them; the retry carries only what was in force before.
+        let attempts = w.attempts();
+        assert_eq!(attempts.len(), 3);
+        assert_eq!(ids(&attempts[1]), ["a", "b", "c"]);
+        assert_eq!(ids(&attempts[2]), ["a"]);
+        assert_eq!(ids(&h.ruleset), ["a"]);
+    }
+
+    #[tokio::test]
+    async fn both_writes_failing_still_hands_them_back() {
+        let w = Scripted::new(&[]);
+        let mut h = synced_with_a(&w).await;
+        *w.results.lock().unwrap() = [false, false].into();
+        h.begin_batch();
+        h.put("b", "b", enforced(2)).await.unwrap();
+        let failed = h.end_batch(false).await;
+        assert_eq!(failed.0.len(), 1);
+        assert_eq!(failed.0[0].0, "b");
+        assert_eq!(w.attempts().len(), 3);
+        assert_eq!(ids(&h.ruleset), ["a"], "b is not in force anywhere");
+    }
+
+    #[tokio::test]
+    async fn a_failed_single_write_is_an_error_for_that_container() {
+        let w = Scripted::new(&[]);
+        let mut h = synced_with_a(&w).await;
+        *w.results.lock().unwrap() = [false].into();
+        let e = h.put("b", "b", enforced(2)).await.unwrap_err();
+        assert!(e.contains("os error 1"), "{e}");
+        assert_eq!(ids(&h.ruleset), ["a"]);
+    }
+
+    #[tokio::test]
+    async fn init_fails_when_the_tables_cannot_be_set_up() {
+        // Tables of a previous agent: kept, nothing written.
+        let w = Scripted::new(&[]);
+        *w.tables.lock().unwrap() = Some(true);
+        layer(&w).init().await.unwrap();
+        assert!(w.attempts().is_empty());
+        // None yet: the empty ruleset is written, and its failure fails the start.
+        let w = Scripted::new(&[false]);
+        *w.tables.lock().unwrap() = Some(false);
+        let e = layer(&w).init().await.unwrap_err();
+        assert!(e.to_string().contains("os error 1"), "{e}");
+        assert_eq!(w.attempts().len(), 1);
+        // Not even readable: the start fails too.
+        let w = Scripted::new(&[]);
+        assert!(layer(&w).init().await.is_err());
+        assert!(w.attempts().is_empty());
     }
 }

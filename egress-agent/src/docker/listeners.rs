@@ -13,13 +13,18 @@ use tokio_util::sync::CancellationToken;
 use super::container::ContainerInfo;
 use crate::events::ContainerRef;
 use crate::policy::Policy;
+use crate::policy::kernel::InterceptAddrs;
 use crate::proxy::{Identity, PolicyHandle, PolicyProxy, ProxyContext};
 
 /// A running listener; dropping it stops it.
 pub struct Listener {
     pub addr: SocketAddr,
+    /// Its transparent listener and DNS responder (when the proxy context has the kernel hooks).
+    pub intercept: InterceptAddrs,
     /// The policy name it serves.
     pub policy: String,
+    /// The container cgroup it serves (DNS answers allow direct TCP for this entry only).
+    pub cgroup_id: u64,
     /// Swaps its policy in place (reload with the same policy name).
     handle: PolicyHandle,
     stop: CancellationToken,
@@ -32,10 +37,13 @@ impl Drop for Listener {
 }
 
 impl Listener {
-    /// Serve `policy` (named `name`) for `info` on `ip`, port 0, until dropped or `shutdown`.
+    /// Serve `policy` (named `name`) for `info` (whose cgroup is `cgroup_id`) on `ip`, port 0,
+    /// until dropped or `shutdown`.
+    #[expect(clippy::too_many_arguments, reason = "one call site; each is a distinct input")]
     pub async fn bind(
         ip: IpAddr,
         info: &ContainerInfo,
+        cgroup_id: u64,
         name: &str,
         policy: &Arc<Policy>,
         context: &BTreeMap<String, String>,
@@ -47,7 +55,7 @@ impl Listener {
                 id: info.id.clone(),
                 name: info.name.clone(),
             }),
-            cgroup_id: None,
+            cgroup_id: Some(cgroup_id),
             context: context.clone(),
         };
         let proxy = PolicyProxy::bind_for(
@@ -59,13 +67,16 @@ impl Listener {
         )
         .await?;
         let addr = proxy.local_addr();
+        let intercept = proxy.intercept_addrs().unwrap_or_default();
         let handle = proxy.policy_handle();
         let stop = shutdown.child_token();
         tokio::spawn(proxy.run(stop.clone().cancelled_owned()));
         tracing::debug!(container = %info.id, policy = name, %addr, "container proxy listener");
         Ok(Listener {
             addr,
+            intercept,
             policy: name.to_owned(),
+            cgroup_id,
             handle,
             stop,
         })

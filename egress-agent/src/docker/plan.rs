@@ -7,6 +7,7 @@ use super::container::ContainerInfo;
 use super::host_layer::HostEntry;
 use super::labels::Resolved;
 use crate::nft;
+use crate::policy::kernel::InterceptAddrs;
 use crate::policy::{CidrRule, DENY_ALL, Mode, Policy};
 
 /// The kernel side of a container.
@@ -54,25 +55,51 @@ pub fn plan(info: &ContainerInfo, resolved: &Resolved) -> Plan {
 pub fn host_entry(
     opted_in: bool,
     plan: &Plan,
-    listener: Option<SocketAddrV4>,
+    listener: Option<(SocketAddrV4, InterceptAddrs)>,
     proxy_ip: std::net::Ipv4Addr,
     endpoints: Vec<nft::Endpoint>,
 ) -> Result<HostEntry, String> {
     if !opted_in {
         return Ok(HostEntry::Unrestricted(endpoints));
     }
-    let listener = match listener {
+    let (listener, intercept) = match listener {
         Some(l) => l,
-        None if !plan.listener => SocketAddrV4::new(proxy_ip, 0),
+        None if !plan.listener => (SocketAddrV4::new(proxy_ip, 0), InterceptAddrs::default()),
         None => return Err("no proxy listener".to_owned()),
     };
-    let allow_cidrs = match plan.policy.mode {
-        Mode::AllowAll => vec![CidrRule {
+    // What the kernel redirects to on the proxy address: the transparent listener (TCP) and
+    // the DNS responder (UDP and TCP), as the policy uses them.
+    let mut redirects = Vec::new();
+    let on_proxy = |a: Option<std::net::SocketAddr>| match a {
+        Some(std::net::SocketAddr::V4(a)) if a.ip() == listener.ip() => Some(a.port()),
+        _ => None,
+    };
+    if plan.policy.transparent()
+        && let Some(port) = on_proxy(intercept.transparent)
+    {
+        redirects.push(nft::ProxyPort::Tcp(port));
+    }
+    if plan.policy.answers_dns() {
+        if let Some(port) = on_proxy(intercept.dns_udp) {
+            redirects.push(nft::ProxyPort::Udp(port));
+        }
+        if let Some(port) = on_proxy(intercept.dns_tcp) {
+            redirects.push(nft::ProxyPort::Tcp(port));
+        }
+    }
+    // An auditing policy refuses nothing (the kernel lets it through and reports it): neither
+    // does the host layer.
+    let everything = || {
+        vec![CidrRule {
             net: ipnet::IpNet::V4(ipnet::Ipv4Net::default()),
             ports: Vec::new(),
-        }],
-        Mode::DenyAll => Vec::new(),
+        }]
+    };
+    let allow_cidrs = match plan.policy.mode {
+        Mode::AllowAll => everything(),
+        Mode::Allowlist if plan.policy.audits() => everything(),
         Mode::Allowlist => plan.policy.allow_cidrs.clone(),
+        Mode::DenyAll => Vec::new(),
     };
     let allow_inbound = crate::policy::kernel::inbound_allows(&plan.policy, &plan.published)
         .map_err(|e| e.to_string())?
@@ -81,6 +108,7 @@ pub fn host_entry(
         .collect();
     Ok(HostEntry::Enforced(nft::Enforced {
         listener,
+        redirects,
         allow_cidrs,
         allow_inbound,
         endpoints,
@@ -153,10 +181,26 @@ mod tests {
             host_entry(true, &p, None, ip, Vec::new()),
             Err("no proxy listener".to_owned())
         );
-        let HostEntry::Enforced(e) = host_entry(true, &p, Some(l), ip, Vec::new()).unwrap() else {
+        let on = |port| Some(std::net::SocketAddr::V4(SocketAddrV4::new(ip, port)));
+        let intercept = InterceptAddrs {
+            transparent: on(40001),
+            dns_udp: on(40002),
+            dns_tcp: on(40003),
+        };
+        let HostEntry::Enforced(e) =
+            host_entry(true, &p, Some((l, intercept)), ip, Vec::new()).unwrap()
+        else {
             panic!("enforced expected");
         };
         assert_eq!(e.listener, l);
+        assert_eq!(
+            e.redirects,
+            vec![
+                nft::ProxyPort::Tcp(40001),
+                nft::ProxyPort::Udp(40002),
+                nft::ProxyPort::Tcp(40003)
+            ]
+        );
         // allow_cidrs without ports count as inbound, and the published port from anywhere.
         let inbound: Vec<String> = e
             .allow_inbound
@@ -175,6 +219,7 @@ mod tests {
             panic!("enforced expected");
         };
         assert_eq!(e.listener.port(), 0);
+        assert!(e.redirects.is_empty(), "deny_all reaches nothing on the proxy address");
         assert!(e.allow_inbound.is_empty() && e.allow_cidrs.is_empty());
         // Unlabelled: known ports, unrestricted.
         let i = info(&[], &[], &[]);

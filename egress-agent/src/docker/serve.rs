@@ -68,8 +68,9 @@ pub enum ServeError {
     Proxy(String),
     #[error(transparent)]
     Nft(#[from] crate::nft::NftError),
+    /// Not a `#[source]`: the cause is in the message already (`{:#}` would repeat it).
     #[error("the nftables host layer could not be set up: {0}")]
-    HostLayer(#[from] super::enforce::EnforceError),
+    HostLayer(super::enforce::EnforceError),
 }
 
 /// How the daemon talks to a running [`serve_with`].
@@ -132,8 +133,25 @@ pub async fn serve_with(
         .as_ref()
         .map(|w| w.to_string());
     let bpf::Enforcement { state, .. } = enforcement;
-    let mut ctx =
-        ProxyContext::new(&config, events.clone()).map_err(|e| ServeError::Proxy(e.to_string()))?;
+    // Transparent interception and DNS: original destinations and DNS-answer allowances live in
+    // the pinned maps the programs just attached read.
+    let redirects = Arc::new(bpf::redirects::KernelRedirects::open(&config.agent.bpffs)?);
+    let mut hooks_in = redirects.hooks();
+    if opts.nft {
+        // The host layer forwards a container's traffic only to its allow_cidrs: a direct
+        // allowance from a DNS answer (`{ host, ports }`) would be let through by the kernel and
+        // then dropped silently by nftables. Refuse it in the kernel instead (EPERM and a denial
+        // event at once, not a timeout); the second layer stays as strict as it is.
+        hooks_in.answers = Arc::new(crate::dns::NoAnswerSink);
+        for (name, p) in &config.policies {
+            if p.allow_hosts.iter().any(|h| !h.ports.is_empty()) {
+                tracing::warn!(policy = %name, "direct ports of allow_hosts entries are not reachable from Docker containers (the nftables host layer forwards only to allow_cidrs); list the addresses in allow_cidrs, or use the ports through the proxy");
+            }
+        }
+    }
+    let mut ctx = ProxyContext::new(&config, events.clone())
+        .map_err(|e| ServeError::Proxy(e.to_string()))?
+        .with_interception(hooks_in);
     if let Some(m) = &hooks.metrics {
         ctx = ctx.with_metrics(m.clone());
     }
@@ -157,7 +175,7 @@ pub async fn serve_with(
         directory.clone(),
     );
     // Before READY: without the host layer the proxy address is reachable from the LAN.
-    enforcer.init().await?;
+    enforcer.init().await.map_err(ServeError::HostLayer)?;
     let stop = CancellationToken::new();
     let pump = opts.kernel_events.then(|| {
         tokio::spawn(kernel_events(

@@ -6,7 +6,8 @@ use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 
 use egress_common::{
     CIDR_ALLOW, CidrRule, MAX_RULE_PORTS, MODE_ALLOW_ALL, MODE_ALLOWLIST, MODE_DENY_ALL,
-    POLICY_FLAG_V6, PROTO_BIT_TCP, PROTO_BIT_UDP, PolicyEntry,
+    POLICY_FLAG_AUDIT, POLICY_FLAG_DNS, POLICY_FLAG_TRANSPARENT, POLICY_FLAG_V6, PROTO_BIT_TCP,
+    PROTO_BIT_UDP, PolicyEntry,
 };
 use ipnet::IpNet;
 
@@ -19,13 +20,38 @@ pub struct KernelPolicyError(pub String);
 
 /// The proxy addresses of one cgroup: the stable endpoint(s) confined processes connect to and
 /// the listener(s) the kernel rewrites them to. `listener*: None` = no proxy for this cgroup:
-/// connections to the endpoint are refused (fail closed).
+/// connections to the endpoint are refused (fail closed). `intercept*`: the listener's
+/// interception sockets (default: none, so redirected traffic stays refused).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct Endpoints {
     pub endpoint4: Option<SocketAddr>,
     pub listener4: Option<SocketAddr>,
     pub endpoint6: Option<SocketAddr>,
     pub listener6: Option<SocketAddr>,
+    pub intercept4: InterceptAddrs,
+    pub intercept6: InterceptAddrs,
+}
+
+/// The interception sockets of one listener (all on the proxy listen IP, kernel-chosen ports);
+/// `None` where the policy gets no such socket. The kernel sends TCP on `allow_ports` that no
+/// rule allows to `transparent`, UDP to port 53 to `dns_udp`, TCP to port 53 to `dns_tcp`.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct InterceptAddrs {
+    /// Transparent TCP (redirected connections on `allow_ports`).
+    pub transparent: Option<SocketAddr>,
+    /// DNS over UDP (redirected port-53 datagrams).
+    pub dns_udp: Option<SocketAddr>,
+    /// DNS over TCP (redirected port-53 connections).
+    pub dns_tcp: Option<SocketAddr>,
+}
+
+impl InterceptAddrs {
+    /// Every address that is set.
+    pub fn all(&self) -> impl Iterator<Item = SocketAddr> {
+        [self.transparent, self.dns_udp, self.dns_tcp]
+            .into_iter()
+            .flatten()
+    }
 }
 
 /// The kernel's view of one policy for one cgroup: what [`PolicyEntry`] + CIDR rules encode.
@@ -41,6 +67,16 @@ pub struct KernelPolicy {
     pub allow: Vec<(IpNet, Vec<u16>)>,
     /// Inbound allows: peer network, local ports (empty = all), TCP.
     pub inbound: Vec<(IpNet, Vec<u16>)>,
+    /// What the policy refuses is only reported (`enforce = "audit"`, allowlist).
+    pub audit: bool,
+    /// TCP to `redirect_ports` goes to `intercept*.transparent` ([`model::Policy::transparent`]).
+    pub transparent: bool,
+    /// Port 53 goes to `intercept*.dns_*` ([`model::Policy::answers_dns`]).
+    pub dns: bool,
+    /// `allow_ports` (sorted, at most [`MAX_RULE_PORTS`]) when `transparent`.
+    pub redirect_ports: Vec<u16>,
+    pub intercept4: InterceptAddrs,
+    pub intercept6: InterceptAddrs,
 }
 
 /// `(network, ports)` checked against the kernel map's per-rule port limit.
@@ -98,20 +134,36 @@ impl KernelPolicy {
             listener4,
             endpoint6,
             listener6,
+            intercept4,
+            intercept6,
         } = endpoints;
         let mode = match policy.mode {
             Mode::AllowAll => MODE_ALLOW_ALL,
             Mode::DenyAll => MODE_DENY_ALL,
             Mode::Allowlist => MODE_ALLOWLIST,
         };
-        for (what, a) in [("endpoint", endpoint4), ("listener", listener4)] {
+        let [t4, u4, d4] = [intercept4.transparent, intercept4.dns_udp, intercept4.dns_tcp];
+        let [t6, u6, d6] = [intercept6.transparent, intercept6.dns_udp, intercept6.dns_tcp];
+        for (what, a) in [
+            ("endpoint", endpoint4),
+            ("listener", listener4),
+            ("transparent listener", t4),
+            ("DNS listener", u4),
+            ("DNS listener", d4),
+        ] {
             if matches!(a, Some(SocketAddr::V6(_))) {
                 return Err(KernelPolicyError(format!(
                     "IPv4 {what} expected, got {a:?}"
                 )));
             }
         }
-        for (what, a) in [("endpoint_v6", endpoint6), ("listener_v6", listener6)] {
+        for (what, a) in [
+            ("endpoint_v6", endpoint6),
+            ("listener_v6", listener6),
+            ("transparent listener", t6),
+            ("DNS listener", u6),
+            ("DNS listener", d6),
+        ] {
             if matches!(a, Some(SocketAddr::V4(_))) {
                 return Err(KernelPolicyError(format!(
                     "IPv6 {what} expected, got {a:?}"
@@ -123,6 +175,19 @@ impl KernelPolicy {
             allow.push(fits("allow_cidrs", &rule.net, &rule.ports)?);
         }
         let inbound = inbound_allows(policy, published)?;
+        let transparent = policy.transparent();
+        let mut redirect_ports = Vec::new();
+        if transparent {
+            redirect_ports = policy.allow_ports.clone();
+            redirect_ports.sort_unstable();
+            redirect_ports.dedup();
+            if redirect_ports.len() > MAX_RULE_PORTS {
+                return Err(KernelPolicyError(format!(
+                    "transparent interception takes at most {MAX_RULE_PORTS} allow_ports ({} given); set transparent = false or list fewer ports",
+                    redirect_ports.len()
+                )));
+            }
+        }
         Ok(KernelPolicy {
             mode,
             endpoint4,
@@ -131,6 +196,12 @@ impl KernelPolicy {
             listener6,
             allow,
             inbound,
+            audit: policy.audits() && policy.mode == Mode::Allowlist,
+            transparent,
+            dns: policy.answers_dns(),
+            redirect_ports,
+            intercept4,
+            intercept6,
         })
     }
 
@@ -148,13 +219,29 @@ impl KernelPolicy {
         let (l4, l4p) = v4(self.listener4);
         let (e6, e6p) = v6(self.endpoint6);
         let (l6, l6p) = v6(self.listener6);
+        let (t4, t4p) = v4(self.intercept4.transparent.filter(|_| self.transparent));
+        let (u4, u4p) = v4(self.intercept4.dns_udp.filter(|_| self.dns));
+        let (d4, d4p) = v4(self.intercept4.dns_tcp.filter(|_| self.dns));
+        let (t6, t6p) = v6(self.intercept6.transparent.filter(|_| self.transparent));
+        let (u6, u6p) = v6(self.intercept6.dns_udp.filter(|_| self.dns));
+        let (d6, d6p) = v6(self.intercept6.dns_tcp.filter(|_| self.dns));
+        let mut flags = 0;
+        for (on, flag) in [
+            (self.endpoint6.is_some(), POLICY_FLAG_V6),
+            (self.audit, POLICY_FLAG_AUDIT),
+            (self.transparent, POLICY_FLAG_TRANSPARENT),
+            (self.dns, POLICY_FLAG_DNS),
+        ] {
+            if on {
+                flags |= flag;
+            }
+        }
+        let mut redirect_ports = [0u16; MAX_RULE_PORTS];
+        let n = self.redirect_ports.len().min(MAX_RULE_PORTS);
+        redirect_ports[..n].copy_from_slice(&self.redirect_ports[..n]);
         PolicyEntry {
             mode: self.mode,
-            flags: if self.endpoint6.is_some() {
-                POLICY_FLAG_V6
-            } else {
-                0
-            },
+            flags,
             rules_id,
             endpoint4_addr: e4,
             listener4_addr: l4,
@@ -164,6 +251,21 @@ impl KernelPolicy {
             listener6_port: l6p,
             endpoint6_addr: e6,
             listener6_addr: l6,
+            transparent4_addr: t4,
+            dns_udp4_addr: u4,
+            dns_tcp4_addr: d4,
+            transparent4_port: t4p,
+            dns_udp4_port: u4p,
+            dns_tcp4_port: d4p,
+            nredirect: n as u16,
+            transparent6_addr: t6,
+            dns_udp6_addr: u6,
+            dns_tcp6_addr: d6,
+            transparent6_port: t6p,
+            dns_udp6_port: u6p,
+            dns_tcp6_port: d6p,
+            _pad: 0,
+            redirect_ports,
         }
     }
 
@@ -313,6 +415,12 @@ mod tests {
                 .map(|(n, p)| (n.parse().expect("net"), p.to_vec()))
                 .collect(),
             inbound: Vec::new(),
+            audit: false,
+            transparent: false,
+            dns: false,
+            redirect_ports: Vec::new(),
+            intercept4: InterceptAddrs::default(),
+            intercept6: InterceptAddrs::default(),
         }
     }
 
@@ -368,6 +476,84 @@ mod tests {
         );
         assert_eq!(e.flags & POLICY_FLAG_V6, 0);
         assert_eq!(entry_listener6(&e), None);
+    }
+
+    fn intercepted(p: &model::Policy) -> Result<KernelPolicy, KernelPolicyError> {
+        let addr = |s: &str| Some(s.parse::<SocketAddr>().expect("addr"));
+        let endpoints = Endpoints {
+            endpoint4: addr("127.0.0.1:3128"),
+            listener4: addr("127.0.0.1:40000"),
+            intercept4: InterceptAddrs {
+                transparent: addr("127.0.0.1:40001"),
+                dns_udp: addr("127.0.0.1:40002"),
+                dns_tcp: addr("127.0.0.1:40003"),
+            },
+            ..Endpoints::default()
+        };
+        KernelPolicy::compile(p, endpoints, &[])
+    }
+
+    #[test]
+    fn allowlists_are_intercepted_and_answer_dns() {
+        let p = model::Policy {
+            mode: Mode::Allowlist,
+            allow_ports: vec![443, 80, 443],
+            ..model::Policy::deny_all()
+        };
+        let e = intercepted(&p).expect("compiles").entry(7);
+        assert_eq!(
+            e.flags & (POLICY_FLAG_TRANSPARENT | POLICY_FLAG_DNS | POLICY_FLAG_AUDIT),
+            POLICY_FLAG_TRANSPARENT | POLICY_FLAG_DNS
+        );
+        assert_eq!(&e.redirect_ports[..e.nredirect as usize], &[80, 443]);
+        assert_eq!(u16::from_be(e.transparent4_port), 40001);
+        assert_eq!(u16::from_be(e.dns_udp4_port), 40002);
+        assert_eq!(u16::from_be(e.dns_tcp4_port), 40003);
+        assert_eq!(e.transparent4_addr.to_ne_bytes(), [127, 0, 0, 1]);
+        assert_eq!(e.transparent6_port, 0, "no IPv6 listener: IPv6 stays refused");
+
+        // transparent = false keeps DNS (entries with ports need the agent's answers).
+        let off = model::Policy {
+            transparent: Some(false),
+            ..p.clone()
+        };
+        let e = intercepted(&off).expect("compiles").entry(7);
+        assert_eq!(e.flags & POLICY_FLAG_TRANSPARENT, 0);
+        assert_eq!((e.transparent4_port, e.nredirect), (0, 0));
+        assert_ne!(e.flags & POLICY_FLAG_DNS, 0);
+
+        // Audit is flagged.
+        let audit = model::Policy {
+            enforce: model::Enforce::Audit,
+            ..p
+        };
+        let e = intercepted(&audit).expect("compiles").entry(7);
+        assert_ne!(e.flags & POLICY_FLAG_AUDIT, 0);
+    }
+
+    #[test]
+    fn deny_all_and_allow_all_get_no_redirects() {
+        for p in [model::Policy::deny_all(), model::Policy::allow_all()] {
+            let e = intercepted(&p).expect("compiles").entry(7);
+            assert_eq!(e.flags & (POLICY_FLAG_TRANSPARENT | POLICY_FLAG_DNS), 0);
+            assert_eq!((e.transparent4_port, e.dns_udp4_port, e.dns_tcp4_port), (0, 0, 0));
+        }
+    }
+
+    #[test]
+    fn transparent_needs_at_most_30_ports() {
+        let p = model::Policy {
+            mode: Mode::Allowlist,
+            allow_ports: (1..=31).collect(),
+            ..model::Policy::deny_all()
+        };
+        let err = intercepted(&p).expect_err("31 ports");
+        assert!(err.to_string().contains("transparent = false"), "{err}");
+        let off = model::Policy {
+            transparent: Some(false),
+            ..p
+        };
+        assert!(intercepted(&off).is_ok());
     }
 
     #[test]

@@ -159,8 +159,10 @@ mod tests {
     use std::path::Path;
 
     fn l7() -> L7Policy {
-        // SAFETY of the test: a variable only this test reads.
-        let dir = std::env::temp_dir().join(format!("egress-l7-{}", std::process::id()));
+        // One directory per call: tests run in parallel and each removes its own.
+        static N: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+        let n = N.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let dir = std::env::temp_dir().join(format!("egress-l7-{}-{n}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
         std::fs::write(dir.join("k"), "real-secret\n").unwrap();
         let c = Config::from_toml_str(

@@ -23,7 +23,9 @@
 //! not policy decisions and are refused in every mode.
 pub mod addr;
 pub mod credentials;
+pub mod explain;
 pub mod kernel;
+pub mod kernel_eval;
 pub mod l7;
 pub mod matcher;
 pub mod model;

@@ -418,6 +418,21 @@ impl Policy {
                 "only allowlist policies are intercepted (allow_all is untouched, deny_all gets nothing)",
             ));
         }
+        if self.transparent() {
+            let mut ports = self.allow_ports.clone();
+            ports.sort_unstable();
+            ports.dedup();
+            if ports.len() > egress_common::MAX_RULE_PORTS {
+                return Err(verr(
+                    format!("{base}.allow_ports"),
+                    format!(
+                        "transparent interception takes at most {} ports ({} given); set transparent = false to list more (clients then need the proxy variables)",
+                        egress_common::MAX_RULE_PORTS,
+                        ports.len()
+                    ),
+                ));
+            }
+        }
         for (i, net) in self.resolve_private.iter().enumerate() {
             let field = format!("{base}.resolve_private[{i}]");
             if net.trunc() != *net {

@@ -6,20 +6,22 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::watch;
+use tracing::Instrument;
+use tokio_util::sync::CancellationToken;
 
 use super::Shared;
 
-/// Accept on `listener` until `shutdown` completes, handing each connection (with a receiver
-/// that turns `true` when the listener stops) to `handle` on a task of its own.
+/// Accept on `listener` until `shutdown` completes, handing each connection (with a token
+/// cancelled when the listener stops) to `handle` on a task of its own, in a `conn` span
+/// (policy, peer) that every log line of the connection carries.
 pub(crate) async fn accept_loop<F, Fut>(
     listener: TcpListener,
     shared: Arc<Shared>,
     shutdown: impl Future<Output = ()>,
-    stop_rx: watch::Receiver<bool>,
+    stop_rx: CancellationToken,
     handle: F,
 ) where
-    F: Fn(TcpStream, SocketAddr, Arc<Shared>, watch::Receiver<bool>) -> Fut,
+    F: Fn(TcpStream, SocketAddr, Arc<Shared>, CancellationToken) -> Fut,
     Fut: Future<Output = ()> + Send + 'static,
 {
     let conns = shared.ctx.inner.conns.clone();
@@ -46,11 +48,15 @@ pub(crate) async fn accept_loop<F, Fut>(
                 if let Some(c) = &shared.counters {
                     c.connection();
                 }
+                let span = tracing::debug_span!("conn", policy = %shared.name, %peer);
                 let task = handle(stream, peer, shared.clone(), stop_rx.clone());
-                tokio::spawn(async move {
-                    task.await;
-                    drop(permits);
-                });
+                tokio::spawn(
+                    async move {
+                        task.await;
+                        drop(permits);
+                    }
+                    .instrument(span),
+                );
             }
             Err(e) => {
                 // EMFILE/ENFILE and friends: back off instead of spinning.

@@ -11,10 +11,10 @@ use std::net::{IpAddr, SocketAddr};
 use std::sync::Arc;
 
 use tokio::net::TcpListener;
-use tokio::sync::watch;
+use tokio_util::sync::CancellationToken;
 
 use super::original_dst::OriginalDst;
-use super::{Shared, accept, listen, stopped, transparent};
+use super::{Shared, accept, listen, transparent};
 use crate::dns::{AnswerSink, DnsResponder};
 use crate::policy::Policy;
 
@@ -34,17 +34,7 @@ impl std::fmt::Debug for InterceptHooks {
     }
 }
 
-/// The interception addresses of one listener identity (all on the proxy listen IP, kernel-chosen
-/// ports); `None` where the policy gets no such socket.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct InterceptAddrs {
-    /// Transparent TCP (redirected connections on `allow_ports`).
-    pub transparent: Option<SocketAddr>,
-    /// DNS over UDP (redirected port-53 datagrams).
-    pub dns_udp: Option<SocketAddr>,
-    /// DNS over TCP (redirected port-53 connections).
-    pub dns_tcp: Option<SocketAddr>,
-}
+pub use crate::policy::kernel::InterceptAddrs;
 
 /// Bound interception sockets of one listener, not yet running.
 pub(crate) struct Interception {
@@ -92,15 +82,15 @@ impl Interception {
     }
 
     /// Run the sockets on tasks of their own until `stop` turns `true`.
-    pub(crate) fn spawn(self, shared: &Arc<Shared>, stop: &watch::Receiver<bool>) {
+    pub(crate) fn spawn(self, shared: &Arc<Shared>, stop: &CancellationToken) {
         if let Some(dns) = self.dns {
-            tokio::spawn(dns.run(stopped(stop.clone())));
+            tokio::spawn(dns.run(stop.clone().cancelled_owned()));
         }
         if let Some(l) = self.transparent {
             tokio::spawn(accept::accept_loop(
                 l,
                 shared.clone(),
-                stopped(stop.clone()),
+                stop.clone().cancelled_owned(),
                 stop.clone(),
                 |stream, peer, shared, stop| async move {
                     transparent::handle(stream, peer, Vec::new(), &shared, stop).await

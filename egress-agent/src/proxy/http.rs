@@ -23,67 +23,12 @@ use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::TcpStream;
 use tokio::sync::Mutex;
 
+use super::prefixed::Prefixed;
 use super::request::{self, RequestError, Target};
-use super::tunnel::Activity;
 use super::{Refusal, Shared};
 use crate::policy::DenyReason;
 
 type Body = Either<Incoming, Full<Bytes>>;
-
-/// Client stream with the bytes already read for the first head replayed first, and an activity
-/// clock for the idle timeout.
-struct ClientIo {
-    prefix: Vec<u8>,
-    pos: usize,
-    inner: TcpStream,
-    activity: Arc<Activity>,
-}
-
-impl AsyncRead for ClientIo {
-    fn poll_read(
-        mut self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        buf: &mut ReadBuf<'_>,
-    ) -> Poll<io::Result<()>> {
-        let this = &mut *self;
-        if this.pos < this.prefix.len() {
-            let n = (this.prefix.len() - this.pos).min(buf.remaining());
-            buf.put_slice(&this.prefix[this.pos..this.pos + n]);
-            this.pos += n;
-            if this.pos == this.prefix.len() {
-                this.prefix = Vec::new();
-                this.pos = 0;
-            }
-            return Poll::Ready(Ok(()));
-        }
-        let before = buf.filled().len();
-        let r = Pin::new(&mut this.inner).poll_read(cx, buf);
-        if buf.filled().len() > before {
-            this.activity.touch();
-        }
-        r
-    }
-}
-
-impl AsyncWrite for ClientIo {
-    fn poll_write(
-        mut self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        data: &[u8],
-    ) -> Poll<io::Result<usize>> {
-        let r = Pin::new(&mut self.inner).poll_write(cx, data);
-        if matches!(r, Poll::Ready(Ok(n)) if n > 0) {
-            self.activity.touch();
-        }
-        r
-    }
-    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        Pin::new(&mut self.inner).poll_flush(cx)
-    }
-    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        Pin::new(&mut self.inner).poll_shutdown(cx)
-    }
-}
 
 /// An upstream HTTP connection that counts the bytes written to it (`upstream`) and read from it
 /// (`downstream`), as on the wire, into the listener's metrics as they go (a long download shows
@@ -160,13 +105,10 @@ pub(crate) async fn serve(
     shutdown: impl std::future::Future<Output = ()>,
 ) {
     let limits = shared.ctx.limits().clone();
-    let activity = Arc::new(Activity::new());
-    let io = ClientIo {
-        prefix,
-        pos: 0,
-        inner: stream,
-        activity: activity.clone(),
-    };
+    // The bytes already read for the first head are replayed first; the activity clock drives
+    // the idle timeout.
+    let io = Prefixed::new(prefix, stream);
+    let activity = io.activity();
     let state = Arc::new(ConnState {
         shared,
         upstream: Mutex::new(None),
@@ -325,7 +267,7 @@ async fn handle(mut req: Request<Incoming>, state: &ConnState) -> Response<Body>
         Err(e) => return request_error(e, state, protocol),
     };
     if req.method() == Method::CONNECT {
-        let mut upstream = match shared.check_and_dial(&target, protocol).await {
+        let upstream = match shared.check_and_dial(&target, protocol).await {
             Ok(s) => s,
             Err(r) => return refusal(r, &shared.name),
         };
@@ -336,15 +278,15 @@ async fn handle(mut req: Request<Incoming>, state: &ConnState) -> Response<Body>
                 return;
             };
             // Recover the raw client socket so the tunnel is the same as the fast path's.
-            let Ok(parts) = upgraded.downcast::<TokioIo<ClientIo>>() else {
+            let Ok(parts) = upgraded.downcast::<TokioIo<Prefixed<TcpStream>>>() else {
                 return;
             };
-            let mut client = parts.io.into_inner();
+            let (rest, client) = parts.io.into_inner().into_parts();
             // hyper's buffered bytes were read before whatever is left of our prefix.
             let mut pending = parts.read_buf.to_vec();
-            pending.extend_from_slice(&client.prefix[client.pos..]);
+            pending.extend_from_slice(&rest);
             if super::intercept::intercepts(&shared, &target) {
-                let client = super::prefixed::Prefixed::new(pending, client.inner);
+                let client = Prefixed::new(pending, client);
                 super::intercept::serve(
                     client,
                     upstream,
@@ -358,7 +300,7 @@ async fn handle(mut req: Request<Incoming>, state: &ConnState) -> Response<Body>
             // Shutdown: `serve` aborts this task.
             shared
                 .relay(
-                    client.inner,
+                    client,
                     upstream,
                     pending,
                     &target,

@@ -39,7 +39,8 @@ use std::time::Duration;
 use arc_swap::ArcSwap;
 use tokio::io::AsyncWriteExt;
 use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::{Semaphore, watch};
+use tokio::sync::Semaphore;
+use tokio_util::sync::CancellationToken;
 use tokio::task::JoinSet;
 
 use crate::config::{Config, ProxyConfig};
@@ -515,27 +516,22 @@ impl PolicyProxy {
     /// Accept until `shutdown` completes; then stop accepting and end open connections. The
     /// listener's interception sockets (transparent listener, DNS responder) run and stop with it.
     pub async fn run(self, shutdown: impl Future<Output = ()>) {
-        let (stop_tx, stop_rx) = watch::channel(false);
+        let stop = CancellationToken::new();
         if let Some(i) = self.intercept {
-            i.spawn(&self.shared, &stop_rx);
+            i.spawn(&self.shared, &stop);
         }
         accept::accept_loop(
             self.listener,
             self.shared,
             shutdown,
-            stop_rx,
+            stop.clone(),
             |stream, peer, shared, stop| async move {
                 handle_connection(stream, peer, &shared, stop).await
             },
         )
         .await;
-        stop_tx.send(true).ok();
+        stop.cancel();
     }
-}
-
-pub(crate) async fn stopped(mut stop: watch::Receiver<bool>) {
-    // Ends when `true` is sent or the sender is gone.
-    stop.wait_for(|v| *v).await.ok();
 }
 
 /// Find the end of a request head in the bytes just read (window includes 3 earlier bytes).
@@ -559,7 +555,7 @@ async fn handle_connection(
     mut stream: TcpStream,
     peer: SocketAddr,
     shared: &Arc<Shared>,
-    stop: watch::Receiver<bool>,
+    stop: CancellationToken,
 ) {
     let limits = shared.ctx.limits().clone();
     // Read one head: bounded in size (`max_header_bytes`) and in total time (`header_timeout`).
@@ -573,7 +569,7 @@ async fn handle_connection(
         let before = buf.len();
         let read = tokio::select! {
             r = tokio::time::timeout_at(deadline, tokio::io::AsyncReadExt::read_buf(&mut stream, &mut buf)) => r,
-            () = stopped(stop.clone()) => return,
+            () = stop.clone().cancelled_owned() => return,
         };
         match read {
             Err(_) => {
@@ -654,16 +650,16 @@ async fn handle_connection(
             drop(buf);
             if intercept::intercepts(shared, &target) {
                 let client = prefixed::Prefixed::new(early, stream);
-                intercept::serve(client, upstream, target, shared.clone(), stopped(stop)).await;
+                intercept::serve(client, upstream, target, shared.clone(), stop.cancelled_owned()).await;
                 return;
             }
             shared
-                .relay(stream, upstream, early, &target, stopped(stop))
+                .relay(stream, upstream, early, &target, stop.cancelled_owned())
                 .await;
         }
         (_, Request::Http { .. }) => {
             // hyper re-parses from the start and checks every request on the connection.
-            http::serve(stream, buf, shared.clone(), stopped(stop)).await;
+            http::serve(stream, buf, shared.clone(), stop.cancelled_owned()).await;
         }
     }
 }
@@ -767,15 +763,15 @@ pub async fn serve(
         }
         proxies.push(proxy);
     }
-    let (tx, rx) = watch::channel(false);
+    let stop = CancellationToken::new();
     let mut tasks = JoinSet::new();
     for proxy in proxies {
         tracing::info!(policy = proxy.policy_name(), addr = %proxy.local_addr(), "proxy listening");
-        tasks.spawn(proxy.run(stopped(rx.clone())));
+        tasks.spawn(proxy.run(stop.clone().cancelled_owned()));
     }
     tasks.spawn(async move {
         shutdown.await;
-        tx.send(true).ok();
+        stop.cancel();
     });
     Ok(ProxyServer {
         addrs,

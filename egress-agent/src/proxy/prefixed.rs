@@ -29,6 +29,12 @@ impl<C> Prefixed<C> {
     pub(crate) fn activity(&self) -> Arc<Activity> {
         self.activity.clone()
     }
+
+    /// What is left of the prefix (not yet read), and the stream.
+    pub(crate) fn into_parts(mut self) -> (Vec<u8>, C) {
+        let rest = self.prefix.split_off(self.pos);
+        (rest, self.inner)
+    }
 }
 
 impl<C: AsyncRead + Unpin> AsyncRead for Prefixed<C> {

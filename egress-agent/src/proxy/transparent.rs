@@ -17,13 +17,13 @@ use std::sync::Arc;
 
 use tokio::io::AsyncReadExt;
 use tokio::net::TcpStream;
-use tokio::sync::watch;
+use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
 use super::dial::{self, DialError};
 use super::original_dst::ConnKey;
 use super::sniff::{Kind, MAX_SNIFF_BYTES, Sniffed, Sniffer, TLS_ACCESS_DENIED};
-use super::{Shared, refuse, response, stopped};
+use super::{Shared, refuse, response};
 use crate::events::DenialEvent;
 use crate::events::Verdict;
 use crate::policy::name::Destination;
@@ -46,7 +46,7 @@ pub(crate) async fn handle(
     peer: SocketAddr,
     buf: Vec<u8>,
     shared: &Arc<Shared>,
-    stop: watch::Receiver<bool>,
+    stop: CancellationToken,
 ) {
     let span = tracing::debug_span!("transparent", policy = %shared.name, %peer);
     let Some(orig) = span.in_scope(|| original_dst(shared, &stream, peer)) else {
@@ -117,7 +117,7 @@ pub(crate) async fn intercepted(
     orig: SocketAddr,
     mut buf: Vec<u8>,
     shared: &Arc<Shared>,
-    stop: watch::Receiver<bool>,
+    stop: CancellationToken,
 ) {
     let limits = shared.ctx.limits().clone();
     let mut sniffer = Sniffer::new(orig.port());
@@ -152,7 +152,7 @@ pub(crate) async fn intercepted(
         let mut chunk = (&mut stream).take(room as u64);
         let read = tokio::select! {
             r = tokio::time::timeout_at(deadline, chunk.read_buf(&mut buf)) => r,
-            () = stopped(stop.clone()) => return,
+            () = stop.clone().cancelled_owned() => return,
         };
         match read {
             Err(_) => {
@@ -235,6 +235,6 @@ pub(crate) async fn intercepted(
     };
     // The bytes read (the whole ClientHello, or the request head) go first, untouched.
     shared
-        .relay(stream, upstream, buf, &target, stopped(stop))
+        .relay(stream, upstream, buf, &target, stop.cancelled_owned())
         .await;
 }

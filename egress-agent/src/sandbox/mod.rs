@@ -68,6 +68,11 @@ pub struct Spec {
     pub writable: Vec<PathBuf>,
     /// Files placed in the private `/run` (path relative to `/run`, contents), e.g. a CA bundle.
     pub run_files: Vec<(PathBuf, Vec<u8>)>,
+    /// Files copied into the private `/run` (path relative to `/run`, host path read before
+    /// anything is hidden): for contents too large for the spec argument (one argument is at most
+    /// 128 KiB, `MAX_ARG_STRLEN`; the host's trusted roots alone are ~220 KB).
+    #[serde(default)]
+    pub run_copies: Vec<(PathBuf, PathBuf)>,
 }
 
 #[derive(Debug, thiserror::Error)]

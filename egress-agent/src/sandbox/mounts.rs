@@ -6,7 +6,8 @@
 //!    mount is made read-only (flags such as `nosuid`/`nodev`/`noexec` are kept);
 //! 3. a private, empty `/run` (and `/var/run` when it is a directory of its own): the control
 //!    API, the loader lock and every runtime socket — Docker, containerd, D-Bus, systemd — are out
-//!    of reach; [`Spec::run_files`] are written into it;
+//!    of reach; [`Spec::run_files`] are written into it and [`Spec::run_copies`] copied (before
+//!    step 8 hides their sources);
 //! 4. a private `/dev`: `null zero full random urandom tty`, a new devpts instance and its own
 //!    `shm` (no block devices, no other terminals' ptys);
 //! 5. a fresh `/proc` for the new pid namespace, with `/proc/sys` and `/proc/sysrq-trigger`
@@ -50,6 +51,10 @@ pub fn build(spec: &Spec) -> Result<(), SandboxError> {
     }
     for (rel, contents) in &spec.run_files {
         write_run_file(rel, contents)?;
+    }
+    for (rel, source) in &spec.run_copies {
+        let contents = fs::read(source).map_err(io_err("reading", source))?;
+        write_run_file(rel, &contents)?;
     }
     private_dev()?;
     let proc = Path::new("/proc");

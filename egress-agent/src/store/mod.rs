@@ -1,7 +1,8 @@
 //! The durable event store: SQLite (rusqlite, bundled) in WAL mode at
 //! `<agent.state_dir>/events.db` (directory 0700, file 0600).
 //!
-//! Two tables:
+//! Two tables (and `changes`, the policy changes made through the control API, see
+//! [`changes`]):
 //! - `events`: every denial and would-deny, one row each, with exactly the fields of a
 //!   [`DenialEvent`] (the context labels as a JSON object).
 //! - `flows`: every event (allowed ones too) aggregated by what it was — verdict, source, policy,
@@ -16,6 +17,7 @@
 //! What a row can hold is fixed by the event type: names, addresses, ports, protocol, policy,
 //! reason, container and context labels. There is no column for a URL, path, query string,
 //! header or body.
+pub mod changes;
 pub mod cli;
 pub mod query;
 pub mod writer;

@@ -28,8 +28,10 @@
 //!   send MARKER
 //! - `serve PORT MARKER`: TCP server on [::]:PORT (dual stack): prints `listening`, answers one
 //!   client with MARKER, exits
-//! - `cgroup`                            prints /proc/self/cgroup's v2 line and the id of the
-//!                                        cgroup at the root of its cgroup2 mount, then `ok`
+//! - `tls-get SERVER_NAME ADDR PORT CA_PEM`: GET / over TLS with SERVER_NAME in the ClientHello
+//!   (an IP literal: no SNI), no proxy variables; prints `TLS-OK BODY`
+//! - `cgroup`: prints /proc/self/cgroup's v2 line and the id of the cgroup at the root of its
+//!   cgroup2 mount, then `ok`
 //! - `sleep-then SECS MODE ARGS...`      sleep, then run MODE (for lifecycle tests)
 //! - `escape TECHNIQUE ARGS... [-- MODE ARGS...]`: try to leave confinement (`egress_tests::escape`),
 //!   print `escape TECHNIQUE: ok ...|err ...`, then run MODE
@@ -381,6 +383,17 @@ fn run(args: &[String]) -> io::Result<()> {
             std::thread::sleep(Duration::from_millis(100));
             Ok(())
         }
+        "tls-get" => {
+            // tls-get SERVER_NAME ADDR PORT CA_PEM: a TLS client that ignores every proxy
+            // variable. ADDR is a name (resolved with the system resolver) or an address;
+            // SERVER_NAME is what the ClientHello carries — an IP literal sends no SNI.
+            let server_name = arg(args, 1)?;
+            let target = arg(args, 2)?;
+            let p = port(arg(args, 3)?)?;
+            let body = tls_get(server_name, target, p, arg(args, 4)?)?;
+            println!("TLS-OK {body}");
+            Ok(())
+        }
         "cgroup" => {
             let text = std::fs::read_to_string("/proc/self/cgroup")?;
             for l in text.lines().filter(|l| l.starts_with("0::")) {
@@ -547,4 +560,54 @@ fn packet_loop(args: &[String]) -> io::Result<()> {
         first_err.as_deref().unwrap_or("none")
     );
     Ok(())
+}
+
+/// `GET /` over TLS to `target:port` with `server_name` in the ClientHello, trusting only the CA
+/// in `ca_file`; the response's body (the head dropped).
+fn tls_get(server_name: &str, target: &str, port: u16, ca_file: &str) -> io::Result<String> {
+    use std::net::ToSocketAddrs;
+    use std::sync::Arc;
+    let mut roots = rustls::RootCertStore::empty();
+    let pem = std::fs::read_to_string(ca_file)?;
+    for p in pem::parse_many(pem).map_err(io::Error::other)? {
+        if p.tag() == "CERTIFICATE" {
+            roots
+                .add(rustls::pki_types::CertificateDer::from(p.into_contents()))
+                .map_err(io::Error::other)?;
+        }
+    }
+    let cfg = rustls::ClientConfig::builder_with_provider(Arc::new(
+        rustls::crypto::ring::default_provider(),
+    ))
+    .with_safe_default_protocol_versions()
+    .map_err(io::Error::other)?
+    .with_root_certificates(roots)
+    .with_no_client_auth();
+    let name = rustls::pki_types::ServerName::try_from(server_name.to_owned())
+        .map_err(io::Error::other)?;
+    let mut conn = rustls::ClientConnection::new(Arc::new(cfg), name).map_err(io::Error::other)?;
+    let addr = (target, port)
+        .to_socket_addrs()?
+        .next()
+        .ok_or_else(|| io::Error::other(format!("{target}: no address")))?;
+    let mut sock = TcpStream::connect_timeout(&addr, Duration::from_secs(5))?;
+    sock.set_read_timeout(Some(Duration::from_secs(5)))?;
+    let mut tls = rustls::Stream::new(&mut conn, &mut sock);
+    write!(
+        tls,
+        "GET / HTTP/1.1\r\nHost: {server_name}\r\nConnection: close\r\n\r\n"
+    )?;
+    let mut out = Vec::new();
+    match tls.read_to_end(&mut out) {
+        Ok(_) => {}
+        // Servers that close without close_notify: what arrived is the answer.
+        Err(e) if e.kind() == io::ErrorKind::UnexpectedEof && !out.is_empty() => {}
+        Err(e) => return Err(e),
+    }
+    let text = String::from_utf8_lossy(&out);
+    Ok(text
+        .split_once("\r\n\r\n")
+        .map_or(text.as_ref(), |(_, b)| b)
+        .trim()
+        .to_owned())
 }

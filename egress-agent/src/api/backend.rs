@@ -1,0 +1,252 @@
+//! The daemon's answers to the newer endpoints (policies, explain, the store, doctor), as plain
+//! functions of the running configuration, so the daemon's [`super::Control`] impl stays one
+//! line per method.
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::time::SystemTime;
+
+use serde_json::{Value, json};
+
+use super::{ApiError, ExplainQuery, StoreQuery};
+use crate::config::Config;
+use crate::manage::{self, Change, ChangeLog, Who};
+use crate::policy::explain::{self, Chosen, Target};
+use crate::policy::kernel_eval::Netns;
+use crate::store::{Store, changes::ChangeRecord};
+
+/// The enforced cgroups (`status`), each with its container name (Docker) and its policy's
+/// badge (`allow_all`, `deny_all`, `allowlist`, `audit`).
+pub fn containers(config: &Config) -> Value {
+    let status = match crate::status::collect(&config.agent.bpffs) {
+        Ok(s) => s,
+        Err(e) => return json!({ "error": e.to_string() }),
+    };
+    let rows: Vec<Value> = status
+        .cgroups
+        .iter()
+        .map(|c| {
+            let mut v = serde_json::to_value(c).unwrap_or(Value::Null);
+            let container = c.owner.as_deref().and_then(|o| o.strip_prefix("docker:"));
+            let badge = match (c.policy.as_deref().and_then(|p| config.policy(p)), c.mode) {
+                (Some(p), _) => manage::badge(p),
+                // Inline (label) policies are allowlists; no entry at all is refused.
+                (None, Some(m)) => m,
+                (None, None) => "deny_all",
+            };
+            v["container"] = json!(container);
+            v["badge"] = json!(badge);
+            v
+        })
+        .collect();
+    Value::Array(rows)
+}
+
+/// Policy name → the containers running under it.
+pub fn in_use(config: &Config) -> BTreeMap<String, Vec<String>> {
+    let mut out: BTreeMap<String, Vec<String>> = BTreeMap::new();
+    if let Ok(s) = crate::status::collect(&config.agent.bpffs) {
+        for c in s.cgroups {
+            if let (Some(p), Some(o)) = (c.policy, c.owner) {
+                out.entry(p).or_default().push(o);
+            }
+        }
+    }
+    out
+}
+
+pub fn defaults(config_path: &Path, config: &Config) -> Value {
+    json!({
+        "default_policy": config.agent.default_policy,
+        "unlabeled": config.agent.unlabeled,
+        "file": config_path.display().to_string(),
+        "policies_dir": manage::dir::policies_dir(config_path).display().to_string(),
+    })
+}
+
+fn netns(q: &ExplainQuery) -> Result<Netns, ApiError> {
+    match q.netns.as_deref() {
+        None | Some("own") => Ok(Netns::Own),
+        Some("host") => Ok(Netns::Host),
+        Some(other) => Err(ApiError::new(
+            400,
+            format!("netns {other:?}: own (a container) or host (exec)"),
+        )),
+    }
+}
+
+/// `GET /v1/explain`: by policy name, or by container (its labels resolved as the enforcer
+/// resolves them).
+pub async fn explain(
+    config: &Config,
+    docker_socket: &str,
+    q: ExplainQuery,
+) -> Result<Value, ApiError> {
+    let target = Target::parse(&q.target).map_err(|e| ApiError::new(400, e))?;
+    let netns = netns(&q)?;
+    match (&q.policy, &q.container) {
+        (Some(name), None) => {
+            let policy = config
+                .policy(name)
+                .ok_or_else(|| ApiError::new(404, format!("no policy named {name:?}")))?;
+            let chosen = Chosen {
+                name: name.clone(),
+                why: "asked for by name".to_owned(),
+            };
+            Ok(explain::explain(config, &chosen, policy, &target, netns))
+        }
+        (None, Some(id)) => {
+            let docker =
+                bollard::Docker::connect_with_unix(docker_socket, 10, bollard::API_DEFAULT_VERSION)
+                    .map_err(|e| ApiError::new(503, format!("connecting to Docker: {e}")))?;
+            let c = docker
+                .inspect_container(
+                    id,
+                    None::<bollard::query_parameters::InspectContainerOptions>,
+                )
+                .await
+                .map_err(|e| ApiError::new(404, format!("inspecting container {id}: {e}")))?;
+            let labels = c.config.and_then(|c| c.labels).unwrap_or_default();
+            let pairs = || labels.iter().map(|(k, v)| (k.as_str(), v.as_str()));
+            let resolved = crate::docker::labels::resolve(pairs(), config);
+            let why = crate::check::explain_labels(pairs(), config)["why"]
+                .as_str()
+                .unwrap_or_default()
+                .to_owned();
+            let chosen = Chosen {
+                name: resolved.name.clone(),
+                why,
+            };
+            let mut v = explain::explain(config, &chosen, &resolved.policy, &target, netns);
+            let name = c
+                .name
+                .unwrap_or_default()
+                .trim_start_matches('/')
+                .to_owned();
+            let enforced = crate::status::collect(&config.agent.bpffs)
+                .ok()
+                .and_then(|s| {
+                    s.cgroups
+                        .into_iter()
+                        .find(|g| g.owner.as_deref() == Some(&format!("docker:{name}")))
+                        .and_then(|g| g.policy)
+                });
+            v["container"] = json!({ "id": c.id, "name": name, "enforced_as": enforced });
+            Ok(v)
+        }
+        _ => Err(ApiError::new(
+            400,
+            "give exactly one of policy=NAME or container=NAME",
+        )),
+    }
+}
+
+fn open_store(config: &Config) -> Result<Store, ApiError> {
+    if !config.store.enabled {
+        return Err(ApiError::new(
+            503,
+            "the event store is off (store.enabled = false)",
+        ));
+    }
+    Store::open_read_only(&config.agent.store_path())
+        .map_err(|e| ApiError::new(503, format!("the event store: {e}")))
+}
+
+/// Stored denials and would-denials (never allowed traffic) for a selection.
+pub fn denials(config: &Config, q: &StoreQuery) -> Result<Vec<Value>, ApiError> {
+    let store = open_store(config)?;
+    let filter = q.selection.filter().map_err(|e| ApiError::new(400, e))?;
+    if filter.verdict == Some(crate::events::Verdict::Allow) {
+        return Err(ApiError::new(
+            400,
+            "denials are deny and would-deny events; allowed traffic is in flows",
+        ));
+    }
+    let events = store
+        .events(&filter, 0, q.n)
+        .map_err(|e| ApiError::new(500, e))?;
+    Ok(events
+        .into_iter()
+        .filter_map(|e| serde_json::to_value(e.event).ok())
+        .collect())
+}
+
+/// `suggest` for a selection: the TOML `egress-agent suggest` prints.
+pub fn suggest(config: &Config, q: &StoreQuery) -> Result<String, ApiError> {
+    let store = open_store(config)?;
+    let filter = q.selection.filter().map_err(|e| ApiError::new(400, e))?;
+    let flows = store.flows(&filter).map_err(|e| ApiError::new(500, e))?;
+    let opts = crate::store::cli::SuggestOptions {
+        selection: q.selection.clone(),
+        include_denied: q.include_denied,
+        diff: false,
+        name: q.name.clone(),
+        config: None,
+    };
+    crate::store::cli::suggest_from(&flows, config, &opts).map_err(|e| ApiError::new(400, e))
+}
+
+pub fn changes(config: &Config, n: usize) -> Result<Vec<Value>, ApiError> {
+    let store = open_store(config)?;
+    let rows = store.changes(n).map_err(|e| ApiError::new(500, e))?;
+    Ok(rows
+        .into_iter()
+        .filter_map(|r| serde_json::to_value(r).ok())
+        .collect())
+}
+
+/// The doctor's probes as the running daemon sees itself, run off the runtime's threads. The
+/// doctor's own discovery skips the calling process (it is meant for `egress-agent doctor`), so
+/// the daemon names its policy listeners (from the pins) and the Docker socket it really uses.
+pub async fn doctor(config: &Config, docker_socket: &str) -> Value {
+    let mut opts = crate::doctor::Options::from_config(config);
+    opts.docker_socket = PathBuf::from(
+        docker_socket
+            .strip_prefix("unix://")
+            .unwrap_or(docker_socket),
+    );
+    let bpffs = config.agent.bpffs.clone();
+    let run = move || {
+        if let Ok(s) = crate::status::collect(&bpffs) {
+            let mut listeners: Vec<std::net::SocketAddr> = s
+                .cgroups
+                .iter()
+                .flat_map(|c| c.listener.iter().filter_map(|l| l.parse().ok()))
+                .collect();
+            listeners.sort();
+            listeners.dedup();
+            opts.proxy_listeners = listeners;
+        }
+        crate::doctor::run(opts)
+    };
+    match tokio::task::spawn_blocking(run).await {
+        Ok(report) => serde_json::to_value(&report).unwrap_or(Value::Null),
+        Err(e) => json!({ "error": e.to_string() }),
+    }
+}
+
+/// Records changes in the event store's `changes` table (and the log, always).
+pub struct StoreChangeLog {
+    /// `None`: the store is off; changes are only logged.
+    pub db: Option<PathBuf>,
+}
+
+impl ChangeLog for StoreChangeLog {
+    fn record(&self, who: &Who, change: &Change, files: &[PathBuf], result: &str) {
+        tracing::info!(uid = who.uid, pid = ?who.pid, action = change.action(),
+            target = %change.target(), result, "policy change");
+        let Some(db) = &self.db else { return };
+        let rec = ChangeRecord {
+            id: 0,
+            time: SystemTime::now(),
+            uid: who.uid,
+            pid: who.pid,
+            action: change.action().to_owned(),
+            target: change.target(),
+            files: files.iter().map(|f| f.display().to_string()).collect(),
+            result: result.to_owned(),
+        };
+        if let Err(e) = Store::open(db).and_then(|s| s.record_change(&rec)) {
+            tracing::error!(error = %e, "could not record a policy change in the event store");
+        }
+    }
+}

@@ -1,0 +1,415 @@
+//! `explain`: for one policy and one destination, what the proxy and the kernel would each do
+//! and which rule decides — computed by the decision code they run, not a copy:
+//! the proxy side by [`CompiledPolicy::decide_target`] / [`CompiledPolicy::decide_addr`] and
+//! [`super::l7::L7Policy::intercepts`], the kernel side by [`KernelPolicy::compile`] (the entry
+//! and LPM rules the loader writes) evaluated by [`super::kernel_eval`].
+use std::net::{IpAddr, SocketAddr};
+
+use serde::Serialize;
+use serde_json::{Value, json};
+
+use super::kernel::{Endpoints, InterceptAddrs, KernelPolicy};
+use super::kernel_eval::{self, KernelVerdict, Netns, Transport};
+use super::name::Destination;
+use super::{CompiledPolicy, Decision, Mode, Policy};
+use crate::config::Config;
+
+/// What to explain: `HOST[:PORT]` or `ADDR[:PORT]` (`[v6]:PORT`); the port defaults to 443.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct Target {
+    pub host: String,
+    pub port: u16,
+}
+
+/// A malformed target.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{0}")]
+pub struct TargetError(pub String);
+
+impl Target {
+    pub fn parse(s: &str) -> Result<Target, TargetError> {
+        let s = s.trim();
+        if s.is_empty() {
+            return Err(TargetError(
+                "empty target: give HOST[:PORT] or ADDR[:PORT]".into(),
+            ));
+        }
+        if let Ok(sa) = s.parse::<SocketAddr>() {
+            return Ok(Target {
+                host: sa.ip().to_string(),
+                port: sa.port(),
+            });
+        }
+        if s.parse::<IpAddr>().is_ok() {
+            return Ok(Target {
+                host: s.to_owned(),
+                port: 443,
+            });
+        }
+        let (host, port) = match s.rsplit_once(':') {
+            Some((h, p)) if !h.contains(':') => {
+                let port = p
+                    .parse::<u16>()
+                    .map_err(|_| TargetError(format!("{s:?}: the port must be 1-65535")))?;
+                (h, port)
+            }
+            Some(_) => {
+                return Err(TargetError(format!(
+                    "{s:?}: an IPv6 address with a port is written [ADDR]:PORT"
+                )));
+            }
+            None => (s, 443),
+        };
+        if port == 0 {
+            return Err(TargetError(format!("{s:?}: the port must be 1-65535")));
+        }
+        Ok(Target {
+            host: host.to_owned(),
+            port,
+        })
+    }
+}
+
+fn decision(d: Decision) -> Value {
+    match d {
+        Decision::Allow => json!({ "verdict": "allow" }),
+        Decision::Deny(r) => json!({ "verdict": "deny", "reason": r.as_str() }),
+        Decision::WouldDeny(r) => json!({ "verdict": "would-deny", "reason": r.as_str() }),
+    }
+}
+
+/// The `allow_hosts` entries that match `dest` (a name), as configured.
+fn matching_entries(policy: &Policy, dest: &Destination) -> Vec<String> {
+    let Destination::Name(n) = dest else {
+        return Vec::new();
+    };
+    policy
+        .allow_hosts
+        .iter()
+        .filter(|e| e.pattern.matches(n))
+        .map(|e| e.to_string())
+        .collect()
+}
+
+/// The proxy's rule for a name decision, in words.
+fn proxy_rule(policy: &Policy, dest: &Destination, port: u16, d: Decision) -> String {
+    let entries = matching_entries(policy, dest);
+    match (policy.mode, d) {
+        (Mode::DenyAll, _) => "deny_all refuses everything".to_owned(),
+        (Mode::AllowAll, Decision::Allow) => {
+            "allow_all: any name and port (the built-in deny list still applies to every address the name resolves to)".to_owned()
+        }
+        (_, Decision::Allow) if matches!(dest, Destination::Ip(_)) => {
+            "an allow_cidrs entry covers this address and port".to_owned()
+        }
+        (_, Decision::Allow) => format!(
+            "allow_hosts {} on port {port} (every address the name resolves to is then checked against the deny lists)",
+            entries.join(", ")
+        ),
+        (_, Decision::Deny(r) | Decision::WouldDeny(r)) => match r {
+            super::DenyReason::HostNotAllowed => "no allow_hosts entry matches".to_owned(),
+            super::DenyReason::PortNotAllowed if !entries.is_empty() => format!(
+                "allow_hosts {} matches, but port {port} is neither in allow_ports {:?} nor in the entry's own ports",
+                entries.join(", "),
+                policy.allow_ports
+            ),
+            super::DenyReason::IpLiteralNotAllowed => {
+                "an IP address in an allowlist needs an allow_cidrs entry".to_owned()
+            }
+            super::DenyReason::AddressDenied => {
+                "the address is on the built-in deny list (loopback, private, link-local, metadata, ...)".to_owned()
+            }
+            super::DenyReason::AddressDeniedByPolicy => "the address is in deny_cidrs".to_owned(),
+            other => other.as_str().to_owned(),
+        },
+    }
+}
+
+fn kernel(v: &KernelVerdict) -> Value {
+    serde_json::to_value(v).unwrap_or(Value::Null)
+}
+
+/// How the policy was chosen (`--policy`: asked for by name).
+#[derive(Debug, Clone, Serialize)]
+pub struct Chosen {
+    pub name: String,
+    pub why: String,
+}
+
+/// Explain `target` under `policy` (chosen as `chosen`), with `config`'s proxy endpoint.
+/// `netns`: where the client socket lives (`own` for a container, `host` for `exec`).
+pub fn explain(
+    config: &Config,
+    chosen: &Chosen,
+    policy: &Policy,
+    target: &Target,
+    netns: Netns,
+) -> Value {
+    let compiled = CompiledPolicy::new(policy);
+    let endpoints = endpoints(config);
+    let kp = KernelPolicy::compile(policy, endpoints, &[]);
+    // An address as written (`::1` too, without brackets) is an IP destination.
+    let dest = match target.host.parse::<IpAddr>() {
+        Ok(ip) => Ok(Destination::Ip(ip)),
+        Err(_) => Destination::parse(&target.host),
+    };
+    let port = target.port;
+    let base = json!({
+        "policy": { "name": chosen.name, "why": chosen.why, "badge": crate::manage::badge(policy),
+                    "audit": policy.audits() },
+        "target": target,
+        "authority": "the kernel programs and the proxy decide at run time; this is their decision code run on the compiled policy",
+    });
+    let mut out = base;
+    let dest = match dest {
+        Ok(d) => d,
+        Err(e) => {
+            let r = super::DenyReason::from(e);
+            out["proxy"] = json!({ "verdict": "deny", "reason": r.as_str(),
+                                   "rule": "not a host name the proxy accepts" });
+            out["summary"] = json!(format!("refused: {} ({})", target.host, r.as_str()));
+            return out;
+        }
+    };
+    let kp = match kp {
+        Ok(k) => k,
+        Err(e) => {
+            out["kernel"] = json!({ "verdict": "deny", "reason": "policy-not-loadable", "rule": e.to_string() });
+            out["summary"] = json!(format!("the kernel can't load this policy: {e}"));
+            return out;
+        }
+    };
+    let via_proxy = compiled.decide_target(&dest, port);
+    let mut proxy = decision(via_proxy);
+    proxy["rule"] = json!(proxy_rule(policy, &dest, port, via_proxy));
+    proxy["intercepted"] = json!(compiled.l7().intercepts(&dest, port));
+    let endpoint_verdict = kernel_eval::connect(&kp, config.proxy.endpoint, Transport::Tcp, netns);
+    let summary;
+    match &dest {
+        Destination::Ip(ip) => {
+            let dst = SocketAddr::new(*ip, port);
+            let tcp = kernel_eval::connect(&kp, dst, Transport::Tcp, netns);
+            let udp = kernel_eval::connect(&kp, dst, Transport::Udp, netns);
+            let direct_ok = matches!(tcp, KernelVerdict::Allow { .. });
+            let redirected = matches!(tcp, KernelVerdict::Redirect { .. });
+            let audited = matches!(tcp, KernelVerdict::WouldDeny { .. });
+            out["kernel"] = json!({
+                "direct_tcp": kernel(&tcp),
+                "direct_udp": kernel(&udp),
+                "to_proxy_endpoint": kernel(&endpoint_verdict),
+            });
+            summary = match (direct_ok, via_proxy) {
+                (true, _) => format!("allowed directly by the kernel ({})", rule_of(&tcp)),
+                _ if redirected => format!(
+                    "redirected by the kernel ({}); the agent then decides on the name the client sends, not on this address",
+                    rule_of(&tcp)
+                ),
+                _ if audited => format!(
+                    "audit: the kernel lets it through and records a would-deny ({})",
+                    reason_of(&tcp)
+                ),
+                (false, Decision::Allow) => {
+                    "refused directly by the kernel; allowed through the proxy (CONNECT to the address)".to_owned()
+                }
+                (false, Decision::WouldDeny(r)) => format!(
+                    "audit: let through the proxy and recorded as would-deny ({})",
+                    r.as_str()
+                ),
+                (false, Decision::Deny(r)) => format!(
+                    "refused: directly by the kernel ({}), and by the proxy ({})",
+                    reason_of(&tcp),
+                    r.as_str()
+                ),
+            };
+        }
+        Destination::Name(_) => {
+            out["kernel"] = json!({
+                "to_proxy_endpoint": kernel(&endpoint_verdict),
+                "direct": "the kernel sees addresses, not names: a name is reached through the proxy (or, for allow_hosts entries with their own ports, at the addresses the agent's DNS answered, until their TTL runs out)",
+            });
+            summary = match via_proxy {
+                Decision::Allow => format!(
+                    "allowed through the proxy ({})",
+                    proxy["rule"].as_str().unwrap_or("")
+                ),
+                Decision::WouldDeny(r) => format!(
+                    "audit: let through and recorded as would-deny ({})",
+                    r.as_str()
+                ),
+                Decision::Deny(r) => format!("refused by the proxy ({})", r.as_str()),
+            };
+        }
+    }
+    out["proxy"] = proxy;
+    out["summary"] = json!(summary);
+    out
+}
+
+fn rule_of(v: &KernelVerdict) -> String {
+    match v {
+        KernelVerdict::Allow { rule }
+        | KernelVerdict::Redirect { rule }
+        | KernelVerdict::SameTreeOnly { rule }
+        | KernelVerdict::Deny { rule, .. }
+        | KernelVerdict::WouldDeny { rule, .. } => rule.clone(),
+    }
+}
+
+fn reason_of(v: &KernelVerdict) -> &'static str {
+    match v {
+        KernelVerdict::Deny { reason, .. } | KernelVerdict::WouldDeny { reason, .. } => reason,
+        _ => "allowed",
+    }
+}
+
+/// The proxy endpoint(s) of `config`, with a placeholder listener (the real one is per cgroup).
+fn endpoints(config: &Config) -> Endpoints {
+    let listener = |ep: SocketAddr| Some(SocketAddr::new(ep.ip(), 0));
+    let (e4, e6) = match config.proxy.endpoint {
+        SocketAddr::V4(_) => (Some(config.proxy.endpoint), config.proxy.endpoint_v6),
+        SocketAddr::V6(_) => (None, Some(config.proxy.endpoint)),
+    };
+    // Interception sockets live next to the listener; the policy decides whether the kernel
+    // uses them (`KernelPolicy::transparent` / `dns`).
+    let intercept = |l: Option<SocketAddr>| InterceptAddrs {
+        transparent: l,
+        dns_udp: l,
+        dns_tcp: l,
+    };
+    Endpoints {
+        endpoint4: e4,
+        listener4: e4.and_then(listener),
+        endpoint6: e6,
+        listener6: e6.and_then(listener),
+        intercept4: intercept(e4.and_then(listener)),
+        intercept6: intercept(e6.and_then(listener)),
+    }
+}
+
+#[cfg(test)]
+#[expect(clippy::unwrap_used, reason = "test assertions")]
+mod tests {
+    use super::*;
+    use std::path::Path;
+
+    fn config() -> Config {
+        Config::from_toml_str(
+            r#"
+[proxy]
+endpoint = "169.254.100.1:3128"
+[policies.ci]
+allow_hosts = ["github.com", "*.githubusercontent.com", { host = "ssh.github.com", ports = [22] }]
+allow_cidrs = [{ cidr = "10.0.0.0/8", ports = [5432] }]
+deny_cidrs = ["192.0.2.0/24"]
+[policies.watch]
+allow_hosts = ["github.com"]
+enforce = "audit"
+"#,
+            Path::new("t.toml"),
+        )
+        .unwrap()
+    }
+
+    fn run(policy: &str, target: &str) -> Value {
+        let c = config();
+        let chosen = Chosen {
+            name: policy.to_owned(),
+            why: "asked for".to_owned(),
+        };
+        explain(
+            &c,
+            &chosen,
+            c.policy(policy).unwrap(),
+            &Target::parse(target).unwrap(),
+            Netns::Own,
+        )
+    }
+
+    #[test]
+    fn targets_parse_with_default_port() {
+        assert_eq!(
+            Target::parse("github.com").unwrap(),
+            Target {
+                host: "github.com".into(),
+                port: 443
+            }
+        );
+        assert_eq!(Target::parse("github.com:22").unwrap().port, 22);
+        assert_eq!(
+            Target::parse("[::1]:80").unwrap(),
+            Target {
+                host: "::1".into(),
+                port: 80
+            }
+        );
+        assert_eq!(Target::parse("::1").unwrap().port, 443);
+        assert!(Target::parse("github.com:0").is_err());
+        assert!(Target::parse("github.com:x").is_err());
+        assert!(Target::parse("").is_err());
+    }
+
+    #[test]
+    fn names_are_decided_by_the_proxy_with_the_matching_entry() {
+        let v = run("ci", "raw.githubusercontent.com:443");
+        assert_eq!(v["proxy"]["verdict"], "allow", "{v:#}");
+        assert!(
+            v["proxy"]["rule"]
+                .as_str()
+                .unwrap()
+                .contains("*.githubusercontent.com"),
+            "{v:#}"
+        );
+        assert_eq!(
+            v["kernel"]["to_proxy_endpoint"]["verdict"], "redirect",
+            "{v:#}"
+        );
+        let v = run("ci", "github.com:80");
+        assert_eq!(v["proxy"]["reason"], "port-not-allowed", "{v:#}");
+        let v = run("ci", "ssh.github.com:22");
+        assert_eq!(v["proxy"]["verdict"], "allow", "{v:#}");
+        let v = run("ci", "example.com");
+        assert_eq!(v["proxy"]["reason"], "host-not-allowed", "{v:#}");
+        assert!(
+            v["summary"]
+                .as_str()
+                .unwrap()
+                .starts_with("refused by the proxy"),
+            "{v:#}"
+        );
+    }
+
+    #[test]
+    fn addresses_get_both_the_kernel_and_the_proxy_view() {
+        let v = run("ci", "10.1.2.3:5432");
+        assert_eq!(v["kernel"]["direct_tcp"]["verdict"], "allow", "{v:#}");
+        assert!(
+            v["summary"]
+                .as_str()
+                .unwrap()
+                .contains("allowed directly by the kernel"),
+            "{v:#}"
+        );
+        let v = run("ci", "10.1.2.3:22");
+        assert_eq!(
+            v["kernel"]["direct_tcp"]["reason"], "kernel-destination-not-allowed",
+            "{v:#}"
+        );
+        assert_eq!(v["proxy"]["reason"], "port-not-allowed", "{v:#}");
+        // deny_cidrs: the proxy refuses (the kernel has no rule for it either).
+        let v = run("ci", "192.0.2.1:443");
+        assert_eq!(v["proxy"]["reason"], "address-denied-by-policy", "{v:#}");
+        let v = run("ci", "8.8.8.8:443");
+        assert_eq!(v["proxy"]["reason"], "ip-literal-not-allowed", "{v:#}");
+    }
+
+    #[test]
+    fn audit_policies_say_would_deny_and_numeric_forms_are_refused() {
+        let v = run("watch", "example.com");
+        assert_eq!(v["proxy"]["verdict"], "would-deny", "{v:#}");
+        assert_eq!(v["policy"]["badge"], "audit");
+        let v = run("ci", "0x7f.1:443");
+        assert_eq!(v["proxy"]["reason"], "numeric-ip-form", "{v:#}");
+        let v = run("allow_all", "10.0.0.1:22");
+        assert_eq!(v["kernel"]["direct_tcp"]["verdict"], "allow", "{v:#}");
+    }
+}

@@ -1,0 +1,511 @@
+//! Every control API endpoint, served by the real `ApiServer` and routes over a real unix socket
+//! (and the loopback TCP address), driven by a fake `Control` whose writes go through the real
+//! write path (`manage::apply`: validation by the loader, atomic files, rollback) against a
+//! configuration in a temporary directory, with a real event store. No daemon, no eBPF.
+//!
+//! Access: root gets everything; a member of the read group the GET endpoints (a real process
+//! running as nobody, by python3); others nothing; the TCP address serves GET only, and only
+//! with a loopback Host header.
+mod api_support;
+
+use std::os::unix::fs::PermissionsExt;
+use std::os::unix::process::CommandExt;
+use std::path::Path;
+use std::process::Command;
+
+use api_support::{call, is_root, serve};
+use egress_agent::api;
+use egress_agent::config::Config;
+use hyper::{Method, StatusCode};
+
+/// A raw request over the socket by python3 as uid 65534 with primary group `gid`.
+fn as_nobody(sock: &Path, gid: u32, method: &str, path: &str) -> String {
+    let script = r#"
+import socket, sys
+s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+try:
+    s.connect(sys.argv[1])
+except OSError as e:
+    print("connect-error", e.errno); sys.exit(0)
+s.sendall(("%s %s HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\nConnection: close\r\n\r\n{}" % (sys.argv[2], sys.argv[3])).encode())
+print(s.recv(65536).decode().splitlines()[0])
+"#;
+    let out = Command::new("python3")
+        .args(["-c", script])
+        .arg(sock)
+        .args([method, path])
+        .uid(65534)
+        .gid(gid)
+        .output()
+        .expect("python3");
+    String::from_utf8_lossy(&out.stdout).trim().to_owned()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn read_endpoints_answer_with_what_the_daemon_has() {
+    if !is_root() {
+        api_support::skip("needs root (the API serves root)");
+        return;
+    }
+    let s = serve("read").await;
+    let (st, v) = call(&s.sock, Method::GET, "/v1/status", None).await;
+    assert_eq!((st, v["version"].as_str()), (StatusCode::OK, Some("test")));
+    let (st, v) = call(&s.sock, Method::GET, "/v1/containers", None).await;
+    assert_eq!(
+        (st, v[0]["badge"].as_str()),
+        (StatusCode::OK, Some("allowlist"))
+    );
+    let (_, v) = call(&s.sock, Method::GET, "/v1/policies", None).await;
+    assert!(v["ci"].is_object() && v["allow_all"].is_object(), "{v}");
+    let (st, v) = call(&s.sock, Method::GET, "/v1/policies/ci", None).await;
+    assert_eq!(st, StatusCode::OK);
+    assert_eq!(
+        (v["source"].as_str(), v["badge"].as_str()),
+        (Some("config"), Some("allowlist")),
+        "{v}"
+    );
+    let (_, v) = call(&s.sock, Method::GET, "/v1/policies/audit", None).await;
+    assert_eq!(
+        (v["source"].as_str(), v["badge"].as_str()),
+        (Some("built-in"), Some("audit")),
+        "{v}"
+    );
+    let (st, _) = call(&s.sock, Method::GET, "/v1/policies/nope", None).await;
+    assert_eq!(st, StatusCode::NOT_FOUND);
+    let (_, v) = call(&s.sock, Method::GET, "/v1/defaults", None).await;
+    assert_eq!(v["default_policy"], "deny_all");
+    let (_, v) = call(&s.sock, Method::GET, "/v1/export", None).await;
+    assert!(
+        v["policies"]["ci"].is_object() && v["agent"]["unlabeled"] == "allow_all",
+        "{v}"
+    );
+    let (st, toml) =
+        api::client::request_body(&s.sock, Method::GET, "/v1/export?format=toml", None)
+            .await
+            .expect("export");
+    assert_eq!(st, StatusCode::OK);
+    Config::from_toml_str(&toml, Path::new("export.toml"))
+        .expect("the TOML export is a valid config");
+    let (st, v) = call(
+        &s.sock,
+        Method::GET,
+        "/v1/explain?policy=ci&target=api.github.com:443",
+        None,
+    )
+    .await;
+    assert_eq!(
+        (st, v["proxy"]["verdict"].as_str()),
+        (StatusCode::OK, Some("allow")),
+        "{v}"
+    );
+    let (_, v) = call(
+        &s.sock,
+        Method::GET,
+        "/v1/explain?policy=ci&target=%5B%3A%3A1%5D%3A22&netns=host",
+        None,
+    )
+    .await;
+    assert_eq!(
+        v["kernel"]["direct_tcp"]["verdict"], "same_tree_only",
+        "{v}"
+    );
+    let (st, _) = call(&s.sock, Method::GET, "/v1/explain?target=x", None).await;
+    assert_eq!(st, StatusCode::BAD_REQUEST);
+    let (st, _) = call(
+        &s.sock,
+        Method::GET,
+        "/v1/explain?policy=ci&target=a:0",
+        None,
+    )
+    .await;
+    assert_eq!(st, StatusCode::BAD_REQUEST);
+    let (st, v) = call(&s.sock, Method::GET, "/v1/denials?container=web-1", None).await;
+    assert_eq!(st, StatusCode::OK);
+    assert_eq!(v.as_array().map(Vec::len), Some(1), "{v}");
+    assert_eq!(v[0]["reason"], "host-not-allowed");
+    let (st, _) = call(&s.sock, Method::GET, "/v1/denials?since=forever", None).await;
+    assert_eq!(st, StatusCode::BAD_REQUEST);
+    let (st, v) = call(&s.sock, Method::GET, "/v1/suggest?policy=ci&name=ci2", None).await;
+    assert_eq!(st, StatusCode::OK);
+    let t = v["toml"].as_str().expect("toml");
+    assert!(
+        t.contains("[policies.ci2]") && t.contains("api.github.com"),
+        "{t}"
+    );
+    let (st, v) = call(&s.sock, Method::GET, "/v1/changes", None).await;
+    assert_eq!((st, v.as_array().map(Vec::len)), (StatusCode::OK, Some(0)));
+    let (_, v) = call(&s.sock, Method::GET, "/v1/doctor", None).await;
+    assert_eq!(v[0]["id"], "proxy.listening");
+    let (_, v) = call(&s.sock, Method::GET, "/v1/events?n=1", None).await;
+    assert_eq!(v.as_array().map(Vec::len), Some(1));
+    let (st, _) = call(&s.sock, Method::GET, "/v1/events?n=x", None).await;
+    assert_eq!(st, StatusCode::BAD_REQUEST);
+    // NDJSON and SSE streams (the fake's feed ends after two events).
+    let (st, text) = api::client::request_body(&s.sock, Method::GET, "/v1/events?follow=1", None)
+        .await
+        .expect("follow");
+    assert_eq!(st, StatusCode::OK);
+    assert_eq!(text.lines().count(), 2, "{text}");
+    let (st, text) = api::client::request_body(&s.sock, Method::GET, "/v1/events/sse", None)
+        .await
+        .expect("sse");
+    assert_eq!(st, StatusCode::OK);
+    assert_eq!(text.matches("event: denial\ndata: {").count(), 2, "{text}");
+    // The page, with its CSP; nothing else is served from /ui/.
+    let (st, html) = api::client::request_body(&s.sock, Method::GET, "/ui/", None)
+        .await
+        .expect("ui");
+    assert!(
+        st == StatusCode::OK && html.contains("<table id=\"containers\""),
+        "{st} {html}"
+    );
+    for f in ["app.js", "app.css"] {
+        let (st, _) = api::client::request_body(&s.sock, Method::GET, &format!("/ui/{f}"), None)
+            .await
+            .expect("asset");
+        assert_eq!(st, StatusCode::OK, "{f}");
+    }
+    let (st, _) = call(&s.sock, Method::GET, "/ui/..%2Fconfig.toml", None).await;
+    assert_eq!(st, StatusCode::NOT_FOUND);
+    let (st, _) = call(&s.sock, Method::DELETE, "/v1/status", None).await;
+    assert_eq!(st, StatusCode::METHOD_NOT_ALLOWED);
+    let (st, _) = call(&s.sock, Method::GET, "/v2/nothing", None).await;
+    assert_eq!(st, StatusCode::NOT_FOUND);
+    s.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn writes_validate_like_the_config_file_apply_and_are_recorded() {
+    if !is_root() {
+        api_support::skip("needs root (the API serves root)");
+        return;
+    }
+    let s = serve("write").await;
+    let cfg = s.dir.join("config.toml");
+    let file = s.dir.join("policies.d/web.toml");
+    // 422: the field and the reason, exactly as the config file's error says them.
+    let bad = "allow_hosts = [\"github.com\", \"10.0.0.1\"]\n";
+    let (st, v) = call(
+        &s.sock,
+        Method::PUT,
+        "/v1/policies/web",
+        Some(("application/toml", bad)),
+    )
+    .await;
+    assert_eq!(st, StatusCode::UNPROCESSABLE_ENTITY, "{v}");
+    let in_file = Config::from_toml_str(&format!("[policies.web]\n{bad}"), Path::new("c.toml"))
+        .expect_err("invalid");
+    let egress_agent::config::ConfigError::Invalid { field, message, .. } = in_file else {
+        panic!("not located")
+    };
+    assert_eq!(
+        (v["field"].as_str(), v["message"].as_str()),
+        (Some(field.as_str()), Some(message.as_str())),
+        "{v}"
+    );
+    assert!(!file.exists(), "nothing written on a 422");
+    let (st, v) = call(
+        &s.sock,
+        Method::PUT,
+        "/v1/policies/web",
+        Some((
+            "application/json",
+            r#"{"allow_hosts": ["x.test"], "mode": "allow-some"}"#,
+        )),
+    )
+    .await;
+    assert_eq!(
+        (st, v["field"].as_str()),
+        (StatusCode::UNPROCESSABLE_ENTITY, Some("policies.web.mode")),
+        "{v}"
+    );
+    let (st, _) = call(
+        &s.sock,
+        Method::PUT,
+        "/v1/policies/..%2F..%2Fetc",
+        Some(("application/toml", "mode = \"deny_all\"")),
+    )
+    .await;
+    assert_eq!(st, StatusCode::UNPROCESSABLE_ENTITY);
+    // 409: the main file's policy is the operator's.
+    let (st, _) = call(
+        &s.sock,
+        Method::PUT,
+        "/v1/policies/ci",
+        Some(("application/toml", "mode = \"deny_all\"")),
+    )
+    .await;
+    assert_eq!(st, StatusCode::CONFLICT);
+    // Dry run writes nothing.
+    let good = "# CI runners\nallow_hosts = [\"registry.npmjs.org\"]\n";
+    let (st, v) = call(
+        &s.sock,
+        Method::PUT,
+        "/v1/policies/web?dry_run=1",
+        Some(("application/toml", good)),
+    )
+    .await;
+    assert_eq!(
+        (st, v["would_change"].as_bool()),
+        (StatusCode::OK, Some(true)),
+        "{v}"
+    );
+    assert!(!file.exists());
+    let (st, v) = call(
+        &s.sock,
+        Method::PUT,
+        "/v1/policies/web",
+        Some(("application/toml", good)),
+    )
+    .await;
+    assert_eq!(
+        (st, v["changed"].as_bool()),
+        (StatusCode::OK, Some(true)),
+        "{v}"
+    );
+    assert_eq!(std::fs::read_to_string(&file).expect("written"), good);
+    assert_eq!(
+        std::fs::metadata(&file).expect("meta").permissions().mode() & 0o777,
+        0o600
+    );
+    let (_, v) = call(&s.sock, Method::GET, "/v1/policies/web", None).await;
+    assert_eq!(v["source"], "policies.d", "{v}");
+    // Defaults: in place in the main file, comments kept; a missing policy is a 422.
+    let (st, v) = call(
+        &s.sock,
+        Method::PUT,
+        "/v1/defaults",
+        Some(("application/json", r#"{"default_policy": "nope"}"#)),
+    )
+    .await;
+    assert_eq!(
+        (st, v["field"].as_str()),
+        (
+            StatusCode::UNPROCESSABLE_ENTITY,
+            Some("agent.default_policy")
+        ),
+        "{v}"
+    );
+    let (st, _) = call(
+        &s.sock,
+        Method::PUT,
+        "/v1/defaults",
+        Some(("application/json", r#"{"default_policy": "web"}"#)),
+    )
+    .await;
+    assert_eq!(st, StatusCode::OK);
+    let main = std::fs::read_to_string(&cfg).expect("main");
+    assert!(
+        main.starts_with("# the operator's file\n") && main.contains("default_policy = \"web\""),
+        "{main}"
+    );
+    let (st, _) = call(
+        &s.sock,
+        Method::PUT,
+        "/v1/defaults",
+        Some(("application/json", r#"{"bogus": 1}"#)),
+    )
+    .await;
+    assert_eq!(st, StatusCode::BAD_REQUEST);
+    // Delete: the default can't go; in use needs force.
+    let (st, v) = call(&s.sock, Method::DELETE, "/v1/policies/web", None).await;
+    assert_eq!(
+        (st, v["field"].as_str()),
+        (
+            StatusCode::UNPROCESSABLE_ENTITY,
+            Some("agent.default_policy")
+        ),
+        "{v}"
+    );
+    call(
+        &s.sock,
+        Method::PUT,
+        "/v1/defaults",
+        Some(("application/json", r#"{"default_policy": "deny_all"}"#)),
+    )
+    .await;
+    let (st, _) = call(&s.sock, Method::DELETE, "/v1/policies/web", None).await;
+    assert_eq!(st, StatusCode::OK);
+    assert!(!file.exists());
+    let (st, _) = call(&s.sock, Method::DELETE, "/v1/policies/web", None).await;
+    assert_eq!(st, StatusCode::NOT_FOUND);
+    // Import: dry run shows the diff, apply writes it.
+    let bundle = "[policies.imported]\nallow_hosts = [\"pypi.org\"]\n[policies.ci]\nallow_hosts = [\"github.com\", \"*.github.com\"]\n";
+    let (st, v) = call(
+        &s.sock,
+        Method::POST,
+        "/v1/import",
+        Some(("application/toml", bundle)),
+    )
+    .await;
+    assert_eq!(st, StatusCode::OK, "{v}");
+    assert!(
+        v["diff"]
+            .as_str()
+            .expect("diff")
+            .contains("+ policy imported"),
+        "{v}"
+    );
+    assert!(!s.dir.join("policies.d/imported.toml").exists());
+    let (st, v) = call(
+        &s.sock,
+        Method::POST,
+        "/v1/import?apply=1",
+        Some(("application/toml", bundle)),
+    )
+    .await;
+    assert_eq!(
+        (st, v["changed"].as_bool()),
+        (StatusCode::OK, Some(true)),
+        "{v}"
+    );
+    assert!(
+        Config::load(&cfg)
+            .expect("loads")
+            .policy("imported")
+            .is_some()
+    );
+    // Every applied change is recorded with the peer's uid.
+    let (_, v) = call(&s.sock, Method::GET, "/v1/changes?n=100", None).await;
+    let rows = v.as_array().expect("rows");
+    let actions: Vec<&str> = rows.iter().filter_map(|r| r["action"].as_str()).collect();
+    assert_eq!(
+        actions,
+        [
+            "set-policy",
+            "set-defaults",
+            "set-defaults",
+            "delete-policy",
+            "import"
+        ],
+        "{v}"
+    );
+    assert!(
+        rows.iter()
+            .all(|r| r["uid"] == 0 && r["result"] == "applied"),
+        "{v}"
+    );
+    s.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_read_group_reads_others_are_refused_and_tcp_serves_get_only() {
+    if !is_root() || Command::new("python3").arg("-V").output().is_err() {
+        api_support::skip("needs root and python3 (clients of other users)");
+        return;
+    }
+    let s = serve("access").await;
+    let mode = std::fs::metadata(&s.sock)
+        .expect("sock")
+        .permissions()
+        .mode()
+        & 0o777;
+    assert_eq!(mode, 0o660);
+    // nobody:nogroup is in the read group (65534): GET yes, writes no.
+    let sock = s.sock.clone();
+    let (get, put, del, other) = tokio::task::spawn_blocking(move || {
+        (
+            as_nobody(&sock, 65534, "GET", "/v1/policies"),
+            as_nobody(&sock, 65534, "PUT", "/v1/policies/x"),
+            as_nobody(&sock, 65534, "POST", "/v1/reload"),
+            as_nobody(&sock, 4242, "GET", "/v1/policies"),
+        )
+    })
+    .await
+    .expect("clients");
+    assert!(get.starts_with("HTTP/1.1 200"), "{get}");
+    assert!(put.starts_with("HTTP/1.1 403"), "{put}");
+    assert!(del.starts_with("HTTP/1.1 403"), "{del}");
+    // Not in the group: the socket's group mode refuses the connect itself.
+    assert_eq!(other, "connect-error 13");
+    assert!(
+        !s.dir.join("policies.d/x.toml").exists(),
+        "the refused write wrote nothing"
+    );
+
+    // Loopback TCP: the page and GETs for root, refused for others, GET only, loopback Host only.
+    let url = format!("http://{}/ui/", s.tcp);
+    let curl = move |extra: &[&str], uid: Option<u32>| {
+        let mut c = Command::new("curl");
+        c.args(["-s", "-o", "/dev/null", "-w", "%{http_code}"])
+            .args(extra)
+            .arg(&url);
+        if let Some(u) = uid {
+            c.uid(u).gid(4242);
+        }
+        String::from_utf8_lossy(&c.output().expect("curl").stdout).into_owned()
+    };
+    let (ok, rebinding, write, stranger) = tokio::task::spawn_blocking(move || {
+        (
+            curl(&[], None),
+            curl(&["-H", "Host: evil.example:80"], None),
+            curl(&["-X", "PUT", "--data", "x"], None),
+            curl(&[], Some(65533)),
+        )
+    })
+    .await
+    .expect("curl");
+    assert_eq!(ok, "200");
+    assert_eq!(rebinding, "403");
+    assert_eq!(write, "403");
+    assert_eq!(stranger, "403");
+    s.stop().await;
+}
+
+/// The (method, path) pairs `docs/api.yaml` describes (each with its responses).
+fn documented() -> Vec<(String, String)> {
+    let text = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../docs/api.yaml"))
+        .expect("docs/api.yaml");
+    let spec: serde_json::Value = serde_yaml_ng::from_str(&text).expect("docs/api.yaml is YAML");
+    assert!(
+        spec["openapi"]
+            .as_str()
+            .is_some_and(|v| v.starts_with("3.")),
+        "openapi version"
+    );
+    let mut out = Vec::new();
+    for (path, ops) in spec["paths"].as_object().expect("paths") {
+        for (method, op) in ops.as_object().expect("path item") {
+            if !["get", "put", "post", "delete", "patch"].contains(&method.as_str()) {
+                continue;
+            }
+            assert!(
+                op["responses"].as_object().is_some_and(|r| !r.is_empty()),
+                "{method} {path}: no responses documented"
+            );
+            out.push((method.to_uppercase(), path.clone()));
+        }
+    }
+    out
+}
+
+#[test]
+fn the_openapi_description_covers_every_endpoint_and_no_other() {
+    let mut documented = documented();
+    documented.sort();
+    let mut served: Vec<(String, String)> = api::routes::ENDPOINTS
+        .iter()
+        .map(|(m, p)| ((*m).to_owned(), (*p).to_owned()))
+        .collect();
+    served.sort();
+    assert_eq!(documented, served);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_listed_endpoint_is_routed() {
+    if !is_root() {
+        api_support::skip("needs root (the API serves root)");
+        return;
+    }
+    let s = serve("routed").await;
+    for (m, p) in api::routes::ENDPOINTS {
+        let path = p.replace("{name}", "ci").replace("{file}", "app.js");
+        let method: Method = m.parse().expect("method");
+        let (st, v) = call(&s.sock, method, &path, None).await;
+        assert!(
+            st != StatusCode::METHOD_NOT_ALLOWED && v["error"] != "no such endpoint",
+            "{m} {path}: {st} {v}"
+        );
+    }
+    s.stop().await;
+}

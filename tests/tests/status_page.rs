@@ -1,0 +1,330 @@
+//! The real daemon with real containers (see `egress_tests::docker::Env`), root only:
+//! - policies from `policies.d` at start; a policy written through the control API (curl
+//!   `--unix-socket`, a real client) takes effect for a running container like a reload (the
+//!   proxy lets through what it refused a moment before); a bad one is a 422 naming the field and
+//!   changes nothing; each change is in the event store with uid 0; `explain --container`
+//!   resolves the container's labels through Docker;
+//! - the status page on `api.ui_listen`, rendered by headless Chromium (driven over its DevTools
+//!   protocol by node, tests/status_page/cdp.js): the containers with their policy badges
+//!   (allowlist, deny_all, audit, allow_all), the doctor's probes as the daemon sees itself
+//!   (`proxy.listening`, `docker.reachable` pass) and a denial appearing live (SSE). With
+//!   `EGRESS_STATUS_SCREENSHOT=PATH` it also saves a screenshot there (docs/status-page.png).
+use std::io::{BufRead, BufReader, Write};
+use std::path::{Path, PathBuf};
+use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use egress_tests::docker::{Env, SERIAL, UPSTREAM_IP, require_root};
+use serde_json::Value;
+
+const UI: &str = "127.0.0.1:18181";
+
+fn lock() -> std::sync::MutexGuard<'static, ()> {
+    SERIAL.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+fn get(host: &str, port: u16) -> String {
+    format!(
+        "(printf 'GET http://{host}:{port}/ HTTP/1.1\\r\\nHost: {host}:{port}\\r\\nConnection: close\\r\\n\\r\\n'; sleep 1) | nc -w 5 169.254.100.1 3128"
+    )
+}
+
+fn run_labelled(env: &Env, name: &str, labels: &[&str]) {
+    let args: Vec<&str> = labels.iter().flat_map(|l| ["--label", l]).collect();
+    env.start_ok(name, &args, &["sleep", "600"]);
+    assert!(
+        env.wait_enforced(name, 2),
+        "{name} never enforced:\n{}",
+        env.log()
+    );
+}
+
+/// `curl --unix-socket` against the daemon; (status, body).
+fn curl(env: &Env, method: &str, path: &str, body: Option<(&str, &str)>) -> (u16, String) {
+    let mut c = Command::new("curl");
+    c.args(["-s", "-w", "\n%{http_code}", "--unix-socket"])
+        .arg(env.api_socket())
+        .args(["-X", method]);
+    if let Some((ct, b)) = body {
+        c.args(["-H", &format!("content-type: {ct}"), "--data-binary", b]);
+    }
+    c.arg(format!("http://egress-agent{path}"));
+    let out = String::from_utf8_lossy(&c.output().expect("curl").stdout).into_owned();
+    let (body, code) = out.rsplit_once('\n').unwrap_or(("", "0"));
+    (code.trim().parse().unwrap_or(0), body.to_owned())
+}
+
+struct Browser {
+    child: Child,
+    stdin: ChildStdin,
+    stdout: BufReader<ChildStdout>,
+    _profile: PathBuf,
+}
+
+impl Browser {
+    /// node + headless Chromium in the daemon's network namespace, on `url`.
+    fn open(netns: &Path, url: &str, profile: PathBuf) -> Browser {
+        let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("status_page/cdp.js");
+        std::fs::remove_dir_all(&profile).ok();
+        let mut child = Command::new("nsenter")
+            .arg(format!("--net={}", netns.display()))
+            .args(["node", "--experimental-websocket", "--no-warnings"])
+            .arg(&script)
+            .args(["/usr/bin/chromium", url])
+            .arg(&profile)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .spawn()
+            .expect("node (nodejs) runs the DevTools driver");
+        let stdin = child.stdin.take().expect("stdin");
+        let stdout = BufReader::new(child.stdout.take().expect("stdout"));
+        Browser {
+            child,
+            stdin,
+            stdout,
+            _profile: profile,
+        }
+    }
+
+    fn ask(&mut self, cmd: &str) -> Value {
+        writeln!(self.stdin, "{cmd}").expect("to the driver");
+        let mut line = String::new();
+        self.stdout.read_line(&mut line).expect("from the driver");
+        let v: Value =
+            serde_json::from_str(&line).unwrap_or_else(|e| panic!("driver said {line:?}: {e}"));
+        assert!(v.get("error").is_none(), "driver: {v}");
+        v
+    }
+
+    fn dom(&mut self) -> String {
+        self.ask("dom")["html"]
+            .as_str()
+            .unwrap_or_default()
+            .to_owned()
+    }
+
+    /// Poll the rendered DOM until `f` holds.
+    fn wait_dom(&mut self, what: &str, f: impl Fn(&str) -> bool) -> String {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            let dom = self.dom();
+            if f(&dom) {
+                return dom;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "the page never showed {what}:\n{dom}"
+            );
+            std::thread::sleep(Duration::from_millis(200));
+        }
+    }
+}
+
+impl Drop for Browser {
+    fn drop(&mut self) {
+        writeln!(self.stdin, "quit").ok();
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while Instant::now() < deadline {
+            if let Ok(Some(_)) = self.child.try_wait() {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        self.child.kill().ok();
+        self.child.wait().ok();
+    }
+}
+
+/// The `<tr data-KIND="NAME">` row of the rendered page.
+fn row<'a>(dom: &'a str, kind: &str, name: &str) -> Option<&'a str> {
+    let start = dom.find(&format!("<tr data-{kind}=\"{name}\""))?;
+    let end = dom[start..].find("</tr>")? + start;
+    Some(&dom[start..end])
+}
+
+/// The `<tr>` of container `name` in the rendered containers table.
+fn container_row<'a>(dom: &'a str, name: &str) -> Option<&'a str> {
+    row(dom, "container", name)
+}
+
+#[test]
+fn policies_through_the_api_and_the_status_page() {
+    if !require_root() {
+        return;
+    }
+    if Command::new("chromium").arg("--version").output().is_err() {
+        panic!("chromium is not installed (cargo xtask setup installs it)");
+    }
+    let _l = lock();
+    let mut env = Env::new(&[]);
+    // `web` lives in policies.d (loaded after the main file); the page listens on loopback.
+    let dir = env.dir.join("policies.d");
+    std::fs::create_dir_all(&dir).expect("policies.d");
+    std::fs::write(
+        dir.join("web.toml"),
+        format!("allow_hosts = [\"allowed.test\"]\nallow_ports = [8080]\nallow_cidrs = [\"{UPSTREAM_IP}/32\"]\n"),
+    )
+    .expect("web.toml");
+    env.write_config(&env.config_text(&format!(
+        "[policies.canary]\nallow_cidrs = [\"198.18.0.1/32\"]\n[api]\nui_listen = \"{UI}\"\n"
+    )));
+    env.kill_agent();
+    env.start_agent();
+
+    run_labelled(&env, "web-1", &["egress.policy=web"]);
+    run_labelled(&env, "locked-1", &["egress.policy=deny_all"]);
+    run_labelled(&env, "watch-1", &["egress.policy=audit"]);
+    env.start_ok("plain-1", &[], &["sleep", "600"]);
+    assert!(
+        env.wait_enforced("plain-1", 2),
+        "plain-1 never enforced:\n{}",
+        env.log()
+    );
+
+    // The page: containers with their badges.
+    let profile = env.dir.join("chromium-profile");
+    let mut b = Browser::open(&env.d.netns.path(), &format!("http://{UI}/ui/"), profile);
+    let dom = b.wait_dom("the four containers", |d| {
+        ["web-1", "locked-1", "watch-1", "plain-1"]
+            .iter()
+            .all(|n| container_row(d, n).is_some())
+    });
+    for (name, badge) in [
+        ("web-1", "allowlist"),
+        ("locked-1", "deny_all"),
+        ("watch-1", "audit"),
+        ("plain-1", "allow_all"),
+    ] {
+        let row = container_row(&dom, name).unwrap_or_default();
+        assert!(
+            row.contains(&format!("data-badge=\"{badge}\"")),
+            "{name} should be {badge}: {row}"
+        );
+    }
+    assert!(
+        dom.contains("<tr data-policy=\"web\""),
+        "policies table: {dom}"
+    );
+    // The doctor as the daemon sees itself: its own listeners are up, its Docker is reachable.
+    let dom = b.wait_dom("the doctor's probes", |d| {
+        row(d, "probe", "proxy.listening").is_some()
+    });
+    for probe in ["proxy.listening", "docker.reachable"] {
+        let r = row(&dom, "probe", probe).unwrap_or_default();
+        assert!(
+            r.contains("class=\"status-pass\""),
+            "{probe} should pass: {r}"
+        );
+    }
+    assert!(
+        dom.contains("class=\"up\""),
+        "the header's proxy state: {dom}"
+    );
+
+    // A refusal shows up live (the page is already open: SSE, not a reload).
+    let before = b.dom().matches("class=\"fresh\"").count();
+    let out = env.exec_out("web-1", &get("denied.test", 8080));
+    assert!(
+        out.contains("403") && out.contains("host-not-allowed"),
+        "{out}"
+    );
+    let dom = b.wait_dom("the live denial", |d| {
+        d.matches("class=\"fresh\" data-reason=\"host-not-allowed\"")
+            .count()
+            > before
+    });
+    assert!(dom.contains("denied.test:8080"), "{dom}");
+    assert!(dom.contains("class=\"live-on\""), "the live badge: {dom}");
+    if let Ok(shot) = std::env::var("EGRESS_STATUS_SCREENSHOT") {
+        b.ask(&format!("shot {shot}"));
+        eprintln!("screenshot: {shot}");
+    }
+    drop(b);
+
+    // The API: a bad policy is refused with the config's own field and reason; nothing changes.
+    let (code, body) = curl(
+        &env,
+        "PUT",
+        "/v1/policies/web",
+        Some((
+            "application/toml",
+            "allow_hosts = [\"allowed.test\", \"*denied.test\"]\n",
+        )),
+    );
+    assert_eq!(code, 422, "{body}");
+    let v: Value = serde_json::from_str(&body).expect("json");
+    assert_eq!(v["field"], "policies.web.allow_hosts[1]", "{body}");
+    let out = env.exec_out("web-1", &get("denied.test", 8080));
+    assert!(
+        out.contains("host-not-allowed"),
+        "unchanged after a 422: {out}"
+    );
+
+    // A good one is applied to the running container like a reload.
+    let good = format!(
+        "allow_hosts = [\"allowed.test\", \"denied.test\"]\nallow_ports = [8080]\nallow_cidrs = [\"{UPSTREAM_IP}/32\"]\n"
+    );
+    let (code, body) = curl(
+        &env,
+        "PUT",
+        "/v1/policies/web",
+        Some(("application/toml", &good)),
+    );
+    assert_eq!(code, 200, "{body}");
+    assert_eq!(
+        std::fs::read_to_string(dir.join("web.toml")).expect("web.toml"),
+        good
+    );
+    let out = env.exec_out("web-1", &get("denied.test", 8080));
+    assert!(
+        out.contains("hello-upstream"),
+        "allowed after the change: {out}"
+    );
+
+    // Deleting a policy in use is refused; the defaults can be set; every change is recorded.
+    let (code, body) = curl(&env, "DELETE", "/v1/policies/web", None);
+    assert_eq!(code, 409, "{body}");
+    assert!(body.contains("docker:web-1"), "{body}");
+    let (code, body) = curl(
+        &env,
+        "PUT",
+        "/v1/defaults",
+        Some(("application/json", "{\"default_policy\": \"audit\"}")),
+    );
+    assert_eq!(code, 200, "{body}");
+    let (_, body) = curl(&env, "GET", "/v1/changes", None);
+    let rows: Value = serde_json::from_str(&body).expect("changes");
+    let rows = rows.as_array().expect("rows");
+    assert_eq!(rows.len(), 2, "{body}");
+    assert!(
+        rows.iter()
+            .all(|r| r["uid"] == 0 && r["result"] == "applied"),
+        "{body}"
+    );
+    assert_eq!(rows[0]["action"], "set-policy");
+
+    // explain --container: the container's labels, resolved through Docker by the daemon.
+    let o = env.cli(&[
+        "explain",
+        "--container",
+        "web-1",
+        "denied.test:8080",
+        "--json",
+    ]);
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert!(
+        o.status.success(),
+        "{out}{}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    let v: Value = serde_json::from_str(&out).expect("json");
+    assert_eq!(v["policy"]["name"], "web", "{out}");
+    assert_eq!(v["container"]["enforced_as"], "web", "{out}");
+    assert_eq!(v["proxy"]["verdict"], "allow", "{out}");
+    let o = env.cli(&["explain", "--container", "locked-1", "allowed.test:8080"]);
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert!(
+        out.contains("deny_all") && out.contains("policy-deny-all"),
+        "{out}"
+    );
+}
