@@ -1028,6 +1028,21 @@ transparent = false
     }
 
     #[test]
+    fn kernel_relay_modes() {
+        assert_eq!(ProxyConfig::default().kernel_relay, KernelRelayMode::Auto);
+        for (text, mode) in [
+            ("auto", KernelRelayMode::Auto),
+            ("on", KernelRelayMode::On),
+            ("off", KernelRelayMode::Off),
+        ] {
+            let c = parse(&format!("[proxy]\nkernel_relay = {text:?}\n")).unwrap();
+            assert_eq!(c.proxy.kernel_relay, mode);
+        }
+        let e = err("[proxy]\nkernel_relay = \"yes\"\n");
+        assert!(e.contains(":2:") && e.contains("kernel_relay"), "{e}");
+    }
+
+    #[test]
     fn duplicate_key_is_named() {
         let e = err("[proxy]\nmax_connections = 5\nmax_connections = 6\n");
         assert!(

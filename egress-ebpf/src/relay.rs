@@ -71,6 +71,12 @@ pub fn egress_relay_verdict(ctx: SkBuffContext) -> u32 {
     // receiving socket (sk_skb programs since 4.12).
     let mut cookie = unsafe { bpf_get_socket_cookie(ctx.skb.skb.cast()) };
     let len = u64::from(ctx.len());
+    if len == 0 {
+        // A bare FIN (its state change is already made; user space passes it on with
+        // `shutdown(Write)` once the bytes before it are out). Redirected, the empty skb would
+        // be sent on the peer after that shutdown and break its pipe (EPIPE).
+        return SK_DROP;
+    }
     let (Some(flow), Some(credit)) = (FLOW.get_ptr_mut(cookie), CREDIT.get_ptr(cookie)) else {
         count(STAT_DROPPED_SKBS, STAT_DROPPED_BYTES, len);
         return SK_DROP;

@@ -589,7 +589,8 @@ impl Loader {
 /// The ids of the maps pinned in `dir` (the agent's maps directory).
 fn pinned_map_ids(dir: &Path) -> Result<std::collections::BTreeSet<u32>, BpfError> {
     let mut ids = std::collections::BTreeSet::new();
-    let entries = std::fs::read_dir(dir).map_err(BpfError::io("reading the maps directory", dir))?;
+    let entries =
+        std::fs::read_dir(dir).map_err(BpfError::io("reading the maps directory", dir))?;
     for entry in entries {
         let path = entry
             .map_err(BpfError::io("reading the maps directory", dir))?

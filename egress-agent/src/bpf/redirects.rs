@@ -21,8 +21,8 @@ use super::BpfError;
 use super::state::open_typed;
 use crate::dns::{Answer, AnswerSink};
 use crate::policy::kernel::ip6_words;
-use crate::proxy::original_dst::{ConnKey, OriginalDst};
 use crate::proxy::InterceptHooks;
+use crate::proxy::original_dst::{ConnKey, OriginalDst};
 
 const AF_INET: u32 = libc::AF_INET as u32;
 const AF_INET6: u32 = libc::AF_INET6 as u32;
@@ -136,8 +136,8 @@ impl OriginalDst for KernelRedirects {
 /// CLOCK_MONOTONIC in ns (`bpf_ktime_get_ns`'s clock) + `ttl`.
 fn kernel_deadline(ttl: std::time::Duration) -> Option<u64> {
     let now = clock_gettime(ClockId::CLOCK_MONOTONIC).ok()?;
-    let now_ns = u64::try_from(now.tv_sec()).ok()? * 1_000_000_000
-        + u64::try_from(now.tv_nsec()).ok()?;
+    let now_ns =
+        u64::try_from(now.tv_sec()).ok()? * 1_000_000_000 + u64::try_from(now.tv_nsec()).ok()?;
     now_ns.checked_add(u64::try_from(ttl.as_nanos()).ok()?)
 }
 
@@ -230,14 +230,20 @@ mod tests {
             _pad: 0,
             family: AF_INET,
         };
-        assert_eq!(orig_addr(&o), Some("93.184.216.34:443".parse().expect("addr")));
+        assert_eq!(
+            orig_addr(&o),
+            Some("93.184.216.34:443".parse().expect("addr"))
+        );
         let o6 = OrigDst {
             addr: ip6_words(&"2001:db8::1".parse().expect("ip")),
             port: 80u16.to_be(),
             _pad: 0,
             family: AF_INET6,
         };
-        assert_eq!(orig_addr(&o6), Some("[2001:db8::1]:80".parse().expect("addr")));
+        assert_eq!(
+            orig_addr(&o6),
+            Some("[2001:db8::1]:80".parse().expect("addr"))
+        );
         assert_eq!(orig_addr(&OrigDst::default()), None);
     }
 

@@ -138,10 +138,10 @@ impl RelayProgram {
         let tunnels = tunnels.max(1);
         let sockets = tunnels.saturating_mul(2);
         let mut ebpf = EbpfLoader::new()
-            .set_max_entries(maps::PEERS, sockets)
-            .set_max_entries(maps::SPLICED, sockets)
-            .set_max_entries(maps::FLOW, sockets)
-            .set_max_entries(maps::CREDIT, sockets)
+            .map_max_entries(maps::PEERS, sockets)
+            .map_max_entries(maps::SPLICED, sockets)
+            .map_max_entries(maps::FLOW, sockets)
+            .map_max_entries(maps::CREDIT, sockets)
             .load(object)
             .map_err(|e| RelayError::Object(Box::new(e)))?;
         fn take<T: TryFrom<aya::maps::Map, Error = aya::maps::MapError>>(

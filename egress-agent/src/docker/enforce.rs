@@ -331,10 +331,12 @@ impl Enforcer {
             None
         };
         let addrs = listener.as_ref().map(|l| (l.addr, l.intercept));
-        let written_name = match self
-            .entries
-            .write_or_deny(id, &plan.policy, addrs, &plan.published)
-        {
+        let written_name = match self.entries.write_or_deny(
+            id,
+            &plan.policy,
+            addrs,
+            &plan.published,
+        ) {
             Written::Policy => plan.policy_name.clone(),
             Written::DenyAll(why) => {
                 tracing::error!(cgroup_id = id, error = %why, "writing policy entry failed; wrote deny_all");

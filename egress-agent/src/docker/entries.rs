@@ -282,7 +282,12 @@ mod tests {
     #[test]
     fn the_policy_when_it_can_be_written() {
         let (mut e, map) = entries(0);
-        let w = e.write_or_deny(7, &allowlist(), Some((LISTENER.parse().unwrap(), InterceptAddrs::default())), &[8080]);
+        let w = e.write_or_deny(
+            7,
+            &allowlist(),
+            Some((LISTENER.parse().unwrap(), InterceptAddrs::default())),
+            &[8080],
+        );
         assert_eq!(w, Written::Policy);
         let written = map.written.lock().unwrap();
         assert_eq!(written.len(), 1);
@@ -293,7 +298,12 @@ mod tests {
     #[test]
     fn deny_all_when_the_policy_write_fails() {
         let (mut e, map) = entries(1);
-        let w = e.write_or_deny(7, &allowlist(), Some((LISTENER.parse().unwrap(), InterceptAddrs::default())), &[8080]);
+        let w = e.write_or_deny(
+            7,
+            &allowlist(),
+            Some((LISTENER.parse().unwrap(), InterceptAddrs::default())),
+            &[8080],
+        );
         let Written::DenyAll(why) = w else {
             panic!("expected deny_all, got {w:?}");
         };
@@ -315,7 +325,12 @@ mod tests {
     #[test]
     fn failed_when_deny_all_fails_too() {
         let (mut e, map) = entries(2);
-        let w = e.write_or_deny(7, &allowlist(), Some((LISTENER.parse().unwrap(), InterceptAddrs::default())), &[8080]);
+        let w = e.write_or_deny(
+            7,
+            &allowlist(),
+            Some((LISTENER.parse().unwrap(), InterceptAddrs::default())),
+            &[8080],
+        );
         let Written::Failed(why) = w else {
             panic!("expected a failure, got {w:?}");
         };

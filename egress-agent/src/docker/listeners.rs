@@ -39,7 +39,10 @@ impl Drop for Listener {
 impl Listener {
     /// Serve `policy` (named `name`) for `info` (whose cgroup is `cgroup_id`) on `ip`, port 0,
     /// until dropped or `shutdown`.
-    #[expect(clippy::too_many_arguments, reason = "one call site; each is a distinct input")]
+    #[expect(
+        clippy::too_many_arguments,
+        reason = "one call site; each is a distinct input"
+    )]
     pub async fn bind(
         ip: IpAddr,
         info: &ContainerInfo,

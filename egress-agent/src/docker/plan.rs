@@ -219,7 +219,10 @@ mod tests {
             panic!("enforced expected");
         };
         assert_eq!(e.listener.port(), 0);
-        assert!(e.redirects.is_empty(), "deny_all reaches nothing on the proxy address");
+        assert!(
+            e.redirects.is_empty(),
+            "deny_all reaches nothing on the proxy address"
+        );
         assert!(e.allow_inbound.is_empty() && e.allow_cidrs.is_empty());
         // Unlabelled: known ports, unrestricted.
         let i = info(&[], &[], &[]);

@@ -142,8 +142,16 @@ impl KernelPolicy {
             Mode::DenyAll => MODE_DENY_ALL,
             Mode::Allowlist => MODE_ALLOWLIST,
         };
-        let [t4, u4, d4] = [intercept4.transparent, intercept4.dns_udp, intercept4.dns_tcp];
-        let [t6, u6, d6] = [intercept6.transparent, intercept6.dns_udp, intercept6.dns_tcp];
+        let [t4, u4, d4] = [
+            intercept4.transparent,
+            intercept4.dns_udp,
+            intercept4.dns_tcp,
+        ];
+        let [t6, u6, d6] = [
+            intercept6.transparent,
+            intercept6.dns_udp,
+            intercept6.dns_tcp,
+        ];
         for (what, a) in [
             ("endpoint", endpoint4),
             ("listener", listener4),
@@ -510,7 +518,10 @@ mod tests {
         assert_eq!(u16::from_be(e.dns_udp4_port), 40002);
         assert_eq!(u16::from_be(e.dns_tcp4_port), 40003);
         assert_eq!(e.transparent4_addr.to_ne_bytes(), [127, 0, 0, 1]);
-        assert_eq!(e.transparent6_port, 0, "no IPv6 listener: IPv6 stays refused");
+        assert_eq!(
+            e.transparent6_port, 0,
+            "no IPv6 listener: IPv6 stays refused"
+        );
 
         // transparent = false keeps DNS (entries with ports need the agent's answers).
         let off = model::Policy {
@@ -536,7 +547,10 @@ mod tests {
         for p in [model::Policy::deny_all(), model::Policy::allow_all()] {
             let e = intercepted(&p).expect("compiles").entry(7);
             assert_eq!(e.flags & (POLICY_FLAG_TRANSPARENT | POLICY_FLAG_DNS), 0);
-            assert_eq!((e.transparent4_port, e.dns_udp4_port, e.dns_tcp4_port), (0, 0, 0));
+            assert_eq!(
+                (e.transparent4_port, e.dns_udp4_port, e.dns_tcp4_port),
+                (0, 0, 0)
+            );
         }
     }
 

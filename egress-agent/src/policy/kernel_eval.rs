@@ -209,7 +209,9 @@ pub fn connect(
         };
         if let Some(r) = responder {
             return KernelVerdict::Redirect {
-                rule: format!("port 53: rewritten to this cgroup's DNS responder {r} (any address, allow_cidrs too)"),
+                rule: format!(
+                    "port 53: rewritten to this cgroup's DNS responder {r} (any address, allow_cidrs too)"
+                ),
             };
         }
     }
@@ -223,7 +225,9 @@ pub fn connect(
         && let Some(t) = intercept.transparent
     {
         return KernelVerdict::Redirect {
-            rule: format!("allow_ports {port}: rewritten to this cgroup's transparent listener {t} (the proxy decides on the TLS SNI or HTTP Host, and dials that name's own addresses)"),
+            rule: format!(
+                "allow_ports {port}: rewritten to this cgroup's transparent listener {t} (the proxy decides on the TLS SNI or HTTP Host, and dials that name's own addresses)"
+            ),
         };
     }
     if kp.audit {
@@ -493,9 +497,20 @@ mod tests {
             &[],
         );
         // Port 53 goes to the responder at any address, allow_cidrs included, both transports.
-        for dst in ["8.8.8.8:53", "127.0.0.11:53", "10.0.0.2:53", "127.0.0.53:53"] {
-            assert!(redirected(&connect(&k, sa(dst), Transport::Udp, Netns::Own), "40003"), "{dst}");
-            assert!(redirected(&connect(&k, sa(dst), Transport::Tcp, Netns::Own), "40004"), "{dst}");
+        for dst in [
+            "8.8.8.8:53",
+            "127.0.0.11:53",
+            "10.0.0.2:53",
+            "127.0.0.53:53",
+        ] {
+            assert!(
+                redirected(&connect(&k, sa(dst), Transport::Udp, Netns::Own), "40003"),
+                "{dst}"
+            );
+            assert!(
+                redirected(&connect(&k, sa(dst), Transport::Tcp, Netns::Own), "40004"),
+                "{dst}"
+            );
         }
         // allow_cidrs stay direct; a transparent port elsewhere goes to the transparent listener,
         // another port or UDP on it stays refused.
@@ -508,11 +523,21 @@ mod tests {
             "40002"
         ));
         assert_eq!(
-            reason(&connect(&k, sa("140.82.112.3:22"), Transport::Tcp, Netns::Own)),
+            reason(&connect(
+                &k,
+                sa("140.82.112.3:22"),
+                Transport::Tcp,
+                Netns::Own
+            )),
             "kernel-destination-not-allowed"
         );
         assert_eq!(
-            reason(&connect(&k, sa("140.82.112.3:443"), Transport::Udp, Netns::Own)),
+            reason(&connect(
+                &k,
+                sa("140.82.112.3:443"),
+                Transport::Udp,
+                Netns::Own
+            )),
             "kernel-destination-not-allowed"
         );
         // deny_all answers no DNS and redirects nothing.
@@ -533,7 +558,10 @@ mod tests {
         );
         assert!(matches!(
             connect(&k, sa("140.82.112.3:22"), Transport::Tcp, Netns::Own),
-            KernelVerdict::WouldDeny { reason: "kernel-destination-not-allowed", .. }
+            KernelVerdict::WouldDeny {
+                reason: "kernel-destination-not-allowed",
+                ..
+            }
         ));
         // What the enforcing policy redirects stays redirected.
         assert!(redirected(

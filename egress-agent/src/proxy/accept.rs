@@ -6,8 +6,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use tokio::net::{TcpListener, TcpStream};
-use tracing::Instrument;
 use tokio_util::sync::CancellationToken;
+use tracing::Instrument;
 
 use super::Shared;
 

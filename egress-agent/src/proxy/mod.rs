@@ -40,8 +40,8 @@ use arc_swap::ArcSwap;
 use tokio::io::AsyncWriteExt;
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::Semaphore;
-use tokio_util::sync::CancellationToken;
 use tokio::task::JoinSet;
+use tokio_util::sync::CancellationToken;
 
 use crate::config::{Config, ProxyConfig};
 use crate::events::{DenialEvent, EventSink, Verdict};
@@ -650,7 +650,14 @@ async fn handle_connection(
             drop(buf);
             if intercept::intercepts(shared, &target) {
                 let client = prefixed::Prefixed::new(early, stream);
-                intercept::serve(client, upstream, target, shared.clone(), stop.cancelled_owned()).await;
+                intercept::serve(
+                    client,
+                    upstream,
+                    target,
+                    shared.clone(),
+                    stop.cancelled_owned(),
+                )
+                .await;
                 return;
             }
             shared

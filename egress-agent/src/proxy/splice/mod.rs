@@ -20,7 +20,10 @@
 //! reader), the program parks it and the tunnel is drained and handed back to the user-space
 //! relay ([`pair::Outcome::Demoted`]).
 mod pair;
-#[allow(unsafe_code, reason = "TCP_INFO, SO_COOKIE, SIOCINQ/SIOCOUTQ, SO_RCVLOWAT")]
+#[allow(
+    unsafe_code,
+    reason = "TCP_INFO, SO_COOKIE, SIOCINQ/SIOCOUTQ, SO_RCVLOWAT"
+)]
 pub(crate) mod sys;
 mod watch;
 
@@ -33,13 +36,24 @@ use egress_common::relay::Credit;
 use tokio::net::TcpStream;
 
 use crate::bpf::relay::{RelayEntries, RelayError, RelayProgram, RelayStats, Sock, SpliceError};
-pub(crate) use pair::{Outcome, Release, Spliced};
+pub(crate) use pair::{Outcome, Spliced};
 use watch::{Signal, Watcher};
 
 /// Most rounds of the pre-splice drain: a client that keeps the queue full for longer stays in
 /// user space.
 const DRAIN_ROUNDS: usize = 64;
 const DRAIN_BUF: usize = 64 * 1024;
+
+/// A socket's hard credit, in windows past what it was last granted at: user space has
+/// `HARD_WINDOWS - 1` windows of a busy tunnel's flow to answer a credit notice before the
+/// direction parks and the tunnel is handed back to user space (measured: at 2 windows, a
+/// 64 KiB window parked a loopback bulk tunnel after two 64 KB skbs).
+pub(crate) const HARD_WINDOWS: u64 = 4;
+/// The smallest credit window: the proxy's task must answer a credit notice within
+/// `(HARD_WINDOWS - 1) × window` bytes of a busy direction, i.e. within ~1.2 ms at 2.5 GB/s
+/// (measured: with 256 KiB windows a loopback bulk tunnel parked before a busy single-threaded
+/// runtime got to the notice).
+pub(crate) const MIN_WINDOW: u64 = 1 << 20;
 
 /// The loaded relay program plus what its tunnels share. One per proxy process.
 pub struct KernelRelay {
@@ -84,13 +98,14 @@ impl std::fmt::Debug for KernelRelay {
 
 impl KernelRelay {
     /// Load the relay program with room for `tunnels` spliced tunnels; each socket may have at
-    /// most `3 × window` bytes redirected but not yet taken by its peer's send queue.
+    /// most [`HARD_WINDOWS`] `× window` bytes redirected but not yet taken by its peer's send
+    /// queue (memory the kernel charges to no socket).
     pub fn load(tunnels: u32, window: u64) -> Result<Arc<KernelRelay>, RelayError> {
         let program = RelayProgram::load(tunnels)?;
         Ok(Arc::new(KernelRelay {
             program,
             watcher: OnceLock::new(),
-            window: window.max(64 * 1024),
+            window: window.max(MIN_WINDOW),
             counters: Counters::default(),
         }))
     }
@@ -128,7 +143,7 @@ impl KernelRelay {
     fn first_credit(&self) -> Credit {
         Credit {
             soft: self.window,
-            hard: 2 * self.window,
+            hard: HARD_WINDOWS * self.window,
         }
     }
 }
@@ -178,7 +193,10 @@ pub(crate) async fn splice(
         match client.try_read(&mut buf) {
             Ok(0) => return Err(fallback(client, upstream, drained, "client closed")),
             Ok(n) => {
-                if super::tunnel::write_all(&upstream, &buf[..n]).await.is_err() {
+                if super::tunnel::write_all(&upstream, &buf[..n])
+                    .await
+                    .is_err()
+                {
                     return Err(NotSpliced::Failed { drained });
                 }
                 drained += n as u64;
@@ -201,11 +219,12 @@ pub(crate) async fn splice(
         (Ok(c), Ok(u)) => (c, u),
         _ => return Err(NotSpliced::Failed { drained }),
     };
-    let back = |c: std::net::TcpStream, u: std::net::TcpStream, reason| {
-        match (TcpStream::from_std(c), TcpStream::from_std(u)) {
-            (Ok(c), Ok(u)) => fallback(c, u, drained, reason),
-            _ => NotSpliced::Failed { drained },
-        }
+    let back = |c: std::net::TcpStream, u: std::net::TcpStream, reason| match (
+        TcpStream::from_std(c),
+        TcpStream::from_std(u),
+    ) {
+        (Ok(c), Ok(u)) => fallback(c, u, drained, reason),
+        _ => NotSpliced::Failed { drained },
     };
     let cookies = (sys::socket_cookie(c.as_fd()), sys::socket_cookie(u.as_fd()));
     let (Ok(cc), Ok(uc)) = cookies else {
@@ -295,7 +314,10 @@ pub(crate) async fn relay(
             return (drained, 0, super::tunnel::TunnelEnd::Error, VIA_USER);
         }
         Err(NotSpliced::Fallback(f)) => {
-            tracing::debug!(reason = f.reason, "kernel relay: tunnel stays in user space");
+            tracing::debug!(
+                reason = f.reason,
+                "kernel relay: tunnel stays in user space"
+            );
             shared.relayed(f.drained, 0);
             (client, upstream) = (f.client, f.upstream);
             let (up, down, end) = user(&mut client, &mut upstream, shutdown.as_mut()).await;
@@ -326,7 +348,8 @@ pub(crate) async fn relay(
 
 /// The kernel relay `proxy.kernel_relay` asks for: loaded for `"on"` (an error if it can't be)
 /// and `"auto"` (a warning and none if it can't be), none for `"off"`. Room for
-/// `proxy.max_connections` tunnels; the credit step is `proxy.tunnel_buffer_bytes`.
+/// `proxy.max_connections` tunnels; the credit step is `proxy.tunnel_buffer_bytes`, at least
+/// [`MIN_WINDOW`].
 pub(crate) fn from_config(
     p: &crate::config::ProxyConfig,
 ) -> Result<Option<Arc<KernelRelay>>, super::ProxyError> {
@@ -337,7 +360,10 @@ pub(crate) fn from_config(
     let tunnels = u32::try_from(p.max_connections).unwrap_or(u32::MAX);
     match KernelRelay::load(tunnels, p.tunnel_buffer_bytes as u64) {
         Ok(r) => {
-            tracing::info!(tunnels, "kernel relay loaded: pass-through tunnels are spliced in the kernel");
+            tracing::info!(
+                tunnels,
+                "kernel relay loaded: pass-through tunnels are spliced in the kernel"
+            );
             Ok(Some(r))
         }
         Err(e) if p.kernel_relay == KernelRelayMode::On => Err(super::ProxyError::KernelRelay(e)),

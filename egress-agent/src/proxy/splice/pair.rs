@@ -12,9 +12,9 @@ use egress_common::relay::{Credit, Flow};
 use tokio::net::TcpStream;
 use tokio::time::Instant;
 
+use super::KernelRelay;
 use super::sys::{self, TcpInfo};
 use super::watch::{PARKED, Signal};
-use super::KernelRelay;
 use crate::proxy::tunnel::{Direction, TunnelEnd};
 
 /// How often a spliced tunnel reports its byte counts when live metrics are wanted (the counts
@@ -42,7 +42,11 @@ pub(crate) fn written(fd: BorrowedFd<'_>) -> io::Result<u64> {
 fn fin_received(i: &TcpInfo) -> bool {
     matches!(
         i.state,
-        sys::TCP_CLOSE_WAIT | sys::TCP_LAST_ACK | sys::TCP_CLOSING | sys::TCP_TIME_WAIT | sys::TCP_CLOSE
+        sys::TCP_CLOSE_WAIT
+            | sys::TCP_LAST_ACK
+            | sys::TCP_CLOSING
+            | sys::TCP_TIME_WAIT
+            | sys::TCP_CLOSE
     )
 }
 
@@ -155,7 +159,9 @@ impl Spliced {
 
     /// The sockets of a tunnel the kernel refused outright (no entry was made).
     pub(super) fn into_socks(self) -> (std::net::TcpStream, std::net::TcpStream) {
-        let Spliced { c, u, mut release, .. } = self;
+        let Spliced {
+            c, u, mut release, ..
+        } = self;
         // Nothing to release, and the tunnel was never counted as active.
         release.armed = false;
         (c.sock, u.sock)
@@ -227,12 +233,11 @@ impl Spliced {
         }
         loop {
             let bits = self.signal.take();
-            let end = |_: Spliced, reported: (u64, u64), end| {
-                Outcome::Ended(reported.0, reported.1, end)
-            };
-            if self.c.sock.take_error().ok().flatten().is_some()
-                || self.u.sock.take_error().ok().flatten().is_some()
-            {
+            let end =
+                |_: Spliced, reported: (u64, u64), end| Outcome::Ended(reported.0, reported.1, end);
+            let errs = (self.c.sock.take_error(), self.u.sock.take_error());
+            if !matches!(errs, (Ok(None), Ok(None))) {
+                tracing::debug!(?errs, "kernel relay: socket error");
                 return end(self, reported, TunnelEnd::Error);
             }
             let Some((fc, fu)) = self.flows() else {
@@ -258,7 +263,11 @@ impl Spliced {
                 }
                 match self.drained_into(x, y) {
                     Ok(true) => {
-                        let y = if from_client { &mut self.u } else { &mut self.c };
+                        let y = if from_client {
+                            &mut self.u
+                        } else {
+                            &mut self.c
+                        };
                         if let Err(e) = y.sock.shutdown(Shutdown::Write)
                             && e.kind() != io::ErrorKind::NotConnected
                         {
@@ -333,8 +342,10 @@ impl Spliced {
         Ok(y.written_since()? >= flow.redirected)
     }
 
-    /// If the socket went past its soft credit and its peer's send queue has taken all but one
-    /// window of what was redirected, give it two more windows. `Ok(false)`: the peer is behind.
+    /// Once the socket went past its soft credit: move its hard credit to what its peer's send
+    /// queue has taken plus [`HARD_WINDOWS`] windows (so the bytes redirected but not yet taken,
+    /// which no socket is charged for, never exceed that), and its next notice one window on.
+    /// `Ok(false)`: the peer is more than half of that behind; look again soon.
     fn extend_credit(&mut self, from_client: bool, flow: &Flow) -> io::Result<bool> {
         let window = self.relay().window;
         let (x, y) = if from_client {
@@ -345,25 +356,25 @@ impl Spliced {
         if flow.redirected <= x.credit.soft || y.shut {
             return Ok(true);
         }
-        let backlog = flow.redirected.saturating_sub(y.written_since()?);
-        if backlog > window {
-            return Ok(false);
-        }
+        let taken = y.written_since()?;
         let credit = Credit {
             soft: flow.redirected + window,
-            hard: flow.redirected + 2 * window,
+            hard: taken + super::HARD_WINDOWS * window,
         };
-        let cookie = x.cookie;
-        self.relay()
-            .program
-            .set_credit(cookie, credit)
-            .map_err(io::Error::other)?;
-        if from_client {
-            self.c.credit = credit;
-        } else {
-            self.u.credit = credit;
+        let behind = flow.redirected.saturating_sub(taken) > super::HARD_WINDOWS * window / 2;
+        if credit.hard > x.credit.hard {
+            let cookie = x.cookie;
+            self.relay()
+                .program
+                .set_credit(cookie, credit)
+                .map_err(io::Error::other)?;
+            if from_client {
+                self.c.credit = credit;
+            } else {
+                self.u.credit = credit;
+            }
         }
-        Ok(true)
+        Ok(!behind)
     }
 
     /// Hand the tunnel to user space: park both sockets (credit 0: whatever arrives from now on

@@ -17,7 +17,6 @@ pub struct TcpInfo {
     pub last_data_recv_ms: u32,
 }
 
-pub const TCP_ESTABLISHED: u8 = 1;
 pub const TCP_CLOSE_WAIT: u8 = 8;
 pub const TCP_LAST_ACK: u8 = 9;
 pub const TCP_CLOSING: u8 = 11;
@@ -45,7 +44,9 @@ pub fn tcp_info(fd: BorrowedFd<'_>) -> io::Result<TcpInfo> {
     }
     // tcpi_bytes_received ends at offset 136 (Linux 4.1+); older kernels can't splice anyway.
     if (len as usize) < 136 {
-        return Err(io::Error::other("TCP_INFO too short (kernel older than 4.1)"));
+        return Err(io::Error::other(
+            "TCP_INFO too short (kernel older than 4.1)",
+        ));
     }
     Ok(TcpInfo {
         state: info.tcpi_state,

@@ -15,6 +15,7 @@ use std::sync::{Arc, Mutex};
 use aya::maps::{MapData, RingBuf};
 use egress_common::relay::{EVENT_PARKED, RelayEvent};
 use nix::sys::epoll::{Epoll, EpollCreateFlags, EpollEvent, EpollFlags, EpollTimeout};
+use tokio::io::Interest;
 use tokio::io::unix::AsyncFd;
 use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
@@ -82,8 +83,20 @@ impl Watcher {
         let epoll = Arc::new(Epoll::new(EpollCreateFlags::EPOLL_CLOEXEC)?);
         let tunnels: Registry = Arc::default();
         let stop = CancellationToken::new();
-        let ep = AsyncFd::new(EpollFd(epoll.clone()))?;
-        let ring = AsyncFd::new(events)?;
+        #[expect(
+            unsafe_code,
+            reason = "tokio's fd registration requires the caller to vouch for the fd's lifetime"
+        )]
+        // SAFETY: each fd is owned by the value moved into its AsyncFd (the epoll instance, kept
+        // alive by the Arc; the ring buffer map), open for the AsyncFd's whole life, and
+        // `as_raw_fd` always returns that same fd.
+        let (ep, ring) = unsafe {
+            (
+                AsyncFd::register_with_interest(EpollFd(epoll.clone()), Interest::READABLE),
+                AsyncFd::register_with_interest(events, Interest::READABLE),
+            )
+        };
+        let (ep, ring) = (ep.map_err(io::Error::from)?, ring.map_err(io::Error::from)?);
         let (reg, token) = (tunnels.clone(), stop.clone());
         tokio::spawn(async move {
             tokio::select! {
