@@ -163,9 +163,27 @@ const fn str_eq(a: &str, b: &str) -> bool {
     }
     true
 }
-const _: () = assert!(str_eq(egress_common::relay::maps::PEERS, "EGRESS_RELAY_PEERS"));
-const _: () = assert!(str_eq(egress_common::relay::maps::SPLICED, "EGRESS_RELAY_SPLICED"));
-const _: () = assert!(str_eq(egress_common::relay::maps::STATS, "EGRESS_RELAY_STATS"));
-const _: () = assert!(str_eq(egress_common::relay::maps::FLOW, "EGRESS_RELAY_FLOW"));
-const _: () = assert!(str_eq(egress_common::relay::maps::CREDIT, "EGRESS_RELAY_CREDIT"));
-const _: () = assert!(str_eq(egress_common::relay::maps::EVENTS, "EGRESS_RELAY_EVENTS"));
+const _: () = assert!(str_eq(
+    egress_common::relay::maps::PEERS,
+    "EGRESS_RELAY_PEERS"
+));
+const _: () = assert!(str_eq(
+    egress_common::relay::maps::SPLICED,
+    "EGRESS_RELAY_SPLICED"
+));
+const _: () = assert!(str_eq(
+    egress_common::relay::maps::STATS,
+    "EGRESS_RELAY_STATS"
+));
+const _: () = assert!(str_eq(
+    egress_common::relay::maps::FLOW,
+    "EGRESS_RELAY_FLOW"
+));
+const _: () = assert!(str_eq(
+    egress_common::relay::maps::CREDIT,
+    "EGRESS_RELAY_CREDIT"
+));
+const _: () = assert!(str_eq(
+    egress_common::relay::maps::EVENTS,
+    "EGRESS_RELAY_EVENTS"
+));

@@ -1069,7 +1069,14 @@ fn print_table(m: &BTreeMap<(&str, &str), f64>, o: &Opts) {
     }
     // Peers, then ratios (a/b); `agent` splices tunnels in the kernel, `agent-user` is the same
     // agent with `proxy.kernel_relay = "off"`.
-    let cols = ["direct", "agent", "agent-user", "squid", "tinyproxy", "floor"];
+    let cols = [
+        "direct",
+        "agent",
+        "agent-user",
+        "squid",
+        "tinyproxy",
+        "floor",
+    ];
     let ratios = [
         ("agent", "direct"),
         ("agent", "agent-user"),
@@ -1142,9 +1149,17 @@ fn print_table(m: &BTreeMap<(&str, &str), f64>, o: &Opts) {
     let bulk = "bulk MB/s, 1 tunnel";
     println!(
         "kernel relay targets (informational): RTT p50 <= 3x direct: {} ({}x); bulk >= 1x direct: {} ({}x); proxy CPU/tunnel < relay floor: {} (agent {} µs, floor {} µs; host-wide: agent {} µs, agent-user {} µs, direct {} µs); tunnels/s at 64 clients >= 1.5x squid: {} ({}x{})",
-        verdict(get("agent", p50).zip(get("direct", p50)).map(|(a, d)| a <= 3.0 * d)),
+        verdict(
+            get("agent", p50)
+                .zip(get("direct", p50))
+                .map(|(a, d)| a <= 3.0 * d)
+        ),
         ratio("agent", "direct", p50),
-        verdict(get("agent", bulk).zip(get("direct", bulk)).map(|(a, d)| a >= d)),
+        verdict(
+            get("agent", bulk)
+                .zip(get("direct", bulk))
+                .map(|(a, d)| a >= d)
+        ),
         ratio("agent", "direct", bulk),
         verdict(get("agent", cpu).zip(get("floor", cpu)).map(|(a, f)| a < f)),
         cell("agent", cpu),
@@ -1152,9 +1167,17 @@ fn print_table(m: &BTreeMap<(&str, &str), f64>, o: &Opts) {
         cell("agent", HOST_CPU),
         cell("agent-user", HOST_CPU),
         cell("direct", HOST_CPU),
-        verdict(get("agent", rate).zip(get("squid", rate)).map(|(a, s)| a >= 1.5 * s)),
+        verdict(
+            get("agent", rate)
+                .zip(get("squid", rate))
+                .map(|(a, s)| a >= 1.5 * s)
+        ),
         ratio("agent", "squid", rate),
-        if o.cpu_quota.is_some() { "" } else { "; compare with --cpu-quota 50" },
+        if o.cpu_quota.is_some() {
+            ""
+        } else {
+            "; compare with --cpu-quota 50"
+        },
     );
 }
 
