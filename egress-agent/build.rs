@@ -1,7 +1,7 @@
-//! Builds the eBPF object (`egress-ebpf`, binary `egress`) for the BPF target with aya-build on the
-//! nightly toolchain and leaves it in `OUT_DIR/egress`, where `bpf::object` embeds it with
-//! `include_bytes_aligned!`. `AYA_BUILD_SKIP=1` skips it (check/clippy without bpf-linker); the
-//! binary then embeds an empty object and refuses to load.
+//! Builds the eBPF objects (`egress-ebpf`, binaries `egress` and `egress-relay`) for the BPF target
+//! with aya-build on the nightly toolchain and leaves them in `OUT_DIR`, where the loaders embed
+//! them with `include_bytes_aligned!`. `AYA_BUILD_SKIP=1` skips it (check/clippy without
+//! bpf-linker); the binary then embeds empty objects and refuses to load them.
 use anyhow::{Context as _, anyhow};
 use aya_build::{Package, Toolchain};
 
@@ -20,9 +20,12 @@ fn main() -> anyhow::Result<()> {
         .map(|v| v == "1" || v.eq_ignore_ascii_case("true"))
         .unwrap_or(false);
     if skip {
-        // Keep include_bytes_aligned! compiling; the loader rejects an empty object.
-        if !object.exists() {
-            std::fs::write(&object, []).with_context(|| format!("write {}", object.display()))?;
+        // Keep include_bytes_aligned! compiling; the loaders reject an empty object.
+        for object in [object, std::path::Path::new(&out_dir).join("egress-relay")] {
+            if !object.exists() {
+                std::fs::write(&object, [])
+                    .with_context(|| format!("write {}", object.display()))?;
+            }
         }
     }
     aya_build::build_ebpf(

@@ -194,6 +194,7 @@ async fn fixture() -> Fx {
 [proxy]
 header_timeout_ms = 1000
 connect_timeout_ms = 2000
+kernel_relay = "{relay}"
 [dns]
 nameservers = []
 hosts_file = "{hosts}"
@@ -203,6 +204,7 @@ allow_ports = [{t}, {h}, {r}]
 resolve_private = ["127.0.0.1/32"]
 "#,
         hosts = hosts.display(),
+        relay = proxy_support::kernel_relay_mode(),
         t = tls.addr.port(),
         h = http.port(),
         r = raw.addr.port(),

@@ -6,6 +6,8 @@
 //! (network byte order, see each field); ports in the CIDR rules are host order.
 #![no_std]
 
+pub mod relay;
+
 /// Map names: the ELF symbol of each map in `egress-ebpf` and the file name of its pin under
 /// `<bpffs>/maps/`.
 pub mod maps {

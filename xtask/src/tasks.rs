@@ -64,6 +64,16 @@ pub fn run(args: &[String]) -> Result<()> {
     Ok(())
 }
 
+/// The proxy test files run a second time on the kernel relay (`kernel_relay.rs` itself is on
+/// it in the unit phase already).
+const KERNEL_RELAY_TESTS: [&str; 5] = [
+    "proxy_integration",
+    "proxy_metrics",
+    "proxy_no_leaks",
+    "proxy_audit",
+    "transparent",
+];
+
 pub fn test(filter: Option<&str>) -> Result<()> {
     ensure_setup()?;
     eprintln!("== unit tests (all crates but the eBPF object and the privileged suite)");
@@ -101,6 +111,17 @@ pub fn test(filter: Option<&str>) -> Result<()> {
                 "egress-agent cleanup failed ({status}): earlier runs' pins would stay in the tests' way"
             );
         }
+    }
+    if is_root() && filter.is_none() {
+        // The unit phase ran the proxy tests on the user-space relay; again with every
+        // pass-through tunnel spliced in the kernel (`proxy.kernel_relay = "on"`, #15).
+        eprintln!("== proxy tests on the kernel relay (EGRESS_TEST_KERNEL_RELAY=on)");
+        let mut args = vec!["test", "-p", "egress-agent"];
+        for t in KERNEL_RELAY_TESTS {
+            args.extend(["--test", t]);
+        }
+        cargo_with(&args, &[("EGRESS_TEST_KERNEL_RELAY", "on".as_ref()), dev[0]])
+            .context("proxy tests on the kernel relay failed")?;
     }
     let mut args = vec!["test", "-p", "egress-tests", "--"];
     if let Some(f) = filter {

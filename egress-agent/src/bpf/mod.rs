@@ -4,6 +4,7 @@
 //! - [`state`]: the pinned maps (policy entries, CIDR rules, counters, global config).
 //! - [`events`]: the denial ring buffer → `DenialEvent`s.
 //! - [`redirects`]: original destinations and DNS-answer allowances (transparent interception).
+//! - [`relay`]: the in-kernel tunnel relay (sockhash + sk_skb verdict), per proxy process.
 //! - `sys`: the two raw syscalls aya does not wrap (the only `unsafe` in the agent).
 //!
 //! [`enforce_root`] is the entry point for `exec` and the daemon.
@@ -11,6 +12,7 @@ mod error;
 pub mod events;
 pub mod loader;
 pub mod redirects;
+pub mod relay;
 pub mod state;
 #[allow(
     unsafe_code,

@@ -267,7 +267,7 @@ async fn handle(mut req: Request<Incoming>, state: &ConnState) -> Response<Body>
         Err(e) => return request_error(e, state, protocol),
     };
     if req.method() == Method::CONNECT {
-        let mut upstream = match shared.check_and_dial(&target, protocol).await {
+        let upstream = match shared.check_and_dial(&target, protocol).await {
             Ok(s) => s,
             Err(r) => return refusal(r, &shared.name),
         };
@@ -281,7 +281,7 @@ async fn handle(mut req: Request<Incoming>, state: &ConnState) -> Response<Body>
             let Ok(parts) = upgraded.downcast::<TokioIo<Prefixed<TcpStream>>>() else {
                 return;
             };
-            let (rest, mut client) = parts.io.into_inner().into_parts();
+            let (rest, client) = parts.io.into_inner().into_parts();
             // hyper's buffered bytes were read before whatever is left of our prefix.
             let mut pending = parts.read_buf.to_vec();
             pending.extend_from_slice(&rest);
@@ -300,8 +300,8 @@ async fn handle(mut req: Request<Incoming>, state: &ConnState) -> Response<Body>
             // Shutdown: `serve` aborts this task.
             shared
                 .relay(
-                    &mut client,
-                    &mut upstream,
+                    client,
+                    upstream,
                     pending,
                     &target,
                     std::future::pending::<()>(),

@@ -24,6 +24,7 @@ pub mod request;
 pub mod resolve;
 pub mod response;
 pub mod sniff;
+pub mod splice;
 pub mod tls;
 pub mod transparent;
 pub mod tunnel;
@@ -68,6 +69,10 @@ pub enum ProxyError {
     CongestionControl(#[from] listen::CongestionError),
     #[error("TLS interception: {0}")]
     Intercept(#[from] tls::TlsSetupError),
+    #[error(
+        "proxy.kernel_relay = \"on\" but the kernel relay can't be loaded: {0} (set it to \"auto\" to relay in user space instead)"
+    )]
+    KernelRelay(#[source] crate::bpf::relay::RelayError),
 }
 
 /// Timeouts and bounds (from [`ProxyConfig`]).
@@ -122,6 +127,8 @@ pub struct ProxyContext {
     metrics: Option<Arc<Metrics>>,
     /// Transparent interception and DNS ([`ProxyContext::with_interception`]).
     interception: Option<Arc<InterceptHooks>>,
+    /// The in-kernel tunnel relay (`proxy.kernel_relay`), when loaded.
+    kernel_relay: Option<Arc<splice::KernelRelay>>,
 }
 
 impl std::fmt::Debug for ProxyContext {
@@ -130,6 +137,7 @@ impl std::fmt::Debug for ProxyContext {
             .field("limits", &self.inner.limits)
             .field("metrics", &self.metrics.is_some())
             .field("interception", &self.interception.is_some())
+            .field("kernel_relay", &self.kernel_relay.is_some())
             .finish_non_exhaustive()
     }
 }
@@ -154,6 +162,7 @@ impl ProxyContext {
             }
             inner.intercept = Some(settings);
         }
+        ctx.kernel_relay = splice::from_config(&config.proxy)?;
         Ok(ctx)
     }
 
@@ -198,6 +207,7 @@ impl ProxyContext {
             }),
             metrics: None,
             interception: None,
+            kernel_relay: None,
         }
     }
 
@@ -213,6 +223,19 @@ impl ProxyContext {
 
     pub fn interception(&self) -> Option<&Arc<InterceptHooks>> {
         self.interception.as_ref()
+    }
+
+    /// Use `relay` for pass-through tunnels (or none: user space only), replacing what
+    /// `proxy.kernel_relay` chose. Listeners bound from this context (and its clones made
+    /// afterwards) use it.
+    pub fn with_kernel_relay(mut self, relay: Option<Arc<splice::KernelRelay>>) -> ProxyContext {
+        self.kernel_relay = relay;
+        self
+    }
+
+    /// The kernel relay tunnels go through, if any.
+    pub fn kernel_relay(&self) -> Option<&Arc<splice::KernelRelay>> {
+        self.kernel_relay.as_ref()
     }
 
     /// Report to `metrics`: per listener, connections accepted, allowed decisions (`reason =
@@ -301,34 +324,42 @@ impl Shared {
 
     /// Run a CONNECT tunnel whose 200 has been sent: the bytes the client sent after its head
     /// (`early`, e.g. a TLS ClientHello) go to the upstream first and are freed, then both
-    /// directions are relayed until the tunnel ends. Every byte is counted as it goes.
+    /// directions are relayed until the tunnel ends — by the kernel relay ([`splice`]) when the
+    /// context has one and the kernel takes the tunnel, else in user space ([`tunnel`]). Every
+    /// byte is counted.
     pub(crate) async fn relay(
         &self,
-        client: &mut TcpStream,
-        upstream: &mut TcpStream,
+        mut client: TcpStream,
+        mut upstream: TcpStream,
         early: Vec<u8>,
         target: &Target,
         shutdown: impl std::future::Future<Output = ()>,
     ) {
         let early_len = early.len() as u64;
-        if !early.is_empty() && tunnel::write_all(upstream, &early).await.is_err() {
+        if !early.is_empty() && tunnel::write_all(&upstream, &early).await.is_err() {
             return;
         }
         // Not held for the tunnel's lifetime: idle tunnels stay small.
         drop(early);
         self.relayed(early_len, 0);
         let limits = self.ctx.limits();
-        let (up, down, end) = tunnel::run(
-            client,
-            upstream,
-            limits.tunnel_buffer_bytes,
-            limits.idle_timeout,
-            &|dir, n| self.relayed_one(dir, n),
-            shutdown,
-        )
-        .await;
+        let (up, down, end, via) = match self.ctx.kernel_relay() {
+            Some(kr) => splice::relay(kr, self, client, upstream, shutdown).await,
+            None => {
+                let (up, down, end) = tunnel::run(
+                    &mut client,
+                    &mut upstream,
+                    limits.tunnel_buffer_bytes,
+                    limits.idle_timeout,
+                    &|dir, n| self.relayed_one(dir, n),
+                    shutdown,
+                )
+                .await;
+                (up, down, end, splice::VIA_USER)
+            }
+        };
         let up = early_len + up;
-        tracing::debug!(policy = %self.name, %target, up, down, ?end, "tunnel closed");
+        tracing::debug!(policy = %self.name, %target, up, down, ?end, relay = via, "tunnel closed");
     }
 
     /// Policy check + dial, with one event for the request: its denial, or its would-deny (the
@@ -597,7 +628,7 @@ async fn handle_connection(
     };
     match head {
         (len, Request::Connect(target)) => {
-            let mut upstream = match shared.check_and_dial(&target, "connect").await {
+            let upstream = match shared.check_and_dial(&target, "connect").await {
                 Ok(s) => s,
                 Err(Refusal::Denied(reason)) => {
                     refuse(&mut stream, &response::forbidden(reason, &shared.name)).await;
@@ -630,13 +661,7 @@ async fn handle_connection(
                 return;
             }
             shared
-                .relay(
-                    &mut stream,
-                    &mut upstream,
-                    early,
-                    &target,
-                    stop.cancelled_owned(),
-                )
+                .relay(stream, upstream, early, &target, stop.cancelled_owned())
                 .await;
         }
         (_, Request::Http { .. }) => {

@@ -204,7 +204,7 @@ pub(crate) async fn intercepted(
         limits.connect_timeout,
     )
     .await;
-    let mut upstream = match dialed {
+    let upstream = match dialed {
         Ok(d) => {
             let audited =
                 record_would_deny(pending.or(d.would_deny.map(|(reason, ip)| (reason, Some(ip)))));
@@ -235,12 +235,6 @@ pub(crate) async fn intercepted(
     };
     // The bytes read (the whole ClientHello, or the request head) go first, untouched.
     shared
-        .relay(
-            &mut stream,
-            &mut upstream,
-            buf,
-            &target,
-            stop.cancelled_owned(),
-        )
+        .relay(stream, upstream, buf, &target, stop.cancelled_owned())
         .await;
 }

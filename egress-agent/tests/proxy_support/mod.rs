@@ -165,6 +165,18 @@ impl Drop for Harness {
 /// The test policy: allowlist of a few `.test` names on the upstream ports; names may resolve to
 /// the loopback upstreams through `resolve_private` (127.0.0.1/32, through the proxy only). IP
 /// literals stay refused unless `policy_extra` adds an `allow_cidrs` entry.
+/// `proxy.kernel_relay` for the proxy tests: `EGRESS_TEST_KERNEL_RELAY` = `on` (every
+/// pass-through tunnel spliced in the kernel, the proxy refuses to start without it: needs root
+/// and the eBPF object) or `off` (the user-space relay; the default, so an unprivileged run needs
+/// nothing). `cargo xtask test` runs the proxy tests both ways.
+pub fn kernel_relay_mode() -> &'static str {
+    match std::env::var("EGRESS_TEST_KERNEL_RELAY").as_deref() {
+        Ok("on") => "on",
+        Ok("off") | Err(_) => "off",
+        Ok(other) => panic!("EGRESS_TEST_KERNEL_RELAY={other}: expected on or off"),
+    }
+}
+
 pub fn test_config(
     up: &Upstreams,
     hosts_file: &Path,
@@ -175,6 +187,7 @@ pub fn test_config(
         r#"
 [proxy]
 connect_timeout_ms = 2000
+kernel_relay = "{relay}"
 {proxy_extra}
 [dns]
 nameservers = []
@@ -190,6 +203,7 @@ resolve_private = ["127.0.0.1/32"]
 {policy_extra}
 "#,
         hosts = hosts_file.display(),
+        relay = kernel_relay_mode(),
         echo = up.echo.port(),
         http = up.http.port(),
         closed = up.closed.port(),
@@ -209,15 +223,33 @@ pub async fn harness_on(
     policy: &str,
     metrics: Option<Arc<egress_agent::metrics::Metrics>>,
 ) -> Harness {
+    harness_ctx(
+        up,
+        proxy_extra,
+        policy_extra,
+        policy,
+        move |ctx| match metrics {
+            Some(m) => ctx.with_metrics(m),
+            None => ctx,
+        },
+    )
+    .await
+}
+
+/// [`harness_on`] with the proxy context adjusted by `tweak` (e.g. a given kernel relay).
+pub async fn harness_ctx(
+    up: Upstreams,
+    proxy_extra: &str,
+    policy_extra: &str,
+    policy: &str,
+    tweak: impl FnOnce(ProxyContext) -> ProxyContext,
+) -> Harness {
     let dir = temp_dir();
     let hosts = dir.join("hosts");
     std::fs::write(&hosts, HOSTS).unwrap();
     let config = Arc::new(test_config(&up, &hosts, proxy_extra, policy_extra));
     let events = EventSink::new(256);
-    let mut ctx = ProxyContext::new(&config, events.clone()).unwrap();
-    if let Some(m) = metrics {
-        ctx = ctx.with_metrics(m);
-    }
+    let ctx = tweak(ProxyContext::new(&config, events.clone()).unwrap());
     let proxy = PolicyProxy::bind(
         "127.0.0.1:0".parse().unwrap(),
         policy.to_owned(),

@@ -11,7 +11,7 @@
 //! `--intercept` measures TLS interception instead (agent vs squid ssl-bump vs mitmproxy; see the
 //! `intercept` module at the end).
 //!
-//! Usage: `proxy-bench [--quick] [--rounds N] [--idle N] [--peers direct,agent,squid,tinyproxy,floor]
+//! Usage: `proxy-bench [--quick] [--rounds N] [--idle N] [--peers direct,agent,agent-user,squid,tinyproxy,floor]
 //!         [--rate-only | --bulk-only] [--io-buffer BYTES] [--agent-buffer BYTES]
 //!         [--peer-logs off|default] [--cpu-quota PERCENT]
 //!         [--agent PATH (ignored: the agent's proxy runs from this binary)]`
@@ -42,6 +42,8 @@ use tokio::net::{TcpListener, TcpStream};
 const NAME: &str = "bench.test";
 /// Both ends' CPU per tunnel (see [`Rate::ends_cpu_us`]).
 const ENDS_CPU: &str = "client+upstream CPU µs/tunnel, 64 cl.";
+/// Every CPU's busy time per tunnel (see [`host_busy_ticks`]).
+const HOST_CPU: &str = "host CPU µs/tunnel, 64 cl. (all CPUs)";
 
 struct Opts {
     quick: bool,
@@ -91,6 +93,7 @@ fn main() -> Result<()> {
                 vec![
                     "direct".into(),
                     "agent".into(),
+                    "agent-user".into(),
                     "squid".into(),
                     "tinyproxy".into(),
                     "floor".into(),
@@ -416,8 +419,20 @@ async fn wait_listening(addr: SocketAddr, what: &str, child: &mut Child) -> Resu
     bail!("{what} did not listen on {addr}")
 }
 
-async fn start_agent(dir: &Path, up: &Upstreams, o_agent_buffer: Option<usize>) -> Result<Peer> {
-    let cfg = dir.join("agent.toml");
+/// The agent's proxy; `kernel_relay` is `proxy.kernel_relay` ("auto": peer `agent`, tunnels
+/// spliced in the kernel where it can; "off": peer `agent-user`, the user-space relay).
+async fn start_agent(
+    dir: &Path,
+    up: &Upstreams,
+    o_agent_buffer: Option<usize>,
+    kernel_relay: &str,
+) -> Result<Peer> {
+    let name: &'static str = if kernel_relay == "off" {
+        "agent-user"
+    } else {
+        "agent"
+    };
+    let cfg = dir.join(format!("{name}.toml"));
     std::fs::write(
         &cfg,
         format!(
@@ -427,6 +442,7 @@ default_policy = "bench"
 max_connections = 19000
 max_connections_per_listener = 19000
 idle_timeout_ms = 600000
+kernel_relay = "{kernel_relay}"
 [dns]
 nameservers = []
 hosts_file = "{hosts}"
@@ -448,14 +464,15 @@ allow_cidrs = [{{ cidr = "127.0.0.1/32", ports = [{e}, {s}] }}]
         );
         std::fs::write(&cfg, text)?;
     }
-    let out = dir.join("agent.addrs");
+    let out = dir.join(format!("{name}.addrs"));
+    let log = format!("{name}.log");
     let me = std::env::current_exe()?;
     let child = spawn_pinned(
         dir,
         &format!("{} serve {} {}", me.display(), cfg.display(), out.display()),
-        "agent.log",
+        &log,
     )?;
-    started("agent", "agent proxy", child, &out, &dir.join("agent.log")).await
+    started(name, "agent proxy", child, &out, &dir.join(&log)).await
 }
 
 /// Wait for a peer that reports its address as a `bench ADDR` line in `out`.
@@ -661,6 +678,20 @@ fn cpu_ticks(pid: u32) -> Option<u64> {
     Some(f.get(11)?.parse::<u64>().ok()? + f.get(12)?.parse::<u64>().ok()?)
 }
 
+/// Busy ticks of the whole host (every CPU, every process, softirqs and kernel workers included):
+/// the kernel relay's work runs in softirq and kworker context, which no process's
+/// /proc/PID/stat shows.
+fn host_busy_ticks() -> Option<u64> {
+    let stat = std::fs::read_to_string("/proc/stat").ok()?;
+    let line = stat.lines().next()?.strip_prefix("cpu ")?;
+    let f: Vec<u64> = line
+        .split_whitespace()
+        .map(|v| v.parse().unwrap_or(0))
+        .collect();
+    // user nice system idle iowait irq softirq steal (guest* are inside user).
+    Some(f.iter().take(8).sum::<u64>() - f.get(3)? - f.get(4)?)
+}
+
 fn rss_kib(pid: u32) -> Option<u64> {
     let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
     status
@@ -680,6 +711,8 @@ struct Rate {
     /// This process's CPU µs per tunnel: the clients and the upstream, i.e. both ends of the
     /// connections the proxy relays (for `direct`: the TCP work of one client/server pair).
     ends_cpu_us: Option<f64>,
+    /// Every CPU's busy time per tunnel ([`host_busy_ticks`]; other load on the host adds to it).
+    host_cpu_us: Option<f64>,
     errors: u64,
 }
 
@@ -689,6 +722,7 @@ async fn tunnel_rate(peer: &Peer, echo: SocketAddr, clients: usize, secs: f64) -
     let errors = Arc::new(AtomicU64::new(0));
     let cpu0 = peer.pid().and_then(cpu_ticks);
     let ends0 = cpu_ticks(std::process::id());
+    let host0 = host_busy_ticks();
     let start = Instant::now();
     let deadline = start + Duration::from_secs_f64(secs);
     let mut tasks = Vec::new();
@@ -721,6 +755,7 @@ async fn tunnel_rate(peer: &Peer, echo: SocketAddr, clients: usize, secs: f64) -
         per_sec: n as f64 / elapsed,
         proxy_cpu_us: us_per_tunnel(cpu0, peer.pid().and_then(cpu_ticks)),
         ends_cpu_us: us_per_tunnel(ends0, cpu_ticks(std::process::id())),
+        host_cpu_us: us_per_tunnel(host0, host_busy_ticks()),
         errors: errors.load(Ordering::Relaxed),
     }
 }
@@ -839,7 +874,10 @@ async fn run(o: Opts) -> Result<()> {
         });
     }
     if want("agent") {
-        peers.push(start_agent(&dir, &up, o.agent_buffer).await?);
+        peers.push(start_agent(&dir, &up, o.agent_buffer, "auto").await?);
+    }
+    if want("agent-user") {
+        peers.push(start_agent(&dir, &up, o.agent_buffer, "off").await?);
     }
     if want("squid") {
         match start_squid(&dir, &up, o.peer_logs_default).await {
@@ -906,6 +944,9 @@ async fn run(o: Opts) -> Result<()> {
                 if let (64, Some(c)) = (clients, r.ends_cpu_us) {
                     add(&mut s, p.name, ENDS_CPU, c);
                 }
+                if let (64, Some(c)) = (clients, r.host_cpu_us) {
+                    add(&mut s, p.name, HOST_CPU, c);
+                }
                 // Let TIME_WAIT sockets and proxy cleanup settle between runs.
                 tokio::time::sleep(Duration::from_millis(300)).await;
             }
@@ -959,7 +1000,7 @@ async fn run(o: Opts) -> Result<()> {
             "added latency p99 µs"
         };
         if let Some(d) = m.get(&("direct", metric)).copied() {
-            for p in ["agent", "squid", "tinyproxy"] {
+            for p in ["agent", "agent-user", "squid", "tinyproxy"] {
                 if let Some(v) = m.get(&(p, metric)).copied() {
                     m.insert((p, added), (v - d).max(0.0));
                 }
@@ -978,6 +1019,7 @@ fn print_table(m: &BTreeMap<(&str, &str), f64>, o: &Opts) {
         "proxy CPU µs/tunnel, 1 client",
         "proxy CPU µs/tunnel, 64 clients",
         ENDS_CPU,
+        HOST_CPU,
         "bulk MB/s, 1 tunnel",
         "RTT p50 µs",
         "RTT p99 µs",
@@ -1025,46 +1067,47 @@ fn print_table(m: &BTreeMap<(&str, &str), f64>, o: &Opts) {
             "every proxy limited to {pct}% of one CPU (cgroup): tunnels/s compares equal CPU budgets"
         );
     }
-    println!(
-        "| {:<37} | {:>8} | {:>8} | {:>8} | {:>9} | {:>8} | {:>11} | {:>15} | {:>12} | {:>11} |",
-        "metric",
+    // Peers, then ratios (a/b); `agent` splices tunnels in the kernel, `agent-user` is the same
+    // agent with `proxy.kernel_relay = "off"`.
+    let cols = [
         "direct",
         "agent",
+        "agent-user",
         "squid",
         "tinyproxy",
         "floor",
-        "agent/squid",
-        "agent/tinyproxy",
-        "agent/direct",
-        "floor/squid"
-    );
-    println!(
-        "|{}|{}|{}|{}|{}|{}|{}|{}|{}|{}|",
-        "-".repeat(39),
-        "-".repeat(10),
-        "-".repeat(10),
-        "-".repeat(10),
-        "-".repeat(11),
-        "-".repeat(10),
-        "-".repeat(13),
-        "-".repeat(17),
-        "-".repeat(14),
-        "-".repeat(13)
-    );
+    ];
+    let ratios = [
+        ("agent", "direct"),
+        ("agent", "agent-user"),
+        ("agent", "squid"),
+        ("agent", "tinyproxy"),
+        ("agent", "floor"),
+        ("agent-user", "squid"),
+        ("floor", "squid"),
+    ];
+    let mut head = format!("| {:<37} |", "metric");
+    let mut rule = format!("|{}|", "-".repeat(39));
+    for c in cols {
+        head += &format!(" {c:>10} |");
+        rule += &format!("{}|", "-".repeat(12));
+    }
+    for (a, b) in ratios {
+        let r = format!("{a}/{b}");
+        head += &format!(" {r:>16} |");
+        rule += &format!("{}|", "-".repeat(18));
+    }
+    println!("{head}");
+    println!("{rule}");
     for k in metrics {
-        println!(
-            "| {:<37} | {:>8} | {:>8} | {:>8} | {:>9} | {:>8} | {:>11} | {:>15} | {:>12} | {:>11} |",
-            k,
-            cell("direct", k),
-            cell("agent", k),
-            cell("squid", k),
-            cell("tinyproxy", k),
-            cell("floor", k),
-            ratio("agent", "squid", k),
-            ratio("agent", "tinyproxy", k),
-            ratio("agent", "direct", k),
-            ratio("floor", "squid", k)
-        );
+        let mut row = format!("| {k:<37} |");
+        for c in cols {
+            row += &format!(" {:>10} |", cell(c, k));
+        }
+        for (a, b) in ratios {
+            row += &format!(" {:>16} |", ratio(a, b, k));
+        }
+        println!("{row}");
     }
     println!();
     println!(
@@ -1100,6 +1143,41 @@ fn print_table(m: &BTreeMap<(&str, &str), f64>, o: &Opts) {
         ),
         verdict(get("agent", "added latency p99 µs").map(|v| v < 200.0)),
         verdict(get("agent", "RSS KiB/idle tunnel").map(|v| v < 16.0)),
+    );
+    // Issue #15 (tunnels spliced in the kernel).
+    let p50 = "RTT p50 µs";
+    let bulk = "bulk MB/s, 1 tunnel";
+    println!(
+        "kernel relay targets (informational): RTT p50 <= 3x direct: {} ({}x); bulk >= 1x direct: {} ({}x); proxy CPU/tunnel < relay floor: {} (agent {} µs, floor {} µs; host-wide: agent {} µs, agent-user {} µs, direct {} µs); tunnels/s at 64 clients >= 1.5x squid: {} ({}x{})",
+        verdict(
+            get("agent", p50)
+                .zip(get("direct", p50))
+                .map(|(a, d)| a <= 3.0 * d)
+        ),
+        ratio("agent", "direct", p50),
+        verdict(
+            get("agent", bulk)
+                .zip(get("direct", bulk))
+                .map(|(a, d)| a >= d)
+        ),
+        ratio("agent", "direct", bulk),
+        verdict(get("agent", cpu).zip(get("floor", cpu)).map(|(a, f)| a < f)),
+        cell("agent", cpu),
+        cell("floor", cpu),
+        cell("agent", HOST_CPU),
+        cell("agent-user", HOST_CPU),
+        cell("direct", HOST_CPU),
+        verdict(
+            get("agent", rate)
+                .zip(get("squid", rate))
+                .map(|(a, s)| a >= 1.5 * s)
+        ),
+        ratio("agent", "squid", rate),
+        if o.cpu_quota.is_some() {
+            ""
+        } else {
+            "; compare with --cpu-quota 50"
+        },
     );
 }
 

@@ -1,0 +1,454 @@
+//! One spliced tunnel: its two sockets, and the task that keeps the proxy's promises for it while
+//! the kernel moves the bytes — half-closes, idle timeout, byte counts, credit, teardown.
+use std::future::Future;
+use std::io;
+use std::net::Shutdown;
+use std::os::fd::{AsFd, BorrowedFd};
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+use egress_common::relay::{Credit, Flow};
+use tokio::net::TcpStream;
+use tokio::time::Instant;
+
+use super::KernelRelay;
+use super::sys::{self, TcpInfo};
+use super::watch::{PARKED, Signal};
+use crate::proxy::tunnel::{Direction, TunnelEnd};
+
+/// How often a spliced tunnel reports its byte counts when live metrics are wanted (the counts
+/// are also reported at every wake-up and at the end): one timer wake-up and two map lookups
+/// per second per tunnel, so a scrape is at most a second behind the kernel.
+const REPORT_EVERY: Duration = Duration::from_secs(1);
+/// Polling of a drain (a half-close or a hand-back waiting for the peer's send queue to take the
+/// last redirected bytes): from 1 ms, doubling, at most this.
+const MAX_BACKOFF: Duration = Duration::from_millis(100);
+
+/// Bytes written into `fd`'s send queue since it was created (`snd_una` advance + `SIOCOUTQ`),
+/// read so that no ACK lands between the two reads. Up to the constant SYN offset: callers
+/// compare against a base taken the same way.
+pub(crate) fn written(fd: BorrowedFd<'_>) -> io::Result<u64> {
+    for _ in 0..16 {
+        let before = sys::tcp_info(fd)?.bytes_acked;
+        let outq = sys::outq(fd)?;
+        if sys::tcp_info(fd)?.bytes_acked == before {
+            return Ok(before + u64::from(outq));
+        }
+    }
+    Err(io::Error::other("TCP_INFO never settled"))
+}
+
+/// A received FIN: the socket is past ESTABLISHED on its receive side.
+fn fin_received(i: &TcpInfo) -> bool {
+    matches!(
+        i.state,
+        sys::TCP_CLOSE_WAIT
+            | sys::TCP_LAST_ACK
+            | sys::TCP_CLOSING
+            | sys::TCP_TIME_WAIT
+            | sys::TCP_CLOSE
+    )
+}
+
+/// One socket of the tunnel.
+pub(crate) struct Side {
+    sock: std::net::TcpStream,
+    cookie: u64,
+    /// [`written`] at the splice: what user space wrote itself (the 200, early bytes).
+    base: u64,
+    /// The credit as last written to the map (user space is its only writer).
+    credit: Credit,
+    /// `shutdown(Write)` done: the FIN from the other side was passed on.
+    shut: bool,
+}
+
+impl Side {
+    pub(crate) fn new(sock: std::net::TcpStream, cookie: u64, base: u64, credit: Credit) -> Side {
+        Side {
+            sock,
+            cookie,
+            base,
+            credit,
+            shut: false,
+        }
+    }
+
+    fn fd(&self) -> BorrowedFd<'_> {
+        self.sock.as_fd()
+    }
+
+    /// Bytes the kernel relay has written into this socket since the splice.
+    fn written_since(&self) -> io::Result<u64> {
+        Ok(written(self.fd())?.saturating_sub(self.base))
+    }
+}
+
+/// Map entries and watcher registration of a tunnel, removed when this is dropped (also when the
+/// task running the tunnel is aborted). A demoted tunnel keeps it until its user-space relay ends:
+/// a parked socket's bytes wait in its psock, which the entries keep alive.
+pub(crate) struct Release {
+    relay: Arc<KernelRelay>,
+    cookies: [u64; 2],
+    /// Entries were made (and the tunnel counted as active).
+    armed: bool,
+}
+
+impl Drop for Release {
+    fn drop(&mut self) {
+        if !self.armed {
+            return;
+        }
+        if let Some(w) = self.relay.watcher.get().and_then(Option::as_ref) {
+            w.forget(&self.cookies);
+        }
+        self.relay.program.release(&self.cookies);
+        self.relay.counters.active.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+/// How a spliced tunnel ended.
+pub(crate) enum Outcome {
+    /// (bytes client → upstream, bytes upstream → client, why). Sockets and entries are gone.
+    Ended(u64, u64, TunnelEnd),
+    /// Both directions are now relayed by user space: a direction outran its credit (or the
+    /// splice was only half done). Everything the kernel had redirected is in the peers' send
+    /// queues; what arrived since waits, in order, in the sockets' own queues.
+    Demoted {
+        client: TcpStream,
+        upstream: TcpStream,
+        up: u64,
+        down: u64,
+        /// Drop after the user-space relay ends.
+        release: Release,
+    },
+}
+
+/// A spliced tunnel, ready to [`Spliced::run`].
+pub(crate) struct Spliced {
+    c: Side,
+    u: Side,
+    signal: Arc<Signal>,
+    /// Bytes user space wrote to the upstream during the splice (the pre-splice drain).
+    drained: u64,
+    demote_first: bool,
+    release: Release,
+}
+
+impl Spliced {
+    pub(super) fn new(
+        relay: Arc<KernelRelay>,
+        c: Side,
+        u: Side,
+        signal: Arc<Signal>,
+        drained: u64,
+    ) -> Spliced {
+        let cookies = [c.cookie, u.cookie];
+        Spliced {
+            c,
+            u,
+            signal,
+            drained,
+            demote_first: false,
+            release: Release {
+                relay,
+                cookies,
+                armed: true,
+            },
+        }
+    }
+
+    /// The sockets of a tunnel the kernel refused outright (no entry was made).
+    pub(super) fn into_socks(self) -> (std::net::TcpStream, std::net::TcpStream) {
+        let Spliced {
+            c, u, mut release, ..
+        } = self;
+        // Nothing to release, and the tunnel was never counted as active.
+        release.armed = false;
+        (c.sock, u.sock)
+    }
+
+    pub(super) fn demote_at_start(mut self) -> Spliced {
+        self.demote_first = true;
+        self
+    }
+
+    fn relay(&self) -> &KernelRelay {
+        &self.release.relay
+    }
+
+    /// Hand bytes that were queued before the splice to the program (`SO_RCVLOWAT` runs the
+    /// socket's data-ready callback, now the verdict's, when bytes are waiting).
+    pub(super) fn kick(&self) {
+        for s in [&self.c, &self.u] {
+            if let Err(e) = sys::set_rcvlowat(s.fd(), 1) {
+                tracing::debug!(error = %e, "kernel relay: SO_RCVLOWAT kick failed");
+            }
+        }
+    }
+
+    /// Watch both sockets for hang-ups.
+    pub(super) fn watch(&self) -> io::Result<()> {
+        let w = self
+            .relay()
+            .watcher()
+            .ok_or_else(|| io::Error::other("no watcher"))?;
+        w.register(
+            [(self.c.cookie, self.c.fd()), (self.u.cookie, self.u.fd())],
+            &self.signal,
+        )
+    }
+
+    fn flows(&self) -> Option<(Flow, Flow)> {
+        let p = &self.relay().program;
+        Some((p.flow(self.c.cookie)?, p.flow(self.u.cookie)?))
+    }
+
+    /// Relay until the tunnel ends (or is handed back to user space). `relayed` is told the bytes
+    /// as the kernel's counts move (at every wake-up; every [`REPORT_EVERY`] if `live`).
+    pub(crate) async fn run(
+        mut self,
+        idle: Duration,
+        relayed: &(dyn Fn(Direction, u64) + Sync),
+        live: bool,
+        shutdown: impl Future<Output = ()>,
+    ) -> Outcome {
+        let mut shutdown = std::pin::pin!(shutdown);
+        let started = Instant::now();
+        let mut reported = (0u64, 0u64);
+        let report = |reported: &mut (u64, u64), up: u64, down: u64| {
+            if up > reported.0 {
+                relayed(Direction::Upstream, up - reported.0);
+                reported.0 = up;
+            }
+            if down > reported.1 {
+                relayed(Direction::Downstream, down - reported.1);
+                reported.1 = down;
+            }
+        };
+        report(&mut reported, self.drained, 0);
+        let mut backoff = Duration::from_millis(1);
+        let mut next_report = started + REPORT_EVERY;
+        if self.demote_first {
+            return self.demote(idle, relayed, reported, shutdown).await;
+        }
+        loop {
+            let bits = self.signal.take();
+            let end =
+                |_: Spliced, reported: (u64, u64), end| Outcome::Ended(reported.0, reported.1, end);
+            let errs = (self.c.sock.take_error(), self.u.sock.take_error());
+            if !matches!(errs, (Ok(None), Ok(None))) {
+                tracing::debug!(?errs, "kernel relay: socket error");
+                return end(self, reported, TunnelEnd::Error);
+            }
+            let Some((fc, fu)) = self.flows() else {
+                return end(self, reported, TunnelEnd::Error);
+            };
+            report(&mut reported, self.drained + fc.redirected, fu.redirected);
+            if bits & PARKED != 0 || fc.parked != 0 || fu.parked != 0 {
+                return self.demote(idle, relayed, reported, shutdown).await;
+            }
+            let (Ok(ic), Ok(iu)) = (sys::tcp_info(self.c.fd()), sys::tcp_info(self.u.fd())) else {
+                return end(self, reported, TunnelEnd::Error);
+            };
+            let mut pending = false;
+            // Half-closes: a FIN passes on once every byte before it is in the peer's queue.
+            for (from_client, info) in [(true, &ic), (false, &iu)] {
+                let (x, y) = if from_client {
+                    (&self.c, &self.u)
+                } else {
+                    (&self.u, &self.c)
+                };
+                if !fin_received(info) || y.shut {
+                    continue;
+                }
+                match self.drained_into(x, y) {
+                    Ok(true) => {
+                        let y = if from_client {
+                            &mut self.u
+                        } else {
+                            &mut self.c
+                        };
+                        if let Err(e) = y.sock.shutdown(Shutdown::Write)
+                            && e.kind() != io::ErrorKind::NotConnected
+                        {
+                            return end(self, reported, TunnelEnd::Error);
+                        }
+                        y.shut = true;
+                    }
+                    Ok(false) => pending = true,
+                    Err(_) => return end(self, reported, TunnelEnd::Error),
+                }
+            }
+            if self.c.shut && self.u.shut {
+                if let Some((fc, fu)) = self.flows() {
+                    report(&mut reported, self.drained + fc.redirected, fu.redirected);
+                }
+                return end(self, reported, TunnelEnd::Closed);
+            }
+            // Credit: move it up while the peer's send queue keeps up; otherwise look again soon
+            // (at `hard` the program parks the socket and the tunnel goes to user space).
+            for (from_client, flow) in [(true, fc), (false, fu)] {
+                match self.extend_credit(from_client, &flow) {
+                    Ok(true) => {}
+                    Ok(false) => pending = true,
+                    Err(_) => return end(self, reported, TunnelEnd::Error),
+                }
+            }
+            // Idle: no data received on either socket (the kernel's own clocks) for `idle`.
+            let quiet_ms = u64::from(ic.last_data_recv_ms.min(iu.last_data_recv_ms))
+                .min(started.elapsed().as_millis() as u64);
+            let quiet = Duration::from_millis(quiet_ms);
+            if quiet >= idle {
+                return end(self, reported, TunnelEnd::Idle);
+            }
+            let now = Instant::now();
+            let mut deadline = now + (idle - quiet);
+            if pending {
+                deadline = deadline.min(now + backoff);
+                backoff = (backoff * 2).min(MAX_BACKOFF);
+            } else {
+                backoff = Duration::from_millis(1);
+            }
+            if live {
+                if next_report <= now {
+                    next_report = now + REPORT_EVERY;
+                }
+                deadline = deadline.min(next_report);
+            }
+            tokio::select! {
+                () = self.signal.wait() => {}
+                () = tokio::time::sleep_until(deadline) => {}
+                () = &mut shutdown => {
+                    if let Some((fc, fu)) = self.flows() {
+                        report(&mut reported, self.drained + fc.redirected, fu.redirected);
+                    }
+                    return end(self, reported, TunnelEnd::Shutdown);
+                }
+            }
+        }
+    }
+
+    /// Everything `x` received (it has its FIN, so nothing more comes) has gone through the
+    /// program and into `y`'s send queue.
+    fn drained_into(&self, x: &Side, y: &Side) -> io::Result<bool> {
+        // Order matters: the queue first (once it is empty the program has counted every byte),
+        // then the count, then what reached the peer.
+        if sys::inq(x.fd())? != 0 {
+            return Ok(false);
+        }
+        let Some(flow) = self.relay().program.flow(x.cookie) else {
+            return Err(io::Error::other("flow entry gone"));
+        };
+        Ok(y.written_since()? >= flow.redirected)
+    }
+
+    /// Once the socket went past its soft credit: move its hard credit to what its peer's send
+    /// queue has taken plus [`HARD_WINDOWS`] windows (so the bytes redirected but not yet taken,
+    /// which no socket is charged for, never exceed that), and its next notice one window on.
+    /// `Ok(false)`: the peer is more than half of that behind; look again soon.
+    fn extend_credit(&mut self, from_client: bool, flow: &Flow) -> io::Result<bool> {
+        let window = self.relay().window;
+        let (x, y) = if from_client {
+            (&self.c, &self.u)
+        } else {
+            (&self.u, &self.c)
+        };
+        if flow.redirected <= x.credit.soft || y.shut {
+            return Ok(true);
+        }
+        let taken = y.written_since()?;
+        let credit = Credit {
+            soft: flow.redirected + window,
+            hard: taken + super::HARD_WINDOWS * window,
+        };
+        let behind = flow.redirected.saturating_sub(taken) > super::HARD_WINDOWS * window / 2;
+        if credit.hard > x.credit.hard {
+            let cookie = x.cookie;
+            self.relay()
+                .program
+                .set_credit(cookie, credit)
+                .map_err(io::Error::other)?;
+            if from_client {
+                self.c.credit = credit;
+            } else {
+                self.u.credit = credit;
+            }
+        }
+        Ok(!behind)
+    }
+
+    /// Hand the tunnel to user space: park both sockets (credit 0: whatever arrives from now on
+    /// stays in the socket's own, accounted queue, in order), wait until the peers' send queues
+    /// hold every byte the program redirected, then give the sockets back to tokio.
+    async fn demote(
+        self,
+        idle: Duration,
+        relayed: &(dyn Fn(Direction, u64) + Sync),
+        reported: (u64, u64),
+        shutdown: impl Future<Output = ()>,
+    ) -> Outcome {
+        let mut shutdown = std::pin::pin!(shutdown);
+        let relay = self.release.relay.clone();
+        let zero = Credit { soft: 0, hard: 0 };
+        for s in [&self.c, &self.u] {
+            if relay.program.set_credit(s.cookie, zero).is_err() {
+                return Outcome::Ended(reported.0, reported.1, TunnelEnd::Error);
+            }
+        }
+        // A verdict runs under its socket's lock, which TCP_INFO takes too: once these return, a
+        // verdict that read the old credit has finished; every later one parks.
+        for s in [&self.c, &self.u] {
+            if sys::tcp_info(s.fd()).is_err() {
+                return Outcome::Ended(reported.0, reported.1, TunnelEnd::Error);
+            }
+        }
+        let Some((fc, fu)) = self.flows() else {
+            return Outcome::Ended(reported.0, reported.1, TunnelEnd::Error);
+        };
+        let (up, down) = (self.drained + fc.redirected, fu.redirected);
+        relayed(Direction::Upstream, up.saturating_sub(reported.0));
+        relayed(Direction::Downstream, down.saturating_sub(reported.1));
+        let deadline = Instant::now() + idle;
+        let mut backoff = Duration::from_millis(1);
+        loop {
+            if self.c.sock.take_error().ok().flatten().is_some()
+                || self.u.sock.take_error().ok().flatten().is_some()
+            {
+                return Outcome::Ended(up, down, TunnelEnd::Error);
+            }
+            let done = match (self.u.written_since(), self.c.written_since()) {
+                (Ok(wu), Ok(wc)) => wu >= fc.redirected && wc >= fu.redirected,
+                _ => return Outcome::Ended(up, down, TunnelEnd::Error),
+            };
+            if done {
+                break;
+            }
+            if Instant::now() >= deadline {
+                return Outcome::Ended(up, down, TunnelEnd::Idle);
+            }
+            tokio::select! {
+                () = tokio::time::sleep(backoff) => {}
+                () = &mut shutdown => return Outcome::Ended(up, down, TunnelEnd::Shutdown),
+            }
+            backoff = (backoff * 2).min(MAX_BACKOFF);
+        }
+        if let Some(w) = relay.watcher.get().and_then(Option::as_ref) {
+            w.deregister([(self.c.cookie, self.c.fd()), (self.u.cookie, self.u.fd())]);
+        }
+        let Spliced { c, u, release, .. } = self;
+        match (TcpStream::from_std(c.sock), TcpStream::from_std(u.sock)) {
+            (Ok(client), Ok(upstream)) => {
+                relay.counters.demoted.fetch_add(1, Ordering::Relaxed);
+                Outcome::Demoted {
+                    client,
+                    upstream,
+                    up,
+                    down,
+                    release,
+                }
+            }
+            _ => Outcome::Ended(up, down, TunnelEnd::Error),
+        }
+    }
+}
