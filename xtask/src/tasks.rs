@@ -120,8 +120,11 @@ pub fn test(filter: Option<&str>) -> Result<()> {
         for t in KERNEL_RELAY_TESTS {
             args.extend(["--test", t]);
         }
-        cargo_with(&args, &[("EGRESS_TEST_KERNEL_RELAY", "on".as_ref()), dev[0]])
-            .context("proxy tests on the kernel relay failed")?;
+        cargo_with(
+            &args,
+            &[("EGRESS_TEST_KERNEL_RELAY", "on".as_ref()), dev[0]],
+        )
+        .context("proxy tests on the kernel relay failed")?;
     }
     let mut args = vec!["test", "-p", "egress-tests", "--"];
     if let Some(f) = filter {

@@ -292,12 +292,7 @@ fn start_floor(dir: &Path, name: &'static str) -> Result<Server> {
     Ok(Server { peer, addr })
 }
 
-fn start_agent(
-    dir: &Path,
-    upstream: SocketAddr,
-    exe: &Path,
-    name: &'static str,
-) -> Result<Server> {
+fn start_agent(dir: &Path, upstream: SocketAddr, exe: &Path, name: &'static str) -> Result<Server> {
     let cfg = dir.join(format!("{name}.toml"));
     let hosts = dir.join("hosts");
     std::fs::write(&hosts, "")?;
