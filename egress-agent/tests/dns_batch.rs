@@ -209,10 +209,16 @@ async fn replies(s: &UdpSocket, n: usize) -> HashMap<u16, (ResponseCode, usize)>
     got
 }
 
-/// The value of one `dns_answers_total` / `dns_dropped_total` series.
+/// The value of one `dns_*_total` series of policy `test`; `label` is its other label
+/// (`outcome="allowed"`), or empty for a series with the policy label alone.
 fn metric(m: &Metrics, name: &str, label: &str) -> u64 {
     let text = m.encode().unwrap();
-    let key = format!("egress_agent_{name}_total{{policy=\"test\",{label}}} ");
+    let labels = if label.is_empty() {
+        String::new()
+    } else {
+        format!(",{label}")
+    };
+    let key = format!("egress_agent_{name}_total{{policy=\"test\"{labels}}} ");
     text.lines()
         .find_map(|l| l.strip_prefix(&key))
         .unwrap_or_else(|| panic!("no {key} in\n{text}"))
@@ -504,7 +510,7 @@ async fn tcp_connections_beyond_the_bound_are_refused_and_counted() {
     let mut b = [0u8; 2];
     let r = tokio::time::timeout(T, extra.read(&mut b)).await.unwrap();
     assert!(matches!(r, Ok(0) | Err(_)), "{r:?}");
-    assert_eq!(metric_plain(&f.metrics, "dns_tcp_refused"), 1);
+    assert_eq!(metric(&f.metrics, "dns_tcp_refused", ""), 1);
     // Closing one frees a slot.
     drop(open.remove(0));
     let mut again = None;
@@ -518,15 +524,4 @@ async fn tcp_connections_beyond_the_bound_are_refused_and_counted() {
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     assert!(again.is_some(), "a slot came free");
-}
-
-fn metric_plain(m: &Metrics, name: &str) -> u64 {
-    let text = m.encode().unwrap();
-    let key = format!("egress_agent_{name}_total{{policy=\"test\"}} ");
-    text.lines()
-        .find_map(|l| l.strip_prefix(&key))
-        .unwrap_or_else(|| panic!("no {key} in\n{text}"))
-        .trim()
-        .parse()
-        .unwrap()
 }

@@ -757,6 +757,20 @@ nameservers = []
         )
     }
 
+    /// Wait (10 s) until the agent logged `host layer enforced` for container `name`: its
+    /// nftables rules are in place (before that, on hosts without BPF-LSM, the L2 guard drops
+    /// its frames).
+    pub fn wait_host_layer(&self, name: &str) -> bool {
+        let needle = format!("\"name\":\"{name}\"");
+        self.wait_log(
+            |l| {
+                l.lines()
+                    .any(|x| x.contains("host layer enforced") && x.contains(&needle))
+            },
+            Duration::from_secs(10),
+        )
+    }
+
     /// Ports of the proxy listeners on the proxy address.
     /// TCP sockets the agent listens on per opted-in allowlist container: the explicit proxy
     /// listener, the transparent listener and DNS over TCP ([`Env::listener_ports`] counts all).

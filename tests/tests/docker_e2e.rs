@@ -688,12 +688,7 @@ fn host_network_privileged_published_ports() {
     );
     assert!(env.wait_enforced("rawer", 2));
     assert!(
-        env.wait_log(
-            |l| l
-                .lines()
-                .any(|x| x.contains("host layer enforced") && x.contains("\"name\":\"rawer\"")),
-            Duration::from_secs(10)
-        ),
+        env.wait_host_layer("rawer"),
         "host layer never enforced for rawer"
     );
     let out = env.exec_out("rawer", &script);
@@ -850,12 +845,7 @@ allow_cidrs = ["198.18.0.1/32"]
     );
     assert!(env.wait_enforced("tp-1", 2));
     assert!(
-        env.wait_log(
-            |l| l
-                .lines()
-                .any(|x| x.contains("host layer enforced") && x.contains("\"name\":\"tp-1\"")),
-            Duration::from_secs(10)
-        ),
+        env.wait_host_layer("tp-1"),
         "host layer never enforced for tp-1"
     );
     let o = env.d.docker(&[
@@ -1138,11 +1128,7 @@ allow_cidrs = ["198.18.0.1/32"]
     }
     for name in ["ds-1", "ds-2"] {
         assert!(
-            env.wait_log(
-                |l| l.lines().any(|x| x.contains("host layer enforced")
-                    && x.contains(&format!("\"name\":\"{name}\""))),
-                Duration::from_secs(10)
-            ),
+            env.wait_host_layer(name),
             "host layer never enforced for {name}"
         );
     }
