@@ -8,6 +8,23 @@
 
 pub mod relay;
 
+/// `a == b` in a `const` context: the eBPF objects assert at compile time that the literal
+/// names of their maps (`export_name`) are the constants the loader opens.
+pub const fn str_eq(a: &str, b: &str) -> bool {
+    let (a, b) = (a.as_bytes(), b.as_bytes());
+    if a.len() != b.len() {
+        return false;
+    }
+    let mut i = 0;
+    while i < a.len() {
+        if a[i] != b[i] {
+            return false;
+        }
+        i += 1;
+    }
+    true
+}
+
 /// Map names: the ELF symbol of each map in `egress-ebpf` and the file name of its pin under
 /// `<bpffs>/maps/`.
 pub mod maps {

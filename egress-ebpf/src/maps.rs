@@ -81,20 +81,7 @@ impl<T> PinnedSkStorage<T> {
 pub(crate) static SOCK_OWNER: PinnedSkStorage<SockOwner> = PinnedSkStorage::new();
 
 // The literal map names above must match the shared constants the loader opens.
-const fn str_eq(a: &str, b: &str) -> bool {
-    let (a, b) = (a.as_bytes(), b.as_bytes());
-    if a.len() != b.len() {
-        return false;
-    }
-    let mut i = 0;
-    while i < a.len() {
-        if a[i] != b[i] {
-            return false;
-        }
-        i += 1;
-    }
-    true
-}
+use egress_common::str_eq;
 const _: () = assert!(str_eq(egress_common::maps::POLICIES, "EGRESS_POLICIES"));
 const _: () = assert!(str_eq(egress_common::maps::CIDR4, "EGRESS_CIDR4"));
 const _: () = assert!(str_eq(egress_common::maps::CIDR6, "EGRESS_CIDR6"));

@@ -149,20 +149,7 @@ fn panic(_info: &core::panic::PanicInfo) -> ! {
 static LICENSE: [u8; 13] = *b"Dual MIT/GPL\0";
 
 // The literal map names above must match the shared constants the loader opens.
-const fn str_eq(a: &str, b: &str) -> bool {
-    let (a, b) = (a.as_bytes(), b.as_bytes());
-    if a.len() != b.len() {
-        return false;
-    }
-    let mut i = 0;
-    while i < a.len() {
-        if a[i] != b[i] {
-            return false;
-        }
-        i += 1;
-    }
-    true
-}
+use egress_common::str_eq;
 const _: () = assert!(str_eq(
     egress_common::relay::maps::PEERS,
     "EGRESS_RELAY_PEERS"

@@ -133,6 +133,22 @@ impl OriginalDst for KernelRedirects {
     }
 }
 
+/// Delete the keys of `map` that `doomed` picks; returns how many went.
+fn remove_where<K: aya::Pod>(
+    map: &Mutex<HashMap<MapData, K, u64>>,
+    doomed: impl Fn(&K) -> bool,
+) -> usize {
+    let Ok(mut m) = map.lock() else {
+        return 0;
+    };
+    let keys: Vec<K> = m
+        .keys()
+        .filter_map(Result::ok)
+        .filter(|k| doomed(k))
+        .collect();
+    keys.iter().filter(|k| m.remove(k).is_ok()).count()
+}
+
 /// CLOCK_MONOTONIC in ns (`bpf_ktime_get_ns`'s clock) + `ttl`.
 fn kernel_deadline(ttl: std::time::Duration) -> Option<u64> {
     let now = clock_gettime(ClockId::CLOCK_MONOTONIC).ok()?;
@@ -193,24 +209,8 @@ impl KernelRedirects {
     /// Delete every direct allowance of cgroup `entry_id` (both families). Returns how many
     /// went. Walks the maps: for reloads, not for every answer.
     pub fn forget_direct(&self, entry_id: u64) -> usize {
-        let mut removed = 0;
-        if let Ok(mut m) = self.direct4.lock() {
-            let keys: Vec<Direct4Key> = m
-                .keys()
-                .filter_map(Result::ok)
-                .filter(|k| k.entry_id == entry_id)
-                .collect();
-            removed += keys.iter().filter(|k| m.remove(k).is_ok()).count();
-        }
-        if let Ok(mut m) = self.direct6.lock() {
-            let keys: Vec<Direct6Key> = m
-                .keys()
-                .filter_map(Result::ok)
-                .filter(|k| k.entry_id == entry_id)
-                .collect();
-            removed += keys.iter().filter(|k| m.remove(k).is_ok()).count();
-        }
-        removed
+        remove_where(&self.direct4, |k| k.entry_id == entry_id)
+            + remove_where(&self.direct6, |k| k.entry_id == entry_id)
     }
 }
 

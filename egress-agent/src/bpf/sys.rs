@@ -9,14 +9,25 @@ use std::os::fd::{AsFd, AsRawFd};
 pub fn current_netns_cookie() -> io::Result<u64> {
     let sock = std::net::UdpSocket::bind("127.0.0.1:0")
         .or_else(|_| std::net::UdpSocket::bind("[::1]:0"))?;
+    cookie_sockopt(sock.as_fd(), libc::SO_NETNS_COOKIE, "SO_NETNS_COOKIE")
+}
+
+/// `getsockopt(SOL_SOCKET, opt)` of a u64 cookie option (`SO_COOKIE`, `SO_NETNS_COOKIE`): an
+/// error unless the kernel wrote a whole non-zero u64. `name` names `opt` in the error.
+pub fn cookie_sockopt(
+    fd: std::os::fd::BorrowedFd<'_>,
+    opt: libc::c_int,
+    name: &str,
+) -> io::Result<u64> {
     let mut cookie: u64 = 0;
     let mut len = std::mem::size_of::<u64>() as libc::socklen_t;
-    // SAFETY: valid socket fd, `cookie` is a u64 and `len` its size, as SO_NETNS_COOKIE expects.
+    // SAFETY: valid socket fd, `cookie` is a u64 and `len` its size, as the cookie options
+    // expect.
     let rc = unsafe {
         libc::getsockopt(
-            sock.as_raw_fd(),
+            fd.as_raw_fd(),
             libc::SOL_SOCKET,
-            libc::SO_NETNS_COOKIE,
+            opt,
             (&raw mut cookie).cast(),
             &raw mut len,
         )
@@ -25,7 +36,7 @@ pub fn current_netns_cookie() -> io::Result<u64> {
         return Err(io::Error::last_os_error());
     }
     if len as usize != std::mem::size_of::<u64>() || cookie == 0 {
-        return Err(io::Error::other("SO_NETNS_COOKIE returned no cookie"));
+        return Err(io::Error::other(format!("{name} returned no cookie")));
     }
     Ok(cookie)
 }

@@ -15,7 +15,6 @@
 //! longer carries must not stay open until its TTL.
 use std::net::{IpAddr, Ipv4Addr};
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
 
 use crate::bpf::redirects::KernelRedirects;
 use crate::dns::{Answer, AnswerSink};
@@ -26,27 +25,16 @@ pub struct DirectPorts {
     kernel: Arc<KernelRedirects>,
     /// The host layer's sets; `None` without the host layer (`--no-nft`).
     host: Option<Arc<DirectSets>>,
-    /// Answers whose addresses could not be opened (host layer or kernel map).
-    failed: AtomicU64,
 }
 
 impl DirectPorts {
     pub fn new(kernel: Arc<KernelRedirects>, host: Option<Arc<DirectSets>>) -> DirectPorts {
-        DirectPorts {
-            kernel,
-            host,
-            failed: AtomicU64::new(0),
-        }
+        DirectPorts { kernel, host }
     }
 
     /// The host layer's sets (a fresh, unused one without the host layer).
     pub fn host_sets(&self) -> Arc<DirectSets> {
         self.host.clone().unwrap_or_default()
-    }
-
-    /// Answers whose direct addresses could not be opened so far.
-    pub fn failures(&self) -> u64 {
-        self.failed.load(Ordering::Relaxed)
     }
 
     /// Take back every direct allowance of `container` (cgroup `entry_id`): kernel entries at
@@ -85,7 +73,6 @@ impl AnswerSink for DirectPorts {
                 answer.ttl,
             ) > 0
             {
-                self.failed.fetch_add(1, Ordering::Relaxed);
                 tracing::warn!(container = %container.id, name = %answer.name,
                     "writing direct allowances to the kernel failed; connections to them are refused");
             }
@@ -107,7 +94,6 @@ impl AnswerSink for DirectPorts {
         let addrs: Vec<IpAddr> = v4.iter().copied().map(IpAddr::V4).collect();
         for port in answer.direct_ports {
             if let Err(e) = host.allow(&container.id, *port, &v4, answer.ttl) {
-                self.failed.fetch_add(1, Ordering::Relaxed);
                 tracing::warn!(container = %container.id, name = %answer.name, port, error = %e,
                     "direct port not opened; connections to it are refused");
                 continue;
@@ -117,7 +103,6 @@ impl AnswerSink for DirectPorts {
                 .allow_direct(entry_id, &addrs, &[*port], answer.ttl)
                 > 0
             {
-                self.failed.fetch_add(1, Ordering::Relaxed);
                 tracing::warn!(container = %container.id, name = %answer.name, port,
                     "writing direct allowances to the kernel failed; connections to them are refused");
             }

@@ -166,7 +166,7 @@ impl DirectSets {
         self.lock().sets.retain(|(c, _), _| c != container);
     }
 
-    /// The addresses `container` may reach directly on `port` now (for `status` and tests).
+    /// The addresses `container` may reach directly on `port` now (tests).
     pub fn addresses(&self, container: &str, port: u16) -> Vec<Ipv4Addr> {
         let now = Instant::now();
         self.lock()

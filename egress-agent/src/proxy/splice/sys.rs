@@ -1,6 +1,6 @@
 //! The socket calls the spliced relay needs that neither std, tokio, socket2 nor nix wrap:
-//! `TCP_INFO`, `SO_COOKIE`, the `SIOCINQ`/`SIOCOUTQ` queue sizes and `SO_RCVLOWAT`. The only
-//! `unsafe` of the relay, each call checked.
+//! `TCP_INFO`, the `SIOCINQ`/`SIOCOUTQ` queue sizes and `SO_RCVLOWAT` (`SO_COOKIE` goes through
+//! `bpf::sys::cookie_sockopt`). The only `unsafe` of the relay, each call checked.
 use std::io;
 use std::os::fd::{AsRawFd, BorrowedFd};
 
@@ -58,25 +58,7 @@ pub fn tcp_info(fd: BorrowedFd<'_>) -> io::Result<TcpInfo> {
 
 /// `getsockopt(SO_COOKIE)`: the socket's cookie, what `bpf_get_socket_cookie` returns for it.
 pub fn socket_cookie(fd: BorrowedFd<'_>) -> io::Result<u64> {
-    let mut cookie: u64 = 0;
-    let mut len = std::mem::size_of::<u64>() as libc::socklen_t;
-    // SAFETY: valid fd, `cookie` is a u64 and `len` its size, as SO_COOKIE expects.
-    let rc = unsafe {
-        libc::getsockopt(
-            fd.as_raw_fd(),
-            libc::SOL_SOCKET,
-            libc::SO_COOKIE,
-            (&raw mut cookie).cast(),
-            &raw mut len,
-        )
-    };
-    if rc != 0 {
-        return Err(io::Error::last_os_error());
-    }
-    if len as usize != std::mem::size_of::<u64>() || cookie == 0 {
-        return Err(io::Error::other("SO_COOKIE returned no cookie"));
-    }
-    Ok(cookie)
+    crate::bpf::sys::cookie_sockopt(fd, libc::SO_COOKIE, "SO_COOKIE")
 }
 
 fn ioctl_int(fd: BorrowedFd<'_>, req: libc::Ioctl) -> io::Result<u32> {
