@@ -177,24 +177,27 @@ pub struct ProxyConfig {
     /// available (`/proc/sys/net/ipv4/tcp_available_congestion_control`) or the proxy won't start.
     /// Upstream sockets always use the host default.
     pub client_congestion_control: Option<String>,
-    /// Relay allowed pass-through tunnels (CONNECT, transparent) in the kernel — both sockets in
-    /// a sockhash with an `sk_skb` verdict program, so bytes no longer cross user space —
-    /// instead of copying them in the proxy. `"auto"`: where the kernel supports it, else in
-    /// user space (logged once); `"on"`: the proxy refuses to start without it; `"off"`: always
-    /// in user space. TLS-intercepted tunnels always stay in user space. Default `"off"`: a
-    /// spliced tunnel's first exchange stalls ~3–4 ms and bulk is slower than in user space on
-    /// the kernels measured (README, "Kernel relay"); splice where round-trip latency of
-    /// long-lived, chatty tunnels matters.
+    /// Relay allowed pass-through tunnels (CONNECT, transparent) in the kernel once they prove
+    /// long-lived — both sockets in a sockhash with an `sk_skb` verdict program, so bytes no
+    /// longer cross user space — instead of copying them in the proxy. `"auto"` (default):
+    /// where the kernel supports it, else in user space (logged once); `"on"`: the proxy refuses
+    /// to start without it; `"off"`: always in user space. TLS-intercepted tunnels always stay
+    /// in user space.
     pub kernel_relay: KernelRelayMode,
+    /// Reads with data (both directions together) a pass-through tunnel makes in user space
+    /// before the kernel relay takes it; `0` splices every tunnel at once. Splicing costs the
+    /// proxy more than a one-request tunnel's few reads (README, "Kernel relay"), so short
+    /// tunnels stay in user space. Default 16.
+    pub kernel_relay_after_reads: u64,
 }
 
 /// `proxy.kernel_relay`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum KernelRelayMode {
+    #[default]
     Auto,
     On,
-    #[default]
     Off,
 }
 
@@ -213,7 +216,8 @@ impl Default for ProxyConfig {
             max_connections_per_listener: None,
             tunnel_buffer_bytes: 256 * 1024,
             client_congestion_control: None,
-            kernel_relay: KernelRelayMode::Off,
+            kernel_relay: KernelRelayMode::Auto,
+            kernel_relay_after_reads: 16,
         }
     }
 }
@@ -1032,7 +1036,8 @@ transparent = false
 
     #[test]
     fn kernel_relay_modes() {
-        assert_eq!(ProxyConfig::default().kernel_relay, KernelRelayMode::Off);
+        assert_eq!(ProxyConfig::default().kernel_relay, KernelRelayMode::Auto);
+        assert_eq!(ProxyConfig::default().kernel_relay_after_reads, 16);
         for (text, mode) in [
             ("auto", KernelRelayMode::Auto),
             ("on", KernelRelayMode::On),
@@ -1043,6 +1048,13 @@ transparent = false
         }
         let e = err("[proxy]\nkernel_relay = \"yes\"\n");
         assert!(e.contains(":2:") && e.contains("kernel_relay"), "{e}");
+        let c = parse("[proxy]\nkernel_relay_after_reads = 0\n").unwrap();
+        assert_eq!(c.proxy.kernel_relay_after_reads, 0);
+        let e = err("[proxy]\nkernel_relay_after_reads = -1\n");
+        assert!(
+            e.contains(":2:") && e.contains("kernel_relay_after_reads"),
+            "{e}"
+        );
     }
 
     #[test]

@@ -16,13 +16,20 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::mpsc;
 
-/// A kernel relay with room for `tunnels`, or `None` (skip) when not root.
+/// A kernel relay with room for `tunnels` that splices every tunnel at once, or `None` (skip)
+/// when not root.
 fn relay_or_skip(tunnels: u32) -> Option<Arc<KernelRelay>> {
+    relay_after_or_skip(tunnels, 0)
+}
+
+/// [`relay_or_skip`] that splices a tunnel after `reads` reads with data in user space.
+fn relay_after_or_skip(tunnels: u32, reads: u64) -> Option<Arc<KernelRelay>> {
     if !nix::unistd::geteuid().is_root() {
         eprintln!("skipping: the kernel relay needs root (BPF_PROG_TYPE_SK_SKB, sockhash)");
         return None;
     }
-    Some(KernelRelay::load(tunnels, 256 * 1024).expect("root, but the kernel relay doesn't load"))
+    let relay = KernelRelay::load(tunnels, 256 * 1024, reads);
+    Some(relay.expect("root, but the kernel relay doesn't load"))
 }
 
 /// What one upstream connection received before its EOF.
@@ -359,4 +366,98 @@ async fn a_stalled_upstream_hands_the_tunnel_back_to_user_space_without_losing_b
     no_entries_left(&relay).await;
     let st = relay.stats();
     assert_eq!(st.demoted, 1, "{st:?}");
+}
+
+/// One 1-byte echo through `s`.
+async fn ping(s: &mut TcpStream, byte: u8) {
+    s.write_all(&[byte]).await.unwrap();
+    let mut b = [0u8; 1];
+    tokio::time::timeout(T, s.read_exact(&mut b))
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(b[0], byte);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_short_tunnel_stays_in_user_space_and_a_long_lived_one_is_spliced_mid_stream() {
+    let Some(relay) = relay_after_or_skip(4, 16) else {
+        return;
+    };
+    let echo = proxy_support::echo_server().await;
+    let h = harness(echo, echo, &relay, "").await;
+    // A one-request tunnel: 2 reads, never spliced, never attempted.
+    let (mut short, _) = tunnel(h.addr, echo.port(), b"").await;
+    ping(&mut short, b'a').await;
+    drop(short);
+    // A chatty one: 3 exchanges (6 reads) still in user space ...
+    let (s, _) = tunnel(h.addr, echo.port(), b"").await;
+    let mut s = s;
+    for i in 0..3 {
+        ping(&mut s, b'0' + i).await;
+    }
+    let st = relay.stats();
+    assert_eq!((st.spliced, st.fallbacks, st.active), (0, 0, 0), "{st:?}");
+    // ... then a stream both ways at once (echoed while it is still being written): the hand-over
+    // happens with bytes in flight in both directions, and every byte comes back once, in order.
+    let body = pattern(11, 8 << 20);
+    let (mut r, mut w) = s.into_split();
+    let sent = body.clone();
+    let writer = tokio::spawn(async move {
+        for chunk in sent.chunks(1500) {
+            w.write_all(chunk).await.unwrap();
+        }
+        w
+    });
+    let mut got = vec![0u8; body.len()];
+    tokio::time::timeout(T * 4, r.read_exact(&mut got))
+        .await
+        .unwrap()
+        .unwrap();
+    assert!(
+        got == body,
+        "echoed bytes altered, lost, duplicated or out of order"
+    );
+    let st = relay.stats();
+    assert_eq!((st.spliced, st.active, st.fallbacks), (1, 1, 0), "{st:?}");
+    assert!(st.program.redirected_bytes > 0, "{st:?}");
+    // Spliced now: a ping still goes through, and closing frees everything.
+    let mut s = r.reunite(writer.await.unwrap()).unwrap();
+    ping(&mut s, b'z').await;
+    s.shutdown().await.unwrap();
+    let mut rest = Vec::new();
+    tokio::time::timeout(T, s.read_to_end(&mut rest))
+        .await
+        .unwrap()
+        .unwrap();
+    assert!(rest.is_empty());
+    no_entries_left(&relay).await;
+    let st = relay.stats();
+    assert_eq!((st.spliced, st.fallbacks, st.demoted), (1, 0, 0), "{st:?}");
+    assert_eq!(st.program.dropped_bytes, 0, "{st:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_half_closed_tunnel_is_not_spliced_and_delivers_everything() {
+    let Some(relay) = relay_after_or_skip(4, 4) else {
+        return;
+    };
+    // The client sends its request and its FIN; the upstream then answers with many reads' worth
+    // of bytes: the read count passes the threshold after one direction has ended, so the tunnel
+    // finishes in user space.
+    let reply: &'static [u8] = Box::leak(pattern(5, 6 << 20).into_boxed_slice());
+    let (a, mut rec) = recorder(reply).await;
+    let h = harness(a, a, &relay, "").await;
+    let (mut s, _) = tunnel(h.addr, a.port(), b"request").await;
+    s.shutdown().await.unwrap();
+    let got = tokio::time::timeout(T, rec.recv()).await.unwrap().unwrap();
+    assert_eq!(got.bytes, b"request");
+    let mut answer = Vec::new();
+    tokio::time::timeout(T * 4, s.read_to_end(&mut answer))
+        .await
+        .unwrap()
+        .unwrap();
+    assert!(answer == reply, "reply altered, lost or out of order");
+    let st = relay.stats();
+    assert_eq!((st.spliced, st.fallbacks, st.active), (0, 0, 0), "{st:?}");
 }

@@ -65,6 +65,11 @@ struct Setup {
 /// The test policy's listener with metrics attached (and denial events counted as the daemon
 /// does), its `http` upstream being the raw server.
 async fn setup() -> Setup {
+    setup_with("").await
+}
+
+/// [`setup`] with more `[proxy]` settings.
+async fn setup_with(proxy_extra: &str) -> Setup {
     let (raw, raw_received) = raw_http_server().await;
     let up = Upstreams {
         echo: echo_server().await,
@@ -77,7 +82,7 @@ async fn setup() -> Setup {
     let metrics = Arc::new(Metrics::new());
     let h = harness_on(
         up,
-        "header_timeout_ms = 2000",
+        &format!("header_timeout_ms = 2000\n{proxy_extra}"),
         "",
         "test",
         Some(metrics.clone()),
@@ -267,4 +272,47 @@ async fn open_tunnel_bytes_are_counted_while_it_runs() {
     // Still open: the tunnel keeps relaying after the scrape.
     s.write_all(b"still open").await.unwrap();
     assert_eq!(read_exactly(&mut s, Vec::new(), 10).await, b"still open");
+}
+
+/// A tunnel that starts in user space and is spliced mid-way (on the kernel relay pass,
+/// `EGRESS_TEST_KERNEL_RELAY=on`; in user space throughout otherwise) counts every byte once:
+/// those relayed before the hand-over, those of the drain, and the kernel's.
+#[tokio::test]
+async fn tunnel_bytes_are_counted_once_across_the_hand_over_to_the_kernel() {
+    let Setup { h, metrics, .. } = setup_with("kernel_relay_after_reads = 6").await;
+    let a = format!("allowed.test:{}", h.up.echo.port());
+    let (r, mut s) = connect(h.addr, &a).await;
+    assert_eq!(r.status, 200);
+    let mut sent = 0;
+    for i in 0..8u8 {
+        let msg = [b'a' + i; 100];
+        s.write_all(&msg).await.unwrap();
+        assert_eq!(read_exactly(&mut s, Vec::new(), msg.len()).await, msg);
+        sent += msg.len();
+    }
+    let payload = vec![0x42u8; 3 << 20];
+    let (mut r, mut w) = s.into_split();
+    let p = payload.clone();
+    let writer = tokio::spawn(async move {
+        w.write_all(&p).await.unwrap();
+        w
+    });
+    let mut echoed = vec![0u8; payload.len()];
+    tokio::time::timeout(T, r.read_exact(&mut echoed))
+        .await
+        .unwrap()
+        .unwrap();
+    assert!(echoed == payload);
+    sent += payload.len();
+    let mut s = r.reunite(writer.await.unwrap()).unwrap();
+    s.shutdown().await.unwrap();
+    assert_closed(&mut s, T).await;
+    let want = [bytes_line("upstream", sent), bytes_line("downstream", sent)];
+    let text = scrape_until(&metrics, &want).await;
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    assert_eq!(
+        metrics.encode().unwrap(),
+        text,
+        "counted again after the end"
+    );
 }

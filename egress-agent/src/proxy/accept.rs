@@ -21,7 +21,7 @@ pub(crate) async fn accept_loop<F, Fut>(
     stop_rx: CancellationToken,
     handle: F,
 ) where
-    F: Fn(TcpStream, SocketAddr, Arc<Shared>, CancellationToken) -> Fut,
+    F: Fn(TcpStream, SocketAddr, Arc<Shared>, CancellationToken) -> Fut + Clone + Send + 'static,
     Fut: Future<Output = ()> + Send + 'static,
 {
     let conns = shared.ctx.inner.conns.clone();
@@ -49,10 +49,13 @@ pub(crate) async fn accept_loop<F, Fut>(
                     c.connection();
                 }
                 let span = tracing::debug_span!("conn", policy = %shared.name, %peer);
-                let task = handle(stream, peer, shared.clone(), stop_rx.clone());
+                let (handle, shared, stop) = (handle.clone(), shared.clone(), stop_rx.clone());
+                // The connection's future is made inside the task's: awaiting one made outside
+                // would keep it twice in the task (as the captured value and as the awaited
+                // state), doubling every connection's memory.
                 tokio::spawn(
                     async move {
-                        task.await;
+                        handle(stream, peer, shared, stop).await;
                         drop(permits);
                     }
                     .instrument(span),

@@ -287,13 +287,14 @@ async fn handle(mut req: Request<Incoming>, state: &ConnState) -> Response<Body>
             pending.extend_from_slice(&rest);
             if super::intercept::intercepts(&shared, &target) {
                 let client = Prefixed::new(pending, client);
-                super::intercept::serve(
+                // Boxed, as in `handle_connection`: the tunnel task stays small.
+                Box::pin(super::intercept::serve(
                     client,
                     upstream,
                     target,
                     shared.clone(),
                     std::future::pending::<()>(),
-                )
+                ))
                 .await;
                 return;
             }

@@ -592,7 +592,8 @@ async fn handle_connection(
                 // Not HTTP: a connection the kernel redirected here transparently (it has an
                 // original destination) is decided on its SNI; anything else is malformed.
                 if let Some(orig) = transparent::original_dst(shared, &stream, peer) {
-                    transparent::intercepted(stream, orig, buf, shared, stop).await;
+                    // Boxed: see `intercept::serve` below.
+                    Box::pin(transparent::intercepted(stream, orig, buf, shared, stop)).await;
                     return;
                 }
                 refuse(&mut stream, &response::error(400, "malformed-request")).await;
@@ -650,13 +651,15 @@ async fn handle_connection(
             drop(buf);
             if intercept::intercepts(shared, &target) {
                 let client = prefixed::Prefixed::new(early, stream);
-                intercept::serve(
+                // Boxed: interception's state (TLS both ways, hyper) is ~12 KiB, and inline it
+                // would size every connection's task, idle pass-through tunnels included.
+                Box::pin(intercept::serve(
                     client,
                     upstream,
                     target,
                     shared.clone(),
                     stop.cancelled_owned(),
-                )
+                ))
                 .await;
                 return;
             }

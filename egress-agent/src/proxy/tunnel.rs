@@ -96,39 +96,172 @@ pub async fn run(
     relayed: &(dyn Fn(Direction, u64) + Sync),
     shutdown: impl Future<Output = ()>,
 ) -> (u64, u64, TunnelEnd) {
+    let (up, down, end) = copy(client, upstream, buf_size, idle, relayed, shutdown, None).await;
+    (up, down, end.unwrap_or(TunnelEnd::Closed))
+}
+
+/// [`run`] until the tunnel has proved long-lived: once both directions together have made
+/// `after_reads` reads with data, each direction stops at its next point where user space holds
+/// none of its bytes (everything read is written, and it waits for the next arrival), and this
+/// returns `None` as the end, with both sockets open and nothing of theirs in the proxy's hands —
+/// ready for the kernel relay. A tunnel that ends first returns as [`run`] does. A direction
+/// that reached EOF first keeps the other one in user space to the end (a half-closed tunnel is
+/// not handed over).
+pub(crate) async fn run_until_long_lived(
+    client: &mut TcpStream,
+    upstream: &mut TcpStream,
+    buf_size: usize,
+    idle: Duration,
+    relayed: &(dyn Fn(Direction, u64) + Sync),
+    shutdown: impl Future<Output = ()>,
+    after_reads: u64,
+) -> (u64, u64, Option<TunnelEnd>) {
+    let handover = Handover {
+        after_reads,
+        reads: AtomicU64::new(0),
+        go: AtomicBool::new(false),
+        busy: [AtomicBool::new(false), AtomicBool::new(false)],
+    };
+    copy(
+        client,
+        upstream,
+        buf_size,
+        idle,
+        relayed,
+        shutdown,
+        Some(&handover),
+    )
+    .await
+}
+
+/// When a tunnel leaves user space ([`run_until_long_lived`]). Plain atomics, no wake-ups: both
+/// directions run in one task, so when one stops for the hand-over, [`copy`] sees whether the
+/// other is mid-burst (it stops at its burst's end) or waiting for data (holding nothing: its
+/// wait is dropped).
+struct Handover {
+    after_reads: u64,
+    /// Reads with data so far, both directions.
+    reads: AtomicU64,
+    /// Set at `after_reads`: every direction stops at its next clean point.
+    go: AtomicBool,
+    /// Per direction ([`UP`], [`DOWN`]): between a readiness wake-up and the end of its burst
+    /// (holding bytes it read, or about to read).
+    busy: [AtomicBool; 2],
+}
+
+const UP: usize = 0;
+const DOWN: usize = 1;
+
+impl Handover {
+    fn count_read(&self) {
+        if self.reads.fetch_add(1, Ordering::Relaxed) + 1 >= self.after_reads {
+            self.go.store(true, Ordering::Relaxed);
+        }
+    }
+    fn busy(&self, dir: usize) -> bool {
+        self.busy[dir].load(Ordering::Relaxed)
+    }
+}
+
+/// How one direction stopped.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum PumpEnd {
+    /// EOF from its source, passed on.
+    Eof,
+    /// Stopped for the hand-over, holding nothing.
+    HandedOver,
+}
+
+/// Both directions of [`run`]; `None` as the end: handed over (only with `handover`).
+async fn copy(
+    client: &mut TcpStream,
+    upstream: &mut TcpStream,
+    buf_size: usize,
+    idle: Duration,
+    relayed: &(dyn Fn(Direction, u64) + Sync),
+    shutdown: impl Future<Output = ()>,
+    handover: Option<&Handover>,
+) -> (u64, u64, Option<TunnelEnd>) {
     let shared = Shared {
         activity: Activity::new(),
         one_side_done: AtomicBool::new(false),
     };
     let up_bytes = AtomicU64::new(0);
     let down_bytes = AtomicU64::new(0);
-    let (client_rx, client_tx) = client.split();
-    let (upstream_rx, upstream_tx) = upstream.split();
-    let copy = async {
-        tokio::try_join!(
-            pump(
-                client_rx,
-                upstream_tx,
-                buf_size,
-                &shared,
-                &up_bytes,
-                (Direction::Upstream, relayed)
-            ),
-            pump(
-                upstream_rx,
-                client_tx,
-                buf_size,
-                &shared,
-                &down_bytes,
-                (Direction::Downstream, relayed)
-            ),
+    let (mut client_rx, client_tx) = client.split();
+    let (mut upstream_rx, upstream_tx) = upstream.split();
+    let up = async |src: &mut ReadHalf<'_>, h: Option<&Handover>| {
+        let h = h.map(|h| (h, UP));
+        pump(
+            src,
+            &upstream_tx,
+            buf_size,
+            &shared,
+            &up_bytes,
+            (Direction::Upstream, relayed),
+            h,
         )
+        .await
+    };
+    let down = async |src: &mut ReadHalf<'_>, h: Option<&Handover>| {
+        let h = h.map(|h| (h, DOWN));
+        pump(
+            src,
+            &client_tx,
+            buf_size,
+            &shared,
+            &down_bytes,
+            (Direction::Downstream, relayed),
+            h,
+        )
+        .await
+    };
+    let copy = async {
+        let ends = {
+            let mut a = std::pin::pin!(up(&mut client_rx, handover));
+            let mut b = std::pin::pin!(down(&mut upstream_rx, handover));
+            let (mut ea, mut eb) = (None, None);
+            poll_fn(|cx| {
+                if ea.is_none()
+                    && let Poll::Ready(r) = a.as_mut().poll(cx)
+                {
+                    ea = Some(r?);
+                }
+                if eb.is_none()
+                    && let Poll::Ready(r) = b.as_mut().poll(cx)
+                {
+                    eb = Some(r?);
+                }
+                let idle = |dir| handover.is_some_and(|h| !h.busy(dir));
+                Poll::Ready(io::Result::Ok(match (ea, eb) {
+                    (Some(x), Some(y)) => (x, y),
+                    // One direction stopped for the hand-over while the other waits for data,
+                    // holding none: that one stops too (its wait is dropped with it).
+                    (Some(PumpEnd::HandedOver), None) if idle(DOWN) => {
+                        (PumpEnd::HandedOver, PumpEnd::HandedOver)
+                    }
+                    (None, Some(PumpEnd::HandedOver)) if idle(UP) => {
+                        (PumpEnd::HandedOver, PumpEnd::HandedOver)
+                    }
+                    _ => return Poll::Pending,
+                }))
+            })
+            .await?
+        };
+        // One direction stopped for the hand-over after the other reached EOF: it goes on here.
+        match ends {
+            (PumpEnd::HandedOver, PumpEnd::HandedOver) => return Ok(None),
+            (PumpEnd::HandedOver, PumpEnd::Eof) => up(&mut client_rx, None).await?,
+            (PumpEnd::Eof, PumpEnd::HandedOver) => down(&mut upstream_rx, None).await?,
+            (PumpEnd::Eof, PumpEnd::Eof) => PumpEnd::Eof,
+        };
+        io::Result::Ok(Some(TunnelEnd::Closed))
     };
     let watchdog = shared.activity.idle_for(idle);
     let end = tokio::select! {
-        r = copy => if r.is_ok() { TunnelEnd::Closed } else { TunnelEnd::Error },
-        () = watchdog => TunnelEnd::Idle,
-        () = shutdown => TunnelEnd::Shutdown,
+        r = copy => r.unwrap_or(Some(TunnelEnd::Error)),
+        () = watchdog => Some(TunnelEnd::Idle),
+        () = shutdown => Some(TunnelEnd::Shutdown),
     };
     (
         up_bytes.load(Ordering::Relaxed),
@@ -142,17 +275,27 @@ pub async fn run(
 const INITIAL_BUF: usize = 16 * 1024;
 
 async fn pump(
-    mut src: ReadHalf<'_>,
-    dst: WriteHalf<'_>,
+    src: &mut ReadHalf<'_>,
+    dst: &WriteHalf<'_>,
     max_buf: usize,
     shared: &Shared,
     total: &AtomicU64,
     (dir, relayed): (Direction, &(dyn Fn(Direction, u64) + Sync)),
-) -> io::Result<()> {
+    handover: Option<(&Handover, usize)>,
+) -> io::Result<PumpEnd> {
     let dst: &TcpStream = dst.as_ref();
     let mut size = INITIAL_BUF.min(max_buf);
     loop {
+        // Here this direction holds nothing: everything it read is written.
+        if let Some((h, _)) = handover
+            && h.go.load(Ordering::Relaxed)
+        {
+            return Ok(PumpEnd::HandedOver);
+        }
         poll_fn(|cx| src.as_ref().poll_read_ready(cx)).await?;
+        if let Some((h, dir)) = handover {
+            h.busy[dir].store(true, Ordering::Relaxed);
+        }
         // Borrowed only while data flows; dropped below before waiting again.
         let mut buf: Vec<u8> = Vec::with_capacity(size);
         loop {
@@ -166,13 +309,16 @@ async fn pump(
             match read {
                 Poll::Ready(Ok(0)) => {
                     half_close(dst, shared);
-                    return Ok(());
+                    return Ok(PumpEnd::Eof);
                 }
                 Poll::Ready(Ok(n)) => {
                     shared.activity.touch();
                     write_all(dst, &buf[..n]).await?;
                     total.fetch_add(n as u64, Ordering::Relaxed);
                     relayed(dir, n as u64);
+                    if let Some((h, _)) = handover {
+                        h.count_read();
+                    }
                     if n == buf.capacity() && size < max_buf {
                         size = (size * 2).min(max_buf);
                         buf = Vec::with_capacity(size);
@@ -182,6 +328,9 @@ async fn pump(
                 Poll::Ready(Err(e)) if e.kind() == io::ErrorKind::Interrupted => {}
                 Poll::Ready(Err(e)) => return Err(e),
             }
+        }
+        if let Some((h, dir)) = handover {
+            h.busy[dir].store(false, Ordering::Relaxed);
         }
     }
 }
@@ -293,5 +442,88 @@ mod tests {
             .expect("tunnel stalled");
         assert_eq!((up, down, end), (0, BYTES as u64, TunnelEnd::Closed));
         assert!(ticks > 10, "the other task starved: {ticks} turns");
+    }
+
+    /// The hand-over stops both directions where the proxy holds none of their bytes: a tunnel
+    /// streaming both ways at once, handed over mid-stream and then relayed to the end by a
+    /// second relay on the same sockets (as the kernel relay or its fallback does), delivers
+    /// every byte once and in order, and the two phases' counts add up to the totals.
+    #[test]
+    fn a_hand_over_mid_stream_leaves_no_byte_behind_or_twice() {
+        const BYTES: usize = 8 << 20;
+        // a_end ↔ [client | tunnel | upstream] ↔ b_end
+        let (a_end, client) = pair();
+        let (b_end, upstream) = pair();
+        let pattern = |seed: u8| -> Vec<u8> {
+            (0..BYTES)
+                .map(|i| seed.wrapping_add((i % 251) as u8))
+                .collect()
+        };
+        let (to_b, to_a) = (pattern(1), pattern(2));
+        // Writes `data` (then its FIN) while reading what arrives, to EOF.
+        let stream = |mut s: std::net::TcpStream, data: Vec<u8>| {
+            std::thread::spawn(move || {
+                let mut r = s.try_clone().unwrap();
+                let reader = std::thread::spawn(move || {
+                    let mut got = Vec::new();
+                    r.read_to_end(&mut got).unwrap();
+                    got
+                });
+                for chunk in data.chunks(3000) {
+                    s.write_all(chunk).unwrap();
+                }
+                s.shutdown(Shutdown::Write).unwrap();
+                reader.join().unwrap()
+            })
+        };
+        let a_side = stream(a_end, to_b.clone());
+        let b_side = stream(b_end, to_a.clone());
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        let (first, second) = rt.block_on(async {
+            client.set_nonblocking(true).unwrap();
+            upstream.set_nonblocking(true).unwrap();
+            let mut client = TcpStream::from_std(client).unwrap();
+            let mut upstream = TcpStream::from_std(upstream).unwrap();
+            let idle = Duration::from_secs(60);
+            let first = run_until_long_lived(
+                &mut client,
+                &mut upstream,
+                64 * 1024,
+                idle,
+                &|_, _| {},
+                std::future::pending::<()>(),
+                8,
+            )
+            .await;
+            let second = run(
+                &mut client,
+                &mut upstream,
+                64 * 1024,
+                idle,
+                &|_, _| {},
+                std::future::pending::<()>(),
+            )
+            .await;
+            (first, second)
+        });
+        let (got_at_a, got_at_b) = (a_side.join().unwrap(), b_side.join().unwrap());
+        assert_eq!(first.2, None, "not handed over: {first:?}");
+        assert!(first.0 + first.1 > 0 && first.0 + first.1 < 2 * BYTES as u64);
+        assert_eq!(second.2, TunnelEnd::Closed);
+        assert_eq!(
+            (first.0 + second.0, first.1 + second.1),
+            (BYTES as u64, BYTES as u64)
+        );
+        assert!(
+            got_at_b == to_b,
+            "client → upstream bytes lost, doubled or reordered"
+        );
+        assert!(
+            got_at_a == to_a,
+            "upstream → client bytes lost, doubled or reordered"
+        );
     }
 }

@@ -166,7 +166,8 @@ impl Drop for Harness {
 /// the loopback upstreams through `resolve_private` (127.0.0.1/32, through the proxy only). IP
 /// literals stay refused unless `policy_extra` adds an `allow_cidrs` entry.
 /// `proxy.kernel_relay` for the proxy tests: `EGRESS_TEST_KERNEL_RELAY` = `on` (every
-/// pass-through tunnel spliced in the kernel, the proxy refuses to start without it: needs root
+/// pass-through tunnel spliced in the kernel at once — `kernel_relay_after_reads = 0`, so the
+/// splice path sees every test's tunnels —, the proxy refuses to start without it: needs root
 /// and the eBPF object) or `off` (the user-space relay; the default, so an unprivileged run needs
 /// nothing). `cargo xtask test` runs the proxy tests both ways.
 pub fn kernel_relay_mode() -> &'static str {
@@ -188,6 +189,7 @@ pub fn test_config(
 [proxy]
 connect_timeout_ms = 2000
 kernel_relay = "{relay}"
+{after}
 {proxy_extra}
 [dns]
 nameservers = []
@@ -204,6 +206,12 @@ resolve_private = ["127.0.0.1/32"]
 "#,
         hosts = hosts_file.display(),
         relay = kernel_relay_mode(),
+        // Unless the test sets its own.
+        after = if proxy_extra.contains("kernel_relay_after_reads") {
+            ""
+        } else {
+            "kernel_relay_after_reads = 0"
+        },
         echo = up.echo.port(),
         http = up.http.port(),
         closed = up.closed.port(),

@@ -44,6 +44,9 @@ const NAME: &str = "bench.test";
 const ENDS_CPU: &str = "client+upstream CPU µs/tunnel, 64 cl.";
 /// Every CPU's busy time per tunnel (see [`host_busy_ticks`]).
 const HOST_CPU: &str = "host CPU µs/tunnel, 64 cl. (all CPUs)";
+/// [`chatty`]: one long-lived tunnel's 1-byte pings.
+const CHATTY_PROXY_CPU: &str = "proxy CPU µs/ping, long tunnel";
+const CHATTY_HOST_CPU: &str = "host CPU µs/ping, long tunnel";
 
 struct Opts {
     quick: bool,
@@ -797,6 +800,45 @@ async fn latency(peer: &Peer, echo: SocketAddr, pings: usize) -> Result<(f64, f6
     Ok((rtts[pings / 2], rtts[(pings * 99 / 100).min(pings - 1)]))
 }
 
+/// Nanoseconds on CPU of every thread of `pid` (`/proc/PID/task/*/schedstat`, first field):
+/// precise where `/proc/PID/stat`'s 10 ms ticks are too coarse for one tunnel's pings.
+fn cpu_ns(pid: u32) -> Option<u64> {
+    let mut total = 0;
+    for task in std::fs::read_dir(format!("/proc/{pid}/task")).ok()? {
+        let stat = std::fs::read_to_string(task.ok()?.path().join("schedstat")).ok()?;
+        total += stat.split_whitespace().next()?.parse::<u64>().ok()?;
+    }
+    Some(total)
+}
+
+/// A long-lived, chatty tunnel: 1-byte pings over one tunnel for `secs` (after a warm-up that
+/// a kernel relay splices it in). Returns (proxy CPU µs per ping, host CPU µs per ping).
+async fn chatty(peer: &Peer, echo: SocketAddr, secs: f64) -> Result<(Option<f64>, Option<f64>)> {
+    let mut s = open(peer.addr, echo).await?;
+    for _ in 0..200 {
+        ping(&mut s).await?;
+    }
+    // Let a splice settle (its task's first look at the tunnel).
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    let pid = peer.pid();
+    let (cpu0, host0) = (pid.and_then(cpu_ns), host_busy_ticks());
+    let deadline = Instant::now() + Duration::from_secs_f64(secs);
+    let mut n = 0u64;
+    while Instant::now() < deadline {
+        ping(&mut s).await?;
+        n += 1;
+    }
+    let (cpu1, host1) = (pid.and_then(cpu_ns), host_busy_ticks());
+    let proxy = cpu0
+        .zip(cpu1)
+        .map(|(a, b)| b.saturating_sub(a) as f64 / 1e3 / n as f64);
+    // 100 ticks/s.
+    let host = host0
+        .zip(host1)
+        .map(|(a, b)| b.saturating_sub(a) as f64 * 1e4 / n as f64);
+    Ok((proxy, host))
+}
+
 /// KiB of proxy RSS per idle tunnel, with `n` tunnels open (each pinged once).
 async fn idle_memory(peer: &Peer, echo: SocketAddr, n: usize) -> Result<f64> {
     let Some(pid) = peer.pid() else {
@@ -967,6 +1009,17 @@ async fn run(o: Opts) -> Result<()> {
                 }
                 Err(e) => eprintln!("  {}: latency failed: {e:#}", p.name),
             }
+            match chatty(p, up.echo, o.rate_secs).await {
+                Ok((proxy, host)) => {
+                    if let Some(v) = proxy {
+                        add(&mut s, p.name, CHATTY_PROXY_CPU, v);
+                    }
+                    if let Some(v) = host {
+                        add(&mut s, p.name, CHATTY_HOST_CPU, v);
+                    }
+                }
+                Err(e) => eprintln!("  {}: chatty tunnel failed: {e:#}", p.name),
+            }
             eprintln!("  round {} {} done", round + 1, p.name);
         }
     }
@@ -1025,6 +1078,8 @@ fn print_table(m: &BTreeMap<(&str, &str), f64>, o: &Opts) {
         "RTT p99 µs",
         "added latency p50 µs",
         "added latency p99 µs",
+        CHATTY_PROXY_CPU,
+        CHATTY_HOST_CPU,
         "RSS KiB/idle tunnel",
     ];
     let cell = |p: &str, k: &str| {
@@ -1178,6 +1233,16 @@ fn print_table(m: &BTreeMap<(&str, &str), f64>, o: &Opts) {
         } else {
             "; compare with --cpu-quota 50"
         },
+    );
+    println!(
+        "long tunnel (what the kernel relay is for): proxy CPU µs/ping agent {} vs agent-user {} ({}x); host CPU µs/ping agent {} vs agent-user {} ({}x), direct {}",
+        cell("agent", CHATTY_PROXY_CPU),
+        cell("agent-user", CHATTY_PROXY_CPU),
+        ratio("agent", "agent-user", CHATTY_PROXY_CPU),
+        cell("agent", CHATTY_HOST_CPU),
+        cell("agent-user", CHATTY_HOST_CPU),
+        ratio("agent", "agent-user", CHATTY_HOST_CPU),
+        cell("direct", CHATTY_HOST_CPU),
     );
 }
 

@@ -1,13 +1,21 @@
 //! Kernel relay of allowed pass-through tunnels: once a CONNECT (200 written) or a transparent
-//! connection (dialed) is decided, its two sockets are spliced by the `egress-relay` program
-//! (sockhash + `sk_skb` stream verdict, see egress-ebpf/src/relay.rs and [`crate::bpf::relay`])
-//! and the bytes no longer cross user space. TLS-intercepted connections never come here.
+//! connection (dialed) is decided and has proved long-lived in user space, its two sockets are
+//! spliced by the `egress-relay` program (sockhash + `sk_skb` stream verdict, see
+//! egress-ebpf/src/relay.rs and [`crate::bpf::relay`]) and the bytes no longer cross user space.
+//! TLS-intercepted connections never come here.
+//!
+//! Why not splice at once: splicing and tearing down cost the proxy ~20–30 µs of system calls
+//! per tunnel (map entries, `TCP_INFO`, epoll), which a one-request tunnel never earns back
+//! (measured with `proxy-bench`, README "Kernel relay"); each user-space read burst costs a
+//! wake-up, a read and a write. So a tunnel starts in user space and is spliced after
+//! [`KernelRelay::splice_after`] reads with data ([`super::tunnel::run_until_long_lived`] stops
+//! both directions where the proxy holds none of their bytes).
 //!
 //! Per tunnel ([`splice`], then [`pair::Spliced::run`]):
-//! 1. Bytes the proxy already read (the early data after the head, or the sniffed ClientHello)
-//!    were written to the upstream by the caller; the client socket is drained until a short
-//!    read, and what that reads is written too (the program sees whole skbs only, so nothing
-//!    half-read may stay queued).
+//! 1. Bytes the proxy already read (the early data after the head, the sniffed ClientHello, or
+//!    everything relayed in user space so far) were written to the other side by the caller;
+//!    both sockets are drained until a short read, and what that reads is written too (the
+//!    program sees whole skbs only, so nothing half-read may stay queued).
 //! 2. Both sockets leave tokio's reactor (no per-burst wake-ups), get their flow/credit/peer
 //!    entries, then both enter `SPLICED`; queued bytes are handed to the program
 //!    (`SO_RCVLOWAT` kick) and the sockets are watched for hang-ups only ([`watch`]).
@@ -58,6 +66,9 @@ pub(crate) const MIN_WINDOW: u64 = 1 << 20;
 /// The loaded relay program plus what its tunnels share. One per proxy process.
 pub struct KernelRelay {
     program: RelayProgram,
+    /// Reads with data (both directions) a tunnel makes in user space before it is spliced;
+    /// 0: spliced at once.
+    splice_after: u64,
     watcher: OnceLock<Option<Watcher>>,
     /// Credit step per socket (see [`egress_common::relay::Credit`]).
     window: u64,
@@ -92,6 +103,7 @@ impl std::fmt::Debug for KernelRelay {
         f.debug_struct("KernelRelay")
             .field("capacity", &self.program.capacity())
             .field("window", &self.window)
+            .field("splice_after", &self.splice_after)
             .finish_non_exhaustive()
     }
 }
@@ -99,11 +111,18 @@ impl std::fmt::Debug for KernelRelay {
 impl KernelRelay {
     /// Load the relay program with room for `tunnels` spliced tunnels; each socket may have at
     /// most [`HARD_WINDOWS`] `× window` bytes redirected but not yet taken by its peer's send
-    /// queue (memory the kernel charges to no socket).
-    pub fn load(tunnels: u32, window: u64) -> Result<Arc<KernelRelay>, RelayError> {
+    /// queue (memory the kernel charges to no socket). A tunnel is spliced once it has made
+    /// `splice_after` reads with data in user space (0: at once; see
+    /// `proxy.kernel_relay_after_reads`).
+    pub fn load(
+        tunnels: u32,
+        window: u64,
+        splice_after: u64,
+    ) -> Result<Arc<KernelRelay>, RelayError> {
         let program = RelayProgram::load(tunnels)?;
         Ok(Arc::new(KernelRelay {
             program,
+            splice_after,
             watcher: OnceLock::new(),
             window: window.max(MIN_WINDOW),
             counters: Counters::default(),
@@ -152,8 +171,8 @@ impl KernelRelay {
 pub(crate) struct Fallback {
     pub client: TcpStream,
     pub upstream: TcpStream,
-    /// Bytes the pre-splice drain read from the client and wrote to the upstream.
-    pub drained: u64,
+    /// Bytes the pre-splice drain relayed: (client → upstream, upstream → client).
+    pub drained: (u64, u64),
     /// Why (for the log line).
     pub reason: &'static str,
 }
@@ -162,12 +181,47 @@ pub(crate) struct Fallback {
 pub(crate) enum NotSpliced {
     /// Relay it in user space.
     Fallback(Fallback),
-    /// The tunnel failed while it was being prepared (a write to the upstream); nothing to relay.
-    Failed { drained: u64 },
+    /// The tunnel failed while it was being prepared (a read or write); nothing to relay.
+    /// `drained` as in [`Fallback`].
+    Failed { drained: (u64, u64) },
 }
 
-/// Splice `client` ↔ `upstream`. Everything the proxy read from the client must already be
-/// written to the upstream (and, for CONNECT, the 200 to the client).
+/// How [`drain`] ended.
+enum Drain {
+    /// A short read: the queue held whole skbs only after it.
+    Done,
+    /// EOF.
+    Closed,
+    /// Still full after [`DRAIN_ROUNDS`] reads.
+    Busy,
+    /// A read or write failed.
+    Failed,
+}
+
+/// Read `src` until a short read and write what it gave to `dst`, counted in `count`.
+async fn drain(src: &TcpStream, dst: &TcpStream, buf: &mut [u8], count: &mut u64) -> Drain {
+    for _ in 0..DRAIN_ROUNDS {
+        match src.try_read(buf) {
+            Ok(0) => return Drain::Closed,
+            Ok(n) => {
+                if super::tunnel::write_all(dst, &buf[..n]).await.is_err() {
+                    return Drain::Failed;
+                }
+                *count += n as u64;
+                if n < buf.len() {
+                    return Drain::Done;
+                }
+            }
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Drain::Done,
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(_) => return Drain::Failed,
+        }
+    }
+    Drain::Busy
+}
+
+/// Splice `client` ↔ `upstream`. Everything the proxy read from either side must already be
+/// written to the other (and, for CONNECT, the 200 to the client).
 pub(crate) async fn splice(
     relay: &Arc<KernelRelay>,
     client: TcpStream,
@@ -183,34 +237,22 @@ pub(crate) async fn splice(
         })
     };
     if relay.watcher().is_none() {
-        return Err(fallback(client, upstream, 0, "no watcher"));
+        return Err(fallback(client, upstream, (0, 0), "no watcher"));
     }
-    // 1. Drain the client until a short read: from here on its queue holds whole skbs only.
-    let mut drained = 0u64;
+    // 1. Drain both sockets until a short read: from here on their queues hold whole skbs only.
+    let mut drained = (0u64, 0u64);
     let mut buf = vec![0u8; DRAIN_BUF];
-    let mut rounds = 0;
-    loop {
-        match client.try_read(&mut buf) {
-            Ok(0) => return Err(fallback(client, upstream, drained, "client closed")),
-            Ok(n) => {
-                if super::tunnel::write_all(&upstream, &buf[..n])
-                    .await
-                    .is_err()
-                {
-                    return Err(NotSpliced::Failed { drained });
-                }
-                drained += n as u64;
-                if n < buf.len() {
-                    break;
-                }
-            }
-            Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
-            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-            Err(_) => return Err(NotSpliced::Failed { drained }),
-        }
-        rounds += 1;
-        if rounds >= DRAIN_ROUNDS {
-            return Err(fallback(client, upstream, drained, "client busy"));
+    for from_client in [true, false] {
+        let (src, dst, count) = if from_client {
+            (&client, &upstream, &mut drained.0)
+        } else {
+            (&upstream, &client, &mut drained.1)
+        };
+        match drain(src, dst, &mut buf, count).await {
+            Drain::Done => {}
+            Drain::Closed => return Err(fallback(client, upstream, drained, "a side closed")),
+            Drain::Busy => return Err(fallback(client, upstream, drained, "a side busy")),
+            Drain::Failed => return Err(NotSpliced::Failed { drained }),
         }
     }
     drop(buf);
@@ -284,8 +326,10 @@ pub(crate) const VIA_KERNEL: &str = "kernel";
 /// Spliced, then handed back to user space.
 pub(crate) const VIA_DEMOTED: &str = "kernel+user";
 
-/// Relay an allowed tunnel through the kernel relay when it takes it, else (or after a hand-back)
-/// in user space. Returns (bytes client → upstream, upstream → client, how it ended, which path).
+/// Relay an allowed tunnel: in user space until it has proved long-lived
+/// ([`KernelRelay::splice_after`] reads, see [`super::tunnel::run_until_long_lived`]), then
+/// through the kernel relay when it takes the tunnel, else (or after a hand-back) in user space
+/// again. Returns (bytes client → upstream, upstream → client, how it ended, which path).
 pub(crate) async fn relay(
     relay: &Arc<KernelRelay>,
     shared: &super::Shared,
@@ -307,21 +351,41 @@ pub(crate) async fn relay(
         .await
     };
     let mut shutdown = std::pin::pin!(shutdown);
+    // Bytes user space relayed before the splice.
+    let mut before = (0, 0);
+    if relay.splice_after > 0 {
+        let (up, down, end) = super::tunnel::run_until_long_lived(
+            &mut client,
+            &mut upstream,
+            limits.tunnel_buffer_bytes,
+            limits.idle_timeout,
+            &relayed,
+            shutdown.as_mut(),
+            relay.splice_after,
+        )
+        .await;
+        if let Some(end) = end {
+            return (up, down, end, VIA_USER);
+        }
+        before = (up, down);
+    }
     let tunnel = match splice(relay, client, upstream).await {
         Ok(t) => t,
         Err(NotSpliced::Failed { drained }) => {
-            shared.relayed(drained, 0);
-            return (drained, 0, super::tunnel::TunnelEnd::Error, VIA_USER);
+            shared.relayed(drained.0, drained.1);
+            let (up, down) = (before.0 + drained.0, before.1 + drained.1);
+            return (up, down, super::tunnel::TunnelEnd::Error, VIA_USER);
         }
         Err(NotSpliced::Fallback(f)) => {
             tracing::debug!(
                 reason = f.reason,
                 "kernel relay: tunnel stays in user space"
             );
-            shared.relayed(f.drained, 0);
+            shared.relayed(f.drained.0, f.drained.1);
             (client, upstream) = (f.client, f.upstream);
             let (up, down, end) = user(&mut client, &mut upstream, shutdown.as_mut()).await;
-            return (f.drained + up, down, end, VIA_USER);
+            let up = before.0 + f.drained.0 + up;
+            return (up, before.1 + f.drained.1 + down, end, VIA_USER);
         }
     };
     let live = shared.counters.is_some();
@@ -329,7 +393,7 @@ pub(crate) async fn relay(
         .run(limits.idle_timeout, &relayed, live, shutdown.as_mut())
         .await
     {
-        Outcome::Ended(up, down, end) => (up, down, end, VIA_KERNEL),
+        Outcome::Ended(up, down, end) => (before.0 + up, before.1 + down, end, VIA_KERNEL),
         Outcome::Demoted {
             mut client,
             mut upstream,
@@ -341,7 +405,7 @@ pub(crate) async fn relay(
             let (u, d, end) = user(&mut client, &mut upstream, shutdown.as_mut()).await;
             drop((client, upstream));
             drop(release);
-            (up + u, down + d, end, VIA_DEMOTED)
+            (before.0 + up + u, before.1 + down + d, end, VIA_DEMOTED)
         }
     }
 }
@@ -358,11 +422,13 @@ pub(crate) fn from_config(
         return Ok(None);
     }
     let tunnels = u32::try_from(p.max_connections).unwrap_or(u32::MAX);
-    match KernelRelay::load(tunnels, p.tunnel_buffer_bytes as u64) {
+    let after = p.kernel_relay_after_reads;
+    match KernelRelay::load(tunnels, p.tunnel_buffer_bytes as u64, after) {
         Ok(r) => {
             tracing::info!(
                 tunnels,
-                "kernel relay loaded: pass-through tunnels are spliced in the kernel"
+                after_reads = after,
+                "kernel relay loaded: pass-through tunnels are spliced in the kernel once long-lived"
             );
             Ok(Some(r))
         }

@@ -129,8 +129,9 @@ pub(crate) struct Spliced {
     c: Side,
     u: Side,
     signal: Arc<Signal>,
-    /// Bytes user space wrote to the upstream during the splice (the pre-splice drain).
-    drained: u64,
+    /// Bytes user space relayed during the splice (the pre-splice drain): (client → upstream,
+    /// upstream → client).
+    drained: (u64, u64),
     demote_first: bool,
     release: Release,
 }
@@ -141,7 +142,7 @@ impl Spliced {
         c: Side,
         u: Side,
         signal: Arc<Signal>,
-        drained: u64,
+        drained: (u64, u64),
     ) -> Spliced {
         let cookies = [c.cookie, u.cookie];
         Spliced {
@@ -226,7 +227,7 @@ impl Spliced {
                 reported.1 = down;
             }
         };
-        report(&mut reported, self.drained, 0);
+        report(&mut reported, self.drained.0, self.drained.1);
         let mut backoff = Duration::from_millis(1);
         let mut next_report = started + REPORT_EVERY;
         if self.demote_first {
@@ -244,7 +245,11 @@ impl Spliced {
             let Some((fc, fu)) = self.flows() else {
                 return end(self, reported, TunnelEnd::Error);
             };
-            report(&mut reported, self.drained + fc.redirected, fu.redirected);
+            report(
+                &mut reported,
+                self.drained.0 + fc.redirected,
+                self.drained.1 + fu.redirected,
+            );
             if bits & PARKED != 0 || fc.parked != 0 || fu.parked != 0 {
                 return self.demote(idle, relayed, reported, shutdown).await;
             }
@@ -282,7 +287,11 @@ impl Spliced {
             }
             if self.c.shut && self.u.shut {
                 if let Some((fc, fu)) = self.flows() {
-                    report(&mut reported, self.drained + fc.redirected, fu.redirected);
+                    report(
+                        &mut reported,
+                        self.drained.0 + fc.redirected,
+                        self.drained.1 + fu.redirected,
+                    );
                 }
                 return end(self, reported, TunnelEnd::Closed);
             }
@@ -321,7 +330,7 @@ impl Spliced {
                 () = tokio::time::sleep_until(deadline) => {}
                 () = &mut shutdown => {
                     if let Some((fc, fu)) = self.flows() {
-                        report(&mut reported, self.drained + fc.redirected, fu.redirected);
+                        report(&mut reported, self.drained.0 + fc.redirected, self.drained.1 + fu.redirected);
                     }
                     return end(self, reported, TunnelEnd::Shutdown);
                 }
@@ -406,7 +415,10 @@ impl Spliced {
         let Some((fc, fu)) = self.flows() else {
             return Outcome::Ended(reported.0, reported.1, TunnelEnd::Error);
         };
-        let (up, down) = (self.drained + fc.redirected, fu.redirected);
+        let (up, down) = (
+            self.drained.0 + fc.redirected,
+            self.drained.1 + fu.redirected,
+        );
         relayed(Direction::Upstream, up.saturating_sub(reported.0));
         relayed(Direction::Downstream, down.saturating_sub(reported.1));
         let deadline = Instant::now() + idle;
