@@ -461,3 +461,52 @@ async fn a_half_closed_tunnel_is_not_spliced_and_delivers_everything() {
     let st = relay.stats();
     assert_eq!((st.spliced, st.fallbacks, st.active), (0, 0, 0), "{st:?}");
 }
+
+/// Upstream that answers each connection's first byte with `bytes` of [`pattern`] as fast as
+/// the tunnel takes them, then closes.
+async fn source(bytes: usize) -> SocketAddr {
+    let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = l.local_addr().unwrap();
+    tokio::spawn(async move {
+        while let Ok((mut s, _)) = l.accept().await {
+            tokio::spawn(async move {
+                let mut go = [0u8; 1];
+                if s.read_exact(&mut go).await.is_err() {
+                    return;
+                }
+                s.write_all(&pattern(9, bytes)).await.ok();
+                s.shutdown().await.ok();
+            });
+        }
+    });
+    addr
+}
+
+/// A download that never pauses reaches the hand-over mid-way. Whatever the kernel then does
+/// with it (the drain never sees a short read, so it stays in user space; or it is spliced and,
+/// once its reader falls behind, parked and handed back), it arrives whole and in order, and no
+/// map entry outlives it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_saturated_download_handed_over_mid_way_arrives_whole() {
+    let Some(relay) = relay_after_or_skip(4, 16) else {
+        return;
+    };
+    const BYTES: usize = 96 << 20;
+    let src = source(BYTES).await;
+    let h = harness(src, src, &relay, "").await;
+    let (mut s, rest) = tunnel(h.addr, src.port(), b"g").await;
+    assert!(rest.is_empty());
+    let mut got = Vec::with_capacity(BYTES);
+    tokio::time::timeout(T * 4, s.read_to_end(&mut got))
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(got.len(), BYTES);
+    assert!(got == pattern(9, BYTES), "download altered or out of order");
+    drop(s);
+    no_entries_left(&relay).await;
+    let st = relay.stats();
+    assert_eq!(st.program.dropped_bytes, 0, "{st:?}");
+    assert!(st.spliced + st.fallbacks <= 1, "{st:?}");
+    eprintln!("saturated download: {st:?}");
+}

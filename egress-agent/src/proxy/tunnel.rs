@@ -14,6 +14,10 @@
 //! Half-close is propagated (EOF on one side → `shutdown(Write)` on the other); when the second
 //! side reaches EOF the tunnel simply ends and closing the sockets sends the last FIN. An error on
 //! either side, the idle timeout, or proxy shutdown ends both directions.
+//!
+//! Hand-over ([`run_until_long_lived`]): with the kernel relay loaded, a tunnel is relayed here
+//! until it has made `proxy.kernel_relay_after_reads` reads, then stops with no byte in the
+//! proxy's hands and goes to the kernel relay (`super::splice`).
 use std::future::{Future, poll_fn};
 use std::io;
 use std::net::Shutdown;
