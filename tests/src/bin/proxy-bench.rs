@@ -465,18 +465,17 @@ allow_cidrs = [{{ cidr = "127.0.0.1/32", ports = [{e}, {s}] }}]
             s = up.source.port()
         ),
     )?;
+    // Options given on the command line go under `[proxy]`.
+    let mut extra = String::new();
     if let Some(b) = o_agent_buffer {
-        let text = std::fs::read_to_string(&cfg)?.replace(
-            "[proxy]\n",
-            &format!("[proxy]\ntunnel_buffer_bytes = {b}\n"),
-        );
-        std::fs::write(&cfg, text)?;
+        extra += &format!("tunnel_buffer_bytes = {b}\n");
     }
     if let Some(n) = splice_after {
-        let text = std::fs::read_to_string(&cfg)?.replace(
-            "[proxy]\n",
-            &format!("[proxy]\nkernel_relay_after_reads = {n}\n"),
-        );
+        extra += &format!("kernel_relay_after_reads = {n}\n");
+    }
+    if !extra.is_empty() {
+        let text =
+            std::fs::read_to_string(&cfg)?.replace("[proxy]\n", &format!("[proxy]\n{extra}"));
         std::fs::write(&cfg, text)?;
     }
     let out = dir.join(format!("{name}.addrs"));
