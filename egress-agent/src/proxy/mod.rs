@@ -342,24 +342,38 @@ impl Shared {
         // Not held for the tunnel's lifetime: idle tunnels stay small.
         drop(early);
         self.relayed(early_len, 0);
-        let limits = self.ctx.limits();
         let (up, down, end, via) = match self.ctx.kernel_relay() {
             Some(kr) => splice::relay(kr, self, client, upstream, shutdown).await,
             None => {
-                let (up, down, end) = tunnel::run(
-                    &mut client,
-                    &mut upstream,
-                    limits.tunnel_buffer_bytes,
-                    limits.idle_timeout,
-                    &|dir, n| self.relayed_one(dir, n),
-                    shutdown,
-                )
-                .await;
+                let (up, down, end) = self
+                    .relay_in_user_space(&mut client, &mut upstream, shutdown)
+                    .await;
                 (up, down, end, splice::VIA_USER)
             }
         };
         let up = early_len + up;
         tracing::debug!(policy = %self.name, %target, up, down, ?end, relay = via, "tunnel closed");
+    }
+
+    /// Relay a tunnel in user space to its end with this listener's limits, counting every
+    /// byte: the whole tunnel without a kernel relay, or what is left of it after the kernel
+    /// relay did not take it or handed it back.
+    pub(crate) async fn relay_in_user_space(
+        &self,
+        client: &mut TcpStream,
+        upstream: &mut TcpStream,
+        shutdown: impl std::future::Future<Output = ()>,
+    ) -> (u64, u64, tunnel::TunnelEnd) {
+        let limits = self.ctx.limits();
+        tunnel::run(
+            client,
+            upstream,
+            limits.tunnel_buffer_bytes,
+            limits.idle_timeout,
+            &|dir, n| self.relayed_one(dir, n),
+            shutdown,
+        )
+        .await
     }
 
     /// Policy check + dial, with one event for the request: its denial, or its would-deny (the

@@ -339,17 +339,6 @@ pub(crate) async fn relay(
 ) -> (u64, u64, super::tunnel::TunnelEnd, &'static str) {
     let limits = shared.ctx.limits();
     let relayed = |dir, n| shared.relayed_one(dir, n);
-    let user = async |client: &mut TcpStream, upstream: &mut TcpStream, shutdown| {
-        super::tunnel::run(
-            client,
-            upstream,
-            limits.tunnel_buffer_bytes,
-            limits.idle_timeout,
-            &relayed,
-            shutdown,
-        )
-        .await
-    };
     let mut shutdown = std::pin::pin!(shutdown);
     // Bytes user space relayed before the splice.
     let mut before = (0, 0);
@@ -383,7 +372,9 @@ pub(crate) async fn relay(
             );
             shared.relayed(f.drained.0, f.drained.1);
             (client, upstream) = (f.client, f.upstream);
-            let (up, down, end) = user(&mut client, &mut upstream, shutdown.as_mut()).await;
+            let (up, down, end) = shared
+                .relay_in_user_space(&mut client, &mut upstream, shutdown.as_mut())
+                .await;
             let up = before.0 + f.drained.0 + up;
             return (up, before.1 + f.drained.1 + down, end, VIA_USER);
         }
@@ -402,7 +393,9 @@ pub(crate) async fn relay(
             release,
         } => {
             tracing::debug!(up, down, "kernel relay: tunnel handed back to user space");
-            let (u, d, end) = user(&mut client, &mut upstream, shutdown.as_mut()).await;
+            let (u, d, end) = shared
+                .relay_in_user_space(&mut client, &mut upstream, shutdown.as_mut())
+                .await;
             drop((client, upstream));
             drop(release);
             (before.0 + up + u, before.1 + down + d, end, VIA_DEMOTED)
