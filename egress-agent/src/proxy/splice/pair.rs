@@ -205,6 +205,15 @@ impl Spliced {
         Some((p.flow(self.c.cookie)?, p.flow(self.u.cookie)?))
     }
 
+    /// Bytes relayed each way so far (client → upstream, upstream → client): the pre-splice
+    /// drain's plus what the program redirected from each socket.
+    fn relayed_so_far(&self, fc: &Flow, fu: &Flow) -> (u64, u64) {
+        (
+            self.drained.0 + fc.redirected,
+            self.drained.1 + fu.redirected,
+        )
+    }
+
     /// Relay until the tunnel ends (or is handed back to user space). `relayed` is told the bytes
     /// as the kernel's counts move (at every wake-up; every [`REPORT_EVERY`] if `live`).
     pub(crate) async fn run(
@@ -217,7 +226,7 @@ impl Spliced {
         let mut shutdown = std::pin::pin!(shutdown);
         let started = Instant::now();
         let mut reported = (0u64, 0u64);
-        let report = |reported: &mut (u64, u64), up: u64, down: u64| {
+        let report = |reported: &mut (u64, u64), (up, down): (u64, u64)| {
             if up > reported.0 {
                 relayed(Direction::Upstream, up - reported.0);
                 reported.0 = up;
@@ -227,7 +236,7 @@ impl Spliced {
                 reported.1 = down;
             }
         };
-        report(&mut reported, self.drained.0, self.drained.1);
+        report(&mut reported, self.drained);
         let mut backoff = Duration::from_millis(1);
         let mut next_report = started + REPORT_EVERY;
         if self.demote_first {
@@ -245,11 +254,7 @@ impl Spliced {
             let Some((fc, fu)) = self.flows() else {
                 return end(self, reported, TunnelEnd::Error);
             };
-            report(
-                &mut reported,
-                self.drained.0 + fc.redirected,
-                self.drained.1 + fu.redirected,
-            );
+            report(&mut reported, self.relayed_so_far(&fc, &fu));
             if bits & PARKED != 0 || fc.parked != 0 || fu.parked != 0 {
                 return self.demote(idle, relayed, reported, shutdown).await;
             }
@@ -287,11 +292,7 @@ impl Spliced {
             }
             if self.c.shut && self.u.shut {
                 if let Some((fc, fu)) = self.flows() {
-                    report(
-                        &mut reported,
-                        self.drained.0 + fc.redirected,
-                        self.drained.1 + fu.redirected,
-                    );
+                    report(&mut reported, self.relayed_so_far(&fc, &fu));
                 }
                 return end(self, reported, TunnelEnd::Closed);
             }
@@ -330,7 +331,7 @@ impl Spliced {
                 () = tokio::time::sleep_until(deadline) => {}
                 () = &mut shutdown => {
                     if let Some((fc, fu)) = self.flows() {
-                        report(&mut reported, self.drained.0 + fc.redirected, self.drained.1 + fu.redirected);
+                        report(&mut reported, self.relayed_so_far(&fc, &fu));
                     }
                     return end(self, reported, TunnelEnd::Shutdown);
                 }
@@ -415,10 +416,7 @@ impl Spliced {
         let Some((fc, fu)) = self.flows() else {
             return Outcome::Ended(reported.0, reported.1, TunnelEnd::Error);
         };
-        let (up, down) = (
-            self.drained.0 + fc.redirected,
-            self.drained.1 + fu.redirected,
-        );
+        let (up, down) = self.relayed_so_far(&fc, &fu);
         relayed(Direction::Upstream, up.saturating_sub(reported.0));
         relayed(Direction::Downstream, down.saturating_sub(reported.1));
         let deadline = Instant::now() + idle;
