@@ -87,6 +87,19 @@ pub enum DenyReason {
     DnsTypeRefused,
     /// A redirected connection reached a policy whose `transparent` is off (after a reload).
     TransparentOff,
+    /// A request whose framing a second parser could read differently (`Content-Length` with
+    /// `Transfer-Encoding`, duplicate lengths, `Transfer_Encoding`-style names).
+    AmbiguousFraming,
+    /// A protocol switch other than WebSocket (`Upgrade: h2c`, ...) inside an intercepted
+    /// connection.
+    UpgradeNotAllowed,
+    /// Not a refusal of the request: the response carried a bound secret, which was replaced by
+    /// its placeholder before the client saw it.
+    ResponseSecretScrubbed,
+    /// A compressed response the scrubber can't read (`br`, `zstd`, ...) from an intercepted host.
+    ResponseEncodingRefused,
+    /// The client gave up the intercepted TLS handshake (it doesn't trust the agent's CA).
+    AgentCaNotTrusted,
 }
 
 impl DenyReason {
@@ -117,6 +130,11 @@ impl DenyReason {
             DenyReason::NoOriginalDestination => "no-original-destination",
             DenyReason::DnsTypeRefused => "dns-type-refused",
             DenyReason::TransparentOff => "transparent-off",
+            DenyReason::AmbiguousFraming => "ambiguous-framing",
+            DenyReason::UpgradeNotAllowed => "upgrade-not-allowed",
+            DenyReason::ResponseSecretScrubbed => "response-secret-scrubbed",
+            DenyReason::ResponseEncodingRefused => "response-encoding-refused",
+            DenyReason::AgentCaNotTrusted => "agent-ca-not-trusted",
         }
     }
 }

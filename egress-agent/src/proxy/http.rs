@@ -6,6 +6,12 @@
 //! headers it names, `Proxy-Connection`, `Proxy-Authorization`, `Keep-Alive`, `TE`, `Trailer`,
 //! `Transfer-Encoding` — hyper re-frames the body — and `Upgrade`: no protocol switches on plain
 //! HTTP). A `CONNECT` later on a kept-alive connection is checked the same way and tunnelled.
+//!
+//! The same code serves a connection to one checked target ([`serve_fixed`]: transparent plain
+//! HTTP, plain HTTP inside a `CONNECT` tunnel): origin-form requests, each Host naming the target,
+//! each checked against the request rules and placeholders, WebSocket handshakes forwarded.
+//! Framing the proxy won't re-frame safely is refused ([`super::framing`]); every refusal closes
+//! the connection, so nothing pipelined after it reaches the upstream.
 use std::convert::Infallible;
 use std::io;
 use std::pin::Pin;
@@ -27,6 +33,7 @@ use super::prefixed::Prefixed;
 use super::request::{self, RequestError, Target};
 use super::{Refusal, Shared};
 use crate::policy::DenyReason;
+use tokio_util::sync::CancellationToken;
 
 type Body = Either<Incoming, Full<Bytes>>;
 
@@ -88,32 +95,106 @@ impl AsyncWrite for Counted {
     }
 }
 
+/// Which requests a client connection may carry.
+enum Route {
+    /// The explicit proxy: absolute-form requests to any host, each checked on its own.
+    Forward,
+    /// A connection to one checked target (transparent HTTP, plain HTTP inside a `CONNECT`
+    /// tunnel): origin-form requests whose Host, when present, names that target.
+    Fixed(Target),
+}
+
+/// The upstream of the previous request, reused only for the same target.
+struct Upstream {
+    target: Target,
+    sender: SendRequest<Incoming>,
+    /// Dialled (and recorded as allowed) for the connection's first request: not re-recorded.
+    fresh: bool,
+}
+
 struct ConnState {
     shared: Arc<Shared>,
-    /// The upstream of the previous request, reused only for the same target.
-    upstream: Mutex<Option<(Target, SendRequest<Incoming>)>>,
-    /// The tunnel a CONNECT on this connection became. [`serve`] waits for it, so the tunnel keeps
-    /// the connection's place in the connection bounds and ends on proxy shutdown.
+    route: Route,
+    upstream: Mutex<Option<Upstream>>,
+    /// The tunnel a CONNECT on this connection became, or a WebSocket relay. [`serve`] waits for
+    /// it, so it keeps the connection's place in the connection bounds and ends on proxy
+    /// shutdown.
     tunnel: std::sync::Mutex<Option<tokio::task::JoinHandle<()>>>,
 }
 
-/// Serve a plain-HTTP client connection; `prefix` holds the bytes already read.
+/// Serve a plain-HTTP client connection of the explicit proxy; `prefix` holds the bytes already
+/// read.
 pub(crate) async fn serve(
     stream: TcpStream,
     prefix: Vec<u8>,
     shared: Arc<Shared>,
     shutdown: impl std::future::Future<Output = ()>,
 ) {
-    let limits = shared.ctx.limits().clone();
+    let state = ConnState {
+        shared,
+        route: Route::Forward,
+        upstream: Mutex::new(None),
+        tunnel: std::sync::Mutex::new(None),
+    };
+    run(stream, prefix, state, shutdown).await;
+}
+
+/// Serve a plain-HTTP connection to one checked `target` whose `upstream` is dialled (transparent
+/// HTTP, or plain HTTP inside a `CONNECT` tunnel): every request is parsed and checked like the
+/// explicit proxy's (request rules, placeholders), and each must name `target`.
+pub(crate) async fn serve_fixed(
+    stream: TcpStream,
+    prefix: Vec<u8>,
+    upstream: TcpStream,
+    target: Target,
+    shared: Arc<Shared>,
+    shutdown: impl std::future::Future<Output = ()>,
+) {
+    let Some(sender) = upstream_handshake(upstream, &shared).await else {
+        return;
+    };
+    let state = ConnState {
+        upstream: Mutex::new(Some(Upstream {
+            target: target.clone(),
+            sender,
+            fresh: true,
+        })),
+        shared,
+        route: Route::Fixed(target),
+        tunnel: std::sync::Mutex::new(None),
+    };
+    run(stream, prefix, state, shutdown).await;
+}
+
+async fn upstream_handshake(
+    upstream: TcpStream,
+    shared: &Arc<Shared>,
+) -> Option<SendRequest<Incoming>> {
+    let upstream = Counted {
+        inner: upstream,
+        shared: shared.clone(),
+    };
+    let (sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(upstream))
+        .await
+        .ok()?;
+    tokio::spawn(async move {
+        conn.with_upgrades().await.ok();
+    });
+    Some(sender)
+}
+
+async fn run(
+    stream: TcpStream,
+    prefix: Vec<u8>,
+    state: ConnState,
+    shutdown: impl std::future::Future<Output = ()>,
+) {
+    let limits = state.shared.ctx.limits().clone();
     // The bytes already read for the first head are replayed first; the activity clock drives
     // the idle timeout.
     let io = Prefixed::new(prefix, stream);
     let activity = io.activity();
-    let state = Arc::new(ConnState {
-        shared,
-        upstream: Mutex::new(None),
-        tunnel: std::sync::Mutex::new(None),
-    });
+    let state = Arc::new(state);
     let tunnel_of = state.clone();
     let service = hyper::service::service_fn(move |req| {
         let state = state.clone();
@@ -154,13 +235,23 @@ pub(crate) async fn serve(
     }
 }
 
-fn text(status: StatusCode, header: (&'static str, &'static str), body: String) -> Response<Body> {
+/// A refusal (`close`: the connection ends after it, so nothing pipelined after a request that
+/// could not be parsed or framed safely reaches an upstream).
+fn text(
+    status: StatusCode,
+    header: (&'static str, &'static str),
+    body: String,
+    close: bool,
+) -> Response<Body> {
     let mut resp = Response::new(Either::Right(Full::new(Bytes::from(body))));
     *resp.status_mut() = status;
     let h = resp.headers_mut();
     h.insert(header::CONTENT_TYPE, HeaderValue::from_static("text/plain"));
     if let Ok(v) = HeaderValue::from_str(header.1) {
         h.insert(HeaderName::from_static(header.0), v);
+    }
+    if close {
+        h.insert(header::CONNECTION, HeaderValue::from_static("close"));
     }
     resp
 }
@@ -173,6 +264,7 @@ fn forbidden(reason: DenyReason, policy: &str) -> Response<Body> {
             "egress-agent: denied by policy {policy}: {}\n",
             reason.as_str()
         ),
+        false,
     )
 }
 
@@ -181,6 +273,7 @@ fn error(status: StatusCode, code: &'static str) -> Response<Body> {
         status,
         ("x-egress-error", code),
         format!("egress-agent: {code}\n"),
+        status == StatusCode::BAD_REQUEST,
     )
 }
 
@@ -255,6 +348,52 @@ fn target_of(req: &Request<Incoming>) -> Result<Target, RequestError> {
     Ok(target)
 }
 
+/// A request on a connection to one `target`: origin-form (or absolute-form naming `target`),
+/// at most one Host, which names `target` (its port defaults to the connection's); no `CONNECT`
+/// and no `OPTIONS *` (nothing for the target to answer on the client's behalf).
+fn fixed_target_of(req: &Request<Incoming>, target: &Target) -> Result<Target, RequestError> {
+    if req.method() == Method::CONNECT {
+        return Err(RequestError::Malformed(
+            "no CONNECT inside a connection to one host",
+        ));
+    }
+    if req.uri().path() == "*" {
+        return Err(RequestError::Malformed("no asterisk-form requests"));
+    }
+    let mut hosts = req.headers().get_all(header::HOST).iter();
+    let host = hosts.next();
+    if hosts.next().is_some() {
+        return Err(RequestError::Malformed("more than one Host header"));
+    }
+    if req.uri().authority().is_some() {
+        let uri = req.uri().to_string();
+        if request::absolute_target(&uri)? != *target {
+            return Err(RequestError::Denied(DenyReason::HostHeaderMismatch));
+        }
+    }
+    if let Some(h) = host {
+        request::check_host_header(h.as_bytes(), target, Some(target.port))?;
+    }
+    Ok(target.clone())
+}
+
+/// A WebSocket handshake (`Connection: upgrade`, `Upgrade: websocket`): the only protocol switch
+/// forwarded (on a connection to one host); any other `Upgrade` (h2c, ...) is dropped.
+pub(crate) fn is_websocket<B>(req: &Request<B>) -> bool {
+    req.version() == http::Version::HTTP_11
+        && req
+            .headers()
+            .get(header::UPGRADE)
+            .is_some_and(|v| v.as_bytes().eq_ignore_ascii_case(b"websocket"))
+        && req
+            .headers()
+            .get_all(header::CONNECTION)
+            .iter()
+            .filter_map(|v| v.to_str().ok())
+            .flat_map(|v| v.split(','))
+            .any(|t| t.trim().eq_ignore_ascii_case("upgrade"))
+}
+
 async fn handle(mut req: Request<Incoming>, state: &ConnState) -> Response<Body> {
     let shared = &state.shared;
     let protocol = if req.method() == Method::CONNECT {
@@ -262,10 +401,24 @@ async fn handle(mut req: Request<Incoming>, state: &ConnState) -> Response<Body>
     } else {
         "http"
     };
-    let target = match target_of(&req) {
+    let target = match &state.route {
+        Route::Forward => target_of(&req),
+        Route::Fixed(t) => fixed_target_of(&req, t),
+    };
+    let target = match target {
         Ok(t) => t,
         Err(e) => return request_error(e, state, protocol),
     };
+    if let Err(e) = super::framing::check(req.headers()) {
+        shared.deny_request_event(
+            &target,
+            protocol,
+            DenyReason::AmbiguousFraming,
+            req.method().as_str(),
+            req.uri().path(),
+        );
+        return error(StatusCode::BAD_REQUEST, e.as_str());
+    }
     if req.method() == Method::CONNECT {
         let upstream = match shared.check_and_dial(&target, protocol).await {
             Ok(s) => s,
@@ -285,29 +438,16 @@ async fn handle(mut req: Request<Incoming>, state: &ConnState) -> Response<Body>
             // hyper's buffered bytes were read before whatever is left of our prefix.
             let mut pending = parts.read_buf.to_vec();
             pending.extend_from_slice(&rest);
-            if super::intercept::intercepts(&shared, &target) {
-                let client = Prefixed::new(pending, client);
-                // Boxed, as in `handle_connection`: the tunnel task stays small.
-                Box::pin(super::intercept::serve(
-                    client,
-                    upstream,
-                    target,
-                    shared.clone(),
-                    std::future::pending::<()>(),
-                ))
-                .await;
-                return;
-            }
             // Shutdown: `serve` aborts this task.
-            shared
-                .relay(
-                    client,
-                    upstream,
-                    pending,
-                    &target,
-                    std::future::pending::<()>(),
-                )
-                .await;
+            super::route::connect_tunnel(
+                client,
+                upstream,
+                pending,
+                target,
+                shared,
+                CancellationToken::new(),
+            )
+            .await;
         });
         *state
             .tunnel
@@ -340,7 +480,16 @@ async fn handle(mut req: Request<Incoming>, state: &ConnState) -> Response<Body>
     // Reuse the previous upstream only for the same target, and only after this request's check.
     let mut cached = state.upstream.lock().await;
     let reuse = match cached.take() {
-        Some((t, mut sender)) if t == target && !sender.is_closed() => {
+        Some(Upstream {
+            target: t,
+            sender,
+            fresh: true,
+        }) if t == target && !sender.is_closed() => Some(sender),
+        Some(Upstream {
+            target: t,
+            mut sender,
+            fresh: _,
+        }) if t == target && !sender.is_closed() => {
             // Policy may have changed since: re-check the target before reusing.
             let decision = shared
                 .policy
@@ -366,21 +515,15 @@ async fn handle(mut req: Request<Incoming>, state: &ConnState) -> Response<Body>
                 Ok(s) => s,
                 Err(r) => return refusal(r, &shared.name),
             };
-            let upstream = Counted {
-                inner: upstream,
-                shared: shared.clone(),
-            };
-            let (sender, conn) =
-                match hyper::client::conn::http1::handshake(TokioIo::new(upstream)).await {
-                    Ok(x) => x,
-                    Err(_) => return error(StatusCode::BAD_GATEWAY, "upstream-handshake"),
-                };
-            tokio::spawn(async move {
-                conn.await.ok();
-            });
-            sender
+            match upstream_handshake(upstream, shared).await {
+                Some(s) => s,
+                None => return error(StatusCode::BAD_GATEWAY, "upstream-handshake"),
+            }
         }
     };
+    if sender.ready().await.is_err() {
+        return error(StatusCode::BAD_GATEWAY, "upstream-failed");
+    }
 
     // Origin-form, hop-by-hop headers removed.
     let pq = req
@@ -401,16 +544,54 @@ async fn handle(mut req: Request<Incoming>, state: &ConnState) -> Response<Body>
         Some(v) => v,
         None => return error(StatusCode::BAD_REQUEST, "malformed-request"),
     };
+    // A WebSocket handshake on a connection to one host keeps its protocol switch.
+    let websocket = matches!(state.route, Route::Fixed(_)) && is_websocket(&req);
+    let client_upgrade = websocket.then(|| hyper::upgrade::on(&mut req));
     strip_hop_by_hop(req.headers_mut());
     req.headers_mut().insert(header::HOST, authority);
-    let resp = match sender.send_request(req).await {
+    if websocket {
+        let h = req.headers_mut();
+        h.insert(header::CONNECTION, HeaderValue::from_static("upgrade"));
+        h.insert(header::UPGRADE, HeaderValue::from_static("websocket"));
+    }
+    let mut resp = match sender.send_request(req).await {
         Ok(r) => r,
         Err(e) => {
             tracing::debug!(policy = %shared.name, %target, error = %e, "upstream request failed");
             return error(StatusCode::BAD_GATEWAY, "upstream-failed");
         }
     };
-    *cached = Some((target, sender));
+    let switching = resp.status() == StatusCode::SWITCHING_PROTOCOLS;
+    if let (true, Some(client_up)) = (switching, client_upgrade) {
+        // The upstream connection is the WebSocket's now: not reused.
+        drop(cached);
+        let upstream_up = hyper::upgrade::on(&mut resp);
+        let relay = tokio::spawn(async move {
+            let (Ok(c), Ok(u)) = tokio::join!(client_up, upstream_up) else {
+                return;
+            };
+            let (mut c, mut u) = (TokioIo::new(c), TokioIo::new(u));
+            tokio::io::copy_bidirectional(&mut c, &mut u).await.ok();
+        });
+        *state
+            .tunnel
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner) = Some(relay);
+        let (mut parts, body) = resp.into_parts();
+        strip_hop_by_hop(&mut parts.headers);
+        parts
+            .headers
+            .insert(header::CONNECTION, HeaderValue::from_static("upgrade"));
+        parts
+            .headers
+            .insert(header::UPGRADE, HeaderValue::from_static("websocket"));
+        return Response::from_parts(parts, Either::Left(body));
+    }
+    *cached = Some(Upstream {
+        target,
+        sender,
+        fresh: false,
+    });
     drop(cached);
     let (mut parts, body) = resp.into_parts();
     strip_hop_by_hop(&mut parts.headers);

@@ -248,6 +248,15 @@ pub(crate) async fn serve<C>(
         Ok(Ok(t)) => t,
         Ok(Err(e)) => {
             tracing::debug!(%target, error = %e, "client TLS handshake failed");
+            if let Some(why) = refused_our_certificate(&e) {
+                // Fail closed, and say why: nothing reaches the upstream without the handshake.
+                shared.deny_event_with(
+                    &target,
+                    "https",
+                    DenyReason::AgentCaNotTrusted,
+                    &[("client_tls", why)],
+                );
+            }
             return;
         }
         Err(_) => return,
@@ -319,12 +328,35 @@ pub(crate) async fn serve<C>(
     }
 }
 
+/// Did the client end the intercepted handshake because of the agent's certificate? The alert
+/// it sent (or its silent close right after our certificate), for the event.
+fn refused_our_certificate(e: &std::io::Error) -> Option<&'static str> {
+    if e.kind() == std::io::ErrorKind::UnexpectedEof {
+        return Some("closed-during-handshake");
+    }
+    let tls = e.get_ref()?.downcast_ref::<rustls::Error>()?;
+    use rustls::AlertDescription as A;
+    match tls {
+        rustls::Error::AlertReceived(A::UnknownCA) => Some("unknown_ca"),
+        rustls::Error::AlertReceived(A::BadCertificate) => Some("bad_certificate"),
+        rustls::Error::AlertReceived(A::CertificateUnknown) => Some("certificate_unknown"),
+        rustls::Error::AlertReceived(A::UnsupportedCertificate) => Some("unsupported_certificate"),
+        rustls::Error::AlertReceived(A::DecryptError) => Some("decrypt_error"),
+        _ => None,
+    }
+}
+
 fn text(status: StatusCode, header: (&'static str, &'static str), body: String) -> Response<Body> {
     let mut resp = Response::new(Either::Right(Full::new(Bytes::from(body))));
     *resp.status_mut() = status;
     let h = resp.headers_mut();
     h.insert(header::CONTENT_TYPE, HeaderValue::from_static("text/plain"));
     h.insert(header.0, HeaderValue::from_static(header.1));
+    if status == StatusCode::BAD_REQUEST {
+        // HTTP/1.1: nothing pipelined after a request that could not be read safely reaches the
+        // upstream (h2 frames each request itself; hyper drops the header there).
+        h.insert(header::CONNECTION, HeaderValue::from_static("close"));
+    }
     resp
 }
 
@@ -348,10 +380,14 @@ fn refusal(r: Refusal, policy: &str) -> Response<Body> {
 }
 
 fn bad_request() -> Response<Body> {
+    bad_request_because("malformed-request")
+}
+
+fn bad_request_because(code: &'static str) -> Response<Body> {
     text(
         StatusCode::BAD_REQUEST,
-        ("x-egress-error", "malformed-request"),
-        "egress-agent: malformed-request\n".to_owned(),
+        ("x-egress-error", code),
+        format!("egress-agent: {code}\n"),
     )
 }
 
@@ -403,9 +439,32 @@ async fn handle(mut req: Request<Incoming>, s: &Session) -> Response<Body> {
         shared.deny_event(&s.target, None, "https", reason);
         return forbidden(reason, &shared.name);
     }
-    // No tunnels inside an intercepted connection (h2 CONNECT, or HTTP/1.1 CONNECT after TLS).
-    if req.method() == http::Method::CONNECT {
+    // No tunnels inside an intercepted connection (h2 CONNECT, or HTTP/1.1 CONNECT after TLS),
+    // and no `OPTIONS *` (nothing for the target to answer on the client's behalf).
+    if req.method() == http::Method::CONNECT || req.uri().path() == "*" {
         return bad_request();
+    }
+    if let Err(e) = super::framing::check(req.headers()) {
+        shared.deny_request_event(
+            &s.target,
+            "https",
+            DenyReason::AmbiguousFraming,
+            req.method().as_str(),
+            req.uri().path(),
+        );
+        return bad_request_because(e.as_str());
+    }
+    // The only protocol switch forwarded is WebSocket: `Upgrade: h2c` (or anything else) would
+    // turn the connection into one whose later requests the proxy no longer parses.
+    if req.headers().contains_key(header::UPGRADE) && !super::http::is_websocket(&req) {
+        shared.deny_request_event(
+            &s.target,
+            "https",
+            DenyReason::UpgradeNotAllowed,
+            req.method().as_str(),
+            req.uri().path(),
+        );
+        return bad_request_because(DenyReason::UpgradeNotAllowed.as_str());
     }
     if let Err(mismatch) = authority_ok(&req, &s.target) {
         if mismatch {

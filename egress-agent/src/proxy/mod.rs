@@ -7,11 +7,13 @@
 //!
 //! Per connection: read one request head under a deadline and a size bound (httparse,
 //! [`request`]); `CONNECT` → policy check → resolve → check every address → connect to a checked
-//! address → `200` → [`tunnel`]. Anything else goes to [`http`] (hyper), which checks **every**
+//! address → `200` → [`route`] (the tunnel's first bytes must name the target; intercepted hosts
+//! are TLS-terminated, plain HTTP is checked per request, the rest is a [`tunnel`]). Anything else goes to [`http`] (hyper), which checks **every**
 //! request on the keep-alive connection the same way. Every error path answers and closes; nothing
 //! is forwarded before the checks pass.
 mod accept;
 pub mod dial;
+pub mod framing;
 pub mod hooks;
 pub mod http;
 pub mod intercept;
@@ -23,6 +25,7 @@ pub mod records_cache;
 pub mod request;
 pub mod resolve;
 pub mod response;
+mod route;
 pub mod sniff;
 pub mod splice;
 pub mod tls;
@@ -663,23 +666,9 @@ async fn handle_connection(
             // Bytes the client pipelined after the head; the head buffer itself is freed here.
             let early = buf.split_off(len.min(buf.len()));
             drop(buf);
-            if intercept::intercepts(shared, &target) {
-                let client = prefixed::Prefixed::new(early, stream);
-                // Boxed: interception's state (TLS both ways, hyper) is ~12 KiB, and inline it
-                // would size every connection's task, idle pass-through tunnels included.
-                Box::pin(intercept::serve(
-                    client,
-                    upstream,
-                    target,
-                    shared.clone(),
-                    stop.cancelled_owned(),
-                ))
-                .await;
-                return;
-            }
-            shared
-                .relay(stream, upstream, early, &target, stop.cancelled_owned())
-                .await;
+            // Boxed inside: the sniffing step and what follows it (interception, per-request
+            // HTTP) stay out of every connection's task, idle pass-through tunnels included.
+            route::connect_tunnel(stream, upstream, early, target, shared.clone(), stop).await;
         }
         (_, Request::Http { .. }) => {
             // hyper re-parses from the start and checks every request on the connection.

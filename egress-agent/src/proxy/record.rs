@@ -90,6 +90,24 @@ impl Shared {
         self.record(target, ip, protocol, reason.as_str(), Verdict::Deny);
     }
 
+    /// [`Shared::deny_event`] with extra context fields (never a secret, URL or header value).
+    pub(crate) fn deny_event_with(
+        &self,
+        target: &Target,
+        protocol: &str,
+        reason: DenyReason,
+        extra: &[(&str, &str)],
+    ) {
+        self.record_with(
+            target,
+            None,
+            protocol,
+            reason.as_str(),
+            Verdict::Deny,
+            extra,
+        );
+    }
+
     /// A refused request inside an intercepted connection (or plain HTTP): the event also
     /// carries the method and the path (never the query string or fragment).
     pub(crate) fn deny_request_event(

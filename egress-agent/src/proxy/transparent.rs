@@ -5,7 +5,9 @@
 //! without one) → read the first bytes under `proxy.header_timeout_ms` and [`MAX_SNIFF_BYTES`]
 //! ([`Sniffer`]: TLS SNI without terminating TLS, or the HTTP Host) → the policy check of CONNECT
 //! on that name and the **original port** → resolve the name, check every address → dial **the
-//! name's own addresses** → replay the bytes read → tunnel ([`Shared::relay`]).
+//! name's own addresses** → [`route::carry`]: TLS to an intercepted host is terminated and
+//! checked request by request exactly like a `CONNECT` to it, plain HTTP is served request by
+//! request (each Host must stay the name decided on), anything else is relayed.
 //!
 //! Domain fronting: the original IP is never dialed. A client that connected to an address of
 //! its choosing (a pinned IP, a fronting CDN, a rebinding answer) reaches whatever the *name* it
@@ -22,7 +24,8 @@ use tracing::Instrument;
 
 use super::dial::{self, DialError};
 use super::original_dst::ConnKey;
-use super::sniff::{Kind, MAX_SNIFF_BYTES, Sniffed, Sniffer, TLS_ACCESS_DENIED};
+use super::route::{self, Refused};
+use super::sniff::{Kind, MAX_SNIFF_BYTES, Sniffed, Sniffer};
 use super::{Shared, refuse, response};
 use crate::events::DenialEvent;
 use crate::events::Verdict;
@@ -67,47 +70,10 @@ pub(crate) async fn handle(
         .await;
 }
 
-/// One refusal of a redirected connection.
-struct Refusal<'a> {
-    kind: Option<Kind>,
-    /// The name the client sent (normalised, or raw when it didn't parse).
-    host: Option<String>,
-    reason: DenyReason,
-    /// The resolved address the dial-time check refused.
-    resolved: Option<std::net::IpAddr>,
-    /// rustls' alert for a malformed hello (else `access_denied`).
-    alert: &'a [u8],
-}
-
-/// Refuse: event (name, original IP and port, reason), then the alert or 403, then close.
-async fn deny(shared: &Shared, stream: &mut TcpStream, orig: SocketAddr, r: Refusal<'_>) {
-    let Refusal {
-        kind,
-        host,
-        reason,
-        resolved,
-        alert,
-    } = r;
-    let protocol = kind.map_or("tcp", Kind::as_str);
-    let mut ev = DenialEvent::proxy(
-        &shared.name,
-        host,
-        Some(orig.ip()),
-        orig.port(),
-        protocol,
-        reason.as_str(),
-    );
-    if let Some(ip) = resolved {
-        ev.context.insert("denied_address".into(), ip.to_string());
-    }
-    shared.emit_denial(ev);
-    let answer = match kind {
-        Some(Kind::Http) => response::forbidden(reason, &shared.name),
-        Some(Kind::Tls) if !alert.is_empty() => alert.to_vec(),
-        Some(Kind::Tls) => TLS_ACCESS_DENIED.to_vec(),
-        None => Vec::new(),
-    };
-    refuse(stream, &answer).await;
+/// Refuse a redirected connection (event with its original destination, alert or 403, close).
+async fn deny(shared: &Shared, stream: &mut TcpStream, orig: SocketAddr, mut r: Refused<'_>) {
+    r.orig = Some(orig);
+    route::deny(shared, stream, r).await;
 }
 
 /// A redirected connection whose original destination is `orig`; `buf` holds bytes already read
@@ -135,12 +101,10 @@ pub(crate) async fn intercepted(
                     host,
                     alert,
                 } => {
-                    let r = Refusal {
-                        kind,
+                    let r = Refused {
                         host,
-                        reason,
-                        resolved: None,
                         alert: &alert,
+                        ..Refused::new(kind, reason, orig.port())
                     };
                     deny(shared, &mut stream, orig, r).await;
                     return;
@@ -180,12 +144,9 @@ pub(crate) async fn intercepted(
         Decision::Allow => None,
         Decision::WouldDeny(reason) => Some((reason, Some(orig.ip()))),
         Decision::Deny(reason) => {
-            let r = Refusal {
-                kind: Some(kind),
+            let r = Refused {
                 host,
-                reason,
-                resolved: None,
-                alert: &[],
+                ..Refused::new(Some(kind), reason, orig.port())
             };
             deny(shared, &mut stream, orig, r).await;
             return;
@@ -212,12 +173,10 @@ pub(crate) async fn intercepted(
             d.stream
         }
         Err(DialError::Denied { reason, ip }) => {
-            let r = Refusal {
-                kind: Some(kind),
+            let r = Refused {
                 host,
-                reason,
                 resolved: ip,
-                alert: &[],
+                ..Refused::new(Some(kind), reason, orig.port())
             };
             deny(shared, &mut stream, orig, r).await;
             return;
@@ -233,8 +192,7 @@ pub(crate) async fn intercepted(
             return;
         }
     };
-    // The bytes read (the whole ClientHello, or the request head) go first, untouched.
-    shared
-        .relay(stream, upstream, buf, &target, stop.cancelled_owned())
-        .await;
+    // The bytes read (the whole ClientHello, or the request head) go first: to the interception
+    // session, the per-request HTTP path, or untouched through a tunnel (see [`route`]).
+    route::carry(stream, upstream, buf, Some(kind), target, shared, stop).await;
 }
