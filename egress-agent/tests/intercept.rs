@@ -1,9 +1,12 @@
 //! TLS interception with credential injection and request rules, end to end on loopback: real
-//! clients (curl, python3 urllib, node) through the explicit proxy (`HTTPS_PROXY`, trusting the
-//! agent CA through the variables `ca::command_env` hands a command), a TLS upstream with its own
-//! test CA that records what it received.
+//! clients (curl, python3 urllib, node) trusting the agent CA through the variables
+//! `ca::command_env` hands a command, a TLS upstream with its own test CA that records what it
+//! received. Every case runs twice ([`both_ways!`]): through the explicit proxy (`HTTPS_PROXY`)
+//! and with no proxy variables at all, reaching the policy's transparent listener the way the
+//! kernel redirects a program that connects by itself.
 #![expect(clippy::unwrap_used, reason = "test assertions")]
 
+#[macro_use]
 mod intercept_support;
 
 use std::time::Duration;
@@ -22,7 +25,9 @@ fn bearer() -> String {
 }
 
 async fn curl(h: &Harness, args: &[&str]) -> Out {
+    let route = h.curl_route();
     let mut a = vec!["-sS", "--max-time", "15", "-D", "-"];
+    a.extend(route.iter().map(String::as_str));
     a.extend_from_slice(args);
     run_client("curl", &a, &h.client_env()).await
 }
@@ -35,9 +40,8 @@ fn assert_secret_arrived(r: &Received) {
     );
 }
 
-#[tokio::test]
-async fn curl_http1_and_h2_get_the_secret_injected() {
-    let h = harness().await;
+async fn curl_http1_and_h2_get_the_secret_injected(via: Via) {
+    let h = harness_via(via).await;
     let url = h.url("api.test", "/v1/messages");
     let b = bearer();
     let h1 = curl(&h, &["--http1.1", "-X", "POST", "-d", "{}", "-H", &b, &url]).await;
@@ -53,7 +57,7 @@ async fn curl_http1_and_h2_get_the_secret_injected() {
         "{}",
         String::from_utf8_lossy(&h2.all())
     );
-    assert!(h2.text().contains("\nHTTP/2 200"), "{}", h2.text());
+    assert!(h2.text().contains("HTTP/2 200"), "{}", h2.text());
     assert!(h2.text().contains("ok HTTP/2.0 2"), "{}", h2.text());
     let seen = h.up.requests();
     assert_eq!(seen.len(), 2, "{seen:?}");
@@ -71,18 +75,18 @@ async fn curl_http1_and_h2_get_the_secret_injected() {
     h.assert_no_secret_written(&[&h1.all(), &h2.all()]);
 }
 
-#[tokio::test]
-async fn python_urllib_gets_the_secret_injected() {
-    let h = harness().await;
+async fn python_urllib_gets_the_secret_injected(via: Via) {
+    let h = harness_via(via).await;
     let script = format!(
-        r#"
+        r#"{prelude}
 import urllib.request, os
 req = urllib.request.Request({url:?}, data=b'{{}}', method='POST',
     headers={{'Authorization': 'Bearer ' + os.environ['API_KEY']}})
 with urllib.request.urlopen(req, timeout=10) as r:
     print(r.status, r.read().decode())
 "#,
-        url = h.url("api.test", "/v1/messages")
+        url = h.url("api.test", "/v1/messages"),
+        prelude = h.python_prelude(),
     );
     // Debian's python3 (the CA comes from SSL_CERT_FILE, the placeholder from API_KEY).
     let out = run_client("/usr/bin/python3", &["-c", &script], &h.client_env()).await;
@@ -98,9 +102,8 @@ with urllib.request.urlopen(req, timeout=10) as r:
     h.assert_no_secret_written(&[&out.all()]);
 }
 
-#[tokio::test]
-async fn node_h1_and_h2_get_the_secret_injected() {
-    let h = harness().await;
+async fn node_h1_and_h2_get_the_secret_injected(via: Via) {
+    let h = harness_via(via).await;
     let url = h.url("api.test", "/v1/messages");
     let auth = format!("authorization=Bearer {PLACEHOLDER}");
     let mut outs = Vec::new();
@@ -128,13 +131,14 @@ async fn node_h1_and_h2_get_the_secret_injected() {
     h.assert_no_secret_written(&[&outs[0].all(), &outs[1].all()]);
 }
 
-#[tokio::test]
-async fn placeholder_to_another_host_is_refused_and_never_arrives() {
-    let h = harness().await;
+async fn placeholder_to_another_host_is_refused_and_never_arrives(via: Via) {
+    let h = harness_via(via).await;
     let b = bearer();
     // Another allowed, intercepted host.
     let out = curl(&h, &["-H", &b, &h.url("other.test", "/v1/messages")]).await;
-    assert!(out.text().starts_with("HTTP/1.1 200"), "{}", out.text()); // the CONNECT
+    if via == Via::Proxy {
+        assert!(out.text().starts_with("HTTP/1.1 200"), "{}", out.text()); // the CONNECT
+    }
     assert!(
         out.text().contains("HTTP/2 403") || out.text().contains("HTTP/1.1 403"),
         "{}",
@@ -197,9 +201,8 @@ async fn placeholder_to_another_host_is_refused_and_never_arrives() {
     h.assert_no_secret_written(&[&out.all(), &out2.all(), &out3.all(), &out4.all(), &ok.all()]);
 }
 
-#[tokio::test]
-async fn method_and_path_rules_hold() {
-    let h = harness().await;
+async fn method_and_path_rules_hold(via: Via) {
+    let h = harness_via(via).await;
     let b = bearer();
     let deny = |o: &Out| {
         o.text()
@@ -345,26 +348,26 @@ async fn method_and_path_rules_hold() {
 
 /// The upstream sends one event, then waits until the test has read it from the client's
 /// output; only then the second event and the end. A proxy that buffered the body would stall.
-#[tokio::test]
-async fn sse_arrives_event_by_event() {
-    let h = harness().await;
+async fn sse_arrives_event_by_event(via: Via) {
+    let h = harness_via(via).await;
     let b = bearer();
     for v in ["--http1.1", "--http2"] {
         let mut cmd = tokio::process::Command::new("curl");
-        cmd.args([
-            "-sSN",
-            "--max-time",
-            "15",
-            v,
-            "-H",
-            &b,
-            &h.url("api.test", "/sse"),
-        ])
-        .env_clear()
-        .env("PATH", "/usr/bin:/bin")
-        .envs(h.client_env())
-        .stdout(std::process::Stdio::piped())
-        .kill_on_drop(true);
+        cmd.args(h.curl_route())
+            .args([
+                "-sSN",
+                "--max-time",
+                "15",
+                v,
+                "-H",
+                &b,
+                &h.url("api.test", "/sse"),
+            ])
+            .env_clear()
+            .env("PATH", "/usr/bin:/bin")
+            .envs(h.client_env())
+            .stdout(std::process::Stdio::piped())
+            .kill_on_drop(true);
         let mut child = cmd.spawn().unwrap();
         let mut lines = tokio::io::BufReader::new(child.stdout.take().unwrap()).lines();
         let first = tokio::time::timeout(T, lines.next_line())
@@ -388,18 +391,13 @@ async fn sse_arrives_event_by_event() {
     h.up.requests().iter().for_each(assert_secret_arrived);
 }
 
-#[tokio::test]
-async fn websocket_echo_after_the_swap() {
-    let h = harness().await;
+async fn websocket_echo_after_the_swap(via: Via) {
+    let h = harness_via(via).await;
     let agent_ca = std::fs::read_to_string(h.state_dir().join("ca.pem")).unwrap();
-    let tls = connect_tls(
-        h.proxy,
-        "api.test",
-        h.port(),
-        client_tls(&agent_ca, &[b"http/1.1"]),
-    )
-    .await
-    .unwrap();
+    let tls = h
+        .open_tls("api.test", client_tls(&agent_ca, &[b"http/1.1"]))
+        .await
+        .unwrap();
     let mut req = tokio_tungstenite::tungstenite::client::IntoClientRequest::into_client_request(
         h.url("api.test", "/ws").replace("https://", "wss://"),
     )
@@ -431,49 +429,35 @@ async fn websocket_echo_after_the_swap() {
 
 /// A host with neither binding nor rules is a plain tunnel: the client sees the upstream's own
 /// certificate (it verifies against the upstream's CA, not the agent's).
-#[tokio::test]
-async fn pass_through_host_is_not_intercepted() {
-    let h = harness().await;
-    let tls = connect_tls(
-        h.proxy,
-        "plain.test",
-        h.port(),
-        client_tls(&h.test_ca.pem, &[b"http/1.1"]),
-    )
-    .await
-    .unwrap();
+async fn pass_through_host_is_not_intercepted(via: Via) {
+    let h = harness_via(via).await;
+    let tls = h
+        .open_tls("plain.test", client_tls(&h.test_ca.pem, &[b"http/1.1"]))
+        .await
+        .unwrap();
     let certs = tls.get_ref().1.peer_certificates().unwrap();
     assert_eq!(certs[0], h.up.cert);
     // Trusting only the agent CA, the same host fails verification: nobody re-signed it.
     let agent_ca = std::fs::read_to_string(h.state_dir().join("ca.pem")).unwrap();
-    let e = connect_tls(
-        h.proxy,
-        "plain.test",
-        h.port(),
-        client_tls(&agent_ca, &[b"http/1.1"]),
-    )
-    .await
-    .unwrap_err();
+    let e = h
+        .open_tls("plain.test", client_tls(&agent_ca, &[b"http/1.1"]))
+        .await
+        .unwrap_err();
     assert!(e.to_string().contains("certificate"), "{e}");
     // And curl with the agent's bundle: unknown issuer.
     let out = curl(&h, &["--http1.1", &h.url("plain.test", "/")]).await;
     assert!(!out.status.success(), "{}", out.text());
     // An intercepted host presents the agent's leaf instead.
-    let tls = connect_tls(
-        h.proxy,
-        "api.test",
-        h.port(),
-        client_tls(&agent_ca, &[b"h2", b"http/1.1"]),
-    )
-    .await
-    .unwrap();
+    let tls = h
+        .open_tls("api.test", client_tls(&agent_ca, &[b"h2", b"http/1.1"]))
+        .await
+        .unwrap();
     assert_ne!(tls.get_ref().1.peer_certificates().unwrap()[0], h.up.cert);
     assert_eq!(tls.get_ref().1.alpn_protocol(), Some(&b"h2"[..]));
 }
 
-#[tokio::test]
-async fn secret_reflected_by_the_upstream_is_not_passed_on() {
-    let h = harness().await;
+async fn secret_reflected_by_the_upstream_is_not_passed_on(via: Via) {
+    let h = harness_via(via).await;
     let b = bearer();
     let out = curl(&h, &["--http1.1", "-H", &b, &h.url("api.test", "/reflect")]).await;
     assert!(out.text().contains("reflected"), "{}", out.text());
@@ -486,9 +470,8 @@ async fn secret_reflected_by_the_upstream_is_not_passed_on() {
     h.assert_no_secret_written(&[&out.all()]);
 }
 
-#[tokio::test]
-async fn large_upload_streams_through() {
-    let h = harness().await;
+async fn large_upload_streams_through(via: Via) {
+    let h = harness_via(via).await;
     let b = bearer();
     let file = h.dir.join("upload.bin");
     std::fs::write(&file, vec![b'x'; 24 << 20]).unwrap();
@@ -542,10 +525,9 @@ async fn sni_naming_another_server_is_refused() {
     assert!(h.up.requests().is_empty());
 }
 
-#[tokio::test]
-async fn untrusted_upstream_certificate_is_a_502() {
+async fn untrusted_upstream_certificate_is_a_502(via: Via) {
     // The upstream's CA is not configured here: only the system roots.
-    let h = harness_untrusting_upstream().await;
+    let h = harness_untrusting_upstream(via).await;
     let b = bearer();
     let out = curl(
         &h,
@@ -603,4 +585,199 @@ async fn ca_is_kept_across_restarts_and_the_key_is_0600() {
     let e = egress_agent::ca::AgentCa::load_or_create(&state).unwrap_err();
     assert!(e.to_string().contains("0644"), "{e}");
     let _ = Duration::ZERO;
+}
+
+both_ways!(
+    curl_http1_and_h2_get_the_secret_injected,
+    python_urllib_gets_the_secret_injected,
+    node_h1_and_h2_get_the_secret_injected,
+    placeholder_to_another_host_is_refused_and_never_arrives,
+    method_and_path_rules_hold,
+    sse_arrives_event_by_event,
+    websocket_echo_after_the_swap,
+    pass_through_host_is_not_intercepted,
+    secret_reflected_by_the_upstream_is_not_passed_on,
+    large_upload_streams_through,
+    untrusted_upstream_certificate_is_a_502,
+    client_not_trusting_the_agent_ca_gets_nothing_through,
+    smuggling_and_switches_never_reach_the_upstream,
+);
+
+/// A client that doesn't trust the agent's CA (it trusts only the upstream's own) gets nothing
+/// through an intercepted host, and the event says why.
+async fn client_not_trusting_the_agent_ca_gets_nothing_through(via: Via) {
+    let h = harness_via(via).await;
+    let ca = h.dir.join("upstream-ca.pem");
+    let b = bearer();
+    let out = curl(
+        &h,
+        &[
+            "--cacert",
+            &ca.display().to_string(),
+            "-X",
+            "POST",
+            "-H",
+            &b,
+            &h.url("api.test", "/v1/messages"),
+        ],
+    )
+    .await;
+    assert!(!out.status.success(), "{}", out.text());
+    let ev = h.wait_event("agent-ca-not-trusted").await;
+    assert_eq!(ev.host.as_deref(), Some("api.test"));
+    assert!(ev.context.contains_key("client_tls"), "{ev:?}");
+    assert!(h.up.requests().is_empty(), "arrived: {:?}", h.up.requests());
+    h.assert_no_secret_written(&[&out.all()]);
+}
+
+/// Raw HTTP/1.1 bytes inside an intercepted TLS connection to `host`; everything the client got
+/// back until the agent closed the connection.
+async fn raw_h1(h: &Harness, host: &str, bytes: &[u8]) -> String {
+    use tokio::io::AsyncReadExt;
+    let agent_ca = std::fs::read_to_string(h.state_dir().join("ca.pem")).unwrap();
+    let mut tls = h
+        .open_tls(host, client_tls(&agent_ca, &[b"http/1.1"]))
+        .await
+        .unwrap();
+    tls.write_all(bytes).await.unwrap();
+    let mut out = Vec::new();
+    tokio::time::timeout(T, tls.read_to_end(&mut out))
+        .await
+        .expect("the agent kept the connection open")
+        .ok();
+    String::from_utf8_lossy(&out).into_owned()
+}
+
+/// Request smuggling and protocol switches inside an intercepted connection: what a second parser
+/// could read differently is refused, the connection ends there, and nothing pipelined after it
+/// reaches the upstream. Checked by what the upstream received.
+async fn smuggling_and_switches_never_reach_the_upstream(via: Via) {
+    let h = harness_via(via).await;
+    let host = format!("rules.test:{}", h.port());
+    let next = format!("GET /smuggled HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n");
+    // Content-Length with Transfer-Encoding: hyper reads the chunked body, drops the length and
+    // closes the connection after answering (RFC 9112 §6.3); the upstream gets it re-framed, and
+    // nothing pipelined after it.
+    let got = raw_h1(
+        &h,
+        "rules.test",
+        format!(
+            "POST /cl-te HTTP/1.1\r\nHost: {host}\r\nContent-Length: 4\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n{next}"
+        )
+        .as_bytes(),
+    )
+    .await;
+    assert_eq!(got.matches("\r\ndate: ").count(), 1, "one response: {got}");
+    let cases: Vec<(String, &str)> = vec![
+        (
+            format!(
+                "POST /a HTTP/1.1\r\nHost: {host}\r\nTransfer_Encoding: chunked\r\nContent-Length: 5\r\n\r\n0\r\n\r\n"
+            ),
+            "obfuscated-header-name",
+        ),
+        (
+            format!(
+                "POST /a HTTP/1.1\r\nHost: {host}\r\nContent-Length: 5\r\nContent-Length: 6\r\n\r\nhello!"
+            ),
+            "400",
+        ),
+        (
+            format!(
+                "GET /a HTTP/1.1\r\nHost: {host}\r\nConnection: Upgrade, HTTP2-Settings\r\nUpgrade: h2c\r\nHTTP2-Settings: AAMAAABkAARAAAAAAAIAAAAA\r\n\r\n"
+            ),
+            "upgrade-not-allowed",
+        ),
+        (format!("OPTIONS * HTTP/1.1\r\nHost: {host}\r\n\r\n"), "400"),
+        (
+            format!("CONNECT other.test:443 HTTP/1.1\r\nHost: other.test:443\r\n\r\n"),
+            "400",
+        ),
+    ];
+    for (req, want) in &cases {
+        let got = raw_h1(&h, "rules.test", format!("{req}{next}").as_bytes()).await;
+        assert!(got.contains(want), "{req:?} → {got}");
+        assert!(
+            !got.contains("\r\n\r\nok "),
+            "{req:?} reached the upstream: {got}"
+        );
+    }
+    // A request the rules refuse (DELETE on rules.test), then an allowed one: the refused one
+    // never arrives, the next is parsed and checked on its own.
+    let got = raw_h1(
+        &h,
+        "rules.test",
+        format!("DELETE /x HTTP/1.1\r\nHost: {host}\r\nContent-Length: 0\r\n\r\n{next}").as_bytes(),
+    )
+    .await;
+    assert!(got.contains("request-denied-by-rule"), "{got}");
+    // The same for a request naming another host on the intercepted connection.
+    let other = format!("GET /a HTTP/1.1\r\nHost: other.test:{}\r\n\r\n", h.port());
+    let got = raw_h1(&h, "rules.test", format!("{other}{next}").as_bytes()).await;
+    assert!(got.contains("host-header-mismatch"), "{got}");
+    let seen = h.up.requests();
+    assert_eq!(
+        seen.iter()
+            .map(|r| (r.method.as_str(), r.target.as_str()))
+            .collect::<Vec<_>>(),
+        vec![
+            ("POST", "/cl-te"),
+            ("GET", "/smuggled"),
+            ("GET", "/smuggled")
+        ],
+        "{seen:?}"
+    );
+    assert_eq!(seen[0].body_len, 0, "{seen:?}");
+    assert!(
+        seen[0].header("content-length").is_none_or(|v| v == "0"),
+        "{seen:?}"
+    );
+}
+
+/// `CONNECT` to one allowed name, then TLS naming another: refused before any byte reaches the
+/// address (the CDN fronting escape class), for a pass-through host and an intercepted one.
+#[tokio::test]
+async fn connect_then_another_sni_is_refused() {
+    let h = harness().await;
+    for (target, sni) in [("plain.test", "other.test"), ("other.test", "plain.test")] {
+        let (resp, s) = {
+            let mut s = tokio::net::TcpStream::connect(h.proxy).await.unwrap();
+            let t = format!("{target}:{}", h.port());
+            s.write_all(format!("CONNECT {t} HTTP/1.1\r\nHost: {t}\r\n\r\n").as_bytes())
+                .await
+                .unwrap();
+            let mut buf = [0u8; 39];
+            tokio::io::AsyncReadExt::read_exact(&mut s, &mut buf)
+                .await
+                .unwrap();
+            (String::from_utf8_lossy(&buf).into_owned(), s)
+        };
+        assert!(resp.starts_with("HTTP/1.1 200"), "{resp}");
+        let name = rustls::pki_types::ServerName::try_from(sni).unwrap();
+        // The upstream's own CA: a relayed hello would have completed and sent the request.
+        let r = tokio_rustls::TlsConnector::from(client_tls(&h.test_ca.pem, &[b"http/1.1"]))
+            .connect(name, s)
+            .await;
+        if let Ok(mut tls) = r {
+            tls.write_all(format!("GET / HTTP/1.1\r\nHost: {sni}\r\n\r\n").as_bytes())
+                .await
+                .ok();
+        }
+        let ev = loop {
+            let found = h
+                .events
+                .recent(100)
+                .into_iter()
+                .find(|e| e.reason == "sni-mismatch" && e.host.as_deref() == Some(sni));
+            if let Some(e) = found {
+                break e;
+            }
+            h.wait_event("sni-mismatch").await;
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        };
+        assert_eq!(
+            ev.context.get("connect_target").map(String::as_str),
+            Some(format!("{target}:{}", h.port()).as_str())
+        );
+        assert!(h.up.requests().is_empty(), "arrived: {:?}", h.up.requests());
+    }
 }

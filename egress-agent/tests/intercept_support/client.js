@@ -13,7 +13,10 @@ const tls = require('tls');
 
 const [mode, method, url, ...hdrs] = process.argv.slice(2);
 const target = new URL(url);
-const proxy = new URL(process.env.HTTPS_PROXY || process.env.https_proxy);
+// EGRESS_TEST_CONNECT_TO=ip:port: no proxy, connect straight there (where the kernel would
+// redirect a program that ignores the proxy variables), the URL's name as SNI and Host.
+const direct = process.env.EGRESS_TEST_CONNECT_TO;
+const proxy = direct ? null : new URL(process.env.HTTPS_PROXY || process.env.https_proxy);
 const headers = {};
 for (const h of hdrs) {
   const i = h.indexOf('=');
@@ -26,6 +29,26 @@ function fail(e) {
   process.exit(2);
 }
 
+function onSocket(socket) {
+  const sock = tls.connect({
+    socket,
+    servername: target.hostname,
+    ALPNProtocols: mode === 'h2' ? ['h2'] : ['http/1.1'],
+  });
+  sock.on('error', fail);
+  sock.on('secureConnect', () => (mode === 'h2' ? viaH2(sock) : viaH1(sock)));
+}
+
+if (direct) {
+  const i = direct.lastIndexOf(':');
+  const raw = require('net').connect({ host: direct.slice(0, i), port: Number(direct.slice(i + 1)) });
+  raw.on('error', fail);
+  raw.on('connect', () => onSocket(raw));
+} else {
+  startConnect();
+}
+
+function startConnect() {
 const connect = http.request({
   host: proxy.hostname,
   port: proxy.port,
@@ -36,15 +59,10 @@ const connect = http.request({
 connect.on('error', fail);
 connect.on('connect', (res, socket) => {
   if (res.statusCode !== 200) fail(`CONNECT ${res.statusCode}`);
-  const sock = tls.connect({
-    socket,
-    servername: target.hostname,
-    ALPNProtocols: mode === 'h2' ? ['h2'] : ['http/1.1'],
-  });
-  sock.on('error', fail);
-  sock.on('secureConnect', () => (mode === 'h2' ? viaH2(sock) : viaH1(sock)));
+  onSocket(socket);
 });
 connect.end();
+}
 
 function done(status, h, chunks) {
   console.log(JSON.stringify({ status, headers: h, body: Buffer.concat(chunks).toString() }));

@@ -303,8 +303,34 @@ pub async fn upstream(ca: &TestCa, names: &[&str]) -> Upstream {
 /// Names the tests use; all on loopback.
 pub const HOSTS: &str = "127.0.0.1 api.test other.test plain.test rules.test\n";
 
+/// How the clients of a test reach the agent: the explicit proxy (`HTTPS_PROXY`, `CONNECT`), or
+/// straight to the destination the way a program that ignores the proxy variables does, which the
+/// kernel redirects to the policy's transparent listener (here: curl's `--connect-to`, python's
+/// and node's socket pointed at it; a test `OriginalDst` plays the kernel's map).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Via {
+    Proxy,
+    Transparent,
+}
+
+/// Run each named `async fn name(via: Via)` as two tests: `via_proxy::name`, `transparent::name`.
+#[macro_export]
+macro_rules! both_ways {
+    ($($name:ident),* $(,)?) => {
+        mod via_proxy {
+            $( #[tokio::test] async fn $name() { super::$name(super::Via::Proxy).await } )*
+        }
+        mod transparent {
+            $( #[tokio::test] async fn $name() { super::$name(super::Via::Transparent).await } )*
+        }
+    };
+}
+
 pub struct Harness {
+    pub via: Via,
     pub proxy: SocketAddr,
+    /// The policy's transparent listener (where the kernel would redirect a direct connection).
+    pub transparent: SocketAddr,
     pub events: EventSink,
     pub up: Upstream,
     pub test_ca: TestCa,
@@ -335,7 +361,9 @@ impl Harness {
     pub fn state_dir(&self) -> PathBuf {
         self.dir.join("state")
     }
-    /// The environment a confined command gets (`ca::command_env`) plus the proxy variables.
+    /// The environment a confined command gets (`ca::command_env`) plus the proxy variables
+    /// ([`Via::Proxy`]), or `EGRESS_TEST_CONNECT_TO` for the python and node clients of
+    /// [`Via::Transparent`] (no proxy variables at all).
     pub fn client_env(&self) -> Vec<(String, String)> {
         let state = self.state_dir();
         let mut env = egress_agent::ca::command_env(
@@ -343,12 +371,62 @@ impl Harness {
             &state.join("ca-bundle.pem"),
             &state.join("ca.pem"),
         );
-        for k in ["HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy"] {
-            env.push((k.to_owned(), self.proxy_url()));
+        match self.via {
+            Via::Proxy => {
+                for k in ["HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy"] {
+                    env.push((k.to_owned(), self.proxy_url()));
+                }
+                env.push(("NO_PROXY".to_owned(), String::new()));
+                env.push(("no_proxy".to_owned(), String::new()));
+            }
+            Via::Transparent => {
+                env.push((
+                    "EGRESS_TEST_CONNECT_TO".to_owned(),
+                    self.transparent.to_string(),
+                ));
+            }
         }
-        env.push(("NO_PROXY".to_owned(), String::new()));
-        env.push(("no_proxy".to_owned(), String::new()));
         env
+    }
+
+    /// curl's arguments that reach the agent this harness's way (transparent: every connection
+    /// goes to the transparent listener, the URL's name stays the SNI and Host).
+    pub fn curl_route(&self) -> Vec<String> {
+        match self.via {
+            Via::Proxy => Vec::new(),
+            Via::Transparent => vec![
+                "--connect-to".to_owned(),
+                format!("::{}:{}", self.transparent.ip(), self.transparent.port()),
+            ],
+        }
+    }
+
+    /// A python prelude that points every socket at the transparent listener (no-op for the
+    /// proxy: urllib uses the proxy variables).
+    pub fn python_prelude(&self) -> &'static str {
+        "import os, socket\n\
+         _to = os.environ.get('EGRESS_TEST_CONNECT_TO')\n\
+         if _to:\n\
+         \x20   _h, _p = _to.rsplit(':', 1)\n\
+         \x20   _cc = socket.create_connection\n\
+         \x20   socket.create_connection = lambda a, *x, **k: _cc((_h, int(_p)), *x, **k)\n"
+    }
+
+    /// A TCP connection to `host` this harness's way: through `CONNECT`, or straight to the
+    /// transparent listener; then TLS with `tls`.
+    pub async fn open_tls(
+        &self,
+        host: &str,
+        tls: Arc<rustls::ClientConfig>,
+    ) -> std::io::Result<tokio_rustls::client::TlsStream<tokio::net::TcpStream>> {
+        match self.via {
+            Via::Proxy => connect_tls(self.proxy, host, self.port(), tls).await,
+            Via::Transparent => {
+                let s = tokio::net::TcpStream::connect(self.transparent).await?;
+                let name = rustls::pki_types::ServerName::try_from(host.to_owned()).unwrap();
+                tokio_rustls::TlsConnector::from(tls).connect(name, s).await
+            }
+        }
     }
     pub fn events_json(&self) -> String {
         self.events
@@ -411,17 +489,21 @@ pub async fn harness() -> Harness {
     harness_with("").await
 }
 
+pub async fn harness_via(via: Via) -> Harness {
+    harness_opts("", true, via).await
+}
+
 /// The harness without the upstream's CA configured (only the system roots are trusted).
-pub async fn harness_untrusting_upstream() -> Harness {
-    harness_opts("", false).await
+pub async fn harness_untrusting_upstream(via: Via) -> Harness {
+    harness_opts("", false, via).await
 }
 
 pub async fn harness_with(extra: &str) -> Harness {
-    harness_opts(extra, true).await
+    harness_opts(extra, true, Via::Proxy).await
 }
 
 /// Test policy on the recording upstream; `extra` is appended to `[policies.test]`'s tables.
-pub async fn harness_opts(extra: &str, trust_upstream: bool) -> Harness {
+pub async fn harness_opts(extra: &str, trust_upstream: bool, via: Via) -> Harness {
     init_logging();
     let dir = temp_dir();
     let test_ca = TestCa::new();
@@ -504,7 +586,18 @@ methods = ["DELETE"]
     );
     let config = Arc::new(Config::from_toml_str(&toml, Path::new("intercept.toml")).unwrap());
     let events = EventSink::new(1000);
-    let ctx = ProxyContext::new(&config, events.clone()).unwrap();
+    // The kernel's original-destination map, played by a double: every redirected connection
+    // was going to a documentation address on the upstream's port. It is never dialled (the
+    // proxy dials the name the client sent), so nothing can arrive there.
+    let hooks = egress_agent::proxy::InterceptHooks {
+        original_dst: Arc::new(egress_agent::proxy::original_dst::StaticOriginalDst::fixed(
+            SocketAddr::from(([192, 0, 2, 1], p)),
+        )),
+        answers: Arc::new(egress_agent::dns::NoAnswerSink),
+    };
+    let ctx = ProxyContext::new(&config, events.clone())
+        .unwrap()
+        .with_interception(hooks);
     let proxy = PolicyProxy::bind(
         "127.0.0.1:0".parse().unwrap(),
         "test".to_owned(),
@@ -514,12 +607,15 @@ methods = ["DELETE"]
     .await
     .unwrap();
     let addr = proxy.local_addr();
+    let transparent = proxy.intercept_addrs().unwrap().transparent.unwrap();
     let (tx, rx) = oneshot::channel();
     tokio::spawn(proxy.run(async move {
         rx.await.ok();
     }));
     Harness {
+        via,
         proxy: addr,
+        transparent,
         events,
         up,
         test_ca,
