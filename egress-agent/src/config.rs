@@ -279,6 +279,11 @@ pub struct InterceptConfig {
     pub upstream_ca_file: Option<PathBuf>,
     /// Leaf certificates kept (one per intercepted name). Default 1 024.
     pub leaf_cache_entries: usize,
+    /// Replace every bound secret an intercepted host's response carries (headers, bodies,
+    /// trailers, WebSocket frames; raw, base64, percent- and JSON-encoded) by its placeholder
+    /// before the client sees it. Default true; `false` only to measure its cost (a warning is
+    /// logged: a reflecting upstream then hands the real secret to the sandbox).
+    pub scrub_responses: bool,
 }
 
 impl Default for InterceptConfig {
@@ -286,6 +291,7 @@ impl Default for InterceptConfig {
         InterceptConfig {
             upstream_ca_file: None,
             leaf_cache_entries: 1024,
+            scrub_responses: true,
         }
     }
 }

@@ -20,12 +20,17 @@ use super::Policy;
 use super::credentials::{self, CompiledBinding, Injection};
 use super::name::{Destination, HostName};
 use super::rules::{self, RequestRule, RuleVerdict};
+use super::scrub::{ScrubSecret, Scrubber};
 
 /// The request-level part of a policy, compiled.
 #[derive(Debug, Clone, Default)]
 pub struct L7Policy {
     bindings: Vec<CompiledBinding>,
     rules: Vec<RequestRule>,
+    /// Every loaded secret of the policy's bindings with its placeholder, for the responses of
+    /// every intercepted host (an upstream may echo another binding's secret it was sent
+    /// earlier); `None` without bindings.
+    scrubber: Option<std::sync::Arc<Scrubber>>,
 }
 
 /// One request as the decision needs it.
@@ -50,10 +55,32 @@ pub enum Forward<'a> {
 
 impl L7Policy {
     pub fn new(p: &Policy) -> L7Policy {
+        let secrets: Vec<ScrubSecret> = p
+            .credentials
+            .iter()
+            .filter_map(|b| {
+                let secret = b.secret.as_ref()?;
+                Some(ScrubSecret {
+                    secret: secret.expose().to_vec(),
+                    replacement: b.placeholder.clone().unwrap_or_default().into_bytes(),
+                    prefix: b.prefix.clone().unwrap_or_default().into_bytes(),
+                    basic_user: b.basic_user.clone().map(String::into_bytes),
+                })
+            })
+            .collect();
+        let scrubber = Some(Scrubber::new(&secrets))
+            .filter(|s| !s.is_empty())
+            .map(std::sync::Arc::new);
         L7Policy {
             bindings: p.credentials.iter().map(CompiledBinding::new).collect(),
             rules: p.request_rules.clone(),
+            scrubber,
         }
+    }
+
+    /// What responses of this policy's intercepted hosts are scrubbed of (see [`super::scrub`]).
+    pub fn scrubber(&self) -> Option<&std::sync::Arc<Scrubber>> {
+        self.scrubber.as_ref()
     }
 
     pub fn is_empty(&self) -> bool {

@@ -31,6 +31,7 @@ pub mod matcher;
 pub mod model;
 pub mod name;
 pub mod rules;
+pub mod scrub;
 
 use std::net::IpAddr;
 

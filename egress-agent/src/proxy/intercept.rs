@@ -43,6 +43,7 @@ use tokio_rustls::client::TlsStream;
 
 use super::prefixed::Prefixed;
 use super::request::{self, Target};
+use super::scrub_body::{self, Report, ScrubBody, Scrubbed};
 use super::tls::{self, Interceptor, Offer, Proto};
 use super::{Refusal, Shared};
 use crate::policy::DenyReason;
@@ -50,7 +51,8 @@ use crate::policy::credentials::CompiledBinding;
 use crate::policy::l7::{Forward, RequestView};
 use crate::policy::name::{Destination, HostName};
 
-type Body = Either<Incoming, Full<Bytes>>;
+/// Upstream bodies as they are (no binding), scrubbed as they stream, or the agent's own.
+type Body = Either<Either<Incoming, ScrubBody>, Full<Bytes>>;
 
 /// Does the current policy TLS-terminate connections to `target`?
 pub(crate) fn intercepts(shared: &Shared, target: &Target) -> bool {
@@ -435,6 +437,12 @@ fn authority_value(t: &Target) -> String {
 async fn handle(mut req: Request<Incoming>, s: &Session) -> Response<Body> {
     let shared = &s.shared;
     let policy = shared.policy.load_full();
+    // Every secret of the policy is scrubbed from this host's responses (see `scrub_body`).
+    let scrubber = policy
+        .l7()
+        .scrubber()
+        .filter(|_| shared.ctx.scrubs_responses())
+        .cloned();
     if let Err(reason) = policy.check_target(&s.target.dest, s.target.port) {
         shared.deny_event(&s.target, None, "https", reason);
         return forbidden(reason, &shared.name);
@@ -518,6 +526,13 @@ async fn handle(mut req: Request<Incoming>, s: &Session) -> Response<Body> {
     {
         pq = new;
     }
+    if scrubber.is_some() {
+        // The scrubber reads what comes back: uncompressed, and no compressed WebSocket frames.
+        scrub_body::ask_identity(&mut parts.headers);
+        parts
+            .headers
+            .remove(http::HeaderName::from_static("sec-websocket-extensions"));
+    }
     let authority = authority_value(&s.target);
     let uri = match s.proto {
         Proto::Http1 => pq.parse::<Uri>(),
@@ -553,12 +568,24 @@ async fn handle(mut req: Request<Incoming>, s: &Session) -> Response<Body> {
     let switching = resp.status() == StatusCode::SWITCHING_PROTOCOLS;
     if let (true, Some(client_up)) = (switching, client_upgrade) {
         let upstream_up = hyper::upgrade::on(&mut resp);
+        let scrub = scrubber.clone().map(|sc| {
+            let report = Report {
+                shared: shared.clone(),
+                target: s.target.clone(),
+            };
+            (sc, report)
+        });
         let relay = tokio::spawn(async move {
             let (Ok(c), Ok(u)) = tokio::join!(client_up, upstream_up) else {
                 return;
             };
             let (mut c, mut u) = (TokioIo::new(c), TokioIo::new(u));
-            tokio::io::copy_bidirectional(&mut c, &mut u).await.ok();
+            match scrub {
+                Some((sc, report)) => ws_relay(c, u, sc, report).await,
+                None => {
+                    tokio::io::copy_bidirectional(&mut c, &mut u).await.ok();
+                }
+            }
         });
         s.relays
             .lock()
@@ -581,21 +608,69 @@ async fn handle(mut req: Request<Incoming>, s: &Session) -> Response<Body> {
             parts.headers.insert(header::UPGRADE, u);
         }
     }
-    if let Some(b) = binding {
-        // An upstream that reflects the credential must not hand it to the client.
-        let leaking: Vec<_> = parts
-            .headers
-            .iter()
-            .filter(|(_, v)| b.appears_in(v.as_bytes()))
-            .map(|(k, _)| k.clone())
-            .collect();
-        for k in leaking {
-            parts.headers.remove(k);
-        }
-    }
     parts.version = match s.proto {
         Proto::H2 => Version::HTTP_2,
         Proto::Http1 => Version::HTTP_11,
     };
-    Response::from_parts(parts, Either::Left(body))
+    let Some(scrubber) = scrubber.filter(|_| !switching) else {
+        return Response::from_parts(parts, Either::Left(Either::Left(body)));
+    };
+    // An upstream that reflects a credential must not hand it to the client.
+    let report = Report {
+        shared: shared.clone(),
+        target: s.target.clone(),
+    };
+    match scrub_body::response(&scrubber, &report, &mut parts, body).await {
+        Ok(Scrubbed::Whole(bytes)) => Response::from_parts(parts, Either::Right(Full::new(bytes))),
+        Ok(Scrubbed::Stream(b)) => Response::from_parts(parts, Either::Left(Either::Right(b))),
+        Err(reason) => refusal(Refusal::Upstream(reason.as_str()), &shared.name),
+    }
+}
+
+/// A WebSocket after the swap: client → upstream as is, upstream → client scrubbed frame by
+/// frame ([`crate::policy::scrub::WsScrub`], same-length replacements). A frame the scrubber
+/// can't read (compressed, masked by the server) ends the connection.
+async fn ws_relay<C, U>(
+    client: C,
+    upstream: U,
+    scrubber: Arc<crate::policy::scrub::Scrubber>,
+    report: Report,
+) where
+    C: AsyncRead + AsyncWrite + Unpin,
+    U: AsyncRead + AsyncWrite + Unpin,
+{
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let (mut cr, mut cw) = tokio::io::split(client);
+    let (mut ur, mut uw) = tokio::io::split(upstream);
+    let up = async {
+        tokio::io::copy(&mut cr, &mut uw).await.ok();
+        uw.shutdown().await.ok();
+    };
+    let mut ws = crate::policy::scrub::WsScrub::new(scrubber);
+    let down = async {
+        let mut buf = vec![0u8; 16 * 1024];
+        let mut out = Vec::with_capacity(16 * 1024);
+        loop {
+            let n = match ur.read(&mut buf).await {
+                Ok(0) | Err(_) => break,
+                Ok(n) => n,
+            };
+            out.clear();
+            if let Err(e) = ws.push(&buf[..n], &mut out) {
+                tracing::debug!(target = %report.target, error = %e, "WebSocket frame not scrubbable: closed");
+                return;
+            }
+            if cw.write_all(&out).await.is_err() {
+                return;
+            }
+        }
+        out.clear();
+        ws.finish(&mut out);
+        cw.write_all(&out).await.ok();
+        cw.shutdown().await.ok();
+    };
+    tokio::select! {
+        () = async { tokio::join!(up, down); } => {}
+    }
+    report.found("websocket", ws.found());
 }

@@ -26,6 +26,7 @@ pub mod request;
 pub mod resolve;
 pub mod response;
 mod route;
+pub mod scrub_body;
 pub mod sniff;
 pub mod splice;
 pub mod tls;
@@ -184,6 +185,15 @@ impl ProxyContext {
                 None
             }
         }
+    }
+
+    /// Are responses of intercepted hosts scrubbed of bound secrets (`intercept.scrub_responses`,
+    /// on unless switched off)?
+    pub fn scrubs_responses(&self) -> bool {
+        self.inner
+            .intercept
+            .as_ref()
+            .is_none_or(|s| s.scrub_responses)
     }
 
     /// From parts (client-facing sockets keep the host's congestion control).

@@ -107,14 +107,22 @@ pub struct InterceptSettings {
     pub state_dir: PathBuf,
     pub upstream_ca_file: Option<PathBuf>,
     pub leaf_cache_entries: usize,
+    /// `intercept.scrub_responses`.
+    pub scrub_responses: bool,
 }
 
 impl InterceptSettings {
     pub fn from_config(c: &Config) -> InterceptSettings {
+        if !c.intercept.scrub_responses {
+            tracing::warn!(
+                "intercept.scrub_responses = false: an upstream that echoes a request hands the real secret to the sandbox"
+            );
+        }
         InterceptSettings {
             state_dir: c.agent.state_dir.clone(),
             upstream_ca_file: c.intercept.upstream_ca_file.clone(),
             leaf_cache_entries: c.intercept.leaf_cache_entries,
+            scrub_responses: c.intercept.scrub_responses,
         }
     }
 }
