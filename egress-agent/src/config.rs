@@ -186,8 +186,8 @@ pub struct ProxyConfig {
     pub kernel_relay: KernelRelayMode,
     /// Reads with data (both directions together) a pass-through tunnel makes in user space
     /// before the kernel relay takes it; `0` splices every tunnel at once. Splicing costs the
-    /// proxy more than a one-request tunnel's few reads (README, "Kernel relay"), so short
-    /// tunnels stay in user space. Default 16.
+    /// proxy more than a one-request tunnel's few reads (docs/benchmarks.md, "Kernel relay"), so
+    /// short tunnels stay in user space. Default 16.
     pub kernel_relay_after_reads: u64,
 }
 

@@ -12,8 +12,8 @@ use egress_common::{
 };
 
 /// Docker's embedded resolver (user-defined networks) lives on the container's own loopback but
-/// forwards to the host's resolvers: reaching it is DNS tunnelling (threats.md 3), so it is not
-/// part of "own-netns loopback".
+/// forwards to the host's resolvers: reaching it is DNS tunnelling (docs/threat-model.md item 3),
+/// so it is not part of "own-netns loopback".
 const DOCKER_DNS: [u8; 4] = [127, 0, 0, 11];
 
 /// Is the socket in the host network namespace? Unknown host cookie (0) = yes (fail closed).

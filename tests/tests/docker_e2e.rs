@@ -214,8 +214,8 @@ fn policies_labels_and_events() {
 }
 
 /// TLS interception for a labelled container (#12 item 5): the container holds the placeholder
-/// and trusts the agent's CA (its bundle mounted read-only over the image's, as README's
-/// `docker run` line for Debian-based images does); a TLS
+/// and trusts the agent's CA (its bundle mounted read-only over the image's, as the `docker run`
+/// line for Debian-based images in docs/policy.md, "Credentials", does); a TLS
 /// upstream of the test's own (own CA, on the gateway address in dockerd's namespace) receives
 /// the real secret; a host of the same policy without binding is passed through (curl sees the
 /// upstream's own certificate). `[intercept]` takes a restart, so the daemon is restarted once.
@@ -278,7 +278,7 @@ require = true
             &format!("API_KEY={PH}"),
             "-e",
             "HTTPS_PROXY=http://169.254.100.1:3128",
-            // README's line for Debian-based images.
+            // docs/policy.md's `docker run` line for Debian-based images ("Credentials").
             "-v",
             &format!("{d}/state/ca-bundle.pem:/etc/ssl/certs/ca-certificates.crt:ro"),
             "-e",

@@ -1,4 +1,4 @@
-//! Bypass matrix (docs/threats.md items 1–5) for `deny_all` and an allowlist policy.
+//! Bypass matrix (docs/threat-model.md items 1–5) for `deny_all` and an allowlist policy.
 //!
 //! Every case runs the probe twice: outside any enforced cgroup (the canary must see the
 //! attempt's marker: proves the canary and the path work), then under `egress-agent exec` (the

@@ -1,7 +1,8 @@
 //! What confinement must still allow: the proxy endpoint (rewritten to the policy's own
 //! listener), `allow_cidrs` destinations, servers inside the cgroup answering outside clients,
 //! and everything in cgroups that are not enforced. Plus listener isolation between policies
-//! (threats.md 9): a confined process cannot reach another policy's listener directly.
+//! (docs/threat-model.md item 9): a confined process cannot reach another policy's listener
+//! directly.
 use std::io::{BufRead, BufReader, Read};
 use std::net::{SocketAddr, TcpStream};
 use std::process::{Child, Stdio};

@@ -5,7 +5,8 @@
 //! - [`events`]: the denial ring buffer → `DenialEvent`s.
 //! - [`redirects`]: original destinations and DNS-answer allowances (transparent interception).
 //! - [`relay`]: the in-kernel tunnel relay (sockhash + sk_skb verdict), per proxy process.
-//! - `sys`: the two raw syscalls aya does not wrap (the only `unsafe` in the agent).
+//! - `sys`: the two raw syscalls aya does not wrap (the agent's other `unsafe` code is listed in
+//!   docs/architecture.md, "Kernel enforcement model").
 //!
 //! [`enforce_root`] is the entry point for `exec` and the daemon.
 mod error;

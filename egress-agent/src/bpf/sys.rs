@@ -1,6 +1,6 @@
 //! The syscalls aya 0.14 does not wrap: `getsockopt(SO_NETNS_COOKIE)`, `BPF_PROG_QUERY` on a
-//! cgroup, `BPF_LINK_UPDATE` and `BPF_OBJ_GET`. The only `unsafe` in the agent, kept small and
-//! checked.
+//! cgroup, `BPF_LINK_UPDATE` and `BPF_OBJ_GET`. Kept small and checked; the agent's other `unsafe`
+//! code is listed in docs/architecture.md, "Kernel enforcement model".
 use std::io;
 use std::os::fd::{AsFd, AsRawFd};
 

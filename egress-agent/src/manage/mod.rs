@@ -1,7 +1,7 @@
 //! Policy management: the writes of the control API (create, replace, delete a policy; set
 //! `agent.default_policy` / `agent.unlabeled`; import a bundle), and export.
 //!
-//! Where writes go (see README, "Managing policies"):
+//! Where writes go (see docs/operations.md, "Managing policies"):
 //! - a policy is one file, `policies.d/<name>.toml` next to the configuration file
 //!   ([`dir`]), written atomically (temporary file 0600 + `O_EXCL`, fsync, rename, fsync the
 //!   directory); policies defined in the main file are the operator's and are not touched (409);

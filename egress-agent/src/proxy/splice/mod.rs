@@ -6,8 +6,8 @@
 //!
 //! Why not splice at once: splicing and tearing down cost the proxy ~20–30 µs of system calls
 //! per tunnel (map entries, `TCP_INFO`, epoll), which a one-request tunnel never earns back
-//! (measured with `proxy-bench`, README "Kernel relay"); each user-space read burst costs a
-//! wake-up, a read and a write. So a tunnel starts in user space and is spliced after
+//! (measured with `proxy-bench`, docs/benchmarks.md, "Kernel relay"); each user-space read burst
+//! costs a wake-up, a read and a write. So a tunnel starts in user space and is spliced after
 //! [`KernelRelay::splice_after`] reads with data ([`super::tunnel::run_until_long_lived`] stops
 //! both directions where the proxy holds none of their bytes).
 //!

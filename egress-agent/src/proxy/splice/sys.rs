@@ -1,6 +1,7 @@
 //! The socket calls the spliced relay needs that neither std, tokio, socket2 nor nix wrap:
 //! `TCP_INFO`, the `SIOCINQ`/`SIOCOUTQ` queue sizes and `SO_RCVLOWAT` (`SO_COOKIE` goes through
-//! `bpf::sys::cookie_sockopt`). The only `unsafe` of the relay, each call checked.
+//! `bpf::sys::cookie_sockopt`). Each call checked; the relay's only other `unsafe` is the fd
+//! registration with tokio in `watch`.
 use std::io;
 use std::os::fd::{AsRawFd, BorrowedFd};
 
