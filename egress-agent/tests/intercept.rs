@@ -610,6 +610,8 @@ both_ways!(
     untrusted_upstream_certificate_is_a_502,
     client_not_trusting_the_agent_ca_gets_nothing_through,
     smuggling_and_switches_never_reach_the_upstream,
+    every_reflected_secret_is_scrubbed,
+    websocket_reflection_is_scrubbed,
 );
 
 /// A client that doesn't trust the agent's CA (it trusts only the upstream's own) gets nothing
@@ -789,4 +791,153 @@ async fn connect_then_another_sni_is_refused() {
         );
         assert!(h.up.requests().is_empty(), "arrived: {:?}", h.up.requests());
     }
+}
+
+/// The reflection matrix: an upstream that echoes the injected value (a bearer header, HTTP Basic,
+/// a secret every encoding changes) in each place and encoding ([`MIRROR_FORMS`]: raw, base64,
+/// base64url, JSON, JSON with `\\uXXXX`, percent upper/lower, form, hex, gzip'd, one byte per
+/// chunk, a redirect's `Location`, the decoded Basic pair, an SSE event split mid-secret), over
+/// HTTP/1.1 and h2. The client never sees the real value in any of those forms, and sees the
+/// placeholder where the secret was; the upstream did get the secret.
+async fn every_reflected_secret_is_scrubbed(via: Via) {
+    let h = harness_via(via).await;
+    let basic = format!("bot:{PLACEHOLDER_BASIC}");
+    let sym = format!("x-api-key: {PLACEHOLDER_SYM}");
+    let b = bearer();
+    // (host, curl arguments, the header the upstream mirrors, what the upstream receives in it,
+    // what the client holds in its place)
+    let cases: [(&str, Vec<&str>, &str, String, String); 3] = [
+        (
+            "api.test",
+            vec!["-H", &b],
+            "authorization",
+            format!("Bearer {SECRET}"),
+            format!("Bearer {PLACEHOLDER}"),
+        ),
+        (
+            "basic.test",
+            vec!["-u", &basic],
+            "authorization",
+            format!("Basic {}", b64(&format!("bot:{SECRET_BASIC}"))),
+            format!("Basic {}", b64(&format!("bot:{PLACEHOLDER_BASIC}"))),
+        ),
+        (
+            "sym.test",
+            vec!["-H", &sym],
+            "x-api-key",
+            SECRET_SYM.to_owned(),
+            PLACEHOLDER_SYM.to_owned(),
+        ),
+    ];
+    let secrets = [SECRET, SECRET_BASIC, SECRET_SYM];
+    let mut outputs = Vec::new();
+    for (host, args, header, sent, held) in &cases {
+        for form in MIRROR_FORMS {
+            for v in ["--http1.1", "--http2"] {
+                let url = h.url(host, &format!("/mirror-{form}?h={header}"));
+                let mut a = vec![v];
+                a.extend(args.iter().copied());
+                a.push(&url);
+                let out = curl(&h, &a).await;
+                let all = out.all();
+                let case = format!("{host} {form} {v}: {}", String::from_utf8_lossy(&all));
+                assert!(out.status.success(), "{case}");
+                for secret in secrets {
+                    for f in MIRROR_FORMS {
+                        let leaked = mirror(f, secret.as_bytes());
+                        assert!(!contains(&all, &leaked), "{f} form of a secret in {case}");
+                    }
+                }
+                for f in MIRROR_FORMS {
+                    let leaked = mirror(f, sent.as_bytes());
+                    assert!(
+                        !contains(&all, &leaked),
+                        "{f} form of the sent value in {case}"
+                    );
+                }
+                // The placeholder, in the same form, stands where the secret was.
+                let want = match form {
+                    "location" => mirror("percent", held.as_bytes()),
+                    "gzip" | "chunks" | "sse" => held.as_bytes().to_vec(),
+                    f => mirror(f, held.as_bytes()),
+                };
+                assert!(contains(&all, &want), "no placeholder in {case}");
+                outputs.push(all);
+            }
+        }
+    }
+    let ev = h.wait_event("response-secret-scrubbed").await;
+    assert!(ev.context.contains_key("count"), "{ev:?}");
+    // The upstream got the real values.
+    let seen = h.up.requests();
+    assert!(
+        seen.iter()
+            .any(|r| r.header("x-api-key") == Some(SECRET_SYM)),
+        "{seen:?}"
+    );
+    let refs: Vec<&[u8]> = outputs.iter().map(Vec::as_slice).collect();
+    h.assert_no_secret_written(&refs);
+}
+
+fn b64(s: &str) -> String {
+    use base64::Engine as _;
+    base64::engine::general_purpose::STANDARD.encode(s)
+}
+
+fn contains(hay: &[u8], needle: &[u8]) -> bool {
+    !needle.is_empty() && hay.windows(needle.len()).any(|w| w == needle)
+}
+
+/// A WebSocket upstream that sends the injected header back in a frame: the client gets the
+/// frame with the secret replaced (same length: the placeholder padded with `*`), then echoes
+/// as usual.
+async fn websocket_reflection_is_scrubbed(via: Via) {
+    let h = harness_via(via).await;
+    let agent_ca = std::fs::read_to_string(h.state_dir().join("ca.pem")).unwrap();
+    let tls = h
+        .open_tls("api.test", client_tls(&agent_ca, &[b"http/1.1"]))
+        .await
+        .unwrap();
+    let mut req = tokio_tungstenite::tungstenite::client::IntoClientRequest::into_client_request(
+        h.url("api.test", "/ws-reflect")
+            .replace("https://", "wss://"),
+    )
+    .unwrap();
+    req.headers_mut().insert(
+        "authorization",
+        format!("Bearer {PLACEHOLDER}").parse().unwrap(),
+    );
+    let (mut ws, resp) = tokio_tungstenite::client_async(req, tls).await.unwrap();
+    assert_eq!(resp.status(), 101);
+    let first = tokio::time::timeout(T, ws.next())
+        .await
+        .unwrap()
+        .unwrap()
+        .unwrap()
+        .into_text()
+        .unwrap()
+        .to_string();
+    assert!(!first.contains(SECRET), "{first}");
+    assert_eq!(first.len(), format!("Bearer {SECRET}").len(), "{first}");
+    assert!(
+        first.starts_with(&format!("Bearer {PLACEHOLDER}")),
+        "{first}"
+    );
+    ws.send(tokio_tungstenite::tungstenite::Message::text("after"))
+        .await
+        .unwrap();
+    let back = tokio::time::timeout(T, ws.next())
+        .await
+        .unwrap()
+        .unwrap()
+        .unwrap();
+    assert_eq!(back.into_text().unwrap().as_str(), "after");
+    ws.close(None).await.ok();
+    drop(ws);
+    let ev = h.wait_event("response-secret-scrubbed").await;
+    assert_eq!(
+        ev.context.get("where").map(String::as_str),
+        Some("websocket")
+    );
+    assert_secret_arrived(&h.up.requests()[0]);
 }

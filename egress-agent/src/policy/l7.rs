@@ -55,19 +55,32 @@ pub enum Forward<'a> {
 
 impl L7Policy {
     pub fn new(p: &Policy) -> L7Policy {
-        let secrets: Vec<ScrubSecret> = p
-            .credentials
-            .iter()
-            .filter_map(|b| {
-                let secret = b.secret.as_ref()?;
-                Some(ScrubSecret {
-                    secret: secret.expose().to_vec(),
-                    replacement: b.placeholder.clone().unwrap_or_default().into_bytes(),
-                    prefix: b.prefix.clone().unwrap_or_default().into_bytes(),
-                    basic_user: b.basic_user.clone().map(String::into_bytes),
-                })
-            })
-            .collect();
+        let mut secrets: Vec<ScrubSecret> = Vec::new();
+        for b in &p.credentials {
+            let Some(secret) = b.secret.as_ref() else {
+                continue;
+            };
+            let placeholder = b.placeholder.clone().unwrap_or_default();
+            secrets.push(ScrubSecret {
+                secret: secret.expose().to_vec(),
+                replacement: placeholder.clone().into_bytes(),
+                prefix: b.prefix.clone().unwrap_or_default().into_bytes(),
+                basic_user: b.basic_user.clone().map(String::into_bytes),
+            });
+            // HTTP Basic: the header's base64 pair is a value of its own, which an upstream may
+            // encode again (base64 of the whole `Authorization` value).
+            if let Some(user) = &b.basic_user {
+                use base64::Engine as _;
+                let b64 = base64::engine::general_purpose::STANDARD;
+                let pair = |pw: &[u8]| b64.encode([user.as_bytes(), b":", pw].concat());
+                secrets.push(ScrubSecret {
+                    secret: pair(secret.expose()).into_bytes(),
+                    replacement: pair(placeholder.as_bytes()).into_bytes(),
+                    prefix: b"Basic ".to_vec(),
+                    basic_user: None,
+                });
+            }
+        }
         let scrubber = Some(Scrubber::new(&secrets))
             .filter(|s| !s.is_empty())
             .map(std::sync::Arc::new);

@@ -30,6 +30,141 @@ pub use proxy_support::{T, TempDir, temp_dir};
 /// The real secret (what only the upstream may see) and the placeholder the client holds.
 pub const SECRET: &str = "sk-real-Zq8v2LmP0xW7-never-leak";
 pub const PLACEHOLDER: &str = "egress-ph-7f3a9c1d5e";
+/// HTTP Basic (`basic.test`, user `bot`): the password the upstream gets, and the client's.
+pub const SECRET_BASIC: &str = "pw-Basic-4kQz9x2Lm7Vt";
+pub const PLACEHOLDER_BASIC: &str = "ph-basic-0001";
+/// A secret every encoding changes (`sym.test`, header `x-api-key`): `/`, `+`, `"`, `&`, `=`,
+/// `<`, `>`, space, `~`, `!` and non-ASCII.
+pub const SECRET_SYM: &str = "Sym/+\"&=\u{e9}<k>9Qz!~ tail";
+pub const PLACEHOLDER_SYM: &str = "ph-sym-0001";
+
+/// The forms `/mirror-<form>?h=<header>` echoes a request header's value in.
+pub const MIRROR_FORMS: [&str; 14] = [
+    "raw",
+    "base64",
+    "base64url",
+    "json",
+    "json-ascii",
+    "percent",
+    "percent-lower",
+    "form",
+    "hex",
+    "gzip",
+    "chunks",
+    "location",
+    "basic-decoded",
+    "sse",
+];
+
+fn percent(v: &[u8], keep: &[u8], lower: bool, plus: bool) -> String {
+    let mut s = String::new();
+    for &b in v {
+        if b.is_ascii_alphanumeric() || keep.contains(&b) {
+            s.push(b as char);
+        } else if plus && b == b' ' {
+            s.push('+');
+        } else if lower {
+            s.push_str(&format!("%{b:02x}"));
+        } else {
+            s.push_str(&format!("%{b:02X}"));
+        }
+    }
+    s
+}
+
+/// `v` the way `/mirror-<form>` puts it in the body (or header, for `location`).
+pub fn mirror(form: &str, v: &[u8]) -> Vec<u8> {
+    use base64::Engine as _;
+    use base64::engine::general_purpose::{STANDARD, URL_SAFE_NO_PAD};
+    let text = String::from_utf8_lossy(v);
+    match form {
+        "base64" => STANDARD.encode(v).into_bytes(),
+        "base64url" => URL_SAFE_NO_PAD.encode(v).into_bytes(),
+        "json" => serde_json::json!({ "echo": text }).to_string().into_bytes(),
+        "json-ascii" => {
+            let mut s = String::from("{\"echo\": \"");
+            for c in text.chars() {
+                match c {
+                    '"' => s.push_str("\\\""),
+                    '\\' => s.push_str("\\\\"),
+                    '/' => s.push_str("\\/"),
+                    c if c.is_ascii() && !c.is_ascii_control() => s.push(c),
+                    c => {
+                        let mut buf = [0u16; 2];
+                        for u in c.encode_utf16(&mut buf) {
+                            s.push_str(&format!("\\u{u:04x}"));
+                        }
+                    }
+                }
+            }
+            s.push_str("\"}");
+            s.into_bytes()
+        }
+        "percent" => percent(v, b"-._~", false, false).into_bytes(),
+        "percent-lower" => percent(v, b"-._~", true, false).into_bytes(),
+        "form" => percent(v, b"*-._", false, true).into_bytes(),
+        "hex" => v
+            .iter()
+            .map(|b| format!("{b:02x}"))
+            .collect::<String>()
+            .into_bytes(),
+        "basic-decoded" => match v.strip_prefix(b"Basic ") {
+            Some(b) => STANDARD.decode(b).unwrap_or_default(),
+            None => v.to_vec(),
+        },
+        // raw, gzip (compressed on the wire), chunks and sse (split on the wire), location
+        _ => v.to_vec(),
+    }
+}
+
+type MirrorFrames = Vec<Bytes>;
+
+/// The mirror's response: status, headers, body frames.
+fn mirror_response(form: &str, v: &[u8]) -> (u16, Vec<(&'static str, String)>, MirrorFrames) {
+    let body = mirror(form, v);
+    match form {
+        "gzip" => {
+            use std::io::Write;
+            let mut e = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::default());
+            e.write_all(b"echo: ").unwrap();
+            e.write_all(&body).unwrap();
+            let z = e.finish().unwrap();
+            (
+                200,
+                vec![("content-encoding", "gzip".to_owned())],
+                vec![Bytes::from(z)],
+            )
+        }
+        "chunks" => (
+            200,
+            Vec::new(),
+            body.iter().map(|b| Bytes::copy_from_slice(&[*b])).collect(),
+        ),
+        "sse" => {
+            let mid = body.len() / 2;
+            (
+                200,
+                vec![("content-type", "text/event-stream".to_owned())],
+                vec![
+                    Bytes::from([b"data: ".as_slice(), &body[..mid]].concat()),
+                    Bytes::from([&body[mid..], b"\n\n".as_slice()].concat()),
+                ],
+            )
+        }
+        "location" => (
+            302,
+            vec![(
+                "location",
+                format!(
+                    "https://elsewhere.test/cb?token={}",
+                    percent(v, b"-._~", false, false)
+                ),
+            )],
+            vec![Bytes::from_static(b"moved\n")],
+        ),
+        _ => (200, Vec::new(), vec![Bytes::from(body)]),
+    }
+}
 
 /// Everything the agent logs in this test process (a global subscriber writes here).
 pub fn log_bytes() -> Vec<u8> {
@@ -56,7 +191,9 @@ fn init_logging() {
     let buf = LOG.get_or_init(|| Arc::new(Mutex::new(Vec::new()))).clone();
     let w = LogWriter(buf);
     tracing_subscriber::fmt()
-        .with_env_filter("trace")
+        // The test upstream's WebSocket library traces frame payloads (what it sends): not the
+        // agent's log.
+        .with_env_filter("trace,tungstenite=off,tokio_tungstenite=off")
         .with_writer(move || w.clone())
         .with_ansi(false)
         .try_init()
@@ -161,9 +298,17 @@ async fn upstream_service(
         }
         let path = req.uri().path().to_owned();
         let reflect = req.headers().get("authorization").cloned();
+        let mirrored = req
+            .uri()
+            .query()
+            .and_then(|q| q.strip_prefix("h="))
+            .and_then(|h| req.headers().get(h))
+            .map(|v| v.as_bytes().to_vec())
+            .unwrap_or_default();
         let ws_key = req.headers().get("sec-websocket-key").cloned();
-        let on_upgrade = (path == "/ws").then(|| hyper::upgrade::on(&mut req));
-        let body_len = if path == "/ws" {
+        let is_ws = path == "/ws" || path == "/ws-reflect";
+        let on_upgrade = is_ws.then(|| hyper::upgrade::on(&mut req));
+        let body_len = if is_ws {
             0
         } else {
             let mut n = 0usize;
@@ -202,7 +347,11 @@ async fn upstream_service(
                     .body(BodyExt::boxed(StreamBody::new(stream)))
                     .unwrap()
             }
-            "/ws" => {
+            "/ws" | "/ws-reflect" => {
+                // `/ws-reflect` first sends the request's Authorization value as a message.
+                let first = (path == "/ws-reflect").then(|| {
+                    String::from_utf8_lossy(reflect.as_ref().unwrap().as_bytes()).into_owned()
+                });
                 let key = ws_key.unwrap();
                 let accept =
                     tokio_tungstenite::tungstenite::handshake::derive_accept_key(key.as_bytes());
@@ -215,6 +364,11 @@ async fn upstream_service(
                         None,
                     )
                     .await;
+                    if let Some(first) = first {
+                        ws.send(tokio_tungstenite::tungstenite::Message::text(first))
+                            .await
+                            .ok();
+                    }
                     while let Some(Ok(m)) = ws.next().await {
                         if m.is_text() || m.is_binary() {
                             ws.send(m).await.ok();
@@ -236,6 +390,27 @@ async fn upstream_service(
                 )
                 .body(full("reflected\n".to_owned()))
                 .unwrap(),
+            p if p.starts_with("/mirror-") => {
+                let (status, headers, frames) = mirror_response(&p["/mirror-".len()..], &mirrored);
+                let mut b = hyper::Response::builder().status(status);
+                for (k, v) in headers {
+                    b = b.header(k, v);
+                }
+                let (tx, rx) = tokio::sync::mpsc::channel::<Result<Frame<Bytes>, Infallible>>(1);
+                tokio::spawn(async move {
+                    for f in frames {
+                        if tx.send(Ok(Frame::data(f))).await.is_err() {
+                            return;
+                        }
+                        // One frame per write on the wire (the proxy reads them apart).
+                        tokio::task::yield_now().await;
+                    }
+                });
+                b.body(BodyExt::boxed(StreamBody::new(
+                    tokio_stream::wrappers::ReceiverStream::new(rx),
+                )))
+                .unwrap()
+            }
             _ => hyper::Response::new(full(format!("ok {version} {body_len}\n"))),
         };
         Ok(resp)
@@ -301,7 +476,7 @@ pub async fn upstream(ca: &TestCa, names: &[&str]) -> Upstream {
 }
 
 /// Names the tests use; all on loopback.
-pub const HOSTS: &str = "127.0.0.1 api.test other.test plain.test rules.test\n";
+pub const HOSTS: &str = "127.0.0.1 api.test other.test plain.test rules.test basic.test sym.test\n";
 
 /// How the clients of a test reach the agent: the explicit proxy (`HTTPS_PROXY`, `CONNECT`), or
 /// straight to the destination the way a program that ignores the proxy variables does, which the
@@ -509,12 +684,21 @@ pub async fn harness_opts(extra: &str, trust_upstream: bool, via: Via) -> Harnes
     let test_ca = TestCa::new();
     let up = upstream(
         &test_ca,
-        &["api.test", "other.test", "plain.test", "rules.test"],
+        &[
+            "api.test",
+            "other.test",
+            "plain.test",
+            "rules.test",
+            "basic.test",
+            "sym.test",
+        ],
     )
     .await;
     std::fs::write(dir.join("hosts"), HOSTS).unwrap();
     std::fs::write(dir.join("upstream-ca.pem"), &test_ca.pem).unwrap();
     std::fs::write(dir.join("secret"), format!("{SECRET}\n")).unwrap();
+    std::fs::write(dir.join("secret-basic"), SECRET_BASIC).unwrap();
+    std::fs::write(dir.join("secret-sym"), SECRET_SYM).unwrap();
     let p = up.addr.port();
     let toml = format!(
         r#"
@@ -531,7 +715,7 @@ timeout_ms = 500
 attempts = 1
 
 [policies.test]
-allow_hosts = ["api.test", "other.test", "plain.test", "rules.test"]
+allow_hosts = ["api.test", "other.test", "plain.test", "rules.test", "basic.test", "sym.test"]
 allow_ports = [{p}]
 allow_cidrs = [{{ cidr = "127.0.0.1/32", ports = [{p}] }}]
 
@@ -544,6 +728,20 @@ source = {{ file = "{dir}/secret" }}
 placeholder = "{PLACEHOLDER}"
 placeholder_env = "API_KEY"
 require = true
+
+[[policies.test.credentials]]
+host = "basic.test"
+port = {p}
+basic_user = "bot"
+source = {{ file = "{dir}/secret-basic" }}
+placeholder = "{PLACEHOLDER_BASIC}"
+
+[[policies.test.credentials]]
+host = "sym.test"
+port = {p}
+header = "x-api-key"
+source = {{ file = "{dir}/secret-sym" }}
+placeholder = "{PLACEHOLDER_SYM}"
 
 [[policies.test.request_rules]]
 host = "api.test"
