@@ -736,3 +736,52 @@ async fn per_listener_bound_keeps_one_client_from_taking_every_connection() {
     let (r, _) = read_response(&mut second, true).await;
     assert_eq!(r.status, 200);
 }
+
+/// Plain HTTP inside a `CONNECT` tunnel is read like a transparent connection: each request's
+/// Host must be the tunnel's target (no second site behind the same address on a kept-alive
+/// tunnel). Checked by what the upstream answered.
+#[tokio::test]
+async fn plain_http_inside_a_tunnel_must_name_the_target() {
+    let h = harness().await;
+    let p = h.up.http.port();
+    let (r, mut s) = connect(h.addr, &format!("allowed.test:{p}")).await;
+    assert_eq!(r.status, 200);
+    s.write_all(
+        format!(
+            "GET /one HTTP/1.1\r\nHost: allowed.test:{p}\r\n\r\n\
+             GET /two HTTP/1.1\r\nHost: other.test:{p}\r\nConnection: close\r\n\r\n"
+        )
+        .as_bytes(),
+    )
+    .await
+    .unwrap();
+    let mut resp = String::new();
+    tokio::time::timeout(T, s.read_to_string(&mut resp))
+        .await
+        .unwrap()
+        .unwrap();
+    assert!(resp.contains("line=GET /one"), "{resp}");
+    assert!(resp.contains("x-egress-deny: host-header-mismatch"), "{resp}");
+    assert!(!resp.contains("line=GET /two"), "{resp}");
+    // The first bytes already naming another host: refused before anything is forwarded.
+    let (r, mut s) = connect(h.addr, &format!("allowed.test:{p}")).await;
+    assert_eq!(r.status, 200);
+    s.write_all(format!("GET /x HTTP/1.1\r\nHost: other.test:{p}\r\n\r\n").as_bytes())
+        .await
+        .unwrap();
+    let mut resp = String::new();
+    tokio::time::timeout(T, s.read_to_string(&mut resp))
+        .await
+        .unwrap()
+        .unwrap();
+    assert!(resp.starts_with("HTTP/1.1 403"), "{resp}");
+    assert!(resp.contains("host-header-mismatch"), "{resp}");
+    assert!(!resp.contains("line="), "{resp}");
+    let ev = h
+        .events
+        .recent(10)
+        .into_iter()
+        .find(|e| e.context.contains_key("connect_target"))
+        .expect("the mismatch event");
+    assert_eq!(ev.host.as_deref(), Some("other.test"));
+}

@@ -169,7 +169,31 @@ struct Fx {
     http_canary: Recorder,
     raw: Recorder,
     raw_canary: Recorder,
+    /// A WebSocket echo server (plain `ws://`).
+    ws: SocketAddr,
     _dir: TempDir,
+}
+
+/// A `ws://` echo server on loopback.
+async fn ws_server() -> SocketAddr {
+    use futures_util::{SinkExt, StreamExt};
+    let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = l.local_addr().unwrap();
+    tokio::spawn(async move {
+        while let Ok((s, _)) = l.accept().await {
+            tokio::spawn(async move {
+                let Ok(mut ws) = tokio_tungstenite::accept_async(s).await else {
+                    return;
+                };
+                while let Some(Ok(m)) = ws.next().await {
+                    if m.is_text() {
+                        ws.send(m).await.ok();
+                    }
+                }
+            });
+        }
+    });
+    addr
 }
 
 const HOSTS: &str = "\
@@ -187,6 +211,7 @@ async fn fixture() -> Fx {
     let http_canary = recorder(TcpListener::bind(("127.0.0.2", http.port())).await.unwrap()).await;
     let (raw_l, raw_c) = pair().await;
     let (raw, raw_canary) = (recorder(raw_l).await, recorder(raw_c).await);
+    let ws = ws_server().await;
     let hosts = dir.join("hosts");
     std::fs::write(&hosts, HOSTS).unwrap();
     let toml = format!(
@@ -200,9 +225,10 @@ nameservers = []
 hosts_file = "{hosts}"
 [policies.test]
 allow_hosts = ["allowed.test", "rebind.test"]
-allow_ports = [{t}, {h}, {r}]
+allow_ports = [{t}, {h}, {r}, {w}]
 resolve_private = ["127.0.0.1/32"]
 "#,
+        w = ws.port(),
         hosts = hosts.display(),
         relay = proxy_support::kernel_relay_mode(),
         t = tls.addr.port(),
@@ -243,6 +269,7 @@ resolve_private = ["127.0.0.1/32"]
         http_canary,
         raw,
         raw_canary,
+        ws,
         _dir: dir,
     }
 }
@@ -464,6 +491,83 @@ async fn plain_http_is_decided_on_its_host_header() {
     );
     assert_eq!(f.event(1).reason, "http-no-host");
     assert_eq!(f.http_canary.conns.load(Ordering::SeqCst), 0);
+}
+
+/// A kept-alive transparent HTTP connection can't carry a request to another site behind the
+/// same address: every request is parsed and its Host checked against the name decided on.
+/// Checked by what the upstream received.
+#[tokio::test]
+async fn kept_alive_plain_http_is_checked_request_by_request() {
+    let f = fixture().await;
+    let p = f.http.port();
+    f.going_to(p);
+    let mut s = TcpStream::connect(f.transparent).await.unwrap();
+    s.write_all(
+        format!(
+            "GET /one HTTP/1.1\r\nHost: allowed.test:{p}\r\n\r\n\
+             GET /two HTTP/1.1\r\nHost: other.test:{p}\r\n\r\n\
+             GET /three HTTP/1.1\r\nHost: allowed.test:{p}\r\n\r\n\
+             GET http://allowed.test:{p}/four HTTP/1.1\r\nHost: allowed.test:{p}\r\nConnection: close\r\n\r\n"
+        )
+        .as_bytes(),
+    )
+    .await
+    .unwrap();
+    let mut resp = String::new();
+    tokio::time::timeout(T, s.read_to_string(&mut resp))
+        .await
+        .unwrap()
+        .unwrap();
+    assert!(resp.contains("line=GET /one\n"), "{resp}");
+    assert!(resp.contains("x-egress-deny: host-header-mismatch"), "{resp}");
+    assert!(!resp.contains("line=GET /two"), "{resp}");
+    assert!(resp.contains("line=GET /three\n"), "{resp}");
+    // Absolute-form naming the same host is served in origin-form.
+    assert!(resp.contains("line=GET /four\n"), "{resp}");
+    assert_eq!(f.http_canary.conns.load(Ordering::SeqCst), 0);
+    // Ambiguous framing ends the connection: nothing after it reaches the upstream.
+    let mut s = TcpStream::connect(f.transparent).await.unwrap();
+    s.write_all(
+        format!(
+            "POST /a HTTP/1.1\r\nHost: allowed.test:{p}\r\nTransfer_Encoding: chunked\r\nContent-Length: 5\r\n\r\n0\r\n\r\n\
+             GET /smuggled HTTP/1.1\r\nHost: allowed.test:{p}\r\n\r\n"
+        )
+        .as_bytes(),
+    )
+    .await
+    .unwrap();
+    let mut resp = String::new();
+    tokio::time::timeout(T, s.read_to_string(&mut resp))
+        .await
+        .unwrap()
+        .unwrap();
+    assert!(resp.starts_with("HTTP/1.1 400"), "{resp}");
+    assert!(resp.contains("obfuscated-header-name"), "{resp}");
+    assert!(!resp.contains("line="), "{resp}");
+}
+
+/// `ws://` through the transparent HTTP path: the handshake is checked like any request, then
+/// the upgraded connection is relayed.
+#[tokio::test]
+async fn plain_websocket_works_transparently() {
+    use futures_util::{SinkExt, StreamExt};
+    let f = fixture().await;
+    let p = f.ws.port();
+    f.going_to(p);
+    let s = TcpStream::connect(f.transparent).await.unwrap();
+    let (mut ws, resp) = tokio_tungstenite::client_async(format!("ws://allowed.test:{p}/"), s)
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 101);
+    ws.send(tokio_tungstenite::tungstenite::Message::text("ping-1"))
+        .await
+        .unwrap();
+    let back = tokio::time::timeout(T, ws.next())
+        .await
+        .unwrap()
+        .unwrap()
+        .unwrap();
+    assert_eq!(back.into_text().unwrap().as_str(), "ping-1");
 }
 
 #[tokio::test]

@@ -1,8 +1,9 @@
 //! A TLS upstream the test controls, for the interception tests under `exec` and Docker: its own
 //! CA (rcgen), a leaf for the names given, HTTP/1.1 and h2 by ALPN (hyper), and a record of every
 //! request it received (method, target, version, headers). It answers `upstream-ok <version>
-//! <path>` and never reflects a request header, so whatever a client prints came from here
-//! without the credential in it.
+//! <path>` and reflects no request header — except under `/reflect/`, where it echoes the
+//! `Authorization` value raw and hex-encoded (the agent must scrub both before the client sees
+//! them).
 //!
 //! It runs on a thread of its own (a current-thread tokio runtime); the listening socket is bound
 //! by the caller's thread or inside a network namespace ([`Upstream::start_in`]).
@@ -238,6 +239,15 @@ async fn record(
         headers.push((":authority".to_owned(), a.as_str().to_owned()));
     }
     let path = req.uri().path().to_owned();
+    let reflected = path.starts_with("/reflect/").then(|| {
+        let v = req
+            .headers()
+            .get("authorization")
+            .map(|v| v.as_bytes().to_vec())
+            .unwrap_or_default();
+        let hex: String = v.iter().map(|b| format!("{b:02x}")).collect();
+        format!(" auth=[{}] hex=[{hex}]", String::from_utf8_lossy(&v))
+    });
     // Read the body to its end (not kept).
     let mut body = req.into_body();
     while let Some(Ok(_)) = body.frame().await {}
@@ -250,6 +260,7 @@ async fn record(
             headers,
         });
     Ok(hyper::Response::new(Full::new(Bytes::from(format!(
-        "upstream-ok {version} {path}\n"
+        "upstream-ok {version} {path}{}\n",
+        reflected.unwrap_or_default()
     )))))
 }

@@ -291,6 +291,10 @@ echo "== bound"; $C -H "Authorization: Bearer $API_KEY" https://api.test:8443/v1
 echo; echo "== missing"; $C -o /dev/null -w "%{http_code}\n" https://api.test:8443/v1/docker-missing
 echo "== pass"; $C -v --cacert /upstream-ca.pem https://pass.test:8443/v1/docker-pass 2>&1
 echo; echo "== pass-agent-ca"; $C https://pass.test:8443/v1/docker-pass-agent-ca 2>&1; echo "rc=$?"
+echo "== t-bound"; $C --noproxy '*' -H "Authorization: Bearer $API_KEY" https://api.test:8443/v1/docker-t
+echo; echo "== t-missing"; $C --noproxy '*' -o /dev/null -w "%{http_code}\n" https://api.test:8443/v1/docker-t-missing
+echo "== reflect"; $C -H "Authorization: Bearer $API_KEY" https://api.test:8443/reflect/docker
+echo "== t-reflect"; $C --noproxy '*' -H "Authorization: Bearer $API_KEY" https://api.test:8443/reflect/docker-t
 echo "== env"; env"#,
     );
     let r = up
@@ -317,6 +321,32 @@ echo "== env"; env"#,
         out.contains("rc=60") && up.request("/v1/docker-pass-agent-ca").is_none(),
         "the agent's CA verified a pass-through host: {out}"
     );
+    // The same with no proxy variables (`--noproxy '*'`): the kernel redirects the connection
+    // to the transparent listener, which intercepts the bound host like a CONNECT to it.
+    let r = up.request("/v1/docker-t").unwrap_or_else(|| {
+        panic!(
+            "transparent: the upstream never got it:\n{out}\n{}",
+            env.log()
+        )
+    });
+    assert_eq!(
+        r.header("authorization"),
+        Some(format!("Bearer {SECRET}").as_str()),
+        "{r:?}"
+    );
+    assert!(out.contains("upstream-ok HTTP/2.0 /v1/docker-t\n"), "{out}");
+    assert!(
+        out.contains("== t-missing\n403\n") && up.request("/v1/docker-t-missing").is_none(),
+        "{out}"
+    );
+    // An upstream that echoes the injected header: the container gets the placeholder back.
+    for path in ["/reflect/docker", "/reflect/docker-t"] {
+        assert!(
+            out.contains(&format!("{path} auth=[Bearer {PH}]")),
+            "{path}: {out}"
+        );
+        assert!(up.request(path).is_some(), "{path} never arrived");
+    }
     assert!(out.contains(&format!("API_KEY={PH}")), "{out}");
     assert!(!out.contains(SECRET), "the container saw the secret: {out}");
     for r in up.requests() {

@@ -258,6 +258,14 @@ echo "== pass-own-ca"; {curl} -v --cacert {d}/upstream-ca.pem -H "x-pass: sent-b
 echo "== pass-agent-bundle"; {curl} https://pass.test:{p}/v1/pass-bundle 2>&1; echo "bundle-rc=$?"
 echo "== pass-python"; /usr/bin/python3 -c 'import ssl, sys, urllib.request as u; c = ssl.create_default_context(cafile=sys.argv[2]); print(u.urlopen(sys.argv[1], context=c, timeout=10).read().decode())' https://pass.test:{p}/v1/pass-python {d}/upstream-ca.pem
 echo "== direct"; {curl} --noproxy '*' -k https://127.0.0.1:{p}/direct; echo "direct-rc=$?"
+echo "== t-curl-h1"; {curl} --noproxy '*' --http1.1 -H "Authorization: Bearer $API_KEY" https://api.test:{p}/v1/t-curl-h1
+echo "== t-curl-h2"; {curl} --noproxy '*' --http2 -H "Authorization: Bearer $API_KEY" https://api.test:{p}/v1/t-curl-h2
+echo "== t-python"; env -u HTTPS_PROXY -u https_proxy -u HTTP_PROXY -u http_proxy /usr/bin/python3 {d}/client.py https://api.test:{p}/v1/t-python
+echo "== t-node-h2"; env -u HTTPS_PROXY EGRESS_TEST_CONNECT_TO=127.0.0.1:{p} node {d}/client.js h2 GET https://api.test:{p}/v1/t-node-h2 "authorization=Bearer $API_KEY"
+echo "== t-wrong-host"; {curl} --noproxy '*' -o /dev/null -D - -H "Authorization: Bearer $API_KEY" https://other.test:{p}/t-leak
+echo "== t-no-placeholder"; {curl} --noproxy '*' -o /dev/null -D - https://api.test:{p}/v1/t-bare
+echo "== reflect"; {curl} -H "Authorization: Bearer $API_KEY" https://api.test:{p}/reflect/proxy
+echo "== t-reflect"; {curl} --noproxy '*' -H "Authorization: Bearer $API_KEY" https://api.test:{p}/reflect/transparent
 echo "== state"; ls -A {d}/state; cat {d}/state/secret 2>/dev/null || echo STATE-UNREADABLE
 echo "== env"; env | sort
 echo READY; read x
@@ -275,6 +283,12 @@ echo READY; read x
         ("node-h1", "upstream-ok HTTP/1.1 /v1/node-h1"),
         ("node-h2", "upstream-ok HTTP/2.0 /v1/node-h2"),
         ("env-binding", "/v1/env"),
+        // The same clients with no proxy variables: the kernel redirects them to the transparent
+        // listener, which intercepts the bound host exactly like a CONNECT to it.
+        ("t-curl-h1", "upstream-ok HTTP/1.1 /v1/t-curl-h1"),
+        ("t-curl-h2", "upstream-ok HTTP/2.0 /v1/t-curl-h2"),
+        ("t-python", "upstream-ok HTTP/1.1 /v1/t-python"),
+        ("t-node-h2", "upstream-ok HTTP/2.0 /v1/t-node-h2"),
     ] {
         assert!(section(&text, name).contains(want), "{name}:\n{text}");
     }
@@ -285,6 +299,12 @@ echo READY; read x
         "/v1/python",
         "/v1/node-h1",
         "/v1/node-h2",
+        "/v1/t-curl-h1",
+        "/v1/t-curl-h2",
+        "/v1/t-python",
+        "/v1/t-node-h2",
+        "/reflect/proxy",
+        "/reflect/transparent",
     ] {
         let r = up
             .request(path)
@@ -323,6 +343,35 @@ echo READY; read x
         up.request("/leak").is_none(),
         "the placeholder reached other.test"
     );
+    // The same without the proxy variables; and `require = true` holds there too.
+    let wrong = section(&text, "t-wrong-host").to_ascii_lowercase();
+    assert!(
+        wrong.contains(" 403") && wrong.contains("placeholder-wrong-host"),
+        "wrong host, transparent: {wrong}"
+    );
+    assert!(
+        up.request("/t-leak").is_none(),
+        "the placeholder reached other.test"
+    );
+    let bare = section(&text, "t-no-placeholder").to_ascii_lowercase();
+    assert!(
+        bare.contains(" 403") && bare.contains("credential-placeholder-missing"),
+        "no placeholder, transparent: {bare}"
+    );
+    assert!(up.request("/v1/t-bare").is_none(), "{bare}");
+    // An upstream that echoes the injected header (raw and hex): the command sees the
+    // placeholder where the secret was, on both ways in.
+    let ph_hex: String = format!("Bearer {PH}")
+        .bytes()
+        .map(|b| format!("{b:02x}"))
+        .collect();
+    for name in ["reflect", "t-reflect"] {
+        let r = section(&text, name);
+        assert!(
+            r.contains(&format!("auth=[Bearer {PH}]")) && r.contains(&ph_hex),
+            "{name}: {r}"
+        );
+    }
     // A host without a binding or rule is passed through, TLS and all: the client verifies the
     // upstream's own certificate (issued by the test's CA, not the agent's), the agent's bundle
     // does not verify it, and what the client sent arrives untouched (the proxy never saw it).
