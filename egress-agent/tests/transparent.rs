@@ -920,6 +920,46 @@ mod ech {
         client_hello(cfg, inner)
     }
 
+    /// Through the explicit proxy: `CONNECT allowed.test`, then an ECH hello whose outer name is
+    /// another host. Refused before a byte reaches the upstream (it was dialled for the
+    /// `CONNECT`, and got nothing).
+    #[tokio::test]
+    async fn a_connect_tunnel_refuses_an_ech_outer_name_other_than_its_target() {
+        let f = fixture().await;
+        let p = f.raw.addr.port();
+        let mut s = TcpStream::connect(f.explicit).await.unwrap();
+        s.write_all(
+            format!("CONNECT allowed.test:{p} HTTP/1.1\r\nHost: allowed.test:{p}\r\n\r\n")
+                .as_bytes(),
+        )
+        .await
+        .unwrap();
+        let mut head = [0u8; 39];
+        tokio::time::timeout(T, s.read_exact(&mut head))
+            .await
+            .unwrap()
+            .unwrap();
+        assert!(head.starts_with(b"HTTP/1.1 200"));
+        s.write_all(&ech_hello("public.test", "allowed.test"))
+            .await
+            .unwrap();
+        let mut back = Vec::new();
+        tokio::time::timeout(T, s.read_to_end(&mut back))
+            .await
+            .unwrap()
+            .ok();
+        assert_eq!(back, [0x15, 0x03, 0x03, 0x00, 0x02, 0x02, 49], "access_denied");
+        let ev = f.events.recent(1).pop().unwrap();
+        assert_eq!(
+            (ev.host.as_deref(), ev.reason.as_str()),
+            (Some("public.test"), "sni-mismatch")
+        );
+        assert!(
+            f.raw.bytes.lock().unwrap().iter().all(Vec::is_empty),
+            "bytes reached the upstream"
+        );
+    }
+
     #[tokio::test]
     async fn ech_is_decided_by_the_outer_name() {
         let f = fixture().await;
