@@ -700,7 +700,7 @@ async fn smuggling_and_switches_never_reach_the_upstream(via: Via) {
         ),
         (format!("OPTIONS * HTTP/1.1\r\nHost: {host}\r\n\r\n"), "400"),
         (
-            format!("CONNECT other.test:443 HTTP/1.1\r\nHost: other.test:443\r\n\r\n"),
+            "CONNECT other.test:443 HTTP/1.1\r\nHost: other.test:443\r\n\r\n".to_owned(),
             "400",
         ),
     ];

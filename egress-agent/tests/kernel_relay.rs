@@ -90,7 +90,11 @@ async fn harness(a: SocketAddr, b: SocketAddr, relay: &Arc<KernelRelay>, extra: 
         closed,
     };
     let relay = relay.clone();
-    harness_ctx(up, extra, "", "test", move |ctx| {
+    // A tunnel is relayed once its first bytes are read (they must name the target), or, for a
+    // client that waits silently, at the head deadline: short here, so the tests' silent tunnels
+    // are spliced soon after their 200.
+    let extra = format!("header_timeout_ms = 300\n{extra}");
+    harness_ctx(up, &extra, "", "test", move |ctx| {
         ctx.with_kernel_relay(Some(relay))
     })
     .await

@@ -761,7 +761,10 @@ async fn plain_http_inside_a_tunnel_must_name_the_target() {
         .unwrap()
         .unwrap();
     assert!(resp.contains("line=GET /one"), "{resp}");
-    assert!(resp.contains("x-egress-deny: host-header-mismatch"), "{resp}");
+    assert!(
+        resp.contains("x-egress-deny: host-header-mismatch"),
+        "{resp}"
+    );
     assert!(!resp.contains("line=GET /two"), "{resp}");
     // The first bytes already naming another host: refused before anything is forwarded.
     let (r, mut s) = connect(h.addr, &format!("allowed.test:{p}")).await;

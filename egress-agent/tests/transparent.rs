@@ -519,7 +519,10 @@ async fn kept_alive_plain_http_is_checked_request_by_request() {
         .unwrap()
         .unwrap();
     assert!(resp.contains("line=GET /one\n"), "{resp}");
-    assert!(resp.contains("x-egress-deny: host-header-mismatch"), "{resp}");
+    assert!(
+        resp.contains("x-egress-deny: host-header-mismatch"),
+        "{resp}"
+    );
     assert!(!resp.contains("line=GET /two"), "{resp}");
     assert!(resp.contains("line=GET /three\n"), "{resp}");
     // Absolute-form naming the same host is served in origin-form.
@@ -948,7 +951,11 @@ mod ech {
             .await
             .unwrap()
             .ok();
-        assert_eq!(back, [0x15, 0x03, 0x03, 0x00, 0x02, 0x02, 49], "access_denied");
+        assert_eq!(
+            back,
+            [0x15, 0x03, 0x03, 0x00, 0x02, 0x02, 49],
+            "access_denied"
+        );
         let ev = f.events.recent(1).pop().unwrap();
         assert_eq!(
             (ev.host.as_deref(), ev.reason.as_str()),

@@ -98,7 +98,6 @@ pub struct CompiledBinding {
     pub place: Option<Place>,
     placeholder: Option<String>,
     pub require: bool,
-    secret: Option<Secret>,
 }
 
 /// What a binding does to one request.
@@ -144,23 +143,11 @@ impl CompiledBinding {
             place,
             placeholder: b.placeholder.clone(),
             require: b.require,
-            secret: b.secret.clone(),
         }
     }
 
     pub fn applies_to(&self, host: &HostName, port: u16) -> bool {
         self.port == port && self.host.matches(host)
-    }
-
-    /// Do these bytes contain the secret (as is, or as this binding encodes it)?
-    pub fn appears_in(&self, hay: &[u8]) -> bool {
-        let Some(s) = &self.secret else { return false };
-        contains(hay, s.expose())
-            || match &self.place {
-                Some(Place::Header(_, v)) | Some(Place::Basic(v)) => contains(hay, v.as_bytes()),
-                Some(Place::Query(_, q)) => contains(hay, q.0.as_bytes()),
-                None => false,
-            }
     }
 
     pub fn placeholder(&self) -> Option<&str> {

@@ -787,6 +787,7 @@ fn parse_header(h: &[u8]) -> Result<Option<Frame>, WsError> {
 }
 
 #[cfg(test)]
+#[expect(clippy::unwrap_used, reason = "test assertions")]
 mod tests {
     use super::*;
 

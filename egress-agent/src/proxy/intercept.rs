@@ -52,7 +52,7 @@ use crate::policy::l7::{Forward, RequestView};
 use crate::policy::name::{Destination, HostName};
 
 /// Upstream bodies as they are (no binding), scrubbed as they stream, or the agent's own.
-type Body = Either<Either<Incoming, ScrubBody>, Full<Bytes>>;
+type Body = Either<Either<Incoming, Box<ScrubBody>>, Full<Bytes>>;
 
 /// Does the current policy TLS-terminate connections to `target`?
 pub(crate) fn intercepts(shared: &Shared, target: &Target) -> bool {
@@ -512,6 +512,7 @@ async fn handle(mut req: Request<Incoming>, s: &Session) -> Response<Body> {
             }
         };
     let upgrade = s.proto == Proto::Http1 && is_upgrade(&req);
+    let head = req.method() == http::Method::HEAD;
     let client_upgrade = upgrade.then(|| hyper::upgrade::on(&mut req));
     let mut pq = req
         .uri()
@@ -620,7 +621,8 @@ async fn handle(mut req: Request<Incoming>, s: &Session) -> Response<Body> {
         shared: shared.clone(),
         target: s.target.clone(),
     };
-    match scrub_body::response(&scrubber, &report, &mut parts, body).await {
+    match scrub_body::response(&scrubber, &report, &mut parts, body, head).await {
+        Ok(Scrubbed::Passed(b)) => Response::from_parts(parts, Either::Left(Either::Left(b))),
         Ok(Scrubbed::Whole(bytes)) => Response::from_parts(parts, Either::Right(Full::new(bytes))),
         Ok(Scrubbed::Stream(b)) => Response::from_parts(parts, Either::Left(Either::Right(b))),
         Err(reason) => refusal(Refusal::Upstream(reason.as_str()), &shared.name),

@@ -155,21 +155,39 @@ impl Report {
 
 /// The response body to send on instead of `body`: scrubbed (and decoded).
 pub(crate) enum Scrubbed {
+    /// No body to read: passed on as it is.
+    Passed(Incoming),
     /// Read whole and scrubbed.
     Whole(Bytes),
     /// Streaming.
-    Stream(ScrubBody),
+    Stream(Box<ScrubBody>),
 }
 
 /// Prepare a response of an intercepted host for the client: decode, scrub headers, and either
 /// read the (small) body whole or wrap it in a [`ScrubBody`]. `Err`: the coding can't be read
-/// (the caller answers 502) or the body failed.
+/// (the caller answers 502) or the body failed. `bodiless`: an answer to `HEAD`, or a 204/304,
+/// whose headers describe a body that isn't sent (only the headers are scrubbed).
 pub(crate) async fn response(
     scrubber: &Arc<Scrubber>,
     report: &Report,
     parts: &mut http::response::Parts,
     body: Incoming,
+    bodiless: bool,
 ) -> Result<Scrubbed, DenyReason> {
+    let bodiless = bodiless
+        || parts.status == http::StatusCode::NO_CONTENT
+        || parts.status == http::StatusCode::NOT_MODIFIED;
+    if bodiless {
+        let n = scrub_headers(scrubber, &mut parts.headers);
+        report.found("headers", n);
+        if n > 0 {
+            parts.headers.insert(
+                HeaderName::from_static(SCRUBBED_HEADER),
+                HeaderValue::from(n),
+            );
+        }
+        return Ok(Scrubbed::Passed(body));
+    }
     let coding = Coding::of(&parts.headers).map_err(|()| {
         report.shared.deny_event_with(
             &report.target,
@@ -216,7 +234,7 @@ pub(crate) async fn response(
             HeaderValue::from(in_headers),
         );
     }
-    Ok(Scrubbed::Stream(ScrubBody {
+    Ok(Scrubbed::Stream(Box::new(ScrubBody {
         inner: body,
         stream: ScrubStream::new(scrubber.clone()),
         scrubber: scrubber.clone(),
@@ -224,7 +242,7 @@ pub(crate) async fn response(
         trailers: None,
         done: false,
         report: Some(report.clone()),
-    }))
+    })))
 }
 
 /// A response body scrubbed as it streams.

@@ -1285,7 +1285,26 @@ mod intercept {
 
     const SECRET: &str = "bench-real-secret-0123456789";
     const PLACEHOLDER: &str = "egress-bench-placeholder";
-    const PEERS: [&str; 4] = ["direct", "agent", "squid", "mitmproxy"];
+    /// `agent-noscrub`: the agent with `intercept.scrub_responses = false`, in the same run, so
+    /// the table shows what scrubbing responses costs.
+    const PEERS: [&str; 5] = ["direct", "agent", "agent-noscrub", "squid", "mitmproxy"];
+    /// What the upstream answers: ~2 KiB of JSON-like text (the size of a typical API answer), so
+    /// scanning a body is part of each request's cost.
+    const RESPONSE: &[u8] = {
+        const LINE: &[u8; 64] =
+            b"{\"id\":\"msg_0123456789\",\"type\":\"text\",\"text\":\"lorem ipsum 420\"},\n";
+        const N: usize = 32;
+        const OUT: [u8; 64 * N] = {
+            let mut out = [0u8; 64 * N];
+            let mut i = 0;
+            while i < 64 * N {
+                out[i] = LINE[i % 64];
+                i += 1;
+            }
+            out
+        };
+        &OUT
+    };
 
     pub struct TlsUpstream {
         pub addr: SocketAddr,
@@ -1354,7 +1373,7 @@ mod intercept {
                             }
                             async move {
                                 Ok::<_, std::convert::Infallible>(hyper::Response::new(Full::new(
-                                    Bytes::from_static(b"ok\n"),
+                                    Bytes::from_static(RESPONSE),
                                 )))
                             }
                         },
@@ -1399,10 +1418,11 @@ mod intercept {
         Ok(Arc::new(cfg))
     }
 
-    pub async fn start_agent(dir: &Path, up: &TlsUpstream) -> Result<IPeer> {
+    pub async fn start_agent(dir: &Path, up: &TlsUpstream, scrub: bool) -> Result<IPeer> {
+        let name = if scrub { "agent" } else { "agent-noscrub" };
         let state = dir.join("agent-state");
         std::fs::write(dir.join("agent-secret"), SECRET)?;
-        let cfg = dir.join("agent-intercept.toml");
+        let cfg = dir.join(format!("{name}-intercept.toml"));
         let p = up.addr.port();
         std::fs::write(
             &cfg,
@@ -1412,6 +1432,7 @@ default_policy = "bench"
 state_dir = "{state}"
 [intercept]
 upstream_ca_file = "{d}/upstream-ca.pem"
+scrub_responses = {scrub}
 [proxy]
 max_connections = 19000
 max_connections_per_listener = 19000
@@ -1441,21 +1462,15 @@ path = "/**"
                 d = dir.display(),
             ),
         )?;
-        let out = dir.join("agent-intercept.addrs");
+        let out = dir.join(format!("{name}-intercept.addrs"));
+        let log = format!("{name}-intercept.log");
         let me = std::env::current_exe()?;
         let child = spawn_pinned(
             dir,
             &format!("{} serve {} {}", me.display(), cfg.display(), out.display()),
-            "agent-intercept.log",
+            &log,
         )?;
-        let peer = started(
-            "agent",
-            "agent proxy",
-            child,
-            &out,
-            &dir.join("agent-intercept.log"),
-        )
-        .await?;
+        let peer = started(name, "agent proxy", child, &out, &dir.join(&log)).await?;
         let ca_pem = std::fs::read_to_string(state.join("ca.pem"))?;
         Ok(IPeer {
             peer,
@@ -1758,7 +1773,8 @@ http_access deny all
             client: client_config(&up.ca_pem)?,
         };
         let mut peers = vec![direct];
-        peers.push(start_agent(&dir, &up).await?);
+        peers.push(start_agent(&dir, &up, true).await?);
+        peers.push(start_agent(&dir, &up, false).await?);
         match start_squid(&dir, &up).await {
             Ok(p) => peers.push(p),
             Err(e) => eprintln!("warning: squid ssl-bump not available: {e:#}"),
@@ -1888,27 +1904,39 @@ http_access deny all
             if quick { " --quick" } else { "" }
         );
         println!(
-            "| {:<34} | {:>8} | {:>8} | {:>8} | {:>9} | {:>11} | {:>15} |",
-            "metric", "direct", "agent", "squid", "mitmproxy", "agent/squid", "agent/mitmproxy"
+            "| {:<34} | {:>8} | {:>8} | {:>13} | {:>8} | {:>9} | {:>13} | {:>11} | {:>15} |",
+            "metric",
+            "direct",
+            "agent",
+            "agent-noscrub",
+            "squid",
+            "mitmproxy",
+            "agent/noscrub",
+            "agent/squid",
+            "agent/mitmproxy"
         );
         println!(
-            "|{}|{}|{}|{}|{}|{}|{}|",
+            "|{}|{}|{}|{}|{}|{}|{}|{}|{}|",
             "-".repeat(36),
             "-".repeat(10),
             "-".repeat(10),
+            "-".repeat(15),
             "-".repeat(10),
             "-".repeat(11),
+            "-".repeat(15),
             "-".repeat(13),
             "-".repeat(17)
         );
         for k in metrics {
             println!(
-                "| {:<34} | {:>8} | {:>8} | {:>8} | {:>9} | {:>11} | {:>15} |",
+                "| {:<34} | {:>8} | {:>8} | {:>13} | {:>8} | {:>9} | {:>13} | {:>11} | {:>15} |",
                 k,
                 cell("direct", k),
                 cell("agent", k),
+                cell("agent-noscrub", k),
                 cell("squid", k),
                 cell("mitmproxy", k),
+                ratio("agent", "agent-noscrub", k),
                 ratio("agent", "squid", k),
                 ratio("agent", "mitmproxy", k),
             );
@@ -1928,8 +1956,9 @@ http_access deny all
             return;
         };
         println!(
-            "targets: agent CPU/request ≤ 0.5× squid (kept-alive: {:.2}×); added p99 ≤ 1 ms kept-alive (agent: {} µs)",
+            "targets: agent CPU/request ≤ 0.5× squid (kept-alive: {:.2}×); scrubbing ≤ 1.15× unscrubbed (kept-alive CPU: {}×); added p99 ≤ 1 ms kept-alive (agent: {} µs)",
             a / s,
+            ratio("agent", "agent-noscrub", "proxy CPU µs/request, kept-alive"),
             cell("agent", "added p99 µs, kept-alive")
         );
     }
