@@ -637,6 +637,12 @@ async fn client_not_trusting_the_agent_ca_gets_nothing_through(via: Via) {
     let ev = h.wait_event("agent-ca-not-trusted").await;
     assert_eq!(ev.host.as_deref(), Some("api.test"));
     assert!(ev.context.contains_key("client_tls"), "{ev:?}");
+    assert!(
+        ev.context
+            .get("fix")
+            .is_some_and(|f| f.contains("NODE_EXTRA_CA_CERTS")),
+        "{ev:?}"
+    );
     assert!(h.up.requests().is_empty(), "arrived: {:?}", h.up.requests());
     h.assert_no_secret_written(&[&out.all()]);
 }

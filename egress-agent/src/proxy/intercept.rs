@@ -256,7 +256,7 @@ pub(crate) async fn serve<C>(
                     &target,
                     "https",
                     DenyReason::AgentCaNotTrusted,
-                    &[("client_tls", why)],
+                    &[("client_tls", why), ("fix", TRUST_THE_CA)],
                 );
             }
             return;
@@ -329,6 +329,11 @@ pub(crate) async fn serve<C>(
         }
     }
 }
+
+/// What an `agent-ca-not-trusted` event tells the operator to do.
+const TRUST_THE_CA: &str = "make the client trust the agent's CA (`egress-agent ca` prints its files): \
+     SSL_CERT_FILE/REQUESTS_CA_BUNDLE/CURL_CA_BUNDLE = ca-bundle.pem, NODE_EXTRA_CA_CERTS = ca.pem; \
+     see docs/troubleshooting.md, \"agent-ca-not-trusted\"";
 
 /// Did the client end the intercepted handshake because of the agent's certificate? The alert
 /// it sent (or its silent close right after our certificate), for the event.

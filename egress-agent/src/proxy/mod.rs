@@ -398,19 +398,56 @@ impl Shared {
         target: &Target,
         protocol: &str,
     ) -> Result<TcpStream, Refusal> {
+        self.check_and_dial_from(target, protocol, None).await
+    }
+
+    /// [`Shared::check_and_dial`] for every way in: `orig` is where a transparently redirected
+    /// connection was going (its events carry that address, and a refused resolved address as
+    /// `denied_address`); `None` for `CONNECT` and proxied HTTP. The one decide → dial → record
+    /// path of the proxy.
+    pub(crate) async fn check_and_dial_from(
+        &self,
+        target: &Target,
+        protocol: &str,
+        orig: Option<SocketAddr>,
+    ) -> Result<TcpStream, Refusal> {
         let policy = self.policy.load_full();
+        // The address an event names: the original destination of a redirected connection (a
+        // refused resolved address goes into `denied_address`), else the one concerned.
+        let record = |ip: Option<std::net::IpAddr>, reason: DenyReason, verdict: Verdict| {
+            let denied = ip.map(|i| i.to_string());
+            match (orig, denied) {
+                (Some(o), Some(d)) => self.record_with(
+                    target,
+                    Some(o.ip()),
+                    protocol,
+                    reason.as_str(),
+                    verdict,
+                    &[("denied_address", &d)],
+                ),
+                (Some(o), None) => {
+                    self.record(target, Some(o.ip()), protocol, reason.as_str(), verdict);
+                }
+                (None, _) => self.record(target, ip, protocol, reason.as_str(), verdict),
+            }
+        };
         let pending = match policy.decide_target(&target.dest, target.port) {
             Decision::Allow => None,
             Decision::WouldDeny(reason) => Some((reason, None)),
             Decision::Deny(reason) => {
-                self.record(target, None, protocol, reason.as_str(), Verdict::Deny);
+                record(None, reason, Verdict::Deny);
                 return Err(Refusal::Denied(reason));
             }
         };
         let limits = self.ctx.limits();
         let would_deny = |pending: Option<(DenyReason, Option<std::net::IpAddr>)>| {
             pending.is_some_and(|(reason, ip)| {
-                self.record(target, ip, protocol, reason.as_str(), Verdict::WouldDeny);
+                match (orig, ip) {
+                    // A decision-level would-deny of a redirected connection names where it
+                    // was going; a dial-level one the address refused.
+                    (Some(o), None) => record(Some(o.ip()), reason, Verdict::WouldDeny),
+                    _ => self.record(target, ip, protocol, reason.as_str(), Verdict::WouldDeny),
+                }
                 true
             })
         };
@@ -422,7 +459,7 @@ impl Shared {
                 Ok(d.stream)
             }
             Err(DialError::Denied { reason, ip }) => {
-                self.record(target, ip, protocol, reason.as_str(), Verdict::Deny);
+                record(ip, reason, Verdict::Deny);
                 Err(Refusal::Denied(reason))
             }
             Err(e) => {

@@ -58,7 +58,7 @@ impl Shared {
     }
 
     /// [`Shared::record`] with extra context fields (method and path of a refused request).
-    fn record_with(
+    pub(crate) fn record_with(
         &self,
         target: &Target,
         ip: Option<IpAddr>,

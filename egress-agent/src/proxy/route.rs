@@ -47,8 +47,6 @@ pub(crate) struct Refused<'a> {
     /// target's port.
     pub(crate) orig: Option<SocketAddr>,
     pub(crate) port: u16,
-    /// The resolved address the dial-time check refused.
-    pub(crate) resolved: Option<std::net::IpAddr>,
     /// Extra event context (e.g. the `CONNECT` target of a mismatching SNI).
     pub(crate) context: Option<(&'static str, String)>,
     /// rustls' alert for a malformed hello (else `access_denied`).
@@ -63,7 +61,6 @@ impl Refused<'_> {
             reason,
             orig: None,
             port,
-            resolved: None,
             context: None,
             alert: &[],
         }
@@ -82,16 +79,25 @@ pub(crate) async fn deny(shared: &Shared, stream: &mut TcpStream, r: Refused<'_>
         protocol,
         r.reason.as_str(),
     );
-    if let Some(ip) = r.resolved {
-        ev.context.insert("denied_address".into(), ip.to_string());
-    }
     if let Some((k, v)) = r.context {
         ev.context.insert(k.into(), v);
     }
     shared.emit_denial(ev);
-    let answer = match r.kind {
-        Some(Kind::Http) => response::forbidden(r.reason, &shared.name),
-        Some(Kind::Tls) if !r.alert.is_empty() => r.alert.to_vec(),
+    answer(shared, stream, r.kind, r.reason, r.alert).await;
+}
+
+/// The refusal a client sees (its event is recorded already): a TLS alert (`alert`, else
+/// `access_denied`), an HTTP 403, or just the close; then close.
+pub(crate) async fn answer(
+    shared: &Shared,
+    stream: &mut TcpStream,
+    kind: Option<Kind>,
+    reason: DenyReason,
+    alert: &[u8],
+) {
+    let answer = match kind {
+        Some(Kind::Http) => response::forbidden(reason, &shared.name),
+        Some(Kind::Tls) if !alert.is_empty() => alert.to_vec(),
         Some(Kind::Tls) => TLS_ACCESS_DENIED.to_vec(),
         None => Vec::new(),
     };

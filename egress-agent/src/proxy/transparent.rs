@@ -22,15 +22,13 @@ use tokio::net::TcpStream;
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
-use super::dial::{self, DialError};
 use super::original_dst::ConnKey;
 use super::route::{self, Refused};
 use super::sniff::{Kind, MAX_SNIFF_BYTES, Sniffed, Sniffer};
-use super::{Shared, refuse, response};
+use super::{Refusal, Shared, refuse, response};
 use crate::events::DenialEvent;
-use crate::events::Verdict;
+use crate::policy::DenyReason;
 use crate::policy::name::Destination;
-use crate::policy::{Decision, DenyReason};
 
 /// The original destination of `stream` as the kernel recorded it, if it was redirected.
 pub(crate) fn original_dst(
@@ -127,65 +125,33 @@ pub(crate) async fn intercepted(
             Ok(Ok(_)) => {}
         }
     };
-    let host = match &target.dest {
-        Destination::Name(n) => Some(n.as_str().to_owned()),
-        Destination::Ip(_) => None,
-    };
-    let policy = shared.policy.load_full();
-    let protocol = kind.as_str();
-    // The same decision as for CONNECT (audit included): the name on the original port.
-    let decision = if policy.transparent() {
-        policy.decide_target(&target.dest, target.port)
-    } else {
+    if !shared.policy.load().transparent() {
         // The policy was reloaded with `transparent = false` while the kernel still redirected.
-        Decision::Deny(DenyReason::TransparentOff)
-    };
-    let pending = match decision {
-        Decision::Allow => None,
-        Decision::WouldDeny(reason) => Some((reason, Some(orig.ip()))),
-        Decision::Deny(reason) => {
-            let r = Refused {
-                host,
-                ..Refused::new(Some(kind), reason, orig.port())
-            };
-            deny(shared, &mut stream, orig, r).await;
+        let r = Refused {
+            host: match &target.dest {
+                Destination::Name(n) => Some(n.as_str().to_owned()),
+                Destination::Ip(_) => None,
+            },
+            ..Refused::new(Some(kind), DenyReason::TransparentOff, orig.port())
+        };
+        deny(shared, &mut stream, orig, r).await;
+        return;
+    }
+    // The same decide → dial → record as for `CONNECT` (audit included): the name on the
+    // original port, events naming the original destination.
+    let upstream = match shared
+        .check_and_dial_from(&target, kind.as_str(), Some(orig))
+        .await
+    {
+        Ok(s) => s,
+        Err(Refusal::Denied(reason)) => {
+            route::answer(shared, &mut stream, Some(kind), reason, &[]).await;
             return;
         }
-    };
-    let record_would_deny = |pending: Option<(DenyReason, Option<std::net::IpAddr>)>| {
-        pending.is_some_and(|(reason, ip)| {
-            shared.record(&target, ip, protocol, reason.as_str(), Verdict::WouldDeny);
-            true
-        })
-    };
-    let dialed = dial::dial(
-        &policy,
-        shared.ctx.resolver(),
-        &target,
-        limits.connect_timeout,
-    )
-    .await;
-    let upstream = match dialed {
-        Ok(d) => {
-            let audited =
-                record_would_deny(pending.or(d.would_deny.map(|(reason, ip)| (reason, Some(ip)))));
-            shared.allowed(&target, Some(d.addr.ip()), protocol, audited);
-            d.stream
-        }
-        Err(DialError::Denied { reason, ip }) => {
-            let r = Refused {
-                host,
-                resolved: ip,
-                ..Refused::new(Some(kind), reason, orig.port())
-            };
-            deny(shared, &mut stream, orig, r).await;
-            return;
-        }
-        Err(e) => {
-            record_would_deny(pending);
-            tracing::debug!(policy = %shared.name, %target, error = %e, "transparent: upstream unreachable");
+        Err(Refusal::Upstream(code)) => {
+            tracing::debug!(policy = %shared.name, %target, code, "transparent: upstream unreachable");
             let answer = match kind {
-                Kind::Http => response::error(502, e.code()),
+                Kind::Http => response::error(502, code),
                 Kind::Tls => Vec::new(),
             };
             refuse(&mut stream, &answer).await;
