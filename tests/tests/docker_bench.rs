@@ -90,7 +90,12 @@ fn start_to_enforced_and_memory() {
         } else {
             &v
         };
-        let Some(c) = f["container"].as_str() else {
+        // The container is a field of the line ("docker event", "host layer enforced") or of
+        // the per-container span the line was logged in ("container enforced").
+        let Some(c) = f["container"]
+            .as_str()
+            .or_else(|| v["span"]["container"].as_str())
+        else {
             continue;
         };
         match f["message"].as_str() {
@@ -119,7 +124,28 @@ fn start_to_enforced_and_memory() {
         lead.push((s - e) * 1000.0);
         to_host.push((h - s) * 1000.0);
     }
-    assert!(!to_host.is_empty(), "no timings parsed");
+    if to_host.is_empty() {
+        let sample = |m: &str| {
+            env.log()
+                .lines()
+                .find(|l| l.contains(m))
+                .map_or_else(|| format!("no line with {m:?}"), str::to_owned)
+        };
+        panic!(
+            "no timings parsed: expected, per started container, JSON log lines \
+             {{\"message\":\"container enforced\",\"span\":{{\"container\":ID}}}}, \
+             {{\"message\":\"docker event\",\"action\":\"start\",\"container\":ID}} and \
+             {{\"message\":\"host layer enforced\",\"container\":ID}}; \
+             parsed {} / {} / {} of {} containers. Lines seen:\n{}\n{}\n{}",
+            entry.len(),
+            start.len(),
+            host.len(),
+            ids.len(),
+            sample("container enforced"),
+            sample("docker event"),
+            sample("host layer enforced"),
+        );
+    }
     eprintln!("docker bench: {n} labelled containers started in {started:?}");
     eprintln!(
         "  kernel entry written before Docker's start event: {before_start}/{} (lead over `start`: p50 {:.1} ms, min {:.1} ms)",
