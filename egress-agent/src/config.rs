@@ -134,10 +134,13 @@ impl StoreConfig {
     }
 }
 
+/// The event store's database file name under `agent.state_dir`.
+pub const STORE_DB_FILE: &str = "events.db";
+
 impl AgentConfig {
     /// The event store's database file.
     pub fn store_path(&self) -> PathBuf {
-        self.state_dir.join(crate::store::DB_FILE)
+        self.state_dir.join(STORE_DB_FILE)
     }
 }
 

@@ -159,6 +159,21 @@ pub const REASON_DENY_CIDR: u32 = 6;
 /// is the peer, `Event::port` the local port).
 pub const REASON_INBOUND: u32 = 7;
 
+/// The name of a kernel denial reason in events, metrics and `explain` (one vocabulary for the
+/// kernel's `REASON_*` codes, shared by everything that reports or predicts them).
+pub const fn reason_name(reason: u32) -> &'static str {
+    match reason {
+        REASON_NOT_ALLOWED => "kernel-destination-not-allowed",
+        REASON_NO_POLICY => "kernel-no-policy-entry",
+        REASON_NO_LISTENER => "kernel-proxy-not-running",
+        REASON_SOCKET_TYPE => "kernel-socket-type-not-allowed",
+        REASON_HOST_LOOPBACK => "kernel-host-loopback",
+        REASON_DENY_CIDR => "kernel-deny-cidr",
+        REASON_INBOUND => "kernel-inbound-not-allowed",
+        _ => "kernel-denied",
+    }
+}
+
 /// `PolicyEntry::flags`: the entry has an IPv6 proxy endpoint + listener.
 pub const POLICY_FLAG_V6: u32 = 1;
 /// `PolicyEntry::flags`: the policy audits (`enforce = "audit"`): what it would refuse is allowed

@@ -167,18 +167,8 @@ pub fn hook_name(hook: u32) -> &'static str {
     }
 }
 
-pub fn reason_name(reason: u32) -> &'static str {
-    match reason {
-        egress_common::REASON_NOT_ALLOWED => "kernel-destination-not-allowed",
-        egress_common::REASON_NO_POLICY => "kernel-no-policy-entry",
-        egress_common::REASON_NO_LISTENER => "kernel-proxy-not-running",
-        egress_common::REASON_SOCKET_TYPE => "kernel-socket-type-not-allowed",
-        egress_common::REASON_HOST_LOOPBACK => "kernel-host-loopback",
-        egress_common::REASON_DENY_CIDR => "kernel-deny-cidr",
-        egress_common::REASON_INBOUND => "kernel-inbound-not-allowed",
-        _ => "kernel-denied",
-    }
-}
+/// The name of a kernel denial reason (defined next to the codes, in egress-common).
+pub use egress_common::reason_name;
 
 /// The destination IP of an event, if it has one.
 pub fn event_ip(ev: &Event) -> Option<IpAddr> {

@@ -94,7 +94,7 @@ pub enum KernelVerdict {
 impl KernelVerdict {
     fn deny(reason: u32, rule: impl Into<String>) -> Self {
         KernelVerdict::Deny {
-            reason: crate::bpf::events::reason_name(reason),
+            reason: egress_common::reason_name(reason),
             rule: rule.into(),
         }
     }

@@ -54,8 +54,8 @@ pub fn start(
     )))
 }
 
-/// The database file name under `agent.state_dir`.
-pub const DB_FILE: &str = "events.db";
+/// The database file name under `agent.state_dir` (the configuration names it).
+pub use crate::config::STORE_DB_FILE as DB_FILE;
 
 /// Schema version in `PRAGMA user_version`.
 const SCHEMA_VERSION: i64 = 1;
