@@ -134,6 +134,16 @@ impl StoreConfig {
     }
 }
 
+impl ProxyConfig {
+    /// The endpoint(s) `explain` evaluates a confined socket's redirect with.
+    pub fn explain_endpoint(&self) -> crate::policy::explain::ProxyEndpoint {
+        crate::policy::explain::ProxyEndpoint {
+            endpoint: self.endpoint,
+            endpoint_v6: self.endpoint_v6,
+        }
+    }
+}
+
 /// The event store's database file name under `agent.state_dir`.
 pub const STORE_DB_FILE: &str = "events.db";
 
@@ -365,6 +375,22 @@ impl Config {
     /// Read, parse and validate `path`, then the policy files of its `policies.d/` directory
     /// (see [`crate::manage::dir`]): one `<policy>.toml` per policy, loaded after the main file.
     /// A policy defined in both is an error. Every error names its own file, line and column.
+    /// `--config` if given, else [`DEFAULT_CONFIG_PATH`] if it exists, else the defaults (what
+    /// every command that takes `--config` loads).
+    pub fn load_or_default(path: Option<&Path>) -> Result<Config, ConfigError> {
+        match path {
+            Some(p) => Config::load(p),
+            None => {
+                let p = Path::new(DEFAULT_CONFIG_PATH);
+                if p.exists() {
+                    Config::load(p)
+                } else {
+                    Ok(Config::default())
+                }
+            }
+        }
+    }
+
     pub fn load(path: &Path) -> Result<Config, ConfigError> {
         let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
             path: path.to_owned(),

@@ -59,21 +59,6 @@ pub fn exec_root() -> anyhow::Result<PathBuf> {
     Ok(cgroup::cgroup2_mount()?.join(EXEC_ROOT))
 }
 
-/// Load the config: `--config` if given, else the default path if it exists, else defaults.
-pub fn load_config(path: Option<&Path>) -> anyhow::Result<Config> {
-    match path {
-        Some(p) => Ok(Config::load(p)?),
-        None => {
-            let p = Path::new(config::DEFAULT_CONFIG_PATH);
-            if p.exists() {
-                Ok(Config::load(p)?)
-            } else {
-                Ok(Config::default())
-            }
-        }
-    }
-}
-
 static SEQ: AtomicU32 = AtomicU32::new(0);
 
 /// Removes the entry and the cgroup when dropped.
@@ -135,7 +120,7 @@ pub fn run(opts: ExecOptions) -> anyhow::Result<i32> {
         bail!("exec: no command given (usage: egress-agent exec --policy P -- CMD ARGS...)");
     }
     bpf::loader::require_root()?;
-    let config = load_config(opts.config.as_deref())?;
+    let config = Config::load_or_default(opts.config.as_deref())?;
     let policy = config
         .policy(&opts.policy)
         .ok_or_else(|| {

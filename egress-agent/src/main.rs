@@ -390,7 +390,7 @@ fn main() -> ExitCode {
         }
         Command::Doctor { config, json } => {
             init_cli_tracing();
-            let opts = match egress_agent::exec::load_config(config.as_deref()) {
+            let opts = match egress_agent::config::Config::load_or_default(config.as_deref()) {
                 Ok(c) => egress_agent::doctor::Options::from_config(&c),
                 Err(e) => {
                     eprintln!("egress-agent: warning: {e:#}; using default paths");
@@ -403,7 +403,8 @@ fn main() -> ExitCode {
         }
         Command::Cleanup { config } => {
             init_cli_tracing();
-            egress_agent::exec::load_config(config.as_deref())
+            egress_agent::config::Config::load_or_default(config.as_deref())
+                .map_err(anyhow::Error::from)
                 .and_then(|c| egress_agent::cleanup::run(&c.agent.bpffs))
                 .and_then(|report| {
                     for r in &report.removed {
@@ -463,7 +464,7 @@ fn status(config: Option<&Path>, json: bool, api_socket: &Path) -> anyhow::Resul
             api_socket.display()
         );
     }
-    let c = egress_agent::exec::load_config(config)?;
+    let c = egress_agent::config::Config::load_or_default(config)?;
     egress_agent::status::run(&c.agent.bpffs, json)?;
     Ok(ExitCode::SUCCESS)
 }
@@ -521,7 +522,7 @@ fn init_daemon_tracing() -> tracing_appender::non_blocking::WorkerGuard {
 
 /// `egress-agent ca`.
 fn print_ca(config: Option<&std::path::Path>) -> anyhow::Result<()> {
-    let config = egress_agent::exec::load_config(config)?;
+    let config = egress_agent::config::Config::load_or_default(config)?;
     let ca = egress_agent::ca::AgentCa::load_or_create(&config.agent.state_dir)?;
     println!("certificate: {}", ca.cert_path().display());
     println!("bundle: {}", ca.bundle_path().display());

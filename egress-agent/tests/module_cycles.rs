@@ -1,7 +1,7 @@
 //! No new two-way dependency between top-level modules of `egress-agent` (issue #21).
 //!
 //! A top-level module `a` depends on `b` when a non-comment line of a file under `src/a` (or
-//! `src/a.rs`) names `crate::b` (`use crate::b::..`, `crate::{b, ..}`, a path in an expression).
+//! `src/a.rs`), before its `#[cfg(test)]` part, names `crate::b` (`use crate::b::..`, `crate::{b, ..}`, a path in an expression).
 //! Two modules that depend on each other form a cycle. The cycles that exist today are listed in
 //! [`KNOWN`]: a cycle not in the list fails (with the lines that make each direction), and so does
 //! a listed cycle that is gone (take it off the list, so it can't come back).
@@ -16,10 +16,7 @@ const KNOWN: &[(&str, &str)] = &[
     ("api", "store"),
     ("bpf", "proxy"),
     ("config", "manage"),
-    ("config", "policy"),
     ("dns", "proxy"),
-    ("exec", "store"),
-    ("manage", "policy"),
     ("store", "suggest"),
 ];
 
@@ -84,7 +81,11 @@ fn no_new_two_way_module_dependencies() {
     let mut modules = BTreeSet::new();
     for e in std::fs::read_dir(&src).expect("src").flatten() {
         let p = e.path();
-        let name = p.file_stem().and_then(|s| s.to_str()).unwrap_or("").to_owned();
+        let name = p
+            .file_stem()
+            .and_then(|s| s.to_str())
+            .unwrap_or("")
+            .to_owned();
         if (p.is_dir() || p.extension().is_some_and(|x| x == "rs"))
             && name != "lib"
             && name != "main"
@@ -102,6 +103,10 @@ fn no_new_two_way_module_dependencies() {
             let text = std::fs::read_to_string(&f).expect("read");
             for (i, line) in text.lines().enumerate() {
                 let code = line.trim_start();
+                // Unit tests (at the end of a file, by convention) may reach up the layers.
+                if code.starts_with("#[cfg(test)]") {
+                    break;
+                }
                 if code.starts_with("//") {
                     continue;
                 }

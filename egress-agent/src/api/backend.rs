@@ -92,7 +92,13 @@ pub async fn explain(
                 name: name.clone(),
                 why: "asked for by name".to_owned(),
             };
-            Ok(explain::explain(config, &chosen, policy, &target, netns))
+            Ok(explain::explain(
+                config.proxy.explain_endpoint(),
+                &chosen,
+                policy,
+                &target,
+                netns,
+            ))
         }
         (None, Some(id)) => {
             let docker =
@@ -116,7 +122,13 @@ pub async fn explain(
                 name: resolved.name.clone(),
                 why,
             };
-            let mut v = explain::explain(config, &chosen, &resolved.policy, &target, netns);
+            let mut v = explain::explain(
+                config.proxy.explain_endpoint(),
+                &chosen,
+                &resolved.policy,
+                &target,
+                netns,
+            );
             let name = c
                 .name
                 .unwrap_or_default()

@@ -427,7 +427,13 @@ pub fn explain(args: ExplainArgs) -> Result<()> {
                 name: name.clone(),
                 why: "asked for by name".to_owned(),
             };
-            crate::policy::explain::explain(&config, &chosen, policy, &target, netns)
+            crate::policy::explain::explain(
+                config.proxy.explain_endpoint(),
+                &chosen,
+                policy,
+                &target,
+                netns,
+            )
         }
         None => {
             let mut q = format!("/v1/explain?target={}", enc(&args.target));

@@ -510,12 +510,7 @@ pub fn describe(config_path: &Path, config: &Config, name: &str) -> Option<Value
 /// The badge a policy gets on the status page: `allow_all`, `deny_all`, `allowlist` or
 /// `audit` (an allowlist that records instead of refusing).
 pub fn badge(p: &Policy) -> &'static str {
-    match p.mode {
-        crate::policy::Mode::AllowAll => "allow_all",
-        crate::policy::Mode::DenyAll => "deny_all",
-        crate::policy::Mode::Allowlist if p.audits() => "audit",
-        crate::policy::Mode::Allowlist => "allowlist",
-    }
+    p.badge()
 }
 
 #[cfg(test)]

@@ -12,7 +12,6 @@ use super::kernel::{Endpoints, InterceptAddrs, KernelPolicy};
 use super::kernel_eval::{self, KernelVerdict, Netns, Transport};
 use super::name::Destination;
 use super::{CompiledPolicy, Decision, Mode, Policy};
-use crate::config::Config;
 
 /// What to explain: `HOST[:PORT]` or `ADDR[:PORT]` (`[v6]:PORT`); the port defaults to 443.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
@@ -136,10 +135,18 @@ pub struct Chosen {
     pub why: String,
 }
 
-/// Explain `target` under `policy` (chosen as `chosen`), with `config`'s proxy endpoint.
+/// The proxy endpoint(s) a confined socket is redirected from (`proxy.endpoint`,
+/// `proxy.endpoint_v6`).
+#[derive(Debug, Clone, Copy)]
+pub struct ProxyEndpoint {
+    pub endpoint: SocketAddr,
+    pub endpoint_v6: Option<SocketAddr>,
+}
+
+/// Explain `target` under `policy` (chosen as `chosen`), with the proxy endpoint `config`.
 /// `netns`: where the client socket lives (`own` for a container, `host` for `exec`).
 pub fn explain(
-    config: &Config,
+    config: ProxyEndpoint,
     chosen: &Chosen,
     policy: &Policy,
     target: &Target,
@@ -155,7 +162,7 @@ pub fn explain(
     };
     let port = target.port;
     let base = json!({
-        "policy": { "name": chosen.name, "why": chosen.why, "badge": crate::manage::badge(policy),
+        "policy": { "name": chosen.name, "why": chosen.why, "badge": policy.badge(),
                     "audit": policy.audits() },
         "target": target,
         "authority": "the kernel programs and the proxy decide at run time; this is their decision code run on the compiled policy",
@@ -183,7 +190,7 @@ pub fn explain(
     let mut proxy = decision(via_proxy);
     proxy["rule"] = json!(proxy_rule(policy, &dest, port, via_proxy));
     proxy["intercepted"] = json!(compiled.l7().intercepts(&dest, port));
-    let endpoint_verdict = kernel_eval::connect(&kp, config.proxy.endpoint, Transport::Tcp, netns);
+    let endpoint_verdict = kernel_eval::connect(&kp, config.endpoint, Transport::Tcp, netns);
     let summary;
     match &dest {
         Destination::Ip(ip) => {
@@ -262,12 +269,12 @@ fn reason_of(v: &KernelVerdict) -> &'static str {
     }
 }
 
-/// The proxy endpoint(s) of `config`, with a placeholder listener (the real one is per cgroup).
-fn endpoints(config: &Config) -> Endpoints {
+/// The proxy endpoint(s), with a placeholder listener (the real one is per cgroup).
+fn endpoints(config: ProxyEndpoint) -> Endpoints {
     let listener = |ep: SocketAddr| Some(SocketAddr::new(ep.ip(), 0));
-    let (e4, e6) = match config.proxy.endpoint {
-        SocketAddr::V4(_) => (Some(config.proxy.endpoint), config.proxy.endpoint_v6),
-        SocketAddr::V6(_) => (None, Some(config.proxy.endpoint)),
+    let (e4, e6) = match config.endpoint {
+        SocketAddr::V4(_) => (Some(config.endpoint), config.endpoint_v6),
+        SocketAddr::V6(_) => (None, Some(config.endpoint)),
     };
     // Interception sockets live next to the listener; the policy decides whether the kernel
     // uses them (`KernelPolicy::transparent` / `dns`).
@@ -290,6 +297,7 @@ fn endpoints(config: &Config) -> Endpoints {
 #[expect(clippy::unwrap_used, reason = "test assertions")]
 mod tests {
     use super::*;
+    use crate::config::Config;
     use std::path::Path;
 
     fn config() -> Config {
@@ -317,7 +325,7 @@ enforce = "audit"
             why: "asked for".to_owned(),
         };
         explain(
-            &c,
+            c.proxy.explain_endpoint(),
             &chosen,
             c.policy(policy).unwrap(),
             &Target::parse(target).unwrap(),

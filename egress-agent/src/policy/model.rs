@@ -156,6 +156,17 @@ impl Policy {
         self.enforce == Enforce::Audit
     }
 
+    /// The one-word kind the CLI, the API and the status page show: `allow_all`, `deny_all`,
+    /// `audit` or `allowlist`.
+    pub fn badge(&self) -> &'static str {
+        match self.mode {
+            Mode::AllowAll => "allow_all",
+            Mode::DenyAll => "deny_all",
+            Mode::Allowlist if self.audits() => "audit",
+            Mode::Allowlist => "allowlist",
+        }
+    }
+
     /// Is transparent interception on? Only ever for `allowlist` (default on).
     pub fn transparent(&self) -> bool {
         self.mode == Mode::Allowlist && self.transparent.unwrap_or(true)

@@ -117,7 +117,7 @@ pub struct EventsOptions {
 }
 
 fn store_path(config: Option<&Path>) -> Result<PathBuf> {
-    let c: Config = crate::exec::load_config(config)?;
+    let c: Config = Config::load_or_default(config)?;
     Ok(c.agent.store_path())
 }
 
@@ -290,7 +290,7 @@ pub struct SuggestOptions {
 
 /// `egress-agent suggest`: print the suggested policy (or its diff) for the selection.
 pub fn suggest(opts: &SuggestOptions) -> Result<String> {
-    let config = crate::exec::load_config(opts.config.as_deref())?;
+    let config = Config::load_or_default(opts.config.as_deref())?;
     let store = open_store(&config.agent.store_path())?;
     let filter = opts.selection.filter()?;
     let flows = store.flows(&filter)?;
