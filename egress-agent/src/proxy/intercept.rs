@@ -398,19 +398,6 @@ fn bad_request_because(code: &'static str) -> Response<Body> {
     )
 }
 
-/// An HTTP/1.1 upgrade request (`Connection: upgrade` + `Upgrade`).
-fn is_upgrade(req: &Request<Incoming>) -> bool {
-    req.version() == Version::HTTP_11
-        && req.headers().contains_key(header::UPGRADE)
-        && req
-            .headers()
-            .get_all(header::CONNECTION)
-            .iter()
-            .filter_map(|v| v.to_str().ok())
-            .flat_map(|v| v.split(','))
-            .any(|t| t.trim().eq_ignore_ascii_case("upgrade"))
-}
-
 /// The request's authority must be the target: `Host` (HTTP/1.1), `:authority` (h2), and both
 /// when both are present.
 /// `Err(true)`: names another host; `Err(false)`: missing or malformed.
@@ -516,7 +503,8 @@ async fn handle(mut req: Request<Incoming>, s: &Session) -> Response<Body> {
                 return forbidden(reason, &shared.name);
             }
         };
-    let upgrade = s.proto == Proto::Http1 && is_upgrade(&req);
+    // Any other protocol switch was refused above.
+    let upgrade = s.proto == Proto::Http1 && super::http::is_websocket(&req);
     let head = req.method() == http::Method::HEAD;
     let client_upgrade = upgrade.then(|| hyper::upgrade::on(&mut req));
     let mut pq = req
