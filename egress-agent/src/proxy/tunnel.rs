@@ -366,6 +366,7 @@ pub async fn write_all(dst: &TcpStream, mut data: &[u8]) -> io::Result<()> {
 mod tests {
     use super::*;
     use std::io::{Read, Write};
+    use std::sync::mpsc;
 
     fn pair() -> (std::net::TcpStream, std::net::TcpStream) {
         let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
@@ -464,8 +465,11 @@ mod tests {
                 .collect()
         };
         let (to_b, to_a) = (pattern(1), pattern(2));
-        // Writes `data` (then its FIN) while reading what arrives, to EOF.
-        let stream = |mut s: std::net::TcpStream, data: Vec<u8>| {
+        // Writes `data` (then its FIN) while reading what arrives, to EOF. The second half waits
+        // for `resume`: the hand-over is asked for while the first half streams, and a clean
+        // point is then certain to come (a machine fast enough never to leave a direction
+        // waiting would otherwise stream everything before one).
+        let stream = |mut s: std::net::TcpStream, data: Vec<u8>, resume: mpsc::Receiver<()>| {
             std::thread::spawn(move || {
                 let mut r = s.try_clone().unwrap();
                 let reader = std::thread::spawn(move || {
@@ -473,15 +477,22 @@ mod tests {
                     r.read_to_end(&mut got).unwrap();
                     got
                 });
-                for chunk in data.chunks(3000) {
+                let (first, rest) = data.split_at(data.len() / 2);
+                for chunk in first.chunks(3000) {
+                    s.write_all(chunk).unwrap();
+                }
+                resume.recv().unwrap();
+                for chunk in rest.chunks(3000) {
                     s.write_all(chunk).unwrap();
                 }
                 s.shutdown(Shutdown::Write).unwrap();
                 reader.join().unwrap()
             })
         };
-        let a_side = stream(a_end, to_b.clone());
-        let b_side = stream(b_end, to_a.clone());
+        let (resume_a, a_waits) = mpsc::channel();
+        let (resume_b, b_waits) = mpsc::channel();
+        let a_side = stream(a_end, to_b.clone(), a_waits);
+        let b_side = stream(b_end, to_a.clone(), b_waits);
         let rt = tokio::runtime::Builder::new_current_thread()
             .enable_all()
             .build()
@@ -502,6 +513,8 @@ mod tests {
                 8,
             )
             .await;
+            resume_a.send(()).unwrap();
+            resume_b.send(()).unwrap();
             let second = run(
                 &mut client,
                 &mut upstream,
