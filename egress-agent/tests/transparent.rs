@@ -728,6 +728,35 @@ async fn without_an_original_destination_nothing_is_decided() {
     assert_eq!(f.tls.conns.load(Ordering::SeqCst), 0);
 }
 
+/// Audit mode on the transparent path: a name the allowlist refuses goes through, with one
+/// would-deny event naming the name and where the connection was going (the same decide → dial
+/// → record path as CONNECT; no `denied_address`, nothing was refused at dial time).
+#[tokio::test]
+async fn an_auditing_policy_lets_a_transparent_connection_through_with_a_would_deny() {
+    let f = fixture().await;
+    let p = f.http.port();
+    let orig = f.going_to(p);
+    let mut audit: Policy = f.config.policy("test").unwrap().clone();
+    audit.enforce = egress_agent::policy::model::Enforce::Audit;
+    f.handle.set(&audit);
+    let c = curl(
+        &format!("http://other.test:{p}/a"),
+        f.transparent,
+        None,
+        &[],
+    )
+    .await;
+    assert_eq!(c.code, 0, "{}", c.stderr);
+    assert!(c.stdout.contains("line=GET /a\n"), "{}", c.stdout);
+    let ev = f.event(0);
+    assert_eq!(
+        (ev.reason.as_str(), ev.host.as_deref(), ev.ip, ev.port),
+        ("host-not-allowed", Some("other.test"), Some(orig.ip()), p)
+    );
+    assert_eq!(ev.verdict, egress_agent::events::Verdict::WouldDeny);
+    assert!(!ev.context.contains_key("denied_address"), "{ev:?}");
+}
+
 #[tokio::test]
 async fn a_reload_turning_transparent_off_refuses_redirected_connections() {
     let f = fixture().await;

@@ -442,11 +442,13 @@ impl Shared {
         let limits = self.ctx.limits();
         let would_deny = |pending: Option<(DenyReason, Option<std::net::IpAddr>)>| {
             pending.is_some_and(|(reason, ip)| {
-                match (orig, ip) {
-                    // A decision-level would-deny of a redirected connection names where it
-                    // was going; a dial-level one the address refused.
-                    (Some(o), None) => record(Some(o.ip()), reason, Verdict::WouldDeny),
-                    _ => self.record(target, ip, protocol, reason.as_str(), Verdict::WouldDeny),
+                match ip {
+                    // Decided on the name: the event names where a redirected connection was
+                    // going. Decided at dial time: the address that was let through.
+                    None => record(None, reason, Verdict::WouldDeny),
+                    Some(_) => {
+                        self.record(target, ip, protocol, reason.as_str(), Verdict::WouldDeny);
+                    }
                 }
                 true
             })
