@@ -28,7 +28,7 @@ pub fn containers(config: &Config) -> Value {
             let mut v = serde_json::to_value(c).unwrap_or(Value::Null);
             let container = c.owner.as_deref().and_then(|o| o.strip_prefix("docker:"));
             let badge = match (c.policy.as_deref().and_then(|p| config.policy(p)), c.mode) {
-                (Some(p), _) => manage::badge(p),
+                (Some(p), _) => p.badge(),
                 // Inline (label) policies are allowlists; no entry at all is refused.
                 (None, Some(m)) => m,
                 (None, None) => "deny_all",

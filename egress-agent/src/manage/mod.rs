@@ -499,18 +499,12 @@ pub fn describe(config_path: &Path, config: &Config, name: &str) -> Option<Value
         "name": name,
         "source": source.unwrap_or("unknown"),
         "file": file,
-        "badge": badge(policy),
+        "badge": policy.badge(),
         "default": config.agent.default_policy == name,
         "unlabeled": config.agent.unlabeled == name,
         "policy": serde_json::to_value(policy).unwrap_or(Value::Null),
         "toml": toml::to_string(policy).unwrap_or_default(),
     }))
-}
-
-/// The badge a policy gets on the status page: `allow_all`, `deny_all`, `allowlist` or
-/// `audit` (an allowlist that records instead of refusing).
-pub fn badge(p: &Policy) -> &'static str {
-    p.badge()
 }
 
 #[cfg(test)]

@@ -157,7 +157,8 @@ pub(crate) async fn carry(
     }
 }
 
-fn host_of(t: &Target) -> Option<String> {
+/// The name of a target, for an event (`None` for an IP literal).
+pub(crate) fn host_of(t: &Target) -> Option<String> {
     match &t.dest {
         Destination::Name(n) => Some(n.as_str().to_owned()),
         Destination::Ip(_) => None,

@@ -50,6 +50,16 @@ pub fn ask_identity(h: &mut HeaderMap) {
     );
 }
 
+/// Say in `h` (headers or trailers) how many secrets were replaced, when any were.
+fn mark(h: &mut HeaderMap, count: usize) {
+    if count > 0 {
+        h.insert(
+            HeaderName::from_static(SCRUBBED_HEADER),
+            HeaderValue::from(count),
+        );
+    }
+}
+
 /// Scrub header values in place; the number of secrets replaced. A value that would not be a
 /// valid header value after the swap is dropped with its header.
 pub fn scrub_headers(scrubber: &Scrubber, h: &mut HeaderMap) -> usize {
@@ -180,12 +190,7 @@ pub(crate) async fn response(
     if bodiless {
         let n = scrub_headers(scrubber, &mut parts.headers);
         report.found("headers", n);
-        if n > 0 {
-            parts.headers.insert(
-                HeaderName::from_static(SCRUBBED_HEADER),
-                HeaderValue::from(n),
-            );
-        }
+        mark(&mut parts.headers, n);
         return Ok(Scrubbed::Passed(body));
     }
     let coding = Coding::of(&parts.headers).map_err(|()| {
@@ -220,20 +225,10 @@ pub(crate) async fn response(
             .scrub(&bytes)
             .map_or((bytes, 0), |(b, n)| (Bytes::from(b), n));
         report.found("body", n);
-        if n + in_headers > 0 {
-            parts.headers.insert(
-                HeaderName::from_static(SCRUBBED_HEADER),
-                HeaderValue::from(n + in_headers),
-            );
-        }
+        mark(&mut parts.headers, n + in_headers);
         return Ok(Scrubbed::Whole(out));
     }
-    if in_headers > 0 {
-        parts.headers.insert(
-            HeaderName::from_static(SCRUBBED_HEADER),
-            HeaderValue::from(in_headers),
-        );
-    }
+    mark(&mut parts.headers, in_headers);
     Ok(Scrubbed::Stream(Box::new(ScrubBody {
         inner: body,
         stream: ScrubStream::new(scrubber.clone()),
@@ -277,13 +272,7 @@ impl ScrubBody {
         if let Some(r) = &self.report {
             r.found("trailers", in_trailers);
         }
-        let total = self.stream.found() + in_trailers;
-        if total > 0 {
-            trailers.insert(
-                HeaderName::from_static(SCRUBBED_HEADER),
-                HeaderValue::from(total),
-            );
-        }
+        mark(&mut trailers, self.stream.found() + in_trailers);
         self.report();
         self.done = true;
         let trailers = (!trailers.is_empty()).then_some(trailers);

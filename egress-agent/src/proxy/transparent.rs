@@ -28,7 +28,6 @@ use super::sniff::{Kind, MAX_SNIFF_BYTES, Sniffed, Sniffer};
 use super::{Refusal, Shared, refuse, response};
 use crate::events::DenialEvent;
 use crate::policy::DenyReason;
-use crate::policy::name::Destination;
 
 /// The original destination of `stream` as the kernel recorded it, if it was redirected.
 pub(crate) fn original_dst(
@@ -128,10 +127,7 @@ pub(crate) async fn intercepted(
     if !shared.policy.load().transparent() {
         // The policy was reloaded with `transparent = false` while the kernel still redirected.
         let r = Refused {
-            host: match &target.dest {
-                Destination::Name(n) => Some(n.as_str().to_owned()),
-                Destination::Ip(_) => None,
-            },
+            host: route::host_of(&target),
             ..Refused::new(Some(kind), DenyReason::TransparentOff, orig.port())
         };
         deny(shared, &mut stream, orig, r).await;
