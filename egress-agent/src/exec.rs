@@ -32,10 +32,10 @@ use crate::bpf::{self, KernelPolicy, PinnedState};
 use crate::cgroup;
 use crate::config::{self, Config};
 use crate::events::EventSink;
-use crate::policy::kernel::Endpoints;
-use crate::policy::{self, Mode};
 use crate::proxy::{PolicyProxy, ProxyContext};
 use crate::sandbox::{self, Identity};
+use egress_policy::kernel::Endpoints;
+use egress_policy::{self as policy, Mode};
 
 /// Name of the exec enforcement root under the cgroup2 mount.
 pub const EXEC_ROOT: &str = "egress-agent";
@@ -347,7 +347,7 @@ async fn run_async(
         );
         let ctx = ProxyContext::new(&config, events.clone())
             .context("proxy context")?
-            .with_interception(redirects.hooks());
+            .with_interception(crate::proxy::InterceptHooks::kernel(&redirects));
         let shared_policy = Arc::new(policy.clone());
         // A non-loopback proxy address (the Docker-style 169.254.100.1) lives on the agent's
         // interface: make sure it exists, as the daemon does, before binding on it.

@@ -10,7 +10,6 @@
 // `deny`, not `forbid`: the loader's two raw syscalls (bpf/sys.rs) are the one allowed exception.
 #![deny(unsafe_code)]
 pub mod api;
-pub mod dns;
 pub mod doctor;
 pub mod metrics;
 pub mod notify;
@@ -20,6 +19,7 @@ pub mod ca;
 pub mod cgroup;
 pub mod check;
 pub mod cleanup;
+pub mod cli;
 pub mod config;
 pub mod daemon;
 pub mod docker;
@@ -31,7 +31,6 @@ pub mod mcp;
 pub mod mountinfo;
 pub mod netif;
 pub mod nft;
-pub mod policy;
 pub mod proxy;
 pub mod sandbox;
 pub mod secrets;

@@ -167,9 +167,9 @@ enum Command {
         config: Option<PathBuf>,
     },
     /// Manage policies through the daemon: list, show, set, delete, defaults, export, import.
-    Policy(egress_agent::manage::cli::PolicyArgs),
+    Policy(egress_agent::cli::manage::PolicyArgs),
     /// Which policy applies to a destination and why: what the proxy and the kernel would do.
-    Explain(egress_agent::manage::cli::ExplainArgs),
+    Explain(egress_agent::cli::manage::ExplainArgs),
     /// An MCP server on stdio (for AI assistants): policies, explain, containers, denials,
     /// suggest; write tools only with --allow-writes.
     Mcp(egress_agent::mcp::McpArgs),
@@ -219,9 +219,9 @@ struct SelectionArgs {
     labels: Vec<String>,
 }
 
-impl From<SelectionArgs> for egress_agent::store::cli::Selection {
+impl From<SelectionArgs> for egress_agent::store::selection::Selection {
     fn from(a: SelectionArgs) -> Self {
-        egress_agent::store::cli::Selection {
+        egress_agent::store::selection::Selection {
             since: a.since,
             container: a.container,
             policy: a.policy,
@@ -307,7 +307,7 @@ fn main() -> ExitCode {
             api_socket,
         } => {
             init_cli_tracing();
-            let opts = egress_agent::store::cli::EventsOptions {
+            let opts = egress_agent::cli::events::EventsOptions {
                 count,
                 follow,
                 flows,
@@ -317,7 +317,7 @@ fn main() -> ExitCode {
                 api_socket,
             };
             runtime()
-                .and_then(|rt| rt.block_on(egress_agent::store::cli::events(opts)))
+                .and_then(|rt| rt.block_on(egress_agent::cli::events::events(opts)))
                 .map(|()| ExitCode::SUCCESS)
         }
         Command::Suggest {
@@ -328,7 +328,7 @@ fn main() -> ExitCode {
             config,
         } => {
             init_cli_tracing();
-            egress_agent::store::cli::suggest(&egress_agent::store::cli::SuggestOptions {
+            egress_agent::cli::events::suggest(&egress_agent::suggest::command::SuggestOptions {
                 selection: selection.into(),
                 include_denied,
                 diff,
@@ -355,11 +355,11 @@ fn main() -> ExitCode {
         }
         Command::Policy(args) => {
             init_cli_tracing();
-            egress_agent::manage::cli::policy(args).map(|()| ExitCode::SUCCESS)
+            egress_agent::cli::manage::policy(args).map(|()| ExitCode::SUCCESS)
         }
         Command::Explain(args) => {
             init_cli_tracing();
-            egress_agent::manage::cli::explain(args).map(|()| ExitCode::SUCCESS)
+            egress_agent::cli::manage::explain(args).map(|()| ExitCode::SUCCESS)
         }
         Command::Mcp(args) => {
             // stdout is the MCP channel: logs go to stderr only.

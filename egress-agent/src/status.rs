@@ -8,7 +8,7 @@ use serde::Serialize;
 
 use crate::bpf::{self, PinnedState};
 use crate::cgroup;
-use crate::policy::kernel;
+use egress_policy::kernel;
 
 #[derive(Debug, Serialize)]
 pub struct Status {

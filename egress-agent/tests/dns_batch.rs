@@ -16,10 +16,10 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use egress_agent::config::Config;
-use egress_agent::dns::tcp::MAX_TCP_CONNECTIONS;
-use egress_agent::dns::{Answer, AnswerSink};
 use egress_agent::events::EventSink;
 use egress_agent::metrics::Metrics;
+use egress_agent::proxy::dns::tcp::MAX_TCP_CONNECTIONS;
+use egress_agent::proxy::dns::{Answer, AnswerSink};
 use egress_agent::proxy::original_dst::StaticOriginalDst;
 use egress_agent::proxy::{InterceptHooks, PolicyProxy, ProxyContext};
 use hickory_server::proto::op::{Edns, Message, OpCode, Query, ResponseCode};

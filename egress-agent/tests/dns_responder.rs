@@ -13,11 +13,11 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use egress_agent::config::Config;
-use egress_agent::dns::{Answer, AnswerSink};
 use egress_agent::events::EventSink;
-use egress_agent::policy::Policy;
+use egress_agent::proxy::dns::{Answer, AnswerSink};
 use egress_agent::proxy::original_dst::StaticOriginalDst;
 use egress_agent::proxy::{InterceptHooks, PolicyHandle, PolicyProxy, ProxyContext};
+use egress_policy::Policy;
 use proxy_support::{TempDir, temp_dir};
 
 /// dnsmasq on a loopback port: the upstream resolver, logging every query it gets.

@@ -11,11 +11,12 @@ use std::path::Path;
 use std::time::Duration;
 
 use egress_agent::events::{DenialEvent, Verdict};
-use egress_agent::policy::Enforce;
 use egress_agent::store::Store;
-use egress_agent::store::cli::{Selection, SuggestOptions, suggest_from};
 use egress_agent::store::query::EventFilter;
+use egress_agent::store::selection::Selection;
 use egress_agent::store::writer::{self, Bounds};
+use egress_agent::suggest::command::{SuggestOptions, suggest_from};
+use egress_policy::Enforce;
 use proxy_support::*;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;

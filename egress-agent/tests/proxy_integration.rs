@@ -8,7 +8,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use egress_agent::events::Source;
-use egress_agent::policy::Policy;
+use egress_policy::Policy;
 use proxy_support::*;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;

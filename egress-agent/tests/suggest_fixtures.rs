@@ -10,11 +10,12 @@ use std::path::{Path, PathBuf};
 
 use egress_agent::config::Config;
 use egress_agent::events::{DenialEvent, Verdict};
-use egress_agent::policy::CompiledPolicy;
-use egress_agent::policy::name::Destination;
-use egress_agent::store::cli::{Selection, SuggestOptions, suggest_from};
 use egress_agent::store::query::Flow;
+use egress_agent::store::selection::Selection;
 use egress_agent::store::{FlowBatch, Store, add_flow};
+use egress_agent::suggest::command::{SuggestOptions, suggest_from};
+use egress_policy::CompiledPolicy;
+use egress_policy::name::Destination;
 
 fn fixture(name: &str) -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR"))

@@ -15,11 +15,11 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use egress_agent::config::Config;
-use egress_agent::dns::NoAnswerSink;
 use egress_agent::events::{DenialEvent, EventSink};
-use egress_agent::policy::Policy;
+use egress_agent::proxy::dns::NoAnswerSink;
 use egress_agent::proxy::original_dst::{ConnKey, OriginalDst, StaticOriginalDst};
 use egress_agent::proxy::{InterceptHooks, PolicyHandle, PolicyProxy, ProxyContext};
+use egress_policy::Policy;
 use proxy_support::{TempDir, http_server, temp_dir};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
@@ -737,7 +737,7 @@ async fn an_auditing_policy_lets_a_transparent_connection_through_with_a_would_d
     let p = f.http.port();
     let orig = f.going_to(p);
     let mut audit: Policy = f.config.policy("test").unwrap().clone();
-    audit.enforce = egress_agent::policy::model::Enforce::Audit;
+    audit.enforce = egress_policy::model::Enforce::Audit;
     f.handle.set(&audit);
     let c = curl(
         &format!("http://other.test:{p}/a"),
@@ -1032,7 +1032,7 @@ mod ech {
         // Public name allowed: the outer hello (ECH extension and all) goes on untouched.
         let mut p: Policy = f.config.policy("test").unwrap().clone();
         p.allow_hosts.push(
-            egress_agent::policy::matcher::HostPattern::parse("public.test")
+            egress_policy::matcher::HostPattern::parse("public.test")
                 .unwrap()
                 .into(),
         );

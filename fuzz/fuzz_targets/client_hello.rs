@@ -4,7 +4,7 @@
 //! it returns is normalised and on the original port.
 #![no_main]
 
-use egress_agent::policy::name::Destination;
+use egress_policy::name::Destination;
 use egress_agent::proxy::sniff::{Sniffed, Sniffer};
 use libfuzzer_sys::fuzz_target;
 

@@ -3,8 +3,8 @@
 //! normalisation is idempotent.
 #![no_main]
 
-use egress_agent::policy::matcher::{HostMatcher, HostPattern};
-use egress_agent::policy::name::Destination;
+use egress_policy::matcher::{HostMatcher, HostPattern};
+use egress_policy::name::Destination;
 use libfuzzer_sys::fuzz_target;
 
 fuzz_target!(|data: &[u8]| {

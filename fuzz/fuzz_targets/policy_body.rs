@@ -10,8 +10,8 @@ use std::path::Path;
 
 use egress_agent::config::{Config, ConfigError};
 use egress_agent::manage::{Body, dir::PolicyFile, policy_text};
-use egress_agent::policy::explain::{Chosen, Target, explain};
-use egress_agent::policy::kernel_eval::Netns;
+use egress_policy::explain::{Chosen, Target, explain};
+use egress_policy::kernel_eval::Netns;
 use libfuzzer_sys::fuzz_target;
 
 fn load(text: String) -> Result<Config, ConfigError> {

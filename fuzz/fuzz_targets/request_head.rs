@@ -3,21 +3,21 @@
 //! re-parses to itself; a target the policy allows is never an IP form it should refuse.
 #![no_main]
 
-use egress_agent::policy::CompiledPolicy;
-use egress_agent::policy::Policy;
-use egress_agent::policy::name::Destination;
+use egress_policy::CompiledPolicy;
+use egress_policy::Policy;
+use egress_policy::name::Destination;
 use egress_agent::proxy::request::{self, Head, Request};
 use libfuzzer_sys::fuzz_target;
 use std::sync::LazyLock;
 
 static POLICY: LazyLock<CompiledPolicy> = LazyLock::new(|| {
     let mut p = Policy::deny_all();
-    p.mode = egress_agent::policy::Mode::Allowlist;
+    p.mode = egress_policy::Mode::Allowlist;
     p.allow_hosts = vec![
-        egress_agent::policy::matcher::HostPattern::parse("github.com")
+        egress_policy::matcher::HostPattern::parse("github.com")
             .unwrap()
             .into(),
-        egress_agent::policy::matcher::HostPattern::parse("*.github.com")
+        egress_policy::matcher::HostPattern::parse("*.github.com")
             .unwrap()
             .into(),
     ];

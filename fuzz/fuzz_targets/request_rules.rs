@@ -5,8 +5,8 @@
 //! glob matches itself; a `deny /**` rule denies everything.
 #![no_main]
 
-use egress_agent::policy::matcher::HostPattern;
-use egress_agent::policy::rules::{
+use egress_policy::matcher::HostPattern;
+use egress_policy::rules::{
     self, NormalPath, PathGlob, RequestRule, RuleAction, RuleVerdict, normalize_path,
 };
 use libfuzzer_sys::fuzz_target;

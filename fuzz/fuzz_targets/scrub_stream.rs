@@ -12,7 +12,7 @@ use std::sync::Arc;
 
 use base64::Engine as _;
 use base64::engine::general_purpose::{STANDARD, URL_SAFE_NO_PAD};
-use egress_agent::policy::scrub::{ScrubSecret, ScrubStream, Scrubber};
+use egress_policy::scrub::{ScrubSecret, ScrubStream, Scrubber};
 use libfuzzer_sys::fuzz_target;
 
 fn hex(b: &[u8]) -> Vec<u8> {

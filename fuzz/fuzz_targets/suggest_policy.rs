@@ -10,9 +10,10 @@ use std::time::UNIX_EPOCH;
 
 use egress_agent::config::Config;
 use egress_agent::events::Verdict;
-use egress_agent::policy::CompiledPolicy;
-use egress_agent::policy::name::Destination;
-use egress_agent::store::cli::{Selection, SuggestOptions, suggest_from};
+use egress_policy::CompiledPolicy;
+use egress_policy::name::Destination;
+use egress_agent::store::selection::Selection;
+use egress_agent::suggest::command::{SuggestOptions, suggest_from};
 use egress_agent::store::query::Flow;
 use libfuzzer_sys::fuzz_target;
 
@@ -69,7 +70,7 @@ fuzz_target!(|data: &[u8]| {
     for f in &flows {
         if f.host.is_empty() {
             let ip: std::net::IpAddr = f.ip.parse().expect("ip");
-            let ip = egress_agent::policy::addr::unmap(ip);
+            let ip = egress_policy::addr::unmap(ip);
             assert!(
                 policy
                     .allow_cidrs

@@ -15,7 +15,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use egress_agent::nft::{self, DirectError, DirectSets, Endpoint, Enforced, ProxyPort, Ruleset};
-use egress_agent::policy::CidrRule;
+use egress_policy::CidrRule;
 use egress_tests::docker::{NetNs, require_root, sh};
 use egress_tests::packet::{ethernet_ipv4_udp, packet_socket, send_frame};
 

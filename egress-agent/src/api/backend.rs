@@ -10,9 +10,9 @@ use serde_json::{Value, json};
 use super::{ApiError, ExplainQuery, StoreQuery};
 use crate::config::Config;
 use crate::manage::{self, Change, ChangeLog, Who};
-use crate::policy::explain::{self, Chosen, Target};
-use crate::policy::kernel_eval::Netns;
 use crate::store::{Store, changes::ChangeRecord};
+use egress_policy::explain::{self, Chosen, Target};
+use egress_policy::kernel_eval::Netns;
 
 /// The enforced cgroups (`status`), each with its container name (Docker) and its policy's
 /// badge (`allow_all`, `deny_all`, `allowlist`, `audit`).
@@ -187,14 +187,14 @@ pub fn suggest(config: &Config, q: &StoreQuery) -> Result<String, ApiError> {
     let store = open_store(config)?;
     let filter = q.selection.filter().map_err(|e| ApiError::new(400, e))?;
     let flows = store.flows(&filter).map_err(|e| ApiError::new(500, e))?;
-    let opts = crate::store::cli::SuggestOptions {
+    let opts = crate::suggest::command::SuggestOptions {
         selection: q.selection.clone(),
         include_denied: q.include_denied,
         diff: false,
         name: q.name.clone(),
         config: None,
     };
-    crate::store::cli::suggest_from(&flows, config, &opts).map_err(|e| ApiError::new(400, e))
+    crate::suggest::command::suggest_from(&flows, config, &opts).map_err(|e| ApiError::new(400, e))
 }
 
 pub fn changes(config: &Config, n: usize) -> Result<Vec<Value>, ApiError> {

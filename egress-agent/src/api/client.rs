@@ -143,3 +143,8 @@ pub async fn stream_lines(
     }
     Ok(())
 }
+
+/// A path segment or query value, percent-encoded.
+pub fn enc(s: &str) -> String {
+    form_urlencoded::byte_serialize(s.as_bytes()).collect()
+}

@@ -90,7 +90,7 @@ pub struct ExplainQuery {
 /// A selection of stored events (`/v1/denials`, `/v1/suggest`): the `events`/`suggest` flags.
 #[derive(Debug, Clone, Default)]
 pub struct StoreQuery {
-    pub selection: crate::store::cli::Selection,
+    pub selection: crate::store::selection::Selection,
     pub n: usize,
     pub include_denied: bool,
     pub name: Option<String>,

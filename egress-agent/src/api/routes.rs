@@ -100,7 +100,7 @@ fn store_query(query: Option<&str>) -> Result<StoreQuery, ApiError> {
         Some(Err(_)) => return Err(ApiError::new(400, "n must be a number")),
     };
     Ok(StoreQuery {
-        selection: crate::store::cli::Selection {
+        selection: crate::store::selection::Selection {
             since: query_param(query, "since"),
             container: query_param(query, "container"),
             policy: query_param(query, "policy"),

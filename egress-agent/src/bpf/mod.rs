@@ -23,7 +23,7 @@ pub mod sys;
 
 use std::path::Path;
 
-pub use crate::policy::kernel::KernelPolicy;
+pub use egress_policy::kernel::KernelPolicy;
 pub use error::BpfError;
 pub use loader::{Loader, RootReport};
 pub use state::PinnedState;

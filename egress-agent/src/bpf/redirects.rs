@@ -1,5 +1,5 @@
-//! The user-space half of transparent interception and the agent's DNS
-//! ([`InterceptHooks`]): original destinations of redirected connections (read from
+//! The user-space half of transparent interception and the agent's DNS (the proxy's
+//! `InterceptHooks` are built on it in `proxy::kernel_hooks`): original destinations of redirected connections (read from
 //! [`maps::ORIG_BY_TUPLE`], deleted as they are read) and direct allowances for the addresses the
 //! agent's DNS answered ([`maps::DIRECT4`]/[`maps::DIRECT6`], expiring with the answer's TTL on
 //! the kernel's clock).
@@ -9,7 +9,6 @@
 //! proxy (or not at all) — never more than the policy allows.
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 use std::path::Path;
-use std::sync::Arc;
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicU64, Ordering};
 
@@ -19,10 +18,7 @@ use nix::time::{ClockId, clock_gettime};
 
 use super::BpfError;
 use super::state::open_typed;
-use crate::dns::{Answer, AnswerSink};
-use crate::policy::kernel::ip6_words;
-use crate::proxy::InterceptHooks;
-use crate::proxy::original_dst::{ConnKey, OriginalDst};
+use egress_policy::kernel::ip6_words;
 
 const AF_INET: u32 = libc::AF_INET as u32;
 const AF_INET6: u32 = libc::AF_INET6 as u32;
@@ -54,22 +50,16 @@ impl KernelRedirects {
         })
     }
 
-    /// The proxy's hooks backed by these maps.
-    pub fn hooks(self: &Arc<Self>) -> InterceptHooks {
-        InterceptHooks {
-            original_dst: self.clone(),
-            answers: self.clone(),
-        }
-    }
-
     /// Allowance writes that failed so far.
     pub fn failed_writes(&self) -> u64 {
         self.failed.load(Ordering::Relaxed)
     }
 }
 
-/// `ConnKey` as sock_ops keyed it: IPv4 (also v4-mapped IPv6) in word 0, network order.
-pub fn tuple(conn: &ConnKey) -> ConnTuple {
+/// An accepted connection (`peer`: the client's address, `local`: the listener address it
+/// reached) as sock_ops keyed it: IPv4 (also v4-mapped IPv6) in word 0, network order.
+pub fn tuple(peer: SocketAddr, local: SocketAddr) -> ConnTuple {
+    let conn = Conn { peer, local };
     let v4 = |a: &SocketAddr| match a.ip() {
         IpAddr::V4(ip) => Some(ip),
         IpAddr::V6(ip) => ip.to_ipv4_mapped(),
@@ -117,9 +107,16 @@ pub fn orig_addr(o: &OrigDst) -> Option<SocketAddr> {
     }
 }
 
-impl OriginalDst for KernelRedirects {
-    fn original_dst(&self, conn: &ConnKey) -> Option<SocketAddr> {
-        let key = tuple(conn);
+struct Conn {
+    peer: SocketAddr,
+    local: SocketAddr,
+}
+
+impl KernelRedirects {
+    /// The original destination of the accepted connection `peer` → `local`, deleted as it is
+    /// read. `None`: the kernel has no record of redirecting it.
+    pub fn take_original_dst(&self, peer: SocketAddr, local: SocketAddr) -> Option<SocketAddr> {
+        let key = tuple(peer, local);
         let map = self.orig.lock().ok()?;
         let found = map.get(&key, 0).ok();
         drop(map);
@@ -214,59 +211,27 @@ impl KernelRedirects {
     }
 }
 
-impl AnswerSink for KernelRedirects {
-    fn answered(&self, answer: &Answer<'_>) {
-        if answer.direct_ports.is_empty() || answer.direct_addrs.is_empty() {
-            return;
-        }
-        // Allowances are per confined cgroup: a listener that serves no one cgroup (the
-        // daemon's shared per-policy listeners) allows nothing directly.
-        let Some(entry_id) = answer.identity.and_then(|i| i.cgroup_id) else {
-            return;
-        };
-        let failed = self.allow_direct(
-            entry_id,
-            answer.direct_addrs,
-            answer.direct_ports,
-            answer.ttl,
-        );
-        if failed > 0 {
-            tracing::warn!(
-                policy = answer.policy,
-                name = %answer.name,
-                failed,
-                "writing direct allowances failed; those addresses stay behind the proxy"
-            );
-        }
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
 
     #[test]
     fn tuples_match_the_kernel_encoding() {
-        let conn = ConnKey {
-            peer: "127.0.0.1:50000".parse().expect("addr"),
-            local: "127.0.0.1:40001".parse().expect("addr"),
-        };
-        let t = tuple(&conn);
+        let a = |s: &str| -> SocketAddr { s.parse().expect("addr") };
+        let t = tuple(a("127.0.0.1:50000"), a("127.0.0.1:40001"));
         assert_eq!(t.family, AF_INET);
         assert_eq!(t.client_addr[0].to_ne_bytes(), [127, 0, 0, 1]);
         assert_eq!(u16::from_be(t.client_port), 50000);
         assert_eq!(u16::from_be(t.listener_port), 40001);
         // A v4-mapped pair is keyed as IPv4 (sock_ops unmaps both ends).
-        let mapped = ConnKey {
-            peer: "[::ffff:127.0.0.1]:50000".parse().expect("addr"),
-            local: "[::ffff:127.0.0.1]:40001".parse().expect("addr"),
-        };
-        assert_eq!(tuple(&mapped), t);
-        let v6 = ConnKey {
-            peer: "[fd00::2]:50000".parse().expect("addr"),
-            local: "[fd00::1]:40001".parse().expect("addr"),
-        };
-        assert_eq!(tuple(&v6).family, AF_INET6);
+        assert_eq!(
+            tuple(a("[::ffff:127.0.0.1]:50000"), a("[::ffff:127.0.0.1]:40001")),
+            t
+        );
+        assert_eq!(
+            tuple(a("[fd00::2]:50000"), a("[fd00::1]:40001")).family,
+            AF_INET6
+        );
     }
 
     #[test]

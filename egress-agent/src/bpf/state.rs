@@ -15,7 +15,7 @@ use ipnet::IpNet;
 
 use super::BpfError;
 use super::loader::maps_dir;
-use crate::policy::kernel::{KernelPolicy, ip6_words};
+use egress_policy::kernel::{KernelPolicy, ip6_words};
 
 /// One pair of LPM tries keyed by (entry id, address): `allow_cidrs` rules or inbound allows.
 struct RuleTries {

@@ -258,7 +258,7 @@ pub fn client_bundle_pem(ca_pem: &str) -> String {
 /// that names a `placeholder_env`, that variable set to the placeholder. Empty when the policy
 /// intercepts nothing.
 pub fn command_env(
-    policy: &crate::policy::Policy,
+    policy: &egress_policy::Policy,
     bundle: &Path,
     ca_cert: &Path,
 ) -> Vec<(String, String)> {
@@ -307,7 +307,7 @@ mod tests {
         // A policy that intercepts nothing needs nothing.
         assert!(
             command_env(
-                &crate::policy::Policy::allow_all(),
+                &egress_policy::Policy::allow_all(),
                 Path::new("/b"),
                 Path::new("/c")
             )

@@ -17,8 +17,8 @@ use std::net::{IpAddr, Ipv4Addr};
 use std::sync::Arc;
 
 use crate::bpf::redirects::KernelRedirects;
-use crate::dns::{Answer, AnswerSink};
 use crate::nft::DirectSets;
+use crate::proxy::dns::{Answer, AnswerSink};
 
 #[derive(Debug)]
 pub struct DirectPorts {

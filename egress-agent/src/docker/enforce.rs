@@ -67,7 +67,7 @@ struct Tracked {
 }
 
 /// A policy's `{ host, ports }` entries: what direct allowances were given for.
-fn direct_entries(p: &crate::policy::Policy) -> Vec<&crate::policy::HostEntry> {
+fn direct_entries(p: &egress_policy::Policy) -> Vec<&egress_policy::HostEntry> {
     p.allow_hosts
         .iter()
         .filter(|h| !h.ports.is_empty())
@@ -366,7 +366,7 @@ impl Enforcer {
             Written::DenyAll(why) => {
                 tracing::error!(cgroup_id = id, error = %why, "writing policy entry failed; wrote deny_all");
                 self.event(info, &resolved, Some(id), &format!("entry-failed: {why}"));
-                crate::policy::DENY_ALL.to_owned()
+                egress_policy::DENY_ALL.to_owned()
             }
             Written::Failed(why) => {
                 tracing::error!(cgroup_id = id, error = %why, "no kernel entry could be written");

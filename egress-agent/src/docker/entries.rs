@@ -14,8 +14,8 @@ use super::directory::{DirEntry, Directory};
 use crate::bpf::{BpfError, PinnedState};
 use crate::cgroup;
 use crate::events::ContainerRef;
-use crate::policy::kernel::{Endpoints, InterceptAddrs, KernelPolicy};
-use crate::policy::{DENY_ALL, Policy};
+use egress_policy::kernel::{Endpoints, InterceptAddrs, KernelPolicy};
+use egress_policy::{DENY_ALL, Policy};
 
 /// What was written for a container's cgroup.
 #[must_use = "a container whose entry could not be written must be stopped"]

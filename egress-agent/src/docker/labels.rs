@@ -18,8 +18,8 @@ use std::fmt;
 use std::sync::Arc;
 
 use crate::config::Config;
-use crate::policy::matcher::HostPattern;
-use crate::policy::{self, Mode, Policy};
+use egress_policy::matcher::HostPattern;
+use egress_policy::{self as policy, Mode, Policy};
 
 pub const LABEL_POLICY: &str = "egress.policy";
 pub const LABEL_ALLOW_HOSTS: &str = "egress.allow_hosts";

@@ -12,9 +12,9 @@ use tokio_util::sync::CancellationToken;
 
 use super::container::ContainerInfo;
 use crate::events::ContainerRef;
-use crate::policy::Policy;
-use crate::policy::kernel::InterceptAddrs;
 use crate::proxy::{Identity, PolicyHandle, PolicyProxy, ProxyContext};
+use egress_policy::Policy;
+use egress_policy::kernel::InterceptAddrs;
 
 /// A running listener; dropping it stops it.
 pub struct Listener {

@@ -7,8 +7,8 @@ use super::container::ContainerInfo;
 use super::host_layer::HostEntry;
 use super::labels::Resolved;
 use crate::nft;
-use crate::policy::kernel::InterceptAddrs;
-use crate::policy::{CidrRule, DENY_ALL, Mode, Policy};
+use egress_policy::kernel::InterceptAddrs;
+use egress_policy::{CidrRule, DENY_ALL, Mode, Policy};
 
 /// The kernel side of a container.
 #[derive(Debug, Clone)]
@@ -101,7 +101,7 @@ pub fn host_entry(
         Mode::Allowlist => plan.policy.allow_cidrs.clone(),
         Mode::DenyAll => Vec::new(),
     };
-    let allow_inbound = crate::policy::kernel::inbound_allows(&plan.policy, &plan.published)
+    let allow_inbound = egress_policy::kernel::inbound_allows(&plan.policy, &plan.published)
         .map_err(|e| e.to_string())?
         .into_iter()
         .map(|(net, ports)| CidrRule { net, ports })

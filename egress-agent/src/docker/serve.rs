@@ -136,7 +136,7 @@ pub async fn serve_with(
     // Transparent interception and DNS: original destinations and DNS-answer allowances live in
     // the pinned maps the programs just attached read.
     let redirects = Arc::new(bpf::redirects::KernelRedirects::open(&config.agent.bpffs)?);
-    let mut hooks_in = redirects.hooks();
+    let mut hooks_in = crate::proxy::InterceptHooks::kernel(&redirects);
     // Direct ports (`{ host, ports }`): the nftables layer forwards a container's traffic only
     // where its rules say, so a DNS answer opens the addresses in the host layer's direct set
     // first, then in the kernel (docker::direct).

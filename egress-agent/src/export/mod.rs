@@ -9,8 +9,8 @@ pub mod syslog;
 
 use serde::{Deserialize, Serialize};
 
-use crate::policy::ValidationError;
-use crate::policy::model::verr;
+use egress_policy::ValidationError;
+use egress_policy::model::verr;
 
 /// `[export]`.
 #[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]

@@ -23,7 +23,7 @@ use serde::{Deserialize, Serialize};
 
 use super::{Body, ManageError, Parts, check_name, json_to_toml};
 use crate::config::{Config, ConfigError, parse_located};
-use crate::policy::Policy;
+use egress_policy::Policy;
 
 /// The `[agent]` keys a bundle carries.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Default)]

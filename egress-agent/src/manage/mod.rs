@@ -13,7 +13,6 @@
 //! would), then written, then applied by the daemon's reload; if the reload is refused, the files
 //! are restored and the running policy stays in force ([`apply`]).
 pub mod bundle;
-pub mod cli;
 pub mod defaults;
 pub mod dir;
 
@@ -25,8 +24,8 @@ use serde::Serialize;
 use serde_json::{Value, json};
 
 use crate::config::{Config, ConfigError, check_policy_name};
-use crate::policy::Policy;
 use dir::PolicyFile;
+use egress_policy::Policy;
 
 /// A request to change the policies.
 #[derive(Debug, Clone)]
@@ -197,9 +196,9 @@ impl Parts {
     /// `"policies.d"`; `None` if nowhere.
     pub fn source_of(&self, name: &str) -> Option<&'static str> {
         if [
-            crate::policy::ALLOW_ALL,
-            crate::policy::DENY_ALL,
-            crate::policy::AUDIT,
+            egress_policy::ALLOW_ALL,
+            egress_policy::DENY_ALL,
+            egress_policy::AUDIT,
         ]
         .contains(&name)
         {

@@ -17,8 +17,8 @@ use rmcp::{ServerHandler, ServiceExt, tool, tool_handler, tool_router};
 use serde::Deserialize;
 use serde_json::{Value, json};
 
+use crate::api::client::enc;
 use crate::api::{self, client};
-use crate::manage::cli::enc;
 
 /// Options of `egress-agent mcp`.
 #[derive(Debug, Clone, clap::Args)]

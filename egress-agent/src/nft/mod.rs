@@ -52,7 +52,7 @@ use nftnl::{
     Batch, Chain, FinalizedBatch, Hook, MsgType, Policy, ProtoFamily, Rule, Table, nft_expr,
 };
 
-use crate::policy::CidrRule;
+use egress_policy::CidrRule;
 
 pub mod direct;
 pub use direct::{DirectError, DirectSets};

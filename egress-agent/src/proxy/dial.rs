@@ -7,8 +7,8 @@ use tokio::net::TcpStream;
 
 use super::request::Target;
 use super::resolve::{DnsResolver, ResolveError};
-use crate::policy::name::Destination;
-use crate::policy::{CompiledPolicy, Decision, DenyReason};
+use egress_policy::name::Destination;
+use egress_policy::{CompiledPolicy, Decision, DenyReason};
 
 #[derive(Debug, thiserror::Error)]
 pub enum DialError {
@@ -83,7 +83,7 @@ pub async fn dial(
     }
     let mut last_err = None;
     for ip in addrs {
-        let sa = SocketAddr::new(crate::policy::addr::unmap(ip), target.port);
+        let sa = SocketAddr::new(egress_policy::addr::unmap(ip), target.port);
         match tokio::time::timeout_at(deadline, TcpStream::connect(sa)).await {
             Err(_) => return Err(DialError::Timeout(connect_timeout)),
             Ok(Ok(stream)) => {

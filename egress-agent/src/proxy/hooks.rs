@@ -4,8 +4,8 @@
 //! What the kernel side writes into a cgroup's entry comes from [`InterceptAddrs`]
 //! ([`super::PolicyProxy::intercept_addrs`]): TCP on `allow_ports` goes to `transparent`, UDP to
 //! port 53 to `dns_udp`, TCP to port 53 to `dns_tcp`. Which sockets exist follows the policy at
-//! bind time: `transparent` for [`crate::policy::Policy::transparent`], DNS for
-//! [`crate::policy::Policy::answers_dns`] (never `deny_all`).
+//! bind time: `transparent` for [`egress_policy::Policy::transparent`], DNS for
+//! [`egress_policy::Policy::answers_dns`] (never `deny_all`).
 use std::io;
 use std::net::{IpAddr, SocketAddr};
 use std::sync::Arc;
@@ -15,8 +15,8 @@ use tokio_util::sync::CancellationToken;
 
 use super::original_dst::OriginalDst;
 use super::{Shared, accept, listen, transparent};
-use crate::dns::{AnswerSink, DnsResponder};
-use crate::policy::Policy;
+use crate::proxy::dns::{AnswerSink, DnsResponder};
+use egress_policy::Policy;
 
 /// What the kernel side provides to transparent interception and DNS (see docs/architecture.md,
 /// "Transparent interception and DNS: kernel interface").
@@ -34,7 +34,7 @@ impl std::fmt::Debug for InterceptHooks {
     }
 }
 
-pub use crate::policy::kernel::InterceptAddrs;
+pub use egress_policy::kernel::InterceptAddrs;
 
 /// Bound interception sockets of one listener, not yet running.
 pub(crate) struct Interception {

@@ -32,7 +32,7 @@ use tokio::sync::Mutex;
 use super::prefixed::Prefixed;
 use super::request::{self, RequestError, Target};
 use super::{Refusal, Shared};
-use crate::policy::DenyReason;
+use egress_policy::DenyReason;
 use tokio_util::sync::CancellationToken;
 
 type Body = Either<Incoming, Full<Bytes>>;
@@ -461,7 +461,7 @@ async fn handle(mut req: Request<Incoming>, state: &ConnState) -> Response<Body>
     {
         let policy = shared.policy.load();
         let uri = req.uri();
-        let view = crate::policy::l7::RequestView {
+        let view = egress_policy::l7::RequestView {
             method: req.method().as_str(),
             path: uri.path(),
             query: uri.query(),

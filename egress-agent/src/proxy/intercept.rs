@@ -1,6 +1,6 @@
 //! TLS interception of one client connection to an intercepted host: terminate the client's TLS
 //! with a leaf for the target name, open TLS to the upstream (verified), and forward every
-//! request through hyper with the policy's request-level decisions ([`crate::policy::l7`]):
+//! request through hyper with the policy's request-level decisions ([`egress_policy::l7`]):
 //! request rules, placeholder checks, credential injection.
 //!
 //! Entry point for both ways a connection arrives: [`serve`] takes the client stream with any
@@ -20,7 +20,7 @@
 //!
 //! Per request: the target is re-checked against the current policy (reloads apply to kept-alive
 //! connections); the Host header (HTTP/1.1) or `:authority` (h2) must name the target; then
-//! [`crate::policy::l7::L7Policy::check`]; a refusal is a 403 with `X-Egress-Deny` and an event
+//! [`egress_policy::l7::L7Policy::check`]; a refusal is a 403 with `X-Egress-Deny` and an event
 //! carrying method and path (never the query). Bodies stream both ways (hyper; never buffered
 //! whole), an HTTP/1.1 `Upgrade` (WebSocket) is forwarded and, after the upstream's 101, the two
 //! upgraded streams are relayed. Response headers that contain the secret are dropped.
@@ -46,10 +46,10 @@ use super::request::{self, Target};
 use super::scrub_body::{self, Report, ScrubBody, Scrubbed};
 use super::tls::{self, Interceptor, Offer, Proto};
 use super::{Refusal, Shared};
-use crate::policy::DenyReason;
-use crate::policy::credentials::CompiledBinding;
-use crate::policy::l7::{Forward, RequestView};
-use crate::policy::name::{Destination, HostName};
+use egress_policy::DenyReason;
+use egress_policy::credentials::CompiledBinding;
+use egress_policy::l7::{Forward, RequestView};
+use egress_policy::name::{Destination, HostName};
 
 /// Upstream bodies as they are (no binding), scrubbed as they stream, or the agent's own.
 type Body = Either<Either<Incoming, Box<ScrubBody>>, Full<Bytes>>;
@@ -623,12 +623,12 @@ async fn handle(mut req: Request<Incoming>, s: &Session) -> Response<Body> {
 }
 
 /// A WebSocket after the swap: client → upstream as is, upstream → client scrubbed frame by
-/// frame ([`crate::policy::scrub::WsScrub`], same-length replacements). A frame the scrubber
+/// frame ([`egress_policy::scrub::WsScrub`], same-length replacements). A frame the scrubber
 /// can't read (compressed, masked by the server) ends the connection.
 async fn ws_relay<C, U>(
     client: C,
     upstream: U,
-    scrubber: Arc<crate::policy::scrub::Scrubber>,
+    scrubber: Arc<egress_policy::scrub::Scrubber>,
     report: Report,
 ) where
     C: AsyncRead + AsyncWrite + Unpin,
@@ -641,7 +641,7 @@ async fn ws_relay<C, U>(
         tokio::io::copy(&mut cr, &mut uw).await.ok();
         uw.shutdown().await.ok();
     };
-    let mut ws = crate::policy::scrub::WsScrub::new(scrubber);
+    let mut ws = egress_policy::scrub::WsScrub::new(scrubber);
     let down = async {
         let mut buf = vec![0u8; 16 * 1024];
         let mut out = Vec::with_capacity(16 * 1024);

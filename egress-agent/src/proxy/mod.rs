@@ -13,10 +13,12 @@
 //! is forwarded before the checks pass.
 mod accept;
 pub mod dial;
+pub mod dns;
 pub mod framing;
 pub mod hooks;
 pub mod http;
 pub mod intercept;
+mod kernel_hooks;
 pub mod listen;
 pub mod original_dst;
 pub mod prefixed;
@@ -50,9 +52,9 @@ use tokio_util::sync::CancellationToken;
 use crate::config::{Config, ProxyConfig};
 use crate::events::{DenialEvent, EventSink, Verdict};
 use crate::metrics::{Metrics, ProxyCounters};
-use crate::policy::Policy;
-use crate::policy::{CompiledPolicy, Decision, DenyReason};
 use dial::DialError;
+use egress_policy::Policy;
+use egress_policy::{CompiledPolicy, Decision, DenyReason};
 pub use hooks::{InterceptAddrs, InterceptHooks};
 use request::{Head, Request, RequestError, Target};
 use resolve::{DnsResolver, ResolveError};

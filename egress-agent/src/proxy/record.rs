@@ -6,8 +6,8 @@ use std::net::IpAddr;
 use super::Shared;
 use super::request::Target;
 use crate::events::{ALLOWED_REASON, DenialEvent, Verdict};
-use crate::policy::name::Destination;
-use crate::policy::{Decision, DenyReason};
+use egress_policy::name::Destination;
+use egress_policy::{Decision, DenyReason};
 
 impl Shared {
     /// Act on `decision`: `Allow` → `Ok(false)`; `WouldDeny` → would-deny event, `Ok(true)` (go

@@ -11,7 +11,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use super::resolve::{Family, NameRecords};
-use crate::policy::name::HostName;
+use egress_policy::name::HostName;
 
 /// Longest a negative family is kept here (hickory keeps its own negative answers, too).
 pub const NEGATIVE_SECS: u64 = 5;

@@ -11,8 +11,8 @@
 //! - CR/LF/NUL in the request line or header values are refused by httparse.
 use std::str;
 
-use crate::policy::DenyReason;
-use crate::policy::name::Destination;
+use egress_policy::DenyReason;
+use egress_policy::name::Destination;
 
 /// Headers we accept in one request head.
 pub const MAX_HEADERS: usize = 100;
@@ -194,7 +194,7 @@ pub fn split_authority(authority: &str, default_port: Option<u16>) -> Result<Tar
         None => default_port.ok_or(RequestError::Malformed("port required"))?,
     };
     let dest = Destination::parse(host).map_err(|e| match e {
-        crate::policy::name::NameError::NumericIpForm => {
+        egress_policy::name::NameError::NumericIpForm => {
             RequestError::Denied(DenyReason::NumericIpForm)
         }
         _ => RequestError::Malformed("invalid host"),

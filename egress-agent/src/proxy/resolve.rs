@@ -24,7 +24,7 @@ use hickory_resolver::{Hosts, TokioResolver};
 
 use super::records_cache::RecordsCache;
 use crate::config::DnsConfig;
-use crate::policy::name::HostName;
+use egress_policy::name::HostName;
 
 #[derive(Debug, thiserror::Error)]
 pub enum ResolveError {

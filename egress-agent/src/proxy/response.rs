@@ -1,6 +1,6 @@
 //! Canned responses. Bodies are fixed strings plus the policy's name; nothing from the request is
 //! echoed back.
-use crate::policy::DenyReason;
+use egress_policy::DenyReason;
 
 pub const CONNECT_OK: &[u8] = b"HTTP/1.1 200 Connection established\r\n\r\n";
 

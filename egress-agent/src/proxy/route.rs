@@ -34,8 +34,8 @@ use super::request::Target;
 use super::sniff::{Kind, MAX_SNIFF_BYTES, Sniffed, Sniffer, TLS_ACCESS_DENIED};
 use super::{Shared, http, intercept, refuse, response};
 use crate::events::DenialEvent;
-use crate::policy::DenyReason;
-use crate::policy::name::Destination;
+use egress_policy::DenyReason;
+use egress_policy::name::Destination;
 
 /// One refusal of a connection before its bytes go anywhere.
 pub(crate) struct Refused<'a> {

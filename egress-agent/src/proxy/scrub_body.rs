@@ -1,5 +1,5 @@
 //! Responses of intercepted hosts, scrubbed of the policy's bound secrets before the client sees
-//! them ([`crate::policy::scrub`] finds every encoded form; this module applies it to HTTP).
+//! them ([`egress_policy::scrub`] finds every encoded form; this module applies it to HTTP).
 //!
 //! - Requests to an intercepted host ask for `Accept-Encoding: identity` ([`ask_identity`]): the
 //!   scrubber reads the bytes it forwards, and decoding costs CPU the upstream can spare. An
@@ -17,7 +17,7 @@
 //! - Every response that had something replaced gives one `response-secret-scrubbed` event with
 //!   where it was found and how many; never the secret.
 //! - WebSocket: server frames are scrubbed in place with same-length replacements
-//!   ([`crate::policy::scrub::WsScrub`]); the request's `Sec-WebSocket-Extensions` is dropped so
+//!   ([`egress_policy::scrub::WsScrub`]); the request's `Sec-WebSocket-Extensions` is dropped so
 //!   no compressed frames are negotiated.
 use std::pin::Pin;
 use std::sync::Arc;
@@ -30,8 +30,8 @@ use hyper::body::{Body, Frame, Incoming, SizeHint};
 
 use super::Shared;
 use super::request::Target;
-use crate::policy::DenyReason;
-use crate::policy::scrub::{ScrubStream, Scrubber};
+use egress_policy::DenyReason;
+use egress_policy::scrub::{ScrubStream, Scrubber};
 
 pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
 

@@ -18,8 +18,8 @@
 use rustls::server::Acceptor;
 
 use super::request::{self, MAX_HEADERS, Target};
-use crate::policy::DenyReason;
-use crate::policy::name::Destination;
+use egress_policy::DenyReason;
+use egress_policy::name::Destination;
 
 /// Most bytes read before a decision (a post-quantum ClientHello is ~2 KiB; browsers pad to 512).
 pub const MAX_SNIFF_BYTES: usize = 32 * 1024;
@@ -240,7 +240,7 @@ fn http(buf: &[u8], port: u16) -> Sniffed {
 
 /// A raw name for an event: at most 253 bytes, on a char boundary.
 fn cut(s: &str) -> String {
-    let mut end = s.len().min(crate::policy::name::MAX_NAME_LEN);
+    let mut end = s.len().min(egress_policy::name::MAX_NAME_LEN);
     while !s.is_char_boundary(end) {
         end -= 1;
     }

@@ -27,7 +27,7 @@ use super::route::{self, Refused};
 use super::sniff::{Kind, MAX_SNIFF_BYTES, Sniffed, Sniffer};
 use super::{Refusal, Shared, refuse, response};
 use crate::events::DenialEvent;
-use crate::policy::DenyReason;
+use egress_policy::DenyReason;
 
 /// The original destination of `stream` as the kernel recorded it, if it was redirected.
 pub(crate) fn original_dst(

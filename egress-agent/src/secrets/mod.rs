@@ -1,4 +1,5 @@
-//! Secrets for credential injection: where they come from and how they are held.
+//! Secrets for credential injection: loading them from their sources. The model ([`Secret`],
+//! [`SecretSource`]) is egress-policy's `secret`; this module is the I/O.
 //!
 //! A [`Secret`] is bytes in a [`Zeroizing`] buffer behind an `Arc` (zeroed when the last holder
 //! drops it), with a `Debug` that prints nothing of it and no `Display`/`Serialize` at all, so it
@@ -18,51 +19,11 @@ mod sys;
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, Mutex};
+use std::sync::Mutex;
 
-use serde::{Deserialize, Serialize};
 use zeroize::Zeroizing;
 
-/// Where a secret comes from (`source = { file = "..." }` / `{ env = "..." }` /
-/// `{ credential = "..." }`).
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case", deny_unknown_fields)]
-pub enum SecretSource {
-    /// A file (root-only, e.g. 0600); one trailing newline is dropped.
-    File(PathBuf),
-    /// An environment variable of the agent process (read once, then scrubbed).
-    Env(String),
-    /// A systemd credential: `$CREDENTIALS_DIRECTORY/<name>`.
-    Credential(String),
-}
-
-/// Secret bytes. Cloning shares one zeroizing buffer.
-#[derive(Clone)]
-pub struct Secret(Arc<Zeroizing<Vec<u8>>>);
-
-impl Secret {
-    pub fn new(bytes: Vec<u8>) -> Secret {
-        Secret(Arc::new(Zeroizing::new(bytes)))
-    }
-    /// The secret's bytes: only for building what goes to the upstream.
-    pub fn expose(&self) -> &[u8] {
-        &self.0
-    }
-}
-
-impl std::fmt::Debug for Secret {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str("Secret(<redacted>)")
-    }
-}
-
-impl PartialEq for Secret {
-    /// Length, then every byte (no early exit on the first difference).
-    fn eq(&self, other: &Secret) -> bool {
-        let (a, b) = (self.expose(), other.expose());
-        a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
-    }
-}
+pub use egress_policy::secret::{Secret, SecretSource};
 
 /// Why a secret could not be loaded. Never carries the secret.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -130,7 +91,7 @@ fn checked(label: String, bytes: Zeroizing<Vec<u8>>) -> Result<Secret, SecretErr
     if bytes.iter().any(|b| *b < 0x20 || *b == 0x7f) {
         return Err(SecretError::NotHeaderSafe(label));
     }
-    Ok(Secret(Arc::new(bytes)))
+    Ok(Secret::from_zeroizing(bytes))
 }
 
 fn valid_env_name(name: &str) -> bool {

@@ -18,8 +18,8 @@
 //! reason, container and context labels. There is no column for a URL, path, query string,
 //! header or body.
 pub mod changes;
-pub mod cli;
 pub mod query;
+pub mod selection;
 pub mod writer;
 
 use std::collections::BTreeMap;

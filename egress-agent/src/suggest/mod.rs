@@ -15,6 +15,7 @@
 //! - Not suggested (a comment counts them): request-shape refusals (userinfo, numeric IP forms,
 //!   Host mismatch), socket types the kernel never allows, connections to the proxy endpoint,
 //!   and agent lifecycle events.
+pub mod command;
 pub mod group;
 
 use std::collections::{BTreeMap, BTreeSet};
@@ -25,10 +26,10 @@ use std::time::SystemTime;
 use ipnet::IpNet;
 
 use crate::events::Verdict;
-use crate::policy::matcher::HostMatcher;
-use crate::policy::name::HostName;
-use crate::policy::{DenyReason, Policy};
 use crate::store::query::Flow;
+use egress_policy::matcher::HostMatcher;
+use egress_policy::name::HostName;
+use egress_policy::{DenyReason, Policy};
 use group::HostEntry;
 
 /// Proxy reasons a policy can fix (by listing the name, port or address).
@@ -100,14 +101,14 @@ pub fn observe(flows: &[Flow], opts: &Options) -> Observed {
                 if !f.host.is_empty() {
                     o.names.entry(f.host.clone()).or_default().insert(f.port);
                     if let Some(ip) = ip
-                        && crate::policy::addr::builtin_denied(crate::policy::addr::unmap(ip))
+                        && egress_policy::addr::builtin_denied(egress_policy::addr::unmap(ip))
                             .is_some()
                     {
                         o.name_addrs.entry(ip).or_default().insert(f.port);
                     }
                 } else if let Some(ip) = ip {
                     o.addrs
-                        .entry(crate::policy::addr::unmap(ip))
+                        .entry(egress_policy::addr::unmap(ip))
                         .or_default()
                         .insert(f.port);
                 } else {
@@ -120,7 +121,7 @@ pub fn observe(flows: &[Flow], opts: &Options) -> Observed {
                     skip(&format!("kernel {} (no address)", f.reason));
                     continue;
                 };
-                let ip = crate::policy::addr::unmap(ip);
+                let ip = egress_policy::addr::unmap(ip);
                 if opts
                     .proxy_endpoints
                     .iter()
@@ -177,7 +178,7 @@ pub fn suggest(o: &Observed) -> Suggestion {
     for (ip, p) in o.addrs.iter().chain(o.name_addrs.iter()) {
         let net = IpNet::from(*ip);
         cidrs.entry(net).or_default().extend(p.iter().copied());
-        if crate::policy::addr::builtin_denied(*ip).is_none() {
+        if egress_policy::addr::builtin_denied(*ip).is_none() {
             public.insert(net);
         }
     }

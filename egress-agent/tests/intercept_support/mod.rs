@@ -791,7 +791,7 @@ methods = ["DELETE"]
         original_dst: Arc::new(egress_agent::proxy::original_dst::StaticOriginalDst::fixed(
             SocketAddr::from(([192, 0, 2, 1], p)),
         )),
-        answers: Arc::new(egress_agent::dns::NoAnswerSink),
+        answers: Arc::new(egress_agent::proxy::dns::NoAnswerSink),
     };
     let ctx = ProxyContext::new(&config, events.clone())
         .unwrap()

@@ -108,8 +108,8 @@ fn main() -> Result<()> {
 #[derive(Default)]
 struct CountingSink(AtomicU64);
 
-impl egress_agent::dns::AnswerSink for CountingSink {
-    fn answered(&self, _: &egress_agent::dns::Answer<'_>) {
+impl egress_agent::proxy::dns::AnswerSink for CountingSink {
+    fn answered(&self, _: &egress_agent::proxy::dns::Answer<'_>) {
         self.0.fetch_add(1, Ordering::Relaxed);
     }
 }

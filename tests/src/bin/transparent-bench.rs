@@ -74,7 +74,7 @@ fn serve(config: &Path, out: &Path, orig: SocketAddr) -> Result<()> {
                 original_dst: Arc::new(
                     egress_agent::proxy::original_dst::StaticOriginalDst::fixed(orig),
                 ),
-                answers: Arc::new(egress_agent::dns::NoAnswerSink),
+                answers: Arc::new(egress_agent::proxy::dns::NoAnswerSink),
             });
         let policy = config
             .policy("bench")

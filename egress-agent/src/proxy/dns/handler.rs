@@ -25,10 +25,10 @@ use super::wire::{self, Read, Reply, Transport};
 use super::{Answer, AnswerSink, DNS_PORT};
 use crate::events::{DenialEvent, Verdict};
 use crate::metrics::{DnsCounters, DnsDrop, DnsOutcome};
-use crate::policy::name::HostName;
-use crate::policy::{CompiledPolicy, DenyReason};
 use crate::proxy::Shared;
 use crate::proxy::resolve::NameRecords;
+use egress_policy::name::HostName;
+use egress_policy::{CompiledPolicy, DenyReason};
 
 pub(crate) struct Core {
     pub(crate) shared: Arc<Shared>,

@@ -16,6 +16,8 @@
 //! allow_cidrs = ["192.0.2.10/32", { cidr = "10.0.0.5/32", ports = [5432] }]
 //! deny_cidrs = ["203.0.113.0/24"]
 //! ```
+pub mod policies_dir;
+
 use std::collections::BTreeMap;
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::ops::Range;
@@ -24,8 +26,8 @@ use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
-use crate::policy::model::verr;
-use crate::policy::{ALLOW_ALL, AUDIT, DENY_ALL, Policy, ValidationError};
+use egress_policy::model::verr;
+use egress_policy::{ALLOW_ALL, AUDIT, DENY_ALL, Policy, ValidationError};
 
 /// Where `egress-agent` looks for its configuration unless told otherwise.
 pub const DEFAULT_CONFIG_PATH: &str = "/etc/egress-agent/config.toml";
@@ -136,8 +138,8 @@ impl StoreConfig {
 
 impl ProxyConfig {
     /// The endpoint(s) `explain` evaluates a confined socket's redirect with.
-    pub fn explain_endpoint(&self) -> crate::policy::explain::ProxyEndpoint {
-        crate::policy::explain::ProxyEndpoint {
+    pub fn explain_endpoint(&self) -> egress_policy::explain::ProxyEndpoint {
+        egress_policy::explain::ProxyEndpoint {
             endpoint: self.endpoint,
             endpoint_v6: self.endpoint_v6,
         }
@@ -373,7 +375,7 @@ pub enum ConfigError {
 
 impl Config {
     /// Read, parse and validate `path`, then the policy files of its `policies.d/` directory
-    /// (see [`crate::manage::dir`]): one `<policy>.toml` per policy, loaded after the main file.
+    /// (see [`policies_dir`]): one `<policy>.toml` per policy, loaded after the main file.
     /// A policy defined in both is an error. Every error names its own file, line and column.
     /// `--config` if given, else [`DEFAULT_CONFIG_PATH`] if it exists, else the defaults (what
     /// every command that takes `--config` loads).
@@ -396,7 +398,7 @@ impl Config {
             path: path.to_owned(),
             source,
         })?;
-        let files = crate::manage::dir::read_policies(&crate::manage::dir::policies_dir(path))?;
+        let files = policies_dir::read_policies(&policies_dir::policies_dir(path))?;
         Config::load_parts(path, &text, files)
     }
 
@@ -405,7 +407,7 @@ impl Config {
     pub fn load_parts(
         path: &Path,
         text: &str,
-        files: Vec<crate::manage::dir::PolicyFile>,
+        files: Vec<policies_dir::PolicyFile>,
     ) -> Result<Config, ConfigError> {
         let mut config: Config = parse_located(text, path, "")?;
         let mut sources = Sources::main(path, text);
@@ -480,7 +482,11 @@ impl Config {
     /// Load the secrets the policies' credential bindings name (see `policy::credentials`).
     fn resolve_secrets(&mut self) -> Result<(), ValidationError> {
         for (name, policy) in &mut self.policies {
-            crate::policy::credentials::resolve(policy, &format!("policies.{name}"))?;
+            egress_policy::credentials::resolve(
+                policy,
+                &format!("policies.{name}"),
+                crate::secrets::load,
+            )?;
         }
         Ok(())
     }
@@ -810,7 +816,7 @@ fn span_of_path(s: &str, path: &str) -> Option<Range<usize>> {
 #[expect(clippy::unwrap_used, reason = "test assertions")]
 mod tests {
     use super::*;
-    use crate::policy::{CidrRule, Mode};
+    use egress_policy::{CidrRule, Mode};
 
     fn parse(s: &str) -> Result<Config, ConfigError> {
         Config::from_toml_str(s, Path::new("/etc/egress-agent/test.toml"))

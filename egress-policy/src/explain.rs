@@ -297,37 +297,39 @@ fn endpoints(config: ProxyEndpoint) -> Endpoints {
 #[expect(clippy::unwrap_used, reason = "test assertions")]
 mod tests {
     use super::*;
-    use crate::config::Config;
-    use std::path::Path;
 
-    fn config() -> Config {
-        Config::from_toml_str(
-            r#"
-[proxy]
-endpoint = "169.254.100.1:3128"
-[policies.ci]
+    fn policy(name: &str) -> Policy {
+        match name {
+            crate::ALLOW_ALL => return Policy::allow_all(),
+            crate::DENY_ALL => return Policy::deny_all(),
+            crate::AUDIT => return Policy::audit(),
+            _ => {}
+        }
+        crate::testing::policy(match name {
+            "ci" => {
+                r#"
 allow_hosts = ["github.com", "*.githubusercontent.com", { host = "ssh.github.com", ports = [22] }]
 allow_cidrs = [{ cidr = "10.0.0.0/8", ports = [5432] }]
 deny_cidrs = ["192.0.2.0/24"]
-[policies.watch]
-allow_hosts = ["github.com"]
-enforce = "audit"
-"#,
-            Path::new("t.toml"),
-        )
-        .unwrap()
+"#
+            }
+            "watch" => "allow_hosts = [\"github.com\"]\nenforce = \"audit\"",
+            other => panic!("no test policy {other}"),
+        })
     }
 
-    fn run(policy: &str, target: &str) -> Value {
-        let c = config();
+    fn run(policy_name: &str, target: &str) -> Value {
         let chosen = Chosen {
-            name: policy.to_owned(),
+            name: policy_name.to_owned(),
             why: "asked for".to_owned(),
         };
         explain(
-            c.proxy.explain_endpoint(),
+            ProxyEndpoint {
+                endpoint: "169.254.100.1:3128".parse().unwrap(),
+                endpoint_v6: None,
+            },
             &chosen,
-            c.policy(policy).unwrap(),
+            &policy(policy_name),
             &Target::parse(target).unwrap(),
             Netns::Own,
         )

@@ -5,8 +5,8 @@ use std::time::{Duration, Instant};
 
 use hickory_server::proto::rr::{Record, RecordType};
 
-use crate::policy::{AddrClass, CompiledPolicy, DenyReason};
 use crate::proxy::resolve::{Family, NameRecords};
+use egress_policy::{AddrClass, CompiledPolicy, DenyReason};
 
 /// Longest TTL answered (a hosts-file entry has hickory's one day): the kernel's allowance for
 /// direct ports follows the answered TTL, so it is kept short.

@@ -31,7 +31,7 @@ use super::matcher::{HostMatcher, HostPattern};
 use super::model::{Mode, Policy, ValidationError, verr};
 use super::name::HostName;
 use super::rules::default_tls_port;
-use crate::secrets::{self, Secret, SecretSource};
+use crate::secret::{Secret, SecretSource};
 
 /// One `credentials` entry.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -504,11 +504,16 @@ fn pattern_allowed(pat: &HostPattern, list: &[HostPattern], m: &HostMatcher) -> 
     }
 }
 
-/// Load every binding's secret (at start and at each reload). A source that can't be read is an
-/// error naming the field, never a request sent without its credential.
-pub fn resolve(p: &mut Policy, base: &str) -> Result<(), ValidationError> {
+/// Load every binding's secret with `load` (the agent's `secrets::load`, at start and at each
+/// reload). A source that can't be read is an error naming the field, never a request sent
+/// without its credential.
+pub fn resolve<E: std::fmt::Display>(
+    p: &mut Policy,
+    base: &str,
+    load: impl Fn(&SecretSource) -> Result<Secret, E>,
+) -> Result<(), ValidationError> {
     for (i, b) in p.credentials.iter_mut().enumerate() {
-        let secret = secrets::load(&b.source)
+        let secret = load(&b.source)
             .map_err(|e| verr(format!("{base}.credentials[{i}].source"), e.to_string()))?;
         if let Some(ph) = &b.placeholder
             && contains(secret.expose(), ph.as_bytes())

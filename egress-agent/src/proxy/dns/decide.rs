@@ -4,8 +4,8 @@ use hickory_server::proto::op::{MessageType, OpCode, ResponseCode};
 use hickory_server::proto::rr::{DNSClass, RecordType};
 use hickory_server::zone_handler::MessageRequest;
 
-use crate::policy::name::{HostName, MAX_NAME_LEN};
-use crate::policy::{CompiledPolicy, DenyReason};
+use egress_policy::name::{HostName, MAX_NAME_LEN};
+use egress_policy::{CompiledPolicy, DenyReason};
 
 /// What to do with one request.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -247,7 +247,7 @@ mod tests {
 
     #[test]
     fn deny_all_opcodes_counts_and_responses() {
-        let none = CompiledPolicy::new(&crate::policy::Policy::deny_all());
+        let none = CompiledPolicy::new(&egress_policy::Policy::deny_all());
         assert_eq!(
             denied(decide(&none, &request("allowed.test.", RecordType::A))).2,
             Some("policy-deny-all")

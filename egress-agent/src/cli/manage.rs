@@ -6,7 +6,8 @@ use anyhow::{Context, Result, anyhow, bail};
 use hyper::{Method, StatusCode};
 use serde_json::Value;
 
-use crate::api::{self, client};
+use crate::api;
+use crate::api::client::{self, enc};
 
 /// `egress-agent policy`.
 #[derive(Debug, clap::Args)]
@@ -113,11 +114,6 @@ fn runtime() -> Result<tokio::runtime::Runtime> {
         .enable_all()
         .build()
         .context("starting the async runtime")
-}
-
-/// A path segment or query value, percent-encoded.
-pub fn enc(s: &str) -> String {
-    form_urlencoded::byte_serialize(s.as_bytes()).collect()
 }
 
 fn read_input(file: &Path) -> Result<Vec<u8>> {
@@ -417,17 +413,17 @@ pub fn explain(args: ExplainArgs) -> Result<()> {
             let policy = config
                 .policy(name)
                 .ok_or_else(|| anyhow!("no policy named {name:?} in {}", path.display()))?;
-            let target = crate::policy::explain::Target::parse(&args.target)?;
+            let target = egress_policy::explain::Target::parse(&args.target)?;
             let netns = if args.host_netns {
-                crate::policy::kernel_eval::Netns::Host
+                egress_policy::kernel_eval::Netns::Host
             } else {
-                crate::policy::kernel_eval::Netns::Own
+                egress_policy::kernel_eval::Netns::Own
             };
-            let chosen = crate::policy::explain::Chosen {
+            let chosen = egress_policy::explain::Chosen {
                 name: name.clone(),
                 why: "asked for by name".to_owned(),
             };
-            crate::policy::explain::explain(
+            egress_policy::explain::explain(
                 config.proxy.explain_endpoint(),
                 &chosen,
                 policy,

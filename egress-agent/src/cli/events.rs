@@ -4,105 +4,19 @@
 //! selection (`--since`, `--container`, `--policy`, `--verdict`, `--run`, `--label`) or `--flows`,
 //! or when no daemon answers, it reads the store directly, read-only. Output: JSON lines when
 //! stdout is not a terminal or with `--json`, one readable line per event otherwise.
-use std::collections::BTreeMap;
 use std::io::{IsTerminal, Write};
 use std::path::{Path, PathBuf};
-use std::time::{Duration, SystemTime};
+use std::time::Duration;
 
-use anyhow::{Context, Result, anyhow, bail};
+use anyhow::{Context, Result, bail};
 use hyper::Method;
 
-use super::Store;
-use super::query::{EventFilter, Flow, valid_label};
 use crate::config::Config;
 use crate::events::DenialEvent;
-
-/// The selection flags shared by `events` and `suggest`.
-#[derive(Debug, Clone, Default)]
-pub struct Selection {
-    pub since: Option<String>,
-    pub container: Option<String>,
-    pub policy: Option<String>,
-    pub verdict: Option<String>,
-    pub run: Option<String>,
-    pub labels: Vec<String>,
-}
-
-/// `--since`: a duration back from now (`90m`, `2h`, `7d`) or an RFC 3339 time.
-pub fn parse_since(s: &str, now: SystemTime) -> Result<SystemTime> {
-    if let Ok(d) = humantime::parse_duration(s) {
-        return now
-            .checked_sub(d)
-            .ok_or_else(|| anyhow!("--since {s:?}: too far back"));
-    }
-    humantime::parse_rfc3339_weak(s).map_err(|_| {
-        anyhow!("--since {s:?}: expected a duration (2h, 30m, 7d) or an RFC 3339 time")
-    })
-}
-
-impl Selection {
-    pub fn is_empty(&self) -> bool {
-        self.since.is_none()
-            && self.container.is_none()
-            && self.policy.is_none()
-            && self.verdict.is_none()
-            && self.run.is_none()
-            && self.labels.is_empty()
-    }
-
-    pub fn filter(&self) -> Result<EventFilter> {
-        let mut labels = BTreeMap::new();
-        if let Some(r) = &self.run {
-            labels.insert("run".to_owned(), r.clone());
-        }
-        for l in &self.labels {
-            let (k, v) = l
-                .split_once('=')
-                .ok_or_else(|| anyhow!("--label {l:?}: expected NAME=VALUE"))?;
-            if !valid_label(k) {
-                bail!("--label {l:?}: a label name is 1-64 characters of [A-Za-z0-9_.-]");
-            }
-            labels.insert(k.to_owned(), v.to_owned());
-        }
-        Ok(EventFilter {
-            since: self
-                .since
-                .as_deref()
-                .map(|s| parse_since(s, SystemTime::now()))
-                .transpose()?,
-            container: self.container.clone(),
-            policy: self.policy.clone(),
-            verdict: self
-                .verdict
-                .as_deref()
-                .map(str::parse)
-                .transpose()
-                .map_err(|e: String| anyhow!("--verdict: {e}"))?,
-            labels,
-        })
-    }
-
-    /// A readable summary for headers.
-    pub fn describe(&self) -> String {
-        let mut parts = Vec::new();
-        for (k, v) in [
-            ("container", &self.container),
-            ("policy", &self.policy),
-            ("run", &self.run),
-            ("since", &self.since),
-        ] {
-            if let Some(v) = v {
-                parts.push(format!("{k}={v}"));
-            }
-        }
-        parts.extend(self.labels.iter().map(|l| format!("label {l}")));
-        if parts.is_empty() {
-            "everything in the store".to_owned()
-        } else {
-            parts.join(", ")
-        }
-    }
-}
+use crate::store::Store;
+use crate::store::query::{EventFilter, Flow};
+use crate::store::selection::Selection;
+use crate::suggest::command::{SuggestOptions, suggest_from};
 
 /// Options of `egress-agent events`.
 #[derive(Debug, Clone)]
@@ -278,16 +192,6 @@ pub async fn events(opts: EventsOptions) -> Result<()> {
     Ok(())
 }
 
-/// Options of `egress-agent suggest`.
-#[derive(Debug, Clone)]
-pub struct SuggestOptions {
-    pub selection: Selection,
-    pub include_denied: bool,
-    pub diff: bool,
-    pub name: Option<String>,
-    pub config: Option<PathBuf>,
-}
-
 /// `egress-agent suggest`: print the suggested policy (or its diff) for the selection.
 pub fn suggest(opts: &SuggestOptions) -> Result<String> {
     let config = Config::load_or_default(opts.config.as_deref())?;
@@ -295,47 +199,4 @@ pub fn suggest(opts: &SuggestOptions) -> Result<String> {
     let filter = opts.selection.filter()?;
     let flows = store.flows(&filter)?;
     suggest_from(&flows, &config, opts)
-}
-
-/// The text `suggest` prints for `flows` (separate from the store for tests).
-pub fn suggest_from(flows: &[Flow], config: &Config, opts: &SuggestOptions) -> Result<String> {
-    let mut endpoints = vec![config.proxy.endpoint];
-    endpoints.extend(config.proxy.endpoint_v6);
-    let observed = crate::suggest::observe(
-        flows,
-        &crate::suggest::Options {
-            include_denied: opts.include_denied,
-            proxy_endpoints: endpoints,
-        },
-    );
-    let s = crate::suggest::suggest(&observed);
-    if opts.diff {
-        let name = match &opts.selection.policy {
-            Some(p) => p.clone(),
-            None => {
-                let mut names: Vec<&str> = flows.iter().map(|f| f.policy.as_str()).collect();
-                names.sort_unstable();
-                names.dedup();
-                match names.as_slice() {
-                    [one] => (*one).to_owned(),
-                    [] => bail!("--diff: nothing observed for this selection"),
-                    many => bail!(
-                        "--diff: the selection spans policies {}; name one with --policy",
-                        many.join(", ")
-                    ),
-                }
-            }
-        };
-        let current = config
-            .policy(&name)
-            .ok_or_else(|| anyhow!("--diff: no policy named {name:?} in the configuration"))?;
-        return Ok(crate::suggest::diff(&s, &observed, current, &name));
-    }
-    let name = opts
-        .name
-        .clone()
-        .or_else(|| opts.selection.policy.clone())
-        .unwrap_or_else(|| "suggested".to_owned());
-    let header = crate::suggest::header(&observed, &opts.selection.describe());
-    Ok(crate::suggest::render(&s, &name, &header))
 }

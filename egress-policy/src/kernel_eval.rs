@@ -309,26 +309,22 @@ pub fn inbound(kp: &KernelPolicy, peer: IpAddr, local_port: u16, netns: Netns) -
 #[expect(clippy::unwrap_used, reason = "test assertions")]
 mod tests {
     use super::*;
-    use crate::config::Config;
-    use crate::policy::kernel::Endpoints;
-    use std::path::Path;
+    use crate::kernel::Endpoints;
 
     fn kp(toml: &str, published: &[u16]) -> KernelPolicy {
-        let c =
-            Config::from_toml_str(&format!("[policies.p]\n{toml}"), Path::new("t.toml")).unwrap();
         KernelPolicy::compile(
-            c.policy("p").unwrap(),
+            &crate::testing::policy(toml),
             Endpoints {
                 endpoint4: Some("169.254.100.1:3128".parse().unwrap()),
                 listener4: Some("169.254.100.1:40001".parse().unwrap()),
                 endpoint6: None,
                 listener6: None,
-                intercept4: crate::policy::kernel::InterceptAddrs {
+                intercept4: crate::kernel::InterceptAddrs {
                     transparent: Some("169.254.100.1:40002".parse().unwrap()),
                     dns_udp: Some("169.254.100.1:40003".parse().unwrap()),
                     dns_tcp: Some("169.254.100.1:40004".parse().unwrap()),
                 },
-                intercept6: crate::policy::kernel::InterceptAddrs::default(),
+                intercept6: crate::kernel::InterceptAddrs::default(),
             },
             published,
         )

@@ -194,46 +194,32 @@ fn carries(req: &RequestView<'_>, needle: &[u8]) -> bool {
 #[expect(clippy::unwrap_used, reason = "test assertions")]
 mod tests {
     use super::*;
-    use crate::config::Config;
     use http::HeaderValue;
-    use std::path::Path;
 
     fn l7() -> L7Policy {
-        // One directory per call: tests run in parallel and each removes its own.
-        static N: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
-        let n = N.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        let dir = std::env::temp_dir().join(format!("egress-l7-{}-{n}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
-        std::fs::write(dir.join("k"), "real-secret\n").unwrap();
-        let c = Config::from_toml_str(
-            &format!(
-                r#"
-[policies.p]
+        let mut p = crate::testing::policy(
+            r#"
 allow_hosts = ["api.test", "other.test", "*.rules.test"]
 allow_ports = [443, 8443]
-[[policies.p.credentials]]
+[[credentials]]
 host = "api.test"
 header = "x-api-key"
-source = {{ file = "{}" }}
+source = { env = "UNUSED" }
 placeholder = "PH-0123456789"
 require = true
-[[policies.p.request_rules]]
+[[request_rules]]
 host = "api.test"
 action = "allow"
 methods = ["POST"]
 path = "/v1/messages"
-[[policies.p.request_rules]]
+[[request_rules]]
 host = "*.rules.test"
 action = "deny"
 path = "/admin/**"
 "#,
-                dir.join("k").display()
-            ),
-            Path::new("t.toml"),
-        )
-        .unwrap();
-        std::fs::remove_dir_all(&dir).ok();
-        L7Policy::new(c.policy("p").unwrap())
+        );
+        p.credentials[0].secret = Some(crate::secret::Secret::new(b"real-secret".to_vec()));
+        L7Policy::new(&p)
     }
 
     fn dest(s: &str) -> Destination {

@@ -32,6 +32,9 @@ pub mod model;
 pub mod name;
 pub mod rules;
 pub mod scrub;
+pub mod secret;
+#[cfg(test)]
+mod testing;
 
 use std::net::IpAddr;
 
@@ -385,13 +388,9 @@ impl CompiledPolicy {
 #[expect(clippy::unwrap_used, reason = "test assertions")]
 mod tests {
     use super::*;
-    use crate::config::Config;
-    use std::path::Path;
 
     fn policy(toml: &str) -> CompiledPolicy {
-        let c =
-            Config::from_toml_str(&format!("[policies.p]\n{toml}"), Path::new("t.toml")).unwrap();
-        CompiledPolicy::new(c.policy("p").unwrap())
+        CompiledPolicy::new(&crate::testing::policy(toml))
     }
 
     fn target(p: &CompiledPolicy, host: &str, port: u16) -> Result<(), DenyReason> {

@@ -383,7 +383,7 @@ pub struct ValidationError {
     pub message: String,
 }
 
-pub(crate) fn verr(field: impl Into<String>, message: impl Into<String>) -> ValidationError {
+pub fn verr(field: impl Into<String>, message: impl Into<String>) -> ValidationError {
     ValidationError {
         field: field.into(),
         message: message.into(),

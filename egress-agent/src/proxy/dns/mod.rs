@@ -9,13 +9,13 @@
 //!
 //! 1. [`decide`] — before anything leaves the agent: one question, opcode QUERY, class IN, type A
 //!    or AAAA (else REFUSED, with a `dns-type-refused` denial event for other types/classes); the
-//!    name normalised like every host name ([`crate::policy::name`]) and matched against
-//!    `allow_hosts` ([`crate::policy::CompiledPolicy::check_name`]). Anything not allowed is
+//!    name normalised like every host name ([`egress_policy::name`]) and matched against
+//!    `allow_hosts` ([`egress_policy::CompiledPolicy::check_name`]). Anything not allowed is
 //!    answered **NXDOMAIN** with a denial event and is **never sent to any resolver**: labels of a
 //!    denied name can't carry data out (DNS tunnelling).
 //! 2. [`answer`] — the allowed name is resolved by the proxy's own resolver (same cache, hosts
 //!    file and nameservers, A and AAAA together), and **every address of both families** is
-//!    checked with the proxy's dial-time check ([`crate::policy::CompiledPolicy::classify_addr`]):
+//!    checked with the proxy's dial-time check ([`egress_policy::CompiledPolicy::classify_addr`]):
 //!    one denied address refuses the name whole (NXDOMAIN + event with that address), exactly as
 //!    the proxy refuses to dial it. Otherwise the asked family's records (CNAME chain included)
 //!    are answered with one TTL: the remaining cache lifetime, capped at [`MAX_ANSWER_TTL`].
@@ -55,8 +55,8 @@ pub use answer::MAX_ANSWER_TTL;
 pub use decide::{Decision, decide};
 pub use responder::DnsResponder;
 
-use crate::policy::name::HostName;
 use crate::proxy::Identity;
+use egress_policy::name::HostName;
 
 /// Port of DNS denial events (the query's destination, whatever address the client used).
 pub const DNS_PORT: u16 = 53;

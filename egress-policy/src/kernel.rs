@@ -361,7 +361,7 @@ fn merge(slot: &mut Option<Vec<u16>>, ports: &[u16]) {
     }
 }
 
-pub(crate) fn ip6_words(ip: &Ipv6Addr) -> [u32; 4] {
+pub fn ip6_words(ip: &Ipv6Addr) -> [u32; 4] {
     let o = ip.octets();
     [
         u32::from_ne_bytes([o[0], o[1], o[2], o[3]]),
