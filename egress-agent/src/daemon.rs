@@ -15,10 +15,10 @@ use tokio::{
     signal::unix::{SignalKind, signal},
     sync::{mpsc, oneshot},
 };
-use tokio_util::sync::CancellationToken;
 use tracing::{error, info, warn};
 
 use crate::{
+    agent::Agent,
     api::{ApiError, BoxFuture, Control, ExplainQuery, StoreQuery, backend, server::ApiServer},
     bpf, check,
     config::Config,
@@ -231,7 +231,6 @@ pub async fn run(opts: RunOptions) -> Result<()> {
     let config = Arc::new(Config::load(&opts.config)?);
     info!(config = %opts.config.display(), policies = ?config.policy_names().collect::<Vec<_>>(),
         "configuration loaded");
-    let events = EventSink::new(crate::events::DEFAULT_RING);
     let docker_root = crate::cgroup::cgroup2_mount()
         .map(|m| docker::cgroups::DockerRoot::new(m, &opts.docker.cgroup_parent).path());
     let api = ApiServer::bind(&opts.api_socket)
@@ -239,60 +238,59 @@ pub async fn run(opts: RunOptions) -> Result<()> {
         .refusing_roots(docker_root.ok());
     let api = crate::api::server::with_config(api, &config.api).await?;
 
-    let stop = CancellationToken::new();
-
+    // The core: events, the durable store and exporters (taps on the sink, written off the hot
+    // path), one stop for everything below.
     let metrics = Arc::new(Metrics::new());
-    metrics::spawn_denial_counter(&events, metrics.clone());
-    // The durable event store and exporters: taps on the sink, written off the hot path.
-    let store = crate::store::start(&config, &events, Some(metrics.clone()))
-        .context("opening the event store (store.enabled = false to run without one)")?;
-    crate::export::start(&config.export, &events, Some(metrics.clone()))
-        .map_err(|e| anyhow::anyhow!("starting event export: {e}"))?;
-    let metrics_task = match opts.metrics {
-        Some(addr) => {
-            let listener = metrics::bind(addr, opts.metrics_allow_non_loopback)
-                .await
-                .with_context(|| format!("metrics listener on {addr}"))?;
-            let m = metrics.clone();
-            Some(tokio::spawn(metrics::serve(
-                listener,
-                m,
-                stop.clone().cancelled_owned(),
-            )))
-        }
-        None => None,
-    };
+    let mut agent = Agent::start(&config, Some(metrics.clone()))?;
+    let events = agent.events().clone();
+    if let Some(addr) = opts.metrics {
+        let listener = metrics::bind(addr, opts.metrics_allow_non_loopback)
+            .await
+            .with_context(|| format!("metrics listener on {addr}"))?;
+        let m = metrics.clone();
+        agent.spawn("metrics", |stop| {
+            metrics::serve(listener, m, stop.cancelled_owned())
+        });
+    }
 
+    // The Docker runtime, on the core's stop; its outcome arrives on `ended`.
     let (reload_tx, reload_rx) = mpsc::channel(1);
     let (ready_tx, ready_rx) = oneshot::channel();
+    let (ended_tx, mut ended) = oneshot::channel();
     let hooks = docker::Hooks {
         ready: Some(ready_tx),
         reload: Some(reload_rx),
         metrics: Some(metrics.clone()),
     };
-    let mut enforcement = tokio::spawn(docker::serve_with(
-        config.clone(),
-        opts.docker.clone(),
-        events.clone(),
-        hooks,
-        stop.clone().cancelled_owned(),
-    ));
+    let (docker_config, docker_opts, docker_events) =
+        (config.clone(), opts.docker.clone(), events.clone());
+    agent.spawn("docker", |stop| async move {
+        let r = docker::serve_with(docker_config, docker_opts, docker_events, hooks, stop).await;
+        ended_tx.send(r).ok();
+    });
 
     // READY once programs are loaded/adopted and the proxy listens (or fail the start). The
     // readiness sender is dropped when the task fails: then its own error is the reason.
     let ready = match ready_rx.await {
         Ok(ready) => ready,
         Err(_) => {
-            return match enforcement.await {
-                Ok(Ok(())) => Err(anyhow::anyhow!(
-                    "the enforcement task ended before it was ready"
-                )),
-                Ok(Err(e)) => Err(e).context("starting enforcement"),
-                Err(e) => Err(anyhow::anyhow!("enforcement task panicked: {e}")),
+            let why = match ended.await {
+                Ok(Ok(())) => anyhow::anyhow!("the enforcement task ended before it was ready"),
+                Ok(Err(e)) => anyhow::Error::new(e).context("starting enforcement"),
+                Err(_) => anyhow::anyhow!("the enforcement task panicked"),
             };
+            agent.shutdown().await;
+            return Err(why);
         }
     };
     info!(ready = %ready, "egress-agent enforcing");
+    // Kernel denials, named by the container directory the runtime keeps.
+    let directory = opts.docker.directory.clone();
+    match agent.pump_kernel_events(&config.agent.bpffs, move |d| directory.enrich(d)) {
+        Ok(true) => {}
+        Ok(false) => info!("another process consumes kernel events"),
+        Err(e) => warn!(error = %e, "kernel events unavailable"),
+    }
 
     let daemon = Arc::new(Daemon {
         config_path: opts.config.clone(),
@@ -304,7 +302,8 @@ pub async fn run(opts: RunOptions) -> Result<()> {
         ready,
         docker_socket: opts.docker.socket.clone(),
     });
-    let api_task = tokio::spawn(api.run(daemon.clone(), stop.clone().cancelled_owned()));
+    let control = daemon.clone();
+    agent.spawn("api", |stop| api.run(control, stop.cancelled_owned()));
     if let Err(e) = notify::ready("enforcing") {
         warn!(error = %e, "sd_notify READY failed");
     }
@@ -323,11 +322,11 @@ pub async fn run(opts: RunOptions) -> Result<()> {
             }
             _ = term.recv() => break Ok(()),
             _ = int.recv() => break Ok(()),
-            r = &mut enforcement => {
+            r = &mut ended => {
                 break match r {
                     Ok(Ok(())) => Err(anyhow::anyhow!("the enforcement task stopped")),
-                    Ok(Err(e)) => Err(e).context("enforcement failed"),
-                    Err(e) => Err(anyhow::anyhow!("enforcement task panicked: {e}")),
+                    Ok(Err(e)) => Err(anyhow::Error::new(e).context("enforcement failed")),
+                    Err(_) => Err(anyhow::anyhow!("the enforcement task panicked")),
                 };
             }
         }
@@ -336,21 +335,8 @@ pub async fn run(opts: RunOptions) -> Result<()> {
     if let Err(e) = notify::stopping() {
         warn!(error = %e, "sd_notify STOPPING failed");
     }
-    stop.cancel();
-    if !enforcement.is_finished() {
-        match enforcement.await {
-            Ok(Ok(())) => {}
-            Ok(Err(e)) => warn!(error = %e, "enforcement ended with an error"),
-            Err(e) => warn!(error = %e, "enforcement task panicked"),
-        }
-    }
-    api_task.await.ok();
-    if let Some(t) = metrics_task {
-        t.await.ok();
-    }
-    if let Some(s) = store {
-        s.shutdown().await;
-    }
+    agent.shutdown().await;
+    info!("stopped: events recorded and exported");
     result
 }
 

@@ -244,6 +244,12 @@ impl EventSink {
         TapReceiver { rx, dropped }
     }
 
+    /// Close every tap: their readers get what is queued, then the end of the stream (how the
+    /// agent's shutdown lets the store and the exporters finish). Taps opened later work as usual.
+    pub fn close_taps(&self) {
+        self.inner.taps.store(Arc::new(Vec::new()));
+    }
+
     /// True when some tap records allowed traffic (build allowed events only then).
     pub fn wants_allowed(&self) -> bool {
         self.inner.wants_allowed.load(Ordering::Relaxed)

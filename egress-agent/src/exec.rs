@@ -26,12 +26,11 @@ use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::Duration;
 
 use anyhow::{Context as _, anyhow, bail};
-use tokio_util::sync::CancellationToken;
 
+use crate::agent::Agent;
 use crate::bpf::{self, KernelPolicy, PinnedState};
 use crate::cgroup;
 use crate::config::{self, Config};
-use crate::events::EventSink;
 use crate::proxy::{PolicyProxy, ProxyContext};
 use crate::sandbox::{self, Identity};
 use egress_policy::kernel::Endpoints;
@@ -330,17 +329,15 @@ async fn run_async(
 
     // 3. the policy's proxy listener (allowlist only: deny_all/allow_all never use it), with
     // its transparent listener and DNS responder backed by the kernel's redirect maps.
-    let events = EventSink::default();
-    // The durable event store records this run's events like the daemon's (`events`, `suggest`).
-    let store = crate::store::start(&config, &events, None)
-        .context("opening the event store (store.enabled = false to run without one)")?;
-    let shutdown = CancellationToken::new();
+    // The agent core, as in the daemon: this run's events go to the durable store (`events`,
+    // `suggest`) and to the configured exporters, and one ordered stop flushes both.
+    let mut agent = Agent::start(&config, None)?;
+    let events = agent.events().clone();
     let mut endpoints = Endpoints {
         endpoint4: Some(config.proxy.endpoint).filter(|e| e.is_ipv4()),
         endpoint6: config.proxy.endpoint_v6,
         ..Endpoints::default()
     };
-    let mut proxy_tasks = Vec::new();
     if policy.mode == Mode::Allowlist {
         let redirects = Arc::new(
             bpf::redirects::KernelRedirects::open(&bpffs).context("opening the redirect maps")?,
@@ -390,7 +387,7 @@ async fn run_async(
                 endpoints.listener6 = Some(local);
                 endpoints.intercept6 = intercept;
             }
-            proxy_tasks.push(tokio::spawn(proxy.run(shutdown.clone().cancelled_owned())));
+            agent.spawn("proxy", |stop| proxy.run(stop.cancelled_owned()));
         }
     }
     let kpolicy = KernelPolicy::compile(&policy, endpoints, &[])?;
@@ -405,22 +402,13 @@ async fn run_async(
     // Kernel denial events of this run, if no daemon consumes the ring buffer. This exec then
     // holds the ring: events of other cgroups (other execs) would be lost otherwise, so they
     // are logged with the policy their writer recorded.
-    let pump = bpf::events::KernelEvents::try_open(&bpffs)
-        .unwrap_or(None)
-        .map(|ring| {
-            let sink = events.clone();
-            tokio::spawn(ring.pump(
-                move |ring, batch| {
-                    for ev in batch {
-                        let policy = names
-                            .name(ev.cgroup_id)
-                            .map_or_else(|| "unknown".to_owned(), |(p, _)| p);
-                        sink.emit(bpf::events::to_denial(&ev, ring.time_of(&ev), &policy));
-                    }
-                },
-                shutdown.clone().cancelled_owned(),
-            ))
-        });
+    if let Err(e) = agent.pump_kernel_events(&bpffs, move |d| {
+        if let Some((policy, _)) = d.cgroup_id.and_then(|id| names.name(id)) {
+            d.policy = policy;
+        }
+    }) {
+        eprintln!("egress-agent: warning: kernel events: {e}");
+    }
 
     // 5. the command, in its sandbox (see `sandbox`): /proc/self/exe, not current_exe(): the
     // running image, even if the file was replaced (upgrade, rebuild) since exec started.
@@ -463,23 +451,10 @@ async fn run_async(
         }
     };
 
-    // 7. cleanup (guard), proxy shutdown, the last kernel events.
-    shutdown.cancel();
+    // 7. cleanup (guard), then the core's ordered stop: proxy, the last kernel events, the
+    // store and the exporters.
     drop(guard);
-    for t in proxy_tasks {
-        tokio::time::timeout(Duration::from_secs(2), t).await.ok();
-    }
-    if let Some(p) = pump {
-        match tokio::time::timeout(Duration::from_secs(2), p).await {
-            Ok(Ok(Ok(()))) => {}
-            Ok(Ok(Err(e))) => eprintln!("egress-agent: warning: kernel events: {e}"),
-            Ok(Err(e)) => eprintln!("egress-agent: warning: kernel event pump: {e}"),
-            Err(_) => eprintln!("egress-agent: warning: kernel event pump did not stop"),
-        }
-    }
-    if let Some(s) = store {
-        s.shutdown().await;
-    }
+    agent.shutdown().await;
     use std::os::unix::process::ExitStatusExt as _;
     Ok(match (status.code(), status.signal()) {
         (Some(code), _) => code,

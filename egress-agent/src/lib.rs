@@ -1,14 +1,31 @@
 //! egress-agent: confines the network egress of opted-in containers and commands.
 //!
-//! Layout (each module does one job):
-//! - [`config`]: the TOML configuration and the policy model shared by kernel and proxy.
-//! - `policy`: hostname normalisation/matching and the address deny list used by the proxy.
-//! - `proxy`: the co-located forward proxy (CONNECT + absolute-form HTTP), one listener per policy.
-//! - `events`: structured denial events (log + in-memory ring).
-//! - `bpf`: loading, pinning and adopting the eBPF programs; per-cgroup policy entries.
-//! - `exec`: `egress-agent exec`, run one command in a fresh enforced cgroup.
-// `deny`, not `forbid`: the loader's two raw syscalls (bpf/sys.rs) are the one allowed exception.
+//! The policy model and every decision on it (names, matching, the address check, request
+//! rules, credentials, response scrubbing, `explain`'s evaluation) are the `egress-policy` crate,
+//! which does no I/O; the types the kernel programs share are `egress-common`. This crate is
+//! everything that touches the machine, in layers (a module uses only those below it; the
+//! `module_cycles` test keeps every two-way dependency out):
+//!
+//! - the core and its runtimes: [`agent`] (events, store, exporters, kernel events, one ordered
+//!   stop) used by [`daemon`] (`run`: the Docker runtime [`docker`], the control API [`api`])
+//!   and [`exec`] (one command in a fresh enforced cgroup, inside [`sandbox`]);
+//! - enforcement: [`bpf`] (loading, pinning and adopting the programs, per-cgroup entries, the
+//!   kernel relay), [`nft`] (the nftables host layer), [`cgroup`], [`netif`], [`mountinfo`];
+//! - what confined sockets reach: [`proxy`] (explicit CONNECT, transparent TLS/HTTP, TLS
+//!   interception, the agent's DNS in [`proxy::dns`]), [`ca`] (the interception CA), [`secrets`]
+//!   (loading credentials);
+//! - records: [`events`] (the sink), [`store`] (SQLite), [`export`] (OTLP, syslog), [`metrics`],
+//!   [`suggest`] (policies from observed traffic);
+//! - management: [`config`] (the file and `policies.d`), [`manage`] (policy changes),
+//!   [`check`], [`doctor`], [`status`], [`cleanup`], [`notify`] (sd_notify);
+//! - surfaces: [`cli`] (commands that talk to a running agent), [`mcp`], [`ui`] (status page).
+//!
+//! `unsafe` is denied crate-wide; the exceptions, each with `expect(unsafe_code, reason)` and a
+//! SAFETY comment: raw `bpf()`/sockopt syscalls (`bpf/sys.rs`), the ring buffer's fd registration
+//! (`bpf/events.rs`), netlink buffers for nftables (`nft/`), splice/sockmap descriptors
+//! (`proxy/splice/`) and scrubbing a secret from the process environment (`secrets/sys.rs`).
 #![deny(unsafe_code)]
+pub mod agent;
 pub mod api;
 pub mod doctor;
 pub mod metrics;

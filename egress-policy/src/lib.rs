@@ -1,4 +1,12 @@
-//! Policy decisions for the proxy: an early, explicit filter with a typed reason, before any
+//! egress-policy: the policy model of egress-agent and every decision taken on it, with no I/O
+//! (no tokio, aya, sockets, files or environment: cargo keeps it so, since nothing above it is a
+//! dependency). Modules: [`model`] (the policy file's schema and validation), [`name`] and
+//! [`matcher`] (hostnames), [`addr`] (the address deny list), [`rules`] and [`l7`] (request
+//! rules), [`credentials`] and [`secret`] (bindings and the secret type; loading is the agent's),
+//! [`scrub`] (response scrubbing), [`kernel`] (the entry the kernel programs read) and
+//! [`kernel_eval`] + [`explain`] (the kernel's verdict mirrored, and `explain`'s answer).
+//!
+//! Decisions for the proxy (this module): an early, explicit filter with a typed reason, before any
 //! upstream work ([`CompiledPolicy::check_target`]), then a dial-time check of every resolved address
 //! ([`CompiledPolicy::check_addr`]).
 //!
@@ -21,6 +29,7 @@
 //! closed); otherwise it becomes [`Decision::WouldDeny`] and the enforcement point records it and
 //! goes on. Request-shape refusals (userinfo, numeric IP forms, Host mismatch, malformed heads) are
 //! not policy decisions and are refused in every mode.
+#![forbid(unsafe_code)]
 pub mod addr;
 pub mod credentials;
 pub mod explain;

@@ -38,9 +38,25 @@ fn release_bin(name: &str) -> PathBuf {
     workspace_root().join("target/release").join(name)
 }
 
+/// The one release build every command uses (`build`, `run`, `test`, `bench`, `install`): the
+/// agent and the benchmark binaries of egress-tests in one invocation. Cargo unifies dependency
+/// features over the packages one invocation selects, so a second command that selected other
+/// packages (the agent alone, then the agent with egress-tests) would rebuild the agent with other
+/// dependency features (rmcp's client side, for one). With one selection, the second command
+/// compiles nothing.
+const RELEASE_BUILD: [&str; 7] = [
+    "build",
+    "--release",
+    "-p",
+    "egress-agent",
+    "-p",
+    "egress-tests",
+    "--bins",
+];
+
 pub fn build() -> Result<()> {
     ensure_setup()?;
-    cargo(&["build", "--release", "-p", "egress-agent"])
+    cargo(&RELEASE_BUILD)
 }
 
 pub fn run(args: &[String]) -> Result<()> {
@@ -99,8 +115,9 @@ pub fn test(filter: Option<&str>) -> Result<()> {
     if !is_root() {
         eprintln!("skipping privileged integration tests: needs root (each test says so too)");
     }
-    // The integration tests drive the release binary like an operator would.
-    cargo(&["build", "--release", "-p", "egress-agent"])?;
+    // The integration tests drive the release binary like an operator would (the build `run`
+    // and `bench` use too).
+    cargo(&RELEASE_BUILD)?;
     if is_root() {
         // Start from no pins: the agent would switch links an earlier build left to this build's
         // programs anyway, but a clean start keeps earlier runs' roots and entries out of the tests.
@@ -146,15 +163,7 @@ pub fn bench(quick: bool) -> Result<()> {
     if !is_root() {
         bail!("the benchmarks load eBPF programs and pin CPUs: run as root");
     }
-    cargo(&[
-        "build",
-        "--release",
-        "-p",
-        "egress-agent",
-        "-p",
-        "egress-tests",
-        "--bins",
-    ])?;
+    cargo(&RELEASE_BUILD)?;
     let mut failed = Vec::new();
     // The second proxy-bench run gives every proxy the same half CPU, so tunnels/s compares the
     // proxies rather than the client's ceiling on this machine's two cores.

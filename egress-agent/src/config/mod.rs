@@ -16,17 +16,20 @@
 //! allow_cidrs = ["192.0.2.10/32", { cidr = "10.0.0.5/32", ports = [5432] }]
 //! deny_cidrs = ["203.0.113.0/24"]
 //! ```
+mod locate;
 pub mod policies_dir;
+mod validate;
+
+pub(crate) use locate::{Sources, parse_located};
+use locate::{line_col, span_of_path};
 
 use std::collections::BTreeMap;
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
-use std::ops::Range;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
-use egress_policy::model::verr;
 use egress_policy::{ALLOW_ALL, AUDIT, DENY_ALL, Policy, ValidationError};
 
 /// Where `egress-agent` looks for its configuration unless told otherwise.
@@ -490,206 +493,6 @@ impl Config {
         }
         Ok(())
     }
-
-    /// Cross-field and semantic checks.
-    pub fn validate(&self) -> Result<(), ValidationError> {
-        for (field, name) in [
-            ("agent.default_policy", &self.agent.default_policy),
-            ("agent.unlabeled", &self.agent.unlabeled),
-        ] {
-            if self.policy(name).is_none() {
-                return Err(verr(field, format!("no policy named {name:?}")));
-            }
-        }
-        let p = &self.proxy;
-        if p.endpoint.port() == 0 {
-            return Err(verr("proxy.endpoint", "port 0 is not a stable endpoint"));
-        }
-        if let Some(v6) = p.endpoint_v6 {
-            if !v6.is_ipv6() {
-                return Err(verr("proxy.endpoint_v6", "must be an IPv6 socket address"));
-            }
-            if v6.port() == 0 {
-                return Err(verr("proxy.endpoint_v6", "port 0 is not a stable endpoint"));
-            }
-        }
-        if p.listen_ip().is_unspecified() && !p.allow_unspecified_listen {
-            return Err(verr(
-                if p.listen.is_some() {
-                    "proxy.listen"
-                } else {
-                    "proxy.endpoint"
-                },
-                "refusing to listen on 0.0.0.0/:: (reachable from the network); set proxy.allow_unspecified_listen = true to insist",
-            ));
-        }
-        for (field, v) in [
-            ("proxy.header_timeout_ms", p.header_timeout_ms),
-            ("proxy.connect_timeout_ms", p.connect_timeout_ms),
-            ("proxy.idle_timeout_ms", p.idle_timeout_ms),
-            ("dns.timeout_ms", self.dns.timeout_ms),
-        ] {
-            if v == 0 {
-                return Err(verr(field, "must be > 0"));
-            }
-        }
-        if !(1024..=1024 * 1024).contains(&p.max_header_bytes) {
-            return Err(verr(
-                "proxy.max_header_bytes",
-                "must be between 1024 and 1048576",
-            ));
-        }
-        if p.max_connections == 0 {
-            return Err(verr("proxy.max_connections", "must be > 0"));
-        }
-        if let Some(n) = p.max_connections_per_listener
-            && !(1..=p.max_connections).contains(&n)
-        {
-            return Err(verr(
-                "proxy.max_connections_per_listener",
-                format!(
-                    "must be between 1 and proxy.max_connections ({})",
-                    p.max_connections
-                ),
-            ));
-        }
-        if !(1024..=4 * 1024 * 1024).contains(&p.tunnel_buffer_bytes) {
-            return Err(verr(
-                "proxy.tunnel_buffer_bytes",
-                "must be between 1024 and 4194304",
-            ));
-        }
-        if let Some(cc) = &p.client_congestion_control
-            && (cc.is_empty()
-                || cc.len() > 15
-                || !cc
-                    .bytes()
-                    .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'_'))
-        {
-            return Err(verr(
-                "proxy.client_congestion_control",
-                "must be an algorithm name (1-15 characters of [a-z0-9_]) or \"host\"",
-            ));
-        }
-        if self.intercept.leaf_cache_entries == 0 {
-            return Err(verr("intercept.leaf_cache_entries", "must be > 0"));
-        }
-        if !self.agent.state_dir.is_absolute() {
-            return Err(verr("agent.state_dir", "must be an absolute path"));
-        }
-        if self.store.max_age_hours == 0 {
-            return Err(verr("store.max_age_hours", "must be > 0"));
-        }
-        if self.store.max_bytes < 1024 * 1024 {
-            return Err(verr("store.max_bytes", "must be at least 1048576 (1 MiB)"));
-        }
-        if !(16..=1 << 22).contains(&self.store.queue) {
-            return Err(verr("store.queue", "must be between 16 and 4194304"));
-        }
-        self.export.validate()?;
-        if let Some(a) = self.api.ui_listen
-            && (!a.ip().is_loopback() || a.port() == 0)
-        {
-            return Err(verr(
-                "api.ui_listen",
-                "must be a loopback address with a port (127.0.0.1:PORT or [::1]:PORT)",
-            ));
-        }
-        if let Some(g) = &self.api.read_group
-            && (g.is_empty()
-                || g.len() > 32
-                || !g
-                    .bytes()
-                    .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-' || b == b'.'))
-        {
-            return Err(verr("api.read_group", "must be a group name"));
-        }
-        if self.dns.attempts == 0 {
-            return Err(verr("dns.attempts", "must be > 0"));
-        }
-        for (name, policy) in &self.policies {
-            let base = format!("policies.{name}");
-            check_policy_name(name).map_err(|m| verr(&base, m))?;
-            policy.validate(&base)?;
-        }
-        Ok(())
-    }
-}
-
-/// Where the text of a configuration came from: the main file, and the `policies.d` files by
-/// policy name. Validation errors name the file their field is in.
-pub(crate) struct Sources<'a> {
-    pub main: (&'a Path, &'a str),
-    pub files: BTreeMap<String, (PathBuf, String)>,
-}
-
-impl<'a> Sources<'a> {
-    pub fn main(path: &'a Path, text: &'a str) -> Self {
-        Sources {
-            main: (path, text),
-            files: BTreeMap::new(),
-        }
-    }
-
-    /// A validation error as a located configuration error.
-    pub fn locate(&self, v: ValidationError) -> ConfigError {
-        let in_file = v.field.strip_prefix("policies.").and_then(|rest| {
-            let name = rest.split(['.', '[']).next()?;
-            let (path, text) = self.files.get(name)?;
-            let inner = rest[name.len()..].trim_start_matches('.');
-            Some((path.as_path(), text.as_str(), inner))
-        });
-        let (path, text, at) = match in_file {
-            Some((path, text, inner)) => (path, text, inner),
-            None => (self.main.0, self.main.1, v.field.as_str()),
-        };
-        let (line, column) = if at.is_empty() {
-            (1, 1)
-        } else {
-            span_of_path(text, at)
-                .map(|r| line_col(text, r.start))
-                .unwrap_or((0, 0))
-        };
-        ConfigError::Invalid {
-            path: path.to_owned(),
-            line,
-            column,
-            field: v.field,
-            message: v.message,
-        }
-    }
-}
-
-/// Parse TOML text into `T`, locating errors: file:line:column, and the field as `prefix` + its
-/// dotted path (`policies.ci.` for a `policies.d/ci.toml` file).
-pub(crate) fn parse_located<T: serde::de::DeserializeOwned>(
-    s: &str,
-    origin: &Path,
-    prefix: &str,
-) -> Result<T, ConfigError> {
-    toml::from_str(s).map_err(|e| {
-        let located = e.span().and_then(|r| field_at(s, r, e.message()));
-        let start = located
-            .as_ref()
-            .map(|(_, r)| r.start)
-            .or(e.span().map(|r| r.start));
-        let (line, column) = start.map(|o| line_col(s, o)).unwrap_or((0, 0));
-        let field = located.map(|(f, _)| f).unwrap_or_else(|| {
-            // E.g. a duplicate key, where the document can't be re-parsed: name the text.
-            e.span()
-                .and_then(|r| s.get(r))
-                .filter(|t| !t.is_empty() && t.len() <= 64 && !t.contains('\n'))
-                .unwrap_or("-")
-                .to_owned()
-        });
-        ConfigError::Invalid {
-            path: origin.to_owned(),
-            line,
-            column,
-            field: format!("{prefix}{field}"),
-            message: e.message().trim().to_owned(),
-        }
-    })
 }
 
 /// A name a configured policy may have: not a built-in, 1-64 characters of `[A-Za-z0-9_-]`
@@ -707,109 +510,6 @@ pub fn check_policy_name(name: &str) -> Result<(), &'static str> {
         return Err("policy names are 1-64 characters of [A-Za-z0-9_-]");
     }
     Ok(())
-}
-
-fn line_col(s: &str, offset: usize) -> (usize, usize) {
-    let offset = offset.min(s.len());
-    let before = &s[..offset];
-    let line = before.matches('\n').count() + 1;
-    let column = before.rfind('\n').map_or(offset, |nl| offset - nl - 1) + 1;
-    (line, column)
-}
-
-/// The dotted key path at `span` in `s` and its span (best effort, for parse errors). An error on
-/// a whole array whose message quotes one of its string items is narrowed to that item.
-fn field_at(s: &str, span: Range<usize>, message: &str) -> Option<(String, Range<usize>)> {
-    type Best = Option<(String, Range<usize>)>;
-    fn walk(
-        t: &toml::de::DeTable<'_>,
-        prefix: &str,
-        span: &Range<usize>,
-        msg: &str,
-        best: &mut Best,
-    ) {
-        for (k, v) in t.iter() {
-            let path = if prefix.is_empty() {
-                k.get_ref().to_string()
-            } else {
-                format!("{prefix}.{}", k.get_ref())
-            };
-            let ks = k.span();
-            if ks.start <= span.start && span.start < ks.end.max(ks.start + 1) {
-                *best = Some((path.clone(), ks));
-            }
-            visit(v, &path, span, msg, best);
-        }
-    }
-    fn visit(
-        v: &toml::Spanned<toml::de::DeValue<'_>>,
-        path: &str,
-        span: &Range<usize>,
-        msg: &str,
-        best: &mut Best,
-    ) {
-        let vs = v.span();
-        if vs.start <= span.start && span.start < vs.end.max(vs.start + 1) {
-            let narrower = best
-                .as_ref()
-                .is_none_or(|(_, b)| vs.end - vs.start <= b.end - b.start);
-            if narrower {
-                *best = Some((path.to_owned(), vs.clone()));
-            }
-        }
-        match v.get_ref() {
-            toml::de::DeValue::Table(t) => walk(t, path, span, msg, best),
-            toml::de::DeValue::Array(a) => {
-                let whole = vs == *span;
-                for (i, item) in a.iter().enumerate() {
-                    let item_path = format!("{path}[{i}]");
-                    if whole
-                        && let toml::de::DeValue::String(sv) = item.get_ref()
-                        && msg.contains(&format!("{:?}", sv.as_ref()))
-                    {
-                        *best = Some((item_path, item.span()));
-                        return;
-                    }
-                    visit(item, &item_path, span, msg, best);
-                }
-            }
-            _ => {}
-        }
-    }
-    let doc = toml::de::DeTable::parse(s).ok()?;
-    let mut best: Best = None;
-    walk(doc.get_ref(), "", &span, message, &mut best);
-    best
-}
-
-/// The span of a dotted path like `policies.ci.deny_cidrs[1]` (or its nearest existing parent).
-fn span_of_path(s: &str, path: &str) -> Option<Range<usize>> {
-    let doc = toml::de::DeTable::parse(s).ok()?;
-    let mut table = doc.get_ref();
-    let mut found: Option<Range<usize>> = None;
-    let segs: Vec<&str> = path.split('.').collect();
-    for (n, seg) in segs.iter().enumerate() {
-        let (key, index) = match seg.split_once('[') {
-            Some((k, rest)) => (k, rest.trim_end_matches(']').parse::<usize>().ok()),
-            None => (*seg, None),
-        };
-        let Some((k, v)) = table.iter().find(|(k, _)| k.get_ref().as_ref() == key) else {
-            break;
-        };
-        found = Some(k.span());
-        let mut value = v;
-        if let (Some(i), toml::de::DeValue::Array(a)) = (index, v.get_ref())
-            && let Some(item) = a.get(i)
-        {
-            found = Some(item.span());
-            value = item;
-        }
-        match value.get_ref() {
-            toml::de::DeValue::Table(t) if n + 1 < segs.len() => table = t,
-            _ => break,
-        }
-    }
-    found
 }
 
 #[cfg(test)]

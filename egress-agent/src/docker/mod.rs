@@ -13,7 +13,8 @@
 //! - [`host_layer`]: the nftables ruleset, its batching and failed writes.
 //! - [`enforce`]: the per-container lifecycle, carrying plans out through the three above.
 //! - [`watch`]: the bollard event stream + reconcile loop ([`watch::run`]).
-//! - [`serve`]: the whole setup for the daemon in one call ([`serve::serve`]).
+//! - [`serve`]: the whole setup for the daemon in one call ([`serve::serve_with`]), a runtime
+//!   plugged into the agent core ([`crate::agent`]).
 //!
 //! See `docs/architecture.md`, section Docker, for the lifecycle and why it is race-free.
 pub mod cgroups;
@@ -32,7 +33,7 @@ pub mod watch;
 
 pub use directory::{DirEntry, Directory};
 pub use enforce::{Enforcer, Outcome, Settings};
-pub use serve::{DockerOptions, Hooks, ServeError, cleanup_host, serve, serve_with};
+pub use serve::{DockerOptions, Hooks, ServeError, cleanup_host, serve_with};
 pub use watch::run;
 
 /// A configuration reload for the Docker enforcer: `done` gets `Ok` once every tracked container

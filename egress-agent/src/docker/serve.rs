@@ -1,5 +1,4 @@
 //! Everything the daemon needs to run the Docker integration, in one call: [`serve`].
-use std::future::Future;
 use std::net::{IpAddr, SocketAddr};
 use std::sync::Arc;
 use std::time::Duration;
@@ -27,10 +26,8 @@ pub struct DockerOptions {
     pub nft: bool,
     /// Refuse to run without the BPF-LSM socket hook (AF_PACKET hole otherwise).
     pub require_lsm: bool,
-    /// Consume the kernel's denial ring buffer and attribute events to containers. With
-    /// `false`, the caller consumes it and attributes events with [`DockerOptions::directory`].
-    pub kernel_events: bool,
-    /// cgroup id → container, filled by the enforcer (clone it before calling [`serve`]).
+    /// cgroup id → container, filled by the enforcer (clone it before calling [`serve_with`]):
+    /// how the agent core names the container of a kernel event.
     pub directory: Directory,
 }
 
@@ -41,7 +38,6 @@ impl Default for DockerOptions {
             cgroup_parent: "/docker".to_owned(),
             nft: true,
             require_lsm: false,
-            kernel_events: true,
             directory: Directory::default(),
         }
     }
@@ -86,23 +82,15 @@ pub struct Hooks {
 }
 
 /// Set up (proxy address, enforcement root, programs, host layer) and watch Docker until
-/// `shutdown` completes.
-pub async fn serve(
-    config: Arc<Config>,
-    opts: DockerOptions,
-    events: EventSink,
-    shutdown: impl Future<Output = ()>,
-) -> Result<(), ServeError> {
-    serve_with(config, opts, events, Hooks::default(), shutdown).await
-}
-
-/// [`serve`] with readiness, reload and metrics hooks (the daemon's entry point).
+/// `shutdown` is cancelled (the agent core's stop token), with readiness, reload and metrics
+/// hooks. The kernel's denial events are the core's to pump (named with
+/// [`DockerOptions::directory`]).
 pub async fn serve_with(
     config: Arc<Config>,
     opts: DockerOptions,
     events: EventSink,
     hooks: Hooks,
-    shutdown: impl Future<Output = ()>,
+    shutdown: CancellationToken,
 ) -> Result<(), ServeError> {
     let SocketAddr::V4(endpoint4) = config.proxy.endpoint else {
         return Err(ServeError::Endpoint(config.proxy.endpoint));
@@ -173,15 +161,7 @@ pub async fn serve_with(
     );
     // Before READY: without the host layer the proxy address is reachable from the LAN.
     enforcer.init().await.map_err(ServeError::HostLayer)?;
-    let stop = CancellationToken::new();
-    let pump = opts.kernel_events.then(|| {
-        tokio::spawn(kernel_events(
-            config.agent.bpffs.clone(),
-            directory.clone(),
-            events,
-            stop.clone(),
-        ))
-    });
+    let stop = shutdown.child_token();
     let gauges = hooks.metrics.clone().map(|m| {
         tokio::spawn(kernel_gauges(
             config.agent.bpffs.clone(),
@@ -206,54 +186,20 @@ pub async fn serve_with(
         enforcer,
         hooks.reload,
         hooks.metrics,
-        shutdown,
+        shutdown.cancelled_owned(),
     )
     .await;
     stop.cancel();
-    for task in [pump, gauges].into_iter().flatten() {
-        if let Err(e) = task.await {
-            tracing::warn!(error = %e, "kernel event task ended abnormally");
-        }
+    if let Some(task) = gauges
+        && let Err(e) = task.await
+    {
+        tracing::warn!(error = %e, "kernel gauge task ended abnormally");
     }
     Ok(())
 }
 
 /// How often the per-cgroup kernel counters are read for `event_drops{source="kernel"}`.
 const LOSS_SAMPLE: Duration = Duration::from_secs(5);
-
-/// Drain the kernel ring buffer as events arrive (`KernelEvents::pump`), attributing them to
-/// containers, until `stop`. When another process holds the events lock, nothing is drained.
-async fn kernel_events(
-    bpffs: std::path::PathBuf,
-    directory: Directory,
-    events: EventSink,
-    stop: CancellationToken,
-) {
-    let reader = match bpf::events::KernelEvents::try_open(&bpffs) {
-        Ok(Some(r)) => r,
-        Ok(None) => {
-            tracing::info!("another process consumes kernel events");
-            return;
-        }
-        Err(e) => {
-            tracing::warn!(error = %e, "kernel events unavailable");
-            return;
-        }
-    };
-    let deliver = |reader: &bpf::events::KernelEvents, batch: Vec<egress_common::Event>| {
-        for ev in batch {
-            let policy = directory
-                .get(ev.cgroup_id)
-                .map_or_else(|| "unknown".to_owned(), |e| e.policy);
-            let mut d = bpf::events::to_denial(&ev, reader.time_of(&ev), &policy);
-            directory.enrich(&mut d);
-            events.emit(d);
-        }
-    };
-    if let Err(e) = reader.pump(deliver, stop.cancelled_owned()).await {
-        tracing::error!(error = %e, "kernel event pump failed; denials are still counted in the kernel");
-    }
-}
 
 /// Keep the metrics that come from kernel state up to date until `stop`: enforced containers
 /// every second, kernel event losses every [`LOSS_SAMPLE`].
@@ -379,22 +325,24 @@ mod tests {
     fn serve_is_spawnable() {
         fn is_send<T: Send + 'static>(_: &T) {}
         // Only built, never polled: the daemon must be able to `tokio::spawn` it.
-        let f = serve(
+        let f = serve_with(
             Arc::new(Config::default()),
             DockerOptions::default(),
             EventSink::default(),
-            std::future::pending::<()>(),
+            Hooks::default(),
+            CancellationToken::new(),
         );
         is_send(&f);
     }
 
     #[tokio::test]
     async fn loopback_endpoint_is_refused_for_docker() {
-        let r = serve(
+        let r = serve_with(
             Arc::new(Config::default()), // endpoint 127.0.0.1:3128
             DockerOptions::default(),
             EventSink::default(),
-            std::future::ready(()),
+            Hooks::default(),
+            CancellationToken::new(),
         )
         .await;
         assert!(matches!(r, Err(ServeError::Endpoint(_))), "{r:?}");

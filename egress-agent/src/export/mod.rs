@@ -104,19 +104,52 @@ impl ExportConfig {
     }
 }
 
+/// A running exporter: it ends once its tap is closed ([`crate::events::EventSink::close_taps`])
+/// and what was queued has been sent (or failed).
+pub enum Exporter {
+    /// OTLP: a tokio task.
+    Otlp(tokio::task::JoinHandle<()>),
+    /// syslog: a thread (blocking sockets, one reconnect per message).
+    Syslog(std::thread::JoinHandle<()>),
+}
+
+impl Exporter {
+    pub fn name(&self) -> &'static str {
+        match self {
+            Exporter::Otlp(_) => "otlp",
+            Exporter::Syslog(_) => "syslog",
+        }
+    }
+
+    /// Wait until the exporter has sent what it had queued and ended.
+    pub async fn finished(self) {
+        match self {
+            Exporter::Otlp(t) => {
+                t.await.ok();
+            }
+            Exporter::Syslog(t) => {
+                tokio::task::spawn_blocking(move || t.join().ok())
+                    .await
+                    .ok();
+            }
+        }
+    }
+}
+
 /// Start the configured exporters on `events` (inside a tokio runtime).
 pub fn start(
     config: &ExportConfig,
     events: &crate::events::EventSink,
     metrics: Option<std::sync::Arc<crate::metrics::Metrics>>,
-) -> Result<(), String> {
+) -> Result<Vec<Exporter>, String> {
+    let mut running = Vec::new();
     if let Some(s) = &config.syslog {
-        syslog::spawn(s, events, metrics.clone())?;
+        running.push(Exporter::Syslog(syslog::spawn(s, events, metrics.clone())?));
     }
     if let Some(o) = &config.otlp {
-        otlp::spawn(o, events, metrics)?;
+        running.push(Exporter::Otlp(otlp::spawn(o, events, metrics)?));
     }
-    Ok(())
+    Ok(running)
 }
 
 /// The text of one event for a log line: the verdict and the destination.

@@ -166,7 +166,7 @@ pub fn spawn(
     cfg: &SyslogConfig,
     sink: &EventSink,
     metrics: Option<Arc<Metrics>>,
-) -> Result<(), String> {
+) -> Result<std::thread::JoinHandle<()>, String> {
     let target = Target::parse(&cfg.address)?;
     let facility =
         facility(&cfg.facility).ok_or_else(|| format!("unknown facility {:?}", cfg.facility))?;
@@ -209,8 +209,7 @@ pub fn spawn(
                 }
             }
         })
-        .map_err(|e| format!("starting the syslog exporter: {e}"))?;
-    Ok(())
+        .map_err(|e| format!("starting the syslog exporter: {e}"))
 }
 
 #[cfg(test)]
