@@ -98,6 +98,8 @@ async fn read_endpoints_answer_with_what_the_daemon_has() {
         (StatusCode::OK, Some("allow")),
         "{v}"
     );
+    // The rule the proxy's decision names, as data.
+    assert_eq!(v["proxy"]["matched"]["list"], "allow_hosts", "{v}");
     let (_, v) = call(
         &s.sock,
         Method::GET,

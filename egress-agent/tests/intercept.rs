@@ -11,6 +11,7 @@ mod intercept_support;
 
 use std::time::Duration;
 
+use egress_agent::events::Verdict;
 use futures_util::{SinkExt, StreamExt};
 use intercept_support::*;
 use tokio::io::{AsyncBufReadExt, AsyncWriteExt};
@@ -427,6 +428,68 @@ async fn websocket_echo_after_the_swap(via: Via) {
     assert_secret_arrived(&seen[0]);
 }
 
+/// Audit reaches inside interception: a host the allowlist doesn't list but request rules
+/// intercept is a would-deny for its connection (recorded once, however many requests it
+/// carries) and its requests go on, as a tunnel's bytes would; the request rules still hold.
+/// (Each request used to be re-checked with the enforce-only check: 403 `host-not-allowed`.)
+async fn audit_lets_requests_to_an_unlisted_intercepted_host_through(via: Via) {
+    let h = harness_policy(
+        "enforce = \"audit\"",
+        "[[policies.test.request_rules]]\nhost = \"audit.test\"\nport = {port}\naction = \"deny\"\npath = \"/admin/**\"\n",
+        true,
+        via,
+    )
+    .await;
+    // Two requests on one connection (curl reuses it for the second URL).
+    let out = curl(
+        &h,
+        &[
+            "--http1.1",
+            &h.url("audit.test", "/v1/first"),
+            &h.url("audit.test", "/v1/second"),
+        ],
+    )
+    .await;
+    assert!(out.status.success(), "{}", out.text());
+    assert!(!out.text().contains("x-egress-deny"), "{}", out.text());
+    let seen: Vec<String> = h.up.requests().into_iter().map(|r| r.target).collect();
+    assert!(
+        seen.contains(&"/v1/first".to_owned()) && seen.contains(&"/v1/second".to_owned()),
+        "{seen:?}"
+    );
+    let ev = h.wait_event("host-not-allowed").await;
+    assert_eq!(ev.verdict, Verdict::WouldDeny, "{}", h.events_json());
+    assert_eq!(ev.host.as_deref(), Some("audit.test"));
+    let would_deny = h
+        .events
+        .recent(1000)
+        .into_iter()
+        .filter(|e| e.reason == "host-not-allowed")
+        .count();
+    assert_eq!(would_deny, 1, "{}", h.events_json());
+    assert!(
+        !h.events
+            .recent(1000)
+            .iter()
+            .any(|e| e.verdict == Verdict::Deny),
+        "{}",
+        h.events_json()
+    );
+    // Intercepted: the host's deny rule is enforced, audit or not.
+    let admin = curl(&h, &["--http1.1", &h.url("audit.test", "/admin/keys")]).await;
+    assert!(
+        admin
+            .text()
+            .contains("x-egress-deny: request-denied-by-rule"),
+        "{}",
+        admin.text()
+    );
+    assert!(
+        !h.up.requests().iter().any(|r| r.target == "/admin/keys"),
+        "the refused request reached the upstream"
+    );
+}
+
 /// A host with neither binding nor rules is a plain tunnel: the client sees the upstream's own
 /// certificate (it verifies against the upstream's CA, not the agent's).
 async fn pass_through_host_is_not_intercepted(via: Via) {
@@ -598,6 +661,7 @@ async fn ca_is_kept_across_restarts_and_the_key_is_0600() {
 
 both_ways!(
     curl_http1_and_h2_get_the_secret_injected,
+    audit_lets_requests_to_an_unlisted_intercepted_host_through,
     python_urllib_gets_the_secret_injected,
     node_h1_and_h2_get_the_secret_injected,
     placeholder_to_another_host_is_refused_and_never_arrives,

@@ -1,6 +1,7 @@
 //! `explain`: for one policy and one destination, what the proxy and the kernel would each do
 //! and which rule decides — computed by the decision code they run, not a copy:
-//! the proxy side by [`CompiledPolicy::decide_target`] / [`CompiledPolicy::decide_addr`] and
+//! the proxy side by [`CompiledPolicy::decide_target`] (its [`Decision`] names the rule that
+//! decided, reported as `rule` in words and `matched` as data) and
 //! [`super::l7::L7Policy::intercepts`], the kernel side by [`KernelPolicy::compile`] (the entry
 //! and LPM rules the loader writes) evaluated by [`super::kernel_eval`].
 use std::net::{IpAddr, SocketAddr};
@@ -11,7 +12,7 @@ use serde_json::{Value, json};
 use super::kernel::{Endpoints, InterceptAddrs, KernelPolicy};
 use super::kernel_eval::{self, KernelVerdict, Netns, Transport};
 use super::name::Destination;
-use super::{CompiledPolicy, Decision, Mode, Policy};
+use super::{CompiledPolicy, Decision, DenyReason, Policy, PortList, Rule};
 
 /// What to explain: `HOST[:PORT]` or `ADDR[:PORT]` (`[v6]:PORT`); the port defaults to 443.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
@@ -69,57 +70,110 @@ impl Target {
     }
 }
 
-fn decision(d: Decision) -> Value {
-    match d {
-        Decision::Allow => json!({ "verdict": "allow" }),
-        Decision::Deny(r) => json!({ "verdict": "deny", "reason": r.as_str() }),
-        Decision::WouldDeny(r) => json!({ "verdict": "would-deny", "reason": r.as_str() }),
+/// The proxy's verdict, with the rule that decided as words (`rule`) and as data (`matched`,
+/// absent when no rule of the policy is behind a refusal): both from the decision itself.
+fn decision(policy: &Policy, port: u16, d: Decision) -> Value {
+    let mut v = match d {
+        Decision::Allow(_) => json!({ "verdict": "allow" }),
+        Decision::Deny(r) => json!({ "verdict": "deny", "reason": r.reason.as_str() }),
+        Decision::WouldDeny(r) => json!({ "verdict": "would-deny", "reason": r.reason.as_str() }),
+    };
+    v["rule"] = json!(proxy_rule(policy, port, d));
+    if let Some(rule) = d.rule() {
+        v["matched"] = matched(policy, rule);
+    }
+    v
+}
+
+/// A [`Rule`] as data: the list (`allow_hosts`, `allow_cidrs`, `deny_cidrs`,
+/// `resolve_private`, `mode`, `builtin`, `none`), the entry's index and text, its own ports, and
+/// for a name where its port was found (`allow_ports`, `entry`; `null`: in neither).
+fn matched(policy: &Policy, rule: Rule) -> Value {
+    match rule {
+        Rule::AllowAll => json!({ "list": "mode", "entry": "allow_all" }),
+        Rule::DenyAll => json!({ "list": "mode", "entry": "deny_all" }),
+        Rule::Host { index, port } => {
+            let e = policy.allow_hosts.get(index);
+            json!({
+                "list": "allow_hosts",
+                "index": index,
+                "entry": e.map(|e| e.pattern.to_string()),
+                "ports": e.map(|e| e.ports.clone()),
+                "port_in": port.map(|p| match p {
+                    PortList::AllowPorts => "allow_ports",
+                    PortList::Entry => "entry",
+                }),
+            })
+        }
+        Rule::Cidr { index } => {
+            let e = policy.allow_cidrs.get(index);
+            json!({
+                "list": "allow_cidrs",
+                "index": index,
+                "entry": e.map(|e| e.net.to_string()),
+                "ports": e.map(|e| e.ports.clone()),
+            })
+        }
+        Rule::DenyCidr { index } => json!({
+            "list": "deny_cidrs",
+            "index": index,
+            "entry": policy.deny_cidrs.get(index).map(ToString::to_string),
+        }),
+        Rule::ResolvePrivate { index } => json!({
+            "list": "resolve_private",
+            "index": index,
+            "entry": policy.resolve_private.get(index).map(ToString::to_string),
+        }),
+        Rule::Builtin(label) => json!({ "list": "builtin", "entry": label }),
+        Rule::Unlisted => json!({ "list": "none" }),
     }
 }
 
-/// The `allow_hosts` entries that match `dest` (a name), as configured.
-fn matching_entries(policy: &Policy, dest: &Destination) -> Vec<String> {
-    let Destination::Name(n) = dest else {
-        return Vec::new();
-    };
-    policy
-        .allow_hosts
-        .iter()
-        .filter(|e| e.pattern.matches(n))
-        .map(|e| e.to_string())
-        .collect()
-}
-
-/// The proxy's rule for a name decision, in words.
-fn proxy_rule(policy: &Policy, dest: &Destination, port: u16, d: Decision) -> String {
-    let entries = matching_entries(policy, dest);
-    match (policy.mode, d) {
-        (Mode::DenyAll, _) => "deny_all refuses everything".to_owned(),
-        (Mode::AllowAll, Decision::Allow) => {
-            "allow_all: any name and port (the built-in deny list still applies to every address the name resolves to)".to_owned()
-        }
-        (_, Decision::Allow) if matches!(dest, Destination::Ip(_)) => {
-            "an allow_cidrs entry covers this address and port".to_owned()
-        }
-        (_, Decision::Allow) => format!(
-            "allow_hosts {} on port {port} (every address the name resolves to is then checked against the deny lists)",
-            entries.join(", ")
-        ),
-        (_, Decision::Deny(r) | Decision::WouldDeny(r)) => match r {
-            super::DenyReason::HostNotAllowed => "no allow_hosts entry matches".to_owned(),
-            super::DenyReason::PortNotAllowed if !entries.is_empty() => format!(
-                "allow_hosts {} matches, but port {port} is neither in allow_ports {:?} nor in the entry's own ports",
-                entries.join(", "),
+/// The proxy's rule for a decision, in words: the rule the decision names.
+fn proxy_rule(policy: &Policy, port: u16, d: Decision) -> String {
+    match d {
+        Decision::Allow(rule) => match rule {
+            Rule::AllowAll => {
+                "allow_all: any name and port (the built-in deny list still applies to every address the name resolves to)".to_owned()
+            }
+            Rule::Host { port: Some(list), .. } => format!(
+                "{} on port {port} ({}; every address the name resolves to is then checked against the deny lists)",
+                rule.describe(policy),
+                match list {
+                    PortList::AllowPorts => "in allow_ports",
+                    PortList::Entry => "one of the entry's own ports",
+                }
+            ),
+            Rule::Cidr { .. } => format!("{} covers this address and port", rule.describe(policy)),
+            _ => rule.describe(policy),
+        },
+        Decision::Deny(r) | Decision::WouldDeny(r) => match (r.reason, r.rule) {
+            (DenyReason::PolicyDenyAll, _) => "deny_all refuses everything".to_owned(),
+            (DenyReason::HostNotAllowed, _) => "no allow_hosts entry matches".to_owned(),
+            (DenyReason::PortNotAllowed, Some(rule @ Rule::Host { .. })) => format!(
+                "{} matches, but port {port} is neither in allow_ports {:?} nor in the entry's own ports",
+                rule.describe(policy),
                 policy.allow_ports
             ),
-            super::DenyReason::IpLiteralNotAllowed => {
+            (DenyReason::PortNotAllowed, Some(rule @ Rule::Cidr { .. })) => format!(
+                "{} covers the address, but not port {port}",
+                rule.describe(policy)
+            ),
+            (DenyReason::IpLiteralNotAllowed, _) => {
                 "an IP address in an allowlist needs an allow_cidrs entry".to_owned()
             }
-            super::DenyReason::AddressDenied => {
-                "the address is on the built-in deny list (loopback, private, link-local, metadata, ...)".to_owned()
+            (DenyReason::AddressDenied, rule) => format!(
+                "the address is on the built-in deny list{} (loopback, private, link-local, metadata, ...)",
+                match rule {
+                    Some(Rule::Builtin(label)) => format!(" ({label})"),
+                    _ => String::new(),
+                }
+            ),
+            (DenyReason::AddressDeniedByPolicy, Some(rule)) => {
+                format!("the address is in {}", rule.describe(policy))
             }
-            super::DenyReason::AddressDeniedByPolicy => "the address is in deny_cidrs".to_owned(),
-            other => other.as_str().to_owned(),
+            (DenyReason::AddressDeniedByPolicy, None) => "the address is in deny_cidrs".to_owned(),
+            (other, _) => other.as_str().to_owned(),
         },
     }
 }
@@ -171,7 +225,7 @@ pub fn explain(
     let dest = match dest {
         Ok(d) => d,
         Err(e) => {
-            let r = super::DenyReason::from(e);
+            let r = DenyReason::from(e);
             out["proxy"] = json!({ "verdict": "deny", "reason": r.as_str(),
                                    "rule": "not a host name the proxy accepts" });
             out["summary"] = json!(format!("refused: {} ({})", target.host, r.as_str()));
@@ -187,8 +241,7 @@ pub fn explain(
         }
     };
     let via_proxy = compiled.decide_target(&dest, port);
-    let mut proxy = decision(via_proxy);
-    proxy["rule"] = json!(proxy_rule(policy, &dest, port, via_proxy));
+    let mut proxy = decision(policy, port, via_proxy);
     proxy["intercepted"] = json!(compiled.l7().intercepts(&dest, port));
     let endpoint_verdict = kernel_eval::connect(&kp, config.endpoint, Transport::Tcp, netns);
     let summary;
@@ -215,17 +268,17 @@ pub fn explain(
                     "audit: the kernel lets it through and records a would-deny ({})",
                     reason_of(&tcp)
                 ),
-                (false, Decision::Allow) => {
+                (false, Decision::Allow(_)) => {
                     "refused directly by the kernel; allowed through the proxy (CONNECT to the address)".to_owned()
                 }
                 (false, Decision::WouldDeny(r)) => format!(
                     "audit: let through the proxy and recorded as would-deny ({})",
-                    r.as_str()
+                    r.reason.as_str()
                 ),
                 (false, Decision::Deny(r)) => format!(
                     "refused: directly by the kernel ({}), and by the proxy ({})",
                     reason_of(&tcp),
-                    r.as_str()
+                    r.reason.as_str()
                 ),
             };
         }
@@ -235,15 +288,15 @@ pub fn explain(
                 "direct": "the kernel sees addresses, not names: a name is reached through the proxy (or, for allow_hosts entries with their own ports, at the addresses the agent's DNS answered, until their TTL runs out)",
             });
             summary = match via_proxy {
-                Decision::Allow => format!(
+                Decision::Allow(_) => format!(
                     "allowed through the proxy ({})",
                     proxy["rule"].as_str().unwrap_or("")
                 ),
                 Decision::WouldDeny(r) => format!(
                     "audit: let through and recorded as would-deny ({})",
-                    r.as_str()
+                    r.reason.as_str()
                 ),
-                Decision::Deny(r) => format!("refused by the proxy ({})", r.as_str()),
+                Decision::Deny(r) => format!("refused by the proxy ({})", r.reason.as_str()),
             };
         }
     }
@@ -373,12 +426,36 @@ deny_cidrs = ["192.0.2.0/24"]
             v["kernel"]["to_proxy_endpoint"]["verdict"], "redirect",
             "{v:#}"
         );
+        assert_eq!(
+            v["proxy"]["matched"],
+            json!({ "list": "allow_hosts", "index": 1, "entry": "*.githubusercontent.com",
+                    "ports": [], "port_in": "allow_ports" }),
+            "{v:#}"
+        );
         let v = run("ci", "github.com:80");
         assert_eq!(v["proxy"]["reason"], "port-not-allowed", "{v:#}");
+        assert_eq!(v["proxy"]["matched"]["entry"], "github.com", "{v:#}");
+        assert_eq!(v["proxy"]["matched"]["port_in"], Value::Null, "{v:#}");
+        assert!(
+            v["proxy"]["rule"]
+                .as_str()
+                .unwrap()
+                .starts_with("allow_hosts github.com matches, but port 80"),
+            "{v:#}"
+        );
         let v = run("ci", "ssh.github.com:22");
         assert_eq!(v["proxy"]["verdict"], "allow", "{v:#}");
+        assert_eq!(v["proxy"]["matched"]["index"], 2, "{v:#}");
+        assert_eq!(v["proxy"]["matched"]["port_in"], "entry", "{v:#}");
+        assert!(
+            v["proxy"]["rule"].as_str().unwrap().starts_with(
+                "allow_hosts ssh.github.com (ports 22) on port 22 (one of the entry's own ports"
+            ),
+            "{v:#}"
+        );
         let v = run("ci", "example.com");
         assert_eq!(v["proxy"]["reason"], "host-not-allowed", "{v:#}");
+        assert!(v["proxy"].get("matched").is_none(), "{v:#}");
         assert!(
             v["summary"]
                 .as_str()
@@ -405,9 +482,22 @@ deny_cidrs = ["192.0.2.0/24"]
             "{v:#}"
         );
         assert_eq!(v["proxy"]["reason"], "port-not-allowed", "{v:#}");
+        assert_eq!(
+            v["proxy"]["rule"],
+            "allow_cidrs 10.0.0.0/8 (ports 5432) covers the address, but not port 22",
+            "{v:#}"
+        );
         // deny_cidrs: the proxy refuses (the kernel has no rule for it either).
         let v = run("ci", "192.0.2.1:443");
         assert_eq!(v["proxy"]["reason"], "address-denied-by-policy", "{v:#}");
+        assert_eq!(
+            v["proxy"]["matched"],
+            json!({ "list": "deny_cidrs", "index": 0, "entry": "192.0.2.0/24" }),
+            "{v:#}"
+        );
+        let v = run("ci", "10.1.2.3:5432");
+        assert_eq!(v["proxy"]["verdict"], "allow", "{v:#}");
+        assert_eq!(v["proxy"]["matched"]["list"], "allow_cidrs", "{v:#}");
         let v = run("ci", "8.8.8.8:443");
         assert_eq!(v["proxy"]["reason"], "ip-literal-not-allowed", "{v:#}");
     }

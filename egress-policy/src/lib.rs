@@ -152,6 +152,66 @@ impl DenyReason {
     }
 }
 
+impl DenyReason {
+    /// Every reason (for tests and documentation checks).
+    pub const ALL: [DenyReason; 30] = [
+        DenyReason::PolicyDenyAll,
+        DenyReason::HostNotAllowed,
+        DenyReason::PortNotAllowed,
+        DenyReason::IpLiteralNotAllowed,
+        DenyReason::NumericIpForm,
+        DenyReason::InvalidHost,
+        DenyReason::AddressDenied,
+        DenyReason::AddressDeniedByPolicy,
+        DenyReason::HostHeaderMismatch,
+        DenyReason::UserinfoNotAllowed,
+        DenyReason::PlaceholderWrongHost,
+        DenyReason::PlaceholderMissing,
+        DenyReason::CredentialUnavailable,
+        DenyReason::RequestDeniedByRule,
+        DenyReason::RequestNotAllowed,
+        DenyReason::PathNotNormalized,
+        DenyReason::SniMismatch,
+        DenyReason::InterceptionUnavailable,
+        DenyReason::TlsNoServerName,
+        DenyReason::TlsInvalidHello,
+        DenyReason::HttpNoHost,
+        DenyReason::UnknownProtocol,
+        DenyReason::NoOriginalDestination,
+        DenyReason::DnsTypeRefused,
+        DenyReason::TransparentOff,
+        DenyReason::AmbiguousFraming,
+        DenyReason::UpgradeNotAllowed,
+        DenyReason::ResponseSecretScrubbed,
+        DenyReason::ResponseEncodingRefused,
+        DenyReason::AgentCaNotTrusted,
+    ];
+
+    /// The proxy's reason for what a kernel refusal (`egress_common::REASON_*`, named by
+    /// [`egress_common::reason_name`]) means, where the proxy refuses for that cause too; `None`
+    /// for the kernel's own causes (no policy entry, no listener, socket type, inbound).
+    ///
+    /// The two vocabularies keep their names: both are public (`X-Egress-Deny`, events, metrics
+    /// labels, docs/troubleshooting.md), and a kernel event says `kernel-*` so that its
+    /// source shows in the name. This is the one place where they meet; the test
+    /// `kernel_and_proxy_reasons_map_one_way` pins it.
+    /// - `kernel-deny-cidr` ([`egress_common::REASON_DENY_CIDR`]): a deny rule covers the
+    ///   address = `address-denied-by-policy`.
+    /// - `kernel-host-loopback`: the host's loopback (or unspecified) address = the proxy's
+    ///   `address-denied` (the built-in deny list, of which the kernel enforces this range itself).
+    /// - `kernel-destination-not-allowed`: no `allow_cidrs` rule allows the address and port (or
+    ///   `deny_all`, or Docker's resolver 127.0.0.11) = `ip-literal-not-allowed`, what the
+    ///   proxy says of an address nothing allows.
+    pub fn from_kernel(reason: u32) -> Option<DenyReason> {
+        match reason {
+            egress_common::REASON_DENY_CIDR => Some(DenyReason::AddressDeniedByPolicy),
+            egress_common::REASON_HOST_LOOPBACK => Some(DenyReason::AddressDenied),
+            egress_common::REASON_NOT_ALLOWED => Some(DenyReason::IpLiteralNotAllowed),
+            _ => None,
+        }
+    }
+}
+
 impl std::fmt::Display for DenyReason {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str(self.as_str())
@@ -167,15 +227,136 @@ impl From<name::NameError> for DenyReason {
     }
 }
 
-/// The outcome of one decision of the policy in force.
+/// The outcome of one decision of the policy in force, with the rule that decided it (so
+/// `explain`, `suggest` and the API report what the enforcement points decided, rather than
+/// working it out again). `Copy`, allocation-free: taken per connection.
 #[must_use]
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Decision {
-    Allow,
+    /// Allowed by this rule.
+    Allow(Rule),
     /// Refused (enforced).
-    Deny(DenyReason),
+    Deny(Refused),
     /// Refused by the allowlist, let through because the policy audits.
-    WouldDeny(DenyReason),
+    WouldDeny(Refused),
+}
+
+impl Decision {
+    /// The refusal's reason (`None` when allowed).
+    pub fn reason(self) -> Option<DenyReason> {
+        match self {
+            Decision::Allow(_) => None,
+            Decision::Deny(r) | Decision::WouldDeny(r) => Some(r.reason),
+        }
+    }
+
+    /// The rule that decided: the one that allowed, or the one that refused when there is one
+    /// (`None`: nothing in the policy matched, e.g. `host-not-allowed`).
+    pub fn rule(self) -> Option<Rule> {
+        match self {
+            Decision::Allow(rule) => Some(rule),
+            Decision::Deny(r) | Decision::WouldDeny(r) => r.rule,
+        }
+    }
+}
+
+/// A refusal: why, and the rule of the policy that refused or fell short, when there is one.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Refused {
+    pub reason: DenyReason,
+    /// - [`Rule::DenyAll`] for `policy-deny-all`;
+    /// - [`Rule::DenyCidr`] for `address-denied-by-policy`;
+    /// - [`Rule::Builtin`] for `address-denied`;
+    /// - for `port-not-allowed`, the [`Rule::Host`] entry that matched the name (its
+    ///   `port` is `None`: neither `allow_ports` nor its own ports have the port) or the
+    ///   [`Rule::Cidr`] entry that covers the address on other ports;
+    /// - `None` otherwise (no entry matched: `host-not-allowed`, `ip-literal-not-allowed`, a
+    ///   port 0).
+    pub rule: Option<Rule>,
+}
+
+impl Refused {
+    /// A refusal no rule of the policy is behind.
+    pub fn because(reason: DenyReason) -> Refused {
+        Refused { reason, rule: None }
+    }
+
+    fn by(reason: DenyReason, rule: Rule) -> Refused {
+        Refused {
+            reason,
+            rule: Some(rule),
+        }
+    }
+}
+
+/// Which list a name's port was found in.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PortList {
+    /// `allow_ports` (for every `allow_hosts` entry).
+    AllowPorts,
+    /// The matching entry's own `ports`.
+    Entry,
+}
+
+/// A rule of a [`Policy`]: an index into one of its lists (the [`Policy`] the
+/// [`CompiledPolicy`] was built from), or the mode, or the built-in deny list. `Copy`: naming it
+/// costs nothing on the hot path; [`Rule::describe`] writes it out.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Rule {
+    /// `mode = "allow_all"`: any name and port, and IP literals on no deny list.
+    AllowAll,
+    /// `mode = "deny_all"`.
+    DenyAll,
+    /// `allow_hosts[index]` matches the name; `port`: the list that has the port (`None` in a
+    /// `port-not-allowed` refusal). The most specific entry is named: an exact entry before a
+    /// wildcard, a longer wildcard before a shorter one, an entry with the port among its own
+    /// ports before one allowed through `allow_ports`.
+    Host {
+        index: usize,
+        port: Option<PortList>,
+    },
+    /// `allow_cidrs[index]` covers the address and port (in a `port-not-allowed` refusal: the
+    /// address only).
+    Cidr { index: usize },
+    /// `deny_cidrs[index]` covers the address.
+    DenyCidr { index: usize },
+    /// `resolve_private[index]` covers the address a name resolved to (on the built-in list:
+    /// through the proxy only).
+    ResolvePrivate { index: usize },
+    /// The built-in deny list: the label of its range (`loopback`, `rfc1918`, ...).
+    Builtin(&'static str),
+    /// An address on no list: a resolved address of a name the policy allowed.
+    Unlisted,
+}
+
+impl Rule {
+    /// The rule as configured, for people (`explain`): `allow_hosts "ssh.github.com"
+    /// (ports [22])`, `allow_cidrs 10.0.0.0/8 (ports [5432])`, ... `policy` is the one the
+    /// decision was taken under.
+    pub fn describe(self, policy: &Policy) -> String {
+        fn nth<T: std::fmt::Display>(list: &[T], i: usize) -> String {
+            list.get(i).map_or_else(|| format!("#{i}"), T::to_string)
+        }
+        match self {
+            Rule::AllowAll => "mode allow_all".to_owned(),
+            Rule::DenyAll => "mode deny_all".to_owned(),
+            Rule::Host { index, .. } => format!("allow_hosts {}", nth(&policy.allow_hosts, index)),
+            Rule::Cidr { index } => match policy.allow_cidrs.get(index) {
+                Some(r) if r.ports.is_empty() => format!("allow_cidrs {} (any port)", r.net),
+                Some(r) => {
+                    let ports: Vec<String> = r.ports.iter().map(u16::to_string).collect();
+                    format!("allow_cidrs {} (ports {})", r.net, ports.join(", "))
+                }
+                None => format!("allow_cidrs #{index}"),
+            },
+            Rule::DenyCidr { index } => format!("deny_cidrs {}", nth(&policy.deny_cidrs, index)),
+            Rule::ResolvePrivate { index } => {
+                format!("resolve_private {}", nth(&policy.resolve_private, index))
+            }
+            Rule::Builtin(label) => format!("the built-in deny list ({label})"),
+            Rule::Unlisted => "on no deny list".to_owned(),
+        }
+    }
 }
 
 /// How an address passed [`CompiledPolicy::classify_addr`]. The kernel side needs the
@@ -256,32 +437,34 @@ impl CompiledPolicy {
         self.audit
     }
 
-    /// [`CompiledPolicy::check_target`] with the audit rule applied (see the module docs).
+    /// [`CompiledPolicy::check_target`] with the audit rule applied (see the module docs), and
+    /// the rule that decided.
     pub fn decide_target(&self, dest: &Destination, port: u16) -> Decision {
-        self.decide(self.check_target(dest, port), || {
+        self.decide(self.target_in(self.mode, dest, port), || {
             self.target_in(Mode::AllowAll, dest, port)
         })
     }
 
-    /// [`CompiledPolicy::check_addr`] with the audit rule applied (see the module docs).
+    /// [`CompiledPolicy::check_addr`] with the audit rule applied (see the module docs), and
+    /// the rule that decided.
     pub fn decide_addr(&self, ip: IpAddr, port: u16, via_name: bool) -> Decision {
-        self.decide(self.check_addr(ip, port, via_name), || {
-            self.addr_in(Mode::AllowAll, ip, port, via_name)
+        self.decide(self.addr_in(self.mode, ip, Some(port), via_name), || {
+            self.addr_in(Mode::AllowAll, ip, Some(port), via_name)
         })
     }
 
     fn decide(
         &self,
-        enforced: Result<(), DenyReason>,
-        floor: impl FnOnce() -> Result<(), DenyReason>,
+        enforced: Result<Rule, Refused>,
+        floor: impl FnOnce() -> Result<Rule, Refused>,
     ) -> Decision {
         match enforced {
-            Ok(()) => Decision::Allow,
-            Err(reason) if self.audit => match floor() {
-                Ok(()) => Decision::WouldDeny(reason),
-                Err(floor_reason) => Decision::Deny(floor_reason),
+            Ok(rule) => Decision::Allow(rule),
+            Err(refused) if self.audit => match floor() {
+                Ok(_) => Decision::WouldDeny(refused),
+                Err(floor_refused) => Decision::Deny(floor_refused),
             },
-            Err(reason) => Decision::Deny(reason),
+            Err(refused) => Decision::Deny(refused),
         }
     }
 
@@ -295,42 +478,62 @@ impl CompiledPolicy {
     /// [`CompiledPolicy::decide_target`] at an enforcement point).
     pub fn check_target(&self, dest: &Destination, port: u16) -> Result<(), DenyReason> {
         self.target_in(self.mode, dest, port)
+            .map(|_| ())
+            .map_err(|r| r.reason)
     }
 
-    fn target_in(&self, mode: Mode, dest: &Destination, port: u16) -> Result<(), DenyReason> {
+    fn target_in(&self, mode: Mode, dest: &Destination, port: u16) -> Result<Rule, Refused> {
         if mode == Mode::DenyAll {
-            return Err(DenyReason::PolicyDenyAll);
+            return Err(Refused::by(DenyReason::PolicyDenyAll, Rule::DenyAll));
         }
         if port == 0 {
-            return Err(DenyReason::PortNotAllowed);
+            return Err(Refused::because(DenyReason::PortNotAllowed));
         }
         match dest {
-            Destination::Ip(ip) => self.addr_in(mode, *ip, port, false),
+            Destination::Ip(ip) => self.addr_in(mode, *ip, Some(port), false),
             Destination::Name(n) => match mode {
-                Mode::AllowAll => Ok(()),
-                Mode::DenyAll => Err(DenyReason::PolicyDenyAll),
-                Mode::Allowlist => {
-                    if !self.hosts.matches(n) {
-                        Err(DenyReason::HostNotAllowed)
-                    } else if self.ports.binary_search(&port).is_ok()
-                        || self
-                            .hosts
-                            .entry_ports(n)
-                            .is_some_and(|p| p.binary_search(&port).is_ok())
-                    {
-                        Ok(())
-                    } else {
-                        Err(DenyReason::PortNotAllowed)
-                    }
-                }
+                Mode::AllowAll => Ok(Rule::AllowAll),
+                Mode::DenyAll => Err(Refused::by(DenyReason::PolicyDenyAll, Rule::DenyAll)),
+                Mode::Allowlist => self.host_rule(n, port),
             },
+        }
+    }
+
+    /// The `allow_hosts` entry that lets `name` through on `port` (see [`Rule::Host`] for
+    /// which one is named).
+    fn host_rule(&self, name: &name::HostName, port: u16) -> Result<Rule, Refused> {
+        let mut first = None;
+        for (index, own) in self.hosts.matching(name) {
+            if own.binary_search(&port).is_ok() {
+                return Ok(Rule::Host {
+                    index,
+                    port: Some(PortList::Entry),
+                });
+            }
+            first.get_or_insert(index);
+        }
+        let Some(index) = first else {
+            return Err(Refused::because(DenyReason::HostNotAllowed));
+        };
+        if self.ports.binary_search(&port).is_ok() {
+            Ok(Rule::Host {
+                index,
+                port: Some(PortList::AllowPorts),
+            })
+        } else {
+            Err(Refused::by(
+                DenyReason::PortNotAllowed,
+                Rule::Host { index, port: None },
+            ))
         }
     }
 
     /// The dial-time check of one address. `via_name`: the address came from resolving an allowed
     /// name (as opposed to an IP literal in the request).
     pub fn check_addr(&self, ip: IpAddr, port: u16, via_name: bool) -> Result<(), DenyReason> {
-        self.classify_addr(ip, Some(port), via_name).map(|_| ())
+        self.addr_in(self.mode, ip, Some(port), via_name)
+            .map(|_| ())
+            .map_err(|r| r.reason)
     }
 
     /// The one address check (proxy dial time, DNS answers, transparent dials). `port: None`
@@ -342,54 +545,63 @@ impl CompiledPolicy {
         port: Option<u16>,
         via_name: bool,
     ) -> Result<AddrClass, DenyReason> {
-        self.classify_in(self.mode, ip, port, via_name)
+        match self.addr_in(self.mode, ip, port, via_name) {
+            Ok(Rule::Cidr { .. }) => Ok(AddrClass::Cidr),
+            Ok(Rule::ResolvePrivate { .. }) => Ok(AddrClass::ResolvePrivate),
+            Ok(_) => Ok(AddrClass::Public),
+            Err(r) => Err(r.reason),
+        }
     }
 
-    fn addr_in(&self, mode: Mode, ip: IpAddr, port: u16, via_name: bool) -> Result<(), DenyReason> {
-        self.classify_in(mode, ip, Some(port), via_name).map(|_| ())
-    }
-
-    fn classify_in(
+    fn addr_in(
         &self,
         mode: Mode,
         ip: IpAddr,
         port: Option<u16>,
         via_name: bool,
-    ) -> Result<AddrClass, DenyReason> {
+    ) -> Result<Rule, Refused> {
         if mode == Mode::DenyAll {
-            return Err(DenyReason::PolicyDenyAll);
+            return Err(Refused::by(DenyReason::PolicyDenyAll, Rule::DenyAll));
         }
         let ip = addr::unmap(ip);
-        if addr::any_contains(&self.deny_cidrs, ip) {
-            return Err(DenyReason::AddressDeniedByPolicy);
+        if let Some(index) = self.deny_cidrs.iter().position(|n| n.contains(&ip)) {
+            return Err(Refused::by(
+                DenyReason::AddressDeniedByPolicy,
+                Rule::DenyCidr { index },
+            ));
         }
-        let mut cidr_covers_ip = false;
-        for rule in &self.allow_cidrs {
+        // An entry covering the address on other ports.
+        let mut near = None;
+        for (index, rule) in self.allow_cidrs.iter().enumerate() {
             if rule.net.contains(&ip) {
                 if port.is_none_or(|p| rule.allows_port(p)) {
-                    return Ok(AddrClass::Cidr);
+                    return Ok(Rule::Cidr { index });
                 }
-                cidr_covers_ip = true;
+                near.get_or_insert(index);
             }
         }
-        if addr::builtin_denied(ip).is_some() {
-            if via_name && addr::any_contains(&self.resolve_private, ip) {
-                return Ok(AddrClass::ResolvePrivate);
+        let port_refused = |index| Refused::by(DenyReason::PortNotAllowed, Rule::Cidr { index });
+        if let Some(label) = addr::builtin_denied(ip) {
+            if via_name
+                && let Some(index) = self.resolve_private.iter().position(|n| n.contains(&ip))
+            {
+                return Ok(Rule::ResolvePrivate { index });
             }
-            return Err(if cidr_covers_ip {
-                DenyReason::PortNotAllowed
-            } else {
-                DenyReason::AddressDenied
+            return Err(match near {
+                Some(index) => port_refused(index),
+                None => Refused::by(DenyReason::AddressDenied, Rule::Builtin(label)),
             });
         }
-        if !via_name && mode == Mode::Allowlist {
-            return Err(if cidr_covers_ip {
-                DenyReason::PortNotAllowed
-            } else {
-                DenyReason::IpLiteralNotAllowed
+        if via_name {
+            return Ok(Rule::Unlisted);
+        }
+        if mode == Mode::Allowlist {
+            return Err(match near {
+                Some(index) => port_refused(index),
+                None => Refused::because(DenyReason::IpLiteralNotAllowed),
             });
         }
-        Ok(AddrClass::Public)
+        Ok(Rule::AllowAll)
     }
 }
 
@@ -405,6 +617,22 @@ mod tests {
     fn target(p: &CompiledPolicy, host: &str, port: u16) -> Result<(), DenyReason> {
         let d = Destination::parse(host)?;
         p.check_target(&d, port)
+    }
+
+    /// A decision without its rule (the rules have their own test).
+    #[derive(Debug, PartialEq)]
+    enum V {
+        Allow,
+        Deny(DenyReason),
+        WouldDeny(DenyReason),
+    }
+
+    fn v(d: Decision) -> V {
+        match d {
+            Decision::Allow(_) => V::Allow,
+            Decision::Deny(r) => V::Deny(r.reason),
+            Decision::WouldDeny(r) => V::WouldDeny(r.reason),
+        }
     }
 
     #[test]
@@ -494,45 +722,42 @@ mod tests {
             "enforce = \"audit\"\nallow_hosts = [\"github.com\"]\nallow_cidrs = [{ cidr = \"10.0.0.0/24\", ports = [5432] }]\ndeny_cidrs = [\"1.2.3.0/24\"]",
         );
         assert!(p.audits());
-        let d = |h: &str, port| p.decide_target(&Destination::parse(h).unwrap(), port);
-        assert_eq!(d("github.com", 443), Decision::Allow);
+        let d = |h: &str, port| v(p.decide_target(&Destination::parse(h).unwrap(), port));
+        assert_eq!(d("github.com", 443), V::Allow);
         assert_eq!(
             d("evil.example", 443),
-            Decision::WouldDeny(DenyReason::HostNotAllowed)
+            V::WouldDeny(DenyReason::HostNotAllowed)
         );
         assert_eq!(
             d("github.com", 22),
-            Decision::WouldDeny(DenyReason::PortNotAllowed)
+            V::WouldDeny(DenyReason::PortNotAllowed)
         );
         assert_eq!(
             d("1.1.1.1", 443),
-            Decision::WouldDeny(DenyReason::IpLiteralNotAllowed)
+            V::WouldDeny(DenyReason::IpLiteralNotAllowed)
         );
         // allow_all refuses these too: audit never reaches further.
-        assert_eq!(
-            d("127.0.0.1", 22),
-            Decision::Deny(DenyReason::AddressDenied)
-        );
+        assert_eq!(d("127.0.0.1", 22), V::Deny(DenyReason::AddressDenied));
         assert_eq!(
             d("1.2.3.4", 443),
-            Decision::Deny(DenyReason::AddressDeniedByPolicy)
+            V::Deny(DenyReason::AddressDeniedByPolicy)
         );
         assert_eq!(
-            p.decide_addr("169.254.169.254".parse().unwrap(), 80, true),
-            Decision::Deny(DenyReason::AddressDenied)
+            v(p.decide_addr("169.254.169.254".parse().unwrap(), 80, true)),
+            V::Deny(DenyReason::AddressDenied)
         );
         // A CIDR-covered private address on another port: the built-in list still holds.
         assert_eq!(
-            p.decide_addr("10.0.0.7".parse().unwrap(), 443, true),
-            Decision::Deny(DenyReason::PortNotAllowed)
+            v(p.decide_addr("10.0.0.7".parse().unwrap(), 443, true)),
+            V::Deny(DenyReason::PortNotAllowed)
         );
         assert_eq!(
-            p.decide_addr("10.0.0.7".parse().unwrap(), 5432, true),
-            Decision::Allow
+            v(p.decide_addr("10.0.0.7".parse().unwrap(), 5432, true)),
+            V::Allow
         );
         assert_eq!(
-            p.decide_addr("140.82.112.3".parse().unwrap(), 443, true),
-            Decision::Allow
+            v(p.decide_addr("140.82.112.3".parse().unwrap(), 443, true)),
+            V::Allow
         );
         // The enforce-semantics check is unchanged (explain, API).
         assert_eq!(
@@ -543,13 +768,13 @@ mod tests {
         let e = policy("allow_hosts = [\"github.com\"]");
         assert!(!e.audits());
         assert_eq!(
-            e.decide_target(&Destination::parse("evil.example").unwrap(), 443),
-            Decision::Deny(DenyReason::HostNotAllowed)
+            v(e.decide_target(&Destination::parse("evil.example").unwrap(), 443)),
+            V::Deny(DenyReason::HostNotAllowed)
         );
         let builtin = CompiledPolicy::new(&Policy::audit());
         assert_eq!(
-            builtin.decide_target(&Destination::parse("anything.example").unwrap(), 8080),
-            Decision::WouldDeny(DenyReason::HostNotAllowed)
+            v(builtin.decide_target(&Destination::parse("anything.example").unwrap(), 8080)),
+            V::WouldDeny(DenyReason::HostNotAllowed)
         );
     }
 
@@ -643,5 +868,208 @@ mod tests {
             none.check_addr("1.1.1.1".parse().unwrap(), 443, true),
             Err(DenyReason::PolicyDenyAll)
         );
+    }
+
+    #[test]
+    fn decisions_name_the_rule_that_decided() {
+        let p = policy(
+            r#"
+allow_hosts = ["*.github.com", { host = "ssh.github.com", ports = [22] }, "github.com", "*.api.github.com"]
+allow_ports = [443]
+allow_cidrs = ["192.0.2.0/28", { cidr = "10.0.0.0/24", ports = [5432] }]
+deny_cidrs = ["198.51.100.0/24", "1.2.3.0/24"]
+resolve_private = ["127.0.0.1/32"]
+"#,
+        );
+        let d = |h: &str, port| p.decide_target(&Destination::parse(h).unwrap(), port);
+        let host = |index, port| Rule::Host {
+            index,
+            port: Some(port),
+        };
+        // The entry's own ports before allow_ports, the exact entry before a wildcard, the
+        // longest wildcard first.
+        assert_eq!(
+            d("ssh.github.com", 22),
+            Decision::Allow(host(1, PortList::Entry))
+        );
+        assert_eq!(
+            d("ssh.github.com", 443),
+            Decision::Allow(host(1, PortList::AllowPorts))
+        );
+        assert_eq!(
+            d("x.github.com", 443),
+            Decision::Allow(host(0, PortList::AllowPorts))
+        );
+        assert_eq!(
+            d("v3.api.github.com", 443),
+            Decision::Allow(host(3, PortList::AllowPorts))
+        );
+        assert_eq!(
+            d("github.com", 443),
+            Decision::Allow(host(2, PortList::AllowPorts))
+        );
+        // A port neither list has: the entry that matched is named.
+        assert_eq!(
+            d("x.github.com", 22),
+            Decision::Deny(Refused {
+                reason: DenyReason::PortNotAllowed,
+                rule: Some(Rule::Host {
+                    index: 0,
+                    port: None
+                }),
+            })
+        );
+        assert_eq!(
+            d("example.com", 443),
+            Decision::Deny(Refused::because(DenyReason::HostNotAllowed))
+        );
+        // Addresses.
+        assert_eq!(
+            d("192.0.2.1", 8080),
+            Decision::Allow(Rule::Cidr { index: 0 })
+        );
+        assert_eq!(
+            d("10.0.0.9", 5432),
+            Decision::Allow(Rule::Cidr { index: 1 })
+        );
+        assert_eq!(
+            d("10.0.0.9", 22),
+            Decision::Deny(Refused {
+                reason: DenyReason::PortNotAllowed,
+                rule: Some(Rule::Cidr { index: 1 }),
+            })
+        );
+        assert_eq!(
+            d("1.2.3.4", 443),
+            Decision::Deny(Refused {
+                reason: DenyReason::AddressDeniedByPolicy,
+                rule: Some(Rule::DenyCidr { index: 1 }),
+            })
+        );
+        assert_eq!(
+            d("169.254.169.254", 80),
+            Decision::Deny(Refused {
+                reason: DenyReason::AddressDenied,
+                rule: Some(Rule::Builtin("link-local")),
+            })
+        );
+        assert_eq!(
+            d("8.8.8.8", 443),
+            Decision::Deny(Refused::because(DenyReason::IpLiteralNotAllowed))
+        );
+        let ip = |s: &str| s.parse::<IpAddr>().unwrap();
+        assert_eq!(
+            p.decide_addr(ip("127.0.0.1"), 443, true),
+            Decision::Allow(Rule::ResolvePrivate { index: 0 })
+        );
+        assert_eq!(
+            p.decide_addr(ip("140.82.112.3"), 443, true),
+            Decision::Allow(Rule::Unlisted)
+        );
+        // The modes.
+        let all = CompiledPolicy::new(&Policy::allow_all());
+        assert_eq!(
+            all.decide_target(&Destination::parse("a.example").unwrap(), 22),
+            Decision::Allow(Rule::AllowAll)
+        );
+        assert_eq!(
+            all.decide_target(&Destination::parse("8.8.8.8").unwrap(), 22),
+            Decision::Allow(Rule::AllowAll)
+        );
+        let none = CompiledPolicy::new(&Policy::deny_all());
+        assert_eq!(
+            none.decide_target(&Destination::parse("a.example").unwrap(), 443),
+            Decision::Deny(Refused {
+                reason: DenyReason::PolicyDenyAll,
+                rule: Some(Rule::DenyAll),
+            })
+        );
+        // Audit: the would-deny carries the allowlist's refusal, a denial the floor's.
+        let a = policy("enforce = \"audit\"\nallow_hosts = [\"github.com\"]");
+        assert_eq!(
+            a.decide_target(&Destination::parse("github.com").unwrap(), 22),
+            Decision::WouldDeny(Refused {
+                reason: DenyReason::PortNotAllowed,
+                rule: Some(Rule::Host {
+                    index: 0,
+                    port: None
+                }),
+            })
+        );
+        // Described as configured.
+        let pol = crate::testing::policy(
+            "allow_hosts = [\"*.github.com\", { host = \"ssh.github.com\", ports = [22] }]\nallow_cidrs = [{ cidr = \"10.0.0.0/24\", ports = [5432] }]\ndeny_cidrs = [\"1.2.3.0/24\"]",
+        );
+        assert_eq!(
+            host(1, PortList::Entry).describe(&pol),
+            "allow_hosts ssh.github.com (ports 22)"
+        );
+        assert_eq!(
+            Rule::Cidr { index: 0 }.describe(&pol),
+            "allow_cidrs 10.0.0.0/24 (ports 5432)"
+        );
+        assert_eq!(
+            Rule::DenyCidr { index: 0 }.describe(&pol),
+            "deny_cidrs 1.2.3.0/24"
+        );
+    }
+
+    #[test]
+    fn every_reason_has_its_own_name() {
+        let mut names: Vec<&str> = DenyReason::ALL.iter().map(|r| r.as_str()).collect();
+        names.sort_unstable();
+        names.dedup();
+        assert_eq!(names.len(), DenyReason::ALL.len());
+    }
+
+    /// One vocabulary across the kernel and the proxy: the kernel's `REASON_*` codes and the
+    /// proxy's reasons never share a name with different meanings, and each kernel code whose
+    /// cause the proxy also refuses maps to that proxy reason.
+    #[test]
+    fn kernel_and_proxy_reasons_map_one_way() {
+        use egress_common::{
+            REASON_DENY_CIDR, REASON_HOST_LOOPBACK, REASON_INBOUND, REASON_NO_LISTENER,
+            REASON_NO_POLICY, REASON_NOT_ALLOWED, REASON_SOCKET_TYPE, reason_name,
+        };
+        let pinned = [
+            (
+                REASON_NOT_ALLOWED,
+                "kernel-destination-not-allowed",
+                Some("ip-literal-not-allowed"),
+            ),
+            (REASON_NO_POLICY, "kernel-no-policy-entry", None),
+            (REASON_NO_LISTENER, "kernel-proxy-not-running", None),
+            (REASON_SOCKET_TYPE, "kernel-socket-type-not-allowed", None),
+            (
+                REASON_HOST_LOOPBACK,
+                "kernel-host-loopback",
+                Some("address-denied"),
+            ),
+            (
+                REASON_DENY_CIDR,
+                "kernel-deny-cidr",
+                Some("address-denied-by-policy"),
+            ),
+            (REASON_INBOUND, "kernel-inbound-not-allowed", None),
+        ];
+        for (code, kernel, proxy) in pinned {
+            assert_eq!(reason_name(code), kernel);
+            assert_eq!(
+                DenyReason::from_kernel(code).map(DenyReason::as_str),
+                proxy,
+                "{kernel}"
+            );
+        }
+        // Every code the kernel has is pinned above (codes are 1..; 0 and beyond are unknown).
+        assert_eq!(pinned.len(), 7);
+        assert_eq!(reason_name(0), "kernel-denied");
+        assert_eq!(reason_name(8), "kernel-denied");
+        assert_eq!(DenyReason::from_kernel(8), None);
+        // No name means one thing to the kernel and another to the proxy.
+        for r in DenyReason::ALL {
+            for code in 0..=8 {
+                assert_ne!(r.as_str(), reason_name(code), "{r:?}");
+            }
+        }
     }
 }

@@ -94,11 +94,20 @@ impl<'de> Deserialize<'de> for HostPattern {
 }
 
 /// A set of patterns compiled for O(labels) lookups, each with the ports its `allow_hosts` entry
-/// carries (`{ host = "github.com", ports = [22] }`; none for a plain string entry).
+/// carries (`{ host = "github.com", ports = [22] }`; none for a plain string entry) and its index
+/// in the list it was built from (so a decision can name the entry that matched).
 #[derive(Debug, Default, Clone)]
 pub struct HostMatcher {
-    exact: HashMap<Box<str>, Box<[u16]>>,
-    suffixes: HashMap<Box<str>, Box<[u16]>>,
+    exact: HashMap<Box<str>, Vec<Entry>>,
+    suffixes: HashMap<Box<str>, Vec<Entry>>,
+}
+
+/// One entry of the list the matcher was built from.
+#[derive(Debug, Clone)]
+struct Entry {
+    index: usize,
+    /// Sorted, deduplicated.
+    ports: Box<[u16]>,
 }
 
 impl HostMatcher {
@@ -107,18 +116,22 @@ impl HostMatcher {
         HostMatcher::with_ports(patterns.into_iter().map(|p| (p, &[][..])))
     }
 
-    /// Patterns with the ports of their entries. A pattern listed twice gets both entries' ports.
+    /// Patterns with the ports of their entries; an entry's index is its position in `entries`.
+    /// A pattern listed twice keeps both entries (and [`HostMatcher::entry_ports`] gives both
+    /// entries' ports).
     pub fn with_ports<'a>(
         entries: impl IntoIterator<Item = (&'a HostPattern, &'a [u16])>,
     ) -> HostMatcher {
         let mut m = HostMatcher::default();
-        for (p, ports) in entries {
+        for (index, (p, ports)) in entries.into_iter().enumerate() {
             let (map, name) = match p {
                 HostPattern::Exact(n) => (&mut m.exact, n),
                 HostPattern::Suffix(n) => (&mut m.suffixes, n),
             };
-            let slot = map.entry(name.as_str().into()).or_default();
-            *slot = union(slot, ports);
+            map.entry(name.as_str().into()).or_default().push(Entry {
+                index,
+                ports: union(ports, &[]),
+            });
         }
         m
     }
@@ -139,15 +152,29 @@ impl HostMatcher {
         proper_suffixes(s).any(|suffix| self.suffixes.contains_key(suffix))
     }
 
+    /// The entries matching `name`, most specific first: exact entries, then wildcards from the
+    /// longest suffix to the shortest; entries of one pattern in list order. Each is its index
+    /// and its own ports (sorted). Allocates nothing.
+    pub fn matching<'a>(&'a self, name: &'a HostName) -> impl Iterator<Item = (usize, &'a [u16])> {
+        let s = name.as_str();
+        let suffixes = (!self.suffixes.is_empty())
+            .then(|| proper_suffixes(s).filter_map(|x| self.suffixes.get(x)))
+            .into_iter()
+            .flatten();
+        self.exact
+            .get(s)
+            .into_iter()
+            .chain(suffixes)
+            .flatten()
+            .map(|e| (e.index, &*e.ports))
+    }
+
     /// The ports the entries matching `name` carry (the union over every matching pattern,
     /// sorted), or `None` when no pattern matches. `Some([])`: matched, no ports of its own.
     pub fn entry_ports(&self, name: &HostName) -> Option<Vec<u16>> {
-        let s = name.as_str();
-        let mut found: Option<Vec<u16>> = self.exact.get(s).map(|p| p.to_vec());
-        for suffix in proper_suffixes(s) {
-            if let Some(p) = self.suffixes.get(suffix) {
-                found = Some(union(found.as_deref().unwrap_or(&[]), p).into_vec());
-            }
+        let mut found: Option<Vec<u16>> = None;
+        for (_, p) in self.matching(name) {
+            found = Some(union(found.as_deref().unwrap_or(&[]), p).into_vec());
         }
         found
     }
@@ -278,6 +305,32 @@ mod tests {
         assert_eq!(ports("plain.test"), Some(vec![]));
         assert_eq!(ports("evilgithub.com"), None);
         assert!(m.matches(&HostName::parse("plain.test").unwrap()));
+    }
+
+    #[test]
+    fn matching_names_entries_most_specific_first() {
+        let ps = [
+            (HostPattern::parse("*.github.com").unwrap(), vec![]),
+            (HostPattern::parse("api.github.com").unwrap(), vec![22]),
+            (HostPattern::parse("*.api.github.com").unwrap(), vec![]),
+            (
+                HostPattern::parse("api.github.com").unwrap(),
+                vec![9418, 2222],
+            ),
+        ];
+        let m = HostMatcher::with_ports(ps.iter().map(|(p, v)| (p, v.as_slice())));
+        let found = |h: &str| {
+            let n = HostName::parse(h).unwrap();
+            m.matching(&n)
+                .map(|(i, p)| (i, p.to_vec()))
+                .collect::<Vec<_>>()
+        };
+        assert_eq!(
+            found("api.github.com"),
+            vec![(1, vec![22]), (3, vec![2222, 9418]), (0, vec![])]
+        );
+        assert_eq!(found("v3.api.github.com"), vec![(2, vec![]), (0, vec![])]);
+        assert_eq!(found("github.com"), vec![]);
     }
 
     #[test]

@@ -69,13 +69,13 @@ pub async fn dial(
     let mut would_deny = None;
     for ip in &addrs {
         match policy.decide_addr(*ip, target.port, via_name) {
-            Decision::Allow => {}
-            Decision::WouldDeny(reason) => {
-                would_deny.get_or_insert((reason, *ip));
+            Decision::Allow(_) => {}
+            Decision::WouldDeny(r) => {
+                would_deny.get_or_insert((r.reason, *ip));
             }
-            Decision::Deny(reason) => {
+            Decision::Deny(r) => {
                 return Err(DialError::Denied {
-                    reason,
+                    reason: r.reason,
                     ip: Some(*ip),
                 });
             }

@@ -18,8 +18,9 @@
 //!    to the client, so both legs speak the same version (see [`super::tls`]);
 //! 3. finish the client handshake with the cached leaf, then serve HTTP/1.1 or h2 (hyper).
 //!
-//! Per request: the target is re-checked against the current policy (reloads apply to kept-alive
-//! connections); the Host header (HTTP/1.1) or `:authority` (h2) must name the target; then
+//! Per request: the target is re-decided against the current policy (reloads apply to kept-alive
+//! connections; an audited refusal is a would-deny, recorded once per connection, and goes on);
+//! the Host header (HTTP/1.1) or `:authority` (h2) must name the target; then
 //! [`egress_policy::l7::L7Policy::check`]; a refusal is a 403 with `X-Egress-Deny` and an event
 //! carrying method and path (never the query). Bodies stream both ways (hyper; never buffered
 //! whole), an HTTP/1.1 `Upgrade` (WebSocket) is forwarded and, after the upstream's 101, the two
@@ -28,6 +29,7 @@ use std::convert::Infallible;
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 
 use bytes::Bytes;
 use http::header::{self, HeaderValue};
@@ -46,10 +48,11 @@ use super::request::{self, Target};
 use super::scrub_body::{self, Report, ScrubBody, Scrubbed};
 use super::tls::{self, Interceptor, Offer, Proto};
 use super::{Refusal, Shared};
-use egress_policy::DenyReason;
+use crate::events::Verdict;
 use egress_policy::credentials::CompiledBinding;
 use egress_policy::l7::{Forward, RequestView};
 use egress_policy::name::{Destination, HostName};
+use egress_policy::{Decision, DenyReason};
 
 /// Upstream bodies as they are (no binding), scrubbed as they stream, or the agent's own.
 type Body = Either<Either<Incoming, Box<ScrubBody>>, Full<Bytes>>;
@@ -89,6 +92,9 @@ struct Session {
     failed: Option<&'static str>,
     /// Upgraded (WebSocket) relays, awaited before the connection's slot is released.
     relays: std::sync::Mutex<Vec<tokio::task::JoinHandle<()>>>,
+    /// A would-deny for this connection's target is recorded (when it was dialled, or by a
+    /// request after a reload): an audited connection records one, not one per request.
+    would_deny_recorded: AtomicBool,
 }
 
 async fn handshake(tls: TlsStream<TcpStream>, proto: Proto) -> Result<Sender, hyper::Error> {
@@ -270,6 +276,14 @@ pub(crate) async fn serve<C>(
         },
         None => (None, failed),
     };
+    // The dial that brought the connection here recorded its would-deny, if it was one.
+    let would_deny_recorded = matches!(
+        shared
+            .policy
+            .load()
+            .decide_target(&target.dest, target.port),
+        Decision::WouldDeny(_)
+    );
     let session = Arc::new(Session {
         shared,
         target,
@@ -279,6 +293,7 @@ pub(crate) async fn serve<C>(
         upstream: tokio::sync::Mutex::new(sender),
         failed,
         relays: std::sync::Mutex::new(Vec::new()),
+        would_deny_recorded: AtomicBool::new(would_deny_recorded),
     });
     let s = session.clone();
     let service = hyper::service::service_fn(move |req| {
@@ -435,9 +450,26 @@ async fn handle(mut req: Request<Incoming>, s: &Session) -> Response<Body> {
         .scrubber()
         .filter(|_| shared.ctx.scrubs_responses())
         .cloned();
-    if let Err(reason) = policy.check_target(&s.target.dest, s.target.port) {
-        shared.deny_event(&s.target, None, "https", reason);
-        return forbidden(reason, &shared.name);
+    // The target against the current policy (a reload applies to kept-alive connections),
+    // decided as at every enforcement point: an audited policy's refusal is a would-deny and
+    // the request goes on, as the connection itself did.
+    match policy.decide_target(&s.target.dest, s.target.port) {
+        Decision::Allow(_) => {}
+        Decision::WouldDeny(r) => {
+            if !s.would_deny_recorded.swap(true, Ordering::Relaxed) {
+                shared.record(
+                    &s.target,
+                    None,
+                    "https",
+                    r.reason.as_str(),
+                    Verdict::WouldDeny,
+                );
+            }
+        }
+        Decision::Deny(r) => {
+            shared.deny_event(&s.target, None, "https", r.reason);
+            return forbidden(r.reason, &shared.name);
+        }
     }
     // No tunnels inside an intercepted connection (h2 CONNECT, or HTTP/1.1 CONNECT after TLS),
     // and no `OPTIONS *` (nothing for the target to answer on the client's behalf).

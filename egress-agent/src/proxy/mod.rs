@@ -434,11 +434,11 @@ impl Shared {
             }
         };
         let pending = match policy.decide_target(&target.dest, target.port) {
-            Decision::Allow => None,
-            Decision::WouldDeny(reason) => Some((reason, None)),
-            Decision::Deny(reason) => {
-                record(None, reason, Verdict::Deny);
-                return Err(Refusal::Denied(reason));
+            Decision::Allow(_) => None,
+            Decision::WouldDeny(r) => Some((r.reason, None)),
+            Decision::Deny(r) => {
+                record(None, r.reason, Verdict::Deny);
+                return Err(Refusal::Denied(r.reason));
             }
         };
         let limits = self.ctx.limits();

@@ -20,14 +20,14 @@ impl Shared {
         decision: Decision,
     ) -> Result<bool, DenyReason> {
         match decision {
-            Decision::Allow => Ok(false),
-            Decision::WouldDeny(reason) => {
-                self.record(target, ip, protocol, reason.as_str(), Verdict::WouldDeny);
+            Decision::Allow(_) => Ok(false),
+            Decision::WouldDeny(r) => {
+                self.record(target, ip, protocol, r.reason.as_str(), Verdict::WouldDeny);
                 Ok(true)
             }
-            Decision::Deny(reason) => {
-                self.record(target, ip, protocol, reason.as_str(), Verdict::Deny);
-                Err(reason)
+            Decision::Deny(r) => {
+                self.record(target, ip, protocol, r.reason.as_str(), Verdict::Deny);
+                Err(r.reason)
             }
         }
     }

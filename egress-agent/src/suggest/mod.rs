@@ -28,8 +28,8 @@ use ipnet::IpNet;
 use crate::events::Verdict;
 use crate::store::query::Flow;
 use egress_policy::matcher::HostMatcher;
-use egress_policy::name::HostName;
-use egress_policy::{DenyReason, Policy};
+use egress_policy::name::{Destination, HostName};
+use egress_policy::{CompiledPolicy, DenyReason, Policy};
 use group::HostEntry;
 
 /// Proxy reasons a policy can fix (by listing the name, port or address).
@@ -298,12 +298,25 @@ pub fn header(o: &Observed, selection: &str) -> Vec<String> {
 
 /// What the suggestion changes against `current` (one line each; `+` needed, `-` unused,
 /// ` ` already allowed).
+///
+/// "Already allowed" is the policy's own decision ([`CompiledPolicy`], enforce semantics: what
+/// an audited policy would refuse is not allowed) for each observed name on each of its ports,
+/// and for each observed address and port, so per-entry ports, `allow_ports`, `deny_cidrs`,
+/// `resolve_private` and the mode all count.
 pub fn diff(s: &Suggestion, o: &Observed, current: &Policy, current_name: &str) -> String {
     let mut out = String::new();
     writeln!(out, "--- policy {current_name} (in force)").ok();
     writeln!(out, "+++ suggested from observed traffic").ok();
-    let matcher = HostMatcher::new(current.allow_hosts.iter().map(|e| &e.pattern));
-    let allowed = |n: &str| HostName::parse(n).is_ok_and(|h| matcher.matches(&h));
+    let compiled = CompiledPolicy::new(current);
+    let allowed_on = |n: &str, port: u16| {
+        HostName::parse(n).is_ok_and(|h| compiled.check_target(&Destination::Name(h), port).is_ok())
+    };
+    // Every port the name was seen on.
+    let allowed = |n: &str| {
+        o.names
+            .get(n)
+            .is_some_and(|ports| ports.iter().all(|p| allowed_on(n, *p)))
+    };
     for h in &s.hosts {
         let mark = if h.covers.iter().all(|n| allowed(n)) {
             ' '
@@ -329,7 +342,13 @@ pub fn diff(s: &Suggestion, o: &Observed, current: &Policy, current_name: &str) 
     }
     if !s.hosts.is_empty() {
         for p in &s.ports {
-            let mark = if current.allow_ports.contains(p) {
+            // Listed, or not needed: every name seen on it is allowed there already (by its
+            // entry's own ports).
+            let needed = o
+                .names
+                .iter()
+                .any(|(n, ports)| ports.contains(p) && !allowed_on(n, *p));
+            let mark = if current.allow_ports.contains(p) || !needed {
                 ' '
             } else {
                 '+'
@@ -343,13 +362,17 @@ pub fn diff(s: &Suggestion, o: &Observed, current: &Policy, current_name: &str) 
         }
     }
     for (net, ports) in &s.cidrs {
+        let ip = net.addr();
         for port in ports {
-            let covered = current
-                .allow_cidrs
-                .iter()
-                .any(|r| r.net.contains(&net.addr()) && r.allows_port(*port));
-            let mark = if covered { ' ' } else { '+' };
-            writeln!(out, "{mark} allow_cidrs {net} port {port}").ok();
+            // An address seen directly (or as an IP literal) is decided as one; an address only
+            // a name resolved to, as a name's (`resolve_private` counts).
+            let direct = o.addrs.get(&ip).is_some_and(|p| p.contains(port));
+            let (mark, note) = match compiled.check_addr(ip, *port, !direct) {
+                Ok(()) => (' ', ""),
+                Err(DenyReason::AddressDeniedByPolicy) => ('+', "  # refused by deny_cidrs"),
+                Err(_) => ('+', ""),
+            };
+            writeln!(out, "{mark} allow_cidrs {net} port {port}{note}").ok();
         }
     }
     for r in &current.allow_cidrs {
@@ -381,4 +404,75 @@ pub fn diff(s: &Suggestion, o: &Observed, current: &Policy, current_name: &str) 
         .ok();
     }
     out
+}
+
+#[cfg(test)]
+#[expect(clippy::unwrap_used, reason = "test assertions")]
+mod tests {
+    use super::*;
+
+    fn policy(toml: &str) -> Policy {
+        let p: Policy = toml::from_str(toml).unwrap();
+        p.validate("test").unwrap();
+        p
+    }
+
+    fn observed(names: &[(&str, &[u16])], addrs: &[(&str, &[u16])]) -> Observed {
+        let set = |p: &[u16]| p.iter().copied().collect::<BTreeSet<u16>>();
+        Observed {
+            names: names
+                .iter()
+                .map(|(n, p)| ((*n).to_owned(), set(p)))
+                .collect(),
+            addrs: addrs
+                .iter()
+                .map(|(a, p)| (a.parse().unwrap(), set(p)))
+                .collect(),
+            ..Observed::default()
+        }
+    }
+
+    fn lines(d: &str) -> Vec<&str> {
+        d.lines().skip(2).collect()
+    }
+
+    /// The old check asked only whether a pattern matched the name: a name allowed by
+    /// `allow_hosts` on a port neither `allow_ports` nor its entry allows was shown as already
+    /// allowed. Now the policy decides each observed (name, port).
+    #[test]
+    fn already_allowed_is_the_policys_decision_per_name_and_port() {
+        let current = policy(
+            r#"
+allow_hosts = [{ host = "git.example.com", ports = [22] }, "api.example.org", "ok.example.net"]
+allow_ports = [443]
+allow_cidrs = [{ cidr = "10.0.0.0/24", ports = [5432] }]
+deny_cidrs = ["192.0.2.0/24"]
+"#,
+        );
+        let o = observed(
+            &[
+                // Allowed by its entry's own port and allow_ports.
+                ("git.example.com", &[22, 443]),
+                // Matched by allow_hosts, but 8443 is in neither list: needed.
+                ("api.example.org", &[443, 8443]),
+                ("ok.example.net", &[443]),
+            ],
+            &[("10.0.0.5", &[5432, 22]), ("192.0.2.7", &[443])],
+        );
+        let d = diff(&suggest(&o), &o, &current, "p");
+        let l = lines(&d);
+        assert!(l.contains(&"  allow_hosts \"git.example.com\""), "{d}");
+        assert!(l.contains(&"+ allow_hosts \"api.example.org\""), "{d}");
+        assert!(l.contains(&"  allow_hosts \"ok.example.net\""), "{d}");
+        // 22 is allowed for the one name that used it (its entry's ports): not needed.
+        assert!(l.contains(&"  allow_ports 22"), "{d}");
+        assert!(l.contains(&"  allow_ports 443"), "{d}");
+        assert!(l.contains(&"+ allow_ports 8443"), "{d}");
+        assert!(l.contains(&"  allow_cidrs 10.0.0.5/32 port 5432"), "{d}");
+        assert!(l.contains(&"+ allow_cidrs 10.0.0.5/32 port 22"), "{d}");
+        assert!(
+            l.contains(&"+ allow_cidrs 192.0.2.7/32 port 443  # refused by deny_cidrs"),
+            "{d}"
+        );
+    }
 }

@@ -476,7 +476,8 @@ pub async fn upstream(ca: &TestCa, names: &[&str]) -> Upstream {
 }
 
 /// Names the tests use; all on loopback.
-pub const HOSTS: &str = "127.0.0.1 api.test other.test plain.test rules.test basic.test sym.test\n";
+pub const HOSTS: &str =
+    "127.0.0.1 api.test other.test plain.test rules.test basic.test sym.test audit.test\n";
 
 /// How the clients of a test reach the agent: the explicit proxy (`HTTPS_PROXY`, `CONNECT`), or
 /// straight to the destination the way a program that ignores the proxy variables does, which the
@@ -679,6 +680,12 @@ pub async fn harness_with(extra: &str) -> Harness {
 
 /// Test policy on the recording upstream; `extra` is appended to `[policies.test]`'s tables.
 pub async fn harness_opts(extra: &str, trust_upstream: bool, via: Via) -> Harness {
+    harness_policy("", extra, trust_upstream, via).await
+}
+
+/// [`harness_opts`] with `keys` added to `[policies.test]` itself (e.g. `enforce = "audit"`);
+/// `{port}` in `keys` and `extra` is the upstream's port.
+pub async fn harness_policy(keys: &str, extra: &str, trust_upstream: bool, via: Via) -> Harness {
     init_logging();
     let dir = temp_dir();
     let test_ca = TestCa::new();
@@ -691,6 +698,7 @@ pub async fn harness_opts(extra: &str, trust_upstream: bool, via: Via) -> Harnes
             "rules.test",
             "basic.test",
             "sym.test",
+            "audit.test",
         ],
     )
     .await;
@@ -718,6 +726,7 @@ attempts = 1
 allow_hosts = ["api.test", "other.test", "plain.test", "rules.test", "basic.test", "sym.test"]
 allow_ports = [{p}]
 allow_cidrs = [{{ cidr = "127.0.0.1/32", ports = [{p}] }}]
+{keys}
 
 [[policies.test.credentials]]
 host = "api.test"
@@ -771,6 +780,8 @@ methods = ["DELETE"]
 
 {extra}
 "#,
+        keys = keys.replace("{port}", &p.to_string()),
+        extra = extra.replace("{port}", &p.to_string()),
         state = dir.join("state").display(),
         dir = dir.display(),
         intercept = if trust_upstream {

@@ -45,6 +45,9 @@ pub fn plan(
 ) -> Planned {
     let mut public: Vec<IpAddr> = Vec::new();
     for ip in names.addrs() {
+        // Enforce-only on purpose, in audit too: a name's address (`via_name`) is decided the
+        // same under the allowlist as under `allow_all` (the audit floor), so `decide_addr`
+        // could only give the same refusal.
         match policy.classify_addr(ip, None, true) {
             Ok(AddrClass::Public) => public.push(ip),
             Ok(AddrClass::Cidr | AddrClass::ResolvePrivate) => {}

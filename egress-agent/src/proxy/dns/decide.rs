@@ -76,6 +76,8 @@ pub fn decide(policy: &CompiledPolicy, request: &MessageRequest) -> Decision {
         Ok(n) => n,
         Err(reason) => return reply(ResponseCode::NXDomain, None, Some(reason)),
     };
+    // Enforce-only check, with audit applied here: an audited refusal of a name is resolved and
+    // reported as a would-deny (`allow_all`, the audit floor, refuses no name).
     match policy.check_name(&name) {
         Ok(direct_ports) => Decision::Resolve {
             name,
