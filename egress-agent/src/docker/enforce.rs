@@ -101,7 +101,7 @@ pub struct Enforcer {
     entries: Entries,
     host: HostLayer,
     tracked: HashMap<String, Tracked>,
-    /// Stops every container listener (agent shutdown).
+    /// Stops every container listener (agent shutdown): a child of the agent core's stop.
     shutdown: CancellationToken,
 }
 
@@ -113,6 +113,7 @@ impl Enforcer {
         proxy: ProxyContext,
         events: EventSink,
         directory: Directory,
+        stop: CancellationToken,
     ) -> Enforcer {
         let entries = Entries::new(state, directory, settings.endpoint4, settings.endpoint6);
         let host = HostLayer::new(
@@ -129,7 +130,7 @@ impl Enforcer {
             entries,
             host,
             tracked: HashMap::new(),
-            shutdown: CancellationToken::new(),
+            shutdown: stop,
         }
     }
 

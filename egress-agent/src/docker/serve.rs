@@ -158,6 +158,7 @@ pub async fn serve_with(
         ctx,
         events.clone(),
         directory.clone(),
+        shutdown.child_token(),
     );
     // Before READY: without the host layer the proxy address is reachable from the LAN.
     enforcer.init().await.map_err(ServeError::HostLayer)?;

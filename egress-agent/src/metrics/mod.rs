@@ -594,6 +594,7 @@ impl Metrics {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::time::Duration;
 
     #[test]
     fn would_deny_counts_by_policy_and_reason_not_as_kernel_denials() {
