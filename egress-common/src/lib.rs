@@ -48,8 +48,9 @@ pub mod maps {
     pub const INBOUND4: &str = "EGRESS_INBOUND4";
     /// `LpmTrie<Cidr6Data, CidrRule>`: IPv6 inbound allows (see [`INBOUND4`]).
     pub const INBOUND6: &str = "EGRESS_INBOUND6";
-    /// `SkStorage<SockOwner>` (BTF map): the policy entry each confined TCP/UDP socket was created
-    /// under, written at socket creation; read when a peer on the host's loopback is looked up.
+    /// `SkStorage<SockOwner>` (BTF map): the policy entry of confined server sockets in the host's
+    /// network namespace — TCP listeners (written at listen()) and UDP sockets (at creation); read
+    /// by connect4/6 and sendmsg4/6 when a server on the host's loopback is looked up.
     pub const SOCK_OWNER: &str = "EGRESS_SOCK_OWNER";
 
     /// `LruHashMap<u64 socket cookie, OrigDst>`: the original destination of a redirected TCP
@@ -368,8 +369,8 @@ pub struct Direct6Key {
     pub _pad: [u16; 3],
 }
 
-/// Value of [`maps::SOCK_OWNER`]: the cgroup id of the policy entry a socket was created under
-/// (the nearest ancestor with an entry). Two sockets with the same owner belong to the same
+/// Value of [`maps::SOCK_OWNER`]: the cgroup id of the policy entry (the nearest ancestor with an
+/// entry) of the task that created the UDP socket or made the TCP socket listen. Two sockets with the same owner belong to the same
 /// confined tree (one `exec` command and its children, or one container).
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]

@@ -10,7 +10,7 @@
 //! 6. refused (or, for an audited policy, allowed and reported as a would-deny).
 
 use crate::addr::{check, proto_bit, unmap_v4};
-use crate::peer::{owner_v4, owner_v6};
+use crate::peer::{By, owner_v4, owner_v6};
 use crate::policy::policy_of_current;
 use crate::redirect::{
     DNS_PORT, direct4, direct6, dns4, dns6, orig4, orig6, remember, transparent4, transparent6,
@@ -175,7 +175,7 @@ fn try_connect4(ctx: &SockAddrContext) -> Result<i32, i32> {
     }
     // SAFETY: ctx is a sock_addr context, for which bpf_get_netns_cookie is available (5.7).
     let cookie = || unsafe { bpf_get_netns_cookie(ctx.as_ptr()) };
-    let same_tree = || owner_v4(ctx.as_ptr(), !tcp, (0, 0), (addr, port_be)) == cg;
+    let same_tree = || owner_v4(ctx.as_ptr(), (!tcp, By::Tag), (0, 0), (addr, port_be)) == cg;
     let reason = match check(p, &addr, bit, port, cookie, same_tree) {
         Ok(()) => return Ok(allow_direct(p, cg, HOOK_CONNECT4, &dst(proto))),
         Err(reason) => reason,
@@ -256,7 +256,7 @@ fn try_connect6(ctx: &SockAddrContext) -> Result<i32, i32> {
         {
             return Ok(redirect_to(ctx, cg, orig4(v4), port_be, to4(a, pt)));
         }
-        let same_tree = || owner_v4(ctx.as_ptr(), !tcp, (0, 0), (v4, port_be)) == cg;
+        let same_tree = || owner_v4(ctx.as_ptr(), (!tcp, By::Tag), (0, 0), (v4, port_be)) == cg;
         let reason = match check(p, &v4, bit, port, cookie, same_tree) {
             Ok(()) => return Ok(allow_direct(p, cg, HOOK_CONNECT6, &dst(proto))),
             Err(reason) => reason,
@@ -298,7 +298,7 @@ fn try_connect6(ctx: &SockAddrContext) -> Result<i32, i32> {
     {
         return Ok(redirect_to(ctx, cg, orig6(addr), port_be, to6(a, pt)));
     }
-    let same_tree = || owner_v6(ctx.as_ptr(), !tcp, ([0; 4], 0), (addr, port_be)) == cg;
+    let same_tree = || owner_v6(ctx.as_ptr(), (!tcp, By::Tag), ([0; 4], 0), (addr, port_be)) == cg;
     let reason = match check(p, &addr, bit, port, cookie, same_tree) {
         Ok(()) => return Ok(allow_direct(p, cg, HOOK_CONNECT6, &dst(proto))),
         Err(reason) => reason,

@@ -6,12 +6,16 @@
 //! proxy never accepted are evicted (LRU) and a reused 4-tuple is overwritten by its own
 //! connection first.
 //! https://github.com/torvalds/linux/blob/v6.18/net/ipv4/tcp_input.c (`tcp_finish_connect`)
+//!
+//! The same program tags new listeners (`BPF_SOCK_OPS_TCP_LISTEN_CB`) for same-tree loopback:
+//! see [`crate::peer`].
 
 use crate::addr::unmap_v4;
 use crate::maps::{ORIG_BY_COOKIE, ORIG_BY_TUPLE};
+use crate::peer::tag_listener;
 use crate::{AF_INET, AF_INET6};
 use aya_ebpf::EbpfContext;
-use aya_ebpf::bindings::BPF_SOCK_OPS_ACTIVE_ESTABLISHED_CB;
+use aya_ebpf::bindings::{BPF_SOCK_OPS_ACTIVE_ESTABLISHED_CB, BPF_SOCK_OPS_TCP_LISTEN_CB};
 use aya_ebpf::helpers::generated::bpf_get_socket_cookie;
 use aya_ebpf::macros::sock_ops;
 use aya_ebpf::programs::SockOpsContext;
@@ -19,8 +23,11 @@ use egress_common::ConnTuple;
 
 #[sock_ops]
 pub fn egress_sock_ops(ctx: SockOpsContext) -> u32 {
-    if ctx.op() == BPF_SOCK_OPS_ACTIVE_ESTABLISHED_CB {
-        rekey(&ctx);
+    match ctx.op() {
+        BPF_SOCK_OPS_ACTIVE_ESTABLISHED_CB => rekey(&ctx),
+        // A new listener: its owner tag for same-tree loopback ([`crate::peer`]).
+        BPF_SOCK_OPS_TCP_LISTEN_CB => tag_listener(&ctx),
+        _ => {}
     }
     // sock_ops verdicts are advisory (there is nothing to refuse here).
     1

@@ -18,7 +18,7 @@
 //! https://github.com/torvalds/linux/blob/v6.18/net/ipv4/tcp_ipv4.c (`tcp_v4_rcv` → `tcp_filter`)
 
 use crate::addr::{CidrVerdict, DstAddr, in_host_netns};
-use crate::peer::{owner_v4, owner_v6};
+use crate::peer::{By, owner_v4, owner_v6};
 use crate::policy::policy_of_skb;
 use crate::report::{Dst, deny, refuse};
 use crate::skb::Packet;
@@ -91,7 +91,14 @@ fn try_ingress(ctx: &SkBuffContext) -> Result<i32, i32> {
             cg,
             &peer,
             local_port,
-            || owner_v4(skb.cast(), false, (pkt.daddr[0], dport), (peer, sport)),
+            || {
+                owner_v4(
+                    skb.cast(),
+                    (false, By::Cgroup),
+                    (pkt.daddr[0], dport),
+                    (peer, sport),
+                )
+            },
             p.rules_id,
         )
     } else {
@@ -101,7 +108,14 @@ fn try_ingress(ctx: &SkBuffContext) -> Result<i32, i32> {
             cg,
             &peer,
             local_port,
-            || owner_v6(skb.cast(), false, (pkt.daddr, dport), (peer, sport)),
+            || {
+                owner_v6(
+                    skb.cast(),
+                    (false, By::Cgroup),
+                    (pkt.daddr, dport),
+                    (peer, sport),
+                )
+            },
             p.rules_id,
         )
     };

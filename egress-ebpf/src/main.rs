@@ -21,14 +21,15 @@
 //!   sockets of a server in the cgroup answering a client: SYN-ACKs must not be dropped).
 //!   https://github.com/torvalds/linux/blob/v6.18/net/ipv4/ip_output.c (`ip_finish_output`)
 //! - `cgroup/sock_create` (4.10): refuse raw/SCTP/MPTCP/ping inet sockets at creation, and tag the
-//!   TCP/UDP sockets of confined trees with their policy entry ([`peer`]). It only sees
-//!   AF_INET/AF_INET6, so AF_PACKET needs the LSM hook below.
+//!   UDP sockets of confined trees in the host's network namespace with their policy entry
+//!   ([`peer`]). It only sees AF_INET/AF_INET6, so AF_PACKET needs the LSM hook below.
 //! - `cgroup_skb/ingress` (4.10): inbound connections into confined listeners only from allowed
 //!   peers ([`inbound`]).
 //! - `cgroup/recvmsg4`, `cgroup/recvmsg6` (5.2): the agent's DNS answers appear to come from the
 //!   server the program asked ([`sendmsg`]).
 //! - `sockops` (4.13), `BPF_SOCK_OPS_ACTIVE_ESTABLISHED_CB`: a redirected connection's original
-//!   destination re-keyed by 4-tuple for the proxy ([`established`]).
+//!   destination re-keyed by 4-tuple for the proxy ([`established`]); `BPF_SOCK_OPS_TCP_LISTEN_CB`
+//!   (4.19): a confined listener's owner tag ([`peer`]).
 //!   https://github.com/torvalds/linux/blob/v6.18/net/ipv4/af_inet.c (`inet_create`)
 //! - BPF-LSM `socket_create` attached with `BPF_LSM_CGROUP` (6.0): every socket family, so
 //!   AF_PACKET, AF_XDP, vsock, ... are refused for tasks in the cgroup.

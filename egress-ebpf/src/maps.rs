@@ -75,7 +75,8 @@ impl<T> PinnedSkStorage<T> {
     }
 }
 
-/// Which policy entry each confined TCP/UDP socket was created under (see `socket.rs`).
+/// Which policy entry a confined server socket belongs to: TCP listeners (tagged at listen()) and
+/// UDP sockets (at creation), in the host's network namespace (see `peer.rs`).
 #[unsafe(link_section = ".maps")]
 #[unsafe(export_name = "EGRESS_SOCK_OWNER")]
 pub(crate) static SOCK_OWNER: PinnedSkStorage<SockOwner> = PinnedSkStorage::new();

@@ -18,7 +18,7 @@ pub(crate) struct Found {
 /// A binary search finds the cgroup's own level (5 helper calls for 32 levels), then the walk goes
 /// up from there: the first entry found is the nearest one.
 #[inline(always)]
-fn find_policy(ancestor: impl Fn(i32) -> u64) -> Result<Found, u64> {
+pub(crate) fn find_policy(ancestor: impl Fn(i32) -> u64) -> Result<Found, u64> {
     // Deepest level with a non-zero ancestor id, in [0, MAX_CGROUP_DEPTH).
     let mut lo: i32 = 0;
     let mut hi: i32 = MAX_CGROUP_DEPTH as i32 - 1;

@@ -9,7 +9,7 @@
 
 use crate::addr::{check, unmap_v4};
 use crate::maps::ORIG_BY_COOKIE;
-use crate::peer::{owner_v4, owner_v6};
+use crate::peer::{By, owner_v4, owner_v6};
 use crate::policy::policy_of_current;
 use crate::redirect::{DNS_PORT, dns4, dns6, orig4, orig6, remember};
 use crate::report::{C_PROXIED, Dst, allow, allow_direct, count, deny, refuse};
@@ -116,11 +116,13 @@ fn try_sendmsg(ctx: &SockAddrContext, v6: bool) -> Result<i32, i32> {
     }
     // SAFETY: sock_addr context.
     let cookie = || unsafe { bpf_get_netns_cookie(ctx.as_ptr()) };
-    let tree4 = |a: u32| move || owner_v4(ctx.as_ptr(), true, (0, 0), (a, port_be)) == cg;
+    let tree4 =
+        |a: u32| move || owner_v4(ctx.as_ptr(), (true, By::Tag), (0, 0), (a, port_be)) == cg;
     let verdict = match mapped {
         Some(v4) => check(p, &v4, PROTO_BIT_UDP, port, cookie, tree4(v4)),
         None => {
-            let tree6 = || owner_v6(ctx.as_ptr(), true, ([0; 4], 0), (addr, port_be)) == cg;
+            let tree6 =
+                || owner_v6(ctx.as_ptr(), (true, By::Tag), ([0; 4], 0), (addr, port_be)) == cg;
             check(p, &addr, PROTO_BIT_UDP, port, cookie, tree6)
         }
     };

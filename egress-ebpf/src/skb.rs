@@ -1,7 +1,7 @@
 //! `cgroup_skb/egress`: the packet-level backstop.
 
 use crate::addr::check;
-use crate::peer::{owner_v4, owner_v6};
+use crate::peer::{By, owner_v4, owner_v6};
 use crate::policy::policy_of_skb;
 use crate::redirect::{dns4, dns6};
 use crate::report::{Dst, deny};
@@ -90,15 +90,21 @@ fn try_skb(ctx: &SkBuffContext) -> Result<i32, i32> {
                 let same_tree = || {
                     owner_v4(
                         skb.cast(),
-                        true,
+                        (true, By::Cgroup),
                         (pkt.saddr[0], sport),
                         (pkt.daddr[0], dport),
                     ) == cg
                 };
                 check(p, &pkt.daddr[0], PROTO_BIT_UDP, dst.port, cookie, same_tree)
             } else {
-                let same_tree =
-                    || owner_v6(skb.cast(), true, (pkt.saddr, sport), (pkt.daddr, dport)) == cg;
+                let same_tree = || {
+                    owner_v6(
+                        skb.cast(),
+                        (true, By::Cgroup),
+                        (pkt.saddr, sport),
+                        (pkt.daddr, dport),
+                    ) == cg
+                };
                 check(p, &pkt.daddr, PROTO_BIT_UDP, dst.port, cookie, same_tree)
             }
         }

@@ -1,15 +1,18 @@
-//! `cgroup/sock_create` (inet only) and BPF-LSM `socket_create` (every family).
+//! `cgroup/sock_create` (inet only) and BPF-LSM `socket_create` (every family); UDP owner tags.
 
-use crate::addr::proto_bit;
+use crate::addr::{in_host_netns, proto_bit};
 use crate::peer::tag;
 use crate::policy::policy_of_current;
 use crate::report::{Dst, deny, refuse};
 use crate::{AF_INET, AF_INET6, AF_NETLINK, AF_UNIX, ALLOW, DENY, SOCK_TYPE_MASK};
+use aya_ebpf::EbpfContext;
 use aya_ebpf::bindings::bpf_sock;
+use aya_ebpf::helpers::generated::bpf_get_netns_cookie;
 use aya_ebpf::macros::{cgroup_sock, lsm_cgroup};
 use aya_ebpf::programs::{LsmContext, SockContext};
 use egress_common::{
-    HOOK_LSM_SOCKET_CREATE, HOOK_SOCK_CREATE, MODE_ALLOW_ALL, REASON_NO_POLICY, REASON_SOCKET_TYPE,
+    HOOK_LSM_SOCKET_CREATE, HOOK_SOCK_CREATE, MODE_ALLOW_ALL, PROTO_BIT_UDP, REASON_NO_POLICY,
+    REASON_SOCKET_TYPE,
 };
 
 /// Socket kinds a confined task may create: unix, netlink, and kernel TCP/UDP over IPv4/IPv6.
@@ -60,9 +63,17 @@ fn try_sock_create(ctx: &SockContext) -> Result<i32, i32> {
     // SAFETY: family/type/protocol are readable in sock_create.
     let (family, sock_type, protocol) = unsafe { ((*sk).family, (*sk).type_, (*sk).protocol) };
     let verdict = socket_verdict(HOOK_SOCK_CREATE, family, sock_type, protocol);
-    // Tag the TCP/UDP sockets of confined trees (see `peer`): their servers may then be reached
-    // from the same tree over the host's loopback, and nothing else may reach them there.
+    // Only UDP sockets are tagged here, and only in the host's network namespace (see `peer`:
+    // a UDP socket can become a server reachable on the host's loopback without any later hook
+    // seeing it; TCP listeners are tagged at listen(), TCP clients never). An allowed UDP socket
+    // had no policy lookup in `socket_verdict`, so this is the only one.
     if verdict == ALLOW
+        && matches!(
+            proto_bit(sock_type & SOCK_TYPE_MASK, protocol),
+            Some((PROTO_BIT_UDP, _))
+        )
+        // SAFETY: cgroup/sock context (bpf_get_netns_cookie for it since 5.7).
+        && in_host_netns(unsafe { bpf_get_netns_cookie(ctx.as_ptr()) })
         && let Ok(found) = policy_of_current()
     {
         tag(sk, found.cgroup_id);

@@ -204,7 +204,7 @@ fn a_test_suite_using_its_own_loopback_servers_passes() {
         let err = String::from_utf8_lossy(&out.stderr);
         assert!(out.status.success(), "[{policy}] suite failed:\n{err}");
         assert!(
-            err.contains("Ran 4 tests") && err.contains("OK"),
+            err.contains("Ran 5 tests") && err.contains("OK"),
             "[{policy}] {err}"
         );
     }
@@ -212,7 +212,7 @@ fn a_test_suite_using_its_own_loopback_servers_passes() {
 }
 
 /// An ordinary test suite: servers on loopback in the same process and in a child process,
-/// TCP and UDP, reached by name and by address (through urllib, which honours the proxy
+/// TCP and UDP, bound or given a port by listen() itself, reached by name and by address (through urllib, which honours the proxy
 /// variables `exec` sets: `NO_PROXY` covers loopback).
 const SUITE: &str = r#"
 import http.server, socket, subprocess, sys, threading, time, unittest, urllib.request
@@ -249,6 +249,15 @@ class LocalServers(unittest.TestCase):
         s = socket.socket(); s.bind(("127.0.0.1", 0)); s.listen()
         c = socket.create_connection(s.getsockname(), timeout=5)
         a, _ = s.accept(); c.sendall(b"ping"); a.sendall(a.recv(4)); self.assertEqual(c.recv(4), b"ping")
+
+    def test_tcp_listen_without_bind(self):
+        # The port comes from listen() itself (no bind()), IPv4 and IPv6: what arrives both ways.
+        for family, host in ((socket.AF_INET, "127.0.0.1"), (socket.AF_INET6, "::1")):
+            s = socket.socket(family); s.listen(); port = s.getsockname()[1]
+            c = socket.create_connection((host, port), timeout=5)
+            a, _ = s.accept(); c.sendall(b"ping"); self.assertEqual(a.recv(4), b"ping")
+            a.sendall(b"pong"); self.assertEqual(c.recv(4), b"pong")
+            for x in (a, c, s): x.close()
 
     def test_udp_echo(self):
         s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM); s.bind(("127.0.0.1", 0))
