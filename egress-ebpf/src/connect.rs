@@ -3,7 +3,8 @@
 //!
 //! Order of the verdict (allowlist; `allow_all` allows at once, no entry denies):
 //! 1. the stable proxy endpoint → the cgroup's explicit listener (TCP);
-//! 2. port 53, TCP or UDP, any address → the cgroup's DNS listener;
+//! 2. port 53, TCP or UDP, any address → the cgroup's DNS listener (UDP straight to that
+//!    listener passes: [`own_dns_udp4`]);
 //! 3. [`check`]: `allow_cidrs`, the socket's own netns loopback, same-tree host loopback;
 //! 4. TCP to an address the agent's DNS answered for a name with that port → direct;
 //! 5. TCP to a port of `allow_ports` → the transparent listener;
@@ -13,7 +14,8 @@ use crate::addr::{check, proto_bit, unmap_v4};
 use crate::peer::{By, owner_v4, owner_v6};
 use crate::policy::policy_of_current;
 use crate::redirect::{
-    DNS_PORT, direct4, direct6, dns4, dns6, orig4, orig6, remember, transparent4, transparent6,
+    DNS_PORT, direct4, direct6, dns4, dns6, orig4, orig6, own_dns_udp4, own_dns_udp6, remember,
+    transparent4, transparent6,
 };
 use crate::report::{C_PROXIED, Dst, allow, allow_direct, count, deny, refuse};
 use crate::{AF_INET, AF_INET6, ALLOW, DENY};
@@ -168,6 +170,9 @@ fn try_connect4(ctx: &SockAddrContext) -> Result<i32, i32> {
         return Ok(verdict);
     }
     let tcp = bit == PROTO_BIT_TCP;
+    if !tcp && own_dns_udp4(p, addr, port_be) {
+        return Ok(allow(cg));
+    }
     if port == DNS_PORT
         && let Some((a, pt)) = dns4(p, tcp)
     {
@@ -251,6 +256,9 @@ fn try_connect6(ctx: &SockAddrContext) -> Result<i32, i32> {
         ) {
             return Ok(verdict);
         }
+        if !tcp && own_dns_udp4(p, v4, port_be) {
+            return Ok(allow(cg));
+        }
         if port == DNS_PORT
             && let Some((a, pt)) = dns4(p, tcp)
         {
@@ -292,6 +300,9 @@ fn try_connect6(ctx: &SockAddrContext) -> Result<i32, i32> {
         )
     {
         return Ok(verdict);
+    }
+    if !tcp && own_dns_udp6(p, &addr, port_be) {
+        return Ok(allow(cg));
     }
     if port == DNS_PORT
         && let Some((a, pt)) = dns6(p, tcp)

@@ -49,6 +49,21 @@ pub(crate) fn dns6(p: &PolicyEntry, tcp: bool) -> Option<([u32; 4], u16)> {
     (port != 0).then_some((addr, port))
 }
 
+/// Is `addr:port_be` (IPv4, network order) the cgroup's own DNS listener for UDP? Datagrams may
+/// go there directly: a v4-mapped UDP socket that connect6 redirected there sends through the
+/// IPv4 path with the listener's address, which runs sendmsg4 again (and the backstop) — and
+/// the responder answers only allowed names, as for any port-53 datagram it gets.
+#[inline(always)]
+pub(crate) fn own_dns_udp4(p: &PolicyEntry, addr: u32, port_be: u16) -> bool {
+    dns4(p, false).is_some_and(|(a, pt)| a == addr && pt == port_be)
+}
+
+/// [`own_dns_udp4`] for IPv6.
+#[inline(always)]
+pub(crate) fn own_dns_udp6(p: &PolicyEntry, addr: &[u32; 4], port_be: u16) -> bool {
+    dns6(p, false).is_some_and(|(a, pt)| a == *addr && pt == port_be)
+}
+
 /// Is `port` (host order) one the transparent listener takes?
 #[inline(always)]
 fn redirected_port(p: &PolicyEntry, port: u16) -> bool {

@@ -11,7 +11,7 @@ use crate::addr::{check, unmap_v4};
 use crate::maps::ORIG_BY_COOKIE;
 use crate::peer::{By, owner_v4, owner_v6};
 use crate::policy::policy_of_current;
-use crate::redirect::{DNS_PORT, dns4, dns6, orig4, orig6, remember};
+use crate::redirect::{DNS_PORT, dns4, dns6, orig4, orig6, own_dns_udp4, own_dns_udp6, remember};
 use crate::report::{C_PROXIED, Dst, allow, allow_direct, count, deny, refuse};
 use crate::{AF_INET, AF_INET6, ALLOW, DENY, IPPROTO_UDP};
 use aya_ebpf::EbpfContext;
@@ -79,6 +79,15 @@ fn try_sendmsg(ctx: &SockAddrContext, v6: bool) -> Result<i32, i32> {
     // SAFETY: sock_addr context; the cookie identifies the sending socket.
     let sock_cookie = || unsafe { bpf_get_socket_cookie(ctx.as_ptr()) };
     let mapped = if v6 { unmap_v4(&addr) } else { Some(addr[0]) };
+    // The cgroup's own DNS listener (see `own_dns_udp4`): where connect6 sent a v4-mapped
+    // socket's port-53 traffic.
+    let own_dns = match mapped {
+        Some(v4) => own_dns_udp4(p, v4, port_be),
+        None => own_dns_udp6(p, &addr, port_be),
+    };
+    if own_dns {
+        return Ok(allow(cg));
+    }
     if port == DNS_PORT {
         // SAFETY (both rewrites): user_ip4 (sendmsg4) / user_ip6 (sendmsg6) and user_port are
         // writable; a v4-mapped destination stays mapped.

@@ -3,7 +3,7 @@
 use crate::addr::check;
 use crate::peer::{By, owner_v4, owner_v6};
 use crate::policy::policy_of_skb;
-use crate::redirect::{dns4, dns6};
+use crate::redirect::{own_dns_udp4, own_dns_udp6};
 use crate::report::{Dst, deny};
 use crate::{AF_INET, AF_INET6, ALLOW, DENY, IPPROTO_TCP, IPPROTO_UDP, SOCK_STREAM};
 use aya_ebpf::helpers::generated::{bpf_get_netns_cookie, bpf_sk_fullsock};
@@ -79,9 +79,9 @@ fn try_skb(ctx: &SkBuffContext) -> Result<i32, i32> {
             dst.port = u16::from_be(dport);
             // A query sendmsg4/6 redirected to the cgroup's DNS listener.
             let to_dns = if pkt.family == AF_INET {
-                dns4(p, false).is_some_and(|(a, pt)| a == pkt.daddr[0] && pt == dport)
+                own_dns_udp4(p, pkt.daddr[0], dport)
             } else {
-                dns6(p, false).is_some_and(|(a, pt)| a == pkt.daddr && pt == dport)
+                own_dns_udp6(p, &pkt.daddr, dport)
             };
             if to_dns {
                 return Ok(ALLOW);

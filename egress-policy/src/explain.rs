@@ -309,7 +309,7 @@ fn rule_of(v: &KernelVerdict) -> String {
     match v {
         KernelVerdict::Allow { rule }
         | KernelVerdict::Redirect { rule }
-        | KernelVerdict::SameTreeOnly { rule }
+        | KernelVerdict::SameTreeOnly { rule, .. }
         | KernelVerdict::Deny { rule, .. }
         | KernelVerdict::WouldDeny { rule, .. } => rule.clone(),
     }

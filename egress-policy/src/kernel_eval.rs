@@ -8,13 +8,17 @@
 //! 2. only kernel TCP and UDP sockets go on (others: `kernel-socket-type-not-allowed`);
 //! 3. allowlist, TCP: the proxy endpoint is rewritten to the cgroup's listener (no listener:
 //!    `kernel-proxy-not-running`); the listener itself is allowed;
-//! 4. port 53 (TCP or UDP, any address) → the cgroup's DNS responder, when the policy answers DNS;
+//! 4. port 53 (TCP or UDP, any address) → the cgroup's DNS responder, when the policy answers DNS
+//!    (UDP straight to that responder is allowed: a v4-mapped socket connect6 redirected there
+//!    sends through sendmsg4 with the responder's address);
 //! 5. allowlist: the **longest** matching CIDR rule decides alone (an allow rule whose ports
 //!    don't include the port is no match; the loader merges wider rules' ports into narrower ones
 //!    so that nothing is lost);
 //! 6. loopback or unspecified: Docker's resolver 127.0.0.11 is refused; the socket's own network
 //!    namespace's loopback is allowed; in the host's namespace only a server of the same
-//!    confined tree (decided per socket at run time) — otherwise `kernel-host-loopback`;
+//!    confined tree (decided per socket at run time, [`KernelVerdict::SameTreeOnly`]) — anyone
+//!    else's server is refused with `kernel-host-loopback`, and goes on to 7–9 like every
+//!    refusal (a transparent port is redirected, an auditing policy lets it through);
 //! 7. (TCP to an address the agent's DNS answered for a name with this port: allowed until the
 //!    answer's TTL ends — run-time state, not evaluated here);
 //! 8. TCP to a port of `allow_ports` of a transparent policy → the transparent listener (the proxy
@@ -25,7 +29,7 @@
 //! Inbound (`egress-ebpf/src/inbound.rs`, TCP to a listening socket): `allow_all` passes; the
 //! longest matching inbound rule allowing the local port passes; a loopback peer passes in the
 //! socket's own namespace (or, in the host's, from the same confined tree); everything else is
-//! dropped (`kernel-inbound-not-allowed`).
+//! dropped (`kernel-inbound-not-allowed`) — or, for an auditing policy, let in and reported.
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 
 use egress_common::{
@@ -76,9 +80,12 @@ pub enum KernelVerdict {
     Redirect {
         rule: String,
     },
-    /// Allowed only for a server of the same confined tree (decided per socket at run time).
+    /// Allowed only for a server of the same confined tree (decided per socket at run time);
+    /// `otherwise` is the verdict for anyone else's server (refused, audited, or — TCP on a
+    /// transparent port — redirected).
     SameTreeOnly {
         rule: String,
+        otherwise: Box<KernelVerdict>,
     },
     Deny {
         reason: &'static str,
@@ -202,6 +209,18 @@ pub fn connect(
         IpAddr::V4(_) => kp.intercept4,
         IpAddr::V6(_) => kp.intercept6,
     };
+    let own_dns = SocketAddr::new(ip, port);
+    if transport == Transport::Udp
+        && kp.mode == MODE_ALLOWLIST
+        && kp.dns
+        && intercept.dns_udp == Some(own_dns)
+    {
+        return KernelVerdict::Allow {
+            rule: format!(
+                "this cgroup's own DNS responder {own_dns} (where port 53 is rewritten to; it answers only allowed names)"
+            ),
+        };
+    }
     if port == DNS_PORT && kp.dns {
         let responder = match transport {
             Transport::Tcp => intercept.dns_tcp,
@@ -215,25 +234,37 @@ pub fn connect(
             };
         }
     }
-    let verdict = checked(kp, ip, port, bit, netns);
-    let KernelVerdict::Deny { reason, rule } = verdict else {
-        return verdict;
-    };
-    if transport == Transport::Tcp
-        && kp.transparent
-        && kp.redirect_ports.contains(&port)
-        && let Some(t) = intercept.transparent
-    {
-        return KernelVerdict::Redirect {
+    let transparent =
+        (transport == Transport::Tcp && kp.transparent && kp.redirect_ports.contains(&port))
+            .then_some(intercept.transparent)
+            .flatten();
+    refused(kp, port, transparent, checked(kp, ip, port, bit, netns))
+}
+
+/// What `connect4/6` and `sendmsg4/6` do after `check` refused (steps 7–9 above): the
+/// transparent listener for TCP on a transparent port, else audited or refused. A host-loopback
+/// verdict refuses only other trees' servers, so its `otherwise` goes the same way.
+fn refused(
+    kp: &KernelPolicy,
+    port: u16,
+    transparent: Option<SocketAddr>,
+    verdict: KernelVerdict,
+) -> KernelVerdict {
+    match verdict {
+        KernelVerdict::Deny { .. } if let Some(t) = transparent => KernelVerdict::Redirect {
             rule: format!(
                 "allow_ports {port}: rewritten to this cgroup's transparent listener {t} (the proxy decides on the TLS SNI or HTTP Host, and dials that name's own addresses)"
             ),
-        };
+        },
+        KernelVerdict::Deny { reason, rule } if kp.audit => {
+            KernelVerdict::WouldDeny { reason, rule }
+        }
+        KernelVerdict::SameTreeOnly { rule, otherwise } => KernelVerdict::SameTreeOnly {
+            rule,
+            otherwise: Box::new(refused(kp, port, transparent, *otherwise)),
+        },
+        v => v,
     }
-    if kp.audit {
-        return KernelVerdict::WouldDeny { reason, rule };
-    }
-    KernelVerdict::Deny { reason, rule }
 }
 
 /// `check` of `egress-ebpf/src/addr.rs`: the CIDR rules, then loopback.
@@ -263,6 +294,10 @@ fn checked(kp: &KernelPolicy, ip: IpAddr, port: u16, bit: u32, netns: Netns) -> 
             },
             Netns::Host if ip.is_loopback() => KernelVerdict::SameTreeOnly {
                 rule: "the host's loopback: only a server of the same confined tree".to_owned(),
+                otherwise: Box::new(KernelVerdict::deny(
+                    REASON_HOST_LOOPBACK,
+                    "the host's loopback: another tree's or an unconfined server",
+                )),
             },
             Netns::Host => KernelVerdict::deny(REASON_HOST_LOOPBACK, "the host's loopback"),
         };
@@ -292,6 +327,15 @@ pub fn inbound(kp: &KernelPolicy, peer: IpAddr, local_port: u16, netns: Netns) -
             rule: format!("inbound allow {r}"),
         };
     }
+    // `inbound.rs` refuses through `refuse`: an auditing policy lets the peer in, reported.
+    let refused = |rule: &str| {
+        refused(
+            kp,
+            local_port,
+            None,
+            KernelVerdict::deny(REASON_INBOUND, rule),
+        )
+    };
     if ip.is_loopback() {
         return match netns {
             Netns::Own => KernelVerdict::Allow {
@@ -299,10 +343,13 @@ pub fn inbound(kp: &KernelPolicy, peer: IpAddr, local_port: u16, netns: Netns) -
             },
             Netns::Host => KernelVerdict::SameTreeOnly {
                 rule: "a peer on the host's loopback: only from the same confined tree".to_owned(),
+                otherwise: Box::new(refused(
+                    "a peer on the host's loopback of another tree or unconfined",
+                )),
             },
         };
     }
-    KernelVerdict::deny(REASON_INBOUND, "no inbound rule allows this peer and port")
+    refused("no inbound rule allows this peer and port")
 }
 
 #[cfg(test)]
@@ -564,6 +611,93 @@ mod tests {
             &connect(&k, sa("140.82.112.3:443"), Transport::Tcp, Netns::Own),
             "40002"
         ));
+    }
+
+    fn otherwise(v: KernelVerdict) -> KernelVerdict {
+        match v {
+            KernelVerdict::SameTreeOnly { otherwise, .. } => *otherwise,
+            v => panic!("not same-tree-only: {v:?}"),
+        }
+    }
+
+    #[test]
+    fn another_trees_host_loopback_goes_on_like_every_refusal() {
+        // Found by tests/tests/kernel_differential.rs: after `check` refuses the host's loopback
+        // (not the same tree), connect4/6 and sendmsg4/6 go on — transparent port, audit.
+        let k = kp("allow_hosts = [\"github.com\"]\nallow_ports = [443]", &[]);
+        assert!(redirected(
+            &otherwise(connect(
+                &k,
+                sa("127.0.0.1:443"),
+                Transport::Tcp,
+                Netns::Host
+            )),
+            "40002"
+        ));
+        for (dst, t) in [
+            ("127.0.0.1:22", Transport::Tcp),
+            ("[::1]:443", Transport::Udp),
+        ] {
+            assert_eq!(
+                reason(&otherwise(connect(&k, sa(dst), t, Netns::Host))),
+                "kernel-host-loopback"
+            );
+        }
+        let a = kp(
+            "allow_hosts = [\"github.com\"]\nenforce = \"audit\"\ntransparent = false",
+            &[],
+        );
+        assert!(matches!(
+            otherwise(connect(&a, sa("[::1]:22"), Transport::Udp, Netns::Host)),
+            KernelVerdict::WouldDeny {
+                reason: "kernel-host-loopback",
+                ..
+            }
+        ));
+        // inbound.rs refuses through `refuse` too: an auditing policy lets peers in.
+        assert!(matches!(
+            inbound(&a, "192.0.2.1".parse().unwrap(), 80, Netns::Own),
+            KernelVerdict::WouldDeny {
+                reason: "kernel-inbound-not-allowed",
+                ..
+            }
+        ));
+        assert!(matches!(
+            otherwise(inbound(&a, "127.0.0.1".parse().unwrap(), 80, Netns::Host)),
+            KernelVerdict::WouldDeny { .. }
+        ));
+    }
+
+    #[test]
+    fn udp_straight_to_the_own_dns_responder_passes() {
+        // Found by the differential test: a v4-mapped UDP socket connect6 redirected to the
+        // responder sends through sendmsg4 with the responder's address.
+        let k = kp("allow_hosts = [\"github.com\"]", &[]);
+        for dst in ["169.254.100.1:40003", "[::ffff:169.254.100.1]:40003"] {
+            assert!(matches!(
+                connect(&k, sa(dst), Transport::Udp, Netns::Host),
+                KernelVerdict::Allow { .. }
+            ));
+        }
+        assert_eq!(
+            reason(&connect(
+                &k,
+                sa("169.254.100.1:40003"),
+                Transport::Tcp,
+                Netns::Host
+            )),
+            "kernel-destination-not-allowed"
+        );
+        let d = kp("mode = \"deny_all\"", &[]);
+        assert_eq!(
+            reason(&connect(
+                &d,
+                sa("169.254.100.1:40003"),
+                Transport::Udp,
+                Netns::Host
+            )),
+            "kernel-destination-not-allowed"
+        );
     }
 
     #[test]

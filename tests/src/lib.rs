@@ -6,9 +6,11 @@
 //! - [`packet`]: hand-made Ethernet/IPv4/UDP frames sent through AF_PACKET.
 //! - [`upstreams`]: a test CA, python web servers, a recording dnsmasq, local "public" addresses.
 //! - [`tls_upstream`]: a recording TLS upstream with its own CA (interception tests).
+//! - [`batch`]: the probe's batch mode (many socket operations per confined process).
 //! - [`agent`]: locating the built `egress-agent` / `egress-probe` binaries, running the probe
 //!   inside or outside `egress-agent exec`, test config files, attached-program counts.
 pub mod agent;
+pub mod batch;
 pub mod bench;
 pub mod bpf;
 pub mod canary;

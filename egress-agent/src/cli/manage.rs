@@ -358,6 +358,13 @@ pub fn render_explanation(v: &Value) -> String {
         if let Some(r) = k["rule"].as_str() {
             out.push_str(&format!(": {r}"));
         }
+        // same_tree_only: what another tree's (or an unconfined) server gets.
+        if let Some(o) = k["otherwise"]["verdict"].as_str() {
+            out.push_str(&format!("; otherwise {o}"));
+            if let Some(r) = k["otherwise"]["reason"].as_str() {
+                out.push_str(&format!(" ({r})"));
+            }
+        }
         out
     };
     let mut out = format!(

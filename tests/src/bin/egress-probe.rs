@@ -32,6 +32,8 @@
 //!   (an IP literal: no SNI), no proxy variables; prints `TLS-OK BODY`
 //! - `cgroup`: prints /proc/self/cgroup's v2 line and the id of the cgroup at the root of its
 //!   cgroup2 mount, then `ok`
+//! - `batch`: many TCP/UDP operations read from stdin, one outcome line each
+//!   (`egress_tests::batch`, for the kernel differential test)
 //! - `sleep-then SECS MODE ARGS...`      sleep, then run MODE (for lifecycle tests)
 //! - `escape TECHNIQUE ARGS... [-- MODE ARGS...]`: try to leave confinement (`egress_tests::escape`),
 //!   print `escape TECHNIQUE: ok ...|err ...`, then run MODE
@@ -341,6 +343,7 @@ fn run(args: &[String]) -> io::Result<()> {
             send_frame(fd.as_fd(), ifindex, [0xff; 6], &frame).map(drop)
         }
         "packet-loop" => packet_loop(args),
+        "batch" => egress_tests::batch::run(),
         "http-connect" => {
             let proxy = SocketAddr::new(ip(arg(args, 1)?)?, port(arg(args, 2)?)?);
             let target = arg(args, 3)?;
