@@ -96,7 +96,7 @@ fn no_two_way_module_dependencies() {
 /// direction.
 fn cycles(src: &Path) -> Vec<String> {
     let mut modules = BTreeSet::new();
-    for e in std::fs::read_dir(&src).expect("src").flatten() {
+    for e in std::fs::read_dir(src).expect("src").flatten() {
         let p = e.path();
         let name = p
             .file_stem()
@@ -132,7 +132,7 @@ fn cycles(src: &Path) -> Vec<String> {
                         edges.entry((m.clone(), to)).or_insert_with(|| {
                             format!(
                                 "{}:{}: {}",
-                                f.strip_prefix(&src).unwrap_or(&f).display(),
+                                f.strip_prefix(src).unwrap_or(&f).display(),
                                 i + 1,
                                 code.trim()
                             )

@@ -56,8 +56,8 @@ fuzz_target!(|data: &[u8]| {
                     name: "p".into(),
                     why: "fuzz".into(),
                 };
-                let _ = explain(&c, &chosen, p, &t, Netns::Own);
-                let _ = explain(&c, &chosen, p, &t, Netns::Host);
+                let _ = explain(c.proxy.explain_endpoint(), &chosen, p, &t, Netns::Own);
+                let _ = explain(c.proxy.explain_endpoint(), &chosen, p, &t, Netns::Host);
             }
         }
         Err(ConfigError::Invalid { field, .. }) => assert!(!field.is_empty()),
