@@ -6,6 +6,7 @@
 //! record per request, so when SIGTERM arrives most of the refusals are still queued in the
 //! daemon: without the flush they would be lost with the process. Receivers listen on the
 //! loopback of the daemon's own network namespace (the test dockerd's).
+use std::collections::BTreeSet;
 use std::io::Read;
 use std::net::TcpListener;
 use std::sync::{Arc, Mutex};
@@ -24,13 +25,13 @@ const OTLP_DELAY: Duration = Duration::from_millis(150);
 /// Everything a receiver got, as bytes (protobuf strings and syslog text hold the names as-is).
 type Received = Arc<Mutex<Vec<u8>>>;
 
-/// Names `denied-1.test` .. `denied-REFUSALS.test` found in `got`.
-fn names_in(got: &Received) -> usize {
+/// Which of `denied-1.test` .. `denied-REFUSALS.test` appear in `got`.
+fn names_in(got: &Received) -> BTreeSet<usize> {
     let got = got.lock().unwrap_or_else(|p| p.into_inner());
     let text = String::from_utf8_lossy(&got);
     (1..=REFUSALS)
         .filter(|i| text.contains(&format!("denied-{i}.test")))
-        .count()
+        .collect()
 }
 
 /// An OTLP/HTTP receiver (hyper) that answers 200 after `delay`, keeping every request body.
@@ -147,47 +148,60 @@ fn queued_events_reach_the_exporters_after_sigterm() {
     );
     let out = env.exec_out("shutdown-client", &script);
     assert!(out.contains("done"), "{out}");
-    // Every refusal was recorded (the API's ring): now they sit in the exporters' queues.
+    // What the daemon recorded (the API's ring; each refusal is recorded before its 403 is
+    // written, and every `nc` has ended). A request busybox `nc` cuts off before the proxy read
+    // it is no refusal at all, so the receivers must hold exactly what was recorded.
+    let recorded: BTreeSet<usize> = env
+        .events()
+        .iter()
+        .filter_map(|e| {
+            e["host"]
+                .as_str()?
+                .strip_prefix("denied-")?
+                .strip_suffix(".test")?
+                .parse()
+                .ok()
+        })
+        .collect();
     assert!(
-        env.wait_event(
-            |e| e["host"].as_str() == Some(&format!("denied-{REFUSALS}.test")),
-            Duration::from_secs(10)
-        ),
-        "the last refusal was never recorded:\n{}",
+        recorded.len() >= REFUSALS / 2,
+        "only {} of {REFUSALS} refusals were recorded:\n{out}\n{}",
+        recorded.len(),
         env.log()
     );
-    let before_stop = names_in(&otlp);
+    let before_stop = names_in(&otlp).len();
     let stop = Instant::now();
     env.signal_agent(Signal::SIGTERM);
     let mut child = env.agent.take().expect("daemon running");
     let status = child.wait().expect("daemon exits");
     let took = stop.elapsed();
     eprintln!(
-        "SIGTERM with {} of {REFUSALS} refusals still queued for OTLP; the daemon exited ({status}) after {took:?}",
-        REFUSALS - before_stop
+        "SIGTERM with {} of {} recorded refusals still queued for OTLP; the daemon exited ({status}) after {took:?}",
+        recorded.len() - before_stop.min(recorded.len()),
+        recorded.len()
     );
     assert!(status.success(), "daemon exit: {status}\n{}", env.log());
     assert!(
-        before_stop < REFUSALS,
+        before_stop < recorded.len(),
         "nothing was queued at SIGTERM (the receiver's delay is too short for this test to show the flush)"
     );
     // What the receivers got by the time the daemon had exited.
-    assert_eq!(
-        names_in(&otlp),
-        REFUSALS,
-        "OTLP receiver missed refusals queued at SIGTERM\n{}",
+    assert!(
+        names_in(&otlp).is_superset(&recorded),
+        "OTLP receiver missed refusals queued at SIGTERM: {:?}\n{}",
+        recorded.difference(&names_in(&otlp)).collect::<Vec<_>>(),
         env.log()
     );
     // The syslog thread writes to a TCP socket: give the receiver's reader a moment to read what
     // the kernel already holds for it (the daemon is gone; nothing more can be sent).
     let deadline = Instant::now() + Duration::from_secs(2);
-    while names_in(&syslog) < REFUSALS && Instant::now() < deadline {
+    while !names_in(&syslog).is_superset(&recorded) && Instant::now() < deadline {
         std::thread::sleep(Duration::from_millis(20));
     }
-    assert_eq!(
-        names_in(&syslog),
-        REFUSALS,
-        "syslog receiver missed refusals queued at SIGTERM\n{}",
+    assert!(
+        names_in(&syslog).is_superset(&recorded),
+        "syslog receiver missed refusals queued at SIGTERM: {:?}\n{}",
+        recorded.difference(&names_in(&syslog)).collect::<Vec<_>>(),
         env.log()
     );
     assert!(
