@@ -55,7 +55,6 @@ struct Task {
 /// nothing; every caller ends with `shutdown`.
 pub struct Agent {
     events: EventSink,
-    metrics: Option<Arc<Metrics>>,
     root: CancellationToken,
     tasks: Vec<Task>,
     pump: Option<Task>,
@@ -92,11 +91,10 @@ impl Agent {
             crate::metrics::spawn_denial_counter(&events, m.clone());
         }
         let store = crate::store::start(config, &events, metrics.clone())?;
-        let exporters = crate::export::start(&config.export, &events, metrics.clone())
-            .map_err(AgentError::Export)?;
+        let exporters =
+            crate::export::start(&config.export, &events, metrics).map_err(AgentError::Export)?;
         Ok(Agent {
             events,
-            metrics,
             root: CancellationToken::new(),
             tasks: Vec::new(),
             pump: None,
@@ -108,11 +106,6 @@ impl Agent {
     /// The sink every enforcement point emits into.
     pub fn events(&self) -> &EventSink {
         &self.events
-    }
-
-    /// The daemon's metrics registry, if any.
-    pub fn metrics(&self) -> Option<&Arc<Metrics>> {
-        self.metrics.as_ref()
     }
 
     /// A token cancelled when the agent stops (a child of the root: cancelling it stops only
