@@ -209,7 +209,8 @@ fn socket(v6: bool, ty: i32) -> io::Result<OwnedFd> {
     Ok(unsafe { OwnedFd::from_raw_fd(fd) })
 }
 
-fn sockaddr(addr: SocketAddr) -> (libc::sockaddr_storage, libc::socklen_t) {
+/// A sockaddr for `addr` (v4, or v6 with `scope` as its scope id); the probe's too.
+pub fn sockaddr(addr: SocketAddr, scope: u32) -> (libc::sockaddr_storage, libc::socklen_t) {
     // SAFETY: all-zero is a valid sockaddr_storage.
     let mut ss: libc::sockaddr_storage = unsafe { zeroed() };
     match addr {
@@ -227,6 +228,7 @@ fn sockaddr(addr: SocketAddr) -> (libc::sockaddr_storage, libc::socklen_t) {
             sin6.sin6_family = libc::AF_INET6 as u16;
             sin6.sin6_port = a.port().to_be();
             sin6.sin6_addr.s6_addr = a.ip().octets();
+            sin6.sin6_scope_id = scope;
             (ss, size_of::<libc::sockaddr_in6>() as u32)
         }
     }
@@ -267,7 +269,7 @@ fn peer(fd: RawFd) -> io::Result<SocketAddr> {
 
 /// `connect()` with a timeout (non-blocking connect + poll), back to blocking afterwards.
 fn connect_timeout(fd: RawFd, addr: SocketAddr) -> io::Result<()> {
-    let (ss, len) = sockaddr(addr);
+    let (ss, len) = sockaddr(addr, 0);
     // SAFETY: fcntl on an owned descriptor.
     let flags = cvt(unsafe { libc::fcntl(fd, libc::F_GETFL) })?;
     // SAFETY: as above.
@@ -321,7 +323,7 @@ fn send(fd: RawFd, buf: &[u8]) -> io::Result<()> {
 }
 
 fn sendto(fd: RawFd, buf: &[u8], addr: SocketAddr) -> io::Result<()> {
-    let (ss, len) = sockaddr(addr);
+    let (ss, len) = sockaddr(addr, 0);
     // SAFETY: buffer, sockaddr and their lengths.
     let n = unsafe {
         libc::sendto(

@@ -44,6 +44,7 @@ use std::mem::{size_of, zeroed};
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, TcpListener, TcpStream, UdpSocket};
 use std::os::fd::{AsFd, AsRawFd, FromRawFd, OwnedFd, RawFd};
 
+use egress_tests::batch::sockaddr;
 use egress_tests::packet::{
     checksum, ethernet_ipv4_udp, ipv4_udp, packet_socket, parse_mac, send_frame,
 };
@@ -99,28 +100,6 @@ fn cvt_l(rc: isize) -> io::Result<isize> {
 fn socket(domain: i32, ty: i32, proto: i32) -> io::Result<OwnedFd> {
     let fd = cvt(unsafe { libc::socket(domain, ty | libc::SOCK_CLOEXEC, proto) })?;
     Ok(unsafe { OwnedFd::from_raw_fd(fd) })
-}
-
-/// A sockaddr for `addr` (v4 or v6, optional scope id).
-fn sockaddr(addr: SocketAddr, scope: u32) -> (libc::sockaddr_storage, libc::socklen_t) {
-    let mut ss: libc::sockaddr_storage = unsafe { zeroed() };
-    match addr {
-        SocketAddr::V4(a) => {
-            let sin = unsafe { &mut *(&raw mut ss).cast::<libc::sockaddr_in>() };
-            sin.sin_family = libc::AF_INET as u16;
-            sin.sin_port = a.port().to_be();
-            sin.sin_addr.s_addr = u32::from_ne_bytes(a.ip().octets());
-            (ss, size_of::<libc::sockaddr_in>() as u32)
-        }
-        SocketAddr::V6(a) => {
-            let sin6 = unsafe { &mut *(&raw mut ss).cast::<libc::sockaddr_in6>() };
-            sin6.sin6_family = libc::AF_INET6 as u16;
-            sin6.sin6_port = a.port().to_be();
-            sin6.sin6_addr.s6_addr = a.ip().octets();
-            sin6.sin6_scope_id = scope;
-            (ss, size_of::<libc::sockaddr_in6>() as u32)
-        }
-    }
 }
 
 fn connect_fd(fd: RawFd, addr: SocketAddr, scope: u32) -> io::Result<()> {
