@@ -8,7 +8,7 @@ use std::ffi::OsStr;
 use std::fs::File;
 use std::io::Write as _;
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output, Stdio};
+use std::process::{Child, Command, Output, Stdio};
 
 fn profile_dir() -> PathBuf {
     let exe = std::env::current_exe().expect("current_exe");
@@ -239,5 +239,22 @@ pub fn assert_enforcement_intact(what: &str) {
             !crate::bpf::attached_programs(&exec_root(), *ty).is_empty(),
             "{what}: nothing attached to the exec root for {name}"
         );
+    }
+}
+
+/// A child (an `exec`) stopped with SIGTERM when dropped, so `exec` cleans up and a failing
+/// assertion does not leave it behind holding ports and the kernel events lock.
+pub struct StopOnDrop(pub Child);
+
+impl Drop for StopOnDrop {
+    fn drop(&mut self) {
+        if matches!(self.0.try_wait(), Ok(None)) {
+            nix::sys::signal::kill(
+                nix::unistd::Pid::from_raw(self.0.id() as i32),
+                nix::sys::signal::Signal::SIGTERM,
+            )
+            .ok();
+            self.0.wait().ok();
+        }
     }
 }

@@ -27,7 +27,7 @@ use std::collections::BTreeSet;
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 use std::path::Path;
-use std::process::{Child, Stdio};
+use std::process::Stdio;
 use std::time::{Duration, Instant};
 
 use egress_agent::bpf::PinnedState;
@@ -35,7 +35,7 @@ use egress_agent::config::Config;
 use egress_common::PolicyEntry;
 use egress_policy::kernel::{Endpoints, InterceptAddrs, KernelPolicy};
 use egress_policy::kernel_eval::{self, KernelVerdict, Netns as Where, Transport};
-use egress_tests::agent::{BPFFS, TestConfig, exec_cmd, exec_root, probe_bin};
+use egress_tests::agent::{BPFFS, StopOnDrop, TestConfig, exec_cmd, exec_root, probe_bin};
 use egress_tests::batch::{Case, Op, Outcome, SelfServers};
 use egress_tests::canary::Canary;
 use egress_tests::netns::Netns;
@@ -588,22 +588,6 @@ struct Disagreement {
     observed: String,
 }
 
-/// Kill a child left behind by a failing assertion.
-struct Reap(Child);
-
-impl Drop for Reap {
-    fn drop(&mut self) {
-        if matches!(self.0.try_wait(), Ok(None)) {
-            nix::sys::signal::kill(
-                nix::unistd::Pid::from_raw(self.0.id() as i32),
-                nix::sys::signal::Signal::SIGTERM,
-            )
-            .ok();
-            self.0.wait().ok();
-        }
-    }
-}
-
 /// Run one policy's cases; returns (cases run, disagreements).
 fn run_policy(
     rng: &mut Rng,
@@ -614,7 +598,7 @@ fn run_policy(
 ) -> (usize, Vec<Disagreement>) {
     let config = Config::load(&cfg.path).expect("the generated configuration loads");
     let policy = config.policy(&g.name).expect("generated policy").clone();
-    let mut child = Reap(
+    let mut child = StopOnDrop(
         exec_cmd(&g.name, Some(&cfg.path))
             .arg(probe_bin())
             .arg("batch")

@@ -9,7 +9,8 @@ use std::process::{Child, Stdio};
 use std::time::{Duration, Instant};
 
 use egress_tests::agent::{
-    TestConfig, cgroup2_mount, exec_cmd, probe_bin, probe_exec, probe_outside, status_json,
+    StopOnDrop, TestConfig, cgroup2_mount, exec_cmd, probe_bin, probe_exec, probe_outside,
+    status_json,
 };
 use egress_tests::canary::Canary;
 use egress_tests::netns::Netns;
@@ -221,30 +222,7 @@ fn other_policys_listener_is_unreachable() {
 }
 
 /// Start `probe serve` confined; returns the child once it listens.
-/// A confined server that is stopped (SIGTERM: exec cleans up) when dropped, so a failing
-/// assertion does not leave it behind holding ports and the kernel events lock.
-struct Served(Child);
-
-impl Served {
-    fn wait(&mut self) -> std::io::Result<std::process::ExitStatus> {
-        self.0.wait()
-    }
-}
-
-impl Drop for Served {
-    fn drop(&mut self) {
-        if matches!(self.0.try_wait(), Ok(None)) {
-            nix::sys::signal::kill(
-                nix::unistd::Pid::from_raw(self.0.id() as i32),
-                nix::sys::signal::Signal::SIGTERM,
-            )
-            .ok();
-            self.0.wait().ok();
-        }
-    }
-}
-
-fn serve_confined(policy: &str, config: &TestConfig, port: u16, m: &str) -> Served {
+fn serve_confined(policy: &str, config: &TestConfig, port: u16, m: &str) -> StopOnDrop {
     let mut child = exec_cmd(policy, Some(&config.path))
         .arg(probe_bin())
         .args(["serve", &port.to_string(), m])
@@ -258,7 +236,7 @@ fn serve_confined(policy: &str, config: &TestConfig, port: u16, m: &str) -> Serv
     assert_eq!(first, "listening", "server did not start");
     // Keep the pipe drained in the background.
     std::thread::spawn(move || for _ in lines {});
-    Served(child)
+    StopOnDrop(child)
 }
 
 fn read_reply(mut s: TcpStream) -> String {
@@ -294,7 +272,7 @@ fn server_in_cgroup_answers_allowed_inbound_clients() {
         reply.contains(&m),
         "no reply from the confined server over loopback: {reply:?}"
     );
-    assert!(server.wait().expect("wait").success());
+    assert!(server.0.wait().expect("wait").success());
 
     // A client in another namespace (like a published port), over the veth, v4 and v6.
     for (i, host) in [ns.host_v4.to_string(), format!("[{}]", ns.host_v6)]
@@ -315,7 +293,7 @@ fn server_in_cgroup_answers_allowed_inbound_clients() {
             reply.contains(&m),
             "no reply from the confined server to {addr}: {reply:?}"
         );
-        assert!(server.wait().expect("wait").success());
+        assert!(server.0.wait().expect("wait").success());
     }
 }
 
