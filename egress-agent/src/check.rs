@@ -33,6 +33,9 @@ pub fn explain_labels<'a>(
         labels::Source::Default => {
             "opted in without a policy label: agent.default_policy applies".to_owned()
         }
+        labels::Source::Namespace => {
+            "a pod without egress.* annotations: its namespace's default applies".to_owned()
+        }
         labels::Source::Named => "egress.policy label".to_owned(),
         labels::Source::Inline => {
             "inline egress.allow_hosts / egress.allow_ports labels".to_owned()

@@ -34,6 +34,8 @@ use crate::{
 pub struct RunOptions {
     pub config: PathBuf,
     pub docker: DockerOptions,
+    /// Run the Docker runtime (off with `--no-docker`, e.g. on a Kubernetes node).
+    pub watch_docker: bool,
     pub api_socket: PathBuf,
     /// Serve Prometheus metrics here (loopback unless `metrics_allow_non_loopback`).
     pub metrics: Option<SocketAddr>,
@@ -45,7 +47,8 @@ struct Daemon {
     config: ArcSwap<Config>,
     events: EventSink,
     started: Instant,
-    reload_tx: mpsc::Sender<ReloadRequest>,
+    /// One per runtime (Docker, containerd): a reload is applied by every one.
+    reload_tx: Vec<mpsc::Sender<ReloadRequest>>,
     /// Serialises reloads (SIGHUP and API at once).
     reload_lock: tokio::sync::Mutex<()>,
     /// What the enforcement task reported when it became ready (root, endpoint, LSM hook).
@@ -82,18 +85,24 @@ impl Daemon {
         if new.api != self.config.load().api {
             return Err("[api] changed: these settings take effect only on a restart (systemctl restart egress-agent); nothing was applied".to_owned());
         }
+        if new.kubernetes.is_some() != self.config.load().kubernetes.is_some() {
+            return Err("[kubernetes] added or removed: the containerd runtime starts or stops only on a restart (systemctl restart egress-agent); nothing was applied".to_owned());
+        }
         let new = Arc::new(new);
-        let (done_tx, done_rx) = oneshot::channel();
-        self.reload_tx
-            .send(ReloadRequest {
+        // Every runtime refuses the same settings (`restart_needed`), so a refusal comes from
+        // the first and none applies it.
+        for tx in &self.reload_tx {
+            let (done_tx, done_rx) = oneshot::channel();
+            tx.send(ReloadRequest {
                 config: new.clone(),
                 done: done_tx,
             })
             .await
             .map_err(|_| "the enforcement task is not running".to_owned())?;
-        done_rx
-            .await
-            .map_err(|_| "the enforcement task stopped during the reload".to_owned())??;
+            done_rx
+                .await
+                .map_err(|_| "the enforcement task stopped during the reload".to_owned())??;
+        }
         self.config.store(new.clone());
         Ok(json!({ "reloaded": true, "policies": new.policy_names().collect::<Vec<_>>() }))
     }
@@ -110,7 +119,8 @@ impl Control for Daemon {
             "config": self.config_path.display().to_string(),
             "uptime_s": self.started.elapsed().as_secs(),
             "proxy_endpoint": config.proxy.endpoint.to_string(),
-            "docker": self.ready,
+            "docker": self.ready.get("docker"),
+            "kubernetes": self.ready.get("kubernetes"),
             "events_total": self.events.total(),
             "kernel": kernel,
         })
@@ -235,7 +245,7 @@ pub async fn run(opts: RunOptions) -> Result<()> {
         .map(|m| docker::cgroups::DockerRoot::new(m, &opts.docker.cgroup_parent).path());
     let api = ApiServer::bind(&opts.api_socket)
         .await?
-        .refusing_roots(docker_root.ok());
+        .refusing_roots(docker_root.ok().into_iter().chain(kubelet_root(&config)));
     let api = crate::api::server::with_config(api, &config.api).await?;
 
     // The core: events, the durable store and exporters (taps on the sink, written off the hot
@@ -253,38 +263,46 @@ pub async fn run(opts: RunOptions) -> Result<()> {
         });
     }
 
-    // The Docker runtime, on the core's stop; its outcome arrives on `ended`.
-    let (reload_tx, reload_rx) = mpsc::channel(1);
-    let (ready_tx, ready_rx) = oneshot::channel();
-    let (ended_tx, mut ended) = oneshot::channel();
-    let hooks = docker::Hooks {
-        ready: Some(ready_tx),
-        reload: Some(reload_rx),
-        metrics: Some(metrics.clone()),
-    };
-    let (docker_config, docker_opts, docker_events) =
-        (config.clone(), opts.docker.clone(), events.clone());
-    agent.spawn("docker", |stop| async move {
-        let r = docker::serve_with(docker_config, docker_opts, docker_events, hooks, stop).await;
-        ended_tx.send(r).ok();
-    });
+    // The runtimes (Docker; containerd when `[kubernetes]` is configured), on the core's stop,
+    // sharing one directory for naming kernel events; the first to end stops the daemon.
+    let mut runtimes = Runtimes::default();
+    if opts.watch_docker {
+        let (hooks, rt) = Runtimes::hooks(&metrics);
+        let (c, o, e) = (config.clone(), opts.docker.clone(), events.clone());
+        runtimes.add("docker", rt, &mut agent, |stop| {
+            docker::serve_with(c, o, e, hooks, stop)
+        });
+    }
+    if let Some(k8s) = config.kubernetes.clone() {
+        let (hooks, rt) = Runtimes::hooks(&metrics);
+        let (c, d, e) = (
+            config.clone(),
+            opts.docker.directory.clone(),
+            events.clone(),
+        );
+        runtimes.add("kubernetes", rt, &mut agent, |stop| {
+            crate::containerd::serve(c, k8s, d, e, hooks, stop)
+        });
+    }
+    if runtimes.is_empty() {
+        agent.shutdown().await;
+        anyhow::bail!(
+            "nothing to enforce: --no-docker and no [kubernetes] section in {}; add one or drop --no-docker",
+            opts.config.display()
+        );
+    }
 
-    // READY once programs are loaded/adopted and the proxy listens (or fail the start). The
-    // readiness sender is dropped when the task fails: then its own error is the reason.
-    let ready = match ready_rx.await {
+    // READY once every runtime's programs are loaded/adopted and the proxy listens (or fail the
+    // start with the failing runtime's own error).
+    let ready = match runtimes.ready().await {
         Ok(ready) => ready,
-        Err(_) => {
-            let why = match ended.await {
-                Ok(Ok(())) => anyhow::anyhow!("the enforcement task ended before it was ready"),
-                Ok(Err(e)) => anyhow::Error::new(e).context("starting enforcement"),
-                Err(_) => anyhow::anyhow!("the enforcement task panicked"),
-            };
+        Err(why) => {
             agent.shutdown().await;
             return Err(why);
         }
     };
     info!(ready = %ready, "egress-agent enforcing");
-    // Kernel denials, named by the container directory the runtime keeps.
+    // Kernel denials, named by the directory the runtimes keep.
     let directory = opts.docker.directory.clone();
     match agent.pump_kernel_events(&config.agent.bpffs, move |d| directory.enrich(d)) {
         Ok(true) => {}
@@ -297,7 +315,7 @@ pub async fn run(opts: RunOptions) -> Result<()> {
         config: ArcSwap::new(config),
         events,
         started: Instant::now(),
-        reload_tx,
+        reload_tx: runtimes.reload_senders(),
         reload_lock: tokio::sync::Mutex::new(()),
         ready,
         docker_socket: opts.docker.socket.clone(),
@@ -322,13 +340,7 @@ pub async fn run(opts: RunOptions) -> Result<()> {
             }
             _ = term.recv() => break Ok(()),
             _ = int.recv() => break Ok(()),
-            r = &mut ended => {
-                break match r {
-                    Ok(Ok(())) => Err(anyhow::anyhow!("the enforcement task stopped")),
-                    Ok(Err(e)) => Err(anyhow::Error::new(e).context("enforcement failed")),
-                    Err(_) => Err(anyhow::anyhow!("the enforcement task panicked")),
-                };
-            }
+            why = runtimes.ended() => break Err(why),
         }
     };
     info!("stopping; the pinned programs keep enforcing");
@@ -338,6 +350,130 @@ pub async fn run(opts: RunOptions) -> Result<()> {
     agent.shutdown().await;
     info!("stopped: events recorded and exported");
     result
+}
+
+/// The kubelet's cgroup root (`[kubernetes] cgroup_root`), whose pods may not use the API.
+fn kubelet_root(config: &Config) -> Option<PathBuf> {
+    let k = config.kubernetes.as_ref()?;
+    let mount = crate::cgroup::cgroup2_mount().ok()?;
+    Some(mount.join(k.cgroup_root.trim_start_matches('/')))
+}
+
+/// The runtimes the daemon runs, each a task of the agent core.
+#[derive(Default)]
+struct Runtimes {
+    list: Vec<Runtime>,
+}
+
+struct Runtime {
+    name: &'static str,
+    reload: mpsc::Sender<ReloadRequest>,
+    ready: Option<oneshot::Receiver<Value>>,
+    ended: Option<oneshot::Receiver<Result<(), docker::ServeError>>>,
+}
+
+/// The daemon's ends of one runtime's hooks.
+struct RuntimeEnds {
+    reload: mpsc::Sender<ReloadRequest>,
+    ready: oneshot::Receiver<Value>,
+}
+
+impl Runtimes {
+    fn hooks(metrics: &Arc<Metrics>) -> (docker::Hooks, RuntimeEnds) {
+        let (reload_tx, reload_rx) = mpsc::channel(1);
+        let (ready_tx, ready_rx) = oneshot::channel();
+        (
+            docker::Hooks {
+                ready: Some(ready_tx),
+                reload: Some(reload_rx),
+                metrics: Some(metrics.clone()),
+            },
+            RuntimeEnds {
+                reload: reload_tx,
+                ready: ready_rx,
+            },
+        )
+    }
+
+    fn add<F, Fut>(&mut self, name: &'static str, ends: RuntimeEnds, agent: &mut Agent, serve: F)
+    where
+        F: FnOnce(tokio_util::sync::CancellationToken) -> Fut,
+        Fut: std::future::Future<Output = Result<(), docker::ServeError>> + Send + 'static,
+    {
+        let (ended_tx, ended_rx) = oneshot::channel();
+        agent.spawn(name, |stop| {
+            let fut = serve(stop);
+            async move {
+                ended_tx.send(fut.await).ok();
+            }
+        });
+        self.list.push(Runtime {
+            name,
+            reload: ends.reload,
+            ready: Some(ends.ready),
+            ended: Some(ended_rx),
+        });
+    }
+
+    fn is_empty(&self) -> bool {
+        self.list.is_empty()
+    }
+
+    fn reload_senders(&self) -> Vec<mpsc::Sender<ReloadRequest>> {
+        self.list.iter().map(|r| r.reload.clone()).collect()
+    }
+
+    /// Every runtime's readiness report, by name; the first failure's own error otherwise (the
+    /// readiness sender is dropped when a runtime fails).
+    async fn ready(&mut self) -> Result<Value, anyhow::Error> {
+        let mut out = serde_json::Map::new();
+        for r in &mut self.list {
+            let Some(rx) = r.ready.take() else { continue };
+            match rx.await {
+                Ok(info) => {
+                    out.insert(r.name.to_owned(), info);
+                }
+                Err(_) => {
+                    let ended = r.ended.take();
+                    return Err(match ended {
+                        Some(e) => ended_error(r.name, e.await),
+                        None => anyhow::anyhow!("the {} runtime ended before it was ready", r.name),
+                    });
+                }
+            }
+        }
+        Ok(Value::Object(out))
+    }
+
+    /// Wait until a runtime ends (it should not before the stop) and say why.
+    async fn ended(&mut self) -> anyhow::Error {
+        let waits: Vec<_> = self
+            .list
+            .iter_mut()
+            .filter_map(|r| {
+                let name = r.name;
+                r.ended
+                    .as_mut()
+                    .map(|rx| Box::pin(async move { (name, rx.await) }))
+            })
+            .collect();
+        if waits.is_empty() {
+            return std::future::pending().await;
+        }
+        let ((name, r), _, _) = futures_util::future::select_all(waits).await;
+        ended_error(name, r)
+    }
+}
+
+fn ended_error(
+    name: &str,
+    r: Result<Result<(), docker::ServeError>, oneshot::error::RecvError>,
+) -> anyhow::Error {
+    match r {
+        Ok(Ok(())) => anyhow::anyhow!("the {name} enforcement task stopped"),
+        Ok(Err(e)) => anyhow::Error::new(e).context(format!("{name} enforcement failed")),
+        Err(_) => anyhow::anyhow!("the {name} enforcement task panicked"),
+    }
 }
 
 #[cfg(test)]
@@ -359,6 +495,7 @@ mod tests {
         let opts = RunOptions {
             config,
             docker: DockerOptions::default(),
+            watch_docker: true,
             api_socket: dir.join("api.sock"),
             metrics: None,
             metrics_allow_non_loopback: false,

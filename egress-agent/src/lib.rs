@@ -7,7 +7,8 @@
 //! `module_cycles` test keeps every two-way dependency out):
 //!
 //! - the core and its runtimes: [`agent`] (events, store, exporters, kernel events, one ordered
-//!   stop) used by [`daemon`] (`run`: the Docker runtime [`docker`], the control API [`api`])
+//!   stop) used by [`daemon`] (`run`: the Docker runtime [`docker`] — whose enforcer the
+//!   Kubernetes runtime [`containerd`] shares —, the control API [`api`])
 //!   and [`exec`] (one command in a fresh enforced cgroup, inside [`sandbox`]);
 //! - enforcement: [`bpf`] (loading, pinning and adopting the programs, per-cgroup entries, the
 //!   kernel relay), [`nft`] (the nftables host layer), [`cgroup`], [`netif`], [`mountinfo`];
@@ -38,6 +39,7 @@ pub mod check;
 pub mod cleanup;
 pub mod cli;
 pub mod config;
+pub mod containerd;
 pub mod daemon;
 pub mod docker;
 pub mod events;

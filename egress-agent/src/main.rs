@@ -20,7 +20,8 @@ struct Cli {
 
 #[derive(Debug, Subcommand)]
 enum Command {
-    /// Run the daemon: enforce Docker containers by label, serve the proxy and the control API.
+    /// Run the daemon: enforce Docker containers by label (and Kubernetes pods through containerd
+    /// when the configuration has a `[kubernetes]` section), serve the proxy and the control API.
     Run {
         /// Configuration file.
         #[arg(long, default_value = DEFAULT_CONFIG_PATH)]
@@ -36,6 +37,9 @@ enum Command {
         /// stopped only by the BPF-LSM hook).
         #[arg(long)]
         no_nft: bool,
+        /// Don't watch Docker (a Kubernetes node whose pods run on containerd: `[kubernetes]`).
+        #[arg(long)]
+        no_docker: bool,
         /// Refuse to start without the BPF-LSM socket hook (closes AF_PACKET/raw in the kernel).
         #[arg(long)]
         require_lsm: bool,
@@ -266,6 +270,7 @@ fn main() -> ExitCode {
             docker_socket,
             cgroup_parent,
             no_nft,
+            no_docker,
             require_lsm,
             api_socket,
             metrics_listen,
@@ -281,6 +286,7 @@ fn main() -> ExitCode {
                     require_lsm,
                     ..DockerOptions::default()
                 },
+                watch_docker: !no_docker,
                 api_socket,
                 metrics: metrics_listen,
                 metrics_allow_non_loopback,

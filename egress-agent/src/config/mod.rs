@@ -56,6 +56,9 @@ pub struct Config {
     /// The control API's access and the status page (`[api]`).
     #[serde(default)]
     pub api: ApiConfig,
+    /// Kubernetes pods through containerd (`[kubernetes]`): present = the containerd runtime runs.
+    #[serde(default)]
+    pub kubernetes: Option<KubernetesConfig>,
     /// Named policies. `allow_all` and `deny_all` are built in.
     #[serde(default)]
     pub policies: BTreeMap<String, Policy>,
@@ -63,6 +66,35 @@ pub struct Config {
 
 /// `[api]`: who may read the control API, and the status page's optional TCP address. Changes
 /// take effect on a restart.
+/// `[kubernetes]`: pods on this node, learnt from containerd (see docs/operations.md,
+/// "Kubernetes"). A pod's policy comes from its `egress.*` annotations, else its namespace's
+/// entry in `namespace_defaults`, else `agent.unlabeled`. Changes take effect on a restart.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct KubernetesConfig {
+    /// containerd's socket. Default `/run/containerd/containerd.sock`.
+    pub containerd_socket: PathBuf,
+    /// The containerd namespace the CRI plugin uses. Default `k8s.io`.
+    pub containerd_namespace: String,
+    /// The kubelet's cgroup root, relative to the cgroup2 mount: `/kubepods` (cgroupfs driver,
+    /// the default) or `/kubepods.slice` (systemd driver). The programs attach here; a pod under
+    /// it that the agent has not classified yet is `deny_all`.
+    pub cgroup_root: String,
+    /// Kubernetes namespace → policy for its pods without `egress.*` annotations.
+    pub namespace_defaults: BTreeMap<String, String>,
+}
+
+impl Default for KubernetesConfig {
+    fn default() -> Self {
+        KubernetesConfig {
+            containerd_socket: PathBuf::from("/run/containerd/containerd.sock"),
+            containerd_namespace: "k8s.io".to_owned(),
+            cgroup_root: "/kubepods".to_owned(),
+            namespace_defaults: BTreeMap::new(),
+        }
+    }
+}
+
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, Default)]
 #[serde(default, deny_unknown_fields)]
 pub struct ApiConfig {
@@ -633,6 +665,31 @@ deny_cidrs = ["203.0.113.0/24"]
             "{e}"
         );
         assert!(e.contains("overlaps"), "{e}");
+    }
+
+    #[test]
+    fn kubernetes_errors_are_located() {
+        let e = err("[kubernetes]\nnamespace_defaults = { ci = \"nope\" }\n");
+        assert!(
+            e.starts_with("/etc/egress-agent/test.toml:2:")
+                && e.contains("kubernetes.namespace_defaults.ci: no policy named \"nope\""),
+            "{e}"
+        );
+        let e = err("[kubernetes]\ncgroup_root = \"/kubepods/../x\"\n");
+        assert!(
+            e.contains("kubernetes.cgroup_root") && e.contains("/kubepods.slice"),
+            "{e}"
+        );
+        let e = err("[kubernetes]\ncontainerd_socket = \"run/c.sock\"\n");
+        assert!(e.contains("kubernetes.containerd_socket"), "{e}");
+        let e = err("[kubernetes]\ncgroup_parent = \"/kubepods\"\n");
+        assert!(e.contains("cgroup_parent"), "{e}");
+        let c = parse("[kubernetes]\n").expect("config");
+        let k = c.kubernetes.expect("section");
+        assert_eq!(
+            (k.cgroup_root.as_str(), k.containerd_namespace.as_str()),
+            ("/kubepods", "k8s.io")
+        );
     }
 
     #[test]

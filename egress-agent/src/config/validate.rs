@@ -123,10 +123,48 @@ impl Config {
         if self.dns.attempts == 0 {
             return Err(verr("dns.attempts", "must be > 0"));
         }
+        if let Some(k) = &self.kubernetes {
+            self.validate_kubernetes(k)?;
+        }
         for (name, policy) in &self.policies {
             let base = format!("policies.{name}");
             check_policy_name(name).map_err(|m| verr(&base, m))?;
             policy.validate(&base)?;
+        }
+        Ok(())
+    }
+
+    fn validate_kubernetes(&self, k: &super::KubernetesConfig) -> Result<(), ValidationError> {
+        let root = k.cgroup_root.trim_matches('/');
+        if root.is_empty()
+            || root
+                .split('/')
+                .any(|c| c.is_empty() || c == "." || c == "..")
+        {
+            return Err(verr(
+                "kubernetes.cgroup_root",
+                "must be the kubelet's cgroup root under the cgroup2 mount, e.g. \"/kubepods\" (cgroupfs driver) or \"/kubepods.slice\" (systemd driver)",
+            ));
+        }
+        if k.containerd_namespace.is_empty() {
+            return Err(verr(
+                "kubernetes.containerd_namespace",
+                "must name containerd's CRI namespace (\"k8s.io\")",
+            ));
+        }
+        if !k.containerd_socket.is_absolute() {
+            return Err(verr(
+                "kubernetes.containerd_socket",
+                "must be an absolute path (e.g. /run/containerd/containerd.sock)",
+            ));
+        }
+        for (ns, policy) in &k.namespace_defaults {
+            if self.policy(policy).is_none() {
+                return Err(verr(
+                    &format!("kubernetes.namespace_defaults.{ns}"),
+                    format!("no policy named {policy:?}"),
+                ));
+            }
         }
         Ok(())
     }

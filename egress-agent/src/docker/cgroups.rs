@@ -61,9 +61,10 @@ impl DockerRoot {
         path != root && path.starts_with(&root)
     }
 
-    /// Create the container's directory before runc does (existing is fine) and return its id.
+    /// Create the container's (or pod's) directory before runc does (existing is fine; missing
+    /// levels in between are made too, as runc would) and return its id.
     pub fn precreate(&self, dir: &Path) -> io::Result<u64> {
-        match std::fs::create_dir(dir) {
+        match std::fs::create_dir_all(dir) {
             Ok(()) => {}
             Err(e) if e.kind() == io::ErrorKind::AlreadyExists => {}
             Err(e) => return Err(e),

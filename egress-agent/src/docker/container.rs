@@ -33,6 +33,20 @@ pub struct ContainerInfo {
     pub published_tcp: Vec<u16>,
     /// Reasons this container can't be confined (privileged, dangerous capabilities or mounts).
     pub unconfinable: Vec<String>,
+    /// Set for a Kubernetes pod (the containerd runtime): the workload is the whole pod.
+    pub pod: Option<PodPlacement>,
+}
+
+/// Where a pod's entry goes and what names it: a pod is enforced at its pod-level cgroup, which
+/// covers the sandbox and every later container of the pod.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PodPlacement {
+    /// The pod's Kubernetes namespace (for `[kubernetes] namespace_defaults`).
+    pub namespace: String,
+    /// Event context: `k8s.namespace.name`, `k8s.pod.name`, `k8s.pod.uid`.
+    pub context: std::collections::BTreeMap<String, String>,
+    /// The pod-level cgroup directory, relative to the cgroup2 mount.
+    pub cgroup_dir: std::path::PathBuf,
 }
 
 impl ContainerInfo {
@@ -124,6 +138,7 @@ impl ContainerInfo {
             auto_remove,
             published_tcp,
             unconfinable,
+            pod: None,
         })
     }
 
@@ -144,6 +159,7 @@ impl ContainerInfo {
             auto_remove: false,
             published_tcp: Vec::new(),
             unconfinable: Vec::new(),
+            pod: None,
         }
     }
 

@@ -210,10 +210,15 @@ impl Enforcer {
     }
 
     fn resolve(&self, info: &ContainerInfo) -> Resolved {
-        let resolved = labels::resolve(
-            info.labels.iter().map(|(k, v)| (k.as_str(), v.as_str())),
-            &self.config,
-        );
+        let labels = info.labels.iter().map(|(k, v)| (k.as_str(), v.as_str()));
+        let resolved = match &info.pod {
+            None => labels::resolve(labels, &self.config),
+            Some(pod) => {
+                let mut r = labels::resolve_pod(labels, &pod.namespace, &self.config);
+                r.context.extend(pod.context.clone());
+                r
+            }
+        };
         self.note_invalid(info, &resolved);
         resolved
     }
@@ -224,11 +229,16 @@ impl Enforcer {
     #[tracing::instrument(skip_all, fields(container = %info.id, name = %info.name))]
     pub async fn prepare(&mut self, info: &ContainerInfo) -> Outcome {
         let resolved = self.resolve(info);
-        let Some(dir) = self
-            .settings
-            .root
-            .expected_dir(&info.id, &info.cgroup_parent)
-        else {
+        let dir = match &info.pod {
+            // A pod: its pod-level cgroup, read from the runtime (never derived from an id).
+            Some(pod) => Some(self.settings.root.mount.join(&pod.cgroup_dir))
+                .filter(|d| self.settings.root.contains(d)),
+            None => self
+                .settings
+                .root
+                .expected_dir(&info.id, &info.cgroup_parent),
+        };
+        let Some(dir) = dir else {
             return self.outside_root(info, resolved, None);
         };
         let id = match self.settings.root.precreate(&dir) {
@@ -605,7 +615,12 @@ impl Enforcer {
             host: None,
             ip: None,
             port: 0,
-            protocol: "docker".to_owned(),
+            protocol: if info.pod.is_some() {
+                "containerd"
+            } else {
+                "docker"
+            }
+            .to_owned(),
             reason: reason.to_owned(),
             verdict: crate::events::Verdict::Deny,
         });

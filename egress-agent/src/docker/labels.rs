@@ -47,6 +47,9 @@ pub enum Source {
     Unlabeled,
     /// Opted in with context labels only: `agent.default_policy`.
     Default,
+    /// A pod without `egress.*` annotations in a namespace with a default
+    /// (`[kubernetes] namespace_defaults`).
+    Namespace,
     /// `egress.policy=<name>`.
     Named,
     /// `egress.allow_hosts` (+ `egress.allow_ports`).
@@ -195,6 +198,38 @@ where
     }
 }
 
+/// Resolve a pod's `egress.*` annotations (the same keys as container labels): without any,
+/// its namespace's default (`[kubernetes] namespace_defaults`) applies, else `agent.unlabeled`.
+/// A refusal names annotations, not labels, so its event points at what to fix.
+pub fn resolve_pod<'a, I>(annotations: I, namespace: &str, config: &Config) -> Resolved
+where
+    I: IntoIterator<Item = (&'a str, &'a str)>,
+{
+    let annotations: Vec<(&str, &str)> = annotations.into_iter().collect();
+    let opted_in = annotations
+        .iter()
+        .any(|(k, _)| k.to_ascii_lowercase().starts_with(PREFIX));
+    let default = config
+        .kubernetes
+        .as_ref()
+        .and_then(|k| k.namespace_defaults.get(namespace));
+    let mut r = match (opted_in, default) {
+        (false, Some(name)) => named(name, config, Source::Namespace, BTreeMap::new()),
+        _ => resolve(annotations, config),
+    };
+    if let Source::Invalid(why) = &r.source {
+        r.source = Source::Invalid(label_to_annotation(why));
+    }
+    r
+}
+
+/// The refusal text of a label, reworded for a pod annotation.
+fn label_to_annotation(why: &str) -> String {
+    why.replace("labels ", "annotations ")
+        .replace("label ", "annotation ")
+        .replace("egress labels", "egress annotations")
+}
+
 /// A configured (validated) policy by name. `Config::validate` guarantees `agent.unlabeled` and
 /// `agent.default_policy` exist; should one not, the container still gets `deny_all`.
 fn named(
@@ -312,6 +347,7 @@ impl fmt::Display for Source {
         match self {
             Source::Unlabeled => f.write_str("unlabeled"),
             Source::Default => f.write_str("default"),
+            Source::Namespace => f.write_str("namespace default"),
             Source::Named => f.write_str("label"),
             Source::Inline => f.write_str("inline"),
             Source::Invalid(r) => write!(f, "invalid: {r}"),
@@ -535,5 +571,71 @@ allow_cidrs = ["198.18.0.10/32"]
             (res.name.as_str(), res.policy.mode),
             ("deny_all", Mode::DenyAll)
         );
+    }
+
+    fn k8s_config() -> Config {
+        Config::from_toml_str(
+            r#"
+[agent]
+unlabeled = "allow_all"
+[kubernetes]
+namespace_defaults = { ci = "web" }
+[policies.web]
+allow_hosts = ["example.com"]
+[policies.api]
+allow_hosts = ["api.example.com"]
+"#,
+            Path::new("t.toml"),
+        )
+        .expect("config")
+    }
+
+    #[test]
+    fn a_pod_gets_its_annotation_then_its_namespace_default_then_unlabeled() {
+        let c = k8s_config();
+        let r = resolve_pod([("egress.policy", "api")], "ci", &c);
+        assert_eq!((r.name.as_str(), &r.source), ("api", &Source::Named));
+        // No egress.* annotation: the namespace's default, opted in (it gets a listener).
+        let r = resolve_pod([("other", "x")], "ci", &c);
+        assert_eq!((r.name.as_str(), &r.source), ("web", &Source::Namespace));
+        assert!(r.opted_in());
+        // Context annotations alone opt in with agent.default_policy, as labels do.
+        let r = resolve_pod([("egress.repo", "a/b")], "ci", &c);
+        assert_eq!(r.source, Source::Default);
+        let r = resolve_pod(std::iter::empty(), "other-ns", &c);
+        assert_eq!(
+            (r.name.as_str(), &r.source),
+            ("allow_all", &Source::Unlabeled)
+        );
+    }
+
+    #[test]
+    fn a_pods_bad_annotations_are_deny_all_and_the_reason_names_the_annotation() {
+        let c = k8s_config();
+        for (annotations, says) in [
+            (
+                vec![("egress.policy", "nope")],
+                "unknown policy \"nope\" in annotation egress.policy",
+            ),
+            (
+                vec![("egress.polcy", "web")],
+                "unknown annotation \"egress.polcy\": known egress annotations are",
+            ),
+            (
+                vec![("egress.allow_ports", "443")],
+                "annotation egress.allow_ports without egress.allow_hosts",
+            ),
+            (
+                vec![("egress.allow_hosts", "bad host!")],
+                "malformed egress.allow_hosts",
+            ),
+        ] {
+            // In a namespace with a default too: bad annotations never fall back to it.
+            let r = resolve_pod(annotations.clone(), "ci", &c);
+            assert_eq!(r.name, policy::DENY_ALL, "{annotations:?}");
+            let why = r.invalid_reason().expect("refused");
+            assert!(why.contains(says), "{annotations:?}: {why}");
+            assert!(!why.contains("label"), "{annotations:?}: {why}");
+        }
     }
 }

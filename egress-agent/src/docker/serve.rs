@@ -92,95 +92,29 @@ pub async fn serve_with(
     hooks: Hooks,
     shutdown: CancellationToken,
 ) -> Result<(), ServeError> {
-    let SocketAddr::V4(endpoint4) = config.proxy.endpoint else {
-        return Err(ServeError::Endpoint(config.proxy.endpoint));
-    };
-    if endpoint4.ip().is_loopback() || endpoint4.ip().is_unspecified() {
-        return Err(ServeError::Endpoint(config.proxy.endpoint));
-    }
-    netif::ensure(*endpoint4.ip())?;
+    proxy_endpoint(&config)?;
     let root = DockerRoot::new(cgroup::cgroup2_mount()?, &opts.cgroup_parent);
-    let root_path = root.ensure().map_err(|source| ServeError::Root {
-        path: root.path(),
-        source,
-    })?;
-    let enforcement = bpf::enforce_root(&config.agent.bpffs, &root_path, opts.require_lsm)?;
-    if let Some(why) = &enforcement.report.lsm_unavailable {
-        tracing::warn!(reason = %why, "BPF-LSM socket hook unavailable: AF_PACKET is stopped only by the nftables layer");
-    }
-    for why in &enforcement.report.upgrade_failed {
-        tracing::warn!("{why}");
-    }
-    tracing::info!(root = %root_path.display(), adopted = ?enforcement.report.adopted,
-        upgraded = ?enforcement.report.upgraded, attached = ?enforcement.report.attached,
-        "docker enforcement root ready");
-    // `enforce_root` already released the loader lock; the links stay pinned and enforcing.
-    let enforcement_lsm = enforcement
-        .report
-        .lsm_unavailable
-        .as_ref()
-        .map(|w| w.to_string());
-    let bpf::Enforcement { state, .. } = enforcement;
-    // Transparent interception and DNS: original destinations and DNS-answer allowances live in
-    // the pinned maps the programs just attached read.
-    let redirects = Arc::new(bpf::redirects::KernelRedirects::open(&config.agent.bpffs)?);
-    let mut hooks_in = crate::proxy::InterceptHooks::kernel(&redirects);
-    // Direct ports (`{ host, ports }`): the nftables layer forwards a container's traffic only
-    // where its rules say, so a DNS answer opens the addresses in the host layer's direct set
-    // first, then in the kernel (docker::direct).
-    let direct = Arc::new(super::direct::DirectPorts::new(
-        redirects.clone(),
-        opts.nft.then(|| Arc::new(crate::nft::DirectSets::new())),
-    ));
-    hooks_in.answers = direct.clone();
-    let mut ctx = ProxyContext::new(&config, events.clone())
-        .map_err(|e| ServeError::Proxy(e.to_string()))?
-        .with_interception(hooks_in);
-    if let Some(m) = &hooks.metrics {
-        ctx = ctx.with_metrics(m.clone());
-    }
-    let settings = Settings {
+    let site = Site {
         root,
-        endpoint4,
-        endpoint6: config.proxy.endpoint_v6,
-        listen_ip: config.proxy.listen.unwrap_or(IpAddr::V4(*endpoint4.ip())),
         nft: opts.nft,
-        // Without the LSM hook, AF_PACKET frames of a container the agent has not classified
-        // yet are stopped only by the L2 guard on Docker's bridges.
-        l2_guard: opts.nft && enforcement_lsm.is_some(),
-        direct,
+        require_lsm: opts.require_lsm,
+        directory: opts.directory.clone(),
     };
-    let directory = opts.directory.clone();
-    let mut enforcer = Enforcer::new(
-        state,
-        settings,
-        config.clone(),
-        ctx,
-        events.clone(),
-        directory.clone(),
-        shutdown.child_token(),
-    );
-    // Before READY: without the host layer the proxy address is reachable from the LAN.
-    enforcer.init().await.map_err(ServeError::HostLayer)?;
+    let (enforcer, info) =
+        enforcer_at(&config, site, &events, hooks.metrics.as_ref(), &shutdown).await?;
     let stop = shutdown.child_token();
     let gauges = hooks.metrics.clone().map(|m| {
         tokio::spawn(kernel_gauges(
             config.agent.bpffs.clone(),
-            directory,
+            opts.directory.clone(),
             m,
             stop.clone(),
         ))
     });
-    if let Some(ready) = hooks.ready {
-        let info = serde_json::json!({
-            "root": root_path.display().to_string(),
-            "endpoint": endpoint4.to_string(),
-            "lsm": enforcement_lsm.is_none(),
-            "lsm_unavailable": enforcement_lsm,
-        });
-        if ready.send(info).is_err() {
-            tracing::debug!("nobody waits for readiness");
-        }
+    if let Some(ready) = hooks.ready
+        && ready.send(info).is_err()
+    {
+        tracing::debug!("nobody waits for readiness");
     }
     let _enforcer = super::watch::run_with_reload(
         &opts.socket,
@@ -197,6 +131,108 @@ pub async fn serve_with(
         tracing::warn!(error = %e, "kernel gauge task ended abnormally");
     }
     Ok(())
+}
+
+/// Where a runtime's workloads live and how they are guarded.
+pub struct Site {
+    /// The enforcement root (Docker's cgroup parent, or the kubelet's `/kubepods`).
+    pub root: DockerRoot,
+    /// Maintain the nftables host layer for this runtime's workloads.
+    pub nft: bool,
+    pub require_lsm: bool,
+    /// cgroup id → workload, shared with the agent core's event pump.
+    pub directory: Directory,
+}
+
+/// The enforcement every runtime starts from: the proxy address, the programs at `site.root`
+/// (loaded or adopted), the kernel redirect maps, a proxy context and an [`Enforcer`] whose host
+/// layer protects the proxy address. Returns it with the readiness report.
+pub async fn enforcer_at(
+    config: &Arc<Config>,
+    site: Site,
+    events: &EventSink,
+    metrics: Option<&Arc<crate::metrics::Metrics>>,
+    shutdown: &CancellationToken,
+) -> Result<(Enforcer, serde_json::Value), ServeError> {
+    let endpoint4 = proxy_endpoint(config)?;
+    netif::ensure(*endpoint4.ip())?;
+    let root = site.root;
+    let root_path = root.ensure().map_err(|source| ServeError::Root {
+        path: root.path(),
+        source,
+    })?;
+    let enforcement = bpf::enforce_root(&config.agent.bpffs, &root_path, site.require_lsm)?;
+    if let Some(why) = &enforcement.report.lsm_unavailable {
+        tracing::warn!(reason = %why, "BPF-LSM socket hook unavailable: AF_PACKET is stopped only by the nftables layer");
+    }
+    for why in &enforcement.report.upgrade_failed {
+        tracing::warn!("{why}");
+    }
+    tracing::info!(root = %root_path.display(), adopted = ?enforcement.report.adopted,
+        upgraded = ?enforcement.report.upgraded, attached = ?enforcement.report.attached,
+        "enforcement root ready");
+    // `enforce_root` already released the loader lock; the links stay pinned and enforcing.
+    let enforcement_lsm = enforcement
+        .report
+        .lsm_unavailable
+        .as_ref()
+        .map(|w| w.to_string());
+    let bpf::Enforcement { state, .. } = enforcement;
+    // Transparent interception and DNS: original destinations and DNS-answer allowances live in
+    // the pinned maps the programs just attached read.
+    let redirects = Arc::new(bpf::redirects::KernelRedirects::open(&config.agent.bpffs)?);
+    let mut hooks_in = crate::proxy::InterceptHooks::kernel(&redirects);
+    // Direct ports (`{ host, ports }`): the nftables layer forwards a container's traffic only
+    // where its rules say, so a DNS answer opens the addresses in the host layer's direct set
+    // first, then in the kernel (docker::direct).
+    let direct = Arc::new(super::direct::DirectPorts::new(
+        redirects.clone(),
+        site.nft.then(|| Arc::new(crate::nft::DirectSets::new())),
+    ));
+    hooks_in.answers = direct.clone();
+    let mut ctx = ProxyContext::new(config, events.clone())
+        .map_err(|e| ServeError::Proxy(e.to_string()))?
+        .with_interception(hooks_in);
+    if let Some(m) = metrics {
+        ctx = ctx.with_metrics(m.clone());
+    }
+    let settings = Settings {
+        root,
+        endpoint4,
+        endpoint6: config.proxy.endpoint_v6,
+        listen_ip: config.proxy.listen.unwrap_or(IpAddr::V4(*endpoint4.ip())),
+        nft: site.nft,
+        // Without the LSM hook, AF_PACKET frames of a container the agent has not classified
+        // yet are stopped only by the L2 guard on Docker's bridges.
+        l2_guard: site.nft && enforcement_lsm.is_some(),
+        direct,
+    };
+    let mut enforcer = Enforcer::new(
+        state,
+        settings,
+        config.clone(),
+        ctx,
+        events.clone(),
+        site.directory,
+        shutdown.child_token(),
+    );
+    // Before READY: without the host layer the proxy address is reachable from the LAN.
+    enforcer.init().await.map_err(ServeError::HostLayer)?;
+    let info = serde_json::json!({
+        "root": root_path.display().to_string(),
+        "endpoint": endpoint4.to_string(),
+        "lsm": enforcement_lsm.is_none(),
+        "lsm_unavailable": enforcement_lsm,
+    });
+    Ok((enforcer, info))
+}
+
+/// The stable IPv4 endpoint containers reach the proxy at: not loopback, not unspecified.
+fn proxy_endpoint(config: &Config) -> Result<std::net::SocketAddrV4, ServeError> {
+    match config.proxy.endpoint {
+        SocketAddr::V4(e) if !e.ip().is_loopback() && !e.ip().is_unspecified() => Ok(e),
+        other => Err(ServeError::Endpoint(other)),
+    }
 }
 
 /// How often the per-cgroup kernel counters are read for `event_drops{source="kernel"}`.

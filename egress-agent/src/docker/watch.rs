@@ -132,29 +132,8 @@ async fn next_reload(reload: &mut Option<mpsc::Receiver<ReloadRequest>>) -> Opti
 /// need a restart: such a
 /// configuration is refused whole and the running one stays in force.
 async fn apply_reload(docker: Option<&Docker>, enforcer: &mut Enforcer, req: ReloadRequest) {
-    let old = enforcer.config().clone();
     let new = req.config;
-    let needs_restart = [
-        (old.proxy != new.proxy, "[proxy]"),
-        (old.dns != new.dns, "[dns]"),
-        (old.agent.bpffs != new.agent.bpffs, "agent.bpffs"),
-        // The interception CA and upstream trust are set up once per proxy context.
-        (old.intercept != new.intercept, "[intercept]"),
-        (
-            old.agent.state_dir != new.agent.state_dir,
-            "agent.state_dir",
-        ),
-        (old.store != new.store, "[store]"),
-        (old.export != new.export, "[export]"),
-    ]
-    .into_iter()
-    .filter_map(|(changed, what)| changed.then_some(what))
-    .collect::<Vec<_>>();
-    if !needs_restart.is_empty() {
-        let msg = format!(
-            "{} changed: these settings take effect only on a restart (systemctl restart egress-agent); nothing was applied",
-            needs_restart.join(", ")
-        );
+    if let Some(msg) = restart_needed(enforcer.config(), &new) {
         if req.done.send(Err(msg)).is_err() {
             tracing::debug!("reload requester went away");
         }
@@ -172,6 +151,53 @@ async fn apply_reload(docker: Option<&Docker>, enforcer: &mut Enforcer, req: Rel
     }
     if req.done.send(Ok(())).is_err() {
         tracing::debug!("reload requester went away");
+    }
+}
+
+/// Why `new` can't be applied by a reload (settings that can't change under running listeners
+/// and pins), or `None`. Every runtime refuses such a configuration whole.
+pub(crate) fn restart_needed(
+    old: &crate::config::Config,
+    new: &crate::config::Config,
+) -> Option<String> {
+    let needs_restart = [
+        (old.proxy != new.proxy, "[proxy]"),
+        (old.dns != new.dns, "[dns]"),
+        (old.agent.bpffs != new.agent.bpffs, "agent.bpffs"),
+        // The interception CA and upstream trust are set up once per proxy context.
+        (old.intercept != new.intercept, "[intercept]"),
+        (
+            old.agent.state_dir != new.agent.state_dir,
+            "agent.state_dir",
+        ),
+        (old.store != new.store, "[store]"),
+        (old.export != new.export, "[export]"),
+        (
+            old.kubernetes != new.kubernetes && !same_runtime(old, new),
+            "[kubernetes]",
+        ),
+    ]
+    .into_iter()
+    .filter_map(|(changed, what)| changed.then_some(what))
+    .collect::<Vec<_>>();
+    (!needs_restart.is_empty()).then(|| {
+        format!(
+            "{} changed: these settings take effect only on a restart (systemctl restart egress-agent); nothing was applied",
+            needs_restart.join(", ")
+        )
+    })
+}
+
+/// `[kubernetes]` differs only in `namespace_defaults` (policy choices a reload applies).
+fn same_runtime(old: &crate::config::Config, new: &crate::config::Config) -> bool {
+    match (&old.kubernetes, &new.kubernetes) {
+        (Some(a), Some(b)) => {
+            a.containerd_socket == b.containerd_socket
+                && a.containerd_namespace == b.containerd_namespace
+                && a.cgroup_root == b.cgroup_root
+        }
+        (None, None) => true,
+        _ => false,
     }
 }
 

@@ -1,0 +1,195 @@
+//! containerd's own gRPC API, as the runtime uses it: the event stream, the container records
+//! (labels, OCI spec) and task kills. Pods come from these records; the CRI API is not needed.
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+
+use containerd_client::services::v1::{
+    Container, GetContainerRequest, ListContainersRequest, SubscribeRequest,
+    containers_client::ContainersClient, events_client::EventsClient,
+};
+use containerd_client::tonic::{self, Request, Streaming, transport::Channel};
+
+#[derive(Debug, thiserror::Error)]
+pub enum ClientError {
+    #[error(
+        "cannot connect to containerd at {path}: {source} (is containerd running, and is [kubernetes] containerd_socket right?)"
+    )]
+    Connect {
+        path: PathBuf,
+        #[source]
+        source: tonic::transport::Error,
+    },
+    #[error("containerd {call}: {status}")]
+    Call {
+        call: &'static str,
+        status: tonic::Status,
+    },
+}
+
+/// One event of interest, decoded from containerd's envelope.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Event {
+    /// `/containers/create`: a sandbox's record exists before runc makes its cgroup.
+    ContainerCreate(String),
+    ContainerDelete(String),
+    /// `/tasks/start` (container id): its cgroup now exists.
+    TaskStart(String),
+    /// Anything else (or a payload this code can't decode): ignored.
+    Other,
+}
+
+/// A containerd connection scoped to one namespace (`k8s.io`).
+#[derive(Clone)]
+pub struct Client {
+    channel: Channel,
+    namespace: String,
+}
+
+impl Client {
+    pub async fn connect(socket: &Path, namespace: &str) -> Result<Client, ClientError> {
+        let channel =
+            containerd_client::connect(socket)
+                .await
+                .map_err(|source| ClientError::Connect {
+                    path: socket.to_owned(),
+                    source,
+                })?;
+        Ok(Client {
+            channel,
+            namespace: namespace.to_owned(),
+        })
+    }
+
+    fn request<T>(&self, msg: T) -> Request<T> {
+        let mut req = Request::new(msg);
+        if let Ok(ns) = self.namespace.parse() {
+            req.metadata_mut().insert("containerd-namespace", ns);
+        }
+        req
+    }
+
+    /// Container and task events of the namespace, from now on.
+    pub async fn subscribe(
+        &self,
+    ) -> Result<Streaming<containerd_client::types::Envelope>, ClientError> {
+        let filters = vec![
+            format!("namespace=={},topic~=\"^/containers/\"", self.namespace),
+            format!("namespace=={},topic==\"/tasks/start\"", self.namespace),
+        ];
+        EventsClient::new(self.channel.clone())
+            .subscribe(SubscribeRequest { filters })
+            .await
+            .map(tonic::Response::into_inner)
+            .map_err(|status| ClientError::Call {
+                call: "Events.Subscribe",
+                status,
+            })
+    }
+
+    pub async fn list(&self) -> Result<Vec<Container>, ClientError> {
+        let req = self.request(ListContainersRequest { filters: vec![] });
+        ContainersClient::new(self.channel.clone())
+            .list(req)
+            .await
+            .map(|r| r.into_inner().containers)
+            .map_err(|status| ClientError::Call {
+                call: "Containers.List",
+                status,
+            })
+    }
+
+    /// SIGKILL every process of a container's task (a container of a pod that can't be
+    /// confined). A task that is gone already is fine.
+    pub async fn kill(&self, id: &str) -> Result<(), ClientError> {
+        use containerd_client::services::v1::{KillRequest, tasks_client::TasksClient};
+        let req = self.request(KillRequest {
+            container_id: id.to_owned(),
+            exec_id: String::new(),
+            signal: 9,
+            all: true,
+        });
+        match TasksClient::new(self.channel.clone()).kill(req).await {
+            Ok(_) => Ok(()),
+            Err(status) if status.code() == tonic::Code::NotFound => Ok(()),
+            Err(status) => Err(ClientError::Call {
+                call: "Tasks.Kill",
+                status,
+            }),
+        }
+    }
+
+    /// A container's record; `None` when it is gone already.
+    pub async fn get(&self, id: &str) -> Result<Option<Container>, ClientError> {
+        let req = self.request(GetContainerRequest { id: id.to_owned() });
+        match ContainersClient::new(self.channel.clone()).get(req).await {
+            Ok(r) => Ok(r.into_inner().container),
+            Err(status) if status.code() == tonic::Code::NotFound => Ok(None),
+            Err(status) => Err(ClientError::Call {
+                call: "Containers.Get",
+                status,
+            }),
+        }
+    }
+}
+
+/// The labels and OCI spec bytes of a record.
+pub fn parts(c: &Container) -> (&HashMap<String, String>, &[u8]) {
+    (&c.labels, c.spec.as_ref().map_or(&[][..], |s| &s.value[..]))
+}
+
+/// Decode an envelope's payload by its topic. The payloads are containerd's event messages;
+/// only their id fields are read.
+pub fn decode(topic: &str, payload: Option<&[u8]>) -> Event {
+    use containerd_client::events::{ContainerCreate, ContainerDelete, TaskStart};
+    use prost::Message as _;
+    let Some(bytes) = payload else {
+        return Event::Other;
+    };
+    match topic {
+        "/containers/create" => ContainerCreate::decode(bytes)
+            .map(|e| Event::ContainerCreate(e.id))
+            .unwrap_or(Event::Other),
+        "/containers/delete" => ContainerDelete::decode(bytes)
+            .map(|e| Event::ContainerDelete(e.id))
+            .unwrap_or(Event::Other),
+        "/tasks/start" => TaskStart::decode(bytes)
+            .map(|e| Event::TaskStart(e.container_id))
+            .unwrap_or(Event::Other),
+        _ => Event::Other,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use prost::Message as _;
+
+    #[test]
+    fn payloads_decode_by_topic() {
+        use containerd_client::events::{ContainerCreate, TaskStart};
+        let create = ContainerCreate {
+            id: "abc".to_owned(),
+            ..Default::default()
+        }
+        .encode_to_vec();
+        assert_eq!(
+            decode("/containers/create", Some(&create)),
+            Event::ContainerCreate("abc".to_owned())
+        );
+        let start = TaskStart {
+            container_id: "abc".to_owned(),
+            pid: 7,
+        }
+        .encode_to_vec();
+        assert_eq!(
+            decode("/tasks/start", Some(&start)),
+            Event::TaskStart("abc".to_owned())
+        );
+        assert_eq!(decode("/tasks/exit", Some(&start)), Event::Other);
+        assert_eq!(decode("/containers/create", None), Event::Other);
+        assert_eq!(
+            decode("/containers/create", Some(&[0xff, 0xff])),
+            Event::Other
+        );
+    }
+}

@@ -1,0 +1,280 @@
+//! The containerd watcher: event stream + reconcile loop, feeding the shared enforcer.
+//!
+//! Each (re)connection subscribes first, then lists the namespace's containers, so nothing that
+//! happens during the listing is missed (handlers are idempotent). A pod is enforced from its
+//! sandbox's record: `/containers/create` of the sandbox arrives before runc makes the cgroup,
+//! and the entry is written for the **pod-level** cgroup, which covers the sandbox and every
+//! later container of the pod (init, app, ephemeral) by the kernel's nearest-ancestor lookup.
+//! A pod whose sandbox record is not handled yet has no entry: under the kubelet root it is
+//! `deny_all` (fail closed). The stream dropping or containerd restarting leads to a reconnect
+//! with backoff and a full reconcile; the pinned entries keep enforcing meanwhile.
+//!
+//! | event                | action                                                          |
+//! |----------------------|-----------------------------------------------------------------|
+//! | `/containers/create` | a sandbox: resolve its annotations; pre-create the pod cgroup; write its entry and start its listener |
+//! | `/tasks/start`       | a container of a refused pod: kill it                            |
+//! | `/containers/delete` | a sandbox: release its entry and listener, remove a pre-created dir |
+use std::collections::{HashMap, HashSet};
+use std::future::Future;
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::sync::mpsc;
+
+use super::client::{self, Client, ClientError, Event};
+use super::pod::{self, Record, Sandbox};
+use crate::config::KubernetesConfig;
+use crate::docker::{Enforcer, Outcome, ReloadRequest};
+use crate::metrics::Metrics;
+
+const BACKOFF_MIN: Duration = Duration::from_millis(100);
+const BACKOFF_MAX: Duration = Duration::from_secs(5);
+
+/// What the watcher knows across reconnects.
+#[derive(Default)]
+struct Pods {
+    /// Sandbox id → the pod it runs.
+    sandboxes: HashMap<String, Sandbox>,
+    /// Sandboxes whose pod can't be confined: their containers are killed when they start.
+    refused: HashSet<String>,
+}
+
+/// Watch containerd and enforce pods until `shutdown` completes, applying reloads in between
+/// events. Returns the enforcer (its pinned entries stay in force).
+pub async fn run(
+    k8s: &KubernetesConfig,
+    mut enforcer: Enforcer,
+    mut reload: Option<mpsc::Receiver<ReloadRequest>>,
+    metrics: Option<Arc<Metrics>>,
+    shutdown: impl Future<Output = ()>,
+) -> Enforcer {
+    tokio::pin!(shutdown);
+    let mut pods = Pods::default();
+    let mut backoff = BACKOFF_MIN;
+    loop {
+        let session = session(k8s, &mut enforcer, &mut pods, &mut backoff, &mut reload);
+        tokio::select! {
+            () = &mut shutdown => break,
+            r = session => {
+                if let Some(m) = &metrics {
+                    m.reconcile_error();
+                }
+                match r {
+                    Ok(()) => tracing::warn!("containerd event stream ended; reconnecting"),
+                    Err(e) => tracing::warn!(error = %e, backoff = ?backoff, "containerd watcher: reconnecting"),
+                }
+            }
+        }
+        let sleep = tokio::time::sleep(backoff);
+        tokio::pin!(sleep);
+        loop {
+            tokio::select! {
+                () = &mut shutdown => {
+                    enforcer.shutdown();
+                    tracing::info!("containerd watcher stopped");
+                    return enforcer;
+                }
+                () = &mut sleep => break,
+                req = next_reload(&mut reload) => {
+                    if let Some(req) = req {
+                        apply_reload(&mut enforcer, &mut pods, req).await;
+                    }
+                }
+            }
+        }
+        backoff = (backoff * 2).min(BACKOFF_MAX);
+    }
+    enforcer.shutdown();
+    tracing::info!("containerd watcher stopped");
+    enforcer
+}
+
+async fn next_reload(reload: &mut Option<mpsc::Receiver<ReloadRequest>>) -> Option<ReloadRequest> {
+    let Some(rx) = reload.as_mut() else {
+        return std::future::pending().await;
+    };
+    let req = rx.recv().await;
+    if req.is_none() {
+        *reload = None;
+    }
+    req
+}
+
+async fn apply_reload(enforcer: &mut Enforcer, pods: &mut Pods, req: ReloadRequest) {
+    if let Some(msg) = crate::docker::watch::restart_needed(enforcer.config(), &req.config) {
+        if req.done.send(Err(msg)).is_err() {
+            tracing::debug!("reload requester went away");
+        }
+        return;
+    }
+    for (info, why) in enforcer.reconfigure(req.config).await {
+        refused(pods, &info.id, &why);
+    }
+    if req.done.send(Ok(())).is_err() {
+        tracing::debug!("reload requester went away");
+    }
+}
+
+fn refused(pods: &mut Pods, sandbox: &str, why: &str) {
+    tracing::error!(
+        sandbox,
+        reason = why,
+        "pod can't be confined; its containers will be killed"
+    );
+    pods.refused.insert(sandbox.to_owned());
+}
+
+/// One connection: subscribe, reconcile, then follow events until the stream ends.
+async fn session(
+    k8s: &KubernetesConfig,
+    enforcer: &mut Enforcer,
+    pods: &mut Pods,
+    backoff: &mut Duration,
+    reload: &mut Option<mpsc::Receiver<ReloadRequest>>,
+) -> Result<(), ClientError> {
+    let client = Client::connect(&k8s.containerd_socket, &k8s.containerd_namespace).await?;
+    let mut stream = client.subscribe().await?;
+    reconcile(&client, k8s, enforcer, pods).await?;
+    *backoff = BACKOFF_MIN;
+    tracing::info!(pods = pods.sandboxes.len(), "containerd reconciled");
+    loop {
+        tokio::select! {
+            msg = stream.message() => {
+                let Some(env) = msg.map_err(|status| ClientError::Call { call: "Events stream", status })? else {
+                    return Ok(());
+                };
+                let event = client::decode(&env.topic, env.event.as_ref().map(|a| &a.value[..]));
+                handle(&client, k8s, enforcer, pods, event).await?;
+            }
+            req = next_reload(reload) => {
+                if let Some(req) = req {
+                    apply_reload(enforcer, pods, req).await;
+                }
+            }
+        }
+    }
+}
+
+/// Enforce every sandbox containerd has; forget the ones it no longer has.
+async fn reconcile(
+    client: &Client,
+    k8s: &KubernetesConfig,
+    enforcer: &mut Enforcer,
+    pods: &mut Pods,
+) -> Result<(), ClientError> {
+    let mut seen = HashSet::new();
+    let mut started = Vec::new();
+    for c in client.list().await? {
+        let (labels, spec) = client::parts(&c);
+        match pod::classify(&c.id, labels, spec, &k8s.cgroup_root) {
+            Ok(Record::Sandbox(sb)) => {
+                seen.insert(sb.id.clone());
+                sandbox(enforcer, pods, sb).await;
+            }
+            Ok(Record::App(app)) => started.push((app.id, app.sandbox_id)),
+            Err(e) => not_a_pod(&c.id, labels, &e),
+        }
+    }
+    let gone: Vec<String> = pods
+        .sandboxes
+        .keys()
+        .filter(|id| !seen.contains(*id))
+        .cloned()
+        .collect();
+    for id in gone {
+        removed(enforcer, pods, &id).await;
+    }
+    enforcer.prune();
+    // Containers of pods refused meanwhile are stopped now.
+    for (id, sandbox_id) in started {
+        if pods.refused.contains(&sandbox_id) {
+            kill(client, k8s, &id).await;
+        }
+    }
+    Ok(())
+}
+
+async fn handle(
+    client: &Client,
+    k8s: &KubernetesConfig,
+    enforcer: &mut Enforcer,
+    pods: &mut Pods,
+    event: Event,
+) -> Result<(), ClientError> {
+    match event {
+        Event::ContainerCreate(id) => {
+            let Some(c) = client.get(&id).await? else {
+                return Ok(());
+            };
+            let (labels, spec) = client::parts(&c);
+            match pod::classify(&id, labels, spec, &k8s.cgroup_root) {
+                Ok(Record::Sandbox(sb)) => sandbox(enforcer, pods, sb).await,
+                Ok(Record::App(_)) => {}
+                Err(e) => not_a_pod(&id, labels, &e),
+            }
+        }
+        Event::ContainerDelete(id) => {
+            if pods.sandboxes.contains_key(&id) {
+                removed(enforcer, pods, &id).await;
+            }
+        }
+        Event::TaskStart(id) => {
+            let refused_pod = pods.refused.contains(&id)
+                || match client.get(&id).await? {
+                    Some(c) => {
+                        let (labels, spec) = client::parts(&c);
+                        matches!(pod::classify(&id, labels, spec, &k8s.cgroup_root),
+                            Ok(Record::App(app)) if pods.refused.contains(&app.sandbox_id))
+                    }
+                    None => false,
+                };
+            if refused_pod {
+                kill(client, k8s, &id).await;
+            }
+        }
+        Event::Other => {}
+    }
+    Ok(())
+}
+
+/// Enforce a pod from its sandbox record.
+#[tracing::instrument(skip_all, fields(pod = %sb.pod.display_name(), sandbox = %sb.id))]
+async fn sandbox(enforcer: &mut Enforcer, pods: &mut Pods, sb: Sandbox) {
+    let info = sb.workload();
+    pods.sandboxes.insert(sb.id.clone(), sb);
+    match enforcer.prepare(&info).await {
+        Outcome::Ok => {
+            pods.refused.remove(&info.id);
+        }
+        Outcome::Refuse(why) => refused(pods, &info.id, &why),
+    }
+}
+
+async fn removed(enforcer: &mut Enforcer, pods: &mut Pods, id: &str) {
+    pods.sandboxes.remove(id);
+    pods.refused.remove(id);
+    enforcer.destroyed(id).await;
+    tracing::info!(sandbox = id, "pod removed");
+}
+
+/// A record that is not a pod container. Records without the CRI kind label (`ctr run` in the
+/// namespace) are not pods; a CRI record that can't be read is logged loudly — its pod, if under
+/// the kubelet root, has no entry and stays `deny_all`.
+fn not_a_pod(id: &str, labels: &HashMap<String, String>, e: &pod::RecordError) {
+    if labels.contains_key(pod::LABEL_KIND) {
+        tracing::error!(container = id, error = %e, "CRI container not understood; its pod stays deny_all");
+    } else {
+        tracing::debug!(container = id, error = %e, "not a CRI pod container");
+    }
+}
+
+async fn kill(client: &Client, k8s: &KubernetesConfig, id: &str) {
+    match client.kill(id).await {
+        Ok(()) => {
+            tracing::warn!(container = id, namespace = %k8s.containerd_namespace, "killed a container of a refused pod")
+        }
+        Err(e) => {
+            tracing::error!(container = id, error = %e, "killing a container of a refused pod failed; its pod is deny_all")
+        }
+    }
+}
