@@ -23,6 +23,7 @@ const GOLDEN: &[&str] = &[
     "host.firewall_input",
     "host.firewall_forward",
     "host.ip_forward",
+    "containerd.pod_annotations",
 ];
 
 #[test]

@@ -76,6 +76,9 @@ pub struct KubernetesConfig {
     pub containerd_socket: PathBuf,
     /// The containerd namespace the CRI plugin uses. Default `k8s.io`.
     pub containerd_namespace: String,
+    /// containerd's configuration file, read by `doctor` (pod annotations must reach the OCI
+    /// spec). Default `/etc/containerd/config.toml`.
+    pub containerd_config: PathBuf,
     /// The kubelet's cgroup root, relative to the cgroup2 mount: `/kubepods` (cgroupfs driver,
     /// the default) or `/kubepods.slice` (systemd driver). The programs attach here; a pod under
     /// it that the agent has not classified yet is `deny_all`.
@@ -89,6 +92,7 @@ impl Default for KubernetesConfig {
         KubernetesConfig {
             containerd_socket: PathBuf::from("/run/containerd/containerd.sock"),
             containerd_namespace: "k8s.io".to_owned(),
+            containerd_config: PathBuf::from("/etc/containerd/config.toml"),
             cgroup_root: "/kubepods".to_owned(),
             namespace_defaults: BTreeMap::new(),
         }

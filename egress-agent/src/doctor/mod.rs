@@ -27,6 +27,7 @@
 //!
 //! The exit status is non-zero ([`Report::exit_code`]) if any probe failed.
 
+mod containerd;
 mod docker;
 mod host;
 mod kernel;
@@ -163,6 +164,9 @@ pub struct Options {
     pub tool_path: Option<OsString>,
     /// Query nf_tables over netlink (needs CAP_NET_ADMIN; `false` makes those probes `skip`).
     pub netlink: bool,
+    /// containerd's configuration, read when the agent confines pods (`[kubernetes]`); `None`:
+    /// no Kubernetes runtime, the probe is skipped.
+    pub containerd_config: Option<PathBuf>,
     /// Per-probe timeout.
     pub probe_timeout: Duration,
     /// Deadline for the whole run; probes still running then are reported as `skip`.
@@ -188,6 +192,7 @@ impl Default for Options {
             nft_table: "egress_agent".into(),
             tool_path: None,
             netlink: true,
+            containerd_config: None,
             probe_timeout: Duration::from_secs(3),
             deadline: Duration::from_secs(8),
         }
@@ -200,6 +205,7 @@ impl Options {
         Options {
             pin_dir: cfg.agent.bpffs.clone(),
             proxy_endpoint: cfg.proxy.endpoint,
+            containerd_config: cfg.kubernetes.as_ref().map(|k| k.containerd_config.clone()),
             ..Options::default()
         }
     }
@@ -224,6 +230,7 @@ pub const PROBE_IDS: &[&str] = &[
     "host.firewall_input",
     "host.firewall_forward",
     "host.ip_forward",
+    "containerd.pod_annotations",
 ];
 
 /// What a probe returns; the runner adds the id.
@@ -296,6 +303,7 @@ fn probe_fn(id: &str) -> Option<ProbeFn> {
         "host.firewall_input" => |c| Box::pin(netfilter::firewall_input(c)),
         "host.firewall_forward" => |c| Box::pin(netfilter::firewall_forward(c)),
         "host.ip_forward" => |c| Box::pin(netfilter::ip_forward(c)),
+        "containerd.pod_annotations" => |c| Box::pin(containerd::pod_annotations(c)),
         _ => return None,
     })
 }
