@@ -5,6 +5,9 @@
 //! `/etc/group`. Written as a `docker save` archive into `target/` (see [`archive`]), tagged
 //! `egress-agent:<workspace version>`, which `deploy/kubernetes/daemonset.yaml` runs.
 //!
+//! `/etc/resolv.conf` and `/etc/hosts` are not in the image: the kubelet (and Docker) mount them
+//! into every container; the agent refuses to start without them (`ctr run` needs them mounted).
+//!
 //! The image runs as root: the daemon loads BPF programs, writes other users' cgroups and
 //! programs nftables (see the DaemonSet's comments); a non-root user can't.
 //!
