@@ -1,9 +1,12 @@
-//! `cargo xtask`: the tasks that need setup or root — setup, build, run, test, bench, install.
+//! `cargo xtask`: the tasks that need setup or root — setup, build, run, test, bench, install,
+//! image.
 //!
 //! Every task that needs the toolchain or system packages runs the (idempotent) setup first, so a
 //! fresh machine of this project's kind goes from a clean clone to a green test run with one command.
 #![forbid(unsafe_code)]
 
+mod image;
+mod manifests;
 mod setup;
 mod tasks;
 
@@ -47,6 +50,14 @@ enum Task {
         #[arg(long, default_value = "/")]
         destdir: std::path::PathBuf,
     },
+    /// The agent's container image (release build + its libraries, nothing pulled) as a
+    /// `docker save` archive in target/, tagged egress-agent:<version> (deploy/kubernetes).
+    Image {
+        /// Also import it into a private containerd and run `egress-agent --version` from it
+        /// (root; needs containerd, ctr and runc).
+        #[arg(long)]
+        verify: bool,
+    },
 }
 
 fn main() -> anyhow::Result<()> {
@@ -58,5 +69,6 @@ fn main() -> anyhow::Result<()> {
         Task::Test { filter } => tasks::test(filter.as_deref()),
         Task::Bench { quick } => tasks::bench(quick),
         Task::Install { destdir } => tasks::install(&destdir),
+        Task::Image { verify } => image::run(verify),
     }
 }

@@ -4,6 +4,8 @@
 //!   docker.io, busybox-static; benchmark peers: squid-openssl, tinyproxy; unit check:
 //!   systemd-analyze; the interception tests' clients: curl, python3, nodejs).
 //! - mitmproxy (PyPI, pinned) in its own venv: the interception benchmark's second peer.
+//! - kubernetes-validate (PyPI, pinned) in its own venv: offline schema validation of
+//!   `deploy/kubernetes/` by `cargo xtask test`.
 //! - `rust-src` for the nightly toolchain (the eBPF object is built with `-Z build-std=core`).
 //! - bpf-linker 0.13, built against the nightly toolchain's own libLLVM with an rpath (a plain
 //!   `cargo install bpf-linker` can't find `-lLLVM` here).
@@ -46,11 +48,19 @@ const APT_PACKAGES: &[&str] = &[
     // The status page test: headless Chromium renders the page (driven over its DevTools
     // protocol by node), and takes the screenshot in docs/.
     "chromium",
+    // `cargo xtask image` puts the CA bundle into the agent's image (upstream verification of
+    // intercepted hosts) and `ip` (iproute2, above), with the libraries `ldd` lists.
+    "ca-certificates",
 ];
 
 /// mitmproxy (PyPI, pinned) for the interception benchmark, in a venv of its own.
 pub const MITMPROXY_VERSION: &str = "11.0.2";
 pub const MITMPROXY_VENV: &str = "/opt/egress-bench/mitmproxy-11.0.2";
+
+/// kubernetes-validate (PyPI, pinned; it carries the Kubernetes JSON schemas, so validation is
+/// offline) for the manifests in deploy/kubernetes, in a venv of its own.
+pub const KUBERNETES_VALIDATE_VERSION: &str = "1.37.0";
+pub const KUBERNETES_VALIDATE_VENV: &str = "/opt/egress-tools/kubernetes-validate-1.37.0";
 
 const BPF_LINKER_VERSION: &str = "0.13.0";
 
@@ -61,6 +71,7 @@ pub fn run() -> Result<()> {
     bpf_linker()?;
     bpffs()?;
     mitmproxy()?;
+    kubernetes_validate()?;
     eprintln!("xtask setup: done");
     Ok(())
 }
@@ -72,6 +83,7 @@ pub fn needed() -> bool {
         || !rust_src_installed().unwrap_or(false)
         || !bpffs_mounted()
         || !mitmproxy_ok()
+        || !kubernetes_validate_ok()
 }
 
 pub fn is_root() -> bool {
@@ -158,6 +170,41 @@ fn mitmproxy() -> Result<()> {
             "-q",
             "--disable-pip-version-check",
             &format!("mitmproxy=={MITMPROXY_VERSION}"),
+        ],
+    )
+}
+
+fn kubernetes_validate_ok() -> bool {
+    Command::new(format!(
+        "{KUBERNETES_VALIDATE_VENV}/bin/kubernetes-validate"
+    ))
+    .arg("--version")
+    .output()
+    .is_ok_and(|o| {
+        o.status.success()
+            && String::from_utf8_lossy(&o.stdout).contains(KUBERNETES_VALIDATE_VERSION)
+    })
+}
+
+/// `python3 -m venv` + `pip install kubernetes-validate==<pinned>`.
+fn kubernetes_validate() -> Result<()> {
+    if kubernetes_validate_ok() {
+        return Ok(());
+    }
+    eprintln!(
+        "xtask setup: installing kubernetes-validate {KUBERNETES_VALIDATE_VERSION} into {KUBERNETES_VALIDATE_VENV}"
+    );
+    sh(
+        "/usr/bin/python3",
+        &["-m", "venv", KUBERNETES_VALIDATE_VENV],
+    )?;
+    sh(
+        &format!("{KUBERNETES_VALIDATE_VENV}/bin/pip"),
+        &[
+            "install",
+            "-q",
+            "--disable-pip-version-check",
+            &format!("kubernetes-validate=={KUBERNETES_VALIDATE_VERSION}"),
         ],
     )
 }

@@ -1,4 +1,4 @@
-//! The tasks behind `cargo xtask build | run | test | bench | install`.
+//! The tasks behind `cargo xtask build | run | test | bench | install` (`image`: image.rs).
 
 use std::{
     path::{Path, PathBuf},
@@ -8,6 +8,7 @@ use std::{
 use anyhow::{Context, Result, bail};
 
 use crate::setup::{self, is_root, sh, workspace_root};
+use crate::{image, manifests};
 
 fn ensure_setup() -> Result<()> {
     if setup::needed() {
@@ -34,11 +35,11 @@ fn cargo_with(args: &[&str], envs: &[(&str, &std::ffi::OsStr)]) -> Result<()> {
     Ok(())
 }
 
-fn release_bin(name: &str) -> PathBuf {
+pub fn release_bin(name: &str) -> PathBuf {
     workspace_root().join("target/release").join(name)
 }
 
-/// The one release build every command uses (`build`, `run`, `test`, `bench`, `install`): the
+/// The one release build every command uses (`build`, `run`, `test`, `bench`, `install`, `image`): the
 /// agent and the benchmark binaries of egress-tests in one invocation. Cargo unifies dependency
 /// features over the packages one invocation selects, so a second command that selected other
 /// packages (the agent alone, then the agent with egress-tests) would rebuild the agent with other
@@ -103,6 +104,9 @@ const UNIT_PACKAGES: [&str; 5] = [
 
 pub fn test(filter: Option<&str>) -> Result<()> {
     ensure_setup()?;
+    eprintln!("== Kubernetes manifests (deploy/kubernetes): schema and cross-file checks");
+    manifests::validate()?;
+    manifests::check().context("deploy/kubernetes")?;
     eprintln!("== unit tests (all crates but the eBPF object and the privileged suite)");
     // Line tables are all a failing test's backtrace needs; full debug info makes the cold debug
     // build of every dependency noticeably slower on CI's two cores.
@@ -147,6 +151,9 @@ pub fn test(filter: Option<&str>) -> Result<()> {
         )
         .context("proxy tests on the kernel relay failed")?;
     }
+    if filter.is_none() {
+        image_smoke_test()?;
+    }
     let mut args = vec!["test", "-p", "egress-tests", "--"];
     if let Some(f) = filter {
         args.push(f);
@@ -156,6 +163,28 @@ pub fn test(filter: Option<&str>) -> Result<()> {
     let agent = release_bin("egress-agent");
     cargo_with(&args, &[("EGRESS_AGENT_BIN", agent.as_os_str()), dev[0]])
         .context("privileged integration tests failed")
+}
+
+/// The DaemonSet's image from this release build, imported into a private containerd as a node
+/// would and run (`egress-agent --version`). Skipped, loudly, without root or containerd.
+fn image_smoke_test() -> Result<()> {
+    eprintln!("== container image (cargo xtask image --verify)");
+    let have = |tool: &str| {
+        Command::new(tool)
+            .arg("--version")
+            .output()
+            .is_ok_and(|o| o.status.success())
+    };
+    if !is_root() {
+        eprintln!("skipping the image check: needs root (a private containerd)");
+        return Ok(());
+    }
+    if let Some(missing) = ["containerd", "ctr", "runc"].into_iter().find(|t| !have(t)) {
+        eprintln!("skipping the image check: {missing} is not installed");
+        return Ok(());
+    }
+    let archive = image::write_image(&release_bin(image::NAME))?;
+    image::verify_with_containerd(&archive).context("the container image")
 }
 
 pub fn bench(quick: bool) -> Result<()> {
