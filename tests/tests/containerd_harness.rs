@@ -4,7 +4,7 @@
 //! - RunPodSandbox + CreateContainer/StartContainer run a pod (sandbox + app containers);
 //! - the app container's cgroup2 path is `/kubepods/besteffort/pod<uid>/<id>` (cgroupfs), in
 //!   the OCI spec's `linux.cgroupsPath` and in the process's `/proc/<pid>/cgroup`; a guaranteed
-//!   pod's sandbox is under `/kubepods/pod<uid>/`;
+//!   pod's sandbox is under `/kubepods/pod<uid>/`, and its `dns_config` is its resolv.conf;
 //! - `egress.*` pod and container annotations reach the OCI spec (`ctr containers info`), other
 //!   annotations do not; the kubelet's pod labels are containerd container labels;
 //! - an app container (with an extra host binary, `egress-probe`, in its image) reaches a TCP
@@ -214,14 +214,28 @@ fn pod_lifecycle_through_cri() {
             "the listener did not receive {m2} from the second container"
         );
 
-        // A guaranteed pod: no QoS level in its cgroup parent.
+        // A guaranteed pod (no QoS level in its cgroup parent) with a DNS server of its own.
         let mut g = PodSpec::new("egress-test", "guaranteed");
         g.qos = Qos::Guaranteed;
+        g.dns_nameserver = Some(GATEWAY);
         let gpod = c.run_pod(&g).await;
         let ginfo = c.container_info(&gpod.sandbox_id);
         assert_eq!(
             ginfo["Spec"]["linux"]["cgroupsPath"],
             format!("/kubepods/pod{}/{}", g.uid, gpod.sandbox_id).as_str()
+        );
+        let (code, logs) = c
+            .run_to_exit(
+                &gpod,
+                "dns",
+                &["cat", "/etc/resolv.conf"],
+                Duration::from_secs(20),
+            )
+            .await;
+        assert_eq!(code, 0, "{logs:?}");
+        assert!(
+            logs.stdout.contains(&format!("nameserver {GATEWAY}")),
+            "the pod's resolv.conf lacks its dns_config: {logs:?}"
         );
         c.stop_pod(&gpod).await;
         c.remove_pod(&gpod).await;
