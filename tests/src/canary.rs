@@ -268,6 +268,17 @@ impl Canary {
         self.rec.lock().expect("lock").accepts.len()
     }
 
+    /// Peers of the TCP connections accepted so far.
+    pub fn peers(&self) -> Vec<SocketAddr> {
+        self.rec
+            .lock()
+            .expect("lock")
+            .accepts
+            .iter()
+            .map(|(_, peer)| *peer)
+            .collect()
+    }
+
     /// TCP SYNs to `port` seen by the capture so far.
     pub fn syns_to(&self, port: u16) -> usize {
         self.rec

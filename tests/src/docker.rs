@@ -250,31 +250,7 @@ impl Dockerd {
 
     fn build_image(&self, extra_bins: &[&Path]) {
         let rootfs = self.dir.join("rootfs");
-        std::fs::create_dir_all(rootfs.join("bin")).expect("rootfs");
-        for d in ["etc", "tmp", "proc", "sys", "dev"] {
-            std::fs::create_dir_all(rootfs.join(d)).expect("rootfs dir");
-        }
-        std::fs::copy("/bin/busybox", rootfs.join("bin/busybox")).expect("copy busybox");
-        let list = sh("/bin/busybox --list");
-        for applet in list.lines().filter(|a| !a.is_empty() && *a != "busybox") {
-            std::os::unix::fs::symlink("busybox", rootfs.join("bin").join(applet)).ok();
-        }
-        for bin in extra_bins {
-            let name = bin.file_name().expect("binary name");
-            std::fs::copy(bin, rootfs.join("bin").join(name)).expect("copy binary");
-            let libs = sh(&format!("ldd {} | grep -o '/[^ ]*' || true", bin.display()));
-            for lib in libs.lines().filter(|l| l.starts_with('/')) {
-                let dst = rootfs.join(lib.trim_start_matches('/'));
-                std::fs::create_dir_all(dst.parent().expect("lib dir")).expect("lib dir");
-                std::fs::copy(lib, &dst).unwrap_or_else(|e| panic!("copy {lib}: {e}"));
-            }
-        }
-        std::fs::write(
-            rootfs.join("etc/passwd"),
-            "root:x:0:0:root:/root:/bin/sh\nnobody:x:65534:65534:nobody:/:/bin/sh\n",
-        )
-        .expect("passwd");
-        std::fs::write(rootfs.join("etc/group"), "root:x:0:\nnogroup:x:65534:\n").expect("group");
+        build_rootfs(&rootfs, extra_bins);
         let tar = self.dir.join("rootfs.tar");
         sh(&format!(
             "tar -C {} -cf {} .",
@@ -368,6 +344,38 @@ impl Drop for Dockerd {
             }
         }
     }
+}
+
+/// Write the test image's root filesystem at `rootfs`: busybox-static with its applets as
+/// symlinks in `/bin`, the `extra_bins` (with the shared libraries `ldd` names), a minimal
+/// `/etc/passwd` and `/etc/group`. Shared by the Docker and containerd harnesses.
+pub fn build_rootfs(rootfs: &Path, extra_bins: &[&Path]) {
+    std::fs::create_dir_all(rootfs.join("bin")).expect("rootfs");
+    for d in ["etc", "tmp", "proc", "sys", "dev"] {
+        std::fs::create_dir_all(rootfs.join(d)).expect("rootfs dir");
+    }
+    std::fs::copy("/bin/busybox", rootfs.join("bin/busybox")).expect("copy busybox");
+    let list = sh("/bin/busybox --list");
+    for applet in list.lines().filter(|a| !a.is_empty() && *a != "busybox") {
+        std::os::unix::fs::symlink("busybox", rootfs.join("bin").join(applet)).ok();
+    }
+    for bin in extra_bins {
+        let name = bin.file_name().expect("binary name");
+        std::fs::copy(bin, rootfs.join("bin").join(name))
+            .unwrap_or_else(|e| panic!("copy {} into the image: {e}", bin.display()));
+        let libs = sh(&format!("ldd {} | grep -o '/[^ ]*' || true", bin.display()));
+        for lib in libs.lines().filter(|l| l.starts_with('/')) {
+            let dst = rootfs.join(lib.trim_start_matches('/'));
+            std::fs::create_dir_all(dst.parent().expect("lib dir")).expect("lib dir");
+            std::fs::copy(lib, &dst).unwrap_or_else(|e| panic!("copy {lib}: {e}"));
+        }
+    }
+    std::fs::write(
+        rootfs.join("etc/passwd"),
+        "root:x:0:0:root:/root:/bin/sh\nnobody:x:65534:65534:nobody:/:/bin/sh\n",
+    )
+    .expect("passwd");
+    std::fs::write(rootfs.join("etc/group"), "root:x:0:\nnogroup:x:65534:\n").expect("group");
 }
 
 /// Mount points of every cgroup filesystem (v1 hierarchies and cgroup2).

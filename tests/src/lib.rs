@@ -7,6 +7,8 @@
 //! - [`upstreams`]: a test CA, python web servers, a recording dnsmasq, local "public" addresses.
 //! - [`tls_upstream`]: a recording TLS upstream with its own CA (interception tests).
 //! - [`batch`]: the probe's batch mode (many socket operations per confined process).
+//! - [`containerd`], [`cri`]: a private containerd (CRI, runc, CNI bridge) in its own network
+//!   namespace, and the kubelet's CRI calls to run pods in it.
 //! - [`agent`]: locating the built `egress-agent` / `egress-probe` binaries, running the probe
 //!   inside or outside `egress-agent exec`, test config files, attached-program counts.
 pub mod agent;
@@ -14,6 +16,8 @@ pub mod batch;
 pub mod bench;
 pub mod bpf;
 pub mod canary;
+pub mod containerd;
+pub mod cri;
 pub mod escape;
 pub mod netns;
 pub mod packet;

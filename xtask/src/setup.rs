@@ -2,7 +2,8 @@
 //!
 //! - Debian packages (build: libnftnl/libmnl/pkg-config; runtime and tests: nftables, iproute2,
 //!   docker.io, busybox-static; benchmark peers: squid-openssl, tinyproxy; unit check:
-//!   systemd-analyze; the interception tests' clients: curl, python3, nodejs).
+//!   systemd-analyze; the interception tests' clients: curl, python3, nodejs; the CRI harness:
+//!   containerd, runc, containernetworking-plugins, protobuf-compiler).
 //! - mitmproxy (PyPI, pinned) in its own venv: the interception benchmark's second peer.
 //! - kubernetes-validate (PyPI, pinned) in its own venv: offline schema validation of
 //!   `deploy/kubernetes/` by `cargo xtask test`.
@@ -51,6 +52,14 @@ const APT_PACKAGES: &[&str] = &[
     // `cargo xtask image` puts the CA bundle into the agent's image (upstream verification of
     // intercepted hosts) and `ip` (iproute2, above), with the libraries `ldd` lists.
     "ca-certificates",
+    // The CRI harness (tests/src/containerd.rs) plays the kubelet against a private containerd
+    // 1.6 (CRI plugin built in) with runc and the CNI bridge/host-local plugins (installed to
+    // /usr/lib/cni); protoc builds the CRI client (k8s-cri, tonic). The packaged containerd
+    // service is never started (policy-rc.d below): tests start private instances.
+    "containerd",
+    "runc",
+    "containernetworking-plugins",
+    "protobuf-compiler",
 ];
 
 /// mitmproxy (PyPI, pinned) for the interception benchmark, in a venv of its own.
@@ -117,8 +126,9 @@ fn apt_packages() -> Result<()> {
         bail!("xtask setup: packages {missing:?} are missing and installing them needs root");
     }
     eprintln!("xtask setup: installing {missing:?}");
-    // Package scripts must not start services (dockerd, squid, tinyproxy) on the host: tests
-    // start private instances of their own. policy-rc.d exit 101 = "action forbidden".
+    // Package scripts must not start services (dockerd, containerd, squid, tinyproxy) on the
+    // host: tests start private instances of their own. policy-rc.d exit 101 = "action
+    // forbidden".
     let policy = Path::new("/usr/sbin/policy-rc.d");
     let created_policy = !policy.exists();
     if created_policy {

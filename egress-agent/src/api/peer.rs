@@ -69,8 +69,12 @@ impl Peer {
                 ..Peer::default()
             };
         };
+        // The agent's own cgroup is never a confined workload's: it may lie under a root (a
+        // DaemonSet pod under /kubepods), and its own container runs the probes and `kubectl
+        // exec` commands that use the API. Its kernel entry is `allow_all` (`exempt_self`).
+        let own = crate::cgroup::cgroup_of_pid(std::process::id()).ok();
         let confined = match crate::cgroup::cgroup_of_pid(pid) {
-            Ok(cg) => roots.iter().any(|r| cg.starts_with(r)),
+            Ok(cg) => own.as_ref() != Some(&cg) && roots.iter().any(|r| cg.starts_with(r)),
             Err(_) => true,
         };
         let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();

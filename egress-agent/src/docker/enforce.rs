@@ -167,6 +167,31 @@ impl Enforcer {
         &self.config
     }
 
+    /// The agent's own cgroup, when it lies under this root (the DaemonSet's pod under
+    /// `/kubepods`): an `allow_all` entry, or the agent's own upstream connections would be
+    /// refused like an unclassified workload's. Written before the agent dials anything; kept
+    /// by reconciles (the cgroup exists while the agent runs). `Ok(None)`: outside the root.
+    pub fn exempt_self(&mut self) -> Result<Option<u64>, String> {
+        let dir = cgroup::cgroup_of_pid(std::process::id()).map_err(|e| e.to_string())?;
+        if !self.settings.root.contains(&dir) {
+            return Ok(None);
+        }
+        let id = cgroup::cgroup_id(&dir).map_err(|e| e.to_string())?;
+        self.entries.write_self(id)?;
+        self.entries.record(
+            id,
+            egress_policy::ALLOW_ALL,
+            ContainerRef {
+                id: format!("pid:{}", std::process::id()),
+                name: "egress-agent".to_owned(),
+            },
+            std::collections::BTreeMap::new(),
+        );
+        tracing::info!(cgroup = %dir.display(), cgroup_id = id,
+            "the agent runs under its enforcement root: its own cgroup is exempt (allow_all)");
+        Ok(Some(id))
+    }
+
     /// Protect the proxy address before becoming ready (see [`HostLayer::init`]).
     pub async fn init(&mut self) -> Result<(), EnforceError> {
         Ok(self.host.init().await?)

@@ -141,6 +141,11 @@ impl Entries {
         }
     }
 
+    /// The agent's own cgroup: `allow_all`, no listener (see [`super::Enforcer::exempt_self`]).
+    pub fn write_self(&mut self, cgroup_id: u64) -> Result<(), String> {
+        self.write(cgroup_id, &Policy::allow_all(), None, &[])
+    }
+
     /// Confine `cgroup_id` as `deny_all` because of `why`.
     pub fn deny(&mut self, cgroup_id: u64, why: String) -> Written {
         match self.write(cgroup_id, &Policy::deny_all(), None, &[]) {

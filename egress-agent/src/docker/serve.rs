@@ -67,6 +67,10 @@ pub enum ServeError {
     /// Not a `#[source]`: the cause is in the message already (`{:#}` would repeat it).
     #[error("the nftables host layer could not be set up: {0}")]
     HostLayer(super::enforce::EnforceError),
+    #[error(
+        "the agent runs under its own enforcement root and its cgroup could not be exempted: {0}"
+    )]
+    SelfEntry(String),
 }
 
 /// How the daemon talks to a running [`serve_with`].
@@ -216,6 +220,9 @@ pub async fn enforcer_at(
         site.directory,
         shutdown.child_token(),
     );
+    // Before anything dials out: the agent's own cgroup, if under the root, must not be
+    // refused as an unclassified workload.
+    enforcer.exempt_self().map_err(ServeError::SelfEntry)?;
     // Before READY: without the host layer the proxy address is reachable from the LAN.
     enforcer.init().await.map_err(ServeError::HostLayer)?;
     let info = serde_json::json!({
