@@ -52,10 +52,19 @@ pub enum Qos {
 /// The cgroup parent a cgroupfs kubelet gives a pod (`LinuxPodSandboxConfig.cgroup_parent`):
 /// `/kubepods/besteffort/pod<uid>`, `/kubepods/burstable/pod<uid>`, `/kubepods/pod<uid>`.
 pub fn cgroup_parent(qos: Qos, uid: &str) -> String {
+    cgroup_parent_under(DEFAULT_KUBELET_ROOT, qos, uid)
+}
+
+/// The kubelet's cgroup root (cgroupfs driver) unless a test picks its own.
+pub const DEFAULT_KUBELET_ROOT: &str = "/kubepods";
+
+/// [`cgroup_parent`] under another kubelet root (e.g. `/egress-test-<pid>/kubepods`).
+pub fn cgroup_parent_under(root: &str, qos: Qos, uid: &str) -> String {
+    let root = root.trim_end_matches('/');
     match qos {
-        Qos::BestEffort => format!("/kubepods/besteffort/pod{uid}"),
-        Qos::Burstable => format!("/kubepods/burstable/pod{uid}"),
-        Qos::Guaranteed => format!("/kubepods/pod{uid}"),
+        Qos::BestEffort => format!("{root}/besteffort/pod{uid}"),
+        Qos::Burstable => format!("{root}/burstable/pod{uid}"),
+        Qos::Guaranteed => format!("{root}/pod{uid}"),
     }
 }
 
@@ -71,6 +80,9 @@ pub struct Containerd {
     child: Option<Child>,
     /// Pod cgroup parents the harness created (relative to a cgroup mount), removed on drop.
     pub(crate) pod_cgroups: Mutex<Vec<String>>,
+    /// Where pods go ([`DEFAULT_KUBELET_ROOT`]); a test that attaches programs picks its own
+    /// root so nothing else on the host is under them. Set it before running pods.
+    pub kubelet_root: String,
 }
 
 impl Containerd {
@@ -125,6 +137,7 @@ impl Containerd {
             run_dir,
             child: None,
             pod_cgroups: Mutex::new(Vec::new()),
+            kubelet_root: DEFAULT_KUBELET_ROOT.to_owned(),
         };
         std::fs::write(c.dir.join("config.toml"), c.config_toml()).expect("write config.toml");
         std::fs::write(c.dir.join("cni/10-egress-test.conflist"), c.cni_conflist())
@@ -523,9 +536,16 @@ impl Drop for Containerd {
                         path.display()
                     ));
                 }
-                // Up to and including `kubepods`; stops at the first non-empty one.
-                while path.starts_with(mount.join("kubepods")) && std::fs::remove_dir(&path).is_ok()
-                {
+                // Up to and including the kubelet root's first level (`kubepods`, or a test's
+                // own `egress-test-<pid>`); stops at the first non-empty one.
+                let top = self
+                    .kubelet_root
+                    .trim_start_matches('/')
+                    .split('/')
+                    .next()
+                    .unwrap_or("kubepods")
+                    .to_owned();
+                while path.starts_with(mount.join(&top)) && std::fs::remove_dir(&path).is_ok() {
                     path.pop();
                 }
             }

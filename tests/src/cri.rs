@@ -15,7 +15,7 @@ use k8s_cri::v1::image_service_client::ImageServiceClient;
 use k8s_cri::v1::runtime_service_client::RuntimeServiceClient;
 use tonic::transport::{Channel, Endpoint, Uri};
 
-use crate::containerd::{Containerd, IMAGE, Qos, cgroup_parent};
+use crate::containerd::{Containerd, IMAGE, Qos, cgroup_parent_under};
 
 /// The kubelet's pod labels (on the sandbox and on every container).
 pub const LABEL_POD_NAME: &str = "io.kubernetes.pod.name";
@@ -90,6 +90,8 @@ pub struct ContainerSpec {
     /// Container annotations (`egress.*` ones reach its OCI spec).
     pub annotations: BTreeMap<String, String>,
     pub envs: BTreeMap<String, String>,
+    /// Read-only bind mounts (host path, container path).
+    pub mounts: Vec<(String, String)>,
 }
 
 impl ContainerSpec {
@@ -213,7 +215,7 @@ impl Containerd {
     /// RunPodSandbox as a cgroupfs kubelet does it (after creating the pod cgroup in cgroup2);
     /// returns when the sandbox runs, with its IP.
     pub async fn run_pod(&self, spec: &PodSpec) -> Pod {
-        let parent = cgroup_parent(spec.qos, &spec.uid);
+        let parent = cgroup_parent_under(&self.kubelet_root, spec.qos, &spec.uid);
         self.create_pod_cgroup(&parent);
         let log_dir = self.pod_log_dir(&spec.namespace, &spec.name, &spec.uid);
         std::fs::create_dir_all(&log_dir).expect("pod log dir");
@@ -322,6 +324,16 @@ impl Containerd {
                 .collect(),
             labels,
             annotations: hashmap(&spec.annotations),
+            mounts: spec
+                .mounts
+                .iter()
+                .map(|(host, container)| cri::Mount {
+                    container_path: container.clone(),
+                    host_path: host.clone(),
+                    readonly: true,
+                    ..Default::default()
+                })
+                .collect(),
             log_path: format!("{}/0.log", spec.name),
             linux: Some(cri::LinuxContainerConfig {
                 security_context: Some(cri::LinuxContainerSecurityContext {

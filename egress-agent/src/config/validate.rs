@@ -161,7 +161,7 @@ impl Config {
         for (ns, policy) in &k.namespace_defaults {
             if self.policy(policy).is_none() {
                 return Err(verr(
-                    &format!("kubernetes.namespace_defaults.{ns}"),
+                    format!("kubernetes.namespace_defaults.{ns}"),
                     format!("no policy named {policy:?}"),
                 ));
             }

@@ -19,12 +19,19 @@ pub enum ClientError {
         #[source]
         source: tonic::transport::Error,
     },
+    #[error("containerd event subscription: {0}")]
+    Sync(String),
     #[error("containerd {call}: {status}")]
     Call {
         call: &'static str,
         status: tonic::Status,
     },
 }
+
+/// The topic of the agent's own marker event. containerd sends a subscriber nothing — not
+/// even the response headers — until the first event, so a subscription can't be known to be
+/// live by its call returning: the agent publishes this marker and waits for it to come back.
+pub const SYNC_TOPIC: &str = "/egress-agent/sync";
 
 /// One event of interest, decoded from containerd's envelope.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -34,6 +41,8 @@ pub enum Event {
     ContainerDelete(String),
     /// `/tasks/start` (container id): its cgroup now exists.
     TaskStart(String),
+    /// The agent's own marker ([`SYNC_TOPIC`]): the subscription is live from here on.
+    Sync(String),
     /// Anything else (or a payload this code can't decode): ignored.
     Other,
 }
@@ -75,6 +84,7 @@ impl Client {
         let filters = vec![
             format!("namespace=={},topic~=\"^/containers/\"", self.namespace),
             format!("namespace=={},topic==\"/tasks/start\"", self.namespace),
+            format!("namespace=={},topic==\"{SYNC_TOPIC}\"", self.namespace),
         ];
         EventsClient::new(self.channel.clone())
             .subscribe(SubscribeRequest { filters })
@@ -82,6 +92,23 @@ impl Client {
             .map(tonic::Response::into_inner)
             .map_err(|status| ClientError::Call {
                 call: "Events.Subscribe",
+                status,
+            })
+    }
+
+    /// Publish the marker `token` on [`SYNC_TOPIC`] in the namespace.
+    pub async fn publish_sync(&self, token: &str) -> Result<(), ClientError> {
+        use containerd_client::services::v1::PublishRequest;
+        let req = self.request(PublishRequest {
+            topic: SYNC_TOPIC.to_owned(),
+            event: Some(prost_types_any(token)),
+        });
+        EventsClient::new(self.channel.clone())
+            .publish(req)
+            .await
+            .map(drop)
+            .map_err(|status| ClientError::Call {
+                call: "Events.Publish",
                 status,
             })
     }
@@ -132,6 +159,14 @@ impl Client {
     }
 }
 
+/// The marker's payload: containerd relays an `Any` verbatim.
+fn prost_types_any(token: &str) -> prost_types::Any {
+    prost_types::Any {
+        type_url: "egress-agent/sync".to_owned(),
+        value: token.as_bytes().to_vec(),
+    }
+}
+
 /// The labels and OCI spec bytes of a record.
 pub fn parts(c: &Container) -> (&HashMap<String, String>, &[u8]) {
     (&c.labels, c.spec.as_ref().map_or(&[][..], |s| &s.value[..]))
@@ -155,6 +190,7 @@ pub fn decode(topic: &str, payload: Option<&[u8]>) -> Event {
         "/tasks/start" => TaskStart::decode(bytes)
             .map(|e| Event::TaskStart(e.container_id))
             .unwrap_or(Event::Other),
+        SYNC_TOPIC => Event::Sync(String::from_utf8_lossy(bytes).into_owned()),
         _ => Event::Other,
     }
 }

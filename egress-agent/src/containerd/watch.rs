@@ -133,8 +133,12 @@ async fn session(
     reload: &mut Option<mpsc::Receiver<ReloadRequest>>,
 ) -> Result<(), ClientError> {
     let client = Client::connect(&k8s.containerd_socket, &k8s.containerd_namespace).await?;
-    let mut stream = client.subscribe().await?;
+    let (mut stream, early) = subscribe(&client).await?;
     reconcile(&client, k8s, enforcer, pods).await?;
+    // Events that came in while the subscription was being confirmed (idempotent after the list).
+    for event in early {
+        handle(&client, k8s, enforcer, pods, event).await?;
+    }
     *backoff = BACKOFF_MIN;
     tracing::info!(pods = pods.sandboxes.len(), "containerd reconciled");
     loop {
@@ -151,6 +155,64 @@ async fn session(
                     apply_reload(enforcer, pods, req).await;
                 }
             }
+        }
+    }
+}
+
+/// How long the agent waits for its own marker to come back through a new subscription.
+const SYNC_TIMEOUT: Duration = Duration::from_secs(10);
+/// How often the marker is published again meanwhile (the first may precede the subscription).
+const SYNC_REPUBLISH: Duration = Duration::from_millis(200);
+
+type EventStream = containerd_client::tonic::Streaming<containerd_client::types::Envelope>;
+
+/// Subscribe and prove the subscription live before anything is listed: containerd answers a
+/// subscriber only with its first event, so the agent publishes a marker (again until it comes
+/// back) and reads up to it. Returns the stream and the events that arrived before the marker.
+async fn subscribe(client: &Client) -> Result<(EventStream, Vec<Event>), ClientError> {
+    let token = format!(
+        "{}-{}",
+        std::process::id(),
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_nanos())
+            .unwrap_or_default()
+    );
+    let sub = {
+        let client = client.clone();
+        tokio::spawn(async move { client.subscribe().await })
+    };
+    tokio::pin!(sub);
+    let deadline = tokio::time::Instant::now() + SYNC_TIMEOUT;
+    let mut stream = loop {
+        client.publish_sync(&token).await?;
+        tokio::select! {
+            r = &mut sub => break r.map_err(|e| ClientError::Sync(format!("subscription task: {e}")))??,
+            () = tokio::time::sleep(SYNC_REPUBLISH) => {}
+        }
+        if tokio::time::Instant::now() > deadline {
+            sub.abort();
+            return Err(ClientError::Sync(format!(
+                "no event came back within {SYNC_TIMEOUT:?} of subscribing"
+            )));
+        }
+    };
+    let mut early = Vec::new();
+    loop {
+        let msg = tokio::time::timeout_at(deadline, stream.message())
+            .await
+            .map_err(|_| ClientError::Sync("the marker did not come back".to_owned()))?
+            .map_err(|status| ClientError::Call {
+                call: "Events stream",
+                status,
+            })?;
+        let Some(env) = msg else {
+            return Err(ClientError::Sync("the event stream ended".to_owned()));
+        };
+        match client::decode(&env.topic, env.event.as_ref().map(|a| &a.value[..])) {
+            Event::Sync(t) if t == token => return Ok((stream, early)),
+            Event::Sync(_) | Event::Other => {}
+            event => early.push(event),
         }
     }
 }
@@ -232,7 +294,7 @@ async fn handle(
                 kill(client, k8s, &id).await;
             }
         }
-        Event::Other => {}
+        Event::Sync(_) | Event::Other => {}
     }
     Ok(())
 }

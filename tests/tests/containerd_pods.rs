@@ -1,0 +1,579 @@
+//! Kubernetes pods confined by the agent's containerd runtime (root): a private containerd played
+//! as a kubelet (tests/src/cri.rs) and `egress-agent run --no-docker` with `[kubernetes]`, both in
+//! the harness's network namespace. Every check is judged by what *arrived* at a listener.
+//!
+//! One test (one containerd, one agent): the steps share the daemon, the image and the agent.
+//! The pods live under a kubelet root of this test's own (`/egress-test-<pid>/kubepods`), so the
+//! programs it attaches never cover anything else on the host; removing the test's bpffs pins
+//! detaches them.
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+use egress_tests::canary::Canary;
+use egress_tests::containerd::{Containerd, GATEWAY, require_root};
+use egress_tests::cri::{ContainerSpec, Pod, PodSpec};
+use egress_tests::tls_upstream::{TestCa, Upstream};
+
+const PROXY: &str = "169.254.100.1:3128";
+/// The web policy's direct CIDR port, and a port no policy allows.
+const ALLOWED_PORT: u16 = 9200;
+const DENIED_PORT: u16 = 9300;
+const TLS_PORT: u16 = 8443;
+/// The raw TCP listeners' address (a second address on the harness bridge); the TLS upstream
+/// is on the gateway address.
+const CANARY_IP: std::net::Ipv4Addr = std::net::Ipv4Addr::new(198, 18, 8, 200);
+
+struct Agent {
+    child: Option<Child>,
+    dir: PathBuf,
+    bpffs: PathBuf,
+    netns: PathBuf,
+    bin: PathBuf,
+}
+
+impl Agent {
+    fn config(&self, socket: &Path, root: &str) -> String {
+        let d = self.dir.display();
+        format!(
+            r#"
+[agent]
+bpffs = "{bpffs}"
+state_dir = "{d}/state"
+unlabeled = "allow_all"
+[proxy]
+endpoint = "{PROXY}"
+[dns]
+hosts_file = "{d}/hosts"
+nameservers = []
+[kubernetes]
+containerd_socket = "{socket}"
+containerd_config = "{d}/containerd-config.toml"
+cgroup_root = "{root}"
+namespace_defaults = {{ team = "other" }}
+[policies.web]
+allow_hosts = ["allowed.test"]
+allow_ports = [{TLS_PORT}]
+allow_cidrs = [{{ cidr = "{CANARY_IP}/32", ports = [{ALLOWED_PORT}] }}]
+resolve_private = ["{GATEWAY}/32"]
+[policies.other]
+allow_hosts = ["other.test"]
+allow_ports = [{TLS_PORT}]
+resolve_private = ["{GATEWAY}/32"]
+"#,
+            bpffs = self.bpffs.display(),
+            socket = socket.display(),
+        )
+    }
+
+    fn log_path(&self) -> PathBuf {
+        self.dir.join("agent.log")
+    }
+
+    fn log(&self) -> String {
+        std::fs::read_to_string(self.log_path()).unwrap_or_default()
+    }
+
+    fn api(&self) -> PathBuf {
+        self.dir.join("api.sock")
+    }
+
+    fn cli(&self, args: &[&str]) -> Output {
+        Command::new(&self.bin)
+            .args(args)
+            .arg("--api-socket")
+            .arg(self.api())
+            .output()
+            .expect("egress-agent cli")
+    }
+
+    /// Start the daemon in the containerd namespace and wait until it has reconciled.
+    fn start(&mut self) {
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(self.log_path())
+            .expect("log");
+        let log2 = log.try_clone().expect("log fd");
+        let before = self.log().matches("containerd reconciled").count();
+        // `nsenter` execs the daemon: the child's pid is the daemon's (kill -9 hits it).
+        let child = Command::new("nsenter")
+            .arg(format!("--net={}", self.netns.display()))
+            .arg(&self.bin)
+            .args(["run", "--no-docker", "--config"])
+            .arg(self.dir.join("config.toml"))
+            .arg("--api-socket")
+            .arg(self.api())
+            .env("RUST_LOG", "info,egress_agent=debug")
+            .stdin(Stdio::null())
+            .stdout(Stdio::from(log))
+            .stderr(Stdio::from(log2))
+            .spawn()
+            .expect("spawn agent");
+        self.child = Some(child);
+        let deadline = Instant::now() + Duration::from_secs(60);
+        while self.log().matches("containerd reconciled").count() <= before {
+            assert!(
+                Instant::now() < deadline,
+                "agent did not reconcile containerd:\n{}",
+                self.log()
+            );
+            if let Some(Ok(Some(status))) = self.child.as_mut().map(Child::try_wait) {
+                panic!("agent exited ({status}):\n{}", self.log());
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    fn kill(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            c.kill().ok();
+            c.wait().ok();
+        }
+    }
+
+    /// The agent's recent events (JSON lines of `egress-agent events`).
+    fn events(&self) -> Vec<serde_json::Value> {
+        let o = self.cli(&["events", "-n", "1000"]);
+        String::from_utf8_lossy(&o.stdout)
+            .lines()
+            .filter_map(|l| serde_json::from_str(l).ok())
+            .collect()
+    }
+
+    fn wait_event(&self, f: impl Fn(&serde_json::Value) -> bool, timeout: Duration) -> bool {
+        let deadline = Instant::now() + timeout;
+        loop {
+            if self.events().iter().any(&f) {
+                return true;
+            }
+            if Instant::now() > deadline {
+                return false;
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+}
+
+impl Drop for Agent {
+    fn drop(&mut self) {
+        self.kill();
+        if std::thread::panicking() {
+            eprintln!("--- agent log ---\n{}", self.log());
+        }
+        // Unpinning the links detaches the programs from the test's kubelet root.
+        std::fs::remove_dir_all(&self.bpffs).ok();
+        std::fs::remove_dir_all(&self.dir).ok();
+    }
+}
+
+/// The listening sockets of the agent on the proxy address, but the endpoint.
+fn listener_ports(c: &Containerd) -> Vec<u16> {
+    let out = c.netns().sh("ss -Hltn 'src 169.254.100.1'");
+    out.lines()
+        .filter_map(|l| l.split_whitespace().nth(3))
+        .filter_map(|a| a.rsplit(':').next()?.parse().ok())
+        .filter(|p| *p != 3128)
+        .collect()
+}
+
+fn output(code: i32, logs: &egress_tests::cri::Logs) -> String {
+    format!(
+        "exit {code}; stdout: {}; stderr: {}",
+        logs.stdout, logs.stderr
+    )
+}
+
+/// Run `script` (sh) in a new container of `pod` to its end: (exit code, output).
+fn run_in(
+    rt: &tokio::runtime::Runtime,
+    c: &Containerd,
+    pod: &Pod,
+    name: &str,
+    script: &str,
+    mounts: &[(String, String)],
+) -> (i32, egress_tests::cri::Logs) {
+    rt.block_on(async {
+        let mut spec = ContainerSpec::new(name, &["sh", "-c", script]);
+        spec.mounts = mounts.to_vec();
+        let id = c.create_container_spec(pod, &spec).await;
+        c.start_container(&id).await;
+        let code = c.wait_exit(&id, Duration::from_secs(30)).await;
+        (code, c.logs(pod, name))
+    })
+}
+
+/// A pod in `ns` with `annotations`, its DNS server the gateway (the agent answers).
+fn pod_in(
+    rt: &tokio::runtime::Runtime,
+    c: &Containerd,
+    ns: &str,
+    name: &str,
+    annotations: &[(&str, &str)],
+) -> Pod {
+    let mut spec = PodSpec::new(ns, name);
+    spec.dns_nameserver = Some(GATEWAY);
+    for (k, v) in annotations {
+        spec = spec.annotation(k, v);
+    }
+    rt.block_on(c.run_pod(&spec))
+}
+
+fn context_of<'a>(ev: &'a serde_json::Value, key: &str) -> &'a str {
+    ev["context"][key].as_str().unwrap_or_default()
+}
+
+#[test]
+fn pods_are_confined_per_pod_through_containerd() {
+    if !require_root() {
+        return;
+    }
+    let pid = std::process::id();
+    let mut c = Containerd::start_with(&[Path::new(env!("CARGO_BIN_EXE_egress-probe"))]);
+    c.kubelet_root = format!("/egress-test-{pid}/kubepods");
+    let root = c.kubelet_root.clone();
+
+    let dir = PathBuf::from(format!("/tmp/egress-test-k8s-agent-{pid}"));
+    std::fs::create_dir_all(dir.join("ca")).expect("agent dir");
+    let ca = TestCa::new();
+    std::fs::write(dir.join("ca/ca.pem"), &ca.pem).expect("CA");
+    std::fs::write(
+        dir.join("hosts"),
+        format!("{GATEWAY} allowed.test\n{GATEWAY} denied.test\n{GATEWAY} other.test\n"),
+    )
+    .expect("hosts");
+    std::fs::write(dir.join("containerd-config.toml"), c.config_toml()).expect("containerd config");
+    let mut agent = Agent {
+        child: None,
+        bpffs: PathBuf::from(format!("/sys/fs/bpf/egress-test-k8s-{pid}")),
+        netns: c.netns().path(),
+        bin: egress_tests::agent::agent_bin(),
+        dir: dir.clone(),
+    };
+    std::fs::write(dir.join("config.toml"), agent.config(c.socket(), &root)).expect("config");
+
+    // What arrives: raw TCP on the gateway (allowed CIDR port, denied port), and the TLS
+    // upstream serving the names.
+    c.netns().sh(&format!(
+        "ip addr add {CANARY_IP}/24 dev {}",
+        egress_tests::containerd::BRIDGE
+    ));
+    let canary = c.netns().run(|| {
+        Canary::on(
+            &[
+                SocketAddr::from((CANARY_IP, ALLOWED_PORT)),
+                SocketAddr::from((CANARY_IP, DENIED_PORT)),
+            ],
+            &[],
+        )
+    });
+    let upstream = Upstream::start_in(
+        &ca,
+        &["allowed.test", "denied.test", "other.test"],
+        SocketAddr::from((GATEWAY, TLS_PORT)),
+        &c.netns().path(),
+    );
+    agent.start();
+    // doctor reads the test containerd's config: its runtime handler passes egress.* pod
+    // annotations (the harness sets pod_annotations), and says so.
+    let doctor = Command::new(&agent.bin)
+        .args(["doctor", "--json", "--config"])
+        .arg(dir.join("config.toml"))
+        .output()
+        .expect("doctor");
+    let report: serde_json::Value =
+        serde_json::from_slice(&doctor.stdout).expect("doctor --json prints JSON");
+    let probe = report
+        .as_array()
+        .or_else(|| report["checks"].as_array())
+        .and_then(|cs| cs.iter().find(|c| c["id"] == "containerd.pod_annotations"))
+        .cloned()
+        .unwrap_or_default();
+    assert_eq!(
+        probe["status"], "pass",
+        "doctor's containerd probe: {probe}"
+    );
+
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("tokio runtime");
+    let ca_mount = vec![(dir.join("ca").display().to_string(), "/ca".to_owned())];
+    let run = |c: &Containerd, pod: &Pod, name: &str, script: &str| {
+        run_in(&rt, c, pod, name, script, &ca_mount)
+    };
+    let pod_with = |c: &Containerd, ns: &str, name: &str, annotations: &[(&str, &str)]| {
+        pod_in(&rt, c, ns, name, annotations)
+    };
+
+    // 1. A pod's first instruction to a denied address gets nothing out; an allowed one does.
+    let a = pod_with(&c, "ci", "a", &[("egress.policy", "web")]);
+    let (code, logs) = run(
+        &c,
+        &a,
+        "first",
+        &format!("egress-probe tcp {CANARY_IP} {DENIED_PORT} FIRST-A-{pid}"),
+    );
+    assert_ne!(
+        code,
+        0,
+        "denied first connect succeeded: {}",
+        output(code, &logs)
+    );
+    let (code, logs) = run(
+        &c,
+        &a,
+        "direct",
+        &format!("egress-probe tcp {CANARY_IP} {ALLOWED_PORT} DIRECT-A-{pid}"),
+    );
+    assert_eq!(code, 0, "allowed CIDR port: {}", output(code, &logs));
+    assert!(canary.wait_for(&format!("DIRECT-A-{pid}"), Duration::from_secs(5)));
+
+    // 2. An allowed HTTPS name with no proxy variables (transparent + the agent's DNS), from a
+    //    second container of the same pod: the pod's policy holds for every container.
+    let (code, logs) = run(
+        &c,
+        &a,
+        "tls",
+        "env | grep -i proxy; grep nameserver /etc/resolv.conf; \
+         egress-probe tls-get allowed.test allowed.test 8443 /ca/ca.pem; \
+         nslookup denied.test >/dev/null 2>&1 && echo RESOLVED-DENIED || echo NX-DENIED; \
+         egress-probe tls-get denied.test 198.18.8.1 8443 /ca/ca.pem || echo SNI-REFUSED",
+    );
+    let out = output(code, &logs);
+    assert!(
+        !out.to_lowercase().contains("proxy="),
+        "no proxy variables: {out}"
+    );
+    assert!(out.contains("TLS-OK"), "allowed name over TLS: {out}");
+    assert!(
+        out.contains("NX-DENIED"),
+        "denied name must be NXDOMAIN: {out}"
+    );
+    assert!(out.contains("SNI-REFUSED"), "denied SNI: {out}");
+    assert!(
+        upstream
+            .requests()
+            .iter()
+            .all(|r| r.header("host") != Some("denied.test")),
+        "a denied.test request reached the upstream"
+    );
+    assert!(
+        !canary.saw(&format!("FIRST-A-{pid}")),
+        "the denied first instruction arrived"
+    );
+    assert!(
+        agent.wait_event(
+            |e| e["host"] == "denied.test"
+                && context_of(e, "k8s.namespace.name") == "ci"
+                && context_of(e, "k8s.pod.name") == "a"
+                && !context_of(e, "k8s.pod.uid").is_empty(),
+            Duration::from_secs(5)
+        ),
+        "no denial event naming the pod: {:#?}",
+        agent.events()
+    );
+
+    // 3. A second pod with another policy in the same namespace can't borrow the first's
+    //    listener: every proxy listener, asked for the first pod's allowed CIDR port.
+    let b = pod_with(&c, "ci", "b", &[("egress.policy", "other")]);
+    let ports = listener_ports(&c);
+    assert!(!ports.is_empty(), "no pod listeners");
+    let script: String = ports
+        .iter()
+        .map(|p| {
+            format!(
+                "printf 'CONNECT {CANARY_IP}:{ALLOWED_PORT} HTTP/1.1\\r\\nHost: {CANARY_IP}:{ALLOWED_PORT}\\r\\n\\r\\nBORROW-{p}-{pid}' | nc -w 2 169.254.100.1 {p}; "
+            )
+        })
+        .collect::<String>()
+        + &format!(
+            "egress-probe tcp {CANARY_IP} {ALLOWED_PORT} DIRECT-B-{pid}; \
+             egress-probe tls-get other.test other.test 8443 /ca/ca.pem; \
+             egress-probe tls-get allowed.test allowed.test 8443 /ca/ca.pem || echo B-ALLOWED-REFUSED"
+        );
+    let (code, logs) = run(&c, &b, "borrow", &script);
+    let out = output(code, &logs);
+    assert!(out.contains("TLS-OK"), "pod b's own policy: {out}");
+    assert!(
+        out.contains("B-ALLOWED-REFUSED"),
+        "pod b used pod a's name: {out}"
+    );
+    std::thread::sleep(Duration::from_millis(300));
+    assert!(
+        !canary.saw("BORROW-"),
+        "pod b borrowed a listener (ports {ports:?}): {out}"
+    );
+    assert!(
+        !canary.saw(&format!("DIRECT-B-{pid}")),
+        "pod b's direct connect arrived"
+    );
+
+    // 4. An unannotated pod is untouched (agent.unlabeled = allow_all); a namespace default applies.
+    let plain = pod_with(&c, "plain", "p", &[]);
+    let (code, logs) = run(
+        &c,
+        &plain,
+        "c",
+        &format!("egress-probe tcp {CANARY_IP} {DENIED_PORT} PLAIN-{pid}"),
+    );
+    assert_eq!(code, 0, "unannotated pod: {}", output(code, &logs));
+    assert!(canary.wait_for(&format!("PLAIN-{pid}"), Duration::from_secs(5)));
+    let team = pod_with(&c, "team", "t", &[]);
+    let (code, logs) = run(
+        &c,
+        &team,
+        "c",
+        &format!(
+            "egress-probe tls-get other.test other.test 8443 /ca/ca.pem; \
+             egress-probe tcp {CANARY_IP} {DENIED_PORT} TEAM-{pid} || echo TEAM-REFUSED"
+        ),
+    );
+    let out = output(code, &logs);
+    assert!(
+        out.contains("TLS-OK") && out.contains("TEAM-REFUSED"),
+        "namespace default: {out}"
+    );
+
+    // 5. Malformed and unknown-policy annotations: deny_all, and the event says why.
+    for (name, key, value, says) in [
+        (
+            "bad1",
+            "egress.policy",
+            "nope",
+            "unknown policy \"nope\" in annotation egress.policy",
+        ),
+        (
+            "bad2",
+            "egress.polcy",
+            "web",
+            "unknown annotation \"egress.polcy\"",
+        ),
+    ] {
+        let bad = pod_with(&c, "ci", name, &[(key, value)]);
+        let (code, logs) = run(
+            &c,
+            &bad,
+            "c",
+            &format!("egress-probe tcp {CANARY_IP} {ALLOWED_PORT} BAD-{name}-{pid}"),
+        );
+        assert_ne!(code, 0, "{name}: {}", output(code, &logs));
+        assert!(
+            agent.wait_event(
+                |e| e["reason"].as_str().is_some_and(|r| r.contains(says))
+                    && context_of(e, "k8s.pod.name") == name,
+                Duration::from_secs(5)
+            ),
+            "no event for {name} saying {says:?}: {:#?}",
+            agent.events()
+        );
+        rt.block_on(async {
+            c.stop_pod(&bad).await;
+            c.remove_pod(&bad).await;
+        });
+    }
+    assert!(!canary.saw("BAD-"), "a pod with bad annotations got out");
+
+    // 6. Killed agent: running pods stay confined, a pod started meanwhile is denied, and both
+    //    get their policy when the agent is back.
+    agent.kill();
+    let (code, _) = run(
+        &c,
+        &a,
+        "while-down",
+        &format!("egress-probe tcp {CANARY_IP} {DENIED_PORT} DOWN-A-{pid}"),
+    );
+    assert_ne!(code, 0);
+    let late = pod_with(&c, "ci", "late", &[("egress.policy", "web")]);
+    let (code, logs) = run(
+        &c,
+        &late,
+        "c",
+        &format!("egress-probe tcp {CANARY_IP} {ALLOWED_PORT} LATE-DOWN-{pid}"),
+    );
+    assert_ne!(
+        code,
+        0,
+        "a pod started without the agent got out: {}",
+        output(code, &logs)
+    );
+    agent.start();
+    let (code, logs) = run(
+        &c,
+        &late,
+        "c2",
+        &format!("egress-probe tcp {CANARY_IP} {ALLOWED_PORT} LATE-UP-{pid}"),
+    );
+    assert_eq!(
+        code,
+        0,
+        "late pod after the agent came back: {}",
+        output(code, &logs)
+    );
+    assert!(canary.wait_for(&format!("LATE-UP-{pid}"), Duration::from_secs(5)));
+    let (code, logs) = run(
+        &c,
+        &a,
+        "after",
+        &format!("egress-probe tcp {CANARY_IP} {ALLOWED_PORT} AFTER-A-{pid}"),
+    );
+    assert_eq!(code, 0, "pod a after the restart: {}", output(code, &logs));
+    assert!(!canary.saw(&format!("DOWN-A-{pid}")) && !canary.saw(&format!("LATE-DOWN-{pid}")));
+
+    // 7. containerd restarted under the agent: it reconnects and reconciles; a new pod gets its
+    //    policy.
+    let reconciled = agent.log().matches("containerd reconciled").count();
+    c.restart();
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while agent.log().matches("containerd reconciled").count() <= reconciled {
+        assert!(
+            Instant::now() < deadline,
+            "no reconcile after containerd restarted"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let again = pod_with(&c, "ci", "again", &[("egress.policy", "web")]);
+    let (code, logs) = run(
+        &c,
+        &again,
+        "c",
+        &format!(
+            "egress-probe tcp {CANARY_IP} {ALLOWED_PORT} AGAIN-{pid}; \
+             egress-probe tcp {CANARY_IP} {DENIED_PORT} AGAIN-DENIED-{pid} || echo AGAIN-REFUSED"
+        ),
+    );
+    assert!(output(code, &logs).contains("AGAIN-REFUSED"));
+    assert!(canary.wait_for(&format!("AGAIN-{pid}"), Duration::from_secs(5)));
+
+    // 8. Pods removed leave no entries and no listeners behind.
+    for pod in [&a, &b, &plain, &team, &late, &again] {
+        rt.block_on(async {
+            c.stop_pod(pod).await;
+            c.remove_pod(pod).await;
+        });
+    }
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let st = agent.cli(&["status", "--json"]);
+        let v: serde_json::Value = serde_json::from_slice(&st.stdout).unwrap_or_default();
+        let left: Vec<String> = v["kernel"]["cgroups"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .filter_map(|c| c["path"].as_str())
+            .filter(|p| p.contains(&format!("egress-test-{pid}")))
+            .map(str::to_owned)
+            .collect();
+        let ports = listener_ports(&c);
+        if left.is_empty() && ports.is_empty() {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "removed pods left entries {left:?} or listeners {ports:?}"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    assert!(!canary.saw(&format!("AGAIN-DENIED-{pid}")));
+}
