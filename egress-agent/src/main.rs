@@ -221,6 +221,12 @@ struct SelectionArgs {
     /// Only events with this context label, NAME=VALUE (repeatable).
     #[arg(long = "label")]
     labels: Vec<String>,
+    /// Only this Kubernetes namespace's pods.
+    #[arg(long)]
+    namespace: Option<String>,
+    /// Only this Kubernetes pod: NAME or NAMESPACE/NAME.
+    #[arg(long)]
+    pod: Option<String>,
 }
 
 impl From<SelectionArgs> for egress_agent::store::selection::Selection {
@@ -232,6 +238,8 @@ impl From<SelectionArgs> for egress_agent::store::selection::Selection {
             verdict: a.verdict,
             run: a.run,
             labels: a.labels,
+            namespace: a.namespace,
+            pod: a.pod,
         }
     }
 }

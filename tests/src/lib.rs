@@ -21,6 +21,7 @@ pub mod cri;
 pub mod escape;
 pub mod netns;
 pub mod packet;
+pub mod pods;
 pub mod tls_upstream;
 pub mod upstreams;
 

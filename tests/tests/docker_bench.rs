@@ -8,35 +8,11 @@
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
+use egress_tests::bench::{percentile, rss_kib, secs};
 use egress_tests::docker::{Env, SERIAL, require_root};
 
 fn env_new() -> Env {
     Env::new(&[])
-}
-
-/// RFC 3339 (`2026-11-29T09:24:12.056693Z`) → seconds since midnight (enough for deltas).
-fn secs(ts: &str) -> Option<f64> {
-    let t = ts.split('T').nth(1)?.trim_end_matches('Z');
-    let mut it = t.split(':');
-    let h: f64 = it.next()?.parse().ok()?;
-    let m: f64 = it.next()?.parse().ok()?;
-    let s: f64 = it.next()?.parse().ok()?;
-    Some(h * 3600.0 + m * 60.0 + s)
-}
-
-fn percentile(v: &mut [f64], p: f64) -> f64 {
-    v.sort_by(|a, b| a.total_cmp(b));
-    let i = ((v.len() as f64 - 1.0) * p).round() as usize;
-    v[i.min(v.len() - 1)]
-}
-
-fn rss_kib(pid: u32) -> u64 {
-    std::fs::read_to_string(format!("/proc/{pid}/status"))
-        .unwrap_or_default()
-        .lines()
-        .find_map(|l| l.strip_prefix("VmRSS:"))
-        .and_then(|v| v.split_whitespace().next()?.parse().ok())
-        .unwrap_or(0)
 }
 
 #[test]

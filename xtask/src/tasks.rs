@@ -250,6 +250,28 @@ pub fn bench(quick: bool) -> Result<()> {
     ) {
         failed.push(format!("docker_bench: {e}"));
     }
+    // Kubernetes pods through containerd: the same figures as docker_bench, in the same run.
+    eprintln!("== containerd_bench");
+    let pods = if quick { "20" } else { "100" };
+    if let Err(e) = cargo_with(
+        &[
+            "test",
+            "-p",
+            "egress-tests",
+            "--test",
+            "containerd_bench",
+            "--",
+            "--ignored",
+            "--nocapture",
+            "--test-threads=1",
+        ],
+        &[
+            ("EGRESS_AGENT_BIN", agent.as_os_str()),
+            ("EGRESS_BENCH_PODS", pods.as_ref()),
+        ],
+    ) {
+        failed.push(format!("containerd_bench: {e}"));
+    }
     if !failed.is_empty() {
         bail!("benchmarks failed: {}", failed.join("; "));
     }

@@ -110,6 +110,8 @@ fn store_query(query: Option<&str>) -> Result<StoreQuery, ApiError> {
                 .filter(|(k, _)| k == "label")
                 .map(|(_, v)| v.into_owned())
                 .collect(),
+            namespace: query_param(query, "namespace"),
+            pod: query_param(query, "pod"),
         },
         n,
         include_denied: flag(query, "include_denied"),

@@ -7,6 +7,11 @@ use anyhow::{Result, anyhow, bail};
 
 use super::query::{EventFilter, valid_label};
 
+/// Context label of a pod's namespace (OpenTelemetry's resource attribute name).
+const K8S_NAMESPACE: &str = "k8s.namespace.name";
+/// Context label of a pod's name.
+const K8S_POD: &str = "k8s.pod.name";
+
 /// The selection flags shared by `events` and `suggest`.
 #[derive(Debug, Clone, Default)]
 pub struct Selection {
@@ -16,6 +21,10 @@ pub struct Selection {
     pub verdict: Option<String>,
     pub run: Option<String>,
     pub labels: Vec<String>,
+    /// A Kubernetes namespace (the `k8s.namespace.name` context label of pod events).
+    pub namespace: Option<String>,
+    /// A pod: `NAME` or `NAMESPACE/NAME` (context labels `k8s.pod.name`, `k8s.namespace.name`).
+    pub pod: Option<String>,
 }
 
 /// `--since`: a duration back from now (`90m`, `2h`, `7d`) or an RFC 3339 time.
@@ -38,12 +47,37 @@ impl Selection {
             && self.verdict.is_none()
             && self.run.is_none()
             && self.labels.is_empty()
+            && self.namespace.is_none()
+            && self.pod.is_none()
     }
 
     pub fn filter(&self) -> Result<EventFilter> {
         let mut labels = BTreeMap::new();
         if let Some(r) = &self.run {
             labels.insert("run".to_owned(), r.clone());
+        }
+        let (pod_ns, pod) = match self.pod.as_deref().map(|p| p.split_once('/')) {
+            Some(Some((ns, name))) => (Some(ns), Some(name)),
+            Some(None) => (None, self.pod.as_deref()),
+            None => (None, None),
+        };
+        for (key, flag, value) in [
+            (K8S_NAMESPACE, "--namespace", self.namespace.as_deref()),
+            (K8S_NAMESPACE, "--pod", pod_ns),
+            (K8S_POD, "--pod", pod),
+        ] {
+            let Some(v) = value else { continue };
+            if v.is_empty() {
+                bail!("{flag}: empty name (expected NAME or NAMESPACE/NAME)");
+            }
+            if let Some(other) = labels.insert(key.to_owned(), v.to_owned())
+                && other != v
+            {
+                bail!(
+                    "--namespace {other:?} and --pod {:?} name different namespaces",
+                    self.pod.as_deref().unwrap_or_default()
+                );
+            }
         }
         for l in &self.labels {
             let (k, v) = l
@@ -80,6 +114,8 @@ impl Selection {
             ("policy", &self.policy),
             ("run", &self.run),
             ("since", &self.since),
+            ("namespace", &self.namespace),
+            ("pod", &self.pod),
         ] {
             if let Some(v) = v {
                 parts.push(format!("{k}={v}"));
@@ -91,5 +127,46 @@ impl Selection {
         } else {
             parts.join(", ")
         }
+    }
+}
+
+#[cfg(test)]
+mod pod_tests {
+    use super::*;
+
+    #[test]
+    fn pods_and_namespaces_select_by_their_context_labels() {
+        let f = Selection {
+            pod: Some("ci/build-1".into()),
+            ..Selection::default()
+        }
+        .filter()
+        .expect("filter");
+        assert_eq!(f.labels.get(K8S_NAMESPACE).map(String::as_str), Some("ci"));
+        assert_eq!(f.labels.get(K8S_POD).map(String::as_str), Some("build-1"));
+        let f = Selection {
+            namespace: Some("ci".into()),
+            pod: Some("build-1".into()),
+            ..Selection::default()
+        }
+        .filter()
+        .expect("filter");
+        assert_eq!(f.labels.len(), 2);
+        let e = Selection {
+            namespace: Some("ci".into()),
+            pod: Some("other/build-1".into()),
+            ..Selection::default()
+        }
+        .filter()
+        .expect_err("conflict");
+        assert!(e.to_string().contains("different namespaces"), "{e}");
+        assert!(
+            Selection {
+                pod: Some("ci/".into()),
+                ..Selection::default()
+            }
+            .filter()
+            .is_err()
+        );
     }
 }
