@@ -155,6 +155,46 @@ fn pods_are_confined_per_pod_through_containerd() {
         agent.events()
     );
 
+    // `explain`, `events` and the containers list take pods like containers.
+    let o = agent.cli(&["explain", "--pod", "ci/a", "allowed.test:8443", "--json"]);
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap_or_else(|e| {
+        panic!(
+            "explain --pod: {e}: {}{}",
+            String::from_utf8_lossy(&o.stdout),
+            String::from_utf8_lossy(&o.stderr)
+        )
+    });
+    assert_eq!(v["policy"]["name"], "web", "{v:#}");
+    assert_eq!(v["pod"]["enforced_as"], "web", "{v:#}");
+    // The store is written off the hot path: wait for the pod's refusals to land.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let config = dir.join("config.toml");
+        let o = agent.cli(&[
+            "events",
+            "--pod",
+            "ci/a",
+            "--verdict",
+            "deny",
+            "--config",
+            config.to_str().expect("utf-8 path"),
+        ]);
+        let text = String::from_utf8_lossy(&o.stdout).into_owned();
+        if o.status.success() && text.contains("denied.test") {
+            assert!(
+                !text.contains("ci/b"),
+                "events --pod ci/a showed another pod: {text}"
+            );
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "events --pod ci/a: {text}{}",
+            String::from_utf8_lossy(&o.stderr)
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
+
     // 3. A second pod with another policy in the same namespace can't borrow the first's
     //    listener: every proxy listener, asked for the first pod's allowed CIDR port.
     let b = pod_with(&c, "ci", "b", &[("egress.policy", "other")]);

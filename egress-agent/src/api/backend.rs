@@ -26,7 +26,12 @@ pub fn containers(config: &Config) -> Value {
         .iter()
         .map(|c| {
             let mut v = serde_json::to_value(c).unwrap_or(Value::Null);
-            let container = c.owner.as_deref().and_then(|o| o.strip_prefix("docker:"));
+            let owner = c.owner.as_deref();
+            let (kind, container) = match owner.and_then(|o| o.split_once(':')) {
+                Some(("docker", name)) => (Some("docker"), Some(name)),
+                Some(("pod", name)) => (Some("pod"), Some(name)),
+                _ => (None, None),
+            };
             let badge = match (c.policy.as_deref().and_then(|p| config.policy(p)), c.mode) {
                 (Some(p), _) => p.badge(),
                 // Inline (label) policies are allowlists; no entry at all is refused.
@@ -34,6 +39,7 @@ pub fn containers(config: &Config) -> Value {
                 (None, None) => "deny_all",
             };
             v["container"] = json!(container);
+            v["kind"] = json!(kind);
             v["badge"] = json!(badge);
             v
         })
@@ -84,7 +90,11 @@ pub async fn explain(
     let target = Target::parse(&q.target).map_err(|e| ApiError::new(400, e))?;
     let netns = netns(&q)?;
     match (&q.policy, &q.container) {
-        (Some(name), None) => {
+        (None, None) if q.pod.is_some() => {
+            let pod = q.pod.as_deref().unwrap_or_default();
+            explain_pod(config, pod, &target, netns).await
+        }
+        (Some(name), None) if q.pod.is_none() => {
             let policy = config
                 .policy(name)
                 .ok_or_else(|| ApiError::new(404, format!("no policy named {name:?}")))?;
@@ -100,7 +110,7 @@ pub async fn explain(
                 netns,
             ))
         }
-        (None, Some(id)) => {
+        (None, Some(id)) if q.pod.is_none() => {
             let docker =
                 bollard::Docker::connect_with_unix(docker_socket, 10, bollard::API_DEFAULT_VERSION)
                     .map_err(|e| ApiError::new(503, format!("connecting to Docker: {e}")))?;
@@ -147,9 +157,91 @@ pub async fn explain(
         }
         _ => Err(ApiError::new(
             400,
-            "give exactly one of policy=NAME or container=NAME",
+            "give exactly one of policy=NAME, container=NAME or pod=NAMESPACE/NAME",
         )),
     }
+}
+
+/// `explain` for a pod: its sandbox's record from containerd, its annotations resolved as the
+/// containerd runtime resolves them.
+async fn explain_pod(
+    config: &Config,
+    pod: &str,
+    target: &Target,
+    netns: Netns,
+) -> Result<Value, ApiError> {
+    use crate::containerd::{client, pod as pods};
+    let Some((ns, name)) = pod.split_once('/') else {
+        return Err(ApiError::new(
+            400,
+            format!("pod {pod:?}: expected NAMESPACE/NAME"),
+        ));
+    };
+    let Some(k8s) = &config.kubernetes else {
+        return Err(ApiError::new(
+            400,
+            "no [kubernetes] section in the configuration: pods are not enforced",
+        ));
+    };
+    let c = client::Client::connect(&k8s.containerd_socket, &k8s.containerd_namespace)
+        .await
+        .map_err(|e| ApiError::new(503, e.to_string()))?;
+    let records = c
+        .list()
+        .await
+        .map_err(|e| ApiError::new(503, e.to_string()))?;
+    let sandbox = records
+        .iter()
+        .filter_map(|r| {
+            let (labels, spec) = client::parts(r);
+            match pods::classify(&r.id, labels, spec, &k8s.cgroup_root) {
+                Ok(pods::Record::Sandbox(sb)) => Some(sb),
+                _ => None,
+            }
+        })
+        .find(|sb| sb.pod.namespace == ns && sb.pod.name == name)
+        .ok_or_else(|| ApiError::new(404, format!("no pod {pod} in containerd")))?;
+    let pairs = || {
+        sandbox
+            .annotations
+            .iter()
+            .map(|(k, v)| (k.as_str(), v.as_str()))
+    };
+    let resolved = crate::docker::labels::resolve_pod(pairs(), ns, config);
+    let why = match &resolved.source {
+        crate::docker::labels::Source::Namespace => {
+            format!("no egress.* annotation: namespace {ns:?}'s default applies")
+        }
+        crate::docker::labels::Source::Unlabeled => {
+            "no egress.* annotation and no namespace default: agent.unlabeled applies".to_owned()
+        }
+        _ => crate::check::explain_labels(pairs(), config)["why"]
+            .as_str()
+            .unwrap_or_default()
+            .replace("labels ", "annotations ")
+            .replace("label", "annotation"),
+    };
+    let chosen = Chosen {
+        name: resolved.name.clone(),
+        why,
+    };
+    let mut v = explain::explain(
+        config.proxy.explain_endpoint(),
+        &chosen,
+        &resolved.policy,
+        target,
+        netns,
+    );
+    let enforced = crate::status::collect(&config.agent.bpffs)
+        .ok()
+        .and_then(|s| {
+            s.cgroups
+                .into_iter()
+                .find(|g| g.owner.as_deref() == Some(&format!("pod:{pod}")))
+                .and_then(|g| g.policy)
+        });
+    v["pod"] = json!({ "sandbox": sandbox.id, "name": pod, "uid": sandbox.pod.uid, "enforced_as": enforced });
+    Ok(v)
 }
 
 fn open_store(config: &Config) -> Result<Store, ApiError> {

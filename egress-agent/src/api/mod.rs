@@ -82,6 +82,8 @@ impl From<crate::manage::ManageError> for ApiError {
 pub struct ExplainQuery {
     pub policy: Option<String>,
     pub container: Option<String>,
+    /// A Kubernetes pod, `NAMESPACE/NAME`.
+    pub pod: Option<String>,
     pub target: String,
     /// `own` (a container, the default) or `host` (`exec`).
     pub netns: Option<String>,

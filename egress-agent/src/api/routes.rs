@@ -292,6 +292,7 @@ pub async fn route(
             let q = ExplainQuery {
                 policy: query_param(query, "policy"),
                 container: query_param(query, "container"),
+                pod: query_param(query, "pod"),
                 target: query_param(query, "target").unwrap_or_default(),
                 netns: query_param(query, "netns"),
             };

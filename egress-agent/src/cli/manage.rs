@@ -88,8 +88,16 @@ pub enum PolicyCommand {
 pub struct ExplainArgs {
     /// The container whose policy to use (name or id; its labels are resolved as the enforcer
     /// resolves them).
-    #[arg(long, conflicts_with = "policy", required_unless_present = "policy")]
+    #[arg(
+        long,
+        conflicts_with_all = ["policy", "pod"],
+        required_unless_present_any = ["policy", "pod"]
+    )]
     pub container: Option<String>,
+    /// The Kubernetes pod whose policy to use, NAMESPACE/NAME (its annotations and namespace
+    /// default resolved as the containerd runtime resolves them).
+    #[arg(long, conflicts_with = "policy")]
+    pub pod: Option<String>,
     /// The policy to use, by name.
     #[arg(long)]
     pub policy: Option<String>,
@@ -373,6 +381,13 @@ pub fn render_explanation(v: &Value) -> String {
         s(&v["policy"]["badge"]),
         s(&v["policy"]["why"])
     );
+    if let Some(c) = v.get("pod") {
+        out.push_str(&format!(
+            "pod:     {} (enforced as {})\n",
+            s(&c["name"]),
+            c["enforced_as"].as_str().unwrap_or("-")
+        ));
+    }
     if let Some(c) = v.get("container") {
         out.push_str(&format!(
             "container: {} (enforced as {})\n",
@@ -445,6 +460,9 @@ pub fn explain(args: ExplainArgs) -> Result<()> {
             }
             if let Some(c) = &args.container {
                 q.push_str(&format!("&container={}", enc(c)));
+            }
+            if let Some(p) = &args.pod {
+                q.push_str(&format!("&pod={}", enc(p)));
             }
             if args.host_netns {
                 q.push_str("&netns=host");

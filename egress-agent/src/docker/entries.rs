@@ -170,7 +170,13 @@ impl Entries {
         container: ContainerRef,
         context: std::collections::BTreeMap<String, String>,
     ) {
-        let owner = format!("docker:{}", container.name);
+        // `pod:NAMESPACE/NAME` for a Kubernetes pod (its context names it), `docker:NAME` else.
+        let kind = if context.contains_key("k8s.pod.name") {
+            "pod"
+        } else {
+            "docker"
+        };
+        let owner = format!("{kind}:{}", container.name);
         if let Err(e) = self.state.set_name(cgroup_id, policy, &owner) {
             tracing::warn!(container = %container.id, cgroup_id, error = %e, "recording the policy name failed");
         }
