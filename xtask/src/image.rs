@@ -24,7 +24,6 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result, bail};
 
 use crate::setup::workspace_root;
-use crate::tasks;
 
 /// The image's name; its tag is the workspace version.
 pub const NAME: &str = "egress-agent";
@@ -51,16 +50,6 @@ pub fn archive_path() -> PathBuf {
         "target/{NAME}-{}.image.tar",
         env!("CARGO_PKG_VERSION")
     ))
-}
-
-/// The task: release build, then the archive; `verify` also imports and runs it.
-pub fn run(verify: bool) -> Result<()> {
-    tasks::build()?;
-    let out = write_image(&tasks::release_bin(NAME))?;
-    if verify {
-        verify_with_containerd(&out)?;
-    }
-    Ok(())
 }
 
 /// Write the image of the agent binary `agent` to [`archive_path`].

@@ -69,6 +69,6 @@ fn main() -> anyhow::Result<()> {
         Task::Test { filter } => tasks::test(filter.as_deref()),
         Task::Bench { quick } => tasks::bench(quick),
         Task::Install { destdir } => tasks::install(&destdir),
-        Task::Image { verify } => image::run(verify),
+        Task::Image { verify } => tasks::image(verify),
     }
 }

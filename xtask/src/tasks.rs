@@ -167,6 +167,16 @@ pub fn test(filter: Option<&str>) -> Result<()> {
 
 /// The DaemonSet's image from this release build, imported into a private containerd as a node
 /// would and run (`egress-agent --version`). Skipped, loudly, without root or containerd.
+/// `cargo xtask image`: the release build, then the archive; `verify` also imports and runs it.
+pub fn image(verify: bool) -> Result<()> {
+    build()?;
+    let out = image::write_image(&release_bin(image::NAME))?;
+    if verify {
+        image::verify_with_containerd(&out)?;
+    }
+    Ok(())
+}
+
 fn image_smoke_test() -> Result<()> {
     eprintln!("== container image (cargo xtask image --verify)");
     let have = |tool: &str| {
