@@ -7,7 +7,10 @@
 //! event's fields as attributes (`egress.verdict`, `egress.source`, `egress.policy`,
 //! `egress.host`, `egress.ip`, `egress.port`, `egress.protocol`, `egress.reason`,
 //! `egress.container.id`, `egress.container.name`, `egress.cgroup_id`, and each context label as
-//! `egress.context.<name>`). Resource: `service.name = egress-agent`, `host.name`.
+//! `egress.context.<name>`). Resource: `service.name = egress-agent`, `host.name`; a Kubernetes
+//! pod's events are in a resource of their own that also carries OpenTelemetry's Kubernetes
+//! attributes (`k8s.namespace.name`, `k8s.pod.name`, `k8s.pod.uid`, and `k8s.container.name` when
+//! known) — the `k8s.*` context labels the containerd runtime puts on its events.
 //!
 //! A batch is whatever is queued when the exporter wakes (at most `export.otlp.batch`); a batch
 //! the collector refuses or that times out is dropped and counted (`export_errors_total{sink="otlp"}`).
@@ -114,7 +117,10 @@ pub fn record(ev: &DenialEvent) -> LogRecord {
         ));
     }
     for (k, v) in &ev.context {
-        attributes.push(kv(&format!("egress.context.{k}"), s(v.clone())));
+        // `k8s.*` go on the resource (see `request`).
+        if !k.starts_with(K8S_PREFIX) {
+            attributes.push(kv(&format!("egress.context.{k}"), s(v.clone())));
+        }
     }
     LogRecord {
         time_unix_nano: nanos,
@@ -130,30 +136,53 @@ pub fn record(ev: &DenialEvent) -> LogRecord {
     }
 }
 
-/// One export request for `events`.
+/// Context labels that are OpenTelemetry Kubernetes resource attributes.
+const K8S_PREFIX: &str = "k8s.";
+
+/// One export request for `events`: one resource for the agent's own events and containers,
+/// and one per Kubernetes pod (its `k8s.*` attributes), in the order they first appear.
 pub fn request(events: &[DenialEvent], host_name: &str) -> ExportLogsServiceRequest {
-    ExportLogsServiceRequest {
-        resource_logs: vec![ResourceLogs {
-            resource: Some(Resource {
-                attributes: vec![
-                    kv("service.name", s("egress-agent")),
-                    kv("service.version", s(env!("CARGO_PKG_VERSION"))),
-                    kv("host.name", s(host_name)),
-                ],
-                ..Default::default()
-            }),
-            scope_logs: vec![ScopeLogs {
-                scope: Some(InstrumentationScope {
-                    name: "egress-agent".to_owned(),
-                    version: env!("CARGO_PKG_VERSION").to_owned(),
+    let mut groups: Vec<(Vec<(String, String)>, Vec<LogRecord>)> = Vec::new();
+    for ev in events {
+        let k8s: Vec<(String, String)> = ev
+            .context
+            .iter()
+            .filter(|(k, _)| k.starts_with(K8S_PREFIX))
+            .map(|(k, v)| (k.clone(), v.clone()))
+            .collect();
+        match groups.iter_mut().find(|(key, _)| *key == k8s) {
+            Some((_, records)) => records.push(record(ev)),
+            None => groups.push((k8s, vec![record(ev)])),
+        }
+    }
+    let resource_logs = groups
+        .into_iter()
+        .map(|(k8s, log_records)| {
+            let mut attributes = vec![
+                kv("service.name", s("egress-agent")),
+                kv("service.version", s(env!("CARGO_PKG_VERSION"))),
+                kv("host.name", s(host_name)),
+            ];
+            attributes.extend(k8s.into_iter().map(|(k, v)| kv(&k, s(v))));
+            ResourceLogs {
+                resource: Some(Resource {
+                    attributes,
                     ..Default::default()
                 }),
-                log_records: events.iter().map(record).collect(),
+                scope_logs: vec![ScopeLogs {
+                    scope: Some(InstrumentationScope {
+                        name: "egress-agent".to_owned(),
+                        version: env!("CARGO_PKG_VERSION").to_owned(),
+                        ..Default::default()
+                    }),
+                    log_records,
+                    ..Default::default()
+                }],
                 ..Default::default()
-            }],
-            ..Default::default()
-        }],
-    }
+            }
+        })
+        .collect();
+    ExportLogsServiceRequest { resource_logs }
 }
 
 async fn post(ep: &Endpoint, body: Vec<u8>, timeout: Duration) -> Result<(), String> {
@@ -266,5 +295,60 @@ mod tests {
         ] {
             assert!(parse_endpoint(bad).is_err(), "{bad}");
         }
+    }
+
+    #[test]
+    fn a_pods_events_are_a_resource_with_the_kubernetes_attributes() {
+        let plain = DenialEvent::proxy("web", Some("a.test".into()), None, 443, "tls", "x");
+        let mut pod = plain.clone();
+        pod.context.extend([
+            ("k8s.namespace.name".to_owned(), "ci".to_owned()),
+            ("k8s.pod.name".to_owned(), "build-1".to_owned()),
+            ("k8s.pod.uid".to_owned(), "u-1".to_owned()),
+            ("run".to_owned(), "42".to_owned()),
+        ]);
+        let req = request(&[plain.clone(), pod.clone(), pod], "node-1");
+        assert_eq!(
+            req.resource_logs.len(),
+            2,
+            "one resource per pod, one for the rest"
+        );
+        let attrs = |i: usize| -> Vec<(String, String)> {
+            req.resource_logs[i]
+                .resource
+                .as_ref()
+                .unwrap()
+                .attributes
+                .iter()
+                .map(|kv| {
+                    let v = match kv.value.as_ref().and_then(|v| v.value.as_ref()) {
+                        Some(any_value::Value::StringValue(s)) => s.clone(),
+                        _ => String::new(),
+                    };
+                    (kv.key.clone(), v)
+                })
+                .collect()
+        };
+        assert!(!attrs(0).iter().any(|(k, _)| k.starts_with("k8s.")));
+        for want in [
+            ("k8s.namespace.name", "ci"),
+            ("k8s.pod.name", "build-1"),
+            ("k8s.pod.uid", "u-1"),
+        ] {
+            assert!(
+                attrs(1).contains(&(want.0.to_owned(), want.1.to_owned())),
+                "{want:?} missing from {:?}",
+                attrs(1)
+            );
+        }
+        let records = &req.resource_logs[1].scope_logs[0].log_records;
+        assert_eq!(records.len(), 2);
+        let keys: Vec<&str> = records[0]
+            .attributes
+            .iter()
+            .map(|a| a.key.as_str())
+            .collect();
+        assert!(keys.contains(&"egress.context.run"), "{keys:?}");
+        assert!(!keys.iter().any(|k| k.contains("k8s.")), "{keys:?}");
     }
 }
