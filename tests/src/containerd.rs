@@ -303,6 +303,7 @@ state = "{state}"
                         "containerd's CRI plugin did not load ({line}):\n{}",
                         self.log_tail()
                     );
+                    self.wait_cri_serving(deadline);
                     return;
                 }
             }
@@ -314,6 +315,43 @@ state = "{state}"
             );
             std::thread::sleep(Duration::from_millis(50));
         }
+    }
+
+    /// The plugin is `ok` before the CRI server has initialised (recovered its state): calls
+    /// fail with "server is not initialized yet" until then (seen after a restart). Wait until
+    /// CRI `Status` answers; on a thread with its own runtime (callers may be inside one).
+    fn wait_cri_serving(&self, deadline: Instant) {
+        std::thread::scope(|s| {
+            s.spawn(|| {
+                let rt = tokio::runtime::Builder::new_current_thread()
+                    .enable_all()
+                    .build()
+                    .expect("tokio runtime");
+                rt.block_on(async {
+                    loop {
+                        let status = self
+                            .cri()
+                            .await
+                            .runtime
+                            .status(k8s_cri::v1::StatusRequest { verbose: false })
+                            .await;
+                        match status {
+                            Ok(_) => return,
+                            Err(e) => assert!(
+                                Instant::now() < deadline,
+                                "containerd's CRI did not serve in 60 s ({} {}):\n{}",
+                                e.code(),
+                                e.message(),
+                                self.log_tail()
+                            ),
+                        }
+                        tokio::time::sleep(Duration::from_millis(50)).await;
+                    }
+                });
+            })
+            .join()
+            .unwrap_or_else(|panic| std::panic::resume_unwind(panic));
+        });
     }
 
     fn stop_daemon(&mut self) {
@@ -482,6 +520,20 @@ state = "{state}"
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .push(parent.to_owned());
+    }
+
+    /// Remove a pod's cgroup (its emptied children first) in every hierarchy; the kubelet
+    /// root's levels stay (Drop removes them).
+    pub(crate) fn remove_pod_cgroup(&self, parent: &str) {
+        for mount in cgroup_mounts() {
+            let path = mount.join(parent.trim_start_matches('/'));
+            if path.exists() {
+                let _removed = sh_quiet(&format!(
+                    "find {} -depth -type d -exec rmdir {{}} \\;",
+                    path.display()
+                ));
+            }
+        }
     }
 
     /// Where the kubelet would put a pod's logs (`/var/log/pods/<ns>_<name>_<uid>`), under ours.

@@ -580,9 +580,11 @@ impl Containerd {
             .unwrap_or_else(|e| self.failed(&format!("StopPodSandbox {id}"), &e));
     }
 
-    /// RemovePodSandbox: removes the sandbox and its containers.
+    /// RemovePodSandbox: removes the sandbox and its containers; then the pod's cgroup, as the
+    /// kubelet does once a pod is gone (an agent prunes entries of vanished cgroups).
     pub async fn remove_pod(&self, pod: &Pod) {
         self.remove_pod_id(&pod.sandbox_id).await;
+        self.remove_pod_cgroup(&pod.cgroup_parent);
     }
 
     async fn remove_pod_id(&self, id: &str) {
