@@ -16,7 +16,7 @@
 //! allowed CIDR port does, an allowed name over TLS goes through the agent's transparent proxy
 //! (the agent's own upstream dial: its pod is `deny_all` by `unlabeled`, only its exempt cgroup
 //! lets it out), and the DaemonSet's readiness command run in the agent container (CRI ExecSync)
-//! is answered by the control API (which refuses confined processes).
+//! is answered by the control API, while the same command from the confined app pod is refused.
 //!
 //! Departures from the manifest, each forced by the harness: the cgroup mount has no
 //! `HostToContainer` propagation (the host's /sys/fs/cgroup is a private mount, and making it
@@ -229,7 +229,10 @@ fn the_daemonset_image_confines_a_pod() {
         .map(|p| p.path().to_owned())
         .expect("pins");
 
-    let mut c = Containerd::start_with(&[Path::new(env!("CARGO_BIN_EXE_egress-probe"))]);
+    // The agent's binary in the app image too: a confined caller of the control API.
+    let agent_bin = egress_tests::agent::agent_bin();
+    let mut c =
+        Containerd::start_with(&[Path::new(env!("CARGO_BIN_EXE_egress-probe")), &agent_bin]);
     c.kubelet_root = format!("/egress-test-{pid}/kubepods");
     let names = c.import_archive(&archive);
     let image = names
@@ -439,6 +442,31 @@ fn the_daemonset_image_confines_a_pod() {
     assert!(
         !canary.saw(&format!("FIRST-{pid}")),
         "the denied first connect arrived"
+    );
+    // The API's trust is the agent's own cgroup's, not every caller's under the root: the same
+    // command on the same socket from the confined pod is refused.
+    let (code, logs) = rt.block_on(async {
+        let mut spec = ContainerSpec::new(
+            "api",
+            &[
+                "egress-agent",
+                "policy",
+                "list",
+                "--json",
+                "--api-socket",
+                "/run/egress-agent/api.sock",
+            ],
+        );
+        spec.host_mounts = vec![HostMount::rw(dir.join("run"), "/run/egress-agent")];
+        let id = c.create_container_spec(&app, &spec).await;
+        c.start_container(&id).await;
+        let code = c.wait_exit(&id, Duration::from_secs(30)).await;
+        (code, c.logs(&app, "api"))
+    });
+    let out = output(code, &logs);
+    assert!(
+        code != 0 && out.contains("confined"),
+        "a confined pod's API call was not refused as confined: {out}"
     );
     eprintln!("done in {:?}", t0.elapsed());
 }
