@@ -303,6 +303,7 @@ state = "{state}"
                         "containerd's CRI plugin did not load ({line}):\n{}",
                         self.log_tail()
                     );
+                    self.wait_cri_serving(deadline);
                     return;
                 }
             }
@@ -314,6 +315,43 @@ state = "{state}"
             );
             std::thread::sleep(Duration::from_millis(50));
         }
+    }
+
+    /// The plugin is `ok` before the CRI server has initialised (recovered its state): calls
+    /// fail with "server is not initialized yet" until then (seen after a restart). Wait until
+    /// CRI `Status` answers; on a thread with its own runtime (callers may be inside one).
+    fn wait_cri_serving(&self, deadline: Instant) {
+        std::thread::scope(|s| {
+            s.spawn(|| {
+                let rt = tokio::runtime::Builder::new_current_thread()
+                    .enable_all()
+                    .build()
+                    .expect("tokio runtime");
+                rt.block_on(async {
+                    loop {
+                        let status = self
+                            .cri()
+                            .await
+                            .runtime
+                            .status(k8s_cri::v1::StatusRequest { verbose: false })
+                            .await;
+                        match status {
+                            Ok(_) => return,
+                            Err(e) => assert!(
+                                Instant::now() < deadline,
+                                "containerd's CRI did not serve in 60 s ({} {}):\n{}",
+                                e.code(),
+                                e.message(),
+                                self.log_tail()
+                            ),
+                        }
+                        tokio::time::sleep(Duration::from_millis(50)).await;
+                    }
+                });
+            })
+            .join()
+            .unwrap_or_else(|panic| std::panic::resume_unwind(panic));
+        });
     }
 
     fn stop_daemon(&mut self) {
@@ -446,6 +484,32 @@ state = "{state}"
         std::fs::remove_dir_all(&build).ok();
     }
 
+    /// Import another `docker save` archive into `k8s.io` as a node operator does
+    /// (`ctr -n k8s.io images import`); the names it was imported as
+    /// (`docker.io/library/<name>:<tag>`).
+    pub fn import_archive(&self, archive: &Path) -> Vec<String> {
+        let before = self.ctr(&["images", "ls", "-q"]);
+        let out = self.ctr(&[
+            "images",
+            "import",
+            "--snapshotter",
+            "overlayfs",
+            &archive.display().to_string(),
+        ]);
+        let names: Vec<String> = self
+            .ctr(&["images", "ls", "-q"])
+            .lines()
+            .filter(|l| !before.lines().any(|b| b == *l))
+            .map(str::to_owned)
+            .collect();
+        assert!(
+            !names.is_empty(),
+            "importing {} added no image: ctr said {out}",
+            archive.display()
+        );
+        names
+    }
+
     /// Create the pod-level cgroup in cgroup2 as the kubelet does before RunPodSandbox
     /// (runc creates it in the v1 hierarchies of this hybrid host itself); removed on drop.
     pub(crate) fn create_pod_cgroup(&self, parent: &str) {
@@ -456,6 +520,20 @@ state = "{state}"
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .push(parent.to_owned());
+    }
+
+    /// Remove a pod's cgroup (its emptied children first) in every hierarchy; the kubelet
+    /// root's levels stay (Drop removes them).
+    pub(crate) fn remove_pod_cgroup(&self, parent: &str) {
+        for mount in cgroup_mounts() {
+            let path = mount.join(parent.trim_start_matches('/'));
+            if path.exists() {
+                let _removed = sh_quiet(&format!(
+                    "find {} -depth -type d -exec rmdir {{}} \\;",
+                    path.display()
+                ));
+            }
+        }
     }
 
     /// Where the kubelet would put a pod's logs (`/var/log/pods/<ns>_<name>_<uid>`), under ours.
@@ -545,11 +623,55 @@ impl Drop for Containerd {
                     .next()
                     .unwrap_or("kubepods")
                     .to_owned();
-                while path.starts_with(mount.join(&top)) && std::fs::remove_dir(&path).is_ok() {
+                // A pod directory already gone (the agent removes the ones it pre-created when
+                // their pod goes) is no reason to stop: its emptied parents must go too.
+                while path.starts_with(mount.join(&top))
+                    && std::fs::remove_dir(&path)
+                        .or_else(|e| match e.kind() {
+                            std::io::ErrorKind::NotFound => Ok(()),
+                            _ => Err(e),
+                        })
+                        .is_ok()
+                {
                     path.pop();
                 }
             }
         }
+    }
+}
+
+/// A host directory bind-mounted onto itself as a **shared** mount, so that containerd admits it
+/// as the source of a `Bidirectional` (or `HostToContainer`) mount: this machine's mounts are
+/// private, and making a system mount shared would change it for everyone. Mounts a container
+/// makes under it propagate back here. Unmounted (with whatever was mounted under it) on drop;
+/// the directory itself stays.
+pub struct SharedDir {
+    path: PathBuf,
+}
+
+impl SharedDir {
+    /// Create `path` if needed and make it a shared mount point.
+    pub fn new(path: &Path) -> SharedDir {
+        std::fs::create_dir_all(path).unwrap_or_else(|e| panic!("create {}: {e}", path.display()));
+        let p = path.display();
+        sh(&format!("mount --bind {p} {p} && mount --make-shared {p}"));
+        SharedDir {
+            path: path.to_owned(),
+        }
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+}
+
+impl Drop for SharedDir {
+    fn drop(&mut self) {
+        unmount_under(&self.path);
+        let _unmounted = sh_quiet(&format!(
+            "while mountpoint -q {p}; do umount -l {p} || break; done",
+            p = self.path.display()
+        ));
     }
 }
 

@@ -37,6 +37,14 @@ pub struct PodSpec {
     pub qos: Qos,
     /// `dns_config.servers` (the pod's /etc/resolv.conf); `None`: the host's resolv.conf.
     pub dns_nameserver: Option<Ipv4Addr>,
+    /// `hostNetwork: true` (NamespaceMode::NODE): the pod runs in the *daemon's* network
+    /// namespace ([`Containerd::netns`], the harness's node), no CNI; its [`Pod::ip`] is
+    /// [`crate::containerd::GATEWAY`], the node's address on the pods' bridge.
+    pub host_network: bool,
+    /// `hostPID: true`: the host's PID namespace (and its /proc).
+    pub host_pid: bool,
+    /// A privileged sandbox (containerd refuses privileged containers in other pods).
+    pub privileged: bool,
 }
 
 impl PodSpec {
@@ -50,6 +58,9 @@ impl PodSpec {
             annotations: BTreeMap::new(),
             qos: Qos::BestEffort,
             dns_nameserver: None,
+            host_network: false,
+            host_pid: false,
+            privileged: false,
         }
     }
 
@@ -85,13 +96,57 @@ pub struct Pod {
 #[derive(Clone, Debug, Default)]
 pub struct ContainerSpec {
     pub name: String,
-    /// Replaces the image's command (the image's default sleeps).
+    /// The image (`docker.io/library/<name>:<tag>`, imported beforehand, e.g. with
+    /// [`Containerd::import_archive`]); `None`: the harness's [`IMAGE`].
+    pub image: Option<String>,
+    /// Replaces the image's entrypoint (Kubernetes' `command`; the harness image's default
+    /// sleeps).
     pub command: Vec<String>,
     /// Container annotations (`egress.*` ones reach its OCI spec).
     pub annotations: BTreeMap<String, String>,
     pub envs: BTreeMap<String, String>,
     /// Read-only bind mounts (host path, container path).
     pub mounts: Vec<(String, String)>,
+    /// Other host mounts (`hostPath` volumes with `readOnly` and `mountPropagation`).
+    pub host_mounts: Vec<HostMount>,
+    /// `securityContext.privileged` (the pod must be [`PodSpec::privileged`]).
+    pub privileged: bool,
+    /// `securityContext.runAsUser`.
+    pub run_as_user: Option<i64>,
+    /// `securityContext.readOnlyRootFilesystem`.
+    pub readonly_rootfs: bool,
+}
+
+/// A host path mounted into a container (recursive bind, as containerd's CRI does).
+#[derive(Clone, Debug)]
+pub struct HostMount {
+    pub host: PathBuf,
+    pub container: String,
+    pub readonly: bool,
+    /// `Bidirectional` needs a shared mount at `host` and `HostToContainer` a shared or slave
+    /// one (containerd checks); this machine's mounts are private: see
+    /// [`crate::containerd::SharedDir`].
+    pub propagation: cri::MountPropagation,
+}
+
+impl HostMount {
+    /// A read-write mount without propagation.
+    pub fn rw(host: impl Into<PathBuf>, container: &str) -> HostMount {
+        HostMount {
+            host: host.into(),
+            container: container.to_owned(),
+            readonly: false,
+            propagation: cri::MountPropagation::PropagationPrivate,
+        }
+    }
+
+    /// A read-only mount without propagation.
+    pub fn ro(host: impl Into<PathBuf>, container: &str) -> HostMount {
+        HostMount {
+            readonly: true,
+            ..HostMount::rw(host, container)
+        }
+    }
 }
 
 impl ContainerSpec {
@@ -145,11 +200,21 @@ fn hashmap(m: &BTreeMap<String, String>) -> HashMap<String, String> {
     m.iter().map(|(k, v)| (k.clone(), v.clone())).collect()
 }
 
-fn namespace_options() -> Option<cri::NamespaceOption> {
-    // The kubelet's defaults: network and IPC shared in the pod, a PID namespace per container.
+fn namespace_options(spec: &PodSpec) -> Option<cri::NamespaceOption> {
+    // The kubelet's defaults: network and IPC shared in the pod, a PID namespace per container;
+    // the node's for hostNetwork and hostPID.
+    let node = cri::NamespaceMode::Node as i32;
     Some(cri::NamespaceOption {
-        network: cri::NamespaceMode::Pod as i32,
-        pid: cri::NamespaceMode::Container as i32,
+        network: if spec.host_network {
+            node
+        } else {
+            cri::NamespaceMode::Pod as i32
+        },
+        pid: if spec.host_pid {
+            node
+        } else {
+            cri::NamespaceMode::Container as i32
+        },
         ipc: cri::NamespaceMode::Pod as i32,
         ..Default::default()
     })
@@ -230,7 +295,13 @@ impl Containerd {
                 namespace: spec.namespace.clone(),
                 attempt: 0,
             }),
-            hostname: spec.name.clone(),
+            // runc can't set a hostname in the node's UTS namespace (containerd 1.6 shares it
+            // with the node's network): none for hostNetwork.
+            hostname: if spec.host_network {
+                String::new()
+            } else {
+                spec.name.clone()
+            },
             log_directory: log_dir.display().to_string(),
             dns_config: spec.dns_nameserver.map(|ns| cri::DnsConfig {
                 servers: vec![ns.to_string()],
@@ -242,7 +313,8 @@ impl Containerd {
             linux: Some(cri::LinuxPodSandboxConfig {
                 cgroup_parent: parent.clone(),
                 security_context: Some(cri::LinuxSandboxSecurityContext {
-                    namespace_options: namespace_options(),
+                    namespace_options: namespace_options(spec),
+                    privileged: spec.privileged,
                     ..Default::default()
                 }),
                 ..Default::default()
@@ -274,7 +346,12 @@ impl Containerd {
             .and_then(|s| s.network)
             .map(|n| n.ip)
             .unwrap_or_default();
-        let ip = ip.parse().unwrap_or_else(|_| {
+        let parsed = if spec.host_network {
+            Ok(crate::containerd::GATEWAY)
+        } else {
+            ip.parse()
+        };
+        let ip = parsed.unwrap_or_else(|_| {
             panic!(
                 "sandbox {id} has no IPv4 address ({ip:?})\ncontainerd log:\n{}",
                 self.log_tail()
@@ -310,7 +387,7 @@ impl Containerd {
                 attempt: 0,
             }),
             image: Some(cri::ImageSpec {
-                image: IMAGE.to_owned(),
+                image: spec.image.clone().unwrap_or_else(|| IMAGE.to_owned()),
                 ..Default::default()
             }),
             command: spec.command.clone(),
@@ -333,11 +410,21 @@ impl Containerd {
                     readonly: true,
                     ..Default::default()
                 })
+                .chain(spec.host_mounts.iter().map(|m| cri::Mount {
+                    container_path: m.container.clone(),
+                    host_path: m.host.display().to_string(),
+                    readonly: m.readonly,
+                    propagation: m.propagation as i32,
+                    ..Default::default()
+                }))
                 .collect(),
             log_path: format!("{}/0.log", spec.name),
             linux: Some(cri::LinuxContainerConfig {
                 security_context: Some(cri::LinuxContainerSecurityContext {
-                    namespace_options: namespace_options(),
+                    namespace_options: namespace_options(&pod.spec),
+                    privileged: spec.privileged,
+                    run_as_user: spec.run_as_user.map(|value| cri::Int64Value { value }),
+                    readonly_rootfs: spec.readonly_rootfs,
                     ..Default::default()
                 }),
                 ..Default::default()
@@ -440,6 +527,30 @@ impl Containerd {
         (code, self.logs(pod, name))
     }
 
+    /// ExecSync (a probe's or `kubectl exec`'s way): run `cmd` in the running container `id`;
+    /// (exit code, output). A CRI error (the command could not be started) panics.
+    pub async fn exec_sync(&self, id: &str, cmd: &[&str], timeout: Duration) -> (i32, Logs) {
+        let out = self
+            .cri()
+            .await
+            .runtime
+            .exec_sync(cri::ExecSyncRequest {
+                container_id: id.to_owned(),
+                cmd: cmd.iter().map(|s| (*s).to_owned()).collect(),
+                timeout: i64::try_from(timeout.as_secs().max(1)).unwrap_or(i64::MAX),
+            })
+            .await
+            .unwrap_or_else(|e| self.failed(&format!("ExecSync {cmd:?} in {id}"), &e))
+            .into_inner();
+        (
+            out.exit_code,
+            Logs {
+                stdout: String::from_utf8_lossy(&out.stdout).into_owned(),
+                stderr: String::from_utf8_lossy(&out.stderr).into_owned(),
+            },
+        )
+    }
+
     /// StopContainer with the given grace period (0: SIGKILL).
     pub async fn stop_container(&self, id: &str, timeout: Duration) {
         self.cri()
@@ -469,9 +580,11 @@ impl Containerd {
             .unwrap_or_else(|e| self.failed(&format!("StopPodSandbox {id}"), &e));
     }
 
-    /// RemovePodSandbox: removes the sandbox and its containers.
+    /// RemovePodSandbox: removes the sandbox and its containers; then the pod's cgroup, as the
+    /// kubelet does once a pod is gone (an agent prunes entries of vanished cgroups).
     pub async fn remove_pod(&self, pod: &Pod) {
         self.remove_pod_id(&pod.sandbox_id).await;
+        self.remove_pod_cgroup(&pod.cgroup_parent);
     }
 
     async fn remove_pod_id(&self, id: &str) {

@@ -122,6 +122,9 @@ pub fn test(filter: Option<&str>) -> Result<()> {
     // The integration tests drive the release binary like an operator would (the build `run`
     // and `bench` use too).
     cargo(&RELEASE_BUILD)?;
+    // The DaemonSet's image of this release build, before the suite: containerd_daemonset runs
+    // the agent from it (EGRESS_AGENT_IMAGE) as a pod on the test's containerd.
+    let archive = image::write_image(&release_bin(image::NAME))?;
     if is_root() {
         // Start from no pins: the agent would switch links an earlier build left to this build's
         // programs anyway, but a clean start keeps earlier runs' roots and entries out of the tests.
@@ -152,7 +155,7 @@ pub fn test(filter: Option<&str>) -> Result<()> {
         .context("proxy tests on the kernel relay failed")?;
     }
     if filter.is_none() {
-        image_smoke_test()?;
+        image_smoke_test(&archive)?;
     }
     let mut args = vec!["test", "-p", "egress-tests", "--"];
     if let Some(f) = filter {
@@ -161,12 +164,17 @@ pub fn test(filter: Option<&str>) -> Result<()> {
     // Tests share cgroups, netns names and one private dockerd: run them one at a time.
     args.push("--test-threads=1");
     let agent = release_bin("egress-agent");
-    cargo_with(&args, &[("EGRESS_AGENT_BIN", agent.as_os_str()), dev[0]])
-        .context("privileged integration tests failed")
+    cargo_with(
+        &args,
+        &[
+            ("EGRESS_AGENT_BIN", agent.as_os_str()),
+            ("EGRESS_AGENT_IMAGE", archive.as_os_str()),
+            dev[0],
+        ],
+    )
+    .context("privileged integration tests failed")
 }
 
-/// The DaemonSet's image from this release build, imported into a private containerd as a node
-/// would and run (`egress-agent --version`). Skipped, loudly, without root or containerd.
 /// `cargo xtask image`: the release build, then the archive; `verify` also imports and runs it.
 pub fn image(verify: bool) -> Result<()> {
     build()?;
@@ -177,7 +185,12 @@ pub fn image(verify: bool) -> Result<()> {
     Ok(())
 }
 
-fn image_smoke_test() -> Result<()> {
+/// The DaemonSet's image `archive` (from this release build), imported into a private
+/// containerd as a node would and run (`egress-agent --version`, `ip -V`). Skipped, loudly,
+/// without root or containerd. Kept next to containerd_daemonset (which runs the agent from the
+/// same archive as a pod): it is the quick check without CRI, and the only one that says the
+/// image itself is broken rather than the pod around it.
+fn image_smoke_test(archive: &Path) -> Result<()> {
     eprintln!("== container image (cargo xtask image --verify)");
     let have = |tool: &str| {
         Command::new(tool)
@@ -193,8 +206,7 @@ fn image_smoke_test() -> Result<()> {
         eprintln!("skipping the image check: {missing} is not installed");
         return Ok(());
     }
-    let archive = image::write_image(&release_bin(image::NAME))?;
-    image::verify_with_containerd(&archive).context("the container image")
+    image::verify_with_containerd(archive).context("the container image")
 }
 
 pub fn bench(quick: bool) -> Result<()> {
