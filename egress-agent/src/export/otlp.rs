@@ -139,12 +139,15 @@ pub fn record(ev: &DenialEvent) -> LogRecord {
 /// Context labels that are OpenTelemetry Kubernetes resource attributes.
 const K8S_PREFIX: &str = "k8s.";
 
+/// A pod's `k8s.*` attributes (empty: not a pod).
+type K8sAttributes = Vec<(String, String)>;
+
 /// One export request for `events`: one resource for the agent's own events and containers,
 /// and one per Kubernetes pod (its `k8s.*` attributes), in the order they first appear.
 pub fn request(events: &[DenialEvent], host_name: &str) -> ExportLogsServiceRequest {
-    let mut groups: Vec<(Vec<(String, String)>, Vec<LogRecord>)> = Vec::new();
+    let mut groups: Vec<(K8sAttributes, Vec<LogRecord>)> = Vec::new();
     for ev in events {
-        let k8s: Vec<(String, String)> = ev
+        let k8s: K8sAttributes = ev
             .context
             .iter()
             .filter(|(k, _)| k.starts_with(K8S_PREFIX))
