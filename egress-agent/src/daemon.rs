@@ -3,8 +3,10 @@
 //! Start order (every step fails the start with a clear error; nothing runs half-configured):
 //! root check → config load + validate → control API socket → Docker enforcement (programs
 //! loaded or adopted at the Docker root, proxy address, nftables layer, watcher) → READY=1.
-//! Then SIGHUP (or `POST /v1/reload`) re-reads the config: a bad file is refused and the running
-//! policy stays; SIGINT/SIGTERM stop the daemon, leaving the pinned programs enforcing.
+//! Then SIGHUP, `POST /v1/reload` or a change of `policies.d` (watched, see
+//! [`crate::config::watch`]; `agent.watch_policies`) re-reads the config through one reload
+//! ([`Daemon::reload`]): a bad file is refused and the running policy stays; SIGINT/SIGTERM stop
+//! the daemon, leaving the pinned programs enforcing.
 
 use std::{net::SocketAddr, path::PathBuf, sync::Arc, time::Instant};
 
@@ -42,6 +44,30 @@ pub struct RunOptions {
     pub metrics_allow_non_loopback: bool,
 }
 
+/// What asked for a reload (logged with its outcome).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Trigger {
+    Sighup,
+    /// `POST /v1/reload` (`egress-agent reload`).
+    Api,
+    /// A policy change through the API (`manage::apply`), which reloads the files it wrote.
+    Change,
+    /// The policies directory changed on disk. A reload that would load what already runs
+    /// (the control API's own write, seen again) applies nothing.
+    Watch,
+}
+
+impl Trigger {
+    fn name(self) -> &'static str {
+        match self {
+            Trigger::Sighup => "sighup",
+            Trigger::Api => "api",
+            Trigger::Change => "policy-change",
+            Trigger::Watch => "policies.d",
+        }
+    }
+}
+
 struct Daemon {
     config_path: PathBuf,
     config: ArcSwap<Config>,
@@ -55,33 +81,49 @@ struct Daemon {
     ready: Value,
     /// For `explain --container` (the daemon's Docker socket).
     docker_socket: String,
+    /// Refused reloads are counted here.
+    metrics: Arc<Metrics>,
 }
 
 impl Daemon {
-    async fn reload(&self) -> Result<Value, String> {
+    /// The one reload: SIGHUP, `POST /v1/reload` and the policies directory's watch.
+    async fn reload(&self, trigger: Trigger) -> Result<Value, String> {
         let _guard = self.reload_lock.lock().await;
-        self.reload_locked().await
+        self.reload_locked(trigger).await
     }
 
-    /// A reload with `reload_lock` held (by [`Daemon::reload`], or by a policy change).
-    async fn reload_locked(&self) -> Result<Value, String> {
+    /// A reload with `reload_lock` held (by [`Daemon::reload`], or by a policy change). All or
+    /// nothing: the new configuration is loaded and validated whole, then applied, or refused
+    /// (logged with its file:line:column: field, counted) and the running one stays.
+    async fn reload_locked(&self, trigger: Trigger) -> Result<Value, String> {
         if let Err(e) = notify::reloading() {
             warn!(error = %e, "sd_notify RELOADING failed");
         }
-        let result = self.reload_inner().await;
+        let result = self.reload_inner(trigger).await;
+        let (config, trigger) = (self.config_path.display(), trigger.name());
         match &result {
-            Ok(_) => info!(config = %self.config_path.display(), "configuration reloaded"),
-            Err(e) => error!(config = %self.config_path.display(), error = %e,
-                "configuration rejected; the running policy stays in force"),
+            Ok(None) => {
+                info!(%config, trigger, "configuration unchanged; nothing to apply")
+            }
+            Ok(Some(_)) => info!(%config, trigger, "configuration reloaded"),
+            Err(e) => {
+                self.metrics.reload_error();
+                error!(%config, trigger, error = %e,
+                    "configuration rejected; the running policy stays in force")
+            }
         }
         if let Err(e) = notify::ready("enforcing") {
             warn!(error = %e, "sd_notify READY failed");
         }
-        result
+        result.map(|v| v.unwrap_or_else(|| json!({ "reloaded": false, "unchanged": true })))
     }
 
-    async fn reload_inner(&self) -> Result<Value, String> {
+    /// `Ok(None)`: a watched change that loads to the running configuration.
+    async fn reload_inner(&self, trigger: Trigger) -> Result<Option<Value>, String> {
         let new = Config::load(&self.config_path).map_err(|e| e.to_string())?;
+        if trigger == Trigger::Watch && new == **self.config.load() {
+            return Ok(None);
+        }
         if new.api != self.config.load().api {
             return Err("[api] changed: these settings take effect only on a restart (systemctl restart egress-agent); nothing was applied".to_owned());
         }
@@ -104,7 +146,9 @@ impl Daemon {
                 .map_err(|_| "the enforcement task stopped during the reload".to_owned())??;
         }
         self.config.store(new.clone());
-        Ok(json!({ "reloaded": true, "policies": new.policy_names().collect::<Vec<_>>() }))
+        Ok(Some(
+            json!({ "reloaded": true, "policies": new.policy_names().collect::<Vec<_>>() }),
+        ))
     }
 }
 
@@ -169,7 +213,7 @@ impl Control for Daemon {
     }
 
     fn reload(&self) -> BoxFuture<'_, Result<Value, String>> {
-        Box::pin(Daemon::reload(self))
+        Box::pin(Daemon::reload(self, Trigger::Api))
     }
 
     fn policy(&self, name: &str) -> Option<Value> {
@@ -203,7 +247,7 @@ impl Control for Daemon {
             };
             let applied =
                 crate::manage::apply(&self.config_path, &change, &who, &in_use, &log, || {
-                    self.reload_locked()
+                    self.reload_locked(Trigger::Change)
                 })
                 .await?;
             Ok(applied)
@@ -233,6 +277,38 @@ impl Control for Daemon {
             async move { backend::doctor(&self.config.load_full(), &self.docker_socket).await },
         )
     }
+}
+
+/// Reload on every change of `policies.d` (unless `agent.watch_policies = false`), a task of the
+/// core. A directory that can't be watched is logged; SIGHUP still reloads.
+fn watch_policies(agent: &mut Agent, daemon: &Arc<Daemon>) {
+    let dir = crate::config::policies_dir::policies_dir(&daemon.config_path);
+    if !daemon.config.load().agent.watch_policies {
+        info!(dir = %dir.display(), "not watching the policies directory (agent.watch_policies = false); reload with SIGHUP");
+        return;
+    }
+    let watch = match crate::config::watch::PolicyWatch::new(&dir) {
+        Ok(w) => w,
+        Err(e) => {
+            warn!(dir = %dir.display(), error = %e,
+                "cannot watch the policies directory; reload with SIGHUP after changing it");
+            return;
+        }
+    };
+    info!(dir = %dir.display(), exists = watch.watching_dir(),
+        kubernetes = crate::config::policies_dir::kubernetes_managed(&dir),
+        "watching the policies directory");
+    let daemon = daemon.clone();
+    agent.spawn("policy watch", |stop| {
+        crate::config::watch::run(watch, stop, move |names| {
+            let daemon = daemon.clone();
+            async move {
+                info!(changed = ?names, "the policies directory changed: reloading");
+                // Logged and counted by reload(); a rejected file changes nothing.
+                daemon.reload(Trigger::Watch).await.ok();
+            }
+        })
+    });
 }
 
 /// Runs the daemon until SIGINT/SIGTERM.
@@ -319,9 +395,11 @@ pub async fn run(opts: RunOptions) -> Result<()> {
         reload_lock: tokio::sync::Mutex::new(()),
         ready,
         docker_socket: opts.docker.socket.clone(),
+        metrics,
     });
     let control = daemon.clone();
     agent.spawn("api", |stop| api.run(control, stop.cancelled_owned()));
+    watch_policies(&mut agent, &daemon);
     if let Err(e) = notify::ready("enforcing") {
         warn!(error = %e, "sd_notify READY failed");
     }
@@ -333,10 +411,8 @@ pub async fn run(opts: RunOptions) -> Result<()> {
         tokio::select! {
             _ = hup.recv() => {
                 info!("SIGHUP: reloading the configuration");
-                // The outcome is logged by reload(); a rejected file changes nothing.
-                if daemon.reload().await.is_err() {
-                    metrics.reload_error();
-                }
+                // The outcome is logged and counted by reload(); a rejected file changes nothing.
+                daemon.reload(Trigger::Sighup).await.ok();
             }
             _ = term.recv() => break Ok(()),
             _ = int.recv() => break Ok(()),

@@ -1,12 +1,14 @@
 //! The real daemon (`egress-agent run`) against a private dockerd (see `egress_tests::docker`):
-//! configuration reload (SIGHUP and `egress-agent reload`) and the control API's clients
-//! (`status --json`, `events`, `reload`). Root only.
+//! configuration reload (SIGHUP, `egress-agent reload`, and a watched `policies.d` that is a
+//! Kubernetes ConfigMap volume) and the control API's clients (`status --json`, `events`,
+//! `reload`, `policy`). Root only.
 //!
 //! Addresses (all inside the test's own namespace and its 198.18.0.0/24 network):
 //! `198.18.0.1:9000` the canary (counts what *arrived*), `198.18.0.10:8080` the upstream httpd
 //! (`allowed.test` and `denied.test` in the agent's hosts file), `169.254.100.1:3128` the proxy.
 use std::os::unix::fs::{MetadataExt, PermissionsExt};
 use std::os::unix::process::CommandExt;
+use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use egress_tests::docker::{Env, IMAGE, NETWORK, SERIAL, UPSTREAM_IP, require_root};
@@ -62,24 +64,33 @@ fn cli_reload(env: &Env) -> (bool, String) {
     )
 }
 
-/// SIGHUP, then wait for the daemon's verdict in its log; returns the new verdict lines.
-fn sighup(env: &Env) -> Vec<String> {
-    let verdicts = |l: &str| -> Vec<String> {
-        l.lines()
-            .filter(|x| {
-                x.contains("configuration reloaded") || x.contains("configuration rejected")
-            })
-            .map(str::to_owned)
-            .collect()
-    };
+/// The daemon's reload verdicts (applied, refused or unchanged) in its log `l`.
+fn verdicts(l: &str) -> Vec<String> {
+    l.lines()
+        .filter(|x| {
+            x.contains("configuration reloaded")
+                || x.contains("configuration rejected")
+                || x.contains("configuration unchanged")
+        })
+        .map(str::to_owned)
+        .collect()
+}
+
+/// Do `act`, then wait for the daemon's reload verdict in its log; returns the new verdicts.
+fn verdicts_after(env: &Env, what: &str, act: impl FnOnce()) -> Vec<String> {
     let before = verdicts(&env.log()).len();
-    env.signal_agent(Signal::SIGHUP);
+    act();
     assert!(
         env.wait_log(|l| verdicts(l).len() > before, Duration::from_secs(15)),
-        "no reload verdict after SIGHUP:\n{}",
+        "no reload verdict after {what}:\n{}",
         env.log()
     );
     verdicts(&env.log()).split_off(before)
+}
+
+/// SIGHUP, then wait for the daemon's verdict in its log; returns the new verdict lines.
+fn sighup(env: &Env) -> Vec<String> {
+    verdicts_after(env, "SIGHUP", || env.signal_agent(Signal::SIGHUP))
 }
 
 /// The 1-based line of the first line of `text` containing `needle`.
@@ -478,4 +489,174 @@ fn control_api_is_root_only_and_reports_containers_and_events() {
         "no agent event for invalid labels: {:?}",
         env.events()
     );
+}
+
+/// A read-only bind mount of `src` at `at`: a ConfigMap volume as the pod sees it (the kubelet
+/// writes `src`, the host side). Unmounted on drop.
+struct ReadOnlyBind(PathBuf);
+
+impl ReadOnlyBind {
+    fn new(src: &Path, at: &Path) -> ReadOnlyBind {
+        use nix::mount::{MsFlags, mount};
+        std::fs::create_dir_all(at).expect("mount point");
+        mount(Some(src), at, None::<&str>, MsFlags::MS_BIND, None::<&str>).expect("bind mount");
+        let guard = ReadOnlyBind(at.to_owned());
+        mount(
+            None::<&str>,
+            at,
+            None::<&str>,
+            MsFlags::MS_REMOUNT | MsFlags::MS_BIND | MsFlags::MS_RDONLY,
+            None::<&str>,
+        )
+        .expect("remount read-only");
+        guard
+    }
+}
+
+impl Drop for ReadOnlyBind {
+    fn drop(&mut self) {
+        nix::mount::umount2(&self.0, nix::mount::MntFlags::MNT_DETACH).ok();
+    }
+}
+
+/// `policies.d` is a ConfigMap volume (the kubelet's `..data` layout, its root 0777, mounted
+/// read-only): its policy applies at start; the kubelet's update is watched and applied
+/// without a signal; a broken update (syntax error, unknown field) is refused with
+/// file:line and field in the log and the old policy keeps enforcing; API writes are refused
+/// naming the ConfigMap, and change nothing.
+#[test]
+fn configmap_policies_are_watched_and_read_only() {
+    if !require_root() {
+        return;
+    }
+    let _g = lock();
+    let mut env = Env::new(&[]);
+    env.kill_agent();
+    let volume = env.dir.join("configmap-volume");
+    let cm = |hosts: &str| {
+        format!(
+            "allow_hosts = [\"{hosts}\"]\nallow_ports = [8080]\nallow_cidrs = [\"{UPSTREAM_IP}/32\"]\n"
+        )
+    };
+    let mut version = 0;
+    let mut kubelet = |text: &str| {
+        version += 1;
+        egress_agent::config::kubelet::update(
+            &volume,
+            &format!("2026_12_03_07_00_00.{version:09}"),
+            &[("cm.toml", text)],
+        )
+        .expect("the kubelet's update");
+    };
+    kubelet(&cm("allowed.test"));
+    std::fs::set_permissions(&volume, std::fs::Permissions::from_mode(0o777)).expect("chmod");
+    let policies = env.dir.join("policies.d");
+    // Declared after `env`: unmounted before the agent's directory is removed.
+    let _mount = ReadOnlyBind::new(&volume, &policies);
+    env.start_agent();
+    assert!(
+        env.log().contains("watching the policies directory"),
+        "{}",
+        env.log()
+    );
+
+    // The ConfigMap's policy, read through ..data at start.
+    run_labelled(&env, "cmc", &["egress.policy=cm"]);
+    let allowed = |what: &str, host: &str| {
+        let out = env.exec_out("cmc", &get(host, 8080));
+        assert!(
+            out.contains("hello-upstream"),
+            "{what}: {host} must pass: {out}"
+        );
+    };
+    let refused = |what: &str, host: &str| {
+        let out = env.exec_out("cmc", &get(host, 8080));
+        assert!(
+            out.contains("403")
+                && out.contains("host-not-allowed")
+                && !out.contains("hello-upstream"),
+            "{what}: {host} must be refused: {out}"
+        );
+    };
+    allowed("at start", "allowed.test");
+    refused("at start", "denied.test");
+
+    // A good update: applied without a signal, the running container follows.
+    let v = verdicts_after(&env, "the kubelet's update", || kubelet(&cm("denied.test")));
+    assert!(
+        v.len() == 1 && v[0].contains("configuration reloaded") && v[0].contains("policies.d"),
+        "{v:?}"
+    );
+    allowed("after the update", "denied.test");
+    refused("after the update", "allowed.test");
+    let o = env.cli(&["policy", "show", "cm", "--json"]);
+    let shown = String::from_utf8_lossy(&o.stdout);
+    assert!(
+        o.status.success() && shown.contains("denied.test"),
+        "{shown}"
+    );
+
+    // Broken updates: refused, located in the ConfigMap's file, the updated policy stays.
+    let file = policies.join("cm.toml").display().to_string();
+    let syntax = format!("{}[broken\n", cm("allowed.test"));
+    let unknown = format!("{}allow_hostz = [\"allowed.test\"]\n", cm("allowed.test"));
+    for (what, text, line, needle) in [
+        (
+            "syntax error",
+            &syntax,
+            line_of(&syntax, "[broken"),
+            "cm.toml",
+        ),
+        (
+            "unknown field",
+            &unknown,
+            line_of(&unknown, "allow_hostz"),
+            "policies.cm.allow_hostz",
+        ),
+    ] {
+        let v = verdicts_after(&env, what, || kubelet(text));
+        let located = format!("{file}:{line}:");
+        assert!(
+            v.len() == 1 && v[0].contains("configuration rejected"),
+            "{what}: the update must be refused: {v:?}"
+        );
+        assert!(
+            v[0].contains(&located) && v[0].contains(needle),
+            "{what}: the log must name {located} and {needle:?}: {v:?}"
+        );
+        allowed(what, "denied.test");
+        refused(what, "allowed.test");
+    }
+
+    // The API can't write there: refused with the reason and the fix; nothing changed.
+    let before = std::fs::read_to_string(policies.join("cm.toml")).expect("cm.toml");
+    let body = env.dir.join("new-cm.toml");
+    std::fs::write(&body, cm("allowed.test")).expect("body");
+    let body = body.display().to_string();
+    for args in [
+        vec!["policy", "set", "cm", body.as_str()],
+        vec!["policy", "set", "other", body.as_str()],
+        vec!["policy", "delete", "cm", "--force"],
+    ] {
+        let o = env.cli(&args);
+        let out = format!(
+            "{}{}",
+            String::from_utf8_lossy(&o.stdout),
+            String::from_utf8_lossy(&o.stderr)
+        );
+        assert!(
+            !o.status.success()
+                && out.contains("managed by Kubernetes")
+                && out.contains("edit the ConfigMap"),
+            "{args:?}: {out}"
+        );
+        assert!(!out.contains("Read-only file system"), "{args:?}: {out}");
+    }
+    assert_eq!(
+        std::fs::read_to_string(policies.join("cm.toml")).expect("cm.toml"),
+        before
+    );
+    assert!(!policies.join("other.toml").exists());
+    allowed("after the refused writes", "denied.test");
+    refused("after the refused writes", "allowed.test");
 }

@@ -16,9 +16,11 @@
 //! allow_cidrs = ["192.0.2.10/32", { cidr = "10.0.0.5/32", ports = [5432] }]
 //! deny_cidrs = ["203.0.113.0/24"]
 //! ```
+pub mod kubelet;
 mod locate;
 pub mod policies_dir;
 mod validate;
+pub mod watch;
 
 pub(crate) use locate::{Sources, parse_located};
 use locate::{line_col, span_of_path};
@@ -123,6 +125,10 @@ pub struct AgentConfig {
     /// Where the agent keeps its state (the interception CA, the event store), created 0700.
     /// Default `/var/lib/egress-agent`.
     pub state_dir: PathBuf,
+    /// Reload when the files of `policies.d` change (an edit, the control API's write, the
+    /// kubelet's update of a ConfigMap mounted there), as SIGHUP does. Read at start: a change
+    /// takes effect on a restart. Default true.
+    pub watch_policies: bool,
 }
 
 impl Default for AgentConfig {
@@ -132,6 +138,7 @@ impl Default for AgentConfig {
             default_policy: DENY_ALL.to_owned(),
             unlabeled: ALLOW_ALL.to_owned(),
             state_dir: PathBuf::from(DEFAULT_STATE_DIR),
+            watch_policies: true,
         }
     }
 }

@@ -11,10 +11,13 @@
 //! A change is validated by loading the files it would write through the one loader,
 //! [`Config::load_parts`] (so a 422 names the field and the reason exactly as the config file
 //! would), then written, then applied by the daemon's reload; if the reload is refused, the files
-//! are restored and the running policy stays in force ([`apply`]).
+//! are restored and the running policy stays in force ([`apply`]). A change to a read-only
+//! directory (a Kubernetes ConfigMap volume) is refused before anything is written
+//! ([`writable`]).
 pub mod bundle;
 pub mod defaults;
 pub mod dir;
+pub mod writable;
 
 use std::collections::BTreeMap;
 use std::future::Future;
@@ -104,6 +107,10 @@ pub enum ManageError {
     Refused(String),
     #[error("{0}")]
     Io(String),
+    /// The directory a change would write is read-only or managed by Kubernetes (see
+    /// [`writable`]); nothing was written.
+    #[error("{0}")]
+    ReadOnly(String),
 }
 
 impl ManageError {
@@ -112,7 +119,7 @@ impl ManageError {
             ManageError::Invalid(_) | ManageError::Refused(_) => 422,
             ManageError::BadRequest(_) => 400,
             ManageError::NotFound(_) => 404,
-            ManageError::Conflict(_) => 409,
+            ManageError::Conflict(_) | ManageError::ReadOnly(_) => 409,
             ManageError::Io(_) => 500,
         }
     }
@@ -285,8 +292,9 @@ fn not_in_main(parts: &Parts, name: &str) -> Result<(), ManageError> {
     Ok(())
 }
 
-/// Validate `change` against `parts`: the new texts, loaded; `in_use` names the containers
-/// running under each policy (for delete).
+/// Validate `change` against `parts`: the directories it writes must be writable
+/// ([`writable`]), the new texts must load; `in_use` names the containers running under each
+/// policy (for delete).
 pub fn plan(
     parts: &Parts,
     change: &Change,
@@ -339,12 +347,11 @@ pub fn plan(
             diff = d;
         }
     }
+    let ops = ops(parts, &next);
+    // Where it can't write, that is the answer, whatever the files hold (a broken ConfigMap).
+    writable::check(&ops)?;
     let config = next.load()?;
-    Ok(Plan {
-        ops: ops(parts, &next),
-        config,
-        diff,
-    })
+    Ok(Plan { ops, config, diff })
 }
 
 /// The file operations that turn `from` into `to`.
