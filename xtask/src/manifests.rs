@@ -4,7 +4,6 @@
 //! `cargo xtask image` builds (tag = workspace version), with the configuration where the image's
 //! command reads it, every policy of the policies ConfigMap mounted into `policies.d/`, and the
 //! containerd socket and state directory the configuration names mounted from the node.
-use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
@@ -154,18 +153,12 @@ fn check_texts(daemonset: &str, configmap: &str) -> Result<()> {
     );
     let config_path = Path::new(image::CONFIG_PATH);
     let config_dir = config_path.parent().and_then(Path::to_str).unwrap_or("/");
-    let config_file = config_path
-        .file_name()
-        .and_then(|n| n.to_str())
-        .unwrap_or("");
     let mounts = vec_of(&agent["volumeMounts"], "volumeMounts")?;
     let mount_of = |path: &str| {
         mounts
             .iter()
             .find(|m| m["mountPath"].as_str() == Some(path))
     };
-    let config_mount =
-        mount_of(config_dir).with_context(|| format!("nothing is mounted at {config_dir}"))?;
     let volumes = vec_of(&pod["volumes"], "volumes")?;
     let volume = |name: &str| {
         volumes
@@ -173,32 +166,40 @@ fn check_texts(daemonset: &str, configmap: &str) -> Result<()> {
             .find(|v| v["name"].as_str() == Some(name))
             .with_context(|| format!("no volume {name}"))
     };
-    let config_volume = volume(str_of(&config_mount["name"], "volumeMount name")?)?;
-    let sources = vec_of(
-        &config_volume["projected"]["sources"],
-        "the config volume's projected sources",
-    )?;
-    let items_of = |map: &str| -> Result<BTreeSet<(String, String)>> {
-        let source = sources
-            .iter()
-            .find(|s| s["configMap"]["name"].as_str() == Some(map))
-            .with_context(|| format!("the config volume does not project ConfigMap {map}"))?;
-        vec_of(&source["configMap"]["items"], &format!("items of {map}"))?
-            .iter()
-            .map(|i| {
-                Ok((
-                    str_of(&i["key"], "key")?.to_owned(),
-                    str_of(&i["path"], "path")?.to_owned(),
-                ))
-            })
-            .collect()
-    };
+    // config.toml: the config ConfigMap's key, mounted file by file (subPath).
+    let config_mount = mount_of(image::CONFIG_PATH)
+        .with_context(|| format!("nothing is mounted at {}", image::CONFIG_PATH))?;
     ensure!(
-        items_of(CONFIG_MAP)? == BTreeSet::from([(CONFIG_KEY.to_owned(), config_file.to_owned())]),
-        "ConfigMap {CONFIG_MAP} must be projected as {CONFIG_KEY} -> {config_file}"
+        config_mount["subPath"].as_str() == Some(CONFIG_KEY),
+        "{} must be mounted with subPath {CONFIG_KEY}",
+        image::CONFIG_PATH
+    );
+    let config_volume = volume(str_of(&config_mount["name"], "volumeMount name")?)?;
+    ensure!(
+        config_volume["configMap"]["name"].as_str() == Some(CONFIG_MAP),
+        "{} must come from ConfigMap {CONFIG_MAP}",
+        image::CONFIG_PATH
     );
 
-    // Every policy of the policies ConfigMap, and nothing else, in policies.d/.
+    // policies.d: the whole policies ConfigMap as a directory, every key a policy file, no
+    // `items` (a key added to the ConfigMap must appear without a DaemonSet change, and the
+    // kubelet's atomic swap of the directory is what the agent watches).
+    let policies_path = format!("{config_dir}/{POLICIES_DIR}");
+    let policies_mount = mount_of(&policies_path)
+        .with_context(|| format!("nothing is mounted at {policies_path}"))?;
+    ensure!(
+        policies_mount["subPath"].is_badvalue(),
+        "{policies_path} must not be a subPath mount: the kubelet never updates those"
+    );
+    let policies_volume = volume(str_of(&policies_mount["name"], "volumeMount name")?)?;
+    ensure!(
+        policies_volume["configMap"]["name"].as_str() == Some(POLICIES_MAP),
+        "{policies_path} must be ConfigMap {POLICIES_MAP}"
+    );
+    ensure!(
+        policies_volume["configMap"]["items"].is_badvalue(),
+        "ConfigMap {POLICIES_MAP} must be mounted whole (no items): every key is a policy file"
+    );
     let policy_keys = config_map(&maps, POLICIES_MAP)?;
     for (key, _) in &policy_keys {
         ensure!(
@@ -206,18 +207,6 @@ fn check_texts(daemonset: &str, configmap: &str) -> Result<()> {
             "ConfigMap {POLICIES_MAP}: key {key} must be <policy>.toml"
         );
     }
-    let want: BTreeSet<(String, String)> = policy_keys
-        .iter()
-        .map(|(k, _)| ((*k).to_owned(), format!("{POLICIES_DIR}/{k}")))
-        .collect();
-    let got = items_of(POLICIES_MAP)?;
-    ensure!(
-        got == want,
-        "the config volume's items of {POLICIES_MAP} must be exactly its keys under {POLICIES_DIR}/: \
-         missing {:?}, extra {:?}",
-        want.difference(&got).collect::<Vec<_>>(),
-        got.difference(&want).collect::<Vec<_>>()
-    );
 
     // The node paths the configuration names, mounted from the node at the same path.
     let (_, config_text) = config_map(&maps, CONFIG_MAP)?
@@ -294,14 +283,22 @@ mod tests {
     }
 
     #[test]
-    fn a_policy_without_its_item_is_refused() {
+    fn policies_mounted_by_items_or_subpath_are_refused() {
         let (ds, cm) = files();
-        let cm = cm.replace(
-            "  ci.toml: |",
-            "  ci.toml: |\n    mode = \"allowlist\"\n  extra.toml: |",
+        let items = ds.replace(
+            "            name: egress-agent-policies\n            defaultMode: 0400\n",
+            "            name: egress-agent-policies\n            defaultMode: 0400\n            items:\n              - key: ci.toml\n                path: ci.toml\n",
         );
-        let err = check_texts(&ds, &cm).expect_err("must fail");
-        assert!(err.to_string().contains("extra.toml"), "{err}");
+        assert_ne!(items, ds, "the test's edit must apply");
+        let err = check_texts(&items, &cm).expect_err("must fail");
+        assert!(err.to_string().contains("no items"), "{err}");
+        let sub = ds.replace(
+            "              mountPath: /etc/egress-agent/policies.d\n",
+            "              mountPath: /etc/egress-agent/policies.d\n              subPath: x\n",
+        );
+        assert_ne!(sub, ds, "the test's edit must apply");
+        let err = check_texts(&sub, &cm).expect_err("must fail");
+        assert!(err.to_string().contains("subPath"), "{err}");
     }
 
     #[test]
