@@ -54,6 +54,21 @@ fn pods_are_confined_per_pod_through_containerd() {
         SocketAddr::from((GATEWAY, TLS_PORT)),
         &c.netns().path(),
     );
+    // policies.d as a ConfigMap volume (the kubelet's ..data layout): policy `swap`.
+    let policies = dir.join("policies.d");
+    let swap_policy =
+        |port: u16| format!("allow_cidrs = [{{ cidr = \"{CANARY_IP}/32\", ports = [{port}] }}]\n");
+    let mut version = 0;
+    let mut kubelet = |text: &str| {
+        version += 1;
+        egress_agent::config::kubelet::update(
+            &policies,
+            &format!("2026_12_03_08_00_00.{version:09}"),
+            &[("swap.toml", text)],
+        )
+        .expect("the kubelet's update");
+    };
+    kubelet(&swap_policy(ALLOWED_PORT));
     agent.start();
     // doctor reads the test containerd's config: its runtime handler passes egress.* pod
     // annotations (the harness sets pod_annotations), and says so.
@@ -366,7 +381,68 @@ fn pods_are_confined_per_pod_through_containerd() {
     assert!(output(code, &logs).contains("AGAIN-REFUSED"));
     assert!(canary.wait_for(&format!("AGAIN-{pid}"), Duration::from_secs(5)));
 
-    // 8. Pods removed leave no entries and no listeners behind.
+    // 8. A ConfigMap swap changes a running pod's policy; a bad swap is refused and the old
+    //    policy holds.
+    let sw = pod_with(&c, "ci", "sw", &[("egress.policy", "swap")]);
+    let probe = |c: &Containerd, name: &str, port: u16| {
+        let (code, _) = run(
+            c,
+            &sw,
+            name,
+            &format!("egress-probe tcp {CANARY_IP} {port} {name}-{pid}"),
+        );
+        code == 0 && canary.wait_for(&format!("{name}-{pid}"), Duration::from_secs(5))
+    };
+    assert!(
+        probe(&c, "SW1", ALLOWED_PORT),
+        "the ConfigMap's policy at start"
+    );
+    let wait_reload = |what: &str, before: usize| {
+        let deadline = Instant::now() + Duration::from_secs(15);
+        loop {
+            let log = agent.log();
+            let n = log.matches("configuration reloaded").count()
+                + log.matches("configuration rejected").count();
+            if n > before {
+                return log;
+            }
+            assert!(Instant::now() < deadline, "no reload after {what}:\n{log}");
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    };
+    let count = |log: &str| {
+        log.matches("configuration reloaded").count()
+            + log.matches("configuration rejected").count()
+    };
+    let before = count(&agent.log());
+    kubelet(&swap_policy(DENIED_PORT));
+    wait_reload("the swap", before);
+    assert!(probe(&c, "SW2", DENIED_PORT), "the swapped policy");
+    assert!(
+        !probe(&c, "SW3", ALLOWED_PORT),
+        "the old policy's port after the swap"
+    );
+    let before = count(&agent.log());
+    kubelet("allow_cidrs = [ not toml");
+    let log = wait_reload("the bad swap", before);
+    let rejected = log
+        .lines()
+        .find(|l| l.contains("configuration rejected"))
+        .unwrap_or_default();
+    assert!(
+        rejected.contains("swap.toml"),
+        "the bad swap must be refused naming its file: {rejected:?}"
+    );
+    assert!(
+        probe(&c, "SW4", DENIED_PORT),
+        "the policy in force before the bad swap"
+    );
+    rt.block_on(async {
+        c.stop_pod(&sw).await;
+        c.remove_pod(&sw).await;
+    });
+
+    // 9. Pods removed leave no entries and no listeners behind.
     for pod in [&a, &b, &plain, &team, &late, &again] {
         rt.block_on(async {
             c.stop_pod(pod).await;
