@@ -280,6 +280,15 @@ impl Containerd {
     /// RunPodSandbox as a cgroupfs kubelet does it (after creating the pod cgroup in cgroup2);
     /// returns when the sandbox runs, with its IP.
     pub async fn run_pod(&self, spec: &PodSpec) -> Pod {
+        match self.try_run_pod(spec).await {
+            Ok(pod) => pod,
+            Err(e) => self.failed("RunPodSandbox", &e),
+        }
+    }
+
+    /// [`Containerd::run_pod`], with RunPodSandbox's refusal as an error (a test that expects
+    /// the sandbox not to start).
+    pub async fn try_run_pod(&self, spec: &PodSpec) -> Result<Pod, tonic::Status> {
         let parent = cgroup_parent_under(&self.kubelet_root, spec.qos, &spec.uid);
         self.create_pod_cgroup(&parent);
         let log_dir = self.pod_log_dir(&spec.namespace, &spec.name, &spec.uid);
@@ -328,8 +337,7 @@ impl Containerd {
                 config: Some(config.clone()),
                 runtime_handler: String::new(),
             })
-            .await
-            .unwrap_or_else(|e| self.failed("RunPodSandbox", &e))
+            .await?
             .into_inner()
             .pod_sandbox_id;
         let status = c
@@ -357,14 +365,14 @@ impl Containerd {
                 self.log_tail()
             )
         });
-        Pod {
+        Ok(Pod {
             sandbox_id: id,
             ip,
             spec: spec.clone(),
             cgroup_parent: parent,
             log_dir,
             config,
-        }
+        })
     }
 
     /// CreateContainer of a busybox container running `command` in `pod`; its id.
@@ -375,6 +383,18 @@ impl Containerd {
 
     /// CreateContainer with the kubelet's container labels and log path (`<name>/0.log`).
     pub async fn create_container_spec(&self, pod: &Pod, spec: &ContainerSpec) -> String {
+        match self.try_create_container_spec(pod, spec).await {
+            Ok(id) => id,
+            Err(e) => self.failed(&format!("CreateContainer {}", spec.name), &e),
+        }
+    }
+
+    /// [`Containerd::create_container_spec`], with CreateContainer's refusal as an error.
+    pub async fn try_create_container_spec(
+        &self,
+        pod: &Pod,
+        spec: &ContainerSpec,
+    ) -> Result<String, tonic::Status> {
         let mut labels = HashMap::new();
         labels.insert(LABEL_POD_NAME.into(), pod.spec.name.clone());
         labels.insert(LABEL_POD_NAMESPACE.into(), pod.spec.namespace.clone());
@@ -440,13 +460,18 @@ impl Containerd {
                 sandbox_config: Some(pod.config.clone()),
             })
             .await
-            .unwrap_or_else(|e| self.failed(&format!("CreateContainer {}", spec.name), &e))
-            .into_inner()
-            .container_id
+            .map(|r| r.into_inner().container_id)
     }
 
     /// StartContainer.
     pub async fn start_container(&self, id: &str) {
+        if let Err(e) = self.try_start_container(id).await {
+            self.failed(&format!("StartContainer {id}"), &e);
+        }
+    }
+
+    /// StartContainer, its refusal as an error.
+    pub async fn try_start_container(&self, id: &str) -> Result<(), tonic::Status> {
         self.cri()
             .await
             .runtime
@@ -454,7 +479,7 @@ impl Containerd {
                 container_id: id.to_owned(),
             })
             .await
-            .unwrap_or_else(|e| self.failed(&format!("StartContainer {id}"), &e));
+            .map(drop)
     }
 
     /// Create and start; the container's id.

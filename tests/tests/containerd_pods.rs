@@ -309,6 +309,47 @@ fn pods_are_confined_per_pod_through_containerd() {
         });
     }
     assert!(!canary.saw("BAD-"), "a pod with bad annotations got out");
+    // An annotated pod whose cgroup is outside the kubelet root the agent enforces: nothing
+    // would confine it, so it never runs (killed at task create).
+    let enforced_root = std::mem::replace(
+        &mut c.kubelet_root,
+        format!("/egress-test-{pid}/elsewhere/kubepods"),
+    );
+    let mut spec =
+        egress_tests::cri::PodSpec::new("ci", "outside").annotation("egress.policy", "web");
+    spec.dns_nameserver = Some(GATEWAY);
+    let outside = rt.block_on(c.try_run_pod(&spec));
+    c.kubelet_root = enforced_root;
+    if let Ok(pod) = &outside {
+        let out = rt.block_on(async {
+            let mut cs = egress_tests::cri::ContainerSpec::new(
+                "c",
+                &[
+                    "egress-probe",
+                    "tcp",
+                    &CANARY_IP.to_string(),
+                    &DENIED_PORT.to_string(),
+                    &format!("OUTSIDE-{pid}"),
+                ],
+            );
+            cs.mounts = Vec::new();
+            match c.try_create_container_spec(pod, &cs).await {
+                Ok(id) => c.try_start_container(&id).await,
+                Err(e) => Err(e),
+            }
+        });
+        eprintln!("outside pod's container start: {out:?}");
+    }
+    std::thread::sleep(Duration::from_millis(500));
+    assert!(
+        !canary.saw(&format!("OUTSIDE-{pid}")),
+        "an annotated pod outside the kubelet root ran (sandbox start: {:?})",
+        outside.as_ref().map(|p| p.sandbox_id.clone())
+    );
+    assert!(
+        agent.log().contains("is outside [kubernetes] cgroup_root"),
+        "no refusal logged for the pod outside the root"
+    );
 
     // 6. Killed agent: running pods stay confined, a pod started meanwhile is denied, and both
     //    get their policy when the agent is back.

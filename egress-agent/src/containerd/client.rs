@@ -39,6 +39,8 @@ pub enum Event {
     /// `/containers/create`: a sandbox's record exists before runc makes its cgroup.
     ContainerCreate(String),
     ContainerDelete(String),
+    /// `/tasks/create` (container id): runc made the process, which has run nothing yet.
+    TaskCreate(String),
     /// `/tasks/start` (container id): its cgroup now exists.
     TaskStart(String),
     /// The agent's own marker ([`SYNC_TOPIC`]): the subscription is live from here on.
@@ -83,6 +85,7 @@ impl Client {
     ) -> Result<Streaming<containerd_client::types::Envelope>, ClientError> {
         let filters = vec![
             format!("namespace=={},topic~=\"^/containers/\"", self.namespace),
+            format!("namespace=={},topic==\"/tasks/create\"", self.namespace),
             format!("namespace=={},topic==\"/tasks/start\"", self.namespace),
             format!("namespace=={},topic==\"{SYNC_TOPIC}\"", self.namespace),
         ];
@@ -175,7 +178,7 @@ pub fn parts(c: &Container) -> (&HashMap<String, String>, &[u8]) {
 /// Decode an envelope's payload by its topic. The payloads are containerd's event messages;
 /// only their id fields are read.
 pub fn decode(topic: &str, payload: Option<&[u8]>) -> Event {
-    use containerd_client::events::{ContainerCreate, ContainerDelete, TaskStart};
+    use containerd_client::events::{ContainerCreate, ContainerDelete, TaskCreate, TaskStart};
     use prost::Message as _;
     let Some(bytes) = payload else {
         return Event::Other;
@@ -186,6 +189,9 @@ pub fn decode(topic: &str, payload: Option<&[u8]>) -> Event {
             .unwrap_or(Event::Other),
         "/containers/delete" => ContainerDelete::decode(bytes)
             .map(|e| Event::ContainerDelete(e.id))
+            .unwrap_or(Event::Other),
+        "/tasks/create" => TaskCreate::decode(bytes)
+            .map(|e| Event::TaskCreate(e.container_id))
             .unwrap_or(Event::Other),
         "/tasks/start" => TaskStart::decode(bytes)
             .map(|e| Event::TaskStart(e.container_id))

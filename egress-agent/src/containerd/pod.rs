@@ -78,6 +78,18 @@ pub enum RecordError {
         #[source]
         source: CgroupPathError,
     },
+    /// A CRI container whose cgroup is not under the kubelet root the programs are attached to:
+    /// nothing confines it. `opted_in`: its pod has `egress.*` annotations (then it must not
+    /// run: the watcher kills it).
+    #[error(
+        "container {id}: cgroup {path:?} is outside [kubernetes] cgroup_root {root:?}: it is not confined (is cgroup_root the kubelet's root?)"
+    )]
+    OutsideRoot {
+        id: String,
+        path: String,
+        root: String,
+        opted_in: bool,
+    },
 }
 
 /// Classify a containerd container from its labels and its OCI spec (JSON), against the
@@ -118,11 +130,6 @@ pub fn classify(
             id: id.to_owned(),
             why: "no linux.cgroupsPath".to_owned(),
         })?;
-    let cgroup =
-        cgroup_path::parse(cgroups_path, cgroup_root).map_err(|source| RecordError::Cgroup {
-            id: id.to_owned(),
-            source,
-        })?;
     let annotations: BTreeMap<String, String> = spec
         .get("annotations")
         .and_then(|a| a.as_object())
@@ -132,6 +139,20 @@ pub fn classify(
                 .collect()
         })
         .unwrap_or_default();
+    let cgroup = cgroup_path::parse(cgroups_path, cgroup_root).map_err(|source| match source {
+        CgroupPathError::OutsideRoot(path, root) => RecordError::OutsideRoot {
+            id: id.to_owned(),
+            path,
+            root,
+            opted_in: annotations
+                .keys()
+                .any(|k| k.to_ascii_lowercase().starts_with("egress.")),
+        },
+        source => RecordError::Cgroup {
+            id: id.to_owned(),
+            source,
+        },
+    })?;
     if kind == "sandbox" {
         let egress = annotations
             .into_iter()
@@ -305,6 +326,23 @@ mod tests {
         let elsewhere = spec(&format!("/docker/{SANDBOX}"), serde_json::json!({}));
         assert!(matches!(
             classify(SANDBOX, &labels("sandbox"), &elsewhere, "/kubepods"),
+            Err(RecordError::OutsideRoot {
+                opted_in: false,
+                ..
+            })
+        ));
+        // An annotated pod outside the root is flagged: the watcher must not let it run.
+        let annotated = spec(
+            &format!("/other/besteffort/pod{UID}/{SANDBOX}"),
+            serde_json::json!({ "egress.policy": "web" }),
+        );
+        assert!(matches!(
+            classify(SANDBOX, &labels("sandbox"), &annotated, "/kubepods"),
+            Err(RecordError::OutsideRoot { opted_in: true, .. })
+        ));
+        let garbled = spec(&format!("/kubepods/x/y/z/{SANDBOX}"), serde_json::json!({}));
+        assert!(matches!(
+            classify(SANDBOX, &labels("sandbox"), &garbled, "/kubepods"),
             Err(RecordError::Cgroup { .. })
         ));
         // An app container without its sandbox id can't be attributed.

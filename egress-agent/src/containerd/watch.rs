@@ -12,7 +12,7 @@
 //! | event                | action                                                          |
 //! |----------------------|-----------------------------------------------------------------|
 //! | `/containers/create` | a sandbox: resolve its annotations; pre-create the pod cgroup; write its entry and start its listener |
-//! | `/tasks/start`       | a container of a refused pod: kill it                            |
+//! | `/tasks/create`, `/tasks/start` | a container of a refused pod: kill it (at create, before it runs anything) |
 //! | `/containers/delete` | a sandbox: release its entry and listener, remove a pre-created dir |
 use std::collections::{HashMap, HashSet};
 use std::future::Future;
@@ -234,7 +234,12 @@ async fn reconcile(
                 sandbox(enforcer, pods, sb).await;
             }
             Ok(Record::App(app)) => started.push((app.id, app.sandbox_id)),
-            Err(e) => not_a_pod(&c.id, labels, &e),
+            Err(e) => {
+                if not_a_pod(pods, &c.id, labels, &e) {
+                    // Running already (the agent was away): stop it now.
+                    kill(client, k8s, &c.id).await;
+                }
+            }
         }
     }
     let gone: Vec<String> = pods
@@ -272,7 +277,10 @@ async fn handle(
             match pod::classify(&id, labels, spec, &k8s.cgroup_root) {
                 Ok(Record::Sandbox(sb)) => sandbox(enforcer, pods, sb).await,
                 Ok(Record::App(_)) => {}
-                Err(e) => not_a_pod(&id, labels, &e),
+                Err(e) => {
+                    // Refused: its task is killed when it starts (`/tasks/start`).
+                    not_a_pod(pods, &id, labels, &e);
+                }
             }
         }
         Event::ContainerDelete(id) => {
@@ -280,7 +288,9 @@ async fn handle(
                 removed(enforcer, pods, &id).await;
             }
         }
-        Event::TaskStart(id) => {
+        // A refused container is killed before it runs anything (at create), or at start if its
+        // create was missed.
+        Event::TaskCreate(id) | Event::TaskStart(id) => {
             let refused_pod = pods.refused.contains(&id)
                 || match client.get(&id).await? {
                     Some(c) => {
@@ -319,14 +329,34 @@ async fn removed(enforcer: &mut Enforcer, pods: &mut Pods, id: &str) {
     tracing::info!(sandbox = id, "pod removed");
 }
 
-/// A record that is not a pod container. Records without the CRI kind label (`ctr run` in the
-/// namespace) are not pods; a CRI record that can't be read is logged loudly — its pod, if under
-/// the kubelet root, has no entry and stays `deny_all`.
-fn not_a_pod(id: &str, labels: &HashMap<String, String>, e: &pod::RecordError) {
-    if labels.contains_key(pod::LABEL_KIND) {
-        tracing::error!(container = id, error = %e, "CRI container not understood; its pod stays deny_all");
-    } else {
-        tracing::debug!(container = id, error = %e, "not a CRI pod container");
+/// A record that is not an enforceable pod container; `true` when it must not run. Records
+/// without the CRI kind label (`ctr run` in the namespace) are not pods. A CRI container whose
+/// cgroup is outside the kubelet root is not confined by anything: an annotated one is refused
+/// (killed when it starts), an unannotated one is logged. Any other unreadable CRI record is
+/// logged loudly: under the root its pod has no entry and stays `deny_all`.
+fn not_a_pod(
+    pods: &mut Pods,
+    id: &str,
+    labels: &HashMap<String, String>,
+    e: &pod::RecordError,
+) -> bool {
+    match e {
+        pod::RecordError::OutsideRoot { opted_in: true, .. } => {
+            refused(pods, id, &e.to_string());
+            true
+        }
+        pod::RecordError::OutsideRoot { .. } => {
+            tracing::warn!(container = id, error = %e, "unannotated CRI container outside the kubelet root");
+            false
+        }
+        _ if labels.contains_key(pod::LABEL_KIND) => {
+            tracing::error!(container = id, error = %e, "CRI container not understood; its pod stays deny_all");
+            false
+        }
+        _ => {
+            tracing::debug!(container = id, error = %e, "not a CRI pod container");
+            false
+        }
     }
 }
 

@@ -37,6 +37,12 @@ pub(super) fn run_stage(stage: &str, spec: &str, command: &[OsString], init: boo
         Err(e) => return super::fail("exec", format!("starting {stage}: {e}")),
     };
     let pid = Pid::from_raw(child.id() as i32);
+    if stage == super::INIT {
+        // The child is pid 1 of its namespace: until its handlers are in place a relayed signal
+        // would be dropped (not queued), and a SIGTERM sent to `exec` early would be lost while
+        // the command runs on. Signals that arrive meanwhile wait in `signals`.
+        wait_for_handlers(pid);
+    }
     if init && let Err(e) = privs::drop_all() {
         // Not a hole (the command can't ptrace a process with more capabilities than its own),
         // but say so.
@@ -56,6 +62,43 @@ pub(super) fn run_stage(stage: &str, spec: &str, command: &[OsString], init: boo
     SETUP_FAILED
 }
 
+/// How long a starting pid-1 stage may take to install its handlers.
+const HANDLERS_DEADLINE: std::time::Duration = std::time::Duration::from_secs(10);
+
+/// Wait until `pid` catches every relayed signal (`SigCgt` in /proc/<pid>/status), or has
+/// exited, or [`HANDLERS_DEADLINE`] passed. A short poll: there is no event for "handler
+/// installed", and a pipe to signal it would leave its descriptor to the command (closing an
+/// inherited raw descriptor needs `unsafe`, which this crate keeps out of the sandbox).
+fn wait_for_handlers(pid: Pid) {
+    let deadline = std::time::Instant::now() + HANDLERS_DEADLINE;
+    while std::time::Instant::now() < deadline {
+        match caught_signals(pid) {
+            Some(mask) if RELAYED.iter().all(|s| mask & (1u64 << (s - 1)) != 0) => return,
+            Some(_) => {}
+            // Gone (or a zombie without status): nothing to wait for.
+            None => return,
+        }
+        std::thread::sleep(std::time::Duration::from_millis(1));
+    }
+    eprintln!(
+        "egress-agent: warning: the sandbox's init did not install its signal handlers within {HANDLERS_DEADLINE:?}"
+    );
+}
+
+/// The `SigCgt` mask of `pid` (bit n-1 = signal n has a handler); `None` when it is gone.
+fn caught_signals(pid: Pid) -> Option<u64> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    let state_zombie = status
+        .lines()
+        .find_map(|l| l.strip_prefix("State:"))
+        .is_some_and(|s| s.trim_start().starts_with('Z'));
+    if state_zombie {
+        return None;
+    }
+    let hex = status.lines().find_map(|l| l.strip_prefix("SigCgt:"))?;
+    u64::from_str_radix(hex.trim(), 16).ok()
+}
+
 /// Reap every exited child without blocking; the exit status of `main` once it has ended.
 fn reap(main: Pid) -> Option<i32> {
     loop {
@@ -69,5 +112,25 @@ fn reap(main: Pid) -> Option<i32> {
             Err(nix::errno::Errno::EINTR) => continue,
             Err(_) => return None,
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn caught_signals_reads_sigcgt_and_knows_gone_processes() {
+        let me = Pid::from_raw(std::process::id() as i32);
+        // Registered here: SIGUSR2 is caught from now on.
+        let _sig = signal_hook::iterator::Signals::new([SIGUSR2]).expect("handler");
+        let mask = caught_signals(me).expect("own status");
+        assert_ne!(mask & (1u64 << (SIGUSR2 - 1)), 0, "{mask:x}");
+        // A pid that can't exist (above pid_max's limit): gone, so nothing to wait for.
+        let none = Pid::from_raw(i32::MAX);
+        assert_eq!(caught_signals(none), None);
+        let t = std::time::Instant::now();
+        wait_for_handlers(none);
+        assert!(t.elapsed() < HANDLERS_DEADLINE);
     }
 }
