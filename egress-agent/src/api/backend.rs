@@ -144,14 +144,7 @@ pub async fn explain(
                 .unwrap_or_default()
                 .trim_start_matches('/')
                 .to_owned();
-            let enforced = crate::status::collect(&config.agent.bpffs)
-                .ok()
-                .and_then(|s| {
-                    s.cgroups
-                        .into_iter()
-                        .find(|g| g.owner.as_deref() == Some(&format!("docker:{name}")))
-                        .and_then(|g| g.policy)
-                });
+            let enforced = enforced_as(config, &format!("docker:{name}"));
             v["container"] = json!({ "id": c.id, "name": name, "enforced_as": enforced });
             Ok(v)
         }
@@ -160,6 +153,16 @@ pub async fn explain(
             "give exactly one of policy=NAME, container=NAME or pod=NAMESPACE/NAME",
         )),
     }
+}
+
+/// The policy name the kernel entry of `owner` (`docker:NAME`, `pod:NS/NAME`) was written with.
+fn enforced_as(config: &Config, owner: &str) -> Option<String> {
+    crate::status::collect(&config.agent.bpffs)
+        .ok()?
+        .cgroups
+        .into_iter()
+        .find(|g| g.owner.as_deref() == Some(owner))
+        .and_then(|g| g.policy)
 }
 
 /// `explain` for a pod: its sandbox's record from containerd, its annotations resolved as the
@@ -215,11 +218,11 @@ async fn explain_pod(
         crate::docker::labels::Source::Unlabeled => {
             "no egress.* annotation and no namespace default: agent.unlabeled applies".to_owned()
         }
-        _ => crate::check::explain_labels(pairs(), config)["why"]
-            .as_str()
-            .unwrap_or_default()
-            .replace("labels ", "annotations ")
-            .replace("label", "annotation"),
+        _ => crate::docker::labels::label_to_annotation(
+            crate::check::explain_labels(pairs(), config)["why"]
+                .as_str()
+                .unwrap_or_default(),
+        ),
     };
     let chosen = Chosen {
         name: resolved.name.clone(),
@@ -232,14 +235,7 @@ async fn explain_pod(
         target,
         netns,
     );
-    let enforced = crate::status::collect(&config.agent.bpffs)
-        .ok()
-        .and_then(|s| {
-            s.cgroups
-                .into_iter()
-                .find(|g| g.owner.as_deref() == Some(&format!("pod:{pod}")))
-                .and_then(|g| g.policy)
-        });
+    let enforced = enforced_as(config, &format!("pod:{pod}"));
     v["pod"] = json!({ "sandbox": sandbox.id, "name": pod, "uid": sandbox.pod.uid, "enforced_as": enforced });
     Ok(v)
 }

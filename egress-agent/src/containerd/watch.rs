@@ -24,6 +24,7 @@ use tokio::sync::mpsc;
 use super::client::{self, Client, ClientError, Event};
 use super::pod::{self, Record, Sandbox};
 use crate::config::KubernetesConfig;
+use crate::docker::watch::next_reload;
 use crate::docker::{Enforcer, Outcome, ReloadRequest};
 use crate::metrics::Metrics;
 
@@ -87,17 +88,6 @@ pub async fn run(
     enforcer.shutdown();
     tracing::info!("containerd watcher stopped");
     enforcer
-}
-
-async fn next_reload(reload: &mut Option<mpsc::Receiver<ReloadRequest>>) -> Option<ReloadRequest> {
-    let Some(rx) = reload.as_mut() else {
-        return std::future::pending().await;
-    };
-    let req = rx.recv().await;
-    if req.is_none() {
-        *reload = None;
-    }
-    req
 }
 
 async fn apply_reload(enforcer: &mut Enforcer, pods: &mut Pods, req: ReloadRequest) {

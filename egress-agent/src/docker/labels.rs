@@ -223,11 +223,16 @@ where
     r
 }
 
-/// The refusal text of a label, reworded for a pod annotation.
-fn label_to_annotation(why: &str) -> String {
-    why.replace("labels ", "annotations ")
-        .replace("label ", "annotation ")
-        .replace("egress labels", "egress annotations")
+/// A text about labels (a refusal, `explain`'s why), reworded for a pod's annotations.
+pub(crate) fn label_to_annotation(why: &str) -> String {
+    why.split(' ')
+        .map(|w| match w {
+            "label" => "annotation",
+            "labels" => "annotations",
+            w => w,
+        })
+        .collect::<Vec<_>>()
+        .join(" ")
 }
 
 /// A configured (validated) policy by name. `Config::validate` guarantees `agent.unlabeled` and
@@ -606,6 +611,18 @@ allow_hosts = ["api.example.com"]
         assert_eq!(
             (r.name.as_str(), &r.source),
             ("allow_all", &Source::Unlabeled)
+        );
+    }
+
+    #[test]
+    fn label_words_become_annotation_words() {
+        assert_eq!(
+            label_to_annotation("egress.policy label"),
+            "egress.policy annotation"
+        );
+        assert_eq!(
+            label_to_annotation("labels refused, the labels stay; relabel"),
+            "annotations refused, the annotations stay; relabel"
         );
     }
 

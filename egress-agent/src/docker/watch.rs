@@ -116,7 +116,9 @@ pub async fn run_with_reload(
 }
 
 /// The next reload request; pending forever once the sender is gone (or there is none).
-async fn next_reload(reload: &mut Option<mpsc::Receiver<ReloadRequest>>) -> Option<ReloadRequest> {
+pub(crate) async fn next_reload(
+    reload: &mut Option<mpsc::Receiver<ReloadRequest>>,
+) -> Option<ReloadRequest> {
     let Some(rx) = reload.as_mut() else {
         return std::future::pending().await;
     };
