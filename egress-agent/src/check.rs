@@ -22,13 +22,9 @@ pub fn effective_policies(config: &Config) -> Value {
     Value::Object(out)
 }
 
-/// What a container with these labels gets under `config`.
-pub fn explain_labels<'a>(
-    labels: impl IntoIterator<Item = (&'a str, &'a str)>,
-    config: &Config,
-) -> Value {
-    let r = labels::resolve(labels, config);
-    let why = match &r.source {
+/// Why a workload got its policy, in words (`explain`, `check --container`).
+pub fn why(source: &labels::Source) -> String {
+    match source {
         labels::Source::Unlabeled => "no egress.* label: agent.unlabeled applies".to_owned(),
         labels::Source::Default => {
             "opted in without a policy label: agent.default_policy applies".to_owned()
@@ -43,7 +39,16 @@ pub fn explain_labels<'a>(
         labels::Source::Invalid(reason) => {
             format!("labels refused, confined as deny_all: {reason}")
         }
-    };
+    }
+}
+
+/// What a container with these labels gets under `config`.
+pub fn explain_labels<'a>(
+    labels: impl IntoIterator<Item = (&'a str, &'a str)>,
+    config: &Config,
+) -> Value {
+    let r = labels::resolve(labels, config);
+    let why = why(&r.source);
     json!({
         "policy": r.name,
         "why": why,

@@ -242,6 +242,51 @@ pub fn assert_enforcement_intact(what: &str) {
     }
 }
 
+/// `egress-agent <args> --api-socket <socket>`: a client of a running daemon's control API.
+pub fn api_cli(bin: &Path, socket: &Path, args: &[&str]) -> std::process::Output {
+    Command::new(bin)
+        .args(args)
+        .arg("--api-socket")
+        .arg(socket)
+        .output()
+        .expect("spawn egress-agent")
+}
+
+/// The daemon's recent events (`egress-agent events -n 1000`, JSON lines); none when it does not
+/// answer. A line that is not JSON fails the test.
+pub fn api_events(bin: &Path, socket: &Path) -> Vec<serde_json::Value> {
+    let o = api_cli(bin, socket, &["events", "-n", "1000"]);
+    if !o.status.success() {
+        return Vec::new();
+    }
+    String::from_utf8_lossy(&o.stdout)
+        .lines()
+        .map(|l| {
+            serde_json::from_str(l)
+                .unwrap_or_else(|e| panic!("`events` printed a non-JSON line {l:?}: {e}"))
+        })
+        .collect()
+}
+
+/// Wait up to `timeout` for an event of the daemon matching `f`.
+pub fn api_wait_event(
+    bin: &Path,
+    socket: &Path,
+    f: impl Fn(&serde_json::Value) -> bool,
+    timeout: std::time::Duration,
+) -> bool {
+    let deadline = std::time::Instant::now() + timeout;
+    loop {
+        if api_events(bin, socket).iter().any(&f) {
+            return true;
+        }
+        if std::time::Instant::now() > deadline {
+            return false;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    }
+}
+
 /// A child (an `exec`) stopped with SIGTERM when dropped, so `exec` cleans up and a failing
 /// assertion does not leave it behind holding ports and the kernel events lock.
 pub struct StopOnDrop(pub Child);

@@ -321,55 +321,33 @@ state = "{state}"
     /// fail with "server is not initialized yet" until then (seen after a restart). Wait until
     /// CRI `Status` answers; on a thread with its own runtime (callers may be inside one).
     fn wait_cri_serving(&self, deadline: Instant) {
-        std::thread::scope(|s| {
-            s.spawn(|| {
-                let rt = tokio::runtime::Builder::new_current_thread()
-                    .enable_all()
-                    .build()
-                    .expect("tokio runtime");
-                rt.block_on(async {
-                    loop {
-                        let status = self
-                            .cri()
-                            .await
-                            .runtime
-                            .status(k8s_cri::v1::StatusRequest { verbose: false })
-                            .await;
-                        match status {
-                            Ok(_) => return,
-                            Err(e) => assert!(
-                                Instant::now() < deadline,
-                                "containerd's CRI did not serve in 60 s ({} {}):\n{}",
-                                e.code(),
-                                e.message(),
-                                self.log_tail()
-                            ),
-                        }
-                        tokio::time::sleep(Duration::from_millis(50)).await;
-                    }
-                });
-            })
-            .join()
-            .unwrap_or_else(|panic| std::panic::resume_unwind(panic));
-        });
+        crate::block_on_own_thread(async {
+            loop {
+                let status = self
+                    .cri()
+                    .await
+                    .runtime
+                    .status(k8s_cri::v1::StatusRequest { verbose: false })
+                    .await;
+                match status {
+                    Ok(_) => return,
+                    Err(e) => assert!(
+                        Instant::now() < deadline,
+                        "containerd's CRI did not serve in 60 s ({} {}):\n{}",
+                        e.code(),
+                        e.message(),
+                        self.log_tail()
+                    ),
+                }
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        })
+        .unwrap_or_else(|panic| std::panic::resume_unwind(panic));
     }
 
     fn stop_daemon(&mut self) {
         if let Some(mut child) = self.child.take() {
-            let pid = nix::unistd::Pid::from_raw(i32::try_from(child.id()).expect("pid"));
-            nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGTERM).ok();
-            let deadline = Instant::now() + Duration::from_secs(30);
-            loop {
-                if let Ok(Some(_)) = child.try_wait() {
-                    break;
-                }
-                if Instant::now() > deadline {
-                    child.kill().ok();
-                    child.wait().ok();
-                    break;
-                }
-                std::thread::sleep(Duration::from_millis(20));
-            }
+            crate::stop_child(&mut child, Duration::from_secs(30));
         }
     }
 
@@ -571,25 +549,16 @@ impl Drop for Containerd {
         // inside a test's tokio runtime.
         if self.child.is_some() {
             let this = &*self;
-            std::thread::scope(|s| {
-                s.spawn(|| {
-                    let rt = tokio::runtime::Builder::new_current_thread()
-                        .enable_all()
-                        .build()
-                        .expect("tokio runtime");
-                    rt.block_on(async {
-                        let cleanup = this.remove_all_pods();
-                        if tokio::time::timeout(Duration::from_secs(30), cleanup)
-                            .await
-                            .is_err()
-                        {
-                            eprintln!("containerd harness: removing pods timed out");
-                        }
-                    });
-                })
-                .join()
-                .ok();
-            });
+            crate::block_on_own_thread(async {
+                let cleanup = this.remove_all_pods();
+                if tokio::time::timeout(Duration::from_secs(30), cleanup)
+                    .await
+                    .is_err()
+                {
+                    eprintln!("containerd harness: removing pods timed out");
+                }
+            })
+            .ok();
         }
         self.stop_daemon();
         for pid in self.shim_pids() {

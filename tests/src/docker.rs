@@ -219,20 +219,7 @@ impl Dockerd {
 
     fn stop_daemon(&mut self) {
         if let Some(mut child) = self.child.take() {
-            let pid = nix::unistd::Pid::from_raw(child.id() as i32);
-            nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGTERM).ok();
-            let deadline = Instant::now() + Duration::from_secs(30);
-            loop {
-                if let Ok(Some(_)) = child.try_wait() {
-                    break;
-                }
-                if Instant::now() > deadline {
-                    child.kill().ok();
-                    child.wait().ok();
-                    break;
-                }
-                std::thread::sleep(Duration::from_millis(100));
-            }
+            crate::stop_child(&mut child, Duration::from_secs(30));
         }
     }
 
@@ -557,12 +544,7 @@ nameservers = []
 
     /// Run `egress-agent <args> --api-socket <ours>` (a client of the daemon's control API).
     pub fn cli(&self, args: &[&str]) -> Output {
-        Command::new(&self.agent_bin)
-            .args(args)
-            .arg("--api-socket")
-            .arg(self.api_socket())
-            .output()
-            .expect("spawn egress-agent")
+        crate::agent::api_cli(&self.agent_bin, &self.api_socket(), args)
     }
 
     /// Send a signal to the running daemon.
@@ -649,29 +631,12 @@ nameservers = []
     /// a line), oldest first. Empty while no daemon answers (the CLI's fallback, the event store
     /// under the default `agent.state_dir`, is not this environment's: each Env has its own).
     pub fn events(&self) -> Vec<serde_json::Value> {
-        let o = self.cli(&["events", "-n", "1000"]);
-        if !o.status.success() {
-            return Vec::new();
-        }
-        String::from_utf8_lossy(&o.stdout)
-            .lines()
-            .map(|l| {
-                serde_json::from_str(l)
-                    .unwrap_or_else(|e| panic!("`events` printed a non-JSON line {l:?}: {e}"))
-            })
-            .collect()
+        crate::agent::api_events(&self.agent_bin, &self.api_socket())
     }
 
     /// Wait for an event matching `f`.
     pub fn wait_event(&self, f: impl Fn(&serde_json::Value) -> bool, timeout: Duration) -> bool {
-        let deadline = Instant::now() + timeout;
-        while Instant::now() < deadline {
-            if self.events().iter().any(&f) {
-                return true;
-            }
-            std::thread::sleep(Duration::from_millis(100));
-        }
-        false
+        crate::agent::api_wait_event(&self.agent_bin, &self.api_socket(), f, timeout)
     }
 
     pub fn wait_log(&self, f: impl Fn(&str) -> bool, timeout: Duration) -> bool {

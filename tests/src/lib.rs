@@ -46,6 +46,53 @@ pub fn root_or_skip(group: &str) -> bool {
     }
 }
 
+/// SIGTERM `child`, wait up to `grace` for it to exit, then SIGKILL it (a daemon under test:
+/// dockerd, containerd).
+pub fn stop_child(child: &mut std::process::Child, grace: std::time::Duration) {
+    let Ok(pid) = i32::try_from(child.id()) else {
+        child.kill().ok();
+        child.wait().ok();
+        return;
+    };
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(pid),
+        nix::sys::signal::Signal::SIGTERM,
+    )
+    .ok();
+    let deadline = std::time::Instant::now() + grace;
+    loop {
+        if let Ok(Some(_)) = child.try_wait() {
+            return;
+        }
+        if std::time::Instant::now() > deadline {
+            child.kill().ok();
+            child.wait().ok();
+            return;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+}
+
+/// Run `fut` to completion on a thread of its own with its own tokio runtime (the caller may
+/// be inside a runtime already: a `Drop`, a sync helper called from async code). A panic in
+/// `fut` comes back as `Err`.
+pub fn block_on_own_thread<F>(fut: F) -> std::thread::Result<F::Output>
+where
+    F: std::future::Future + Send,
+    F::Output: Send,
+{
+    std::thread::scope(|s| {
+        s.spawn(|| {
+            tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .expect("tokio runtime")
+                .block_on(fut)
+        })
+        .join()
+    })
+}
+
 /// Run a command line through `bash -c`; panic with its output on failure; return stdout.
 pub fn sh(cmd: &str) -> String {
     let out = std::process::Command::new("bash")

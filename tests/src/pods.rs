@@ -103,12 +103,7 @@ resolve_private = ["{GATEWAY}/32"]
     }
 
     pub fn cli(&self, args: &[&str]) -> Output {
-        Command::new(&self.bin)
-            .args(args)
-            .arg("--api-socket")
-            .arg(self.api())
-            .output()
-            .expect("egress-agent cli")
+        crate::agent::api_cli(&self.bin, &self.api(), args)
     }
 
     /// Start the daemon in the containerd namespace and wait until it has reconciled.
@@ -158,24 +153,11 @@ resolve_private = ["{GATEWAY}/32"]
 
     /// The agent's recent events (JSON lines of `egress-agent events`).
     pub fn events(&self) -> Vec<serde_json::Value> {
-        let o = self.cli(&["events", "-n", "1000"]);
-        String::from_utf8_lossy(&o.stdout)
-            .lines()
-            .filter_map(|l| serde_json::from_str(l).ok())
-            .collect()
+        crate::agent::api_events(&self.bin, &self.api())
     }
 
     pub fn wait_event(&self, f: impl Fn(&serde_json::Value) -> bool, timeout: Duration) -> bool {
-        let deadline = Instant::now() + timeout;
-        loop {
-            if self.events().iter().any(&f) {
-                return true;
-            }
-            if Instant::now() > deadline {
-                return false;
-            }
-            std::thread::sleep(Duration::from_millis(100));
-        }
+        crate::agent::api_wait_event(&self.bin, &self.api(), f, timeout)
     }
 }
 
@@ -245,4 +227,34 @@ pub fn pod_in(
 
 pub fn context_of<'a>(ev: &'a serde_json::Value, key: &str) -> &'a str {
     ev["context"][key].as_str().unwrap_or_default()
+}
+
+/// What the pod tests judge by, in the harness's namespace: a second address ([`CANARY_IP`]) on
+/// the bridge with raw TCP listeners on [`ALLOWED_PORT`] and [`DENIED_PORT`], and a TLS upstream
+/// on the gateway's [`TLS_PORT`] serving `names` (certificates from `ca`).
+pub fn listeners(
+    c: &Containerd,
+    ca: &crate::tls_upstream::TestCa,
+    names: &[&str],
+) -> (crate::canary::Canary, crate::tls_upstream::Upstream) {
+    c.netns().sh(&format!(
+        "ip addr add {CANARY_IP}/24 dev {}",
+        crate::containerd::BRIDGE
+    ));
+    let canary = c.netns().run(|| {
+        crate::canary::Canary::on(
+            &[
+                std::net::SocketAddr::from((CANARY_IP, ALLOWED_PORT)),
+                std::net::SocketAddr::from((CANARY_IP, DENIED_PORT)),
+            ],
+            &[],
+        )
+    });
+    let upstream = crate::tls_upstream::Upstream::start_in(
+        ca,
+        names,
+        std::net::SocketAddr::from((GATEWAY, TLS_PORT)),
+        &c.netns().path(),
+    );
+    (canary, upstream)
 }

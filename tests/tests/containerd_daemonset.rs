@@ -23,14 +23,12 @@
 //! shared would change it for everybody; propagation only matters for later mounts), and the
 //! config's `[dns] hosts_file` names test hosts.
 use std::io::{Read as _, Write as _};
-use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-use egress_tests::canary::Canary;
 use egress_tests::containerd::{Containerd, GATEWAY, SharedDir, require_root};
 use egress_tests::cri::{ContainerSpec, HostMount, Logs, Pod, PodSpec};
-use egress_tests::tls_upstream::{TestCa, Upstream};
+use egress_tests::tls_upstream::TestCa;
 use k8s_cri::v1::MountPropagation;
 
 /// The web policy's direct CIDR port, and a port no policy allows.
@@ -251,25 +249,8 @@ fn the_daemonset_image_confines_a_pod() {
     let ca = TestCa::new();
     std::fs::write(dir.join("ca/ca.pem"), &ca.pem).expect("CA");
 
-    c.netns().sh(&format!(
-        "ip addr add {CANARY_IP}/24 dev {}",
-        egress_tests::containerd::BRIDGE
-    ));
-    let canary = c.netns().run(|| {
-        Canary::on(
-            &[
-                SocketAddr::from((CANARY_IP, ALLOWED_PORT)),
-                SocketAddr::from((CANARY_IP, DENIED_PORT)),
-            ],
-            &[],
-        )
-    });
-    let upstream = Upstream::start_in(
-        &ca,
-        &["allowed.test", "denied.test"],
-        SocketAddr::from((GATEWAY, TLS_PORT)),
-        &c.netns().path(),
-    );
+    let (canary, upstream) =
+        egress_tests::pods::listeners(&c, &ca, &["allowed.test", "denied.test"]);
 
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()

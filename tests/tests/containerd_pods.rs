@@ -6,19 +6,16 @@
 //! The pods live under a kubelet root of this test's own (`/egress-test-<pid>/kubepods`), so the
 //! programs it attaches never cover anything else on the host; removing the test's bpffs pins
 //! detaches them.
-use std::net::SocketAddr;
 use std::path::Path;
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-use egress_tests::canary::Canary;
 use egress_tests::containerd::{Containerd, GATEWAY, require_root};
 use egress_tests::cri::Pod;
 use egress_tests::pods::{
-    ALLOWED_PORT, Agent, CANARY_IP, DENIED_PORT, TLS_PORT, context_of, listener_ports, output,
-    pod_in, run_in,
+    ALLOWED_PORT, Agent, CANARY_IP, DENIED_PORT, context_of, listener_ports, output, pod_in, run_in,
 };
-use egress_tests::tls_upstream::{TestCa, Upstream};
+use egress_tests::tls_upstream::TestCa;
 
 #[test]
 fn pods_are_confined_per_pod_through_containerd() {
@@ -35,25 +32,8 @@ fn pods_are_confined_per_pod_through_containerd() {
 
     // What arrives: raw TCP on the gateway (allowed CIDR port, denied port), and the TLS
     // upstream serving the names.
-    c.netns().sh(&format!(
-        "ip addr add {CANARY_IP}/24 dev {}",
-        egress_tests::containerd::BRIDGE
-    ));
-    let canary = c.netns().run(|| {
-        Canary::on(
-            &[
-                SocketAddr::from((CANARY_IP, ALLOWED_PORT)),
-                SocketAddr::from((CANARY_IP, DENIED_PORT)),
-            ],
-            &[],
-        )
-    });
-    let upstream = Upstream::start_in(
-        &ca,
-        &["allowed.test", "denied.test", "other.test"],
-        SocketAddr::from((GATEWAY, TLS_PORT)),
-        &c.netns().path(),
-    );
+    let (canary, upstream) =
+        egress_tests::pods::listeners(&c, &ca, &["allowed.test", "denied.test", "other.test"]);
     // policies.d as a ConfigMap volume (the kubelet's ..data layout): policy `swap`.
     let policies = dir.join("policies.d");
     let swap_policy =

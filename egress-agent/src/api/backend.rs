@@ -122,23 +122,12 @@ pub async fn explain(
                 .await
                 .map_err(|e| ApiError::new(404, format!("inspecting container {id}: {e}")))?;
             let labels = c.config.and_then(|c| c.labels).unwrap_or_default();
-            let pairs = || labels.iter().map(|(k, v)| (k.as_str(), v.as_str()));
-            let resolved = crate::docker::labels::resolve(pairs(), config);
-            let why = crate::check::explain_labels(pairs(), config)["why"]
-                .as_str()
-                .unwrap_or_default()
-                .to_owned();
-            let chosen = Chosen {
-                name: resolved.name.clone(),
-                why,
-            };
-            let mut v = explain::explain(
-                config.proxy.explain_endpoint(),
-                &chosen,
-                &resolved.policy,
-                &target,
-                netns,
+            let resolved = crate::docker::labels::resolve(
+                labels.iter().map(|(k, v)| (k.as_str(), v.as_str())),
+                config,
             );
+            let why = crate::check::why(&resolved.source);
+            let mut v = explain_resolved(config, &resolved, why, &target, netns);
             let name = c
                 .name
                 .unwrap_or_default()
@@ -153,6 +142,27 @@ pub async fn explain(
             "give exactly one of policy=NAME, container=NAME or pod=NAMESPACE/NAME",
         )),
     }
+}
+
+/// `explain` of a workload's resolved policy, with the reason it got it.
+fn explain_resolved(
+    config: &Config,
+    resolved: &crate::docker::labels::Resolved,
+    why: String,
+    target: &Target,
+    netns: Netns,
+) -> Value {
+    let chosen = Chosen {
+        name: resolved.name.clone(),
+        why,
+    };
+    explain::explain(
+        config.proxy.explain_endpoint(),
+        &chosen,
+        &resolved.policy,
+        target,
+        netns,
+    )
 }
 
 /// The policy name the kernel entry of `owner` (`docker:NAME`, `pod:NS/NAME`) was written with.
@@ -204,13 +214,14 @@ async fn explain_pod(
         })
         .find(|sb| sb.pod.namespace == ns && sb.pod.name == name)
         .ok_or_else(|| ApiError::new(404, format!("no pod {pod} in containerd")))?;
-    let pairs = || {
+    let resolved = crate::docker::labels::resolve_pod(
         sandbox
             .annotations
             .iter()
-            .map(|(k, v)| (k.as_str(), v.as_str()))
-    };
-    let resolved = crate::docker::labels::resolve_pod(pairs(), ns, config);
+            .map(|(k, v)| (k.as_str(), v.as_str())),
+        ns,
+        config,
+    );
     let why = match &resolved.source {
         crate::docker::labels::Source::Namespace => {
             format!("no egress.* annotation: namespace {ns:?}'s default applies")
@@ -218,23 +229,9 @@ async fn explain_pod(
         crate::docker::labels::Source::Unlabeled => {
             "no egress.* annotation and no namespace default: agent.unlabeled applies".to_owned()
         }
-        _ => crate::docker::labels::label_to_annotation(
-            crate::check::explain_labels(pairs(), config)["why"]
-                .as_str()
-                .unwrap_or_default(),
-        ),
+        source => crate::docker::labels::label_to_annotation(&crate::check::why(source)),
     };
-    let chosen = Chosen {
-        name: resolved.name.clone(),
-        why,
-    };
-    let mut v = explain::explain(
-        config.proxy.explain_endpoint(),
-        &chosen,
-        &resolved.policy,
-        target,
-        netns,
-    );
+    let mut v = explain_resolved(config, &resolved, why, target, netns);
     let enforced = enforced_as(config, &format!("pod:{pod}"));
     v["pod"] = json!({ "sandbox": sandbox.id, "name": pod, "uid": sandbox.pod.uid, "enforced_as": enforced });
     Ok(v)

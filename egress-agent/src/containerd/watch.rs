@@ -24,7 +24,7 @@ use tokio::sync::mpsc;
 use super::client::{self, Client, ClientError, Event};
 use super::pod::{self, Record, Sandbox};
 use crate::config::KubernetesConfig;
-use crate::docker::watch::next_reload;
+use crate::docker::watch::{Pause, next_reload, pause};
 use crate::docker::{Enforcer, Outcome, ReloadRequest};
 use crate::metrics::Metrics;
 
@@ -69,18 +69,14 @@ pub async fn run(
         let sleep = tokio::time::sleep(backoff);
         tokio::pin!(sleep);
         loop {
-            tokio::select! {
-                () = &mut shutdown => {
+            match pause(sleep.as_mut(), shutdown.as_mut(), &mut reload).await {
+                Pause::Elapsed => break,
+                Pause::Stop => {
                     enforcer.shutdown();
                     tracing::info!("containerd watcher stopped");
                     return enforcer;
                 }
-                () = &mut sleep => break,
-                req = next_reload(&mut reload) => {
-                    if let Some(req) = req {
-                        apply_reload(&mut enforcer, &mut pods, req).await;
-                    }
-                }
+                Pause::Reload(req) => apply_reload(&mut enforcer, &mut pods, req).await,
             }
         }
         backoff = (backoff * 2).min(BACKOFF_MAX);

@@ -94,18 +94,14 @@ pub async fn run_with_reload(
         let sleep = tokio::time::sleep(backoff);
         tokio::pin!(sleep);
         loop {
-            tokio::select! {
-                () = &mut shutdown => {
+            match pause(sleep.as_mut(), shutdown.as_mut(), &mut reload).await {
+                Pause::Elapsed => break,
+                Pause::Stop => {
                     enforcer.shutdown();
                     tracing::info!("docker watcher stopped");
                     return enforcer;
                 }
-                () = &mut sleep => break,
-                req = next_reload(&mut reload) => {
-                    if let Some(req) = req {
-                        apply_reload(None, &mut enforcer, req).await;
-                    }
-                }
+                Pause::Reload(req) => apply_reload(None, &mut enforcer, req).await,
             }
         }
         backoff = (backoff * 2).min(BACKOFF_MAX);
@@ -113,6 +109,35 @@ pub async fn run_with_reload(
     enforcer.shutdown();
     tracing::info!("docker watcher stopped");
     enforcer
+}
+
+/// What ended a runtime's wait between two sessions (its reconnect backoff).
+pub(crate) enum Pause {
+    /// The backoff is over: reconnect.
+    Elapsed,
+    /// The agent is stopping.
+    Stop,
+    /// A reload to apply (then keep waiting).
+    Reload(ReloadRequest),
+}
+
+/// Wait out `sleep`, ending early for the agent's stop or a reload request: while a runtime is
+/// disconnected, reloads still apply to what it tracks.
+pub(crate) async fn pause(
+    mut sleep: std::pin::Pin<&mut tokio::time::Sleep>,
+    mut shutdown: std::pin::Pin<&mut impl Future<Output = ()>>,
+    reload: &mut Option<mpsc::Receiver<ReloadRequest>>,
+) -> Pause {
+    loop {
+        tokio::select! {
+            () = &mut shutdown => return Pause::Stop,
+            () = &mut sleep => return Pause::Elapsed,
+            // `None`: the sender is gone; `next_reload` pends from now on.
+            req = next_reload(reload) => if let Some(req) = req {
+                return Pause::Reload(req);
+            },
+        }
+    }
 }
 
 /// The next reload request; pending forever once the sender is gone (or there is none).
