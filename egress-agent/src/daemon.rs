@@ -351,13 +351,9 @@ pub async fn run(opts: RunOptions) -> Result<()> {
     }
     if let Some(k8s) = config.kubernetes.clone() {
         let (hooks, rt) = Runtimes::hooks(&metrics);
-        let (c, d, e) = (
-            config.clone(),
-            opts.docker.directory.clone(),
-            events.clone(),
-        );
+        let (c, host, e) = (config.clone(), opts.docker.clone(), events.clone());
         runtimes.add("kubernetes", rt, &mut agent, |stop| {
-            crate::containerd::serve(c, k8s, d, e, hooks, stop)
+            crate::containerd::serve(c, k8s, host, e, hooks, stop)
         });
     }
     if runtimes.is_empty() {

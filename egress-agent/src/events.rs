@@ -95,6 +95,10 @@ pub struct DenialEvent {
     pub time: SystemTime,
     pub source: Source,
     pub cgroup_id: Option<u64>,
+    /// Kernel events: the cgroup of the task that made the call, when it is not the entry's
+    /// (a container of a pod); how [`crate::docker::Directory`] names the container. Not kept.
+    #[serde(skip)]
+    pub task_cgroup_id: Option<u64>,
     pub container: Option<ContainerRef>,
     /// Extra labels (e.g. `exec` = command name). Never request data.
     #[serde(default)]
@@ -126,6 +130,7 @@ impl DenialEvent {
             time: SystemTime::now(),
             source: Source::Proxy,
             cgroup_id: None,
+            task_cgroup_id: None,
             container: None,
             context: BTreeMap::new(),
             policy: policy.to_owned(),

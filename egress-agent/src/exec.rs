@@ -362,6 +362,7 @@ async fn run_async(
             container: None,
             cgroup_id: Some(id),
             context: Default::default(),
+            clients: None,
         };
         for addr in addrs {
             let proxy = PolicyProxy::bind_for(

@@ -436,7 +436,14 @@ pub struct Event {
     pub addr: [u32; 4],
     /// Task command name (NUL padded).
     pub comm: [u8; 16],
+    /// The cgroup of the task that made the call (0 in packet context): which container of a
+    /// pod, whose entry is the pod's. Last, so a reader can still take the shorter events of an
+    /// older program ([`EVENT_LEN_V1`] bytes) until the upgrade swaps it.
+    pub task_cgroup_id: u64,
 }
+
+/// The length of an [`Event`] before `task_cgroup_id` was added.
+pub const EVENT_LEN_V1: usize = 72;
 
 #[cfg(feature = "user")]
 mod user {
@@ -468,5 +475,5 @@ const _: () = assert!(core::mem::size_of::<Cidr4Data>() == 12);
 const _: () = assert!(core::mem::size_of::<Cidr6Data>() == 24);
 const _: () = assert!(core::mem::size_of::<CidrRule>() == 12 + 2 * MAX_RULE_PORTS);
 const _: () = assert!(core::mem::size_of::<Counters>() == 32);
-const _: () = assert!(core::mem::size_of::<Event>() == 72);
+const _: () = assert!(core::mem::size_of::<Event>() == EVENT_LEN_V1 + 8);
 const _: () = assert!(core::mem::size_of::<SockOwner>() == 8);

@@ -2,7 +2,7 @@
 
 use crate::maps::{COUNTERS, EVENTS};
 use crate::{ALLOW, DENY};
-use aya_ebpf::helpers::generated::bpf_ktime_get_ns;
+use aya_ebpf::helpers::generated::{bpf_get_current_cgroup_id, bpf_ktime_get_ns};
 use aya_ebpf::helpers::{bpf_get_current_comm, bpf_get_current_pid_tgid};
 use egress_common::{
     Counters, EVENT_FLAG_ALLOWED, EVENT_FLAG_AUDIT, Event, POLICY_FLAG_AUDIT, PolicyEntry,
@@ -85,13 +85,15 @@ pub(crate) fn allow_direct(p: &PolicyEntry, cgroup_id: u64, hook: u32, dst: &Dst
 
 #[inline(always)]
 fn emit(cgroup_id: u64, hook: u32, reason: u32, dst: &Dst, with_task: bool, flags: u16) {
-    let (pid, comm) = if with_task {
+    let (pid, comm, task_cgroup_id) = if with_task {
         (
             (bpf_get_current_pid_tgid() >> 32) as u32,
             bpf_get_current_comm().unwrap_or([0u8; 16]),
+            // SAFETY: helper without arguments.
+            unsafe { bpf_get_current_cgroup_id() },
         )
     } else {
-        (0, [0u8; 16])
+        (0, [0u8; 16], 0)
     };
     let event = Event {
         // SAFETY: helper without arguments.
@@ -106,6 +108,7 @@ fn emit(cgroup_id: u64, hook: u32, reason: u32, dst: &Dst, with_task: bool, flag
         reason,
         addr: dst.addr,
         comm,
+        task_cgroup_id,
     };
     if EVENTS.output::<Event>(&event, 0).is_err() {
         count(cgroup_id, C_LOST);

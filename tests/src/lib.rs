@@ -15,6 +15,7 @@ pub mod agent;
 pub mod batch;
 pub mod bench;
 pub mod bpf;
+pub mod browser;
 pub mod canary;
 pub mod containerd;
 pub mod cri;

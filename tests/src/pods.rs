@@ -15,6 +15,8 @@ pub const DENIED_PORT: u16 = 9300;
 pub const TLS_PORT: u16 = 8443;
 /// The raw TCP listeners' address (a second address on the harness bridge); the TLS upstream
 /// is on the gateway address.
+/// The status page of the pod tests' agent (in the harness's namespace).
+pub const STATUS_PAGE: &str = "127.0.0.1:18182";
 pub const CANARY_IP: std::net::Ipv4Addr = std::net::Ipv4Addr::new(198, 18, 8, 200);
 
 /// The daemon under test and its files.
@@ -65,6 +67,8 @@ impl Agent {
 bpffs = "{bpffs}"
 state_dir = "{d}/state"
 unlabeled = "allow_all"
+[api]
+ui_listen = "{STATUS_PAGE}"
 [proxy]
 endpoint = "{PROXY}"
 [dns]

@@ -13,7 +13,8 @@ use std::time::{Duration, Instant};
 use egress_tests::containerd::{Containerd, GATEWAY, require_root};
 use egress_tests::cri::Pod;
 use egress_tests::pods::{
-    ALLOWED_PORT, Agent, CANARY_IP, DENIED_PORT, context_of, listener_ports, output, pod_in, run_in,
+    ALLOWED_PORT, Agent, CANARY_IP, DENIED_PORT, STATUS_PAGE, context_of, listener_ports, output,
+    pod_in, run_in,
 };
 use egress_tests::tls_upstream::TestCa;
 
@@ -149,6 +150,52 @@ fn pods_are_confined_per_pod_through_containerd() {
         "no denial event naming the pod: {:#?}",
         agent.events()
     );
+    // The kernel's refusal of the first instruction names the container it came from.
+    assert!(
+        agent.wait_event(
+            |e| e["source"] == "kernel"
+                && e["port"] == DENIED_PORT
+                && context_of(e, "k8s.pod.name") == "a"
+                && context_of(e, "k8s.container.name") == "first",
+            Duration::from_secs(5)
+        ),
+        "no kernel denial naming pod a's container \"first\": {:#?}",
+        agent.events()
+    );
+    // The agent's DNS and the transparent proxy name the container too (the pod's containers
+    // share its listener; the client socket's cgroup says which one asked).
+    for (what, dns) in [("DNS refusal", true), ("SNI refusal", false)] {
+        assert!(
+            agent.wait_event(
+                |e| e["host"] == "denied.test"
+                    && (e["protocol"] == "dns") == dns
+                    && context_of(e, "k8s.pod.name") == "a"
+                    && context_of(e, "k8s.container.name") == "tls",
+                Duration::from_secs(5)
+            ),
+            "no {what} naming pod a's container \"tls\": {:#?}",
+            agent.events()
+        );
+    }
+
+    // The status page shows the pod (kind pod) and names the container in its denials.
+    {
+        let mut b = egress_tests::browser::Browser::open(
+            &c.netns().path(),
+            &format!("http://{STATUS_PAGE}/ui/"),
+            dir.join("chromium-profile"),
+        );
+        let dom = b.wait_dom("pod ci/a and its container's denial", |d| {
+            egress_tests::browser::container_row(d, "ci/a")
+                .is_some_and(|r| r.contains("data-kind=\"pod\""))
+                && d.contains(">ci/a (first)<")
+        });
+        assert!(
+            egress_tests::browser::container_row(&dom, "ci/a")
+                .is_some_and(|r| r.contains("data-badge=\"allowlist\"")),
+            "{dom}"
+        );
+    }
 
     // `explain`, `events` and the containers list take pods like containers.
     let o = agent.cli(&["explain", "--pod", "ci/a", "allowed.test:8443", "--json"]);
@@ -195,14 +242,18 @@ fn pods_are_confined_per_pod_through_containerd() {
     let b = pod_with(&c, "ci", "b", &[("egress.policy", "other")]);
     let ports = listener_ports(&c);
     assert!(!ports.is_empty(), "no pod listeners");
-    let script: String = ports
-        .iter()
-        .map(|p| {
-            format!(
-                "printf 'CONNECT {CANARY_IP}:{ALLOWED_PORT} HTTP/1.1\\r\\nHost: {CANARY_IP}:{ALLOWED_PORT}\\r\\n\\r\\nBORROW-{p}-{pid}' | nc -w 2 169.254.100.1 {p}; "
-            )
-        })
-        .collect::<String>()
+    // A CONNECT to the first pod's allowed CIDR port through every proxy listener.
+    let borrow = |tag: &str| -> String {
+        ports
+            .iter()
+            .map(|p| {
+                format!(
+                    "printf 'CONNECT {CANARY_IP}:{ALLOWED_PORT} HTTP/1.1\\r\\nHost: {CANARY_IP}:{ALLOWED_PORT}\\r\\n\\r\\nBORROW-{tag}-{p}-{pid}' | nc -w 2 169.254.100.1 {p}; "
+                )
+            })
+            .collect()
+    };
+    let script: String = borrow("B")
         + &format!(
             "egress-probe tcp {CANARY_IP} {ALLOWED_PORT} DIRECT-B-{pid}; \
              egress-probe tls-get other.test other.test 8443 /ca/ca.pem; \
@@ -235,6 +286,57 @@ fn pods_are_confined_per_pod_through_containerd() {
     );
     assert_eq!(code, 0, "unannotated pod: {}", output(code, &logs));
     assert!(canary.wait_for(&format!("PLAIN-{pid}"), Duration::from_secs(5)));
+    // The nftables host layer covers pod interfaces: the cgroup programs let an unannotated
+    // pod do anything, yet it can't use an annotated pod's listener (and its credentials):
+    // the proxy address is reachable only from enforced pods, each on its own ports.
+    let (code, logs) = run(&c, &plain, "borrow", &borrow("PLAIN"));
+    std::thread::sleep(Duration::from_millis(300));
+    assert!(
+        !canary.saw("BORROW-PLAIN-"),
+        "an unannotated pod used a pod's listener (ports {ports:?}): {}",
+        output(code, &logs)
+    );
+    let rules = host_rules(&c);
+    for (pod, what) in [(&a, "pod a"), (&b, "pod b")] {
+        assert!(
+            rules.contains(short(pod)),
+            "no host rules for {what} ({}):\n{rules}",
+            short(pod)
+        );
+    }
+    // A hostNetwork pod shares the node's interfaces (no veth of its own for the host layer):
+    // the cgroup programs confine it from its first instruction all the same.
+    let mut spec =
+        egress_tests::cri::PodSpec::new("ci", "hostnet").annotation("egress.policy", "web");
+    spec.host_network = true;
+    let hostnet = rt.block_on(c.run_pod(&spec));
+    let (code, logs) = run(
+        &c,
+        &hostnet,
+        "c",
+        &format!(
+            "egress-probe tcp {CANARY_IP} {DENIED_PORT} HOSTNET-DENIED-{pid} || echo HOSTNET-REFUSED; \
+             egress-probe tcp {CANARY_IP} {ALLOWED_PORT} HOSTNET-ALLOWED-{pid}; \
+             egress-probe tls-get denied.test denied.test 8443 /ca/ca.pem || echo HOSTNET-NAME-REFUSED"
+        ),
+    );
+    let out = output(code, &logs);
+    assert!(
+        out.contains("HOSTNET-REFUSED") && out.contains("HOSTNET-NAME-REFUSED"),
+        "hostNetwork pod: {out}"
+    );
+    assert!(
+        canary.wait_for(&format!("HOSTNET-ALLOWED-{pid}"), Duration::from_secs(5)),
+        "hostNetwork pod's allowed port: {out}"
+    );
+    assert!(!canary.saw(&format!("HOSTNET-DENIED-{pid}")));
+    assert!(
+        upstream
+            .requests()
+            .iter()
+            .all(|r| r.header("host") != Some("denied.test")),
+        "hostNetwork pod reached a name outside its policy"
+    );
     let team = pod_with(&c, "team", "t", &[]);
     let (code, logs) = run(
         &c,
@@ -368,6 +470,11 @@ fn pods_are_confined_per_pod_through_containerd() {
         output(code, &logs)
     );
     assert!(canary.wait_for(&format!("LATE-UP-{pid}"), Duration::from_secs(5)));
+    // Its host rules were written by the reconcile (its sandbox ran before the agent was back).
+    assert!(
+        host_rules(&c).contains(short(&late)),
+        "no host rules for the pod started while the agent was away"
+    );
     let (code, logs) = run(
         &c,
         &a,
@@ -463,8 +570,9 @@ fn pods_are_confined_per_pod_through_containerd() {
         c.remove_pod(&sw).await;
     });
 
-    // 9. Pods removed leave no entries and no listeners behind.
-    for pod in [&a, &b, &plain, &team, &late, &again] {
+    // 9. Pods removed leave no entries, no listeners and no host rules behind.
+    let removed = [&a, &b, &plain, &team, &late, &again, &hostnet];
+    for pod in removed {
         rt.block_on(async {
             c.stop_pod(pod).await;
             c.remove_pod(pod).await;
@@ -483,14 +591,31 @@ fn pods_are_confined_per_pod_through_containerd() {
             .map(str::to_owned)
             .collect();
         let ports = listener_ports(&c);
-        if left.is_empty() && ports.is_empty() {
+        let rules = host_rules(&c);
+        let ruled: Vec<&str> = removed
+            .iter()
+            .map(|p| short(p))
+            .filter(|id| rules.contains(id))
+            .collect();
+        if left.is_empty() && ports.is_empty() && ruled.is_empty() {
             break;
         }
         assert!(
             Instant::now() < deadline,
-            "removed pods left entries {left:?} or listeners {ports:?}"
+            "removed pods left entries {left:?}, listeners {ports:?} or host rules {ruled:?}"
         );
         std::thread::sleep(Duration::from_millis(100));
     }
     assert!(!canary.saw(&format!("AGAIN-DENIED-{pid}")));
+}
+
+/// The agent's nftables tables in the harness's namespace (rules carry the workload's short id).
+fn host_rules(c: &Containerd) -> String {
+    c.netns()
+        .sh("nft list table bridge egress_agent; nft list table inet egress_agent")
+}
+
+/// A pod's id as its host rules' comments carry it.
+fn short(pod: &Pod) -> &str {
+    &pod.sandbox_id[..12]
 }

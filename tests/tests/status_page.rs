@@ -9,11 +9,10 @@
 //!   (allowlist, deny_all, audit, allow_all), the doctor's probes as the daemon sees itself
 //!   (`proxy.listening`, `docker.reachable` pass) and a denial appearing live (SSE). With
 //!   `EGRESS_STATUS_SCREENSHOT=PATH` it also saves a screenshot there (docs/status-page.png).
-use std::io::{BufRead, BufReader, Write};
-use std::path::{Path, PathBuf};
-use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
+use std::process::Command;
 use std::time::{Duration, Instant};
 
+use egress_tests::browser::{Browser, container_row, row};
 use egress_tests::docker::{Env, SERIAL, UPSTREAM_IP, require_root};
 use serde_json::Value;
 
@@ -52,99 +51,6 @@ fn curl(env: &Env, method: &str, path: &str, body: Option<(&str, &str)>) -> (u16
     let out = String::from_utf8_lossy(&c.output().expect("curl").stdout).into_owned();
     let (body, code) = out.rsplit_once('\n').unwrap_or(("", "0"));
     (code.trim().parse().unwrap_or(0), body.to_owned())
-}
-
-struct Browser {
-    child: Child,
-    stdin: ChildStdin,
-    stdout: BufReader<ChildStdout>,
-    _profile: PathBuf,
-}
-
-impl Browser {
-    /// node + headless Chromium in the daemon's network namespace, on `url`.
-    fn open(netns: &Path, url: &str, profile: PathBuf) -> Browser {
-        let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("status_page/cdp.js");
-        std::fs::remove_dir_all(&profile).ok();
-        let mut child = Command::new("nsenter")
-            .arg(format!("--net={}", netns.display()))
-            .args(["node", "--experimental-websocket", "--no-warnings"])
-            .arg(&script)
-            .args(["/usr/bin/chromium", url])
-            .arg(&profile)
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .spawn()
-            .expect("node (nodejs) runs the DevTools driver");
-        let stdin = child.stdin.take().expect("stdin");
-        let stdout = BufReader::new(child.stdout.take().expect("stdout"));
-        Browser {
-            child,
-            stdin,
-            stdout,
-            _profile: profile,
-        }
-    }
-
-    fn ask(&mut self, cmd: &str) -> Value {
-        writeln!(self.stdin, "{cmd}").expect("to the driver");
-        let mut line = String::new();
-        self.stdout.read_line(&mut line).expect("from the driver");
-        let v: Value =
-            serde_json::from_str(&line).unwrap_or_else(|e| panic!("driver said {line:?}: {e}"));
-        assert!(v.get("error").is_none(), "driver: {v}");
-        v
-    }
-
-    fn dom(&mut self) -> String {
-        self.ask("dom")["html"]
-            .as_str()
-            .unwrap_or_default()
-            .to_owned()
-    }
-
-    /// Poll the rendered DOM until `f` holds.
-    fn wait_dom(&mut self, what: &str, f: impl Fn(&str) -> bool) -> String {
-        let deadline = Instant::now() + Duration::from_secs(30);
-        loop {
-            let dom = self.dom();
-            if f(&dom) {
-                return dom;
-            }
-            assert!(
-                Instant::now() < deadline,
-                "the page never showed {what}:\n{dom}"
-            );
-            std::thread::sleep(Duration::from_millis(200));
-        }
-    }
-}
-
-impl Drop for Browser {
-    fn drop(&mut self) {
-        writeln!(self.stdin, "quit").ok();
-        let deadline = Instant::now() + Duration::from_secs(5);
-        while Instant::now() < deadline {
-            if let Ok(Some(_)) = self.child.try_wait() {
-                return;
-            }
-            std::thread::sleep(Duration::from_millis(50));
-        }
-        self.child.kill().ok();
-        self.child.wait().ok();
-    }
-}
-
-/// The `<tr data-KIND="NAME">` row of the rendered page.
-fn row<'a>(dom: &'a str, kind: &str, name: &str) -> Option<&'a str> {
-    let start = dom.find(&format!("<tr data-{kind}=\"{name}\""))?;
-    let end = dom[start..].find("</tr>")? + start;
-    Some(&dom[start..end])
-}
-
-/// The `<tr>` of container `name` in the rendered containers table.
-fn container_row<'a>(dom: &'a str, name: &str) -> Option<&'a str> {
-    row(dom, "container", name)
 }
 
 #[test]

@@ -52,8 +52,9 @@ impl KernelEvents {
     pub fn drain(&mut self) -> Vec<Event> {
         let mut out = Vec::new();
         while let Some(item) = self.ring.next() {
-            if item.len() >= size_of::<Event>() {
-                out.push(decode(&item[..size_of::<Event>()]));
+            // An older program's events are shorter (no `task_cgroup_id`): taken as they are.
+            if item.len() >= egress_common::EVENT_LEN_V1 {
+                out.push(decode(&item[..item.len().min(size_of::<Event>())]));
             }
         }
         out
@@ -150,6 +151,7 @@ fn decode(bytes: &[u8]) -> Event {
         reason: u32_at(36),
         addr: [u32_at(40), u32_at(44), u32_at(48), u32_at(52)],
         comm,
+        task_cgroup_id: if bytes.len() >= 80 { u64_at(72) } else { 0 },
     }
 }
 
@@ -244,6 +246,7 @@ pub fn to_denial(ev: &Event, time: SystemTime, policy: &str) -> DenialEvent {
         time,
         source: Source::Kernel,
         cgroup_id: Some(ev.cgroup_id),
+        task_cgroup_id: (ev.task_cgroup_id != 0).then_some(ev.task_cgroup_id),
         container: None,
         context,
         policy: policy.to_owned(),
@@ -301,5 +304,17 @@ mod tests {
             to_denial(&decode(&raw(0x80)), t, "ci").verdict,
             Verdict::Deny
         );
+    }
+
+    #[test]
+    fn the_callers_cgroup_is_read_and_an_older_programs_shorter_event_still_decodes() {
+        let t = SystemTime::now();
+        let mut b = raw(0);
+        b[72..80].copy_from_slice(&77u64.to_ne_bytes());
+        let ev = to_denial(&decode(&b), t, "ci");
+        assert_eq!((ev.cgroup_id, ev.task_cgroup_id), (Some(42), Some(77)));
+        let old = to_denial(&decode(&b[..egress_common::EVENT_LEN_V1]), t, "ci");
+        assert_eq!((old.cgroup_id, old.task_cgroup_id), (Some(42), None));
+        assert_eq!(old.port, 5432);
     }
 }

@@ -41,8 +41,13 @@ pub enum Event {
     ContainerDelete(String),
     /// `/tasks/create` (container id): runc made the process, which has run nothing yet.
     TaskCreate(String),
-    /// `/tasks/start` (container id): its cgroup now exists.
-    TaskStart(String),
+    /// `/tasks/start`: its cgroup now exists, and its process runs as `pid`.
+    TaskStart {
+        id: String,
+        pid: u32,
+    },
+    /// `/tasks/exit` of a container's init process (not of an exec in it).
+    TaskExit(String),
     /// The agent's own marker ([`SYNC_TOPIC`]): the subscription is live from here on.
     Sync(String),
     /// Anything else (or a payload this code can't decode): ignored.
@@ -87,6 +92,7 @@ impl Client {
             format!("namespace=={},topic~=\"^/containers/\"", self.namespace),
             format!("namespace=={},topic==\"/tasks/create\"", self.namespace),
             format!("namespace=={},topic==\"/tasks/start\"", self.namespace),
+            format!("namespace=={},topic==\"/tasks/exit\"", self.namespace),
             format!("namespace=={},topic==\"{SYNC_TOPIC}\"", self.namespace),
         ];
         EventsClient::new(self.channel.clone())
@@ -148,6 +154,28 @@ impl Client {
         }
     }
 
+    /// The pid of a container's running task; `None` when it has no task or it is not running.
+    pub async fn running_pid(&self, id: &str) -> Result<Option<u32>, ClientError> {
+        use containerd_client::services::v1::{GetRequest, tasks_client::TasksClient};
+        use containerd_client::types::v1::Status;
+        let req = self.request(GetRequest {
+            container_id: id.to_owned(),
+            exec_id: String::new(),
+        });
+        match TasksClient::new(self.channel.clone()).get(req).await {
+            Ok(r) => Ok(r
+                .into_inner()
+                .process
+                .filter(|p| p.status == Status::Running as i32 && p.pid != 0)
+                .map(|p| p.pid)),
+            Err(status) if status.code() == tonic::Code::NotFound => Ok(None),
+            Err(status) => Err(ClientError::Call {
+                call: "Tasks.Get",
+                status,
+            }),
+        }
+    }
+
     /// A container's record; `None` when it is gone already.
     pub async fn get(&self, id: &str) -> Result<Option<Container>, ClientError> {
         let req = self.request(GetContainerRequest { id: id.to_owned() });
@@ -178,7 +206,9 @@ pub fn parts(c: &Container) -> (&HashMap<String, String>, &[u8]) {
 /// Decode an envelope's payload by its topic. The payloads are containerd's event messages;
 /// only their id fields are read.
 pub fn decode(topic: &str, payload: Option<&[u8]>) -> Event {
-    use containerd_client::events::{ContainerCreate, ContainerDelete, TaskCreate, TaskStart};
+    use containerd_client::events::{
+        ContainerCreate, ContainerDelete, TaskCreate, TaskExit, TaskStart,
+    };
     use prost::Message as _;
     let Some(bytes) = payload else {
         return Event::Other;
@@ -194,8 +224,16 @@ pub fn decode(topic: &str, payload: Option<&[u8]>) -> Event {
             .map(|e| Event::TaskCreate(e.container_id))
             .unwrap_or(Event::Other),
         "/tasks/start" => TaskStart::decode(bytes)
-            .map(|e| Event::TaskStart(e.container_id))
+            .map(|e| Event::TaskStart {
+                id: e.container_id,
+                pid: e.pid,
+            })
             .unwrap_or(Event::Other),
+        // An exec's exit names the exec's id; the init process's names the container.
+        "/tasks/exit" => TaskExit::decode(bytes)
+            .ok()
+            .filter(|e| e.id == e.container_id)
+            .map_or(Event::Other, |e| Event::TaskExit(e.container_id)),
         SYNC_TOPIC => Event::Sync(String::from_utf8_lossy(bytes).into_owned()),
         _ => Event::Other,
     }
@@ -225,7 +263,28 @@ mod tests {
         .encode_to_vec();
         assert_eq!(
             decode("/tasks/start", Some(&start)),
-            Event::TaskStart("abc".to_owned())
+            Event::TaskStart {
+                id: "abc".to_owned(),
+                pid: 7
+            }
+        );
+        let exit = |id: &str| {
+            containerd_client::events::TaskExit {
+                container_id: "abc".to_owned(),
+                id: id.to_owned(),
+                pid: 7,
+                ..Default::default()
+            }
+            .encode_to_vec()
+        };
+        assert_eq!(
+            decode("/tasks/exit", Some(&exit("abc"))),
+            Event::TaskExit("abc".to_owned())
+        );
+        assert_eq!(
+            decode("/tasks/exit", Some(&exit("exec-1"))),
+            Event::Other,
+            "an exec's exit is not the container's"
         );
         assert_eq!(decode("/tasks/exit", Some(&start)), Event::Other);
         assert_eq!(decode("/containers/create", None), Event::Other);

@@ -52,6 +52,10 @@ pub struct Sandbox {
     /// The pod's `egress.*` annotations (as the OCI spec carries them).
     pub annotations: BTreeMap<String, String>,
     pub cgroup: PodCgroup,
+    /// `hostNetwork: true`: the sandbox has no network namespace of its own (its OCI spec lists
+    /// none), so the pod's sockets are the node's: the cgroup programs confine it, and it has
+    /// no interface for the host layer.
+    pub host_network: bool,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -154,6 +158,10 @@ pub fn classify(
         },
     })?;
     if kind == "sandbox" {
+        let host_network = !spec
+            .pointer("/linux/namespaces")
+            .and_then(|n| n.as_array())
+            .is_some_and(|n| n.iter().any(|ns| ns["type"] == "network"));
         let egress = annotations
             .into_iter()
             .filter(|(k, _)| k.to_ascii_lowercase().starts_with("egress."))
@@ -163,6 +171,7 @@ pub fn classify(
             pod,
             annotations: egress,
             cgroup,
+            host_network,
         }));
     }
     let sandbox_id = annotations
@@ -205,9 +214,16 @@ impl PodRef {
 impl Sandbox {
     /// The pod as the shared enforcer sees a workload: its sandbox id, `namespace/name`, its
     /// `egress.*` annotations in the place of labels, and its pod-level cgroup.
-    pub fn workload(&self) -> ContainerInfo {
+    /// `pid`: the sandbox's process, once its task runs (the host layer finds the pod's
+    /// interfaces through it).
+    pub fn workload(&self, pid: Option<u32>) -> ContainerInfo {
         let mut info = ContainerInfo::from_event(&self.id, &HashMap::new());
         info.name = self.pod.display_name();
+        info.pid = pid;
+        info.running = pid.is_some();
+        if self.host_network {
+            info.network_mode = "host".to_owned();
+        }
         info.labels = self
             .annotations
             .iter()
@@ -265,7 +281,10 @@ mod tests {
             sb.annotations,
             BTreeMap::from([("egress.policy".to_owned(), "web".to_owned())])
         );
-        let w = sb.workload();
+        // This spec lists no network namespace: a hostNetwork pod.
+        assert!(sb.host_network);
+        let w = sb.workload(Some(42));
+        assert!(w.host_network() && w.running && w.pid == Some(42));
         assert_eq!(w.id, SANDBOX);
         assert_eq!(
             w.labels.get("egress.policy").map(String::as_str),
@@ -280,6 +299,25 @@ mod tests {
             place.context.get(CTX_POD_UID).map(String::as_str),
             Some(UID)
         );
+    }
+
+    #[test]
+    fn a_sandbox_with_a_network_namespace_is_on_the_pod_network() {
+        let s = serde_json::to_vec(&serde_json::json!({
+            "linux": {
+                "cgroupsPath": format!("/kubepods/besteffort/pod{UID}/{SANDBOX}"),
+                "namespaces": [
+                    { "type": "pid" },
+                    { "type": "network", "path": "/var/run/netns/cni-0b9c1d2e" },
+                ],
+            },
+        }))
+        .expect("json");
+        let Ok(Record::Sandbox(sb)) = classify(SANDBOX, &labels("sandbox"), &s, "/kubepods") else {
+            panic!("not a sandbox");
+        };
+        assert!(!sb.host_network);
+        assert!(!sb.workload(None).host_network());
     }
 
     #[test]

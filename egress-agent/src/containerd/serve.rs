@@ -7,17 +7,19 @@ use tokio_util::sync::CancellationToken;
 use crate::config::{Config, KubernetesConfig};
 use crate::docker::cgroups::DockerRoot;
 use crate::docker::serve::{Site, enforcer_at};
-use crate::docker::{Directory, Hooks, ServeError};
+use crate::docker::{DockerOptions, Hooks, ServeError};
 use crate::events::EventSink;
 
-/// Enforce this node's pods: `k8s` is the `[kubernetes]` section of `config`. Ready (with the
+/// Enforce this node's pods: `k8s` is the `[kubernetes]` section of `config`; `host` the
+/// agent's host-wide settings (nftables layer and its tables, BPF-LSM requirement, the
+/// directory kernel events are named from; its Docker fields are not used). Ready (with the
 /// root and endpoint) once the programs are attached at the kubelet root and the proxy address
 /// is up — before containerd is reached: a containerd outage must not delay enforcement (pods
 /// under the root without an entry are `deny_all` meanwhile).
 pub async fn serve(
     config: Arc<Config>,
     k8s: KubernetesConfig,
-    directory: Directory,
+    host: DockerOptions,
     events: EventSink,
     hooks: Hooks,
     shutdown: CancellationToken,
@@ -25,11 +27,13 @@ pub async fn serve(
     let root = DockerRoot::new(crate::cgroup::cgroup2_mount()?, &k8s.cgroup_root);
     let site = Site {
         root,
-        // The nftables host layer knows Docker's bridges; pod interfaces are not covered yet
-        // (docs/operations.md, "Kubernetes"): the kernel layer alone confines pods.
-        nft: false,
-        require_lsm: false,
-        directory,
+        // Pod interfaces (each pod's host-side veth, found through its sandbox's network
+        // namespace) in the same tables as Docker's containers.
+        nft: host.nft,
+        require_lsm: host.require_lsm,
+        directory: host.directory,
+        tables: host.tables,
+        runtime: "kubernetes",
     };
     let (enforcer, mut info) =
         enforcer_at(&config, site, &events, hooks.metrics.as_ref(), &shutdown).await?;

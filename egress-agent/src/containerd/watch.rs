@@ -12,7 +12,9 @@
 //! | event                | action                                                          |
 //! |----------------------|-----------------------------------------------------------------|
 //! | `/containers/create` | a sandbox: resolve its annotations; pre-create the pod cgroup; write its entry and start its listener |
+//! | `/tasks/start` of a sandbox | its interfaces exist: write its nftables host rules (found through its network namespace) |
 //! | `/tasks/create`, `/tasks/start` | a container of a refused pod: kill it (at create, before it runs anything) |
+//! | `/tasks/exit` of a sandbox | its interfaces are gone: take its host rules out (the entry stays until delete) |
 //! | `/containers/delete` | a sandbox: release its entry and listener, remove a pre-created dir |
 use std::collections::{HashMap, HashSet};
 use std::future::Future;
@@ -38,6 +40,18 @@ struct Pods {
     sandboxes: HashMap<String, Sandbox>,
     /// Sandboxes whose pod can't be confined: their containers are killed when they start.
     refused: HashSet<String>,
+    /// Running sandboxes → their process (the pod's network namespace is found through it).
+    running: HashMap<String, u32>,
+    /// App containers → their cgroup id, named in the directory (`k8s.container.name`).
+    members: HashMap<String, u64>,
+}
+
+impl Pods {
+    /// The pod of sandbox `id` as the enforcer sees it, with its process if it runs.
+    fn workload(&self, id: &str) -> Option<crate::docker::container::ContainerInfo> {
+        let sb = self.sandboxes.get(id)?;
+        Some(sb.workload(self.running.get(id).copied()))
+    }
 }
 
 /// Watch containerd and enforce pods until `shutdown` completes, applying reloads in between
@@ -210,6 +224,28 @@ async fn reconcile(
     enforcer: &mut Enforcer,
     pods: &mut Pods,
 ) -> Result<(), ClientError> {
+    enforcer.begin_batch();
+    let listed = reconcile_all(client, k8s, enforcer, pods).await;
+    // Host rules are written once, here; the pods whose rules (and deny_all) failed are refused.
+    for (info, why) in enforcer.end_batch(listed.is_ok()).await {
+        refused(pods, &info.id, &why);
+    }
+    // Containers of pods refused meanwhile are stopped now (sandboxes included).
+    for (id, sandbox_id) in listed? {
+        if pods.refused.contains(&sandbox_id) {
+            kill(client, k8s, &id).await;
+        }
+    }
+    Ok(())
+}
+
+/// The listing part of [`reconcile`]: returns every (container, sandbox) pair it saw.
+async fn reconcile_all(
+    client: &Client,
+    k8s: &KubernetesConfig,
+    enforcer: &mut Enforcer,
+    pods: &mut Pods,
+) -> Result<Vec<(String, String)>, ClientError> {
     let mut seen = HashSet::new();
     let mut started = Vec::new();
     for c in client.list().await? {
@@ -217,9 +253,17 @@ async fn reconcile(
         match pod::classify(&c.id, labels, spec, &k8s.cgroup_root) {
             Ok(Record::Sandbox(sb)) => {
                 seen.insert(sb.id.clone());
+                started.push((sb.id.clone(), sb.id.clone()));
+                match client.running_pid(&sb.id).await? {
+                    Some(pid) => pods.running.insert(sb.id.clone(), pid),
+                    None => pods.running.remove(&sb.id),
+                };
                 sandbox(enforcer, pods, sb).await;
             }
-            Ok(Record::App(app)) => started.push((app.id, app.sandbox_id)),
+            Ok(Record::App(app)) => {
+                member(enforcer, pods, &app);
+                started.push((app.id, app.sandbox_id));
+            }
             Err(e) => {
                 if not_a_pod(pods, &c.id, labels, &e) {
                     // Running already (the agent was away): stop it now.
@@ -238,13 +282,7 @@ async fn reconcile(
         removed(enforcer, pods, &id).await;
     }
     enforcer.prune();
-    // Containers of pods refused meanwhile are stopped now.
-    for (id, sandbox_id) in started {
-        if pods.refused.contains(&sandbox_id) {
-            kill(client, k8s, &id).await;
-        }
-    }
-    Ok(())
+    Ok(started)
 }
 
 async fn handle(
@@ -273,21 +311,44 @@ async fn handle(
             if pods.sandboxes.contains_key(&id) {
                 removed(enforcer, pods, &id).await;
             }
+            if let Some(cgroup_id) = pods.members.remove(&id) {
+                enforcer.directory().remove_member(cgroup_id);
+            }
+        }
+        Event::TaskStart { id, pid } if pods.sandboxes.contains_key(&id) => {
+            pods.running.insert(id.clone(), pid);
+            sandbox_started(client, k8s, enforcer, pods, &id).await;
+        }
+        Event::TaskExit(id) => {
+            if pods.running.remove(&id).is_some() {
+                enforcer.pod_stopped(&id).await;
+            }
+            if let Some(cgroup_id) = pods.members.remove(&id) {
+                enforcer.directory().remove_member(cgroup_id);
+            }
         }
         // A refused container is killed before it runs anything (at create), or at start if its
-        // create was missed.
-        Event::TaskCreate(id) | Event::TaskStart(id) => {
-            let refused_pod = pods.refused.contains(&id)
-                || match client.get(&id).await? {
-                    Some(c) => {
-                        let (labels, spec) = client::parts(&c);
-                        matches!(pod::classify(&id, labels, spec, &k8s.cgroup_root),
-                            Ok(Record::App(app)) if pods.refused.contains(&app.sandbox_id))
+        // create was missed. Any other app container is named in the directory (its cgroup
+        // exists from create on).
+        Event::TaskCreate(id) | Event::TaskStart { id, .. } => {
+            let app = match client.get(&id).await? {
+                Some(c) => {
+                    let (labels, spec) = client::parts(&c);
+                    match pod::classify(&id, labels, spec, &k8s.cgroup_root) {
+                        Ok(Record::App(app)) => Some(app),
+                        _ => None,
                     }
-                    None => false,
-                };
+                }
+                None => None,
+            };
+            let refused_pod = pods.refused.contains(&id)
+                || app
+                    .as_ref()
+                    .is_some_and(|app| pods.refused.contains(&app.sandbox_id));
             if refused_pod {
                 kill(client, k8s, &id).await;
+            } else if let Some(app) = app {
+                member(enforcer, pods, &app);
             }
         }
         Event::Sync(_) | Event::Other => {}
@@ -295,22 +356,73 @@ async fn handle(
     Ok(())
 }
 
-/// Enforce a pod from its sandbox record.
+/// Enforce a pod from its sandbox record (and, if its sandbox runs, its host rules).
 #[tracing::instrument(skip_all, fields(pod = %sb.pod.display_name(), sandbox = %sb.id))]
 async fn sandbox(enforcer: &mut Enforcer, pods: &mut Pods, sb: Sandbox) {
-    let info = sb.workload();
-    pods.sandboxes.insert(sb.id.clone(), sb);
-    match enforcer.prepare(&info).await {
+    let id = sb.id.clone();
+    pods.sandboxes.insert(id.clone(), sb);
+    let Some(info) = pods.workload(&id) else {
+        return;
+    };
+    match enforcer.started(&info).await {
         Outcome::Ok => {
-            pods.refused.remove(&info.id);
+            pods.refused.remove(&id);
         }
-        Outcome::Refuse(why) => refused(pods, &info.id, &why),
+        Outcome::Refuse(why) => refused(pods, &id, &why),
+    }
+}
+
+/// A pod's sandbox started: its interfaces exist now, and its host rules are written. A pod
+/// whose rules and `deny_all` both failed is refused: its sandbox is killed.
+async fn sandbox_started(
+    client: &Client,
+    k8s: &KubernetesConfig,
+    enforcer: &mut Enforcer,
+    pods: &mut Pods,
+    id: &str,
+) {
+    let Some(info) = pods.workload(id) else {
+        return;
+    };
+    if let Outcome::Refuse(why) = enforcer.started(&info).await {
+        refused(pods, id, &why);
+    }
+    if pods.refused.contains(id) {
+        kill(client, k8s, id).await;
+    }
+}
+
+/// Name an app container's cgroup in the directory, so kernel events of its processes say which
+/// container of the pod they came from (its pod's entry says which pod). A cgroup not made yet
+/// (no task) is named at the task's create.
+fn member(enforcer: &Enforcer, pods: &mut Pods, app: &pod::App) {
+    if pods.members.contains_key(&app.id) {
+        return;
+    }
+    let dir = enforcer
+        .settings()
+        .root
+        .mount
+        .join(&app.cgroup.container_dir);
+    match crate::cgroup::cgroup_id(&dir) {
+        Ok(cgroup_id) => {
+            enforcer.directory().set_member(
+                cgroup_id,
+                std::collections::BTreeMap::from([(
+                    pod::CTX_CONTAINER.to_owned(),
+                    app.name.clone(),
+                )]),
+            );
+            pods.members.insert(app.id.clone(), cgroup_id);
+        }
+        Err(e) => tracing::debug!(container = %app.id, error = %e, "no cgroup yet"),
     }
 }
 
 async fn removed(enforcer: &mut Enforcer, pods: &mut Pods, id: &str) {
     pods.sandboxes.remove(id);
     pods.refused.remove(id);
+    pods.running.remove(id);
     enforcer.destroyed(id).await;
     tracing::info!(sandbox = id, "pod removed");
 }

@@ -18,6 +18,11 @@ pub struct Directory {
 struct DirInner {
     live: HashMap<u64, DirEntry>,
     released: VecDeque<(Instant, u64)>,
+    /// Cgroups *inside* an enforced one (a pod's containers, whose entry is the pod's) → the
+    /// context that names them (`k8s.container.name`), for events that carry the caller's
+    /// cgroup.
+    members: HashMap<u64, BTreeMap<String, String>>,
+    released_members: VecDeque<(Instant, u64)>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -42,6 +47,35 @@ impl Directory {
             ev.context.extend(e.context);
             ev.policy = e.policy;
         }
+        if let Some(task) = ev.task_cgroup_id
+            && let Ok(m) = self.inner.read()
+            && let Some(names) = m.members.get(&task)
+        {
+            ev.context.extend(names.clone());
+        }
+    }
+    /// A cgroup inside an enforced one, and the context that names it (a pod's container).
+    pub fn set_member(&self, cgroup_id: u64, context: BTreeMap<String, String>) {
+        if let Ok(mut m) = self.inner.write() {
+            m.purge();
+            m.released_members.retain(|(_, id)| *id != cgroup_id);
+            m.members.insert(cgroup_id, context);
+        }
+    }
+    /// Forget a member (after the grace period, like an entry).
+    pub fn remove_member(&self, cgroup_id: u64) {
+        if let Ok(mut m) = self.inner.write() {
+            m.purge();
+            m.released_members.push_back((Instant::now(), cgroup_id));
+        }
+    }
+    /// The context naming a member cgroup, if it is one.
+    pub fn member(&self, cgroup_id: u64) -> Option<BTreeMap<String, String>> {
+        self.inner.read().ok()?.members.get(&cgroup_id).cloned()
+    }
+    /// Members known now (tests, status).
+    pub fn members(&self) -> usize {
+        self.inner.read().map(|m| m.members.len()).unwrap_or(0)
     }
     pub(super) fn set(&self, cgroup_id: u64, e: DirEntry) {
         if let Ok(mut m) = self.inner.write() {
@@ -76,6 +110,13 @@ impl DirInner {
             }
             self.released.pop_front();
             self.live.remove(&id);
+        }
+        while let Some((t, id)) = self.released_members.front().copied() {
+            if t.elapsed() < Directory::GRACE {
+                break;
+            }
+            self.released_members.pop_front();
+            self.members.remove(&id);
         }
     }
 }
@@ -115,6 +156,22 @@ mod tests {
         d.remove(10);
         assert!(d.get(10).is_some());
         assert_eq!(d.len(), 0);
+        // A member cgroup (a pod's container) adds the context that names it.
+        d.set_member(
+            11,
+            BTreeMap::from([("k8s.container.name".to_owned(), "main".to_owned())]),
+        );
+        let mut ev = DenialEvent::proxy("deny_all", None, None, 9000, "tcp", "x");
+        ev.cgroup_id = Some(10);
+        ev.task_cgroup_id = Some(11);
+        d.enrich(&mut ev);
+        assert_eq!(ev.policy, "web");
+        assert_eq!(
+            ev.context.get("k8s.container.name").map(String::as_str),
+            Some("main")
+        );
+        d.remove_member(11);
+        assert_eq!(d.members(), 1, "kept for the grace period");
         // Re-set (restart with the same id) cancels the release.
         d.set(10, entry("a"));
         assert_eq!(d.len(), 1);

@@ -24,11 +24,12 @@ use super::cgroups::DockerRoot;
 use super::container::ContainerInfo;
 use super::directory::Directory;
 use super::entries::{Entries, Written};
-use super::host_layer::HostLayer;
+use super::host_layer::{HostLayer, HostTables};
 use super::labels::{self, Resolved};
 use super::listeners::Listener;
 use super::netinfo;
 use super::plan::{self, Plan};
+use super::pod_clients::PodClients;
 use crate::bpf::PinnedState;
 use crate::cgroup;
 use crate::config::Config;
@@ -91,6 +92,9 @@ pub struct Settings {
     /// Direct ports of `{ host, ports }` entries: the DNS answer sink, which also owns the host
     /// layer's direct sets.
     pub direct: Arc<super::direct::DirectPorts>,
+    /// The agent's nftables tables, shared by its runtimes, and this runtime's name in them.
+    pub tables: Arc<HostTables>,
+    pub runtime: &'static str,
 }
 
 pub struct Enforcer {
@@ -120,7 +124,8 @@ impl Enforcer {
             *settings.endpoint4.ip(),
             settings.nft,
             settings.l2_guard,
-            settings.direct.host_sets(),
+            &settings.tables,
+            settings.runtime,
         );
         Enforcer {
             settings,
@@ -283,6 +288,26 @@ impl Enforcer {
     /// /proc/<pid>/cgroup, then the host layer.
     #[tracing::instrument(skip_all, fields(container = %info.id, name = %info.name))]
     pub async fn started(&mut self, info: &ContainerInfo) -> Outcome {
+        if info.pod.is_some() {
+            // A pod's entry is its pod-level cgroup's, never the sandbox process's own cgroup;
+            // once its sandbox runs (`info.pid`), its interfaces exist (the CNI plugin made them
+            // before) and its host-layer rules follow.
+            let outcome = self.prepare(info).await;
+            if let Some(pid) = info.pid
+                && let Some(clients) = self
+                    .tracked
+                    .get(&info.id)
+                    .and_then(|t| t.listener.as_ref())
+                    .and_then(|l| l.clients.as_ref())
+                && let Err(e) = clients.attach(pid)
+            {
+                tracing::warn!(pid, error = %e, "the pod's clients can't be told apart: its events name the pod, not the container");
+            }
+            return match outcome {
+                Outcome::Ok if info.pid.is_some() => self.host_layer(info).await,
+                outcome => outcome,
+            };
+        }
         let resolved = self.resolve(info);
         let Some(pid) = info.pid else {
             return self.prepare(info).await;
@@ -321,6 +346,16 @@ impl Enforcer {
             Outcome::Ok => self.host_layer(info).await,
             refuse => refuse,
         }
+    }
+
+    /// A pod's sandbox stopped: its interfaces are gone (its address may be given to another
+    /// pod), so its host-layer rules go; its entry stays until the pod is removed.
+    pub async fn pod_stopped(&mut self, sandbox_id: &str) {
+        if let Some(t) = self.tracked.get_mut(sandbox_id) {
+            t.info.running = false;
+            t.info.pid = None;
+        }
+        self.host.remove(sandbox_id, "pod sandbox stopped").await;
     }
 
     /// The container stopped: release its entry, listener and host rules. Call [`Self::prepare`]
@@ -471,6 +506,10 @@ impl Enforcer {
             &plan.policy,
             &resolved.context,
             &self.proxy,
+            // A pod's containers share its listener: its events name the container that asked.
+            info.pod
+                .is_some()
+                .then(|| Arc::new(PodClients::new(self.directory()))),
             &self.shutdown,
         )
         .await
@@ -492,7 +531,7 @@ impl Enforcer {
             Some((SocketAddr::V4(l), intercept)) => Some((l, intercept)),
             _ => None,
         };
-        let (Some(pid), false) = (info.pid, info.endpoints.is_empty()) else {
+        let (Some(pid), false) = (info.pid, info.pod.is_none() && info.endpoints.is_empty()) else {
             // --network none / container:<id>: no interface of its own (any old ports are gone).
             self.host
                 .remove(&info.id, "container left its networks")
@@ -500,7 +539,15 @@ impl Enforcer {
             return Outcome::Ok;
         };
         let eps = info.endpoints.clone();
-        let found = tokio::task::spawn_blocking(move || netinfo::host_endpoints(pid, &eps)).await;
+        let pod = info.pod.is_some();
+        let found = tokio::task::spawn_blocking(move || {
+            if pod {
+                netinfo::pod_endpoints(pid)
+            } else {
+                netinfo::host_endpoints(pid, &eps)
+            }
+        })
+        .await;
         let endpoints = match found {
             Ok(Ok(e)) => e,
             Ok(Err(e)) => return self.host_layer_failed(info, &e.to_string()),
@@ -634,6 +681,7 @@ impl Enforcer {
             time: SystemTime::now(),
             source: Source::Agent,
             cgroup_id,
+            task_cgroup_id: None,
             container: Some(container_ref(info)),
             context: resolved.context.clone(),
             policy: resolved.name.clone(),

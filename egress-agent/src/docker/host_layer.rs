@@ -25,15 +25,81 @@ pub trait RulesetWriter: Send + Sync + 'static {
     fn tables_exist(&self) -> Result<bool, nft::NftError>;
 }
 
-/// The real writer: netlink to nf_tables in the agent's network namespace, with the live
-/// direct-port elements the DNS answers wrote ([`nft::DirectSets`]).
-pub struct Netlink {
-    pub direct: Arc<nft::DirectSets>,
+/// The agent's two tables, shared by its runtimes (Docker, containerd): each runtime's host
+/// layer keeps its own part of the ruleset, and every write is the union of all parts in one
+/// batch — tables are rebuilt whole, so two writers of their own would erase each other's
+/// workloads (and each other's proxy-address accepts). The live direct-port elements the DNS
+/// answers wrote ([`nft::DirectSets`]) are one set for all runtimes for the same reason.
+#[derive(Debug, Default)]
+pub struct HostTables {
+    direct: Arc<nft::DirectSets>,
+    parts: std::sync::Mutex<BTreeMap<&'static str, nft::Ruleset>>,
+}
+
+impl HostTables {
+    pub fn new() -> HostTables {
+        HostTables::default()
+    }
+
+    /// The direct-port sets every runtime's DNS answers fill.
+    pub fn direct(&self) -> Arc<nft::DirectSets> {
+        self.direct.clone()
+    }
+
+    /// The writer of `runtime`'s part.
+    pub fn writer(self: &Arc<Self>, runtime: &'static str) -> Arc<dyn RulesetWriter> {
+        Arc::new(Netlink {
+            tables: self.clone(),
+            runtime,
+        })
+    }
+
+    /// Write `runtime`'s part with every other runtime's as last written. On failure the kernel
+    /// keeps the previous tables, and so does the record of this runtime's part.
+    fn apply(&self, runtime: &'static str, part: &nft::Ruleset) -> Result<(), nft::NftError> {
+        // One writer at a time: the union must not interleave with another runtime's write.
+        let mut parts = self.parts.lock().unwrap_or_else(|p| p.into_inner());
+        let previous = parts.insert(runtime, part.clone());
+        let merged = merge(part.proxy_ip, parts.values());
+        let written = merged.apply(&self.direct);
+        if written.is_err() {
+            match previous {
+                Some(p) => parts.insert(runtime, p),
+                None => parts.remove(runtime),
+            };
+        }
+        written
+    }
+}
+
+/// The union of the runtimes' parts (workload ids are the runtimes' own: Docker container ids
+/// and pod sandbox ids never coincide).
+fn merge<'a>(
+    proxy_ip: std::net::Ipv4Addr,
+    parts: impl Iterator<Item = &'a nft::Ruleset>,
+) -> nft::Ruleset {
+    let mut all = nft::Ruleset::new(proxy_ip);
+    for p in parts {
+        all.containers
+            .extend(p.containers.iter().map(|(k, v)| (k.clone(), v.clone())));
+        all.unrestricted
+            .extend(p.unrestricted.iter().map(|(k, v)| (k.clone(), v.clone())));
+        all.guarded_bridges
+            .extend(p.guarded_bridges.iter().cloned());
+    }
+    all
+}
+
+/// The real writer of one runtime's part: netlink to nf_tables in the agent's network
+/// namespace, through the agent's [`HostTables`].
+struct Netlink {
+    tables: Arc<HostTables>,
+    runtime: &'static str,
 }
 
 impl RulesetWriter for Netlink {
     fn apply(&self, ruleset: &nft::Ruleset) -> Result<(), nft::NftError> {
-        ruleset.apply(&self.direct)
+        self.tables.apply(self.runtime, ruleset)
     }
     fn tables_exist(&self) -> Result<bool, nft::NftError> {
         nft::tables_exist()
@@ -74,13 +140,15 @@ pub struct HostLayer {
 pub struct WriteFailures(pub Vec<(String, String)>);
 
 impl HostLayer {
+    /// `runtime`'s layer in the agent's shared `tables`.
     pub fn new(
         proxy_ip: std::net::Ipv4Addr,
         enabled: bool,
         l2_guard: bool,
-        direct: Arc<nft::DirectSets>,
+        tables: &Arc<HostTables>,
+        runtime: &'static str,
     ) -> HostLayer {
-        HostLayer::with_writer(proxy_ip, enabled, l2_guard, Arc::new(Netlink { direct }))
+        HostLayer::with_writer(proxy_ip, enabled, l2_guard, tables.writer(runtime))
     }
 
     /// [`HostLayer::new`] writing through `writer` (tests inject failing ones).
@@ -456,5 +524,26 @@ mod tests {
         let w = Scripted::new(&[]);
         assert!(layer(&w).init().await.is_err());
         assert!(w.attempts().is_empty());
+    }
+
+    #[test]
+    fn the_tables_are_the_union_of_every_runtimes_part() {
+        let ip = "169.254.100.1".parse().unwrap();
+        let mut docker = nft::Ruleset::new(ip);
+        let HostEntry::Enforced(a) = enforced(1) else {
+            unreachable!()
+        };
+        docker.containers.insert("container".to_owned(), a);
+        docker.guarded_bridges.insert("docker0".to_owned());
+        let mut pods = nft::Ruleset::new(ip);
+        let HostEntry::Enforced(b) = enforced(2) else {
+            unreachable!()
+        };
+        pods.containers.insert("sandbox".to_owned(), b);
+        pods.unrestricted.insert("plain".to_owned(), Vec::new());
+        let all = merge(ip, [&docker, &pods].into_iter());
+        assert_eq!(ids(&all), ["container", "sandbox", "plain"]);
+        assert_eq!(all.guarded_bridges, docker.guarded_bridges);
+        assert_eq!(all.proxy_ip, ip);
     }
 }

@@ -11,6 +11,7 @@ use std::sync::Arc;
 use tokio_util::sync::CancellationToken;
 
 use super::container::ContainerInfo;
+use super::pod_clients::PodClients;
 use crate::events::ContainerRef;
 use crate::proxy::{Identity, PolicyHandle, PolicyProxy, ProxyContext};
 use egress_policy::Policy;
@@ -25,6 +26,8 @@ pub struct Listener {
     pub policy: String,
     /// The container cgroup it serves (DNS answers allow direct TCP for this entry only).
     pub cgroup_id: u64,
+    /// A pod's: names the container of each client (attached when the sandbox runs).
+    pub clients: Option<Arc<PodClients>>,
     /// Swaps its policy in place (reload with the same policy name).
     handle: PolicyHandle,
     stop: CancellationToken,
@@ -51,6 +54,7 @@ impl Listener {
         policy: &Arc<Policy>,
         context: &BTreeMap<String, String>,
         proxy: &ProxyContext,
+        clients: Option<Arc<PodClients>>,
         shutdown: &CancellationToken,
     ) -> std::io::Result<Listener> {
         let identity = Identity {
@@ -60,6 +64,9 @@ impl Listener {
             }),
             cgroup_id: Some(cgroup_id),
             context: context.clone(),
+            clients: clients
+                .clone()
+                .map(|c| c as Arc<dyn crate::proxy::client::ClientNames>),
         };
         let proxy = PolicyProxy::bind_for(
             SocketAddr::new(ip, 0),
@@ -80,6 +87,7 @@ impl Listener {
             intercept,
             policy: name.to_owned(),
             cgroup_id,
+            clients,
             handle,
             stop,
         })

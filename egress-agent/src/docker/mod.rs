@@ -28,6 +28,7 @@ pub mod labels;
 pub mod listeners;
 pub mod netinfo;
 pub mod plan;
+pub mod pod_clients;
 pub mod serve;
 pub mod watch;
 

@@ -6,6 +6,7 @@ use std::time::Duration;
 use super::cgroups::DockerRoot;
 use super::directory::Directory;
 use super::enforce::{Enforcer, Settings};
+use super::host_layer::HostTables;
 use crate::bpf;
 use crate::cgroup;
 use crate::config::Config;
@@ -29,6 +30,8 @@ pub struct DockerOptions {
     /// cgroup id → container, filled by the enforcer (clone it before calling [`serve_with`]):
     /// how the agent core names the container of a kernel event.
     pub directory: Directory,
+    /// The agent's nftables tables, shared with its other runtimes (clone it likewise).
+    pub tables: Arc<HostTables>,
 }
 
 impl Default for DockerOptions {
@@ -39,6 +42,7 @@ impl Default for DockerOptions {
             nft: true,
             require_lsm: false,
             directory: Directory::default(),
+            tables: Arc::default(),
         }
     }
 }
@@ -103,6 +107,8 @@ pub async fn serve_with(
         nft: opts.nft,
         require_lsm: opts.require_lsm,
         directory: opts.directory.clone(),
+        tables: opts.tables.clone(),
+        runtime: "docker",
     };
     let (enforcer, info) =
         enforcer_at(&config, site, &events, hooks.metrics.as_ref(), &shutdown).await?;
@@ -146,6 +152,9 @@ pub struct Site {
     pub require_lsm: bool,
     /// cgroup id → workload, shared with the agent core's event pump.
     pub directory: Directory,
+    /// The agent's nftables tables and this runtime's name in them.
+    pub tables: Arc<HostTables>,
+    pub runtime: &'static str,
 }
 
 /// The enforcement every runtime starts from: the proxy address, the programs at `site.root`
@@ -191,7 +200,7 @@ pub async fn enforcer_at(
     // first, then in the kernel (docker::direct).
     let direct = Arc::new(super::direct::DirectPorts::new(
         redirects.clone(),
-        site.nft.then(|| Arc::new(crate::nft::DirectSets::new())),
+        site.nft.then(|| site.tables.direct()),
     ));
     hooks_in.answers = direct.clone();
     let mut ctx = ProxyContext::new(config, events.clone())
@@ -210,6 +219,8 @@ pub async fn enforcer_at(
         // yet are stopped only by the L2 guard on Docker's bridges.
         l2_guard: site.nft && enforcement_lsm.is_some(),
         direct,
+        tables: site.tables,
+        runtime: site.runtime,
     };
     let mut enforcer = Enforcer::new(
         state,

@@ -10,6 +10,7 @@ use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
 use super::Shared;
+use super::client::{CLIENT, Client};
 
 /// Accept on `listener` until `shutdown` completes, handing each connection (with a token
 /// cancelled when the listener stops) to `handle` on a task of its own, in a `conn` span
@@ -49,13 +50,23 @@ pub(crate) async fn accept_loop<F, Fut>(
                     c.connection();
                 }
                 let span = tracing::debug_span!("conn", policy = %shared.name, %peer);
+                // Where the identity has several workloads (a pod), its events name the client.
+                let client = shared
+                    .identity
+                    .as_ref()
+                    .and_then(|i| i.clients.as_ref())
+                    .and_then(|_| stream.local_addr().ok())
+                    .map(|local| Client::tcp(peer, local));
                 let (handle, shared, stop) = (handle.clone(), shared.clone(), stop_rx.clone());
                 // The connection's future is made inside the task's: awaiting one made outside
                 // would keep it twice in the task (as the captured value and as the awaited
                 // state), doubling every connection's memory.
                 tokio::spawn(
                     async move {
-                        handle(stream, peer, shared, stop).await;
+                        match client {
+                            Some(c) => CLIENT.scope(c, handle(stream, peer, shared, stop)).await,
+                            None => handle(stream, peer, shared, stop).await,
+                        }
                         drop(permits);
                     }
                     .instrument(span),

@@ -12,6 +12,7 @@
 //! request on the keep-alive connection the same way. Every error path answers and closes; nothing
 //! is forwarded before the checks pass.
 mod accept;
+pub mod client;
 pub mod dial;
 pub mod dns;
 pub mod framing;
@@ -306,6 +307,9 @@ pub struct Identity {
     pub cgroup_id: Option<u64>,
     /// Context labels (e.g. `agent`, `repo`).
     pub context: std::collections::BTreeMap<String, String>,
+    /// Names the client within the identity (a pod's container), per connection: see
+    /// [`client`].
+    pub clients: Option<Arc<dyn client::ClientNames>>,
 }
 
 /// Per-listener state shared by its connections.
@@ -682,7 +686,8 @@ async fn handle_connection(
                 return;
             }
             Err(RequestError::Denied(reason)) => {
-                shared.ctx.events().emit(DenialEvent::proxy(
+                // With the listener's identity, like every other refusal.
+                shared.emit_denial(DenialEvent::proxy(
                     &shared.name,
                     None,
                     None,

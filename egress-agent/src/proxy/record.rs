@@ -53,6 +53,9 @@ impl Shared {
             ev.cgroup_id = id.cgroup_id;
             ev.context
                 .extend(id.context.iter().map(|(k, v)| (k.clone(), v.clone())));
+            if let Some(by) = &id.clients {
+                ev.context.extend(super::client::current_names(by.as_ref()));
+            }
         }
         self.ctx.events().emit(ev);
     }

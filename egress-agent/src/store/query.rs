@@ -168,6 +168,7 @@ impl Store {
                         time: from_micros(r.get(1)?),
                         source: parse_source(&source),
                         cgroup_id: cgroup.map(|c| c as u64),
+                        task_cgroup_id: None,
                         container: cid.map(|id| ContainerRef {
                             id,
                             name: cname.unwrap_or_default(),

@@ -53,13 +53,15 @@ function renderSummary(s) {
 function renderContainers(list) {
   const body = document.querySelector("#containers tbody");
   body.replaceChildren();
-  const rows = (Array.isArray(list) ? list : []).filter((c) => c.container || (c.owner || "").startsWith("docker:"));
+  // Docker containers and Kubernetes pods (`kind`: docker | pod; a pod is `namespace/name`).
+  const rows = (Array.isArray(list) ? list : []).filter((c) => c.container);
   for (const c of rows) {
-    const name = c.container || (c.owner || "").replace(/^docker:/, "");
+    const name = c.container;
     const tr = el("tr");
     tr.dataset.container = name;
+    tr.dataset.kind = c.kind || "";
     const badgeName = c.badge || badgeOf(policies[c.policy]);
-    tr.append(el("td", name), el("td", c.policy || "-"));
+    tr.append(el("td", name), el("td", c.kind === "pod" ? "pod" : "container"), el("td", c.policy || "-"));
     const td = el("td");
     td.append(badge(badgeName));
     tr.append(td, el("td", c.allowed, "num"), el("td", c.denied, "num"), el("td", c.proxied, "num"));
@@ -91,7 +93,10 @@ function denialRow(ev, fresh) {
   const tr = el("tr", null, fresh ? "fresh" : "");
   tr.dataset.reason = ev.reason || "";
   const dest = (ev.host || ev.ip || "?") + ":" + ev.port;
-  const who = ev.container ? ev.container.name : (ev.context && ev.context.exec) || "-";
+  const ctx = ev.context || {};
+  // A pod's events name it `namespace/pod`, and the container when the kernel knew it.
+  let who = ev.container ? ev.container.name : ctx.exec || "-";
+  if (ctx["k8s.container.name"]) who += " (" + ctx["k8s.container.name"] + ")";
   const t = (ev.time || "").replace("T", " ").replace(/\.\d+Z$/, "Z");
   tr.append(el("td", t), el("td", who), el("td", ev.policy), el("td", dest), el("td", ev.verdict || "deny"), el("td", ev.reason));
   return tr;

@@ -14,6 +14,7 @@ use tokio_util::sync::CancellationToken;
 
 use super::handler::{Core, Now};
 use super::wire::Transport;
+use crate::proxy::client::{CLIENT, Client};
 
 /// Most DNS-over-TCP connections open at once on one responder (one per confined listener
 /// identity). Stub resolvers use TCP only after a truncated answer, and close it after the answer.
@@ -62,11 +63,24 @@ pub(crate) async fn serve(
             }
             continue;
         };
+        let client = core
+            .shared
+            .identity
+            .as_ref()
+            .and_then(|i| i.clients.as_ref())
+            .and_then(|_| stream.local_addr().ok())
+            .map(|local| Client::tcp(peer, local));
         let (core, stop) = (core.clone(), stop.clone());
         tokio::spawn(async move {
-            tokio::select! {
-                () = connection(stream, peer, &core, idle) => {}
-                () = stop.cancelled() => {}
+            let served = async {
+                tokio::select! {
+                    () = connection(stream, peer, &core, idle) => {}
+                    () = stop.cancelled() => {}
+                }
+            };
+            match client {
+                Some(c) => CLIENT.scope(c, served).await,
+                None => served.await,
             }
             drop(permit);
         });

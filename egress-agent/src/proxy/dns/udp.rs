@@ -17,6 +17,7 @@ use super::batch::{RecvBatch, SendBatch};
 use super::handler::{Core, Now};
 use super::wire::Transport;
 use crate::metrics::DnsDrop;
+use crate::proxy::client::{CLIENT, Client};
 
 /// Pause after a receive error that is not `WouldBlock` (the socket stays readable: without it
 /// the loop would spin).
@@ -24,6 +25,13 @@ const ERROR_BACKOFF: Duration = Duration::from_millis(10);
 
 pub(crate) async fn serve(socket: Arc<UdpSocket>, core: Arc<Core>, stop: CancellationToken) {
     let fd = socket.as_raw_fd();
+    // Where the identity has several workloads (a pod), each query's events name its client.
+    let local = core
+        .shared
+        .identity
+        .as_ref()
+        .and_then(|i| i.clients.as_ref())
+        .and_then(|_| socket.local_addr().ok());
     let mut rx = RecvBatch::default();
     let mut tx = SendBatch::default();
     loop {
@@ -58,14 +66,23 @@ pub(crate) async fn serve(socket: Arc<UdpSocket>, core: Arc<Core>, stop: Cancell
                 core.dropped(DnsDrop::Malformed);
                 continue;
             }
-            match core.now(bytes, src, Transport::Udp) {
+            let now = || core.now(bytes, src, Transport::Udp);
+            let now = match local {
+                Some(local) => CLIENT.sync_scope(Client::udp(src, local), now),
+                None => now(),
+            };
+            match now {
                 Now::Send(out) => tx.push(out, src),
                 Now::Drop => {}
                 Now::Miss(miss) => match core.admit() {
                     Some(permit) => {
                         let (core, socket) = (core.clone(), socket.clone());
                         tokio::spawn(async move {
-                            let out = core.resolve(&miss, Transport::Udp).await;
+                            let resolve = core.resolve(&miss, Transport::Udp);
+                            let out = match local {
+                                Some(local) => CLIENT.scope(Client::udp(src, local), resolve).await,
+                                None => resolve.await,
+                            };
                             drop(permit);
                             if let Some(out) = out
                                 && let Err(e) = socket.send_to(&out, src).await
