@@ -374,7 +374,16 @@ pub async fn run(opts: RunOptions) -> Result<()> {
         }
     };
     info!(ready = %ready, "egress-agent enforcing");
-    // Kernel denials, named by the directory the runtimes keep.
+    // Gauges of what the runtimes enforce (one task for all of them), and kernel denials,
+    // both named by the directory the runtimes keep.
+    let (bpffs, directory, m) = (
+        config.agent.bpffs.clone(),
+        opts.docker.directory.clone(),
+        metrics.clone(),
+    );
+    agent.spawn("kernel gauges", |stop| {
+        docker::serve::kernel_gauges(bpffs, directory, m, stop)
+    });
     let directory = opts.docker.directory.clone();
     match agent.pump_kernel_events(&config.agent.bpffs, move |d| directory.enrich(d)) {
         Ok(true) => {}

@@ -153,6 +153,12 @@ impl DenialEvent {
 /// `reason` of allowed events.
 pub const ALLOWED_REASON: &str = "allowed";
 
+/// Event context keys of a pod's events: OpenTelemetry's Kubernetes resource attributes.
+pub const CTX_NAMESPACE: &str = "k8s.namespace.name";
+pub const CTX_POD: &str = "k8s.pod.name";
+pub const CTX_POD_UID: &str = "k8s.pod.uid";
+pub const CTX_CONTAINER: &str = "k8s.container.name";
+
 pub(crate) mod rfc3339 {
     use serde::{Deserialize, Deserializer, Serializer};
     use std::time::SystemTime;

@@ -17,6 +17,8 @@ pub const TLS_PORT: u16 = 8443;
 /// is on the gateway address.
 /// The status page of the pod tests' agent (in the harness's namespace).
 pub const STATUS_PAGE: &str = "127.0.0.1:18182";
+/// Its metrics listener (`--metrics-listen`), in the same namespace.
+pub const METRICS: &str = "127.0.0.1:18183";
 pub const CANARY_IP: std::net::Ipv4Addr = std::net::Ipv4Addr::new(198, 18, 8, 200);
 
 /// The daemon under test and its files.
@@ -127,6 +129,7 @@ resolve_private = ["{GATEWAY}/32"]
             .arg(self.dir.join("config.toml"))
             .arg("--api-socket")
             .arg(self.api())
+            .args(["--metrics-listen", METRICS])
             .env("RUST_LOG", "info,egress_agent=debug")
             .stdin(Stdio::null())
             .stdout(Stdio::from(log))
@@ -146,6 +149,11 @@ resolve_private = ["{GATEWAY}/32"]
             }
             std::thread::sleep(Duration::from_millis(50));
         }
+    }
+
+    /// Its `/metrics` response (empty if nothing answered).
+    pub fn metrics(&self) -> String {
+        metrics_get(&self.netns, METRICS)
     }
 
     pub fn kill(&mut self) {
@@ -261,4 +269,21 @@ pub fn listeners(
         &c.netns().path(),
     );
     (canary, upstream)
+}
+
+/// `GET /metrics` on an agent's metrics listener `addr`, from the network namespace at `netns`:
+/// the whole response (status line, headers, the OpenMetrics text), empty if nothing answered.
+pub fn metrics_get(netns: &std::path::Path, addr: &str) -> String {
+    use std::io::{Read as _, Write as _};
+    crate::docker::in_netns(netns, || {
+        let mut s = std::net::TcpStream::connect(addr).ok()?;
+        s.set_read_timeout(Some(std::time::Duration::from_secs(5)))
+            .ok()?;
+        s.write_all(b"GET /metrics HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n")
+            .ok()?;
+        let mut text = String::new();
+        s.read_to_string(&mut text).ok()?;
+        Some(text)
+    })
+    .unwrap_or_default()
 }

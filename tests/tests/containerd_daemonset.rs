@@ -22,7 +22,6 @@
 //! `HostToContainer` propagation (the host's /sys/fs/cgroup is a private mount, and making it
 //! shared would change it for everybody; propagation only matters for later mounts), and the
 //! config's `[dns] hosts_file` names test hosts.
-use std::io::{Read as _, Write as _};
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
@@ -185,22 +184,6 @@ fn run_in(
     })
 }
 
-/// `GET /metrics` on the agent's metrics listener, from the node's namespace (the liveness
-/// probe): the status line.
-fn metrics_status(c: &Containerd) -> String {
-    c.netns()
-        .run(|| {
-            let mut s = std::net::TcpStream::connect(METRICS).ok()?;
-            s.set_read_timeout(Some(Duration::from_secs(5))).ok()?;
-            s.write_all(b"GET /metrics HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n")
-                .ok()?;
-            let mut text = String::new();
-            s.read_to_string(&mut text).ok()?;
-            text.lines().next().map(str::to_owned)
-        })
-        .unwrap_or_default()
-}
-
 #[test]
 fn the_daemonset_image_confines_a_pod() {
     if !require_root() {
@@ -361,7 +344,8 @@ fn the_daemonset_image_confines_a_pod() {
         status["kernel"]["cgroups"]
     );
     // The liveness probe's target, from the node.
-    let status = metrics_status(&c);
+    let response = egress_tests::pods::metrics_get(&c.netns().path(), METRICS);
+    let status = response.lines().next().unwrap_or_default();
     assert!(
         status.contains(" 200"),
         "GET http://{METRICS}/metrics from the node: {status:?}\n{}",

@@ -162,6 +162,28 @@ fn pods_are_confined_per_pod_through_containerd() {
         "no kernel denial naming pod a's container \"first\": {:#?}",
         agent.events()
     );
+    // The pod's denials in its own metrics series (namespace, pod, verdict), and the enforced
+    // gauge counts pods on a node without Docker (it is refreshed every second).
+    let value = |metrics: &str, series: &str| {
+        metrics
+            .lines()
+            .find_map(|l| l.strip_prefix(series)?.strip_prefix(' '))
+            .and_then(|v| v.trim().parse::<f64>().ok())
+            .unwrap_or(0.0)
+    };
+    let series = r#"egress_agent_pod_denials_total{namespace="ci",pod="a",verdict="deny"}"#;
+    let deadline = Instant::now() + Duration::from_secs(3);
+    loop {
+        let m = agent.metrics();
+        if value(&m, series) >= 1.0 && value(&m, "egress_agent_enforced_containers") >= 1.0 {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "no {series} >= 1 or no enforced pod in /metrics:\n{m}"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
     // The agent's DNS and the transparent proxy name the container too (the pod's containers
     // share its listener; the client socket's cgroup says which one asked).
     for (what, dns) in [("DNS refusal", true), ("SNI refusal", false)] {
@@ -570,8 +592,27 @@ fn pods_are_confined_per_pod_through_containerd() {
         c.remove_pod(&sw).await;
     });
 
-    // 9. Pods removed leave no entries, no listeners and no host rules behind.
+    // 9. Pods removed leave no entries, no listeners, no host rules and no metrics series
+    // behind.
     let removed = [&a, &b, &plain, &team, &late, &again, &hostnet];
+    let pod_series = |metrics: &str| -> Vec<String> {
+        removed
+            .iter()
+            .map(|p| {
+                format!(
+                    "egress_agent_pod_denials_total{{namespace=\"{}\",pod=\"{}\",",
+                    p.spec.namespace, p.spec.name
+                )
+            })
+            .filter(|s| metrics.contains(s.as_str()))
+            .collect()
+    };
+    let had_series = pod_series(&agent.metrics());
+    assert!(
+        !had_series.is_empty(),
+        "none of the pods denied since the agent's restart has a pod_denials series:\n{}",
+        agent.metrics()
+    );
     for pod in removed {
         rt.block_on(async {
             c.stop_pod(pod).await;
@@ -597,12 +638,13 @@ fn pods_are_confined_per_pod_through_containerd() {
             .map(|p| short(p))
             .filter(|id| rules.contains(id))
             .collect();
-        if left.is_empty() && ports.is_empty() && ruled.is_empty() {
+        let series = pod_series(&agent.metrics());
+        if left.is_empty() && ports.is_empty() && ruled.is_empty() && series.is_empty() {
             break;
         }
         assert!(
             Instant::now() < deadline,
-            "removed pods left entries {left:?}, listeners {ports:?} or host rules {ruled:?}"
+            "removed pods left entries {left:?}, listeners {ports:?}, host rules {ruled:?} or metrics series {series:?} (before removal: {had_series:?})"
         );
         std::thread::sleep(Duration::from_millis(100));
     }

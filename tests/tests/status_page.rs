@@ -10,7 +10,6 @@
 //!   (`proxy.listening`, `docker.reachable` pass) and a denial appearing live (SSE). With
 //!   `EGRESS_STATUS_SCREENSHOT=PATH` it also saves a screenshot there (docs/status-page.png).
 use std::process::Command;
-use std::time::{Duration, Instant};
 
 use egress_tests::browser::{Browser, container_row, row};
 use egress_tests::docker::{Env, SERIAL, UPSTREAM_IP, require_root};

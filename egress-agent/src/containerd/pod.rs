@@ -21,11 +21,8 @@ pub const ANNOTATION_SANDBOX_ID: &str = "io.kubernetes.cri.sandbox-id";
 /// The spec annotation naming an app container (the kubelet's container name).
 pub const ANNOTATION_CONTAINER_NAME: &str = "io.kubernetes.cri.container-name";
 
-/// Event context keys for pods: OpenTelemetry's Kubernetes resource attributes.
-pub const CTX_NAMESPACE: &str = "k8s.namespace.name";
-pub const CTX_POD: &str = "k8s.pod.name";
-pub const CTX_POD_UID: &str = "k8s.pod.uid";
-pub const CTX_CONTAINER: &str = "k8s.container.name";
+/// Event context keys for pods (in [`crate::events`], which metrics and the directory read).
+pub use crate::events::{CTX_CONTAINER, CTX_NAMESPACE, CTX_POD, CTX_POD_UID};
 
 /// The pod a record belongs to.
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -1,10 +1,10 @@
 //! Cgroup id → container, for attributing kernel denial events to a container, its policy and
 //! its context labels. Written by the enforcer, read by the event drain.
-use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
 use std::sync::{Arc, RwLock};
 use std::time::{Duration, Instant};
 
-use crate::events::{ContainerRef, DenialEvent};
+use crate::events::{CTX_NAMESPACE, CTX_POD, ContainerRef, DenialEvent};
 
 /// Shared view cgroup id → container, for attributing kernel events. Entries of released cgroups
 /// are kept for [`Directory::GRACE`] so events drained from the ring buffer after a container
@@ -90,6 +90,23 @@ impl Directory {
             m.released.push_back((Instant::now(), cgroup_id));
         }
     }
+    /// The pods (namespace, name) with a live entry (not released).
+    pub fn pods(&self) -> HashSet<(String, String)> {
+        let Ok(m) = self.inner.read() else {
+            return HashSet::new();
+        };
+        let released: HashSet<u64> = m.released.iter().map(|(_, id)| *id).collect();
+        m.live
+            .iter()
+            .filter(|(id, _)| !released.contains(id))
+            .filter_map(|(_, e)| {
+                Some((
+                    e.context.get(CTX_NAMESPACE)?.clone(),
+                    e.context.get(CTX_POD)?.clone(),
+                ))
+            })
+            .collect()
+    }
     /// Live (not released) cgroups.
     pub fn len(&self) -> usize {
         self.inner
@@ -152,6 +169,16 @@ mod tests {
             Some("nc"),
             "kernel context kept"
         );
+        assert!(d.pods().is_empty(), "a container is not a pod");
+        let mut pod = entry("p");
+        pod.context.extend([
+            (CTX_NAMESPACE.to_owned(), "ci".to_owned()),
+            (CTX_POD.to_owned(), "p".to_owned()),
+        ]);
+        d.set(12, pod);
+        assert_eq!(d.pods(), HashSet::from([("ci".to_owned(), "p".to_owned())]));
+        d.remove(12);
+        assert!(d.pods().is_empty(), "a released pod is gone");
         // Released: still attributed during the grace period.
         d.remove(10);
         assert!(d.get(10).is_some());

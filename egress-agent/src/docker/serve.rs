@@ -112,15 +112,6 @@ pub async fn serve_with(
     };
     let (enforcer, info) =
         enforcer_at(&config, site, &events, hooks.metrics.as_ref(), &shutdown).await?;
-    let stop = shutdown.child_token();
-    let gauges = hooks.metrics.clone().map(|m| {
-        tokio::spawn(kernel_gauges(
-            config.agent.bpffs.clone(),
-            opts.directory.clone(),
-            m,
-            stop.clone(),
-        ))
-    });
     if let Some(ready) = hooks.ready
         && ready.send(info).is_err()
     {
@@ -134,12 +125,6 @@ pub async fn serve_with(
         shutdown.cancelled_owned(),
     )
     .await;
-    stop.cancel();
-    if let Some(task) = gauges
-        && let Err(e) = task.await
-    {
-        tracing::warn!(error = %e, "kernel gauge task ended abnormally");
-    }
     Ok(())
 }
 
@@ -256,9 +241,11 @@ fn proxy_endpoint(config: &Config) -> Result<std::net::SocketAddrV4, ServeError>
 /// How often the per-cgroup kernel counters are read for `event_drops{source="kernel"}`.
 const LOSS_SAMPLE: Duration = Duration::from_secs(5);
 
-/// Keep the metrics that come from kernel state up to date until `stop`: enforced containers
-/// every second, kernel event losses every [`LOSS_SAMPLE`].
-async fn kernel_gauges(
+/// Keep the metrics that come from the workloads' state up to date until `stop`, for every
+/// runtime at once (one task per agent: two would count each kernel loss twice): enforced
+/// containers and pods every second, with the per-pod series of pods gone dropped, and kernel
+/// event losses every [`LOSS_SAMPLE`].
+pub async fn kernel_gauges(
     bpffs: std::path::PathBuf,
     directory: Directory,
     metrics: Arc<crate::metrics::Metrics>,
@@ -274,6 +261,7 @@ async fn kernel_gauges(
             () = stop.cancelled() => return,
         }
         metrics.set_enforced_containers(directory.len() as u64);
+        metrics.retain_pods(&directory.pods());
         let now = tokio::time::Instant::now();
         if now >= next_sample {
             next_sample = now + LOSS_SAMPLE;

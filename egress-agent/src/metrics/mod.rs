@@ -9,7 +9,13 @@
 //! - `proxy_connections_total{policy}`: client connections accepted by the policy's listener.
 //! - `proxy_bytes_total{policy, direction}`: bytes relayed (`direction` = upstream|downstream),
 //!   added as each chunk is written on, so a long-lived tunnel or download moves while it runs.
-//! - `enforced_containers`: containers with a policy entry in the kernel (gauge).
+//! - `enforced_containers`: containers and pods with a policy entry in the kernel (gauge).
+//! - `pod_denials_total{namespace, pod, verdict}`: a Kubernetes pod's denials (`deny`, and
+//!   `would-deny` under audit), both sources. The one family with workload names in its labels,
+//!   as the kubelet's own per-pod metrics have them: a node runs a bounded number of pods
+//!   (kubelet `maxPods`, 110 by default), and a pod's series are dropped once it is gone
+//!   ([`Metrics::retain_pods`]), so they come and go with the node's pods. Docker containers
+//!   are counted in `decisions_total` only.
 //! - `event_drops_total{source}`: events lost (`kernel` ring buffer overflow, `ring` in-memory ring,
 //!   `store` the event store's queue full, `export` an exporter's queue full).
 //! - `store_bytes`: the event store's size on disk (database + WAL); `store_write_errors_total`:
@@ -29,7 +35,8 @@
 //!
 //! Label values are bounded by construction: `verdict`, `reason`, `hook`, `direction`, `source` are
 //! `&'static str` from typed enums; `policy` is a configured policy name. Never put hostnames,
-//! addresses or container names in a label (unbounded cardinality, and they are data, not metrics).
+//! addresses or container names in a label (unbounded cardinality, and they are data, not metrics);
+//! `pod_denials_total` is the bounded exception above.
 //!
 //! The listener ([`listener`]) is opt-in and loopback-only: [`bind`] refuses any other address unless the caller
 //! passes `allow_non_loopback` (a config flag the operator has to set). It serves `GET /metrics` and
@@ -39,8 +46,9 @@ mod listener;
 
 pub use listener::{CONTENT_TYPE, bind, serve};
 
+use std::collections::HashSet;
 use std::net::SocketAddr;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
@@ -65,6 +73,13 @@ struct DecisionLabels {
     verdict: &'static str,
     reason: String,
     policy: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct PodLabels {
+    namespace: String,
+    pod: String,
+    verdict: &'static str,
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -287,6 +302,9 @@ pub struct Metrics {
     dns_answers: Family<DnsLabels, Counter>,
     dns_dropped: Family<DnsDropLabels, Counter>,
     dns_tcp_refused: Family<PolicyLabels, Counter>,
+    pod_denials: Family<PodLabels, Counter>,
+    /// The pods (namespace, name) `pod_denials` has series for.
+    pods: Mutex<HashSet<(String, String)>>,
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -317,6 +335,12 @@ impl Metrics {
         let dns_answers = Family::default();
         let dns_dropped = Family::default();
         let dns_tcp_refused = Family::default();
+        let pod_denials = Family::default();
+        registry.register(
+            "pod_denials",
+            "Denials of a Kubernetes pod, by namespace, pod and verdict (series of removed pods are dropped)",
+            pod_denials.clone(),
+        );
         registry.register(
             "dns_answers",
             "Answers of the DNS responder, by policy and outcome",
@@ -369,7 +393,7 @@ impl Metrics {
         );
         registry.register(
             "enforced_containers",
-            "Containers with a policy entry in the kernel",
+            "Containers and pods with a policy entry in the kernel",
             enforced_containers.clone(),
         );
         registry.register(
@@ -403,7 +427,28 @@ impl Metrics {
             dns_answers,
             dns_dropped,
             dns_tcp_refused,
+            pod_denials,
+            pods: Mutex::default(),
         }
+    }
+
+    /// Drop the `pod_denials` series of every pod not in `live` (namespace, name): a removed
+    /// pod's series go with it.
+    pub fn retain_pods(&self, live: &HashSet<(String, String)>) {
+        let mut pods = self.pods.lock().unwrap_or_else(|p| p.into_inner());
+        pods.retain(|(namespace, pod)| {
+            if live.contains(&(namespace.clone(), pod.clone())) {
+                return true;
+            }
+            for verdict in [Verdict::Deny, Verdict::WouldDeny] {
+                self.pod_denials.remove(&PodLabels {
+                    namespace: namespace.clone(),
+                    pod: pod.clone(),
+                    verdict: verdict.as_str(),
+                });
+            }
+            false
+        });
     }
 
     /// Counter handles of one policy's DNS responder; every series exists (at 0) from here on.
@@ -573,6 +618,22 @@ impl Metrics {
                 policy: ev.policy.clone(),
             })
             .inc();
+        if let (Some(namespace), Some(pod)) = (
+            ev.context.get(crate::events::CTX_NAMESPACE),
+            ev.context.get(crate::events::CTX_POD),
+        ) {
+            // Registered before the count: a concurrent `retain_pods` that removes the series
+            // also forgets the pod, so it never keeps a series it doesn't know of.
+            let mut pods = self.pods.lock().unwrap_or_else(|p| p.into_inner());
+            pods.insert((namespace.clone(), pod.clone()));
+            self.pod_denials
+                .get_or_create(&PodLabels {
+                    namespace: namespace.clone(),
+                    pod: pod.clone(),
+                    verdict: verdict.as_str(),
+                })
+                .inc();
+        }
         if ev.source == crate::events::Source::Kernel && verdict == Verdict::Deny {
             let hook = ev.context.get("hook").map_or("unknown", String::as_str);
             self.kernel_denials
@@ -595,6 +656,65 @@ impl Metrics {
 mod tests {
     use super::*;
     use std::time::Duration;
+
+    #[test]
+    fn a_pods_denials_are_counted_by_pod_until_the_pod_is_gone() {
+        let m = Metrics::new();
+        let pod = |name: &str, verdict| {
+            let mut ev = crate::events::DenialEvent::proxy(
+                "web",
+                None,
+                None,
+                443,
+                "tls",
+                "host-not-allowed",
+            )
+            .with_verdict(verdict);
+            ev.context.extend([
+                (crate::events::CTX_NAMESPACE.to_owned(), "ci".to_owned()),
+                (crate::events::CTX_POD.to_owned(), name.to_owned()),
+            ]);
+            ev
+        };
+        m.record_denial(&pod("a", crate::events::Verdict::Deny));
+        m.record_denial(&pod("a", crate::events::Verdict::Deny));
+        m.record_denial(&pod("a", crate::events::Verdict::WouldDeny));
+        m.record_denial(&pod("b", crate::events::Verdict::Deny));
+        // Allowed events and a Docker container's denials have no per-pod series.
+        m.record_denial(&pod("c", crate::events::Verdict::Allow));
+        m.record_denial(&crate::events::DenialEvent::proxy(
+            "web",
+            None,
+            None,
+            443,
+            "tls",
+            "host-not-allowed",
+        ));
+        let text = m.encode().expect("encode");
+        for want in [
+            r#"egress_agent_pod_denials_total{namespace="ci",pod="a",verdict="deny"} 2"#,
+            r#"egress_agent_pod_denials_total{namespace="ci",pod="a",verdict="would-deny"} 1"#,
+            r#"egress_agent_pod_denials_total{namespace="ci",pod="b",verdict="deny"} 1"#,
+        ] {
+            assert!(text.contains(want), "{want} missing:\n{text}");
+        }
+        assert!(!text.contains(r#"pod="c""#), "{text}");
+        assert_eq!(
+            text.matches("egress_agent_pod_denials_total{").count(),
+            3,
+            "{text}"
+        );
+        // Pod a is gone: its series go; b's stay.
+        m.retain_pods(&HashSet::from([("ci".to_owned(), "b".to_owned())]));
+        let text = m.encode().expect("encode");
+        assert!(!text.contains(r#"pod="a""#), "{text}");
+        assert!(
+            text.contains(
+                r#"egress_agent_pod_denials_total{namespace="ci",pod="b",verdict="deny"} 1"#
+            ),
+            "{text}"
+        );
+    }
 
     #[test]
     fn would_deny_counts_by_policy_and_reason_not_as_kernel_denials() {
