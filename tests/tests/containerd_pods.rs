@@ -84,6 +84,8 @@ fn pods_are_confined_per_pod_through_containerd() {
     };
 
     // 1. A pod's first instruction to a denied address gets nothing out; an allowed one does.
+    //    "first" runs as the kubelet runs an init container: CRI has no init kind, the kubelet
+    //    creates and starts it like any container and waits for its exit before the next one.
     let a = pod_with(&c, "ci", "a", &[("egress.policy", "web")]);
     let (code, logs) = run(
         &c,
