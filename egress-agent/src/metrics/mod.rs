@@ -660,16 +660,10 @@ mod tests {
     #[test]
     fn a_pods_denials_are_counted_by_pod_until_the_pod_is_gone() {
         let m = Metrics::new();
+        let denial =
+            || crate::events::DenialEvent::proxy("web", None, None, 443, "tls", "host-not-allowed");
         let pod = |name: &str, verdict| {
-            let mut ev = crate::events::DenialEvent::proxy(
-                "web",
-                None,
-                None,
-                443,
-                "tls",
-                "host-not-allowed",
-            )
-            .with_verdict(verdict);
+            let mut ev = denial().with_verdict(verdict);
             ev.context.extend([
                 (crate::events::CTX_NAMESPACE.to_owned(), "ci".to_owned()),
                 (crate::events::CTX_POD.to_owned(), name.to_owned()),
@@ -682,14 +676,7 @@ mod tests {
         m.record_denial(&pod("b", crate::events::Verdict::Deny));
         // Allowed events and a Docker container's denials have no per-pod series.
         m.record_denial(&pod("c", crate::events::Verdict::Allow));
-        m.record_denial(&crate::events::DenialEvent::proxy(
-            "web",
-            None,
-            None,
-            443,
-            "tls",
-            "host-not-allowed",
-        ));
+        m.record_denial(&denial());
         let text = m.encode().expect("encode");
         for want in [
             r#"egress_agent_pod_denials_total{namespace="ci",pod="a",verdict="deny"} 2"#,
