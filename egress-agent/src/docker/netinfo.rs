@@ -11,7 +11,7 @@ use std::process::Command;
 
 use serde::Deserialize;
 
-use super::container::NetEndpoint;
+use super::container::{NetEndpoint, parse_mac};
 use crate::nft::Endpoint;
 
 #[derive(Debug, thiserror::Error)]
@@ -123,10 +123,7 @@ pub fn host_endpoints(pid: u32, endpoints: &[NetEndpoint]) -> Result<Vec<Endpoin
             })
             .ok_or_else(|| NetInfoError::NoContainerIf { mac: mac.clone() })?;
         let peer_index = cif.link_index.ok_or(NetInfoError::NoPeer(0))?;
-        let peer = host
-            .iter()
-            .find(|l| l.ifindex == peer_index)
-            .ok_or(NetInfoError::NoPeer(peer_index))?;
+        let peer = host_peer(host.as_slice(), peer_index)?;
         let bridge = peer
             .master
             .clone()
@@ -141,13 +138,11 @@ pub fn host_endpoints(pid: u32, endpoints: &[NetEndpoint]) -> Result<Vec<Endpoin
     Ok(out)
 }
 
-fn parse_mac(s: &str) -> Option<[u8; 6]> {
-    let mut mac = [0u8; 6];
-    let mut parts = s.split(':');
-    for b in &mut mac {
-        *b = u8::from_str_radix(parts.next()?, 16).ok()?;
-    }
-    parts.next().is_none().then_some(mac)
+/// The agent-side link with index `peer_index` (a veth's other end).
+fn host_peer(host: &[Link], peer_index: u32) -> Result<&Link, NetInfoError> {
+    host.iter()
+        .find(|l| l.ifindex == peer_index)
+        .ok_or(NetInfoError::NoPeer(peer_index))
 }
 
 /// The host-side endpoints of a pod whose sandbox runs as `pid`: every interface of its network
@@ -173,10 +168,7 @@ fn pod_endpoints_of(
         ) else {
             continue;
         };
-        let peer = host
-            .iter()
-            .find(|h| h.ifindex == peer_index)
-            .ok_or(NetInfoError::NoPeer(peer_index))?;
+        let peer = host_peer(host, peer_index)?;
         let bridge = peer
             .master
             .clone()
