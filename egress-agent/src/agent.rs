@@ -156,9 +156,11 @@ impl Agent {
         Ok(true)
     }
 
-    /// Stop everything in order (see the module documentation) and flush the store and the
-    /// exporters.
-    pub async fn shutdown(mut self) {
+    /// Steps 1 and 2 of the stop: cancel the root and wait for every task (the kernel event
+    /// pump last). The sink, store and exporters keep recording (a hand-over stops the tasks,
+    /// then drains its connections, whose events are still recorded, before
+    /// [`Agent::shutdown`]).
+    pub async fn stop_tasks(&mut self) {
         self.root.cancel();
         let tasks = std::mem::take(&mut self.tasks);
         for task in tasks.into_iter().rev().chain(self.pump.take()) {
@@ -170,6 +172,12 @@ impl Agent {
                 }
             }
         }
+    }
+
+    /// Stop everything in order (see the module documentation) and flush the store and the
+    /// exporters.
+    pub async fn shutdown(mut self) {
+        self.stop_tasks().await;
         if let Some(store) = self.store.take() {
             store.shutdown().await;
         }

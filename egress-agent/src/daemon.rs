@@ -7,6 +7,12 @@
 //! [`crate::config::watch`]; `agent.watch_policies`) re-reads the config through one reload
 //! ([`Daemon::reload`]): a bad file is refused and the running policy stays; SIGINT/SIGTERM stop
 //! the daemon, leaving the pinned programs enforcing.
+//!
+//! Restarts and upgrades hand the sockets over ([`crate::handover`]): a daemon started while
+//! another runs takes that one's sockets (before binding anything) and says it serves once every
+//! runtime reconciled; SIGUSR2 makes the running daemon start that new copy of itself. A daemon
+//! that handed over stops accepting, stops its tasks, drains its connections
+//! (`agent.drain_timeout_s`) and exits.
 
 use std::{net::SocketAddr, path::PathBuf, sync::Arc, time::Instant};
 
@@ -26,6 +32,7 @@ use crate::{
     config::Config,
     docker::{self, DockerOptions, ReloadRequest},
     events::EventSink,
+    handover,
     manage::{Change, Who},
     metrics::{self, Metrics},
     notify, status,
@@ -42,6 +49,8 @@ pub struct RunOptions {
     /// Serve Prometheus metrics here (loopback unless `metrics_allow_non_loopback`).
     pub metrics: Option<SocketAddr>,
     pub metrics_allow_non_loopback: bool,
+    /// After a hand-over and its drain, wait for SIGTERM instead of exiting (`--stay-after-handover`).
+    pub stay_after_handover: bool,
 }
 
 /// What asked for a reload (logged with its outcome).
@@ -83,6 +92,8 @@ struct Daemon {
     docker_socket: String,
     /// Refused reloads are counted here.
     metrics: Arc<Metrics>,
+    /// The agent this one took over from, while it drains.
+    previous: Option<Arc<handover::Previous>>,
 }
 
 impl Daemon {
@@ -158,8 +169,15 @@ impl Control for Daemon {
         let kernel = status::collect(&config.agent.bpffs)
             .map(|s| serde_json::to_value(s).unwrap_or(Value::Null))
             .unwrap_or_else(|e| json!({ "error": e.to_string() }));
+        let previous = self
+            .previous
+            .as_ref()
+            .filter(|p| p.pid() != 0)
+            .map(|p| json!({ "pid": p.pid(), "draining_connections": p.draining() }));
         json!({
             "version": env!("CARGO_PKG_VERSION"),
+            "pid": std::process::id(),
+            "previous_agent": previous,
             "config": self.config_path.display().to_string(),
             "uptime_s": self.started.elapsed().as_secs(),
             "proxy_endpoint": config.proxy.endpoint.to_string(),
@@ -314,12 +332,29 @@ fn watch_policies(agent: &mut Agent, daemon: &Arc<Daemon>) {
 /// Runs the daemon until SIGINT/SIGTERM.
 pub async fn run(opts: RunOptions) -> Result<()> {
     bpf::loader::require_root()?;
+    // What SIGUSR2 starts: the file this binary was started from, as it is then (an upgrade
+    // installs the new build there first).
+    let exe = std::env::current_exe().context("locating this binary")?;
     let config = Arc::new(Config::load(&opts.config)?);
     info!(config = %opts.config.display(), policies = ?config.policy_names().collect::<Vec<_>>(),
         "configuration loaded");
+    // A running agent hands its sockets over (a restart or an upgrade): take them before
+    // binding anything.
+    let handover_path = handover::socket_path(&config.agent.state_dir);
+    let sockets = opts.docker.sockets.clone();
+    let mut taking = handover::take(&handover_path).await?;
+    if let Some(t) = &mut taking {
+        let fds = t.sockets();
+        info!(
+            from_pid = t.from_pid,
+            sockets = fds.len(),
+            "taking over from the running agent"
+        );
+        sockets.adopt(fds);
+    }
     let docker_root = crate::cgroup::cgroup2_mount()
         .map(|m| docker::cgroups::DockerRoot::new(m, &opts.docker.cgroup_parent).path());
-    let api = ApiServer::bind(&opts.api_socket)
+    let api = ApiServer::bind_handed(&opts.api_socket, &sockets)
         .await?
         .refusing_roots(docker_root.ok().into_iter().chain(kubelet_root(&config)));
     let api = crate::api::server::with_config(api, &config.api).await?;
@@ -330,12 +365,13 @@ pub async fn run(opts: RunOptions) -> Result<()> {
     let mut agent = Agent::start(&config, Some(metrics.clone()))?;
     let events = agent.events().clone();
     if let Some(addr) = opts.metrics {
-        let listener = metrics::bind(addr, opts.metrics_allow_non_loopback)
-            .await
-            .with_context(|| format!("metrics listener on {addr}"))?;
+        let (listener, held) =
+            metrics::bind_handed(addr, opts.metrics_allow_non_loopback, &sockets)
+                .with_context(|| format!("metrics listener on {addr}"))?;
         let m = metrics.clone();
-        agent.spawn("metrics", |stop| {
-            metrics::serve(listener, m, stop.cancelled_owned())
+        agent.spawn("metrics", |stop| async move {
+            metrics::serve(listener, m, stop.cancelled_owned()).await;
+            drop(held);
         });
     }
 
@@ -374,6 +410,22 @@ pub async fn run(opts: RunOptions) -> Result<()> {
         }
     };
     info!(ready = %ready, "egress-agent enforcing");
+    let previous = match taking {
+        Some(t) => match take_over(t, &sockets, &runtimes).await {
+            Ok(p) => {
+                let (follow, m) = (p.clone(), metrics.clone());
+                agent.spawn("previous agent", |stop| follow_previous(follow, m, stop));
+                Some(p)
+            }
+            Err(e) => {
+                // This agent serves every socket already; the previous one may still serve
+                // some too (it did not confirm), which is no gap.
+                warn!(error = %e, "the previous agent did not confirm the hand-over");
+                None
+            }
+        },
+        None => None,
+    };
     // Gauges of what the runtimes enforce (one task for all of them), and kernel denials,
     // both named by the directory the runtimes keep.
     let (bpffs, directory, m) = (
@@ -401,10 +453,26 @@ pub async fn run(opts: RunOptions) -> Result<()> {
         ready,
         docker_socket: opts.docker.socket.clone(),
         metrics,
+        previous,
     });
     let control = daemon.clone();
     agent.spawn("api", |stop| api.run(control, stop.cancelled_owned()));
     watch_policies(&mut agent, &daemon);
+    // The next agent takes this one's sockets here.
+    let (successor_tx, mut successor_rx) = mpsc::channel(1);
+    match handover::Giver::listen(&handover_path, sockets.clone()) {
+        Ok(giver) => {
+            info!(socket = %giver.path().display(), "hand-over socket listening");
+            agent.spawn("hand-over", |stop| async move {
+                tokio::select! {
+                    s = giver.successor() => { successor_tx.send(s).await.ok(); }
+                    () = stop.cancelled() => {}
+                }
+            });
+        }
+        Err(e) => warn!(socket = %handover_path.display(), error = %e,
+            "no hand-over socket: a restart will bind new sockets (workloads see a short gap)"),
+    }
     if let Err(e) = notify::ready("enforcing") {
         warn!(error = %e, "sd_notify READY failed");
     }
@@ -412,18 +480,42 @@ pub async fn run(opts: RunOptions) -> Result<()> {
     let mut hup = signal(SignalKind::hangup())?;
     let mut term = signal(SignalKind::terminate())?;
     let mut int = signal(SignalKind::interrupt())?;
-    let result = loop {
+    let mut usr2 = signal(SignalKind::user_defined2())?;
+    let mut spawned: Option<std::process::Child> = None;
+    let end = loop {
         tokio::select! {
             _ = hup.recv() => {
                 info!("SIGHUP: reloading the configuration");
                 // The outcome is logged and counted by reload(); a rejected file changes nothing.
                 daemon.reload(Trigger::Sighup).await.ok();
             }
-            _ = term.recv() => break Ok(()),
-            _ = int.recv() => break Ok(()),
-            why = runtimes.ended() => break Err(why),
+            _ = usr2.recv() => {
+                spawned = start_successor(&exe, spawned);
+            }
+            Some(s) = successor_rx.recv() => break End::HandedOver(s),
+            _ = term.recv() => break End::Stop(Ok(())),
+            _ = int.recv() => break End::Stop(Ok(())),
+            why = runtimes.ended() => break End::Stop(Err(why)),
         }
     };
+    let result = match end {
+        End::Stop(result) => result,
+        End::HandedOver(successor) => {
+            let config = daemon.config.load_full();
+            let stop_asked =
+                drain(agent, &sockets, successor, &config, (&mut term, &mut int)).await;
+            reap(spawned);
+            if opts.stay_after_handover && !stop_asked {
+                info!("handed over and drained; waiting for SIGTERM (--stay-after-handover)");
+                tokio::select! {
+                    _ = term.recv() => {}
+                    _ = int.recv() => {}
+                }
+            }
+            return Ok(());
+        }
+    };
+    std::fs::remove_file(&handover_path).ok();
     info!("stopping; the pinned programs keep enforcing");
     if let Err(e) = notify::stopping() {
         warn!(error = %e, "sd_notify STOPPING failed");
@@ -431,6 +523,168 @@ pub async fn run(opts: RunOptions) -> Result<()> {
     agent.shutdown().await;
     info!("stopped: events recorded and exported");
     result
+}
+
+/// How the daemon's main loop ended.
+enum End {
+    Stop(Result<()>),
+    HandedOver(handover::Successor),
+}
+
+/// Finish taking over from the agent that handed its sockets to this one: once every runtime
+/// reconciled (each workload claimed its sockets) or [`handover::RECONCILE_WAIT`] passed, close
+/// what nothing claimed and tell the previous agent this one serves.
+async fn take_over(
+    taking: handover::Taking,
+    sockets: &handover::Sockets,
+    runtimes: &Runtimes,
+) -> Result<Arc<handover::Previous>, handover::TakeError> {
+    let missing = sockets
+        .wait_reconciled(&runtimes.names(), handover::RECONCILE_WAIT)
+        .await;
+    if !missing.is_empty() {
+        warn!(runtimes = ?missing, wait = ?handover::RECONCILE_WAIT,
+            "taking over before these runtimes reconciled: their workloads' handed-over sockets are closed and bound anew when they are");
+    }
+    let unclaimed = sockets.close_unclaimed();
+    if !unclaimed.is_empty() {
+        info!(sockets = ?unclaimed, "closed handed-over sockets nothing claimed (workloads gone or changed)");
+    }
+    let from_pid = taking.from_pid;
+    let previous = taking.serving().await?;
+    info!(
+        from_pid,
+        "took over from the running agent: it stopped accepting and drains"
+    );
+    Ok(previous)
+}
+
+/// Keep `draining_connections` up to date until the previous agent exits.
+async fn follow_previous(
+    previous: Arc<handover::Previous>,
+    metrics: Arc<Metrics>,
+    stop: tokio_util::sync::CancellationToken,
+) {
+    let mut tick = tokio::time::interval(std::time::Duration::from_secs(1));
+    loop {
+        tokio::select! {
+            _ = tick.tick() => {}
+            () = stop.cancelled() => return,
+        }
+        metrics.set_draining_connections(previous.draining());
+        if previous.pid() == 0 {
+            metrics.set_draining_connections(0);
+            return;
+        }
+    }
+}
+
+/// SIGUSR2: start a new copy of this agent, which takes over (unless one started already and
+/// runs). Returns the child to keep.
+fn start_successor(
+    exe: &std::path::Path,
+    running: Option<std::process::Child>,
+) -> Option<std::process::Child> {
+    if let Some(mut c) = running {
+        match c.try_wait() {
+            Ok(None) => {
+                warn!(
+                    pid = c.id(),
+                    "SIGUSR2: a new agent is already starting; wait for it"
+                );
+                return Some(c);
+            }
+            Ok(Some(status)) => {
+                warn!(pid = c.id(), %status, "the previous SIGUSR2's agent exited without taking over")
+            }
+            Err(e) => warn!(error = %e, "checking the previous SIGUSR2's agent"),
+        }
+    }
+    match handover::spawn_successor(exe) {
+        Ok(c) => {
+            info!(pid = c.id(), exe = %exe.display(),
+                "SIGUSR2: started a new agent; it takes the sockets, then this one drains");
+            Some(c)
+        }
+        Err(e) => {
+            error!(exe = %exe.display(), error = %e, "SIGUSR2: could not start a new agent; this one keeps serving");
+            None
+        }
+    }
+}
+
+/// Don't leave the SIGUSR2 child a zombie if it ends before this process.
+fn reap(child: Option<std::process::Child>) {
+    if let Some(mut c) = child {
+        c.try_wait().ok();
+    }
+}
+
+/// After a hand-over: stop accepting, stop every task (watchers, API, kernel event pump), tell
+/// the successor, relay the open connections until they end or `agent.drain_timeout_s` (a
+/// second SIGTERM/SIGINT cuts them at once), then record and export what is left. Returns
+/// whether a stop was asked meanwhile.
+async fn drain(
+    mut agent: Agent,
+    sockets: &Arc<handover::Sockets>,
+    successor: handover::Successor,
+    config: &Config,
+    (term, int): (
+        &mut tokio::signal::unix::Signal,
+        &mut tokio::signal::unix::Signal,
+    ),
+) -> bool {
+    sockets.hand_over();
+    if std::env::var_os("NOTIFY_SOCKET").is_some()
+        && let Err(e) = notify::main_pid(successor.pid)
+    {
+        warn!(error = %e, "sd_notify MAINPID failed");
+    }
+    agent.stop_tasks().await;
+    if let Err(e) = successor.released().await {
+        warn!(error = %e, "telling the new agent that this one let go");
+    }
+    let deadline = config.agent.drain_timeout();
+    info!(successor = successor.pid, connections = sockets.open(), deadline = ?deadline,
+        "handed over: no longer accepting; draining the open connections");
+    let drained = sockets.drain(deadline, std::time::Duration::from_secs(1), |n| {
+        successor.draining(n).ok();
+    });
+    tokio::pin!(drained);
+    let mut asked = false;
+    let left = loop {
+        tokio::select! {
+            left = &mut drained => break left,
+            _ = term.recv() => {}
+            _ = int.recv() => {}
+        }
+        if asked {
+            break sockets.open();
+        }
+        asked = true;
+        info!(
+            connections = sockets.open(),
+            "stop requested while draining: the connections go on until they end or the deadline; stop again to cut them"
+        );
+    };
+    if left > 0 {
+        warn!(
+            connections = left,
+            "drain over: cutting the connections still open"
+        );
+    }
+    sockets.cut();
+    // The cut connections record their ends before the store and exporters are flushed.
+    sockets
+        .drain(
+            std::time::Duration::from_secs(2),
+            std::time::Duration::from_secs(1),
+            |_| {},
+        )
+        .await;
+    agent.shutdown().await;
+    info!(left, "drained; exiting");
+    asked
 }
 
 /// The kubelet's cgroup root (`[kubernetes] cgroup_root`), whose pods may not use the API.
@@ -498,6 +752,11 @@ impl Runtimes {
 
     fn is_empty(&self) -> bool {
         self.list.is_empty()
+    }
+
+    /// The runtimes' names, as they report their reconciles.
+    fn names(&self) -> Vec<&'static str> {
+        self.list.iter().map(|r| r.name).collect()
     }
 
     fn reload_senders(&self) -> Vec<mpsc::Sender<ReloadRequest>> {
@@ -580,6 +839,7 @@ mod tests {
             api_socket: dir.join("api.sock"),
             metrics: None,
             metrics_allow_non_loopback: false,
+            stay_after_handover: false,
         };
         let err = format!(
             "{:#}",

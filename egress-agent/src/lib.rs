@@ -10,6 +10,7 @@
 //!   stop) used by [`daemon`] (`run`: the Docker runtime [`docker`] — whose enforcer the
 //!   Kubernetes runtime [`containerd`] shares —, the control API [`api`])
 //!   and [`exec`] (one command in a fresh enforced cgroup, inside [`sandbox`]);
+//! - restarts: [`handover`] (a new agent takes the running one's sockets; the old one drains);
 //! - enforcement: [`bpf`] (loading, pinning and adopting the programs, per-cgroup entries, the
 //!   kernel relay), [`nft`] (the nftables host layer), [`cgroup`], [`netif`], [`mountinfo`];
 //! - what confined sockets reach: [`proxy`] (explicit CONNECT, transparent TLS/HTTP, TLS
@@ -24,7 +25,7 @@
 //! `unsafe` is denied crate-wide; the exceptions, each with `expect(unsafe_code, reason)` and a
 //! SAFETY comment: raw `bpf()`/sockopt syscalls (`bpf/sys.rs`), the ring buffer's fd registration
 //! (`bpf/events.rs`), netlink buffers for nftables (`nft/`), splice/sockmap descriptors
-//! (`proxy/splice/`) and scrubbing a secret from the process environment (`secrets/sys.rs`).
+//! (`proxy/splice/`), descriptors received in a hand-over (`handover/wire.rs`) and scrubbing a secret from the process environment (`secrets/sys.rs`).
 #![deny(unsafe_code)]
 pub mod agent;
 pub mod api;
@@ -45,6 +46,7 @@ pub mod docker;
 pub mod events;
 pub mod exec;
 pub mod export;
+pub mod handover;
 pub mod manage;
 pub mod mcp;
 pub mod mountinfo;

@@ -52,6 +52,11 @@ enum Command {
         /// Allow a non-loopback metrics address.
         #[arg(long)]
         metrics_allow_non_loopback: bool,
+        /// After handing the sockets to a new agent and draining, wait for SIGTERM instead of
+        /// exiting: for a container that would be restarted when it exits (a DaemonSet pod; the
+        /// roll deletes the old pod once the new one is ready).
+        #[arg(long)]
+        stay_after_handover: bool,
     },
     /// Run CMD in a fresh cgroup confined by a policy (standalone: no daemon needed).
     Exec {
@@ -283,6 +288,7 @@ fn main() -> ExitCode {
             api_socket,
             metrics_listen,
             metrics_allow_non_loopback,
+            stay_after_handover,
         } => {
             let _log_flush = init_daemon_tracing();
             let opts = egress_agent::daemon::RunOptions {
@@ -298,6 +304,7 @@ fn main() -> ExitCode {
                 api_socket,
                 metrics: metrics_listen,
                 metrics_allow_non_loopback,
+                stay_after_handover,
             };
             runtime()
                 .and_then(|rt| rt.block_on(egress_agent::daemon::run(opts)))

@@ -58,6 +58,13 @@ pub fn reloading() -> Result<(), NotifyError> {
     )
 }
 
+/// `MAINPID=<pid>`: the agent that took over from this one is the service's main process now
+/// (a restart or upgrade through a hand-over; the unit needs `NotifyAccess=all` for the new
+/// process's own notifications before this).
+pub fn main_pid(pid: u32) -> Result<(), NotifyError> {
+    send("MAINPID", &[NotifyState::MainPid(pid)])
+}
+
 /// `STOPPING=1`: shutdown has begun.
 pub fn stopping() -> Result<(), NotifyError> {
     send(

@@ -30,7 +30,8 @@ fn unit_has_the_directives_the_agent_relies_on() {
         v.into_iter().next().unwrap_or_default()
     };
     assert_eq!(one("Type"), "notify");
-    assert_eq!(one("NotifyAccess"), "main");
+    // The agent a hand-over starts notifies before it is the main process (MAINPID=).
+    assert_eq!(one("NotifyAccess"), "all");
     assert_eq!(
         one("ExecStart"),
         "/usr/local/bin/egress-agent run --config /etc/egress-agent/config.toml"

@@ -21,6 +21,11 @@ use super::Control;
 use super::peer::Peer;
 use super::routes::{self, Transport};
 
+/// The control socket's hand-over key.
+const API_KEY: &str = "api";
+/// The status page's hand-over key.
+const UI_KEY: &str = "ui";
+
 /// Errors binding the control socket.
 #[derive(Debug, thiserror::Error)]
 pub enum BindError {
@@ -45,6 +50,10 @@ pub struct ApiServer {
     read_gid: Option<u32>,
     /// `api.ui_listen`: the status page and GET endpoints on loopback TCP.
     tcp: Option<TcpListener>,
+    /// The daemon's sockets (taken from a previous agent, offered to a successor), with the
+    /// registrations of this server's.
+    sockets: Option<Arc<crate::handover::Sockets>>,
+    held: Vec<crate::handover::Held>,
 }
 
 impl ApiServer {
@@ -67,14 +76,54 @@ impl ApiServer {
         let listener = UnixListener::bind(path).map_err(io_err)?;
         std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600)).map_err(io_err)?;
         info!(socket = %path.display(), "control API listening");
-        Ok(Self {
+        Ok(Self::serving(listener, path))
+    }
+
+    fn serving(listener: UnixListener, path: &Path) -> Self {
+        Self {
             listener,
             path: path.to_owned(),
             // `exec` commands always; the daemon adds its Docker root.
             refused_roots: crate::exec::exec_root().into_iter().collect(),
             read_gid: None,
             tcp: None,
-        })
+            sockets: None,
+            held: Vec::new(),
+        }
+    }
+
+    /// [`ApiServer::bind`] through the daemon's sockets: the socket a previous agent handed over
+    /// (the same file, never unlinked: clients connecting during a restart are queued, not
+    /// refused), else a new one. It is offered to a successor while this server runs.
+    pub async fn bind_handed(
+        path: &Path,
+        sockets: &Arc<crate::handover::Sockets>,
+    ) -> Result<Self, BindError> {
+        let io_err = |source| BindError::Io {
+            path: path.to_owned(),
+            source,
+        };
+        let taken = sockets
+            .unix(API_KEY, path, || {
+                Err(io::Error::from(io::ErrorKind::NotFound))
+            })
+            .ok();
+        let mut server = match taken {
+            Some((listener, held)) => {
+                info!(socket = %path.display(), "control API listening (handed over)");
+                let mut s = Self::serving(listener, path);
+                s.held.push(held);
+                s
+            }
+            None => {
+                let mut s = Self::bind(path).await?;
+                s.held
+                    .push(sockets.hold(API_KEY, &s.listener).map_err(io_err)?);
+                s
+            }
+        };
+        server.sockets = Some(sockets.clone());
+        Ok(server)
     }
 
     /// Also refuse peers running in these enforcement roots (confined processes), even as root.
@@ -107,7 +156,20 @@ impl ApiServer {
                 "the status page listens on loopback only",
             )));
         }
-        let l = TcpListener::bind(addr).await.map_err(err)?;
+        let l = match self.sockets.clone() {
+            Some(sockets) => {
+                let (l, held) = sockets
+                    .tcp(UI_KEY, addr, |a| {
+                        let l = std::net::TcpListener::bind(a)?;
+                        l.set_nonblocking(true)?;
+                        TcpListener::from_std(l)
+                    })
+                    .map_err(err)?;
+                self.held.push(held);
+                l
+            }
+            None => TcpListener::bind(addr).await.map_err(err)?,
+        };
         info!(address = %addr, "status page listening");
         self.tcp = Some(l);
         Ok(self)
@@ -123,9 +185,11 @@ impl ApiServer {
         let roots = Arc::new(self.refused_roots);
         let read_gid = self.read_gid;
         let tcp = self.tcp;
+        let handed_over = self.sockets.clone().unwrap_or_default();
         loop {
             let (io, peer, transport) = tokio::select! {
                 _ = &mut shutdown => break,
+                () = handed_over.handed_over() => break,
                 accepted = self.listener.accept() => match accepted {
                     Ok((stream, _)) => {
                         let peer = Peer::of_unix(&stream, &roots);
@@ -177,7 +241,11 @@ impl ApiServer {
                 }
             });
         }
-        std::fs::remove_file(&self.path).ok();
+        // After a hand-over the successor serves this same file: it stays.
+        if !self.sockets.as_ref().is_some_and(|s| s.is_handed_over()) {
+            std::fs::remove_file(&self.path).ok();
+        }
+        drop(self.held);
     }
 }
 

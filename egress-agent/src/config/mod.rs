@@ -129,6 +129,10 @@ pub struct AgentConfig {
     /// kubelet's update of a ConfigMap mounted there), as SIGHUP does. Read at start: a change
     /// takes effect on a restart. Default true.
     pub watch_policies: bool,
+    /// After handing its sockets to a new agent (a restart or upgrade), how long this agent
+    /// keeps relaying the connections it has open (tunnels, DNS-over-TCP) before it cuts what is
+    /// left and exits, in seconds. Default 300.
+    pub drain_timeout_s: u64,
 }
 
 impl Default for AgentConfig {
@@ -139,6 +143,7 @@ impl Default for AgentConfig {
             unlabeled: ALLOW_ALL.to_owned(),
             state_dir: PathBuf::from(DEFAULT_STATE_DIR),
             watch_policies: true,
+            drain_timeout_s: 300,
         }
     }
 }
@@ -196,6 +201,11 @@ impl ProxyConfig {
 pub const STORE_DB_FILE: &str = "events.db";
 
 impl AgentConfig {
+    /// `drain_timeout_s`.
+    pub fn drain_timeout(&self) -> Duration {
+        Duration::from_secs(self.drain_timeout_s)
+    }
+
     /// The event store's database file.
     pub fn store_path(&self) -> PathBuf {
         self.state_dir.join(STORE_DB_FILE)

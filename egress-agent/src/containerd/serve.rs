@@ -33,6 +33,7 @@ pub async fn serve(
         require_lsm: host.require_lsm,
         directory: host.directory,
         tables: host.tables,
+        sockets: host.sockets,
         runtime: "kubernetes",
     };
     let (enforcer, mut info) =

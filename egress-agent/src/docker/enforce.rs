@@ -213,6 +213,10 @@ impl Enforcer {
     #[must_use = "refused containers must be stopped"]
     pub async fn end_batch(&mut self, synced: bool) -> Vec<(ContainerInfo, String)> {
         let failures = self.host.end_batch(synced).await;
+        if synced {
+            // Every workload claimed its handed-over sockets (a successor waits for this).
+            self.proxy.sockets().reconciled(self.settings.runtime);
+        }
         let mut refuse = Vec::new();
         for (id, why) in failures.0 {
             let Some(info) = self.tracked.get(&id).map(|t| t.info.clone()) else {

@@ -32,6 +32,9 @@ pub struct DockerOptions {
     pub directory: Directory,
     /// The agent's nftables tables, shared with its other runtimes (clone it likewise).
     pub tables: Arc<HostTables>,
+    /// The agent's sockets: workloads' listeners are taken from a previous agent and offered to
+    /// a successor through them (shared by every runtime).
+    pub sockets: Arc<crate::handover::Sockets>,
 }
 
 impl Default for DockerOptions {
@@ -43,6 +46,7 @@ impl Default for DockerOptions {
             require_lsm: false,
             directory: Directory::default(),
             tables: Arc::default(),
+            sockets: crate::handover::Sockets::new(),
         }
     }
 }
@@ -108,6 +112,7 @@ pub async fn serve_with(
         require_lsm: opts.require_lsm,
         directory: opts.directory.clone(),
         tables: opts.tables.clone(),
+        sockets: opts.sockets.clone(),
         runtime: "docker",
     };
     let (enforcer, info) =
@@ -139,6 +144,8 @@ pub struct Site {
     pub directory: Directory,
     /// The agent's nftables tables and this runtime's name in them.
     pub tables: Arc<HostTables>,
+    /// The agent's sockets (see [`DockerOptions::sockets`]).
+    pub sockets: Arc<crate::handover::Sockets>,
     pub runtime: &'static str,
 }
 
@@ -190,7 +197,8 @@ pub async fn enforcer_at(
     hooks_in.answers = direct.clone();
     let mut ctx = ProxyContext::new(config, events.clone())
         .map_err(|e| ServeError::Proxy(e.to_string()))?
-        .with_interception(hooks_in);
+        .with_interception(hooks_in)
+        .with_sockets(site.sockets);
     if let Some(m) = metrics {
         ctx = ctx.with_metrics(m.clone());
     }

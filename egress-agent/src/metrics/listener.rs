@@ -23,14 +23,36 @@ const HEADER_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// Bind the metrics listener. Refuses a non-loopback address unless `allow_non_loopback`.
 pub async fn bind(addr: SocketAddr, allow_non_loopback: bool) -> Result<TcpListener, MetricsError> {
+    check(addr, allow_non_loopback)?;
+    TcpListener::bind(addr)
+        .await
+        .map_err(|e| MetricsError::Bind(addr, e))
+}
+
+fn check(addr: SocketAddr, allow_non_loopback: bool) -> Result<(), MetricsError> {
     if !addr.ip().is_loopback() && !allow_non_loopback {
         return Err(MetricsError::NotLoopback(addr));
     }
     if !addr.ip().is_loopback() {
         tracing::warn!(%addr, "metrics served on a non-loopback address (explicitly allowed)");
     }
-    TcpListener::bind(addr)
-        .await
+    Ok(())
+}
+
+/// [`bind`] through the agent's sockets: the listener a previous agent handed over, or a new
+/// one, offered to a successor while the registration is held.
+pub fn bind_handed(
+    addr: SocketAddr,
+    allow_non_loopback: bool,
+    sockets: &std::sync::Arc<crate::handover::Sockets>,
+) -> Result<(TcpListener, crate::handover::Held), MetricsError> {
+    check(addr, allow_non_loopback)?;
+    sockets
+        .tcp("metrics", addr, |a| {
+            let l = std::net::TcpListener::bind(a)?;
+            l.set_nonblocking(true)?;
+            TcpListener::from_std(l)
+        })
         .map_err(|e| MetricsError::Bind(addr, e))
 }
 

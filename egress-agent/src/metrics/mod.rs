@@ -10,6 +10,8 @@
 //! - `proxy_bytes_total{policy, direction}`: bytes relayed (`direction` = upstream|downstream),
 //!   added as each chunk is written on, so a long-lived tunnel or download moves while it runs.
 //! - `enforced_containers`: containers and pods with a policy entry in the kernel (gauge).
+//! - `draining_connections`: connections the previous agent still relays after handing its
+//!   sockets to this one (a restart or upgrade; gauge, 0 once it exited).
 //! - `pod_denials_total{namespace, pod, verdict}`: a Kubernetes pod's denials (`deny`, and
 //!   `would-deny` under audit), both sources. The one family with workload names in its labels,
 //!   as the kubelet's own per-pod metrics have them: a node runs a bounded number of pods
@@ -44,7 +46,7 @@
 
 mod listener;
 
-pub use listener::{CONTENT_TYPE, bind, serve};
+pub use listener::{CONTENT_TYPE, bind, bind_handed, serve};
 
 use std::collections::HashSet;
 use std::net::SocketAddr;
@@ -293,6 +295,7 @@ pub struct Metrics {
     proxy_connections: Family<PolicyLabels, Counter>,
     proxy_bytes: Family<BytesLabels, Counter>,
     enforced_containers: Gauge,
+    draining_connections: Gauge,
     event_drops: Family<SourceLabels, Counter>,
     reconcile_errors: Counter,
     reload_errors: Counter,
@@ -326,6 +329,7 @@ impl Metrics {
         let proxy_connections = Family::default();
         let proxy_bytes = Family::default();
         let enforced_containers = Gauge::default();
+        let draining_connections = Gauge::default();
         let event_drops = Family::default();
         let reconcile_errors = Counter::default();
         let reload_errors = Counter::default();
@@ -397,6 +401,11 @@ impl Metrics {
             enforced_containers.clone(),
         );
         registry.register(
+            "draining_connections",
+            "Connections the previous agent still relays after a hand-over (restart, upgrade)",
+            draining_connections.clone(),
+        );
+        registry.register(
             "event_drops",
             "Denial events lost, by where they were lost",
             event_drops.clone(),
@@ -418,6 +427,7 @@ impl Metrics {
             proxy_connections,
             proxy_bytes,
             enforced_containers,
+            draining_connections,
             event_drops,
             reconcile_errors,
             reload_errors,
@@ -573,6 +583,12 @@ impl Metrics {
     /// The number of containers currently enforced.
     pub fn set_enforced_containers(&self, n: u64) {
         self.enforced_containers
+            .set(i64::try_from(n).unwrap_or(i64::MAX));
+    }
+
+    /// Connections the previous agent still relays.
+    pub fn set_draining_connections(&self, n: usize) {
+        self.draining_connections
             .set(i64::try_from(n).unwrap_or(i64::MAX));
     }
 

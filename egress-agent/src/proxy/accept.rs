@@ -58,6 +58,8 @@ pub(crate) async fn accept_loop<F, Fut>(
                     .and_then(|_| stream.local_addr().ok())
                     .map(|local| Client::tcp(peer, local));
                 let (handle, shared, stop) = (handle.clone(), shared.clone(), stop_rx.clone());
+                // Counted until it ends: after a hand-over, this process drains it.
+                let open = shared.ctx.sockets().open_one();
                 // The connection's future is made inside the task's: awaiting one made outside
                 // would keep it twice in the task (as the captured value and as the awaited
                 // state), doubling every connection's memory.
@@ -68,6 +70,7 @@ pub(crate) async fn accept_loop<F, Fut>(
                             None => handle(stream, peer, shared, stop).await,
                         }
                         drop(permits);
+                        drop(open);
                     }
                     .instrument(span),
                 );

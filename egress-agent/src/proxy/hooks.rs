@@ -41,6 +41,8 @@ pub(crate) struct Interception {
     transparent: Option<TcpListener>,
     dns: Option<DnsResponder>,
     addrs: InterceptAddrs,
+    /// Offered to a successor while the sockets run.
+    held: Vec<crate::handover::Held>,
 }
 
 impl Interception {
@@ -52,18 +54,22 @@ impl Interception {
         policy: &Policy,
     ) -> io::Result<Interception> {
         let mut addrs = InterceptAddrs::default();
+        let mut held = Vec::new();
         let transparent = if policy.transparent() {
-            let l = listen::listen(
+            let (l, h) = listen::listen_as(
+                &shared.ctx,
+                shared.socket_key("transparent"),
                 SocketAddr::new(ip, 0),
-                shared.ctx.inner.client_cc.as_deref(),
             )?;
+            held.extend(h);
             addrs.transparent = Some(l.local_addr()?);
             Some(l)
         } else {
             None
         };
         let dns = if policy.answers_dns() {
-            let d = DnsResponder::bind(ip, shared.clone(), hooks.answers.clone()).await?;
+            let d =
+                DnsResponder::bind(ip, shared.clone(), hooks.answers.clone(), &mut held).await?;
             addrs.dns_udp = Some(d.udp_addr());
             addrs.dns_tcp = Some(d.tcp_addr());
             Some(d)
@@ -74,6 +80,7 @@ impl Interception {
             transparent,
             dns,
             addrs,
+            held,
         })
     }
 
@@ -81,21 +88,37 @@ impl Interception {
         self.addrs
     }
 
-    /// Run the sockets on tasks of their own until `stop` turns `true`.
-    pub(crate) fn spawn(self, shared: &Arc<Shared>, stop: &CancellationToken) {
+    /// Run the sockets on tasks of their own: accepting until `accepting` is cancelled, their
+    /// connections until `stop` is.
+    pub(crate) fn spawn(
+        self,
+        shared: &Arc<Shared>,
+        stop: &CancellationToken,
+        accepting: &CancellationToken,
+    ) {
+        let held = Arc::new(self.held);
         if let Some(dns) = self.dns {
-            tokio::spawn(dns.run(stop.clone().cancelled_owned()));
+            let held = held.clone();
+            let run = dns.run(accepting.clone(), stop.clone());
+            tokio::spawn(async move {
+                run.await;
+                drop(held);
+            });
         }
         if let Some(l) = self.transparent {
-            tokio::spawn(accept::accept_loop(
+            let accept = accept::accept_loop(
                 l,
                 shared.clone(),
-                stop.clone().cancelled_owned(),
+                accepting.clone().cancelled_owned(),
                 stop.clone(),
                 |stream, peer, shared, stop| async move {
                     transparent::handle(stream, peer, Vec::new(), &shared, stop).await
                 },
-            ));
+            );
+            tokio::spawn(async move {
+                accept.await;
+                drop(held);
+            });
         }
     }
 }

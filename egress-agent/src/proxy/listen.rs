@@ -61,6 +61,27 @@ pub fn client_congestion_control(cfg: &ProxyConfig) -> Result<Option<Arc<str>>, 
     }
 }
 
+/// [`listen`] through the context's sockets when `key` is set: the listener a previous agent
+/// handed over under that key (its options set again: the configuration may have changed them),
+/// else a new one; with its registration, which offers it to a successor while held.
+pub(crate) fn listen_as(
+    ctx: &super::ProxyContext,
+    key: Option<String>,
+    addr: SocketAddr,
+) -> io::Result<(TcpListener, Option<crate::handover::Held>)> {
+    let cc = ctx.inner.client_cc.as_deref();
+    let Some(key) = key else {
+        return Ok((listen(addr, cc)?, None));
+    };
+    let (l, held) = ctx.sockets().tcp(&key, addr, |a| listen(a, cc))?;
+    let s = socket2::SockRef::from(&l);
+    s.set_tcp_nodelay(true)?;
+    if let Some(cc) = cc {
+        s.set_tcp_congestion(cc.as_bytes())?;
+    }
+    Ok((l, Some(held)))
+}
+
 /// A listener whose accepted connections start with `TCP_NODELAY` and congestion control `cc`
 /// (`None`: the host default). `SO_REUSEADDR` and the backlog are what `TcpListener::bind` uses.
 pub fn listen(addr: SocketAddr, cc: Option<&str>) -> io::Result<TcpListener> {

@@ -136,6 +136,9 @@ pub struct ProxyContext {
     interception: Option<Arc<InterceptHooks>>,
     /// The in-kernel tunnel relay (`proxy.kernel_relay`), when loaded.
     kernel_relay: Option<Arc<splice::KernelRelay>>,
+    /// The process's sockets: what a workload's listener takes from a previous agent, offers
+    /// a successor, and the hand-over's stop-accepting and drain.
+    sockets: Arc<crate::handover::Sockets>,
 }
 
 impl std::fmt::Debug for ProxyContext {
@@ -224,7 +227,19 @@ impl ProxyContext {
             metrics: None,
             interception: None,
             kernel_relay: None,
+            sockets: crate::handover::Sockets::new(),
         }
+    }
+
+    /// Bind workloads' listeners through `sockets` (the daemon's: what a previous agent handed
+    /// over is taken, what is bound is offered to a successor).
+    pub fn with_sockets(mut self, sockets: Arc<crate::handover::Sockets>) -> ProxyContext {
+        self.sockets = sockets;
+        self
+    }
+
+    pub fn sockets(&self) -> &Arc<crate::handover::Sockets> {
+        &self.sockets
     }
 
     /// Bind interception sockets next to every listener bound from this context (and its clones
@@ -312,6 +327,16 @@ pub struct Identity {
     pub clients: Option<Arc<dyn client::ClientNames>>,
 }
 
+fn socket_key(identity: Option<&Identity>, policy: &str, kind: &str) -> Option<String> {
+    let identity = identity?;
+    Some(crate::handover::workload_key(
+        &identity.container.as_ref()?.id,
+        identity.cgroup_id?,
+        policy,
+        kind,
+    ))
+}
+
 /// Per-listener state shared by its connections.
 pub(crate) struct Shared {
     pub(crate) name: Arc<str>,
@@ -326,6 +351,12 @@ pub(crate) struct Shared {
 }
 
 impl Shared {
+    /// The hand-over key of this listener's socket `kind`: a workload's listener has one (its
+    /// id, cgroup and policy name it), others (`exec`, tests) bind sockets no successor takes.
+    pub(crate) fn socket_key(&self, kind: &str) -> Option<String> {
+        socket_key(self.identity.as_ref(), &self.name, kind)
+    }
+
     /// Bytes relayed (counted as they are written on, so long-lived connections show up live).
     pub(crate) fn relayed(&self, upstream: u64, downstream: u64) {
         if let Some(c) = &self.counters {
@@ -494,6 +525,8 @@ pub struct PolicyProxy {
     intercept: Option<hooks::Interception>,
     /// The policy at bind time (decides which interception sockets exist for a sibling).
     bound_policy: Arc<Policy>,
+    /// Offered to a successor while this listener runs.
+    held: Option<crate::handover::Held>,
 }
 
 impl PolicyProxy {
@@ -516,7 +549,8 @@ impl PolicyProxy {
         ctx: ProxyContext,
         identity: Option<Identity>,
     ) -> io::Result<Self> {
-        let listener = listen::listen(addr, ctx.inner.client_cc.as_deref())?;
+        let key = socket_key(identity.as_ref(), &policy_name, "proxy");
+        let (listener, held) = listen::listen_as(&ctx, key, addr)?;
         let local = listener.local_addr()?;
         let counters = ctx.metrics().map(|m| m.proxy_counters(&policy_name));
         let conns = Arc::new(Semaphore::new(ctx.limits().max_connections_per_listener));
@@ -540,6 +574,7 @@ impl PolicyProxy {
             shared,
             intercept,
             bound_policy: policy,
+            held,
         })
     }
 
@@ -560,6 +595,7 @@ impl PolicyProxy {
             shared: self.shared.clone(),
             intercept,
             bound_policy: self.bound_policy.clone(),
+            held: None,
         })
     }
 
@@ -587,21 +623,43 @@ impl PolicyProxy {
 
     /// Accept until `shutdown` completes; then stop accepting and end open connections. The
     /// listener's interception sockets (transparent listener, DNS responder) run and stop with it.
+    ///
+    /// When a successor takes the sockets ([`crate::handover::Sockets::hand_over`]) first, the
+    /// listener stops accepting but its connections go on until they end or the drain cuts them
+    /// ([`crate::handover::Sockets::cut`]); `shutdown` no longer ends them.
     pub async fn run(self, shutdown: impl Future<Output = ()>) {
         let stop = CancellationToken::new();
+        let accepting = CancellationToken::new();
+        let sockets = self.shared.ctx.sockets().clone();
         if let Some(i) = self.intercept {
-            i.spawn(&self.shared, &stop);
+            i.spawn(&self.shared, &stop, &accepting);
         }
+        let until = {
+            let (sockets, accepting) = (sockets.clone(), accepting.clone());
+            async move {
+                tokio::select! {
+                    biased;
+                    () = sockets.handed_over() => {}
+                    () = shutdown => {}
+                }
+                accepting.cancel();
+            }
+        };
         accept::accept_loop(
             self.listener,
             self.shared,
-            shutdown,
+            until,
             stop.clone(),
             |stream, peer, shared, stop| async move {
                 handle_connection(stream, peer, &shared, stop).await
             },
         )
         .await;
+        accepting.cancel();
+        drop(self.held);
+        if sockets.is_handed_over() {
+            sockets.cut_done().await;
+        }
         stop.cancel();
     }
 }

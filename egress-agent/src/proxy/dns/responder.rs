@@ -1,7 +1,6 @@
 //! One responder's sockets: a UDP socket ([`super::udp`], batched) and a TCP listener
 //! ([`super::tcp`], bounded) on the proxy's listen IP, each on a kernel-chosen port, both
 //! answering through this listener identity's [`Core`].
-use std::future::Future;
 use std::io;
 use std::net::{IpAddr, SocketAddr};
 use std::sync::Arc;
@@ -32,16 +31,40 @@ pub struct DnsResponder {
 
 impl DnsResponder {
     /// Bind UDP and TCP on `ip` (kernel-chosen ports) for the listener `shared` belongs to.
+    /// The sockets are taken through the context's [`crate::handover::Sockets`] when the
+    /// listener has a key (a previous agent's, if it handed them over); `held` gets their
+    /// registrations.
     pub(crate) async fn bind(
         ip: IpAddr,
         shared: Arc<Shared>,
         sink: Arc<dyn AnswerSink>,
+        held: &mut Vec<crate::handover::Held>,
     ) -> io::Result<DnsResponder> {
-        let udp = UdpSocket::bind(SocketAddr::new(ip, 0)).await?;
+        let any = SocketAddr::new(ip, 0);
+        let sockets = shared.ctx.sockets().clone();
+        let udp = match shared.socket_key("dns-udp") {
+            Some(key) => {
+                let (udp, h) = sockets.udp(&key, any, std::net::UdpSocket::bind)?;
+                held.push(h);
+                udp
+            }
+            None => UdpSocket::bind(any).await?,
+        };
         if let Err(e) = socket2::SockRef::from(&udp).set_recv_buffer_size(UDP_RECV_BUFFER) {
             tracing::debug!(error = %e, "dns: keeping the default UDP receive buffer");
         }
-        let tcp = TcpListener::bind(SocketAddr::new(ip, 0)).await?;
+        let tcp = match shared.socket_key("dns-tcp") {
+            Some(key) => {
+                let (tcp, h) = sockets.tcp(&key, any, |a| {
+                    let l = std::net::TcpListener::bind(a)?;
+                    l.set_nonblocking(true)?;
+                    TcpListener::from_std(l)
+                })?;
+                held.push(h);
+                tcp
+            }
+            None => TcpListener::bind(any).await?,
+        };
         let limits = shared.ctx.limits();
         let tcp_timeout = limits.header_timeout;
         let inflight = Arc::new(Semaphore::new(limits.max_connections_per_listener));
@@ -69,24 +92,24 @@ impl DnsResponder {
         self.tcp_addr
     }
 
-    /// Serve until `shutdown` completes. A DNS-over-TCP connection idle for
-    /// `proxy.header_timeout_ms` is closed.
-    pub async fn run(self, shutdown: impl Future<Output = ()>) {
-        let stop = CancellationToken::new();
+    /// Serve until `accepting` is cancelled (the listener stops, or a successor took the
+    /// sockets): queries already read are answered, and DNS-over-TCP connections open then go
+    /// on until they end or `cut`. A DNS-over-TCP connection idle for `proxy.header_timeout_ms`
+    /// is closed.
+    pub async fn run(self, accepting: CancellationToken, cut: CancellationToken) {
         tracing::debug!(policy = %self.core.shared.name, udp = %self.udp_addr, tcp = %self.tcp_addr, "dns responder listening");
         let udp = tokio::spawn(udp::serve(
             Arc::new(self.udp),
             self.core.clone(),
-            stop.clone(),
+            accepting.clone(),
         ));
         let tcp = tokio::spawn(tcp::serve(
             self.tcp,
             self.core,
             self.tcp_timeout,
-            stop.clone(),
+            accepting,
+            cut,
         ));
-        shutdown.await;
-        stop.cancel();
         udp.await.ok();
         tcp.await.ok();
     }

@@ -28,7 +28,8 @@ pub(crate) async fn serve(
     listener: TcpListener,
     core: Arc<Core>,
     idle: Duration,
-    stop: CancellationToken,
+    accepting: CancellationToken,
+    cut: CancellationToken,
 ) {
     let open = Arc::new(Semaphore::new(MAX_TCP_CONNECTIONS));
     let last_warn: Mutex<Option<Instant>> = Mutex::new(None);
@@ -42,7 +43,7 @@ pub(crate) async fn serve(
                     continue;
                 }
             },
-            () = stop.cancelled() => return,
+            () = accepting.cancelled() => return,
         };
         let Ok(permit) = open.clone().try_acquire_owned() else {
             drop(stream);
@@ -70,12 +71,13 @@ pub(crate) async fn serve(
             .and_then(|i| i.clients.as_ref())
             .and_then(|_| stream.local_addr().ok())
             .map(|local| Client::tcp(peer, local));
-        let (core, stop) = (core.clone(), stop.clone());
+        let (core, cut) = (core.clone(), cut.clone());
+        let open = core.shared.ctx.sockets().open_one();
         tokio::spawn(async move {
             let served = async {
                 tokio::select! {
                     () = connection(stream, peer, &core, idle) => {}
-                    () = stop.cancelled() => {}
+                    () = cut.cancelled() => {}
                 }
             };
             match client {
@@ -83,6 +85,7 @@ pub(crate) async fn serve(
                 None => served.await,
             }
             drop(permit);
+            drop(open);
         });
     }
 }

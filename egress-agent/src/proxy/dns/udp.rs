@@ -77,6 +77,9 @@ pub(crate) async fn serve(socket: Arc<UdpSocket>, core: Arc<Core>, stop: Cancell
                 Now::Miss(miss) => match core.admit() {
                     Some(permit) => {
                         let (core, socket) = (core.clone(), socket.clone());
+                        // A successor may serve the socket now: this process stays until the
+                        // answer is sent.
+                        let open = core.shared.ctx.sockets().open_one();
                         tokio::spawn(async move {
                             let resolve = core.resolve(&miss, Transport::Udp);
                             let out = match local {
@@ -84,6 +87,7 @@ pub(crate) async fn serve(socket: Arc<UdpSocket>, core: Arc<Core>, stop: Cancell
                                 None => resolve.await,
                             };
                             drop(permit);
+                            let _open = open;
                             if let Some(out) = out
                                 && let Err(e) = socket.send_to(&out, src).await
                             {
