@@ -471,9 +471,15 @@ fn status(config: Option<&Path>, json: bool, api_socket: &Path) -> anyhow::Resul
             Ok(body) => {
                 let v: serde_json::Value = serde_json::from_str(&body).context("daemon status")?;
                 println!(
-                    "daemon: running {}s, config {}, proxy endpoint {}, {} denial events",
-                    v["uptime_s"], v["config"], v["proxy_endpoint"], v["events_total"]
+                    "daemon: pid {}, running {}s, config {}, proxy endpoint {}, {} denial events",
+                    v["pid"], v["uptime_s"], v["config"], v["proxy_endpoint"], v["events_total"]
                 );
+                if let Some(p) = v.get("previous_agent").filter(|p| !p.is_null()) {
+                    println!(
+                        "previous agent: pid {} (handed over), draining {} connections",
+                        p["pid"], p["draining_connections"]
+                    );
+                }
             }
             Err(e) => {
                 eprintln!("egress-agent: daemon not reachable ({e}); reading the pins directly")

@@ -436,6 +436,8 @@ pub struct Env {
     pub dir: PathBuf,
     pub bpffs: PathBuf,
     agent_bin: PathBuf,
+    /// Extra environment of the daemons [`Env::start_agent`] starts (e.g. `NOTIFY_SOCKET`).
+    pub agent_env: Vec<(String, String)>,
     pub d: Dockerd,
 }
 
@@ -479,6 +481,7 @@ impl Env {
             dir,
             bpffs,
             agent_bin,
+            agent_env: Vec::new(),
             d,
         };
         env.start_agent();
@@ -583,6 +586,7 @@ nameservers = []
             .arg("--api-socket")
             .arg(self.api_socket())
             .env("RUST_LOG", "info,egress_agent=debug")
+            .envs(self.agent_env.iter().map(|(k, v)| (k, v)))
             .stdin(Stdio::null())
             .stdout(Stdio::from(log))
             .stderr(Stdio::from(log2))
@@ -618,6 +622,23 @@ nameservers = []
             );
             std::thread::sleep(Duration::from_millis(100));
         }
+    }
+
+    /// The binary the next [`Env::start_agent`] runs (an upgrade test's other build).
+    pub fn set_agent_bin(&mut self, bin: PathBuf) {
+        self.agent_bin = bin;
+    }
+
+    pub fn agent_bin(&self) -> &Path {
+        &self.agent_bin
+    }
+
+    /// The pid of the daemon that serves the control API now (after a hand-over, not
+    /// necessarily [`Env::agent`]'s).
+    pub fn serving_pid(&self) -> Option<u32> {
+        let o = self.cli(&["status", "--json"]);
+        let v: serde_json::Value = serde_json::from_slice(&o.stdout).ok()?;
+        v["pid"].as_u64().and_then(|p| u32::try_from(p).ok())
     }
 
     pub fn kill_agent(&mut self) {
@@ -762,6 +783,23 @@ nameservers = []
 impl Drop for Env {
     fn drop(&mut self) {
         self.kill_agent();
+        // Agents a hand-over started are not our children: every process running on this
+        // environment's configuration goes.
+        let config = self.config_path();
+        let needle = config.as_os_str().as_encoded_bytes();
+        for entry in std::fs::read_dir("/proc").into_iter().flatten().flatten() {
+            let Ok(pid) = entry.file_name().to_string_lossy().parse::<i32>() else {
+                continue;
+            };
+            let cmdline = std::fs::read(entry.path().join("cmdline")).unwrap_or_default();
+            if cmdline.windows(needle.len()).any(|w| w == needle) {
+                nix::sys::signal::kill(
+                    nix::unistd::Pid::from_raw(pid),
+                    nix::sys::signal::Signal::SIGKILL,
+                )
+                .ok();
+            }
+        }
         if std::thread::panicking() {
             eprintln!("--- agent log ---\n{}", self.log());
             eprintln!("--- dockerd log ---\n{}", self.d.log_tail());

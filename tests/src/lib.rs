@@ -25,6 +25,7 @@ pub mod packet;
 pub mod pods;
 pub mod tls_upstream;
 pub mod upstreams;
+pub mod workload;
 
 /// Is the effective user root?
 pub fn is_root() -> bool {

@@ -76,6 +76,24 @@ fn seqpacket(flags: SockFlag) -> io::Result<OwnedFd> {
 }
 
 impl Conn {
+    /// Two connected ends (tests and the fuzz target).
+    pub fn pair() -> io::Result<(Conn, Conn)> {
+        let (a, b) = nix::sys::socket::socketpair(
+            AddressFamily::Unix,
+            SockType::SeqPacket,
+            None,
+            SockFlag::SOCK_CLOEXEC,
+        )
+        .map_err(errno)?;
+        Ok((Conn(a), Conn(b)))
+    }
+
+    /// Send raw bytes as one message (the fuzz target's input).
+    pub fn send_raw(&self, bytes: &[u8]) -> io::Result<()> {
+        nix::sys::socket::send(self.0.as_raw_fd(), bytes, MsgFlags::MSG_NOSIGNAL).map_err(errno)?;
+        Ok(())
+    }
+
     /// Connect to the running agent's hand-over socket.
     pub fn connect(path: &Path) -> io::Result<Conn> {
         let fd = seqpacket(SockFlag::empty())?;
@@ -282,14 +300,7 @@ mod tests {
     use super::*;
 
     fn pair() -> (Conn, Conn) {
-        let (a, b) = nix::sys::socket::socketpair(
-            AddressFamily::Unix,
-            SockType::SeqPacket,
-            None,
-            SockFlag::SOCK_CLOEXEC,
-        )
-        .unwrap();
-        (Conn(a), Conn(b))
+        Conn::pair().unwrap()
     }
 
     /// An offer larger than one packet arrives whole, each descriptor with its name.
@@ -369,7 +380,7 @@ mod tests {
         )
         .unwrap();
         assert_eq!(b.recv_offer().unwrap_err().to_string(), "busy");
-        nix::sys::socket::send(a.0.as_raw_fd(), b"{not json", MsgFlags::empty()).unwrap();
+        a.send_raw(b"{not json").unwrap();
         assert!(b.recv().unwrap_err().to_string().contains("not understood"));
         drop(a);
         assert_eq!(b.recv().unwrap_err().kind(), io::ErrorKind::UnexpectedEof);

@@ -1,0 +1,351 @@
+//! Restarts and upgrades that lose nothing (issue #23; `egress_agent::handover`). Root only: the
+//! real daemon, a private dockerd, a labelled container running `egress-workload` (DNS and an
+//! HTTP request through the proxy every 20 ms, a busy tunnel the proxy splices into the kernel
+//! relay and a quiet one it keeps in user space, to echo servers in the dockerd namespace).
+//!
+//! - SIGUSR2 (the systemd unit's restart and upgrade): the running agent starts a new copy of its
+//!   binary, which takes the sockets; the old one names it the main process (`MAINPID=`, on a
+//!   notify socket the test reads), drains its tunnels and exits when they end.
+//! - an upgrade to another build, started next to the running one (a DaemonSet roll): the same.
+//!
+//! Each asserts that the workload lost no DNS query, no request and no tunnel, that the echo
+//! servers saw no reconnect, that the old agent relayed both tunnels to their end (kernel and
+//! user space), and that a container started and one removed during the hand-over are handled.
+use std::os::unix::net::UnixDatagram;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use egress_tests::docker::{Env, SERIAL, require_root};
+use egress_tests::workload::{self, Echo, Seen, Workload};
+use nix::sys::signal::Signal;
+
+const WAIT: Duration = Duration::from_secs(60);
+
+fn env_new() -> Env {
+    let mut env = Env::new(&[Path::new(env!("CARGO_BIN_EXE_egress-workload"))]);
+    env.write_config(&env.config_text(&workload::policies()));
+    let o = env.cli(&["reload"]);
+    assert!(
+        o.status.success(),
+        "reload: {}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    env.agent_env.clear();
+    env
+}
+
+/// A notify socket standing in for systemd: every datagram the agents send.
+fn notify_socket(env: &mut Env) -> Arc<Mutex<Vec<String>>> {
+    let path = env.dir.join("notify.sock");
+    let sock = UnixDatagram::bind(&path).expect("notify socket");
+    let got: Arc<Mutex<Vec<String>>> = Arc::default();
+    let keep = got.clone();
+    std::thread::spawn(move || {
+        let mut buf = [0u8; 4096];
+        while let Ok(n) = sock.recv(&mut buf) {
+            keep.lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .push(String::from_utf8_lossy(&buf[..n]).into_owned());
+        }
+    });
+    env.agent_env
+        .push(("NOTIFY_SOCKET".into(), path.display().to_string()));
+    got
+}
+
+fn pid_of(env: &Env) -> u32 {
+    env.serving_pid().expect("the agent answers status")
+}
+
+/// Whether `pid` runs (an exited child of this test that is not reaped yet does not).
+fn alive(pid: u32) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/stat"))
+        .ok()
+        .and_then(|s| s.rsplit_once(") ").map(|(_, rest)| !rest.starts_with('Z')))
+        .unwrap_or(false)
+}
+
+/// Run a hand-over with `how` under load and check that nothing was lost. Returns the pids
+/// (old, new) and what the workload saw.
+fn hand_over_under_load(env: &mut Env, how: impl FnOnce(&mut Env, u32)) -> (u32, u32, Seen) {
+    let echo = Echo::start(env);
+    let w = Workload::start(env, "workload");
+    assert!(env.wait_enforced("workload", 1), "{}", env.log());
+    // The busy tunnel has been spliced (16 reads) and everything flows.
+    let before = w
+        .wait(env, WAIT, |s| {
+            s.dns_ok >= 50
+                && s.http_ok >= 50
+                && s.tunnels.len() == 2
+                && s.tunnels[0].0 >= 30
+                && s.tunnels[1].0 >= 1
+        })
+        .unwrap_or_else(|s| panic!("workload never got going: {}\n{}", s.line(), env.log()));
+    env.start_ok(
+        "leaving",
+        &["--label", &format!("egress.policy={}", workload::POLICY)],
+        &["sleep", "600"],
+    );
+    assert!(env.wait_enforced("leaving", 1), "{}", env.log());
+    let old = pid_of(env);
+    let took = env
+        .log()
+        .matches("took over from the running agent")
+        .count();
+    let t0 = Instant::now();
+    how(env, old);
+    // One container leaves and one arrives while the agents change.
+    env.d.docker_ok(&["rm", "-f", "leaving"]);
+    env.start_ok(
+        "arriving",
+        &["--label", &format!("egress.policy={}", workload::POLICY)],
+        &["egress-workload"],
+    );
+    assert!(
+        env.wait_log(
+            |l| l.matches("took over from the running agent").count() > took,
+            WAIT
+        ),
+        "no hand-over:\n{}",
+        env.log()
+    );
+    let handed = t0.elapsed();
+    let new = pid_of(env);
+    assert_ne!(old, new, "the same agent still serves");
+    // The old agent drains the two tunnels it relays (status and metrics show it).
+    let status = env.cli(&["status", "--json"]);
+    let v: serde_json::Value = serde_json::from_slice(&status.stdout).expect("status");
+    assert_eq!(
+        v["previous_agent"]["pid"].as_u64(),
+        Some(u64::from(old)),
+        "{v}"
+    );
+    assert!(alive(old), "the old agent exited with tunnels open");
+    let after = w.progressed(env, &before, 150, WAIT).unwrap_or_else(|s| {
+        panic!(
+            "workload stalled after the hand-over: {}\n{}",
+            s.line(),
+            env.log()
+        )
+    });
+    eprintln!("hand-over in {handed:?}; workload: {}", after.line());
+    // Counted from `before`: a query the container sent in its first milliseconds, before the
+    // agent classified it, is refused like any unclassified workload's (deny_all).
+    assert_eq!(
+        after.dns_lost,
+        before.dns_lost,
+        "DNS queries lost: {}",
+        after.line()
+    );
+    assert_eq!(
+        after.http_failed,
+        before.http_failed,
+        "requests failed: {}",
+        after.line()
+    );
+    for (i, t) in after.tunnels.iter().enumerate() {
+        assert!(!t.1, "tunnel {i} cut: {}\n{}", after.line(), env.log());
+    }
+    assert_eq!(echo.connections(), [1, 1], "a tunnel reconnected");
+    // The arriving container is enforced by the new agent and its DNS and requests work; the
+    // leaving one's sockets are gone.
+    let arriving = Workload {
+        name: "arriving".into(),
+    };
+    arriving
+        .wait(env, WAIT, |s| s.dns_ok >= 20 && s.http_ok >= 20)
+        .unwrap_or_else(|s| {
+            panic!(
+                "the container started during the hand-over: {}\n{}",
+                s.line(),
+                env.log()
+            )
+        });
+    let containers = egress_tests::sh(&format!(
+        "curl -s --unix-socket {} http://agent/v1/containers",
+        env.api_socket().display()
+    ));
+    assert!(
+        containers.contains("\"arriving\"") && !containers.contains("\"leaving\""),
+        "{containers}"
+    );
+    // The tunnels end when the workload does: the old agent relayed each to its end, the busy
+    // one in the kernel and the quiet one in user space, then exited.
+    env.d.docker_ok(&["rm", "-f", "workload", "arriving"]);
+    assert!(
+        env.wait_log(|l| l.contains("drained; exiting"), WAIT),
+        "the old agent did not finish draining:\n{}",
+        env.log()
+    );
+    let log = env.log();
+    let closed = |port: u16, relay: &str| {
+        log.lines().any(|l| {
+            l.contains("tunnel closed")
+                && l.contains(&format!("tls.test:{port}"))
+                && l.contains(&format!("\"relay\":\"{relay}\""))
+        })
+    };
+    assert!(
+        closed(workload::ECHO_PORTS[0], "kernel"),
+        "busy tunnel not relayed in the kernel to its end:\n{log}"
+    );
+    assert!(
+        closed(workload::ECHO_PORTS[1], "user"),
+        "quiet tunnel not relayed in user space to its end:\n{log}"
+    );
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while alive(old) && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert!(
+        !alive(old),
+        "the old agent is still running after its drain"
+    );
+    assert_eq!(pid_of(env), new);
+    (old, new, after)
+}
+
+#[test]
+fn sigusr2_restart_loses_nothing() {
+    if !require_root() {
+        return;
+    }
+    let _serial = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
+    let mut env = env_new();
+    // Restart on the notify socket, so the hand-over's MAINPID= can be seen.
+    let notes = notify_socket(&mut env);
+    env.signal_agent(Signal::SIGTERM);
+    if let Some(mut c) = env.agent.take() {
+        c.wait().ok();
+    }
+    env.start_agent();
+    let (_old, new, _) = hand_over_under_load(&mut env, |env, _| env.signal_agent(Signal::SIGUSR2));
+    let notes = notes.lock().unwrap_or_else(|p| p.into_inner()).clone();
+    assert!(
+        notes.iter().any(|n| n.contains(&format!("MAINPID={new}"))),
+        "no MAINPID={new} on the notify socket: {notes:?}"
+    );
+    // The new agent's own READY=1 reached the notify socket (NotifyAccess=all in the unit).
+    assert!(
+        notes.iter().filter(|n| n.contains("READY=1")).count() >= 2,
+        "{notes:?}"
+    );
+    kill(new);
+}
+
+#[test]
+fn upgrade_to_another_build_started_alongside_loses_nothing() {
+    if !require_root() {
+        return;
+    }
+    let _serial = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
+    let mut env = env_new();
+    // Another build: a different file (its bytes differ), installed where the new one runs from.
+    let other: PathBuf = env.dir.join("egress-agent-upgrade");
+    let mut bytes = std::fs::read(env.agent_bin()).expect("agent binary");
+    bytes.extend_from_slice(b"\0another build of egress-agent\0");
+    std::fs::write(&other, &bytes).expect("write the other build");
+    std::fs::set_permissions(&other, std::os::unix::fs::PermissionsExt::from_mode(0o755))
+        .expect("chmod");
+    let (old, new, _) = hand_over_under_load(&mut env, |env, _| {
+        env.set_agent_bin(other.clone());
+        // `egress-agent run` next to the running one, as a DaemonSet roll starts the new pod.
+        let first = env.agent.take();
+        env.start_agent();
+        // Reaped once it drained (a zombie until then counts as exited).
+        if let Some(mut c) = first {
+            std::thread::spawn(move || c.wait());
+        }
+    });
+    let exe = std::fs::read_link(format!("/proc/{new}/exe")).expect("new agent's binary");
+    assert_eq!(
+        exe, other,
+        "the new agent does not run the other build (old pid {old})"
+    );
+    kill(new);
+}
+
+fn kill(pid: u32) {
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(i32::try_from(pid).expect("pid")),
+        Signal::SIGTERM,
+    )
+    .ok();
+}
+
+/// A crash (kill -9) can't hand anything over: the sockets close with the process. What a
+/// workload sees is bounded and fails closed: while no agent runs, each query and request fails
+/// within its own timeout (a refusal, never a hang), nothing reaches a destination the policy
+/// denies (the pinned programs keep enforcing: checked at the canary listener), and once a new
+/// agent runs (on new sockets, the stale hand-over socket noticed) DNS and requests work again.
+/// The tunnels are cut; the test reports them. Prints the measured gap.
+#[test]
+fn kill_9_gap_is_bounded_and_fails_closed() {
+    if !require_root() {
+        return;
+    }
+    let _serial = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
+    let mut env = env_new();
+    let _echo = Echo::start(&env);
+    let w = Workload::start(&env, "workload");
+    assert!(env.wait_enforced("workload", 1), "{}", env.log());
+    // A neighbour under `web` keeps trying the canary (denied to it) directly and through the
+    // proxy during the outage.
+    env.start_ok(
+        "prober",
+        &["--label", "egress.policy=web"],
+        &[
+            "sh",
+            "-c",
+            "while true; do nc -w 1 198.18.0.1 9000 </dev/null; printf 'CONNECT 198.18.0.1:9000 HTTP/1.1\\r\\n\\r\\n' | nc -w 1 169.254.100.1 3128 >/dev/null; sleep 0.05; done",
+        ],
+    );
+    assert!(env.wait_enforced("prober", 1), "{}", env.log());
+    let canary_before = env.canary.count();
+    let before = w
+        .wait(&env, WAIT, |s| {
+            s.dns_ok >= 50 && s.http_ok >= 50 && s.tunnels.len() == 2
+        })
+        .unwrap_or_else(|s| panic!("workload never got going: {}\n{}", s.line(), env.log()));
+    let killed = Instant::now();
+    env.kill_agent();
+    // No agent for a while: failures pile up, each bounded by its timeout.
+    let outage = w
+        .wait(&env, WAIT, |s| {
+            s.dns_lost >= before.dns_lost + 2 && s.http_failed >= before.http_failed + 2
+        })
+        .unwrap_or_else(|s| panic!("nothing failed without an agent: {}", s.line()));
+    let restarted = Instant::now();
+    env.start_agent();
+    let (serving, start, down) = (killed.elapsed(), restarted.elapsed(), restarted - killed);
+    let after = w
+        .progressed(&env, &outage, 50, WAIT)
+        .unwrap_or_else(|s| panic!("no recovery after the restart: {}\n{}", s.line(), env.log()));
+    let cut = after.tunnels.iter().filter(|t| t.1).count();
+    eprintln!(
+        "kill -9: a new agent (started {down:?} after the kill) served {start:?} after its start, {serving:?} after the kill; longest gap dns={} ms http={} ms; lost queries={} failed requests={}; slowest failure {} ms; tunnels cut={cut} of {}",
+        after.dns_gap_ms,
+        after.http_gap_ms,
+        after.dns_lost - before.dns_lost,
+        after.http_failed - before.http_failed,
+        after.slowest_failure_ms,
+        after.tunnels.len(),
+    );
+    // Never a hang: a DNS query waits 1 s, a request 2 s for its connect and 2 s for its answer.
+    assert!(
+        after.slowest_failure_ms <= 4_500,
+        "a failure took {} ms (a hang?)",
+        after.slowest_failure_ms
+    );
+    assert_eq!(
+        env.canary.count(),
+        canary_before,
+        "something reached the canary while no agent ran"
+    );
+    assert!(
+        env.log().contains("hand-over socket is stale"),
+        "the new agent did not notice the stale hand-over socket:\n{}",
+        env.log()
+    );
+}
