@@ -342,6 +342,16 @@ pub async fn run(opts: RunOptions) -> Result<()> {
     // binding anything.
     let handover_path = handover::socket_path(&config.agent.state_dir);
     let sockets = opts.docker.sockets.clone();
+    // Sockets systemd kept for this agent (a crash and its restart: the fd store).
+    let stored = handover::fdstore::passed();
+    let from_store = !stored.is_empty();
+    if from_store {
+        info!(
+            sockets = stored.len(),
+            "adopting the sockets the service manager kept (fd store)"
+        );
+        sockets.adopt(stored);
+    }
     let mut taking = handover::take(&handover_path).await?;
     if let Some(t) = &mut taking {
         let fds = t.sockets();
@@ -410,6 +420,19 @@ pub async fn run(opts: RunOptions) -> Result<()> {
         }
     };
     info!(ready = %ready, "egress-agent enforcing");
+    if from_store && taking.is_none() {
+        let missing = sockets
+            .wait_reconciled(&runtimes.names(), handover::RECONCILE_WAIT)
+            .await;
+        if !missing.is_empty() {
+            warn!(runtimes = ?missing, "closing stored sockets before these runtimes reconciled");
+        }
+        let unclaimed = sockets.close_unclaimed();
+        info!(
+            closed = unclaimed.len(),
+            "stored sockets adopted; what nothing claimed is closed"
+        );
+    }
     let previous = match taking {
         Some(t) => match take_over(t, &sockets, &runtimes).await {
             Ok(p) => {

@@ -298,6 +298,8 @@ fn main() -> ExitCode {
                     cgroup_parent,
                     nft: !no_nft,
                     require_lsm,
+                    // Kept in systemd's fd store too, when run under systemd.
+                    sockets: egress_agent::handover::Sockets::with_fdstore(),
                     ..DockerOptions::default()
                 },
                 watch_docker: !no_docker,

@@ -38,6 +38,8 @@ fn unit_has_the_directives_the_agent_relies_on() {
     );
     assert_eq!(one("ExecReload"), "/bin/kill -HUP $MAINPID");
     assert_eq!(one("Restart"), "on-failure");
+    // A crash keeps the listening sockets in systemd's store (egress_agent::handover::fdstore).
+    assert_eq!(one("FileDescriptorStoreMax"), "4096");
     assert_eq!(one("Wants"), "docker.service");
     // Before Docker, not after: at boot the programs must be on the Docker cgroup root before
     // Docker restarts containers (an unclassified container is then deny_all, never unconfined).

@@ -438,6 +438,9 @@ pub struct Env {
     agent_bin: PathBuf,
     /// Extra environment of the daemons [`Env::start_agent`] starts (e.g. `NOTIFY_SOCKET`).
     pub agent_env: Vec<(String, String)>,
+    /// A command the daemon is started through (it ends by exec'ing its arguments), e.g. a
+    /// shell that plays the service manager passing descriptors; used once, then cleared.
+    pub agent_prefix: Vec<String>,
     pub d: Dockerd,
 }
 
@@ -482,6 +485,7 @@ impl Env {
             bpffs,
             agent_bin,
             agent_env: Vec::new(),
+            agent_prefix: Vec::new(),
             d,
         };
         env.start_agent();
@@ -575,7 +579,16 @@ nameservers = []
         let before = self.log().matches("docker reconcile done").count();
         let enforcing = self.log().matches("egress-agent enforcing").count();
         // `nsenter` execs the daemon: the child's pid is the daemon's (kill -9 hits it).
-        let child = Command::new("nsenter")
+        let prefix = std::mem::take(&mut self.agent_prefix);
+        let mut cmd = match prefix.split_first() {
+            Some((first, rest)) => {
+                let mut c = Command::new(first);
+                c.args(rest).arg("nsenter");
+                c
+            }
+            None => Command::new("nsenter"),
+        };
+        let child = cmd
             .arg(format!("--net={}", self.d.netns.path().display()))
             .arg(&self.agent_bin)
             .arg("run")

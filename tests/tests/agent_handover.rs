@@ -349,3 +349,154 @@ fn kill_9_gap_is_bounded_and_fails_closed() {
         env.log()
     );
 }
+
+/// What systemd's file-descriptor store gets from the agent, played by the test: `FDSTORE=1`
+/// datagrams with their descriptor by `FDNAME`, and `FDSTOREREMOVE=1`.
+type Store = Arc<Mutex<Vec<(String, std::os::fd::OwnedFd)>>>;
+
+fn fd_store(env: &mut Env) -> Store {
+    use nix::sys::socket::{ControlMessageOwned, MsgFlags, recvmsg};
+    use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+    let path = env.dir.join("notify-store.sock");
+    let sock = UnixDatagram::bind(&path).expect("notify socket");
+    let store: Store = Arc::default();
+    let keep = store.clone();
+    std::thread::spawn(move || {
+        loop {
+            let mut buf = [0u8; 4096];
+            let mut cmsg = nix::cmsg_space!([std::os::fd::RawFd; 8]);
+            let mut iov = [std::io::IoSliceMut::new(&mut buf)];
+            let Ok(r) = recvmsg::<()>(
+                sock.as_raw_fd(),
+                &mut iov,
+                Some(&mut cmsg),
+                MsgFlags::MSG_CMSG_CLOEXEC,
+            ) else {
+                return;
+            };
+            let mut fds = Vec::new();
+            for c in r.cmsgs().into_iter().flatten() {
+                if let ControlMessageOwned::ScmRights(raw) = c {
+                    // SAFETY: just received for this process; owned here alone.
+                    fds.extend(
+                        raw.into_iter()
+                            .map(|fd| unsafe { OwnedFd::from_raw_fd(fd) }),
+                    );
+                }
+            }
+            let n = r.bytes;
+            let text = String::from_utf8_lossy(&buf[..n]).into_owned();
+            let name = text
+                .lines()
+                .find_map(|l| l.strip_prefix("FDNAME="))
+                .unwrap_or_default()
+                .to_owned();
+            let mut s = keep.lock().unwrap_or_else(|p| p.into_inner());
+            if text.lines().any(|l| l == "FDSTOREREMOVE=1") {
+                s.retain(|(k, _)| *k != name);
+            } else if text.lines().any(|l| l == "FDSTORE=1") {
+                s.extend(fds.into_iter().map(|f| (name.clone(), f)));
+            }
+        }
+    });
+    env.agent_env
+        .push(("NOTIFY_SOCKET".into(), path.display().to_string()));
+    store
+}
+
+/// A crash under systemd: the agent kept its sockets in the file-descriptor store, so while it
+/// is down a request waits in its listener's backlog and is answered once systemd has restarted
+/// the agent with them (`LISTEN_FDS`): no request fails, no port changes. DNS queries wait in
+/// their socket's buffer; those older than the client's timeout (1 s here) when the agent is
+/// back are reported. Tunnels die with the process, as in any crash.
+#[test]
+fn kill_9_under_systemd_keeps_the_sockets() {
+    if !require_root() {
+        return;
+    }
+    let _serial = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
+    let mut env = env_new();
+    let store = fd_store(&mut env);
+    env.signal_agent(Signal::SIGTERM);
+    if let Some(mut c) = env.agent.take() {
+        c.wait().ok();
+    }
+    env.start_agent();
+    let _echo = Echo::start(&env);
+    let w = Workload::start(&env, "workload");
+    assert!(env.wait_enforced("workload", 1), "{}", env.log());
+    let before = w
+        .wait(&env, WAIT, |s| {
+            s.dns_ok >= 50 && s.http_ok >= 50 && s.tunnels.len() == 2
+        })
+        .unwrap_or_else(|s| panic!("workload never got going: {}\n{}", s.line(), env.log()));
+    let stored: Vec<String> = store
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .iter()
+        .map(|(k, _)| k.clone())
+        .collect();
+    assert!(
+        stored.iter().any(|k| k == "api")
+            && stored.iter().filter(|k| k.starts_with("workload/")).count() >= 4,
+        "the agent did not store its sockets: {stored:?}"
+    );
+    let killed = Instant::now();
+    env.kill_agent();
+    // systemd's RestartSec=500ms, then the agent with the stored descriptors at 3.. .
+    std::thread::sleep(Duration::from_millis(500));
+    let passed: Vec<(String, i32)> = store
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .iter()
+        .map(|(k, fd)| {
+            let dup = nix::fcntl::fcntl(fd, nix::fcntl::FcntlArg::F_DUPFD(100)).expect("dup");
+            (k.clone(), dup)
+        })
+        .collect();
+    let redirects: Vec<String> = passed
+        .iter()
+        .enumerate()
+        .map(|(i, (_, fd))| format!("{}<&{fd} {fd}<&-", i + 3))
+        .collect();
+    let names: Vec<&str> = passed.iter().map(|(k, _)| k.as_str()).collect();
+    env.agent_prefix = vec![
+        "bash".into(),
+        "-c".into(),
+        format!(
+            "exec {}; export LISTEN_FDS={} LISTEN_FDNAMES={} LISTEN_PID=$$; exec \"$@\"",
+            redirects.join(" "),
+            passed.len(),
+            names.join(":")
+        ),
+        "bash".into(),
+    ];
+    env.start_agent();
+    for (_, fd) in &passed {
+        nix::unistd::close(*fd).ok();
+    }
+    let serving = killed.elapsed();
+    assert!(
+        env.log()
+            .contains("adopting the sockets the service manager kept"),
+        "{}",
+        env.log()
+    );
+    let after = w
+        .progressed(&env, &before, 100, WAIT)
+        .unwrap_or_else(|s| panic!("no recovery: {}\n{}", s.line(), env.log()));
+    eprintln!(
+        "kill -9 under systemd (fd store): serving again {serving:?} after the kill; longest gap dns={} ms http={} ms; lost queries={} failed requests={}; tunnels cut={}",
+        after.dns_gap_ms,
+        after.http_gap_ms,
+        after.dns_lost - before.dns_lost,
+        after.http_failed - before.http_failed,
+        after.tunnels.iter().filter(|t| t.1).count()
+    );
+    assert_eq!(
+        after.http_failed,
+        before.http_failed,
+        "requests failed although the sockets were kept: {}",
+        after.line()
+    );
+}

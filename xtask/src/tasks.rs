@@ -294,6 +294,28 @@ pub fn bench(quick: bool) -> Result<()> {
     ) {
         failed.push(format!("containerd_bench: {e}"));
     }
+    // Restarts under load: the hand-over (SIGUSR2) side by side with a stop and start.
+    eprintln!("== handover_bench");
+    let restarts = if quick { "3" } else { "5" };
+    if let Err(e) = cargo_with(
+        &[
+            "test",
+            "-p",
+            "egress-tests",
+            "--test",
+            "handover_bench",
+            "--",
+            "--ignored",
+            "--nocapture",
+            "--test-threads=1",
+        ],
+        &[
+            ("EGRESS_AGENT_BIN", agent.as_os_str()),
+            ("EGRESS_BENCH_RESTARTS", restarts.as_ref()),
+        ],
+    ) {
+        failed.push(format!("handover_bench: {e}"));
+    }
     if !failed.is_empty() {
         bail!("benchmarks failed: {}", failed.join("; "));
     }

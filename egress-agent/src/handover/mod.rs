@@ -18,9 +18,12 @@
 //! arguments, the binary re-read from the path it was started from (an upgrade installs the new
 //! build there first); under systemd the running agent then names the new one the main process.
 //!
-//! What can't be handed over is a crash: a killed agent's sockets close with it. The pinned
-//! programs keep enforcing (fail closed: a workload's connection to the proxy is refused, never
-//! let out), and the next agent binds new sockets and rewrites the entries.
+//! What can't be handed over is a crash: a killed agent's sockets close with it, unless systemd
+//! keeps them ([`fdstore`]: the restarted agent gets them back and adopts them the same way).
+//! Otherwise the pinned programs keep enforcing (fail closed: a workload's connection to the
+//! proxy is refused, never let out), and the next agent binds new sockets and rewrites the
+//! entries.
+pub mod fdstore;
 pub mod give;
 pub mod sockets;
 pub mod take;

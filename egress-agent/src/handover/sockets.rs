@@ -41,6 +41,8 @@ pub struct Sockets {
     /// serves: by then each workload's sockets are claimed).
     reconciled: Mutex<Vec<&'static str>>,
     reconciled_changed: Notify,
+    /// Also keep the sockets in systemd's file-descriptor store ([`super::fdstore`]).
+    fdstore: bool,
 }
 
 /// Keeps a socket in the offer until dropped (when the socket is closed or its workload goes).
@@ -54,6 +56,10 @@ pub struct Held {
 impl Drop for Held {
     fn drop(&mut self) {
         lock(&self.sockets.held).remove(&self.key);
+        // After a hand-over the successor serves (and stored) this socket: it stays stored.
+        if self.sockets.fdstore && !self.sockets.is_handed_over() {
+            super::fdstore::remove(&self.key);
+        }
     }
 }
 
@@ -93,6 +99,15 @@ impl Sockets {
         Arc::new(Sockets::default())
     }
 
+    /// The daemon's: sockets it binds are kept in systemd's file-descriptor store too, when a
+    /// service manager listens ([`super::fdstore::enabled`]).
+    pub fn with_fdstore() -> Arc<Sockets> {
+        Arc::new(Sockets {
+            fdstore: super::fdstore::enabled(),
+            ..Sockets::default()
+        })
+    }
+
     /// Take what the previous agent handed over (each claimed later by its key).
     pub fn adopt(&self, fds: impl IntoIterator<Item = (String, OwnedFd)>) {
         lock(&self.taken).extend(fds);
@@ -104,8 +119,17 @@ impl Sockets {
 
     /// Offer `fd` (bound by the caller) under `key` while the registration is held.
     pub fn hold(self: &Arc<Self>, key: &str, fd: &impl AsFd) -> io::Result<Held> {
+        self.register(key, fd, true)
+    }
+
+    /// `fresh`: bound by this process (kept in the fd store too); else taken over, whose name
+    /// the store has already.
+    fn register(self: &Arc<Self>, key: &str, fd: &impl AsFd, fresh: bool) -> io::Result<Held> {
         let dup = fd.as_fd().try_clone_to_owned()?;
         lock(&self.held).insert(key.to_owned(), dup);
+        if self.fdstore && fresh {
+            super::fdstore::store(key, fd);
+        }
         Ok(Held {
             sockets: self.clone(),
             key: key.to_owned(),
@@ -120,11 +144,11 @@ impl Sockets {
         addr: SocketAddr,
         bind: impl FnOnce(SocketAddr) -> io::Result<tokio::net::TcpListener>,
     ) -> io::Result<(tokio::net::TcpListener, Held)> {
-        let listener = match self.claim(key).and_then(|fd| adopt_tcp(key, fd, addr)) {
-            Some(l) => l,
-            None => bind(addr)?,
+        let (listener, fresh) = match self.claim(key).and_then(|fd| adopt_tcp(key, fd, addr)) {
+            Some(l) => (l, false),
+            None => (bind(addr)?, true),
         };
-        let held = self.hold(key, &listener)?;
+        let held = self.register(key, &listener, fresh)?;
         Ok((listener, held))
     }
 
@@ -135,13 +159,13 @@ impl Sockets {
         addr: SocketAddr,
         bind: impl FnOnce(SocketAddr) -> io::Result<std::net::UdpSocket>,
     ) -> io::Result<(tokio::net::UdpSocket, Held)> {
-        let socket = match self.claim(key).and_then(|fd| adopt_udp(key, fd, addr)) {
-            Some(s) => s,
-            None => bind(addr)?,
+        let (socket, fresh) = match self.claim(key).and_then(|fd| adopt_udp(key, fd, addr)) {
+            Some(s) => (s, false),
+            None => (bind(addr)?, true),
         };
         socket.set_nonblocking(true)?;
         let socket = tokio::net::UdpSocket::from_std(socket)?;
-        let held = self.hold(key, &socket)?;
+        let held = self.register(key, &socket, fresh)?;
         Ok((socket, held))
     }
 
@@ -153,11 +177,11 @@ impl Sockets {
         path: &Path,
         bind: impl FnOnce() -> io::Result<tokio::net::UnixListener>,
     ) -> io::Result<(tokio::net::UnixListener, Held)> {
-        let listener = match self.claim(key).and_then(|fd| adopt_unix(key, fd, path)) {
-            Some(l) => l,
-            None => bind()?,
+        let (listener, fresh) = match self.claim(key).and_then(|fd| adopt_unix(key, fd, path)) {
+            Some(l) => (l, false),
+            None => (bind()?, true),
         };
-        let held = self.hold(key, &listener)?;
+        let held = self.register(key, &listener, fresh)?;
         Ok((listener, held))
     }
 
@@ -167,11 +191,17 @@ impl Sockets {
     }
 
     /// Close what was handed over and nothing claimed (its workload went while no agent watched,
-    /// or its policy changed); returns their keys.
+    /// or its policy changed); returns their keys. Their names leave the fd store too.
     pub fn close_unclaimed(&self) -> Vec<String> {
-        std::mem::take(&mut *lock(&self.taken))
+        let keys: Vec<String> = std::mem::take(&mut *lock(&self.taken))
             .into_keys()
-            .collect()
+            .collect();
+        if self.fdstore {
+            for k in &keys {
+                super::fdstore::remove(k);
+            }
+        }
+        keys
     }
 
     /// Duplicates of every socket this process holds, for a successor.
