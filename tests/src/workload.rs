@@ -99,6 +99,35 @@ pub struct Seen {
 }
 
 impl Seen {
+    /// One of `egress-workload`'s state lines.
+    pub fn parse(line: &str) -> Option<Seen> {
+        let v: serde_json::Value = serde_json::from_str(line).ok()?;
+        let n = |k: &str| v[k].as_u64().unwrap_or(0);
+        Some(Seen {
+            dns_ok: n("dns_ok"),
+            dns_lost: n("dns_lost"),
+            http_ok: n("http_ok"),
+            http_failed: n("http_failed"),
+            dns_gap_ms: n("dns_gap_ms"),
+            http_gap_ms: n("http_gap_ms"),
+            slowest_failure_ms: n("slowest_failure_ms"),
+            tunnels: v["tunnels"]
+                .as_array()
+                .map(|a| {
+                    a.iter()
+                        .map(|t| {
+                            (
+                                t["pings"].as_u64().unwrap_or(0),
+                                t["cut"].as_bool().unwrap_or(false),
+                                t["why"].as_str().unwrap_or_default().to_owned(),
+                            )
+                        })
+                        .collect()
+                })
+                .unwrap_or_default(),
+        })
+    }
+
     /// A one-line summary for logs and benchmarks.
     pub fn line(&self) -> String {
         let tunnels: Vec<String> = self
@@ -151,31 +180,7 @@ impl Workload {
     pub fn seen(&self, env: &Env) -> Option<Seen> {
         let o = env.d.docker(&["logs", "--tail", "1", &self.name]);
         let text = String::from_utf8_lossy(&o.stdout);
-        let v: serde_json::Value = serde_json::from_str(text.lines().last()?).ok()?;
-        let n = |k: &str| v[k].as_u64().unwrap_or(0);
-        Some(Seen {
-            dns_ok: n("dns_ok"),
-            dns_lost: n("dns_lost"),
-            http_ok: n("http_ok"),
-            http_failed: n("http_failed"),
-            dns_gap_ms: n("dns_gap_ms"),
-            http_gap_ms: n("http_gap_ms"),
-            slowest_failure_ms: n("slowest_failure_ms"),
-            tunnels: v["tunnels"]
-                .as_array()
-                .map(|a| {
-                    a.iter()
-                        .map(|t| {
-                            (
-                                t["pings"].as_u64().unwrap_or(0),
-                                t["cut"].as_bool().unwrap_or(false),
-                                t["why"].as_str().unwrap_or_default().to_owned(),
-                            )
-                        })
-                        .collect()
-                })
-                .unwrap_or_default(),
-        })
+        Seen::parse(text.lines().last()?)
     }
 
     /// Wait (up to `timeout`) until `f` holds for what the workload has seen; the last state.
