@@ -94,6 +94,9 @@ struct Daemon {
     metrics: Arc<Metrics>,
     /// The agent this one took over from, while it drains.
     previous: Option<Arc<handover::Previous>>,
+    /// `POST /v1/restart`: asks the main loop to start a successor (as SIGUSR2); the answer is
+    /// its pid or why not.
+    restart_tx: mpsc::Sender<oneshot::Sender<Result<u32, String>>>,
 }
 
 impl Daemon {
@@ -295,6 +298,19 @@ impl Control for Daemon {
             async move { backend::doctor(&self.config.load_full(), &self.docker_socket).await },
         )
     }
+
+    fn restart(&self) -> BoxFuture<'_, Result<Value, ApiError>> {
+        Box::pin(async move {
+            let (tx, rx) = oneshot::channel();
+            let stopping = || ApiError::new(503, "the daemon is stopping".to_owned());
+            self.restart_tx.send(tx).await.map_err(|_| stopping())?;
+            let new_pid = rx
+                .await
+                .map_err(|_| stopping())?
+                .map_err(|e| ApiError::new(500, e))?;
+            Ok(json!({ "pid": std::process::id(), "new_pid": new_pid }))
+        })
+    }
 }
 
 /// Reload on every change of `policies.d` (unless `agent.watch_policies = false`), a task of the
@@ -466,6 +482,7 @@ pub async fn run(opts: RunOptions) -> Result<()> {
         Err(e) => warn!(error = %e, "kernel events unavailable"),
     }
 
+    let (restart_tx, mut restart_rx) = mpsc::channel(1);
     let daemon = Arc::new(Daemon {
         config_path: opts.config.clone(),
         config: ArcSwap::new(config),
@@ -477,6 +494,7 @@ pub async fn run(opts: RunOptions) -> Result<()> {
         docker_socket: opts.docker.socket.clone(),
         metrics,
         previous,
+        restart_tx,
     });
     let control = daemon.clone();
     agent.spawn("api", |stop| api.run(control, stop.cancelled_owned()));
@@ -513,7 +531,10 @@ pub async fn run(opts: RunOptions) -> Result<()> {
                 daemon.reload(Trigger::Sighup).await.ok();
             }
             _ = usr2.recv() => {
-                spawned = start_successor(&exe, spawned);
+                start_successor(&exe, &mut spawned).ok();
+            }
+            Some(reply) = restart_rx.recv() => {
+                reply.send(start_successor(&exe, &mut spawned)).ok();
             }
             Some(s) = successor_rx.recv() => break End::HandedOver(s),
             _ = term.recv() => break End::Stop(Ok(())),
@@ -602,41 +623,46 @@ async fn follow_previous(
     }
 }
 
-/// SIGUSR2: start a new copy of this agent, which takes over (unless one started already and
-/// runs). Returns the child to keep.
+/// SIGUSR2 or `POST /v1/restart`: start a new copy of this agent, which takes over (unless one
+/// started already and still runs). `running` keeps the child; returns its pid.
 fn start_successor(
     exe: &std::path::Path,
-    running: Option<std::process::Child>,
-) -> Option<std::process::Child> {
-    if let Some(mut c) = running {
+    running: &mut Option<std::process::Child>,
+) -> Result<u32, String> {
+    if let Some(c) = running.as_mut() {
         match c.try_wait() {
             Ok(None) => {
                 warn!(
                     pid = c.id(),
-                    "SIGUSR2: a new agent is already starting; wait for it"
+                    "restart: a new agent is already starting; wait for it"
                 );
-                return Some(c);
+                return Ok(c.id());
             }
             Ok(Some(status)) => {
-                warn!(pid = c.id(), %status, "the previous SIGUSR2's agent exited without taking over")
+                warn!(pid = c.id(), %status, "the previous restart's agent exited without taking over")
             }
-            Err(e) => warn!(error = %e, "checking the previous SIGUSR2's agent"),
+            Err(e) => warn!(error = %e, "checking the previous restart's agent"),
         }
     }
     match handover::spawn_successor(exe) {
         Ok(c) => {
-            info!(pid = c.id(), exe = %exe.display(),
-                "SIGUSR2: started a new agent; it takes the sockets, then this one drains");
-            Some(c)
+            let pid = c.id();
+            info!(pid, exe = %exe.display(),
+                "restart: started a new agent; it takes the sockets, then this one drains");
+            *running = Some(c);
+            Ok(pid)
         }
         Err(e) => {
-            error!(exe = %exe.display(), error = %e, "SIGUSR2: could not start a new agent; this one keeps serving");
-            None
+            error!(exe = %exe.display(), error = %e, "restart: could not start a new agent; this one keeps serving");
+            Err(format!(
+                "could not start {}: {e}; this agent keeps serving",
+                exe.display()
+            ))
         }
     }
 }
 
-/// Don't leave the SIGUSR2 child a zombie if it ends before this process.
+/// Don't leave the restart's child a zombie if it ends before this process.
 fn reap(child: Option<std::process::Child>) {
     if let Some(mut c) = child {
         c.try_wait().ok();

@@ -139,6 +139,17 @@ enum Command {
         #[arg(long, default_value = api::DEFAULT_SOCKET)]
         api_socket: PathBuf,
     },
+    /// Restart or upgrade the daemon without loss: a new agent from the installed binary takes
+    /// the running one's sockets, which then drains its tunnels and exits. Waits until the new
+    /// agent serves.
+    Restart {
+        /// Control API socket.
+        #[arg(long, default_value = api::DEFAULT_SOCKET)]
+        api_socket: PathBuf,
+        /// How long to wait for the new agent to take over, in seconds.
+        #[arg(long, default_value_t = 120)]
+        wait: u64,
+    },
     /// Validate a configuration file and print the effective policies.
     Check {
         /// Configuration file.
@@ -376,6 +387,14 @@ fn main() -> ExitCode {
                 })
                 .map(|()| ExitCode::SUCCESS)
         }
+        Command::Restart { api_socket, wait } => {
+            init_cli_tracing();
+            runtime()
+                .and_then(|rt| {
+                    rt.block_on(restart(&api_socket, std::time::Duration::from_secs(wait)))
+                })
+                .map(|()| ExitCode::SUCCESS)
+        }
         Command::Policy(args) => {
             init_cli_tracing();
             egress_agent::cli::manage::policy(args).map(|()| ExitCode::SUCCESS)
@@ -496,6 +515,36 @@ fn status(config: Option<&Path>, json: bool, api_socket: &Path) -> anyhow::Resul
     let c = egress_agent::config::Config::load_or_default(config)?;
     egress_agent::status::run(&c.agent.bpffs, json)?;
     Ok(ExitCode::SUCCESS)
+}
+
+/// `restart`: ask the daemon for a successor, then wait until that one serves the API.
+async fn restart(api_socket: &Path, wait: std::time::Duration) -> anyhow::Result<()> {
+    let body = api::client::request(api_socket, Method::POST, "/v1/restart").await?;
+    let v: serde_json::Value = serde_json::from_str(&body).context("restart answer")?;
+    let (old, new) = (v["pid"].as_u64(), v["new_pid"].as_u64());
+    let new = new.context("the daemon did not name the new agent")?;
+    let deadline = tokio::time::Instant::now() + wait;
+    loop {
+        if let Ok(body) = api::client::request(api_socket, Method::GET, "/v1/status").await
+            && let Ok(s) = serde_json::from_str::<serde_json::Value>(&body)
+            && s["pid"].as_u64() == Some(new)
+        {
+            let draining = s["previous_agent"]["draining_connections"]
+                .as_u64()
+                .unwrap_or(0);
+            println!(
+                "handed over: pid {} → pid {new}; the old agent drains {draining} connections, then exits",
+                old.map_or_else(|| "?".to_owned(), |p| p.to_string())
+            );
+            return Ok(());
+        }
+        if tokio::time::Instant::now() >= deadline {
+            anyhow::bail!(
+                "the new agent (pid {new}) did not take over within {wait:?}; the running agent keeps serving (its log says why, e.g. `a new agent did not take over`)"
+            );
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    }
 }
 
 fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {

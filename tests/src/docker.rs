@@ -429,6 +429,20 @@ impl Drop for Canary {
     }
 }
 
+/// The policies every [`Env`] starts with: `web` (allowed.test:8080 via allow_cidrs to the
+/// upstream) and `canary` (the canary's address).
+pub fn default_policies() -> String {
+    format!(
+        r#"[policies.web]
+allow_hosts = ["allowed.test"]
+allow_ports = [8080]
+allow_cidrs = ["{UPSTREAM_IP}/32"]
+[policies.canary]
+allow_cidrs = ["198.18.0.1/32"]
+"#
+    )
+}
+
 pub struct Env {
     /// The daemon under test: `egress-agent run` (the binary from [`crate::agent::agent_bin`]).
     pub agent: Option<Child>,
@@ -497,15 +511,7 @@ impl Env {
     /// allow_cidrs to the upstream) and `canary` (the canary's address).
     fn config_with(bpffs: &Path, dir: &Path, policies: &str) -> String {
         let policies = if policies.is_empty() {
-            format!(
-                r#"[policies.web]
-allow_hosts = ["allowed.test"]
-allow_ports = [8080]
-allow_cidrs = ["{UPSTREAM_IP}/32"]
-[policies.canary]
-allow_cidrs = ["198.18.0.1/32"]
-"#
-            )
+            default_policies()
         } else {
             policies.to_owned()
         };

@@ -22,19 +22,31 @@ pub const ECHO_PORTS: [u16; 2] = [9300, 9301];
 /// The policies of an environment that runs workloads (the default `web` and `canary` too).
 pub fn policies() -> String {
     format!(
-        r#"[policies.web]
-allow_hosts = ["allowed.test"]
-allow_ports = [8080]
-allow_cidrs = ["{UPSTREAM_IP}/32"]
-[policies.canary]
-allow_cidrs = ["198.18.0.1/32"]
-[policies.{POLICY}]
+        r#"{}[policies.{POLICY}]
 allow_hosts = ["allowed.test", "tls.test"]
 allow_ports = [8080, {}, {}]
 allow_cidrs = ["{UPSTREAM_IP}/32", "{GATEWAY}/32"]
 "#,
-        ECHO_PORTS[0], ECHO_PORTS[1]
+        crate::docker::default_policies(),
+        ECHO_PORTS[0],
+        ECHO_PORTS[1]
     )
+}
+
+/// Wait until an agent logged that it took over for the `after + 1`-th time (`after`: how
+/// often the log said so before).
+pub fn wait_took_over(env: &Env, after: usize) -> bool {
+    env.wait_log(
+        |l| l.matches("took over from the running agent").count() > after,
+        Duration::from_secs(60),
+    )
+}
+
+/// How often the agents of `env` logged that they took over.
+pub fn took_over(env: &Env) -> usize {
+    env.log()
+        .matches("took over from the running agent")
+        .count()
 }
 
 /// Echo servers in the dockerd namespace, counting the connections each accepted.

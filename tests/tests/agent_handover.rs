@@ -90,10 +90,7 @@ fn hand_over_under_load(env: &mut Env, how: impl FnOnce(&mut Env, u32)) -> (u32,
     assert!(env.wait_enforced("leaving", 1), "{}", env.log());
     let old = pid_of(env);
     let echo_before = echo.connections();
-    let took = env
-        .log()
-        .matches("took over from the running agent")
-        .count();
+    let took = workload::took_over(env);
     let t0 = Instant::now();
     how(env, old);
     // One container leaves and one arrives while the agents change.
@@ -104,10 +101,7 @@ fn hand_over_under_load(env: &mut Env, how: impl FnOnce(&mut Env, u32)) -> (u32,
         &["egress-workload"],
     );
     assert!(
-        env.wait_log(
-            |l| l.matches("took over from the running agent").count() > took,
-            WAIT
-        ),
+        workload::wait_took_over(env, took),
         "no hand-over:\n{}",
         env.log()
     );
@@ -504,4 +498,37 @@ fn kill_9_under_systemd_keeps_the_sockets() {
         "requests failed although the sockets were kept: {}",
         after.line()
     );
+}
+
+/// `egress-agent restart`: the control API starts the successor (as SIGUSR2), the command
+/// waits until it serves and says so.
+#[test]
+fn restart_command_hands_over() {
+    if !require_root() {
+        return;
+    }
+    let _serial = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
+    let env = env_new();
+    let old = pid_of(&env);
+    let o = env.cli(&["restart"]);
+    let out = String::from_utf8_lossy(&o.stdout).into_owned();
+    assert!(
+        o.status.success(),
+        "{out}{}\n{}",
+        String::from_utf8_lossy(&o.stderr),
+        env.log()
+    );
+    let new = pid_of(&env);
+    assert_ne!(new, old);
+    assert!(
+        out.contains(&format!("handed over: pid {old} → pid {new}")),
+        "{out}"
+    );
+    // Nothing was open: the old agent drains at once and exits.
+    assert!(
+        env.wait_log(|l| l.contains("drained; exiting"), WAIT),
+        "{}",
+        env.log()
+    );
+    kill(new);
 }

@@ -90,10 +90,7 @@ fn handover_vs_stop_and_start() {
     let mut handed = Vec::new();
     for round in 0..n {
         let (w, before) = fresh(&env, round, "handover");
-        let took = env
-            .log()
-            .matches("took over from the running agent")
-            .count();
+        let took = workload::took_over(&env);
         let pid = env.serving_pid().expect("pid");
         let t0 = Instant::now();
         nix::sys::signal::kill(
@@ -101,14 +98,7 @@ fn handover_vs_stop_and_start() {
             Signal::SIGUSR2,
         )
         .expect("SIGUSR2");
-        assert!(
-            env.wait_log(
-                |l| l.matches("took over from the running agent").count() > took,
-                WAIT
-            ),
-            "{}",
-            env.log()
-        );
+        assert!(workload::wait_took_over(&env, took), "{}", env.log());
         let serving = t0.elapsed();
         handed.push(finish(&env, &w, &before, serving));
     }

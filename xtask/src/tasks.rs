@@ -249,72 +249,37 @@ pub fn bench(quick: bool) -> Result<()> {
             failed.push(format!("{bench}: {status}"));
         }
     }
-    // Docker: time from `docker start` to enforced, and agent memory with N enforced containers.
-    eprintln!("== docker_bench");
-    let containers = if quick { "20" } else { "200" };
+    // Benchmarks that are ignored tests of egress-tests (a private dockerd or containerd), each
+    // with its size: Docker start → enforced and memory with N containers; the same for
+    // Kubernetes pods; restarts under load, the hand-over beside a stop and start.
     let agent = release_bin("egress-agent");
-    if let Err(e) = cargo_with(
-        &[
-            "test",
-            "-p",
-            "egress-tests",
-            "--test",
-            "docker_bench",
-            "--",
-            "--ignored",
-            "--nocapture",
-            "--test-threads=1",
-        ],
-        &[
-            ("EGRESS_AGENT_BIN", agent.as_os_str()),
-            ("EGRESS_BENCH_CONTAINERS", containers.as_ref()),
-        ],
-    ) {
-        failed.push(format!("docker_bench: {e}"));
-    }
-    // Kubernetes pods through containerd: the same figures as docker_bench, in the same run.
-    eprintln!("== containerd_bench");
-    let pods = if quick { "20" } else { "100" };
-    if let Err(e) = cargo_with(
-        &[
-            "test",
-            "-p",
-            "egress-tests",
-            "--test",
-            "containerd_bench",
-            "--",
-            "--ignored",
-            "--nocapture",
-            "--test-threads=1",
-        ],
-        &[
-            ("EGRESS_AGENT_BIN", agent.as_os_str()),
-            ("EGRESS_BENCH_PODS", pods.as_ref()),
-        ],
-    ) {
-        failed.push(format!("containerd_bench: {e}"));
-    }
-    // Restarts under load: the hand-over (SIGUSR2) side by side with a stop and start.
-    eprintln!("== handover_bench");
-    let restarts = if quick { "3" } else { "5" };
-    if let Err(e) = cargo_with(
-        &[
-            "test",
-            "-p",
-            "egress-tests",
-            "--test",
-            "handover_bench",
-            "--",
-            "--ignored",
-            "--nocapture",
-            "--test-threads=1",
-        ],
-        &[
-            ("EGRESS_AGENT_BIN", agent.as_os_str()),
-            ("EGRESS_BENCH_RESTARTS", restarts.as_ref()),
-        ],
-    ) {
-        failed.push(format!("handover_bench: {e}"));
+    let suites: [(&str, &str, &str, &str); 3] = [
+        ("docker_bench", "EGRESS_BENCH_CONTAINERS", "20", "200"),
+        ("containerd_bench", "EGRESS_BENCH_PODS", "20", "100"),
+        ("handover_bench", "EGRESS_BENCH_RESTARTS", "3", "5"),
+    ];
+    for (suite, size_var, small, full) in suites {
+        eprintln!("== {suite}");
+        let size = if quick { small } else { full };
+        if let Err(e) = cargo_with(
+            &[
+                "test",
+                "-p",
+                "egress-tests",
+                "--test",
+                suite,
+                "--",
+                "--ignored",
+                "--nocapture",
+                "--test-threads=1",
+            ],
+            &[
+                ("EGRESS_AGENT_BIN", agent.as_os_str()),
+                (size_var, size.as_ref()),
+            ],
+        ) {
+            failed.push(format!("{suite}: {e}"));
+        }
     }
     if !failed.is_empty() {
         bail!("benchmarks failed: {}", failed.join("; "));

@@ -24,6 +24,7 @@
 //! | GET    | `/v1/events?follow=1`    | NDJSON stream of denial events as they happen          |
 //! | GET    | `/v1/events/sse`         | the same stream as server-sent events (status page)    |
 //! | POST   | `/v1/reload`             | re-read the config; 200 if applied, 422 with the error |
+//! | POST   | `/v1/restart`            | start a new agent that takes over (hand-over); its pid |
 //! | GET    | `/ui/`                   | the status page (HTML, JS, CSS; no external assets)    |
 //!
 //! Access (see [`peer`]): the socket file is mode 0600 root (0660 with the `api.read_group`
@@ -150,5 +151,10 @@ pub trait Control: Send + Sync + 'static {
     /// The doctor's report (JSON).
     fn doctor(&self) -> BoxFuture<'_, Value> {
         Box::pin(async { serde_json::json!({ "error": "not available" }) })
+    }
+    /// Start a new agent from the installed binary that takes this one's sockets (as SIGUSR2
+    /// does): `{"pid", "new_pid"}` once it runs; it takes over when it is ready.
+    fn restart(&self) -> BoxFuture<'_, Result<Value, ApiError>> {
+        Box::pin(async { Err(ApiError::unavailable("restart")) })
     }
 }

@@ -39,6 +39,7 @@ pub const ENDPOINTS: &[(&str, &str)] = &[
     ("GET", "/v1/events"),
     ("GET", "/v1/events/sse"),
     ("POST", "/v1/reload"),
+    ("POST", "/v1/restart"),
 ];
 
 /// Largest request body (a policy, a bundle).
@@ -358,12 +359,13 @@ pub async fn route(
             Ok(v) => json_response(StatusCode::OK, &v),
             Err(msg) => error(StatusCode::UNPROCESSABLE_ENTITY, &msg),
         },
+        (&Method::POST, ["v1", "restart"]) => answer(control.restart().await),
         (
             _,
             [
                 "v1",
-                "status" | "containers" | "policies" | "events" | "reload" | "defaults" | "export"
-                | "import" | "explain" | "denials" | "suggest" | "changes" | "doctor",
+                "status" | "containers" | "policies" | "events" | "reload" | "restart" | "defaults"
+                | "export" | "import" | "explain" | "denials" | "suggest" | "changes" | "doctor",
             ],
         )
         | (_, ["v1", "policies", _])
