@@ -16,7 +16,7 @@
 use std::io;
 use std::io::{IoSlice, IoSliceMut};
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
-use std::os::unix::fs::PermissionsExt;
+use std::os::unix::fs::{DirBuilderExt, PermissionsExt};
 use std::path::Path;
 use std::time::Duration;
 
@@ -265,8 +265,17 @@ impl Conn {
 pub struct Listener(OwnedFd);
 
 impl Listener {
-    /// Bind `path` (root only, mode 0600), replacing a file left there; non-blocking.
+    /// Bind `path` (root only, mode 0600; its directory is created 0700 if missing), replacing a
+    /// file left there; non-blocking.
     pub fn bind(path: &Path) -> io::Result<Listener> {
+        if let Some(dir) = path.parent()
+            && !dir.exists()
+        {
+            std::fs::DirBuilder::new()
+                .recursive(true)
+                .mode(0o700)
+                .create(dir)?;
+        }
         let fd = seqpacket(SockFlag::SOCK_NONBLOCK)?;
         match std::fs::remove_file(path) {
             Ok(()) => {}
@@ -384,6 +393,29 @@ mod tests {
         assert!(b.recv().unwrap_err().to_string().contains("not understood"));
         drop(a);
         assert_eq!(b.recv().unwrap_err().kind(), io::ErrorKind::UnexpectedEof);
+    }
+
+    /// The running agent's socket: created with its directory, refused to non-root by the
+    /// mode, and a successor that connects gets what was offered.
+    #[test]
+    fn the_listener_creates_its_directory_and_serves_one_connection() {
+        let dir = std::env::temp_dir().join(format!("egress-handover-{}", std::process::id()));
+        let path = dir.join("state").join("handover.sock");
+        let l = Listener::bind(&path).unwrap();
+        use std::os::unix::fs::PermissionsExt as _;
+        let mode = std::fs::metadata(&path).unwrap().permissions().mode() & 0o777;
+        assert_eq!(mode, 0o600);
+        let c = Conn::connect(&path).unwrap();
+        let s = loop {
+            match l.accept() {
+                Ok(s) => break s,
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => std::thread::yield_now(),
+                Err(e) => panic!("{e}"),
+            }
+        };
+        s.send_offer(3, &[]).unwrap();
+        assert_eq!(c.recv_offer().unwrap().0, 3);
+        std::fs::remove_dir_all(&dir).ok();
     }
 
     #[test]
