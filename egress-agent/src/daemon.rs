@@ -436,21 +436,11 @@ pub async fn run(opts: RunOptions) -> Result<()> {
         }
     };
     info!(ready = %ready, "egress-agent enforcing");
-    if from_store && taking.is_none() {
-        let missing = sockets
-            .wait_reconciled(&runtimes.names(), handover::RECONCILE_WAIT)
-            .await;
-        if !missing.is_empty() {
-            warn!(runtimes = ?missing, "closing stored sockets before these runtimes reconciled");
-        }
-        let unclaimed = sockets.close_unclaimed();
-        info!(
-            closed = unclaimed.len(),
-            "stored sockets adopted; what nothing claimed is closed"
-        );
+    if from_store || taking.is_some() {
+        settle_adopted(&sockets, &runtimes).await;
     }
     let previous = match taking {
-        Some(t) => match take_over(t, &sockets, &runtimes).await {
+        Some(t) => match take_over(t).await {
             Ok(p) => {
                 let (follow, m) = (p.clone(), metrics.clone());
                 agent.spawn("previous agent", |stop| follow_previous(follow, m, stop));
@@ -575,14 +565,24 @@ enum End {
     HandedOver(handover::Successor),
 }
 
-/// Finish taking over from the agent that handed its sockets to this one: once every runtime
-/// reconciled (each workload claimed its sockets) or [`handover::RECONCILE_WAIT`] passed, close
-/// what nothing claimed and tell the previous agent this one serves.
+/// Finish taking over from the agent that handed its sockets to this one (after
+/// [`settle_adopted`]): tell it this one serves.
 async fn take_over(
     taking: handover::Taking,
-    sockets: &handover::Sockets,
-    runtimes: &Runtimes,
 ) -> Result<Arc<handover::Previous>, handover::TakeError> {
+    let from_pid = taking.from_pid;
+    let previous = taking.serving().await?;
+    info!(
+        from_pid,
+        "took over from the running agent: it stopped accepting and drains"
+    );
+    Ok(previous)
+}
+
+/// Sockets adopted (from a running agent or systemd's fd store): once every runtime reconciled
+/// (each workload claimed its sockets) or [`handover::RECONCILE_WAIT`] passed, close what nothing
+/// claimed.
+async fn settle_adopted(sockets: &handover::Sockets, runtimes: &Runtimes) {
     let missing = sockets
         .wait_reconciled(&runtimes.names(), handover::RECONCILE_WAIT)
         .await;
@@ -594,13 +594,6 @@ async fn take_over(
     if !unclaimed.is_empty() {
         info!(sockets = ?unclaimed, "closed handed-over sockets nothing claimed (workloads gone or changed)");
     }
-    let from_pid = taking.from_pid;
-    let previous = taking.serving().await?;
-    info!(
-        from_pid,
-        "took over from the running agent: it stopped accepting and drains"
-    );
-    Ok(previous)
 }
 
 /// Keep `draining_connections` up to date until the previous agent exits.
