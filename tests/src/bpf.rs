@@ -39,6 +39,21 @@ fn owned(fd: libc::c_long) -> OwnedFd {
 /// `BPF_CGROUP_INET4_CONNECT` = 10, `BPF_CGROUP_UDP4_SENDMSG` = 14): allows everything, rewrites
 /// nothing.
 pub fn load_allow_all_sock_addr(expected_attach_type: u32) -> OwnedFd {
+    load_allow_all(prog_type::CGROUP_SOCK_ADDR, expected_attach_type)
+        .expect("BPF_PROG_LOAD allow-all sock_addr")
+}
+
+/// `bpf_prog_type` values used here.
+pub mod prog_type {
+    pub const CGROUP_SKB: u32 = 8;
+    pub const CGROUP_SOCK: u32 = 9;
+    pub const SOCK_OPS: u32 = 13;
+    pub const CGROUP_SOCK_ADDR: u32 = 18;
+}
+
+/// Load `r0 = 1; exit` as a program of `prog_type` for `expected_attach_type`: every cgroup hook
+/// reads 1 as "allow" (sock_ops ignores it), so it does nothing but be run.
+pub fn load_allow_all(prog_type: u32, expected_attach_type: u32) -> std::io::Result<OwnedFd> {
     // struct bpf_insn { u8 code; u8 dst:4, src:4; s16 off; s32 imm; }
     let insns: [u8; 16] = [
         0xb7, 0x00, 0, 0, 1, 0, 0, 0, // BPF_ALU64 | BPF_MOV | BPF_K: r0 = 1
@@ -46,12 +61,32 @@ pub fn load_allow_all_sock_addr(expected_attach_type: u32) -> OwnedFd {
     ];
     let license = b"GPL\0";
     let mut attr = [0u8; 128];
-    put_u32(&mut attr, 0, 18); // prog_type: BPF_PROG_TYPE_CGROUP_SOCK_ADDR
+    put_u32(&mut attr, 0, prog_type);
     put_u32(&mut attr, 4, 2); // insn_cnt
     put_u64(&mut attr, 8, insns.as_ptr() as u64);
     put_u64(&mut attr, 16, license.as_ptr() as u64);
     put_u32(&mut attr, 68, expected_attach_type);
-    owned(bpf(5, &mut attr).expect("BPF_PROG_LOAD allow-all sock_addr")) // BPF_PROG_LOAD
+    bpf(5, &mut attr).map(owned) // BPF_PROG_LOAD
+}
+
+/// `BPF_PROG_ATTACH` of `prog` to the cgroup directory `cgroup` with `BPF_F_ALLOW_MULTI`. The
+/// attachment lasts until the cgroup is removed (or the program is detached).
+pub fn attach_to_cgroup(cgroup: &Path, prog: &OwnedFd, attach_type: u32) -> std::io::Result<()> {
+    let dir = std::fs::File::open(cgroup)?;
+    // target_fd, attach_bpf_fd, attach_type, attach_flags
+    let mut attr = [0u8; 20];
+    put_u32(&mut attr, 0, dir.as_raw_fd() as u32);
+    put_u32(&mut attr, 4, prog.as_raw_fd() as u32);
+    put_u32(&mut attr, 8, attach_type);
+    put_u32(&mut attr, 12, 2); // BPF_F_ALLOW_MULTI
+    bpf(8, &mut attr).map(drop) // BPF_PROG_ATTACH
+}
+
+/// `BPF_ENABLE_STATS(BPF_STATS_RUN_TIME)`: the kernel counts every program's runs and run time
+/// while the returned fd is open (no sysctl is changed).
+pub fn enable_run_time_stats() -> std::io::Result<OwnedFd> {
+    let mut attr = [0u8; 4]; // stats_type: BPF_STATS_RUN_TIME = 0
+    bpf(32, &mut attr).map(owned) // BPF_ENABLE_STATS
 }
 
 /// Make the link pinned at `pin` run `prog` (BPF_OBJ_GET, then BPF_LINK_UPDATE).
@@ -71,16 +106,30 @@ pub fn prog_tag(id: u32) -> [u8; 8] {
     let mut attr = [0u8; 12];
     put_u32(&mut attr, 0, id);
     let fd = owned(bpf(13, &mut attr).expect("BPF_PROG_GET_FD_BY_ID")); // BPF_PROG_GET_FD_BY_ID
-    // struct bpf_prog_info { u32 type; u32 id; u8 tag[8]; ... }
-    let mut info = [0u8; 256];
-    let mut attr = [0u8; 16];
-    put_u32(&mut attr, 0, fd.as_raw_fd() as u32);
-    put_u32(&mut attr, 4, info.len() as u32);
-    put_u64(&mut attr, 8, info.as_mut_ptr() as u64);
-    bpf(15, &mut attr).expect("BPF_OBJ_GET_INFO_BY_FD"); // BPF_OBJ_GET_INFO_BY_FD
+    let info = prog_info(&fd).expect("BPF_OBJ_GET_INFO_BY_FD");
     let mut tag = [0u8; 8];
     tag.copy_from_slice(&info[8..16]);
     tag
+}
+
+/// (run_cnt, run_time_ns) of program `prog`: what the kernel counted while run-time stats were
+/// on ([`enable_run_time_stats`]).
+pub fn prog_run_stats(prog: &OwnedFd) -> std::io::Result<(u64, u64)> {
+    let info = prog_info(prog)?;
+    let u64_at = |at: usize| u64::from_ne_bytes(info[at..at + 8].try_into().expect("8 bytes"));
+    Ok((u64_at(200), u64_at(192)))
+}
+
+/// The start of `struct bpf_prog_info` (type, id, tag[8] at 8, …, run_time_ns at 192, run_cnt
+/// at 200).
+fn prog_info(prog: &OwnedFd) -> std::io::Result<[u8; 256]> {
+    let mut info = [0u8; 256];
+    let mut attr = [0u8; 16];
+    put_u32(&mut attr, 0, prog.as_raw_fd() as u32);
+    put_u32(&mut attr, 4, info.len() as u32);
+    put_u64(&mut attr, 8, info.as_mut_ptr() as u64);
+    bpf(15, &mut attr)?; // BPF_OBJ_GET_INFO_BY_FD
+    Ok(info)
 }
 
 /// Program ids attached directly to `cgroup` for `attach_type` (BPF_PROG_QUERY, what

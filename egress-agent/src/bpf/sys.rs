@@ -163,8 +163,10 @@ pub fn obj_get(path: &std::path::Path) -> io::Result<std::os::fd::OwnedFd> {
 
 /// Kernel `enum bpf_attach_type` values used with [`query_cgroup_programs`].
 pub mod attach_type {
+    pub const CGROUP_INET_INGRESS: u32 = 0;
     pub const CGROUP_INET_EGRESS: u32 = 1;
     pub const CGROUP_INET_SOCK_CREATE: u32 = 2;
+    pub const CGROUP_SOCK_OPS: u32 = 3;
     pub const CGROUP_INET4_CONNECT: u32 = 10;
     pub const CGROUP_INET6_CONNECT: u32 = 11;
     pub const CGROUP_UDP4_SENDMSG: u32 = 14;

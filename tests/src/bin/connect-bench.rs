@@ -1,39 +1,51 @@
 //! `connect-bench`: cost of connect() inside an enforced cgroup over outside it (for
 //! `cargo xtask bench`; a benchmark, not a test — nothing here asserts a time).
 //!
-//! Run as root: `connect-bench [--quick] [--iterations N] [--rounds R] [--agent PATH] [--cpu C]`
-//! (defaults: 50 000 connects x 7 rounds; `--quick`: 10 000 x 3).
+//! Run as root: `connect-bench [--quick] [--batch N] [--rounds R] [--agent PATH] [--cpu C]`
+//! (defaults: 40 rounds of 5 000-connect batches; `--quick`: 12 rounds of 2 000).
 //! The client loop — a blocking connect() to a reserved (bound, not listening) port on
-//! 127.0.0.1, answered at once by the kernel with a RST (ECONNREFUSED) — runs in a child
-//! process pinned to CPU C (sched_setaffinity), once outside any enforced cgroup and once under
-//! `egress-agent exec` with an allowlist policy whose `allow_cidrs` allows exactly that port, so
-//! every inside connect() runs the full connect4 verdict (policy walk + CIDR lookup), is
-//! allowed, and reaches the same RST. Refused connects keep the loop independent of an accept
+//! 127.0.0.1, answered at once by the kernel with a RST (ECONNREFUSED) — runs in long-lived
+//! child processes pinned to the same CPU C (sched_setaffinity): one outside any enforced cgroup,
+//! one under `egress-agent exec` with an allowlist policy whose `allow_cidrs` allows exactly that
+//! port, so every inside connect() runs the full connect4 verdict (policy lookup + CIDR lookup),
+//! is allowed, and reaches the same RST. Refused connects keep the loop independent of an accept
 //! thread (which on a busy 2-core machine starves and turns the benchmark into a SYN-retry
-//! timer) and make the hook's share of the cost as large as it gets: a conservative ratio.
-//! Any error other than ECONNREFUSED (e.g. EPERM) fails the run. Rounds alternate
-//! inside/outside; medians are compared.
+//! timer) and make the hooks' share of the cost as large as it gets: a conservative ratio.
+//! Any error other than ECONNREFUSED (e.g. EPERM) fails the run.
 //!
-//! After the timed rounds, one more inside run is made with BPF run-time statistics enabled
+//! Why rounds of short batches: a connect() here takes 15–20 µs and that figure drifts by ±10 %
+//! over seconds on these shared machines, more than the 5 % being measured. So the clients take
+//! turns in short batches (~0.1 s each), in the order outside-empty-inside, then
+//! inside-empty-outside, … (a steady drift counts against every side equally), and every round
+//! gives one ratio from batches taken a few milliseconds apart. The figure is the median of those
+//! ratios, with its interquartile range.
+//!
+//! The third client, "empty", runs in a cgroup of its own (outside the agent's tree) to which this
+//! bench attaches `r0 = 1; exit` programs on the five hooks a refused TCP connect() runs:
+//! sock_create, connect4, cgroup_skb egress and ingress, sock_ops. Empty over outside is what the
+//! kernel charges for running cgroup programs at all (8 runs per connect(); nothing the agent's
+//! programs can make cheaper); inside over empty is the agent's programs' own work.
+//!
+//! After the timed rounds, one more inside batch is made with BPF run-time statistics enabled
 //! through a BPF_ENABLE_STATS fd (released at exit; no sysctl is changed) and the per-program
 //! cost (ns/run, from `egress-agent status --json`) is printed: the hook cost measured by the
-//! kernel itself, independent of machine noise.
+//! kernel itself. Those figures include the statistics' own cost, which the empty programs
+//! measure in the same batch (`empty <hook>` lines).
 //!
 //! Output: one line per round, the per-program costs, then
-//! `connect() ns/op: outside <o> inside <i> ratio <i/o> (median of rounds; best-of ratio <b>) (target <= 1.05)`.
-use std::io::Write as _;
+//! `connect() ns/op: outside <o> inside <i> ratio <r> (median of <R> rounds, IQR <a>–<b>) (target <= 1.05)`
+//! and the line that splits the ratio into the kernel's part and the agent's.
+use std::io::{BufRead as _, BufReader, Write as _};
 use std::net::{SocketAddr, TcpStream};
-use std::os::fd::AsRawFd;
+use std::os::fd::{AsRawFd, OwnedFd};
 use std::path::PathBuf;
-use std::process::Command;
+use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
 use std::time::Instant;
 
-fn pin(cpu: usize) {
-    let mut set = nix::sched::CpuSet::new();
-    if set.set(cpu).is_ok() {
-        nix::sched::sched_setaffinity(nix::unistd::Pid::from_raw(0), &set).ok();
-    }
-}
+use egress_agent::bpf::sys::attach_type;
+use egress_tests::agent::cgroup2_mount;
+use egress_tests::bench::{percentile, pin_to_cpu};
+use egress_tests::bpf::{attach_to_cgroup, load_allow_all, prog_run_stats, prog_type};
 
 fn arg_value(args: &[String], name: &str) -> Option<String> {
     args.iter()
@@ -41,24 +53,117 @@ fn arg_value(args: &[String], name: &str) -> Option<String> {
         .and_then(|i| args.get(i + 1).cloned())
 }
 
-/// Client loop (child process): prints ns per connect().
-fn inner(target: SocketAddr, n: u64, cpu: usize) -> ! {
-    pin(cpu);
+/// Client (child process): each line `N` on stdin is answered, after N connect()s, with
+/// `<ns per connect()> <failures>`; end of input ends it.
+fn client(target: SocketAddr, cpu: usize) -> ! {
+    pin_to_cpu(cpu);
     let attempt = || matches!(TcpStream::connect(target), Err(e) if e.kind() == std::io::ErrorKind::ConnectionRefused);
     // Warm-up.
     for _ in 0..200 {
         let _ = attempt();
     }
-    let start = Instant::now();
-    let mut failures = 0u64;
-    for _ in 0..n {
-        if !attempt() {
-            failures += 1;
+    let mut out = std::io::stdout().lock();
+    for line in std::io::stdin().lines() {
+        let Ok(n) = line.unwrap_or_default().trim().parse::<u64>() else {
+            std::process::exit(2);
+        };
+        let start = Instant::now();
+        let failures = (0..n).filter(|_| !attempt()).count();
+        let ns = start.elapsed().as_nanos() as f64 / n.max(1) as f64;
+        if writeln!(out, "{ns:.1} {failures}")
+            .and_then(|()| out.flush())
+            .is_err()
+        {
+            std::process::exit(1);
         }
     }
-    let ns = start.elapsed().as_nanos() as f64 / n as f64;
-    println!("{ns:.1} {failures}");
-    std::process::exit(if failures > 0 { 1 } else { 0 });
+    std::process::exit(0);
+}
+
+/// One of the two long-lived clients, driven a batch at a time.
+struct Client {
+    name: &'static str,
+    child: Child,
+    /// Closed to stop the client: end of input ends its loop, and `egress-agent exec` then
+    /// exits on its own and removes its cgroup (a SIGKILL would leave that behind).
+    input: Option<ChildStdin>,
+    output: BufReader<ChildStdout>,
+}
+
+impl Client {
+    fn spawn(name: &'static str, mut cmd: Command) -> Self {
+        let mut child = cmd
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap_or_else(|e| panic!("start the {name} client: {e}"));
+        let input = child.stdin.take().expect("stdin");
+        let output = BufReader::new(child.stdout.take().expect("stdout"));
+        Self {
+            name,
+            child,
+            input: Some(input),
+            output,
+        }
+    }
+
+    /// ns per connect() over a batch of `n`; any connect that was not refused fails the run.
+    fn batch(&mut self, n: u64) -> f64 {
+        let mut line = String::new();
+        let answered = self
+            .input
+            .as_mut()
+            .is_some_and(|i| writeln!(i, "{n}").is_ok())
+            && self.output.read_line(&mut line).is_ok_and(|read| read > 0);
+        let mut parts = line.split_whitespace();
+        let ns: f64 = parts
+            .next()
+            .and_then(|s| s.parse().ok())
+            .unwrap_or(f64::NAN);
+        let failures: u64 = parts
+            .next()
+            .and_then(|s| s.parse().ok())
+            .unwrap_or(u64::MAX);
+        if !answered || failures != 0 || !ns.is_finite() {
+            let stderr = self.stop();
+            panic!(
+                "the {} client failed (answer {line:?}; every connect() must be refused by the \
+                 port, not by the agent): stderr {stderr}",
+                self.name
+            );
+        }
+        ns
+    }
+
+    /// End the client's input, wait for it (killed after 10 s) and return what it wrote to
+    /// stderr.
+    fn stop(&mut self) -> String {
+        drop(self.input.take());
+        let deadline = Instant::now() + std::time::Duration::from_secs(10);
+        while self.child.try_wait().is_ok_and(|s| s.is_none()) && Instant::now() < deadline {
+            std::thread::sleep(std::time::Duration::from_millis(10));
+        }
+        if self.child.try_wait().is_ok_and(|s| s.is_none()) {
+            self.child.kill().ok();
+            self.child.wait().ok();
+            // A grandchild may still hold the pipe: don't wait on it.
+            return "(killed after 10 s)".into();
+        }
+        let mut stderr = String::new();
+        if let Some(mut pipe) = self.child.stderr.take() {
+            std::io::Read::read_to_string(&mut pipe, &mut stderr).ok();
+        }
+        stderr
+    }
+}
+
+impl Drop for Client {
+    fn drop(&mut self) {
+        if self.input.is_some() {
+            self.stop();
+        }
+    }
 }
 
 /// A TCP socket bound to 127.0.0.1:<free port> but not listening (holds the port; connects to
@@ -99,51 +204,106 @@ fn agent_bin(args: &[String]) -> PathBuf {
     exe.parent().expect("dir").join("egress-agent")
 }
 
-fn median(v: &mut [f64]) -> f64 {
-    v.sort_by(|a, b| a.total_cmp(b));
-    v[v.len() / 2]
+/// The hooks a refused TCP connect() runs, as (name, program type, attach type).
+const HOOKS: [(&str, u32, u32); 5] = [
+    (
+        "sock_create",
+        prog_type::CGROUP_SOCK,
+        attach_type::CGROUP_INET_SOCK_CREATE,
+    ),
+    (
+        "connect4",
+        prog_type::CGROUP_SOCK_ADDR,
+        attach_type::CGROUP_INET4_CONNECT,
+    ),
+    (
+        "skb egress",
+        prog_type::CGROUP_SKB,
+        attach_type::CGROUP_INET_EGRESS,
+    ),
+    (
+        "skb ingress",
+        prog_type::CGROUP_SKB,
+        attach_type::CGROUP_INET_INGRESS,
+    ),
+    (
+        "sock_ops",
+        prog_type::SOCK_OPS,
+        attach_type::CGROUP_SOCK_OPS,
+    ),
+];
+
+/// A cgroup of this bench's own, next to (not under) the agent's, with `r0 = 1; exit` attached
+/// on every hook in [`HOOKS`]. Removed on drop (after its client: the programs go with it).
+struct EmptyPrograms {
+    dir: PathBuf,
+    progs: Vec<(&'static str, OwnedFd)>,
 }
 
-fn run_child(cmd: &mut Command) -> f64 {
-    let out = cmd.output().expect("run client");
-    let text = String::from_utf8_lossy(&out.stdout);
-    let line = text.lines().last().unwrap_or("");
-    let mut parts = line.split_whitespace();
-    let ns: f64 = parts
-        .next()
-        .and_then(|s| s.parse().ok())
-        .unwrap_or(f64::NAN);
-    let failures: u64 = parts
-        .next()
-        .and_then(|s| s.parse().ok())
-        .unwrap_or(u64::MAX);
-    assert!(
-        out.status.success() && failures == 0 && ns.is_finite(),
-        "client failed ({}): stdout {text} stderr {}",
-        out.status,
-        String::from_utf8_lossy(&out.stderr)
-    );
-    ns
+impl EmptyPrograms {
+    fn create() -> std::io::Result<Self> {
+        let dir = cgroup2_mount().join(format!("connect-bench-{}", std::process::id()));
+        std::fs::create_dir(&dir)?;
+        let mut empty = Self {
+            dir,
+            progs: Vec::new(),
+        };
+        for (name, prog_type, attach_type) in HOOKS {
+            let prog = load_allow_all(prog_type, attach_type)?;
+            attach_to_cgroup(&empty.dir, &prog, attach_type)?;
+            empty.progs.push((name, prog));
+        }
+        Ok(empty)
+    }
+
+    fn enter(&self, pid: u32) -> std::io::Result<()> {
+        std::fs::write(self.dir.join("cgroup.procs"), pid.to_string())
+    }
+
+    fn run_stats(&self) -> Vec<(&'static str, (u64, u64))> {
+        self.progs
+            .iter()
+            .filter_map(|(name, fd)| prog_run_stats(fd).ok().map(|s| (*name, s)))
+            .collect()
+    }
+}
+
+impl Drop for EmptyPrograms {
+    fn drop(&mut self) {
+        if let Err(e) = std::fs::remove_dir(&self.dir) {
+            eprintln!("note: could not remove {}: {e}", self.dir.display());
+        }
+    }
+}
+
+/// Median and interquartile range of `v`.
+fn spread(mut v: Vec<f64>) -> (f64, f64, f64) {
+    (
+        percentile(&mut v, 0.5),
+        percentile(&mut v, 0.25),
+        percentile(&mut v, 0.75),
+    )
 }
 
 fn main() {
     let args: Vec<String> = std::env::args().collect();
     let quick = args.iter().any(|a| a == "--quick");
-    let n: u64 = arg_value(&args, "--iterations")
+    let n: u64 = arg_value(&args, "--batch")
         .and_then(|s| s.parse().ok())
-        .unwrap_or(if quick { 10_000 } else { 50_000 });
+        .unwrap_or(if quick { 2_000 } else { 5_000 });
     let cpu: usize = arg_value(&args, "--cpu")
         .and_then(|s| s.parse().ok())
         .unwrap_or(0);
-    if args.iter().any(|a| a == "--inner") {
+    if args.iter().any(|a| a == "--client") {
         let target: SocketAddr = arg_value(&args, "--target")
             .and_then(|s| s.parse().ok())
             .expect("--target");
-        inner(target, n, cpu);
+        client(target, cpu);
     }
     let rounds: usize = arg_value(&args, "--rounds")
         .and_then(|s| s.parse().ok())
-        .unwrap_or(if quick { 3 } else { 7 });
+        .unwrap_or(if quick { 12 } else { 40 })
+        .max(1);
     assert!(
         nix::unistd::geteuid().is_root(),
         "connect-bench needs root (it runs egress-agent exec)"
@@ -167,88 +327,124 @@ fn main() {
 
     let me = std::env::current_exe().expect("current_exe");
     let agent = agent_bin(&args);
-    let inner_args = |cmd: &mut Command| {
-        cmd.arg("--inner")
+    let client_args = |cmd: &mut Command| {
+        cmd.arg("--client")
             .arg("--target")
             .arg(target.to_string())
-            .arg("--iterations")
-            .arg(n.to_string())
             .arg("--cpu")
             .arg(cpu.to_string());
     };
-    let (mut outside, mut inside) = (Vec::new(), Vec::new());
-    println!(
-        "connect-bench: {n} refused connect()s per run to {target}, client on CPU {cpu}, {rounds} rounds"
-    );
-    for round in 0..rounds {
-        let mut c = Command::new(&me);
-        inner_args(&mut c);
-        let o = run_child(&mut c);
-        let mut c = Command::new(&agent);
-        c.args(["exec", "--policy", "bench", "--config"])
-            .arg(&config)
-            .arg("--")
-            .arg(&me);
-        inner_args(&mut c);
-        let i = run_child(&mut c);
-        println!("round {round}: outside {o:.1} ns/connect, inside {i:.1} ns/connect");
-        outside.push(o);
-        inside.push(i);
+    let empty = EmptyPrograms::create()
+        .inspect_err(|e| {
+            eprintln!(
+                "note: no empty-programs client (attaching `r0 = 1; exit` failed: {e}); the ratio is not split"
+            );
+        })
+        .ok();
+    // Clients in round order: outside, empty programs, inside.
+    let mut outside = Command::new(&me);
+    client_args(&mut outside);
+    let mut clients = vec![("outside", Client::spawn("outside", outside))];
+    if let Some(empty) = &empty {
+        let mut cmd = Command::new(&me);
+        client_args(&mut cmd);
+        let client = Client::spawn("empty", cmd);
+        empty
+            .enter(client.child.id())
+            .expect("move the empty-programs client into its cgroup");
+        clients.push(("empty", client));
     }
-    // Per-program cost: one more inside run with BPF run-time stats on (stats add their own
-    // overhead, so they are off during the timed rounds above).
-    let stats = enable_run_time_stats();
-    let before = program_stats(&agent);
-    let mut c = Command::new(&agent);
-    c.args(["exec", "--policy", "bench", "--config"])
+    let mut inside = Command::new(&agent);
+    inside
+        .args(["exec", "--policy", "bench", "--config"])
         .arg(&config)
         .arg("--")
         .arg(&me);
-    inner_args(&mut c);
-    run_child(&mut c);
+    client_args(&mut inside);
+    clients.push(("inside", Client::spawn("inside", inside)));
+    // One batch each before timing: the first batches pay for page faults and cold caches.
+    for (_, c) in &mut clients {
+        c.batch(n);
+    }
+
+    let names: Vec<&str> = clients.iter().map(|(name, _)| *name).collect();
+    println!(
+        "connect-bench: {rounds} rounds of {n} refused connect()s to {target} per client ({}), all on CPU {cpu}, the order reversed every round",
+        names.join(", ")
+    );
+    let mut times: Vec<Vec<f64>> = vec![Vec::new(); clients.len()];
+    for round in 0..rounds {
+        let mut order: Vec<usize> = (0..clients.len()).collect();
+        if round % 2 == 1 {
+            order.reverse();
+        }
+        for at in order {
+            let ns = clients[at].1.batch(n);
+            times[at].push(ns);
+        }
+        let line: Vec<String> = names
+            .iter()
+            .zip(&times)
+            .map(|(name, t)| format!("{name} {:.1}", t[round]))
+            .collect();
+        println!(
+            "round {round}: {} ns/connect; inside/outside {:.3}",
+            line.join(", "),
+            times[clients.len() - 1][round] / times[0][round]
+        );
+    }
+    // Per-program cost: one more batch inside (and with the empty programs) with BPF run-time
+    // stats on (stats add their own overhead, so they are off during the timed rounds above).
+    let stats = egress_tests::bpf::enable_run_time_stats()
+        .inspect_err(|e| eprintln!("note: BPF_ENABLE_STATS failed ({e}); no per-program costs"))
+        .ok();
+    let before = program_stats(&agent);
+    let empty_before = empty.as_ref().map(EmptyPrograms::run_stats);
+    for (_, c) in clients.iter_mut().skip(1) {
+        c.batch(n);
+    }
+    let after = program_stats(&agent);
+    let empty_after = empty.as_ref().map(EmptyPrograms::run_stats);
+    drop(stats);
+    drop(clients);
+    drop(empty);
     std::fs::remove_dir_all(&dir).ok();
     drop(holder);
-    let after = program_stats(&agent);
-    drop(stats);
-    for (name, (cnt, ns)) in &after {
-        let (c0, n0) = before.get(name).copied().unwrap_or((0, 0));
-        if cnt > &c0 {
-            println!(
-                "  {name:<16} {:>10} runs {:>7.1} ns/run",
-                cnt - c0,
-                (ns - n0) as f64 / (cnt - c0) as f64
-            );
+
+    let per_run = |(c1, n1): (u64, u64), (c0, n0): (u64, u64)| {
+        (c1 > c0).then(|| (c1 - c0, (n1 - n0) as f64 / (c1 - c0) as f64))
+    };
+    for (name, now) in &after {
+        if let Some((runs, ns)) = per_run(*now, before.get(name).copied().unwrap_or((0, 0))) {
+            println!("  {name:<18} {runs:>10} runs {ns:>7.1} ns/run");
         }
     }
-    let best = outside.iter().copied().fold(f64::INFINITY, f64::min);
-    let best_in = inside.iter().copied().fold(f64::INFINITY, f64::min);
-    let (o, i) = (median(&mut outside), median(&mut inside));
+    for ((name, now), (_, was)) in empty_after
+        .iter()
+        .flatten()
+        .zip(empty_before.iter().flatten())
+    {
+        if let Some((runs, ns)) = per_run(*now, *was) {
+            println!("  empty {name:<12} {runs:>10} runs {ns:>7.1} ns/run (the stats' own cost)");
+        }
+    }
+    let last = times.len() - 1;
+    let ratios = |a: usize, b: usize| -> Vec<f64> {
+        times[a].iter().zip(&times[b]).map(|(x, y)| x / y).collect()
+    };
+    let (r, lo, hi) = spread(ratios(last, 0));
     println!(
-        "connect() ns/op: outside {o:.1} inside {i:.1} ratio {:.3} (median of rounds; best-of ratio {:.3}) (target <= 1.05)",
-        i / o,
-        best_in / best
+        "connect() ns/op: outside {:.1} inside {:.1} ratio {r:.3} (median of {rounds} rounds, IQR {lo:.3}–{hi:.3}) (target <= 1.05)",
+        spread(times[0].clone()).0,
+        spread(times[last].clone()).0,
     );
-}
-
-/// BPF_ENABLE_STATS(BPF_STATS_RUN_TIME): run-time stats stay on while the returned fd is open.
-fn enable_run_time_stats() -> Option<std::os::fd::OwnedFd> {
-    use std::os::fd::FromRawFd;
-    #[repr(C)]
-    struct Attr {
-        stats_type: u32,
-    }
-    let mut attr = Attr { stats_type: 0 };
-    // SAFETY: BPF_ENABLE_STATS (32) with its one-field attr.
-    let fd = unsafe { libc::syscall(libc::SYS_bpf, 32, &raw mut attr, size_of::<Attr>() as u32) };
-    if fd < 0 {
-        eprintln!(
-            "note: BPF_ENABLE_STATS failed ({}); no per-program costs",
-            std::io::Error::last_os_error()
+    if times.len() == 3 {
+        let (k, klo, khi) = spread(ratios(1, 0));
+        let (a, alo, ahi) = spread(ratios(last, 1));
+        println!(
+            "  split: empty/outside {k:.3} (IQR {klo:.3}–{khi:.3}; the kernel running 8 cgroup programs per connect()), inside/empty {a:.3} (IQR {alo:.3}–{ahi:.3}; egress-agent's programs' own work)"
         );
-        return None;
     }
-    // SAFETY: the syscall returned a new fd we own.
-    Some(unsafe { std::os::fd::OwnedFd::from_raw_fd(fd as i32) })
 }
 
 /// (run_count, run_time_ns) per egress-agent program name, from `egress-agent status --json`.
