@@ -80,10 +80,12 @@ fn client(target: SocketAddr, cpu: usize) -> ! {
     std::process::exit(0);
 }
 
-/// One of the two long-lived clients, driven a batch at a time.
+/// One of the long-lived clients, driven a batch at a time.
 struct Client {
     name: &'static str,
     child: Child,
+    /// Its stderr (a file, so nothing it writes can fill a pipe and stall it).
+    log: PathBuf,
     /// Closed to stop the client: end of input ends its loop, and `egress-agent exec` then
     /// exits on its own and removes its cgroup (a SIGKILL would leave that behind).
     input: Option<ChildStdin>,
@@ -91,11 +93,13 @@ struct Client {
 }
 
 impl Client {
-    fn spawn(name: &'static str, mut cmd: Command) -> Self {
+    fn spawn(name: &'static str, mut cmd: Command, dir: &std::path::Path) -> Self {
+        let log = dir.join(format!("{name}.stderr"));
+        let stderr = std::fs::File::create(&log).expect("client log");
         let mut child = cmd
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
+            .stderr(stderr)
             .spawn()
             .unwrap_or_else(|e| panic!("start the {name} client: {e}"));
         let input = child.stdin.take().expect("stdin");
@@ -103,6 +107,7 @@ impl Client {
         Self {
             name,
             child,
+            log,
             input: Some(input),
             output,
         }
@@ -127,9 +132,11 @@ impl Client {
             .unwrap_or(u64::MAX);
         if !answered || failures != 0 || !ns.is_finite() {
             let stderr = self.stop();
+            let status = self.child.try_wait().ok().flatten();
             panic!(
-                "the {} client failed (answer {line:?}; every connect() must be refused by the \
-                 port, not by the agent): stderr {stderr}",
+                "the {} client failed (answer {line:?}, exit {status:?}; each answer is \
+                 `<ns> <failures>` and every connect() must be refused by the port, not by the \
+                 agent): stderr {stderr}",
                 self.name
             );
         }
@@ -137,7 +144,7 @@ impl Client {
     }
 
     /// End the client's input, wait for it (killed after 10 s) and return what it wrote to
-    /// stderr.
+    /// stderr so far.
     fn stop(&mut self) -> String {
         drop(self.input.take());
         let deadline = Instant::now() + std::time::Duration::from_secs(10);
@@ -147,14 +154,8 @@ impl Client {
         if self.child.try_wait().is_ok_and(|s| s.is_none()) {
             self.child.kill().ok();
             self.child.wait().ok();
-            // A grandchild may still hold the pipe: don't wait on it.
-            return "(killed after 10 s)".into();
         }
-        let mut stderr = String::new();
-        if let Some(mut pipe) = self.child.stderr.take() {
-            std::io::Read::read_to_string(&mut pipe, &mut stderr).ok();
-        }
-        stderr
+        std::fs::read_to_string(&self.log).unwrap_or_default()
     }
 }
 
@@ -344,11 +345,11 @@ fn main() {
     // Clients in round order: outside, empty programs, inside.
     let mut outside = Command::new(&me);
     client_args(&mut outside);
-    let mut clients = vec![("outside", Client::spawn("outside", outside))];
+    let mut clients = vec![("outside", Client::spawn("outside", outside, &dir))];
     if let Some(empty) = &empty {
         let mut cmd = Command::new(&me);
         client_args(&mut cmd);
-        let client = Client::spawn("empty", cmd);
+        let client = Client::spawn("empty", cmd, &dir);
         empty
             .enter(client.child.id())
             .expect("move the empty-programs client into its cgroup");
@@ -361,7 +362,7 @@ fn main() {
         .arg("--")
         .arg(&me);
     client_args(&mut inside);
-    clients.push(("inside", Client::spawn("inside", inside)));
+    clients.push(("inside", Client::spawn("inside", inside, &dir)));
     // One batch each before timing: the first batches pay for page faults and cold caches.
     for (_, c) in &mut clients {
         c.batch(n);
