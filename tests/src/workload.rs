@@ -1,14 +1,15 @@
 //! A confined workload that measures what it sees while the agent restarts: the
 //! `egress-workload` binary (src/bin/egress-workload.rs) in a labelled container of an [`Env`],
-//! and the echo servers its tunnels reach.
+//! the echo servers its tunnels reach, and the listener that catches its DNS queries if one ever
+//! gets past the kernel's redirect ([`DnsLeak`]).
 //!
 //! The policy [`POLICY`] (written by [`policies`]) allows `allowed.test:8080` (the upstream
 //! httpd) and `tls.test` (the dockerd namespace's side of the test network, 198.18.0.1) on the
 //! echo ports [`ECHO_PORTS`].
 use std::io::{BufRead, BufReader, Write};
-use std::net::TcpListener;
+use std::net::{TcpListener, UdpSocket};
 use std::sync::Arc;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use crate::docker::{Env, GATEWAY, UPSTREAM_IP};
@@ -167,21 +168,79 @@ impl Seen {
     }
 }
 
+/// UDP and TCP listeners on port 53 of [`GATEWAY`], where workloads send their queries: the
+/// kernel redirects every query of a confined container to the agent's responder, whatever its
+/// address, so anything that arrives here got past the redirect (a program that stopped
+/// enforcing while an agent was away). Nothing is answered.
+pub struct DnsLeak {
+    arrived: Arc<AtomicUsize>,
+    stop: Arc<AtomicBool>,
+}
+
+impl DnsLeak {
+    pub fn start(env: &Env) -> DnsLeak {
+        let (udp, tcp) = env.d.netns.run(|| {
+            (
+                UdpSocket::bind((GATEWAY, 53)).expect("DNS leak listener (udp)"),
+                TcpListener::bind((GATEWAY, 53)).expect("DNS leak listener (tcp)"),
+            )
+        });
+        udp.set_read_timeout(Some(Duration::from_millis(50)))
+            .expect("timeout");
+        tcp.set_nonblocking(true).expect("nonblocking");
+        let arrived = Arc::new(AtomicUsize::new(0));
+        let stop = Arc::new(AtomicBool::new(false));
+        let (n, done) = (arrived.clone(), stop.clone());
+        std::thread::spawn(move || {
+            let mut buf = [0u8; 512];
+            while !done.load(Ordering::SeqCst) {
+                if udp.recv_from(&mut buf).is_ok() {
+                    n.fetch_add(1, Ordering::SeqCst);
+                }
+                while tcp.accept().is_ok() {
+                    n.fetch_add(1, Ordering::SeqCst);
+                }
+            }
+        });
+        DnsLeak { arrived, stop }
+    }
+
+    /// Queries (UDP datagrams and TCP connections) that arrived so far.
+    pub fn arrived(&self) -> usize {
+        self.arrived.load(Ordering::SeqCst)
+    }
+}
+
+impl Drop for DnsLeak {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::SeqCst);
+    }
+}
+
 /// One running workload container (of the [`Env`] every method is given).
 pub struct Workload {
     pub name: String,
 }
 
 impl Workload {
-    /// Start container `name` under [`POLICY`]: DNS and HTTP every 20 ms, a tunnel to each echo
-    /// port (pings every 100 ms on the first, every 4 s on the second).
+    /// Start container `name` under [`POLICY`]: DNS (to [`GATEWAY`], see [`DnsLeak`]) and HTTP
+    /// every 20 ms, a tunnel to each echo port (pings every 100 ms on the first, every 4 s on
+    /// the second).
     pub fn start(env: &Env, name: &str) -> Workload {
         let t0 = format!("tls.test:{}/100", ECHO_PORTS[0]);
         let t1 = format!("tls.test:{}/4000", ECHO_PORTS[1]);
         env.start_ok(
             name,
             &["--label", &format!("egress.policy={POLICY}")],
-            &["egress-workload", "--tunnel", &t0, "--tunnel", &t1],
+            &[
+                "egress-workload",
+                "--dns-server",
+                GATEWAY,
+                "--tunnel",
+                &t0,
+                "--tunnel",
+                &t1,
+            ],
         );
         Workload {
             name: name.to_owned(),

@@ -1,9 +1,9 @@
 //! `egress-workload`: what a confined workload does while the agent restarts, measured.
 //!
 //! Runs until killed, from inside a confined container:
-//! - every `--every-ms` (20), one DNS query for `--dns-name` to the resolver of
-//!   /etc/resolv.conf (the kernel takes it to the agent's responder), answered within 1 s or
-//!   lost, and one `GET --http-url` through the explicit proxy `--proxy`, a 200 within 2 s or
+//! - every `--every-ms` (20), one DNS query for `--dns-name` to `--dns-server` (default: the
+//!   resolver of /etc/resolv.conf; the kernel takes it to the agent's responder either way),
+//!   answered within 1 s or lost, and one `GET --http-url` through the explicit proxy `--proxy`, a 200 within 2 s or
 //!   failed;
 //! - one CONNECT tunnel per `--tunnel HOST:PORT/INTERVAL_MS` through the proxy to an echo
 //!   server, sending `ping N` lines every INTERVAL_MS and checking each echo; an error, an end or
@@ -55,7 +55,10 @@ fn arg(args: &[String], name: &str) -> Option<String> {
     args.windows(2).find(|w| w[0] == name).map(|w| w[1].clone())
 }
 
-fn resolver() -> SocketAddr {
+fn resolver(args: &[String]) -> SocketAddr {
+    if let Some(ip) = arg(args, "--dns-server") {
+        return SocketAddr::new(ip.parse().expect("--dns-server"), 53);
+    }
     let conf = std::fs::read_to_string("/etc/resolv.conf").unwrap_or_default();
     let ip = conf
         .lines()
@@ -204,7 +207,7 @@ fn main() {
     {
         let (dns, slowest) = (dns.clone(), slowest_failure.clone());
         let name = Name::from_ascii(format!("{name}.")).expect("--dns-name");
-        let server = resolver();
+        let server = resolver(&args);
         std::thread::spawn(move || {
             for id in (0..=u16::MAX).cycle() {
                 let t0 = ms();
