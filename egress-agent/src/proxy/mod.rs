@@ -712,23 +712,25 @@ async fn handle_connection(
             Ok(Err(_)) | Ok(Ok(0)) => return,
             Ok(Ok(_)) => {}
         }
-        if !head_may_be_complete(&buf, before) {
-            // Still catch garbage early (e.g. a TLS ClientHello sent without CONNECT).
-            if before == 0
-                && httparse::Request::new(&mut [])
-                    .parse(&buf)
-                    .is_err_and(|e| e != httparse::Error::TooManyHeaders)
-            {
-                // Not HTTP: a connection the kernel redirected here transparently (it has an
-                // original destination) is decided on its SNI; anything else is malformed.
-                if let Some(orig) = transparent::original_dst(shared, &stream, peer) {
-                    // Boxed: see `intercept::serve` below.
-                    Box::pin(transparent::intercepted(stream, orig, buf, shared, stop)).await;
-                    return;
-                }
-                refuse(&mut stream, &response::error(400, "malformed-request")).await;
+        // The first bytes decide whether this is HTTP at all (e.g. a TLS ClientHello sent
+        // without CONNECT), before looking for the head's end: binary bytes can hold "\n\n"
+        // (a ClientHello's random, key share or a GREASE value 0x0a0a), which is no end of a head.
+        if before == 0
+            && httparse::Request::new(&mut [])
+                .parse(&buf)
+                .is_err_and(|e| e != httparse::Error::TooManyHeaders)
+        {
+            // Not HTTP: a connection the kernel redirected here transparently (it has an
+            // original destination) is decided on its SNI; anything else is malformed.
+            if let Some(orig) = transparent::original_dst(shared, &stream, peer) {
+                // Boxed: see `intercept::serve` below.
+                Box::pin(transparent::intercepted(stream, orig, buf, shared, stop)).await;
                 return;
             }
+            refuse(&mut stream, &response::error(400, "malformed-request")).await;
+            return;
+        }
+        if !head_may_be_complete(&buf, before) {
             continue;
         }
         match request::parse_head(&buf) {
