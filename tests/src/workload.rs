@@ -217,6 +217,9 @@ impl Drop for DnsLeak {
     }
 }
 
+/// The workload's command without tunnels: DNS to [`GATEWAY`] (see [`DnsLeak`]) and HTTP.
+pub const COMMAND: [&str; 3] = ["egress-workload", "--dns-server", GATEWAY];
+
 /// One running workload container (of the [`Env`] every method is given).
 pub struct Workload {
     pub name: String,
@@ -232,15 +235,7 @@ impl Workload {
         env.start_ok(
             name,
             &["--label", &format!("egress.policy={POLICY}")],
-            &[
-                "egress-workload",
-                "--dns-server",
-                GATEWAY,
-                "--tunnel",
-                &t0,
-                "--tunnel",
-                &t1,
-            ],
+            &[&COMMAND[..], &["--tunnel", &t0, "--tunnel", &t1]].concat(),
         );
         Workload {
             name: name.to_owned(),

@@ -9,8 +9,9 @@
 //! - an upgrade to another build, started next to the running one (a DaemonSet roll): the same.
 //!
 //! Each asserts that the workload lost no DNS query, no request and no tunnel, that the echo
-//! servers saw no reconnect, that no query got past the kernel's DNS redirect ([`DnsLeak`]), that the old agent relayed both tunnels to their end (kernel and
-//! user space), and that a container started and one removed during the hand-over are handled.
+//! servers saw no reconnect, that no query got past the kernel's DNS redirect ([`DnsLeak`]),
+//! that the old agent relayed both tunnels to their end (kernel and user space), and that a
+//! container started and one removed during the hand-over are handled.
 use std::os::unix::net::UnixDatagram;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
@@ -99,11 +100,7 @@ fn hand_over_under_load(env: &mut Env, how: impl FnOnce(&mut Env, u32)) -> (u32,
     env.start_ok(
         "arriving",
         &["--label", &format!("egress.policy={}", workload::POLICY)],
-        &[
-            "egress-workload",
-            "--dns-server",
-            egress_tests::docker::GATEWAY,
-        ],
+        &workload::COMMAND,
     );
     assert!(
         workload::wait_took_over(env, took),
@@ -374,15 +371,7 @@ fn kill_9_gap_is_bounded_and_fails_closed() {
     );
     // The listener does hear what is not redirected: a container the agent does not confine
     // (no label) reaches it.
-    env.start_ok(
-        "unconfined",
-        &[],
-        &[
-            "egress-workload",
-            "--dns-server",
-            egress_tests::docker::GATEWAY,
-        ],
-    );
+    env.start_ok("unconfined", &[], &workload::COMMAND);
     let deadline = Instant::now() + WAIT;
     while leak.arrived() == 0 && Instant::now() < deadline {
         std::thread::sleep(Duration::from_millis(50));

@@ -3,8 +3,8 @@
 //! Runs until killed, from inside a confined container:
 //! - every `--every-ms` (20), one DNS query for `--dns-name` to `--dns-server` (default: the
 //!   resolver of /etc/resolv.conf; the kernel takes it to the agent's responder either way),
-//!   answered within 1 s or lost, and one `GET --http-url` through the explicit proxy `--proxy`, a 200 within 2 s or
-//!   failed;
+//!   answered within 1 s or lost, and one `GET --http-url` through the explicit proxy
+//!   `--proxy`, a 200 within 2 s or failed;
 //! - one CONNECT tunnel per `--tunnel HOST:PORT/INTERVAL_MS` through the proxy to an echo
 //!   server, sending `ping N` lines every INTERVAL_MS and checking each echo; an error, an end or
 //!   a wrong echo marks it cut (and it stays cut: a reconnect would hide the cut).
