@@ -28,8 +28,8 @@ fn relay_after_or_skip(tunnels: u32, reads: u64) -> Option<Arc<KernelRelay>> {
 }
 
 /// [`relay_after_or_skip`] with a credit window of `window` bytes (raised to the relay's
-/// smallest, 1 MiB): a direction parks once it is `HARD_WINDOWS` (4) windows past its last
-/// grant before the proxy's task extended it.
+/// smallest, 1 MiB): the tunnel is handed back once a peer is `BEHIND_WINDOWS` (2) windows
+/// behind, and a direction parks (the tunnel is reset) at `HARD_WINDOWS` (512).
 fn relay_with(tunnels: u32, reads: u64, window: u64) -> Option<Arc<KernelRelay>> {
     if !nix::unistd::geteuid().is_root() {
         eprintln!("skipping: the kernel relay needs root (BPF_PROG_TYPE_SK_SKB, sockhash)");
@@ -352,8 +352,8 @@ async fn a_stalled_upstream_hands_the_tunnel_back_to_user_space_without_losing_b
     let Some(relay) = relay_or_skip(4) else {
         return;
     };
-    // The upstream reads nothing for a second: the kernel relay's credit runs out, the program
-    // parks the client socket, and the tunnel continues in user space.
+    // The upstream reads nothing for a second: its socket falls behind, the proxy hands the
+    // tunnel back (quiesced, unspliced, every byte counted), and it continues in user space.
     let (a, mut rec) = recorder_with(b"done", Duration::from_secs(1)).await;
     let h = harness(a, a, &relay, "").await;
     let (s, _) = tunnel(h.addr, a.port(), b"").await;
@@ -377,6 +377,8 @@ async fn a_stalled_upstream_hands_the_tunnel_back_to_user_space_without_losing_b
     no_entries_left(&relay).await;
     let st = relay.stats();
     assert_eq!(st.demoted, 1, "{st:?}");
+    // Handed back without parking: nothing was read back through a psock, nothing reset.
+    assert_eq!((st.aborted, st.program.passed_bytes), (0, 0), "{st:?}");
 }
 
 /// One 1-byte echo through `s`.
@@ -500,7 +502,7 @@ async fn source(bytes: usize) -> SocketAddr {
 
 /// A download that never pauses reaches the hand-over mid-way. Whatever the kernel then does
 /// with it (the drain never sees a short read, so it stays in user space; or it is spliced and,
-/// once its reader falls behind, parked and handed back), it arrives whole and in order, and no
+/// once its reader falls behind, handed back), it arrives whole and in order, and no
 /// map entry outlives it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_saturated_download_handed_over_mid_way_arrives_whole() {

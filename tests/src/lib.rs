@@ -6,6 +6,8 @@
 //! - [`packet`]: hand-made Ethernet/IPv4/UDP frames sent through AF_PACKET.
 //! - [`upstreams`]: a test CA, python web servers, a recording dnsmasq, local "public" addresses.
 //! - [`tls_upstream`]: a recording TLS upstream with its own CA (interception tests).
+//! - [`relay_check`]: content-checked tunnels through an in-process proxy (relay test, soak).
+//! - [`stream`]: content-checked byte streams (relay tests and benchmarks compare content).
 //! - [`batch`]: the probe's batch mode (many socket operations per confined process).
 //! - [`containerd`], [`cri`]: a private containerd (CRI, runc, CNI bridge) in its own network
 //!   namespace, and the kubelet's CRI calls to run pods in it.
@@ -23,6 +25,8 @@ pub mod escape;
 pub mod netns;
 pub mod packet;
 pub mod pods;
+pub mod relay_check;
+pub mod stream;
 pub mod tls_upstream;
 pub mod upstreams;
 pub mod workload;

@@ -219,9 +219,12 @@ pub fn bench(quick: bool) -> Result<()> {
     // The second proxy-bench run gives every proxy the same half CPU, so tunnels/s compares the
     // proxies rather than the client's ceiling on this machine's two cores.
     // The fourth: TLS interception (credential injection) vs squid ssl-bump and mitmproxy.
-    let runs: [(&str, &[&str]); 7] = [
+    let runs: [(&str, &[&str]); 8] = [
         ("connect-bench", &[]),
         ("proxy-bench", &[]),
+        // 200 content-checked tunnels at once through the kernel relay (#34): mismatches and
+        // resets must be 0 (a failure of the run), hand-backs and fallbacks counted.
+        ("relay-soak", &[]),
         ("proxy-bench", &["--rate-only", "--cpu-quota", "50"]),
         ("proxy-bench", &["--intercept"]),
         // Event store ingest, and allowed tunnels/s with and without a flood of refusals.

@@ -255,6 +255,12 @@ fn pin_to_cpu(cpu: usize) {
 // ---------------------------------------------------------------- agent proxy process (serve mode)
 
 fn serve(config: &Path, out: &Path) -> Result<()> {
+    // The proxy's warnings (a kernel relay reset, a refused splice) go to the peer's log file.
+    tracing_subscriber::fmt()
+        .with_max_level(tracing::Level::WARN)
+        .with_writer(std::io::stderr)
+        .with_ansi(false)
+        .init();
     // The daemon's runtime shape, one worker (the proxy is pinned to one CPU).
     let rt = if std::env::var_os("PROXY_BENCH_CURRENT_THREAD").is_some() {
         tokio::runtime::Builder::new_current_thread()
@@ -297,14 +303,21 @@ fn serve(config: &Path, out: &Path) -> Result<()> {
 struct Upstreams {
     echo: SocketAddr,
     source: SocketAddr,
+    /// What the source sends through each bulk tunnel: [`BULK_SEED`]'s stream, computed once so
+    /// that neither sending nor checking costs the clients' CPU more than a copy and a compare.
+    bulk: Arc<Vec<u8>>,
 }
 
-async fn start_upstreams(bulk: u64, io_buffer: usize) -> Result<Upstreams> {
+/// Seed of the bulk phase's stream.
+const BULK_SEED: u64 = 0xB0_1C;
+
+async fn start_upstreams(bulk: Arc<Vec<u8>>, io_buffer: usize) -> Result<Upstreams> {
     let echo = TcpListener::bind("127.0.0.1:0").await?;
     let source = TcpListener::bind("127.0.0.1:0").await?;
     let up = Upstreams {
         echo: echo.local_addr()?,
         source: source.local_addr()?,
+        bulk: bulk.clone(),
     };
     tokio::spawn(async move {
         while let Ok((mut s, _)) = echo.accept().await {
@@ -326,19 +339,17 @@ async fn start_upstreams(bulk: u64, io_buffer: usize) -> Result<Upstreams> {
     });
     tokio::spawn(async move {
         while let Ok((mut s, _)) = source.accept().await {
+            let bulk = bulk.clone();
             tokio::spawn(async move {
                 let mut go = [0u8; 1];
                 if s.read_exact(&mut go).await.is_err() {
                     return;
                 }
-                let chunk = vec![0x5au8; io_buffer];
-                let mut left = bulk;
-                while left > 0 {
-                    let n = left.min(chunk.len() as u64) as usize;
-                    if s.write_all(&chunk[..n]).await.is_err() {
+                // The content-checked stream ([`egress_tests::stream`]), in the bench's I/O size.
+                for chunk in bulk.chunks(io_buffer) {
+                    if s.write_all(chunk).await.is_err() {
                         return;
                     }
-                    left -= n as u64;
                 }
                 s.shutdown().await.ok();
             });
@@ -677,11 +688,38 @@ async fn open(proxy: Option<SocketAddr>, target: SocketAddr) -> std::io::Result<
     Ok(s)
 }
 
-async fn ping(s: &mut TcpStream) -> std::io::Result<()> {
-    s.write_all(b"x").await?;
+/// One 1-byte echo of `byte`; an echo of any other byte is an `InvalidData` error (content
+/// checked: a repeated or lost byte shows up as the previous or next ping's byte).
+async fn ping(s: &mut TcpStream, byte: u8) -> std::io::Result<()> {
+    s.write_all(&[byte]).await?;
     let mut b = [0u8; 1];
     s.read_exact(&mut b).await?;
+    if b[0] != byte {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::InvalidData,
+            format!("ping sent {byte:#04x}, echo was {:#04x}", b[0]),
+        ));
+    }
     Ok(())
+}
+
+/// Pings over one tunnel, each with the next byte value.
+struct Pinger(u8);
+
+impl Pinger {
+    async fn ping(&mut self, s: &mut TcpStream) -> std::io::Result<()> {
+        self.0 = self.0.wrapping_add(1);
+        ping(s, self.0).await
+    }
+}
+
+/// Is `e` a content mismatch (as opposed to a failed connection)?
+fn is_mismatch(e: &anyhow::Error) -> bool {
+    e.chain().any(|c| {
+        c.downcast_ref::<std::io::Error>()
+            .is_some_and(|io| io.kind() == std::io::ErrorKind::InvalidData)
+            || c.downcast_ref::<egress_tests::stream::Mismatch>().is_some()
+    })
 }
 
 fn cpu_ticks(pid: u32) -> Option<u64> {
@@ -728,29 +766,38 @@ struct Rate {
     /// Every CPU's busy time per tunnel ([`host_busy_ticks`]; other load on the host adds to it).
     host_cpu_us: Option<f64>,
     errors: u64,
+    /// Echoes that came back with another byte than was sent (content mismatches).
+    mismatches: u64,
 }
 
 /// Full tunnel lifecycles per second: connect, CONNECT, 1-byte echo, close.
 async fn tunnel_rate(peer: &Peer, echo: SocketAddr, clients: usize, secs: f64) -> Rate {
     let ok = Arc::new(AtomicU64::new(0));
     let errors = Arc::new(AtomicU64::new(0));
+    let mismatches = Arc::new(AtomicU64::new(0));
     let cpu0 = peer.pid().and_then(cpu_ticks);
     let ends0 = cpu_ticks(std::process::id());
     let host0 = host_busy_ticks();
     let start = Instant::now();
     let deadline = start + Duration::from_secs_f64(secs);
     let mut tasks = Vec::new();
-    for _ in 0..clients {
-        let (ok, errors, proxy) = (ok.clone(), errors.clone(), peer.addr);
+    for c in 0..clients {
+        let (ok, errors, mismatches, proxy) =
+            (ok.clone(), errors.clone(), mismatches.clone(), peer.addr);
         tasks.push(tokio::spawn(async move {
+            let mut k = c as u8;
             while Instant::now() < deadline {
+                k = k.wrapping_add(1);
                 match async {
                     let mut s = open(proxy, echo).await?;
-                    ping(&mut s).await
+                    ping(&mut s, k).await
                 }
                 .await
                 {
                     Ok(()) => ok.fetch_add(1, Ordering::Relaxed),
+                    Err(e) if e.kind() == std::io::ErrorKind::InvalidData => {
+                        mismatches.fetch_add(1, Ordering::Relaxed)
+                    }
                     Err(_) => errors.fetch_add(1, Ordering::Relaxed),
                 };
             }
@@ -771,26 +818,48 @@ async fn tunnel_rate(peer: &Peer, echo: SocketAddr, clients: usize, secs: f64) -
         ends_cpu_us: us_per_tunnel(ends0, cpu_ticks(std::process::id())),
         host_cpu_us: us_per_tunnel(host0, host_busy_ticks()),
         errors: errors.load(Ordering::Relaxed),
+        mismatches: mismatches.load(Ordering::Relaxed),
     }
 }
 
-/// MB/s of `bytes` from the source upstream through one tunnel.
-async fn bulk(peer: &Peer, source: SocketAddr, bytes: u64, io_buffer: usize) -> Result<f64> {
-    let mut s = open(peer.addr, source).await?;
+/// MB/s of the source upstream's stream through one tunnel, every read compared with what was
+/// sent at its offset (a mismatch is an error naming the offsets, see [`egress_tests::stream`]).
+async fn bulk(peer: &Peer, up: &Upstreams, io_buffer: usize) -> Result<f64> {
+    let mut s = open(peer.addr, up.source).await?;
+    let sent: &[u8] = &up.bulk;
     let mut buf = vec![0u8; io_buffer];
     let start = Instant::now();
     s.write_all(b"g").await?;
-    let mut got = 0u64;
+    let mut got = 0usize;
     loop {
         let n = s.read(&mut buf).await?;
         if n == 0 {
             break;
         }
-        got += n as u64;
+        let expected = sent
+            .get(got..got + n)
+            .unwrap_or(&sent[got.min(sent.len())..]);
+        if buf[..n] != *expected {
+            // Find the first wrong byte and where the received bytes were sent from.
+            let mut c = egress_tests::stream::Checker::at(BULK_SEED, got as u64);
+            let e = c
+                .check(&buf[..n])
+                .err()
+                .unwrap_or(egress_tests::stream::Mismatch {
+                    at: sent.len() as u64,
+                    came_from: None,
+                });
+            return Err(anyhow::Error::new(e).context(format!(
+                "{}: bulk stream corrupted after {got} of {} bytes",
+                peer.name,
+                sent.len()
+            )));
+        }
+        got += n;
     }
     let secs = start.elapsed().as_secs_f64();
-    if got != bytes {
-        bail!("{}: got {got} of {bytes} bytes", peer.name);
+    if got != sent.len() {
+        bail!("{}: got {got} of {} bytes", peer.name, sent.len());
     }
     Ok(got as f64 / secs / 1e6)
 }
@@ -798,13 +867,14 @@ async fn bulk(peer: &Peer, source: SocketAddr, bytes: u64, io_buffer: usize) -> 
 /// Round-trip times (µs) of 1-byte pings over one connection/tunnel: (p50, p99).
 async fn latency(peer: &Peer, echo: SocketAddr, pings: usize) -> Result<(f64, f64)> {
     let mut s = open(peer.addr, echo).await?;
+    let mut p = Pinger(0);
     for _ in 0..200 {
-        ping(&mut s).await?;
+        p.ping(&mut s).await?;
     }
     let mut rtts = Vec::with_capacity(pings);
     for _ in 0..pings {
         let t = Instant::now();
-        ping(&mut s).await?;
+        p.ping(&mut s).await?;
         rtts.push(t.elapsed().as_secs_f64() * 1e6);
     }
     rtts.sort_by(f64::total_cmp);
@@ -826,8 +896,9 @@ fn cpu_ns(pid: u32) -> Option<u64> {
 /// a kernel relay splices it in). Returns (proxy CPU µs per ping, host CPU µs per ping).
 async fn chatty(peer: &Peer, echo: SocketAddr, secs: f64) -> Result<(Option<f64>, Option<f64>)> {
     let mut s = open(peer.addr, echo).await?;
+    let mut p = Pinger(0);
     for _ in 0..200 {
-        ping(&mut s).await?;
+        p.ping(&mut s).await?;
     }
     // Let a splice settle (its task's first look at the tunnel).
     tokio::time::sleep(Duration::from_millis(50)).await;
@@ -836,7 +907,7 @@ async fn chatty(peer: &Peer, echo: SocketAddr, secs: f64) -> Result<(Option<f64>
     let deadline = Instant::now() + Duration::from_secs_f64(secs);
     let mut n = 0u64;
     while Instant::now() < deadline {
-        ping(&mut s).await?;
+        p.ping(&mut s).await?;
         n += 1;
     }
     let (cpu1, host1) = (pid.and_then(cpu_ns), host_busy_ticks());
@@ -866,7 +937,7 @@ async fn idle_memory(peer: &Peer, echo: SocketAddr, n: usize) -> Result<f64> {
         pending.push(tokio::spawn(async move {
             let r = async {
                 let mut s = open(proxy, echo).await?;
-                ping(&mut s).await?;
+                ping(&mut s, b'i').await?;
                 Ok::<_, std::io::Error>(s)
             }
             .await;
@@ -915,7 +986,11 @@ async fn run(o: Opts) -> Result<()> {
         dir.join("hosts"),
         format!("127.0.0.1 localhost\n127.0.0.1 {NAME}\n"),
     )?;
-    let up = start_upstreams(o.bulk_bytes, o.io_buffer).await?;
+    let mut stream = vec![0u8; o.bulk_bytes as usize];
+    egress_tests::stream::fill(BULK_SEED, 0, &mut stream);
+    let up = start_upstreams(Arc::new(stream), o.io_buffer).await?;
+    // Content mismatches (any phase, any peer): each fails the run after the table.
+    let mut corrupt: Vec<String> = Vec::new();
 
     let want = |n: &str| o.peers.iter().any(|p| p == n);
     let mut peers = Vec::new();
@@ -984,6 +1059,12 @@ async fn run(o: Opts) -> Result<()> {
                 ]
             } {
                 let r = tunnel_rate(p, up.echo, clients, o.rate_secs).await;
+                if r.mismatches > 0 {
+                    corrupt.push(format!(
+                        "{}: {} of the tunnels' echoes came back with another byte ({clients} clients)",
+                        p.name, r.mismatches
+                    ));
+                }
                 if r.errors > 0 {
                     eprintln!(
                         "  {}: {} failed tunnels ({clients} clients)",
@@ -1008,9 +1089,13 @@ async fn run(o: Opts) -> Result<()> {
             }
             // The floor is a reference for per-tunnel and per-round-trip CPU only.
             if p.name != "floor" {
-                match bulk(p, up.source, o.bulk_bytes, o.io_buffer).await {
+                match bulk(p, &up, o.io_buffer).await {
                     Ok(v) => add(&mut s, p.name, "bulk MB/s, 1 tunnel", v),
-                    Err(e) => eprintln!("  {}: bulk failed: {e:#}", p.name),
+                    Err(e) => {
+                        eprintln!("  {}: bulk failed: {e:#}", p.name);
+                        // A short or corrupted stream is a failure of the run, not a missing figure.
+                        corrupt.push(format!("{}: bulk: {e:#}", p.name));
+                    }
                 }
                 if o.bulk_only {
                     continue;
@@ -1020,7 +1105,12 @@ async fn run(o: Opts) -> Result<()> {
                         add(&mut s, p.name, "RTT p50 µs", p50);
                         add(&mut s, p.name, "RTT p99 µs", p99);
                     }
-                    Err(e) => eprintln!("  {}: latency failed: {e:#}", p.name),
+                    Err(e) => {
+                        if is_mismatch(&e) {
+                            corrupt.push(format!("{}: latency pings: {e:#}", p.name));
+                        }
+                        eprintln!("  {}: latency failed: {e:#}", p.name)
+                    }
                 }
             } else if o.bulk_only {
                 continue;
@@ -1034,7 +1124,12 @@ async fn run(o: Opts) -> Result<()> {
                         add(&mut s, p.name, CHATTY_HOST_CPU, v);
                     }
                 }
-                Err(e) => eprintln!("  {}: chatty tunnel failed: {e:#}", p.name),
+                Err(e) => {
+                    if is_mismatch(&e) {
+                        corrupt.push(format!("{}: chatty pings: {e:#}", p.name));
+                    }
+                    eprintln!("  {}: chatty tunnel failed: {e:#}", p.name)
+                }
             }
             eprintln!("  round {} {} done", round + 1, p.name);
         }
@@ -1077,7 +1172,19 @@ async fn run(o: Opts) -> Result<()> {
         }
     }
     print_table(&m, &o);
-    std::fs::remove_dir_all(&dir).ok();
+    if corrupt.is_empty() {
+        std::fs::remove_dir_all(&dir).ok();
+    } else {
+        eprintln!("peer logs kept in {}", dir.display());
+    }
+    if !corrupt.is_empty() {
+        bail!(
+            "content check failed ({} time(s)): {}",
+            corrupt.len(),
+            corrupt.join("; ")
+        );
+    }
+    println!("content check: every bulk stream and echo arrived as sent");
     Ok(())
 }
 

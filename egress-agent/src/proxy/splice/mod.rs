@@ -24,9 +24,11 @@
 //!    propagate half-closes, extend credit, report bytes, and tear down.
 //!
 //! When the kernel refuses (no sockmap support, a map full, a socket no longer established), the
-//! tunnel stays in user space ([`Fallback`]); when a direction outruns its credit (a slow
-//! reader), the program parks it and the tunnel is drained and handed back to the user-space
-//! relay ([`pair::Outcome::Demoted`]).
+//! tunnel stays in user space ([`Fallback`]); when a peer falls behind (a slow reader), the
+//! tunnel is handed back to the user-space relay exactly ([`pair::Spliced::run`]: quiesced,
+//! unspliced, counted; [`pair::Outcome::Demoted`]). No byte is ever read back through a
+//! socket's psock: on 6.18 that path delivered a parked skb twice after the socket had
+//! redirected (issue #34). A tunnel whose bytes can't be proven exact is reset, never relayed on.
 mod pair;
 #[allow(
     unsafe_code,
@@ -52,11 +54,20 @@ use watch::{Signal, Watcher};
 const DRAIN_ROUNDS: usize = 64;
 const DRAIN_BUF: usize = 64 * 1024;
 
-/// A socket's hard credit, in windows past what it was last granted at: user space has
-/// `HARD_WINDOWS - 1` windows of a busy tunnel's flow to answer a credit notice before the
-/// direction parks and the tunnel is handed back to user space (measured: at 2 windows, a
-/// 64 KiB window parked a loopback bulk tunnel after two 64 KB skbs).
-pub(crate) const HARD_WINDOWS: u64 = 4;
+/// A socket's hard credit, in windows past what its peer's send queue has taken: the most bytes
+/// redirected but not yet sent (memory no socket is charged for) before the program parks the
+/// direction — and a parked tunnel is reset, because its parked bytes can't be read back
+/// exactly (see `pair::Spliced::hand_back`). It is a safety valve for a proxy that has stopped
+/// answering, not the working bound: the proxy hands a tunnel back once a peer is
+/// [`BEHIND_WINDOWS`] behind, as soon as its task runs. How soon is not in the proxy's hands:
+/// measured on a loopback bulk download (proxy-bench, the proxy pinned to one CPU), the kernel's
+/// own send path (the psock backlog, a kworker on the proxy's CPU) kept the task from running
+/// for 6–60 ms while 15–68 MiB arrived; with 4, 16 and 64 windows here most runs parked.
+/// `KernelRelayStats::max_behind` reports the most a peer was behind at a hand-back.
+pub(crate) const HARD_WINDOWS: u64 = 512;
+/// A peer this many windows behind (redirected to it but not yet in its send queue) has the
+/// tunnel handed back to user space.
+pub(crate) const BEHIND_WINDOWS: u64 = 2;
 /// The smallest credit window: the proxy's task must answer a credit notice within
 /// `(HARD_WINDOWS - 1) × window` bytes of a busy direction, i.e. within ~1.2 ms at 2.5 GB/s
 /// (measured: with 256 KiB windows a loopback bulk tunnel parked before a busy single-threaded
@@ -80,6 +91,8 @@ struct Counters {
     spliced: AtomicU64,
     fallbacks: AtomicU64,
     demoted: AtomicU64,
+    aborted: AtomicU64,
+    max_behind: AtomicU64,
     active: AtomicU64,
 }
 
@@ -90,8 +103,14 @@ pub struct KernelRelayStats {
     pub spliced: u64,
     /// Tunnels the kernel refused that stayed in user space.
     pub fallbacks: u64,
-    /// Spliced tunnels handed back to user space (a direction outran its credit).
+    /// Spliced tunnels handed back to user space (a peer fell behind).
     pub demoted: u64,
+    /// Spliced tunnels reset because their bytes could not be proven exact (a direction
+    /// parked, or a socket's byte count did not add up after a hand-back). Expected 0.
+    pub aborted: u64,
+    /// The most bytes a peer was behind (redirected to it, not yet in its send queue) when a
+    /// tunnel was handed back: the memory the kernel held outside socket accounting.
+    pub max_behind: u64,
     /// Spliced tunnels open now.
     pub active: u64,
     pub program: RelayStats,
@@ -136,6 +155,8 @@ impl KernelRelay {
             spliced: c.spliced.load(Ordering::Relaxed),
             fallbacks: c.fallbacks.load(Ordering::Relaxed),
             demoted: c.demoted.load(Ordering::Relaxed),
+            aborted: c.aborted.load(Ordering::Relaxed),
+            max_behind: c.max_behind.load(Ordering::Relaxed),
             active: c.active.load(Ordering::Relaxed),
             program: self.program.stats(),
             entries: self.program.entries(),
@@ -272,7 +293,10 @@ pub(crate) async fn splice(
     let (Ok(cc), Ok(uc)) = cookies else {
         return Err(back(c, u, "no socket cookie"));
     };
-    let bases = (pair::written(c.as_fd()), pair::written(u.as_fd()));
+    let bases = (
+        pair::written(c.as_fd()).and_then(|w| Ok((w, pair::consumed(c.as_fd())?))),
+        pair::written(u.as_fd()).and_then(|w| Ok((w, pair::consumed(u.as_fd())?))),
+    );
     let (Ok(cb), Ok(ub)) = bases else {
         return Err(back(c, u, "no TCP_INFO"));
     };
@@ -303,7 +327,7 @@ pub(crate) async fn splice(
         }
         Err(SpliceError::Partial(e)) => {
             tracing::debug!(error = %e, "kernel relay spliced one socket of two");
-            // Returned as spliced: the first thing `run` does is demote it (drain, hand back).
+            // Returned as spliced: the first thing `run` does is hand it back (quiesce, unsplice).
             relay.counters.spliced.fetch_add(1, Ordering::Relaxed);
             relay.counters.active.fetch_add(1, Ordering::Relaxed);
             return Ok(tunnel.demote_at_start());
@@ -390,14 +414,11 @@ pub(crate) async fn relay(
             mut upstream,
             up,
             down,
-            release,
         } => {
             tracing::debug!(up, down, "kernel relay: tunnel handed back to user space");
             let (u, d, end) = shared
                 .relay_in_user_space(&mut client, &mut upstream, shutdown.as_mut())
                 .await;
-            drop((client, upstream));
-            drop(release);
             (before.0 + up + u, before.1 + down + d, end, VIA_DEMOTED)
         }
     }

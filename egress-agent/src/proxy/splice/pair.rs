@@ -24,6 +24,10 @@ const REPORT_EVERY: Duration = Duration::from_secs(1);
 /// Polling of a drain (a half-close or a hand-back waiting for the peer's send queue to take the
 /// last redirected bytes): from 1 ms, doubling, at most this.
 const MAX_BACKOFF: Duration = Duration::from_millis(100);
+/// How long a hand-back waits after quiescing a socket before taking its lock: a segment that
+/// passed the socket filter just before it was attached is then through the receive path (a
+/// softirq's work of microseconds).
+const QUIESCE_SETTLE: Duration = Duration::from_millis(1);
 
 /// Bytes written into `fd`'s send queue since it was created (`snd_una` advance + `SIOCOUTQ`),
 /// read so that no ACK lands between the two reads. Up to the constant SYN offset: callers
@@ -34,6 +38,24 @@ pub(crate) fn written(fd: BorrowedFd<'_>) -> io::Result<u64> {
         let outq = sys::outq(fd)?;
         if sys::tcp_info(fd)?.bytes_acked == before {
             return Ok(before + u64::from(outq));
+        }
+    }
+    Err(io::Error::other("TCP_INFO never settled"))
+}
+
+/// Bytes of the stream the socket has handed on so far (`copied_seq` advance: read by user space
+/// or eaten by the relay program's redirects), up to the constant ISN offset: received (FIN not
+/// counted) less what still waits in its receive queue. Read so that nothing arrives between the
+/// two reads. Only meaningful while nothing parks bytes in the socket's psock (the relay never
+/// reads a socket through one).
+pub(crate) fn consumed(fd: BorrowedFd<'_>) -> io::Result<u64> {
+    for _ in 0..16 {
+        let before = sys::tcp_info(fd)?;
+        let inq = sys::inq(fd)?;
+        let after = sys::tcp_info(fd)?;
+        if after.bytes_received == before.bytes_received {
+            let fin = u64::from(fin_received(&after));
+            return Ok(after.bytes_received.saturating_sub(fin + u64::from(inq)));
         }
     }
     Err(io::Error::other("TCP_INFO never settled"))
@@ -57,6 +79,8 @@ pub(crate) struct Side {
     cookie: u64,
     /// [`written`] at the splice: what user space wrote itself (the 200, early bytes).
     base: u64,
+    /// [`consumed`] at the splice: what user space read itself.
+    read_base: u64,
     /// The credit as last written to the map (user space is its only writer).
     credit: Credit,
     /// `shutdown(Write)` done: the FIN from the other side was passed on.
@@ -64,11 +88,17 @@ pub(crate) struct Side {
 }
 
 impl Side {
-    pub(crate) fn new(sock: std::net::TcpStream, cookie: u64, base: u64, credit: Credit) -> Side {
+    pub(crate) fn new(
+        sock: std::net::TcpStream,
+        cookie: u64,
+        (base, read_base): (u64, u64),
+        credit: Credit,
+    ) -> Side {
         Side {
             sock,
             cookie,
             base,
+            read_base,
             credit,
             shut: false,
         }
@@ -111,16 +141,15 @@ impl Drop for Release {
 pub(crate) enum Outcome {
     /// (bytes client → upstream, bytes upstream → client, why). Sockets and entries are gone.
     Ended(u64, u64, TunnelEnd),
-    /// Both directions are now relayed by user space: a direction outran its credit (or the
-    /// splice was only half done). Everything the kernel had redirected is in the peers' send
-    /// queues; what arrived since waits, in order, in the sockets' own queues.
+    /// Both directions are now relayed by user space: a direction fell behind (or the splice
+    /// was only half done). Everything the kernel had redirected is in the peers' send queues;
+    /// what arrived since waits, in order, in the sockets' own receive queues (plain TCP
+    /// sockets again: no map entry, no psock).
     Demoted {
         client: TcpStream,
         upstream: TcpStream,
         up: u64,
         down: u64,
-        /// Drop after the user-space relay ends.
-        release: Release,
     },
 }
 
@@ -240,7 +269,7 @@ impl Spliced {
         let mut backoff = Duration::from_millis(1);
         let mut next_report = started + REPORT_EVERY;
         if self.demote_first {
-            return self.demote(idle, relayed, reported, shutdown).await;
+            return self.hand_back(idle, relayed, reported, shutdown).await;
         }
         loop {
             let bits = self.signal.take();
@@ -256,7 +285,18 @@ impl Spliced {
             };
             report(&mut reported, self.relayed_so_far(&fc, &fu));
             if bits & PARKED != 0 || fc.parked != 0 || fu.parked != 0 {
-                return self.demote(idle, relayed, reported, shutdown).await;
+                // The proxy did not hand the tunnel back before a direction reached its hard
+                // credit: the bytes parked since can't be read back exactly (see `hand_back`).
+                let taken = (self.u.written_since().ok(), self.c.written_since().ok());
+                let why = format!(
+                    "a direction parked (outran its hard credit) before the proxy handed the tunnel back: redirected {}/{} bytes, taken by the peers {taken:?}, credit {:?}/{:?}, {:?} after the splice",
+                    fc.redirected,
+                    fu.redirected,
+                    self.c.credit,
+                    self.u.credit,
+                    started.elapsed()
+                );
+                return self.abort(reported, &why);
             }
             let (Ok(ic), Ok(iu)) = (sys::tcp_info(self.c.fd()), sys::tcp_info(self.u.fd())) else {
                 return end(self, reported, TunnelEnd::Error);
@@ -298,12 +338,18 @@ impl Spliced {
             }
             // Credit: move it up while the peer's send queue keeps up; otherwise look again soon
             // (at `hard` the program parks the socket and the tunnel goes to user space).
+            let mut behind = false;
             for (from_client, flow) in [(true, fc), (false, fu)] {
                 match self.extend_credit(from_client, &flow) {
                     Ok(true) => {}
-                    Ok(false) => pending = true,
+                    Ok(false) => behind = true,
                     Err(_) => return end(self, reported, TunnelEnd::Error),
                 }
+            }
+            if behind {
+                // A peer is not keeping up: user space relays on (TCP flow control again)
+                // before the direction reaches its hard credit.
+                return self.hand_back(idle, relayed, reported, shutdown).await;
             }
             // Idle: no data received on either socket (the kernel's own clocks) for `idle`.
             let quiet_ms = u64::from(ic.last_data_recv_ms.min(iu.last_data_recv_ms))
@@ -356,7 +402,7 @@ impl Spliced {
     /// Once the socket went past its soft credit: move its hard credit to what its peer's send
     /// queue has taken plus [`HARD_WINDOWS`] windows (so the bytes redirected but not yet taken,
     /// which no socket is charged for, never exceed that), and its next notice one window on.
-    /// `Ok(false)`: the peer is more than half of that behind; look again soon.
+    /// `Ok(false)`: the peer is more than [`super::BEHIND_WINDOWS`] behind: hand the tunnel back.
     fn extend_credit(&mut self, from_client: bool, flow: &Flow) -> io::Result<bool> {
         let window = self.relay().window;
         let (x, y) = if from_client {
@@ -372,7 +418,7 @@ impl Spliced {
             soft: flow.redirected + window,
             hard: taken + super::HARD_WINDOWS * window,
         };
-        let behind = flow.redirected.saturating_sub(taken) > super::HARD_WINDOWS * window / 2;
+        let behind = flow.redirected.saturating_sub(taken) > super::BEHIND_WINDOWS * window;
         if credit.hard > x.credit.hard {
             let cookie = x.cookie;
             self.relay()
@@ -388,10 +434,21 @@ impl Spliced {
         Ok(!behind)
     }
 
-    /// Hand the tunnel to user space: park both sockets (credit 0: whatever arrives from now on
-    /// stays in the socket's own, accounted queue, in order), wait until the peers' send queues
-    /// hold every byte the program redirected, then give the sockets back to tokio.
-    async fn demote(
+    /// Hand the tunnel to user space, exactly: no byte may be read back through a socket's psock
+    /// (measured on 6.18: after a socket has redirected, bytes parked in its psock were
+    /// sometimes delivered twice — issue #34), so the hand-back never parks.
+    ///
+    /// 1. Quiesce both sockets ([`sys::quiesce`]: segments with payload are dropped before TCP,
+    ///    their senders retransmit), let segments already past the filter finish, and take
+    ///    each socket's lock once (`TCP_INFO`), so nothing is in the receive path.
+    /// 2. Take both out of `SPLICED`: the verdict is detached, and what arrives from now on stays
+    ///    in the socket's own receive queue (TCP flow control again). Un-quiesce.
+    /// 3. Wait until each peer's send queue holds every byte the program redirected to it, then
+    ///    remove every entry (the psocks go; the sockets are plain TCP sockets again).
+    /// 4. Check: each socket handed on (`copied_seq` advance) exactly what the program
+    ///    redirected from it, and nothing parked. Otherwise the tunnel is reset ([`Self::abort`]):
+    ///    a stream that may have lost or repeated a byte is never relayed on.
+    async fn hand_back(
         self,
         idle: Duration,
         relayed: &(dyn Fn(Direction, u64) + Sync),
@@ -400,25 +457,49 @@ impl Spliced {
     ) -> Outcome {
         let mut shutdown = std::pin::pin!(shutdown);
         let relay = self.release.relay.clone();
-        let zero = Credit { soft: 0, hard: 0 };
-        for s in [&self.c, &self.u] {
-            if relay.program.set_credit(s.cookie, zero).is_err() {
-                return Outcome::Ended(reported.0, reported.1, TunnelEnd::Error);
-            }
+        let cookies = [self.c.cookie, self.u.cookie];
+        // 1. Quiesce.
+        let quiesced = sys::quiesce(self.c.fd()).and_then(|()| sys::quiesce(self.u.fd()));
+        if let Err(e) = quiesced {
+            return self.abort(reported, &format!("quiescing a socket failed: {e}"));
         }
-        // A verdict runs under its socket's lock, which TCP_INFO takes too: once these return, a
-        // verdict that read the old credit has finished; every later one parks.
-        for s in [&self.c, &self.u] {
-            if sys::tcp_info(s.fd()).is_err() {
-                return Outcome::Ended(reported.0, reported.1, TunnelEnd::Error);
-            }
+        tokio::time::sleep(QUIESCE_SETTLE).await;
+        if let Err(e) = self.lock_both() {
+            return self.abort(reported, &format!("TCP_INFO failed: {e}"));
+        }
+        // 2. Detach the verdict, then let segments in again.
+        relay.program.unsplice(&cookies);
+        let locked = self.lock_both();
+        let opened = [&self.c, &self.u].map(|s| sys::unquiesce(s.fd()));
+        if let Err(e) = locked {
+            return self.abort(reported, &format!("TCP_INFO failed: {e}"));
+        }
+        if let Some(Err(e)) = opened.into_iter().find(Result::is_err) {
+            return self.abort(reported, &format!("un-quiescing a socket failed: {e}"));
         }
         let Some((fc, fu)) = self.flows() else {
-            return Outcome::Ended(reported.0, reported.1, TunnelEnd::Error);
+            return self.abort(reported, "flow entries gone");
         };
+        if fc.parked != 0 || fu.parked != 0 {
+            return self.abort(
+                reported,
+                "a direction outran its credit before the proxy handed the tunnel back",
+            );
+        }
+        if let (Ok(wu), Ok(wc)) = (self.u.written_since(), self.c.written_since()) {
+            let behind = fc
+                .redirected
+                .saturating_sub(wu)
+                .max(fu.redirected.saturating_sub(wc));
+            relay
+                .counters
+                .max_behind
+                .fetch_max(behind, Ordering::Relaxed);
+        }
         let (up, down) = self.relayed_so_far(&fc, &fu);
         relayed(Direction::Upstream, up.saturating_sub(reported.0));
         relayed(Direction::Downstream, down.saturating_sub(reported.1));
+        // 3. Every redirected byte into the peers' send queues.
         let deadline = Instant::now() + idle;
         let mut backoff = Duration::from_millis(1);
         loop {
@@ -446,7 +527,25 @@ impl Spliced {
         if let Some(w) = relay.watcher.get().and_then(Option::as_ref) {
             w.deregister([(self.c.cookie, self.c.fd()), (self.u.cookie, self.u.fd())]);
         }
+        // 4. Plain sockets again, then the check.
         let Spliced { c, u, release, .. } = self;
+        drop(release);
+        for (side, flow, what) in [(&c, &fc, "client"), (&u, &fu, "upstream")] {
+            let handed_on = consumed(side.fd()).map(|n| n.saturating_sub(side.read_base));
+            if handed_on.as_ref().ok() != Some(&flow.redirected) {
+                tracing::warn!(
+                    socket = what,
+                    redirected = flow.redirected,
+                    handed_on = ?handed_on,
+                    "kernel relay: a socket's stream does not add up after the hand-back; tunnel reset"
+                );
+                relay.counters.aborted.fetch_add(1, Ordering::Relaxed);
+                for s in [&c, &u] {
+                    sys::reset_on_close(s.fd()).ok();
+                }
+                return Outcome::Ended(up, down, TunnelEnd::Error);
+            }
+        }
         match (TcpStream::from_std(c.sock), TcpStream::from_std(u.sock)) {
             (Ok(client), Ok(upstream)) => {
                 relay.counters.demoted.fetch_add(1, Ordering::Relaxed);
@@ -455,10 +554,34 @@ impl Spliced {
                     upstream,
                     up,
                     down,
-                    release,
                 }
             }
             _ => Outcome::Ended(up, down, TunnelEnd::Error),
         }
+    }
+
+    /// Take each socket's lock once (`TCP_INFO` runs under it, as does every verdict and every
+    /// receive path): once this returns, whatever held it before has finished.
+    fn lock_both(&self) -> io::Result<()> {
+        sys::tcp_info(self.c.fd())?;
+        sys::tcp_info(self.u.fd())?;
+        Ok(())
+    }
+
+    /// Reset both sockets (`SO_LINGER` 0, then close) rather than relay a stream that may have
+    /// lost or repeated a byte; counted in [`super::KernelRelayStats::aborted`].
+    fn abort(self, reported: (u64, u64), why: &str) -> Outcome {
+        tracing::warn!(
+            reason = why,
+            "kernel relay: tunnel reset to keep every relayed byte exact"
+        );
+        self.relay()
+            .counters
+            .aborted
+            .fetch_add(1, Ordering::Relaxed);
+        for s in [&self.c, &self.u] {
+            sys::reset_on_close(s.fd()).ok();
+        }
+        Outcome::Ended(reported.0, reported.1, TunnelEnd::Error)
     }
 }

@@ -101,3 +101,106 @@ pub fn set_rcvlowat(fd: BorrowedFd<'_>, bytes: i32) -> io::Result<()> {
     }
     Ok(())
 }
+
+/// The classic BPF socket filter [`quiesce`] attaches: drop every TCP segment that carries
+/// payload (`skb->len` past the header's `doff × 4`), keep the rest (ACKs, window updates, FIN
+/// and RST without data). A TCP socket's filter runs in `tcp_v4_rcv`/`tcp_v6_rcv` (`tcp_filter`)
+/// before the segment reaches TCP, with `skb->data` at the TCP header; a dropped segment was
+/// never received (not acknowledged), so its sender sends it again later: nothing is lost.
+const QUIESCE_FILTER: [libc::sock_filter; 7] = [
+    // A = th->doff << 4 | reserved (byte 12 of the TCP header)
+    bpf_stmt(libc::BPF_LD | libc::BPF_B | libc::BPF_ABS, 12),
+    // A = doff × 4 (header length in bytes)
+    bpf_stmt(libc::BPF_ALU | libc::BPF_RSH | libc::BPF_K, 4),
+    bpf_stmt(libc::BPF_ALU | libc::BPF_LSH | libc::BPF_K, 2),
+    // X = header length; A = segment length
+    bpf_stmt(libc::BPF_MISC | libc::BPF_TAX, 0),
+    bpf_stmt(libc::BPF_LD | libc::BPF_W | libc::BPF_LEN, 0),
+    // payload? → drop (0 bytes kept); else keep the whole segment.
+    libc::sock_filter {
+        code: (libc::BPF_JMP | libc::BPF_JGT | libc::BPF_X) as u16,
+        jt: 1,
+        jf: 0,
+        k: 0,
+    },
+    bpf_stmt(libc::BPF_RET | libc::BPF_K, u32::MAX),
+];
+const QUIESCE_DROP: libc::sock_filter = bpf_stmt(libc::BPF_RET | libc::BPF_K, 0);
+
+const fn bpf_stmt(code: u32, k: u32) -> libc::sock_filter {
+    libc::sock_filter {
+        code: code as u16,
+        jt: 0,
+        jf: 0,
+        k,
+    }
+}
+
+/// Stop `fd` from receiving payload until [`unquiesce`]: segments with data are dropped before
+/// TCP sees them (their senders retransmit), so no byte can reach the socket's receive path —
+/// and so the relay program — while its sockmap entries change. See [`QUIESCE_FILTER`].
+pub fn quiesce(fd: BorrowedFd<'_>) -> io::Result<()> {
+    let mut prog = [QUIESCE_DROP; QUIESCE_FILTER.len() + 1];
+    prog[..QUIESCE_FILTER.len()].copy_from_slice(&QUIESCE_FILTER);
+    let fprog = libc::sock_fprog {
+        len: prog.len() as u16,
+        filter: prog.as_mut_ptr(),
+    };
+    // SAFETY: valid fd; `fprog` points at `prog`, which outlives the call (the kernel copies
+    // the program).
+    let rc = unsafe {
+        libc::setsockopt(
+            fd.as_raw_fd(),
+            libc::SOL_SOCKET,
+            libc::SO_ATTACH_FILTER,
+            (&raw const fprog).cast(),
+            std::mem::size_of::<libc::sock_fprog>() as libc::socklen_t,
+        )
+    };
+    if rc != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(())
+}
+
+/// Remove the [`quiesce`] filter.
+pub fn unquiesce(fd: BorrowedFd<'_>) -> io::Result<()> {
+    let zero: libc::c_int = 0;
+    // SAFETY: valid fd; SO_DETACH_FILTER ignores its value.
+    let rc = unsafe {
+        libc::setsockopt(
+            fd.as_raw_fd(),
+            libc::SOL_SOCKET,
+            libc::SO_DETACH_FILTER,
+            (&raw const zero).cast(),
+            std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+        )
+    };
+    if rc != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(())
+}
+
+/// `SO_LINGER` with a zero timeout: closing the socket then resets the connection (RST) instead
+/// of a FIN, so the peer sees an error, never a clean end of a stream that lost bytes.
+pub fn reset_on_close(fd: BorrowedFd<'_>) -> io::Result<()> {
+    let linger = libc::linger {
+        l_onoff: 1,
+        l_linger: 0,
+    };
+    // SAFETY: valid fd; SO_LINGER takes a `linger`.
+    let rc = unsafe {
+        libc::setsockopt(
+            fd.as_raw_fd(),
+            libc::SOL_SOCKET,
+            libc::SO_LINGER,
+            (&raw const linger).cast(),
+            std::mem::size_of::<libc::linger>() as libc::socklen_t,
+        )
+    };
+    if rc != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(())
+}
