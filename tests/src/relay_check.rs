@@ -33,6 +33,9 @@ pub struct Plan {
     pub slow: bool,
     /// Largest write (each write is a random size up to this).
     pub max_write: usize,
+    /// The client half-closes only after the whole download arrived (a half-closed tunnel is
+    /// never spliced: this keeps a download spliceable to its end).
+    pub hold_open: bool,
 }
 
 /// A slow reader pauses once per this many bytes.
@@ -228,6 +231,7 @@ pub async fn run_tunnel(proxy: SocketAddr, port: u16, plan: Plan) -> Result<()> 
     w.write_all(&head).await?;
     let mut rng = Rng::new(plan.seed ^ 0x1234);
     let max_write = plan.max_write;
+    let (done_tx, done_rx) = tokio::sync::oneshot::channel::<()>();
     let sender = tokio::spawn(async move {
         send(
             &mut w,
@@ -237,10 +241,14 @@ pub async fn run_tunnel(proxy: SocketAddr, port: u16, plan: Plan) -> Result<()> 
             &mut rng,
         )
         .await?;
+        if plan.hold_open {
+            done_rx.await.ok();
+        }
         w.shutdown().await.context("half-closing")?;
         Ok::<_, anyhow::Error>(w)
     });
     let received = receive(&mut r, Checker::new(plan.seed ^ DOWN), plan.down, plan.slow).await;
+    done_tx.send(()).ok();
     match (received, sender.await) {
         (Err(e), _) => Err(e.context("client receiving")),
         (Ok(()), Err(e)) => Err(anyhow::anyhow!("client sender panicked: {e}")),
@@ -259,8 +267,10 @@ pub struct Proxy {
 }
 
 impl Proxy {
-    /// Start it; `dir` holds its config and hosts file; `port` is the upstream's.
-    pub fn start(dir: &Path, port: u16, after_reads: u64) -> Result<Proxy> {
+    /// Start it; `dir` holds its config and hosts file; `port` is the upstream's; `cpu`: pin
+    /// its runtime to that CPU (the daemon's shape under load: the proxy on one CPU, the
+    /// kernel's receive work for its peers on another).
+    pub fn start(dir: &Path, port: u16, after_reads: u64, cpu: Option<usize>) -> Result<Proxy> {
         std::fs::create_dir_all(dir)?;
         let hosts = dir.join("hosts");
         std::fs::write(&hosts, format!("127.0.0.1 {NAME}\n"))?;
@@ -292,9 +302,17 @@ allow_cidrs = [{{ cidr = "127.0.0.1/32", ports = [{port}] }}]
         let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
         let thread = std::thread::spawn(move || {
             let started = addr_tx.clone();
+            if let Some(c) = cpu {
+                pin_to_cpu(c);
+            }
             let r = (move || -> Result<()> {
                 let rt = tokio::runtime::Builder::new_multi_thread()
                     .worker_threads(1)
+                    .on_thread_start(move || {
+                        if let Some(c) = cpu {
+                            pin_to_cpu(c);
+                        }
+                    })
                     .enable_all()
                     .build()?;
                 rt.block_on(async move {
@@ -345,4 +363,17 @@ impl Drop for Proxy {
             t.join().ok();
         }
     }
+}
+
+/// Pin the calling thread to `cpu` (best effort: a failure leaves it unpinned).
+pub fn pin_to_cpu(cpu: usize) {
+    let mut set = nix::sched::CpuSet::new();
+    if set.set(cpu).is_ok() {
+        nix::sched::sched_setaffinity(nix::unistd::Pid::from_raw(0), &set).ok();
+    }
+}
+
+/// Two CPUs to keep the proxy apart from its clients and upstreams, when the machine has them.
+pub fn two_cpus() -> Option<(usize, usize)> {
+    (std::thread::available_parallelism().map_or(1, usize::from) >= 2).then_some((0, 1))
 }

@@ -46,7 +46,7 @@ fn main() -> Result<()> {
 
 async fn soak(dir: &std::path::Path, secs: u64, workers: u64, seed: u64) -> Result<()> {
     let (up, mut verdicts) = start_upstream().await?;
-    let proxy = Proxy::start(dir, up.port(), 16)?;
+    let proxy = Proxy::start(dir, up.port(), 16, None)?;
     eprintln!(
         "relay-soak: {workers} concurrent tunnels for {secs} s through the kernel relay (seed {seed}; --seed {seed} replays the plans)"
     );
@@ -82,6 +82,7 @@ async fn soak(dir: &std::path::Path, secs: u64, workers: u64, seed: u64) -> Resu
                     down: rng.size(8 << 20),
                     slow: rng.range(0, 3) == 0,
                     max_write: rng.range(1, 256 << 10) as usize,
+                    hold_open: rng.range(0, 1) == 0,
                 };
                 match tokio::time::timeout(Duration::from_secs(120), run_tunnel(addr, port, plan))
                     .await

@@ -32,7 +32,7 @@
 mod pair;
 #[allow(
     unsafe_code,
-    reason = "TCP_INFO, SO_COOKIE, SIOCINQ/SIOCOUTQ, SO_RCVLOWAT"
+    reason = "TCP_INFO, SO_COOKIE, SIOCINQ/SIOCOUTQ, setsockopt (SO_RCVLOWAT, the quiescing filter, SO_LINGER)"
 )]
 pub(crate) mod sys;
 mod watch;

@@ -1,6 +1,8 @@
 //! The socket calls the spliced relay needs that neither std, tokio, socket2 nor nix wrap:
 //! `TCP_INFO`, the `SIOCINQ`/`SIOCOUTQ` queue sizes and `SO_RCVLOWAT` (`SO_COOKIE` goes through
-//! `bpf::sys::cookie_sockopt`). Each call checked; the relay's only other `unsafe` is the fd
+//! `bpf::sys::cookie_sockopt`), and for the hand-back the quiescing socket filter
+//! (`SO_ATTACH_FILTER`/`SO_DETACH_FILTER`) and `SO_LINGER` 0, all through one checked
+//! `setsockopt`. Each call checked; the relay's only other `unsafe` is the fd
 //! registration with tokio in `watch`.
 use std::io;
 use std::os::fd::{AsRawFd, BorrowedFd};
@@ -86,14 +88,20 @@ pub fn outq(fd: BorrowedFd<'_>) -> io::Result<u32> {
 /// are queued (`tcp_set_rcvlowat` → `tcp_data_ready`), which is how queued bytes are handed to
 /// a verdict program attached after they arrived.
 pub fn set_rcvlowat(fd: BorrowedFd<'_>, bytes: i32) -> io::Result<()> {
-    // SAFETY: valid fd; SO_RCVLOWAT takes an int.
+    setsockopt(fd, libc::SOL_SOCKET, libc::SO_RCVLOWAT, &bytes)
+}
+
+/// `setsockopt(fd, level, name, value)` for a plain-data `value` the option takes whole.
+fn setsockopt<T>(fd: BorrowedFd<'_>, level: i32, name: i32, value: &T) -> io::Result<()> {
+    // SAFETY: valid fd; `value` is a `T`, the type the option takes, and `len` its size (the
+    // kernel reads at most `len` bytes and copies what it keeps).
     let rc = unsafe {
         libc::setsockopt(
             fd.as_raw_fd(),
-            libc::SOL_SOCKET,
-            libc::SO_RCVLOWAT,
-            (&raw const bytes).cast(),
-            std::mem::size_of::<i32>() as libc::socklen_t,
+            level,
+            name,
+            std::ptr::from_ref(value).cast(),
+            std::mem::size_of::<T>() as libc::socklen_t,
         )
     };
     if rc != 0 {
@@ -146,40 +154,14 @@ pub fn quiesce(fd: BorrowedFd<'_>) -> io::Result<()> {
         len: prog.len() as u16,
         filter: prog.as_mut_ptr(),
     };
-    // SAFETY: valid fd; `fprog` points at `prog`, which outlives the call (the kernel copies
-    // the program).
-    let rc = unsafe {
-        libc::setsockopt(
-            fd.as_raw_fd(),
-            libc::SOL_SOCKET,
-            libc::SO_ATTACH_FILTER,
-            (&raw const fprog).cast(),
-            std::mem::size_of::<libc::sock_fprog>() as libc::socklen_t,
-        )
-    };
-    if rc != 0 {
-        return Err(io::Error::last_os_error());
-    }
-    Ok(())
+    // `fprog` points at `prog`, which outlives the call (the kernel copies the program).
+    setsockopt(fd, libc::SOL_SOCKET, libc::SO_ATTACH_FILTER, &fprog)
 }
 
 /// Remove the [`quiesce`] filter.
 pub fn unquiesce(fd: BorrowedFd<'_>) -> io::Result<()> {
-    let zero: libc::c_int = 0;
-    // SAFETY: valid fd; SO_DETACH_FILTER ignores its value.
-    let rc = unsafe {
-        libc::setsockopt(
-            fd.as_raw_fd(),
-            libc::SOL_SOCKET,
-            libc::SO_DETACH_FILTER,
-            (&raw const zero).cast(),
-            std::mem::size_of::<libc::c_int>() as libc::socklen_t,
-        )
-    };
-    if rc != 0 {
-        return Err(io::Error::last_os_error());
-    }
-    Ok(())
+    // SO_DETACH_FILTER ignores its value.
+    setsockopt(fd, libc::SOL_SOCKET, libc::SO_DETACH_FILTER, &0i32)
 }
 
 /// `SO_LINGER` with a zero timeout: closing the socket then resets the connection (RST) instead
@@ -189,18 +171,5 @@ pub fn reset_on_close(fd: BorrowedFd<'_>) -> io::Result<()> {
         l_onoff: 1,
         l_linger: 0,
     };
-    // SAFETY: valid fd; SO_LINGER takes a `linger`.
-    let rc = unsafe {
-        libc::setsockopt(
-            fd.as_raw_fd(),
-            libc::SOL_SOCKET,
-            libc::SO_LINGER,
-            (&raw const linger).cast(),
-            std::mem::size_of::<libc::linger>() as libc::socklen_t,
-        )
-    };
-    if rc != 0 {
-        return Err(io::Error::last_os_error());
-    }
-    Ok(())
+    setsockopt(fd, libc::SOL_SOCKET, libc::SO_LINGER, &linger)
 }
