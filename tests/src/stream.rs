@@ -46,7 +46,7 @@ pub fn fill(seed: u64, offset: u64, buf: &mut [u8]) {
     let mut i = 0;
     let mut off = offset;
     // Up to the next word boundary byte by byte, then whole words.
-    while i < buf.len() && off % 8 != 0 {
+    while i < buf.len() && !off.is_multiple_of(8) {
         buf[i] = byte_at(seed, off);
         i += 1;
         off += 1;
@@ -163,7 +163,7 @@ impl Checker {
         let start = self.offset;
         let mut i = 0;
         let mut off = start;
-        while i < data.len() && off % 8 != 0 {
+        while i < data.len() && !off.is_multiple_of(8) {
             if data[i] != byte_at(self.seed, off) {
                 return Err(self.fail(data, i));
             }
@@ -223,6 +223,7 @@ impl Checker {
 }
 
 #[cfg(test)]
+#[expect(clippy::unwrap_used, reason = "test assertions")]
 mod tests {
     use super::*;
 
