@@ -703,13 +703,21 @@ async fn ping(s: &mut TcpStream, byte: u8) -> std::io::Result<()> {
     Ok(())
 }
 
-/// Pings over one tunnel, each with the next byte value.
-struct Pinger(u8);
+/// The byte of the `n`th ping: `a`..=`z` in turn. Consecutive pings differ (a repeated or lost
+/// echo shows), and a lower-case letter is what the proxy's first-bytes sniff takes for an
+/// opaque stream at once (a control byte or 0x16 would make it wait for more, or for a TLS
+/// hello, before relaying).
+fn ping_byte(n: usize) -> u8 {
+    b'a' + (n % 26) as u8
+}
+
+/// Pings over one tunnel, each with the next byte value ([`ping_byte`]).
+struct Pinger(usize);
 
 impl Pinger {
     async fn ping(&mut self, s: &mut TcpStream) -> std::io::Result<()> {
-        self.0 = self.0.wrapping_add(1);
-        ping(s, self.0).await
+        self.0 += 1;
+        ping(s, ping_byte(self.0)).await
     }
 }
 
@@ -785,12 +793,12 @@ async fn tunnel_rate(peer: &Peer, echo: SocketAddr, clients: usize, secs: f64) -
         let (ok, errors, mismatches, proxy) =
             (ok.clone(), errors.clone(), mismatches.clone(), peer.addr);
         tasks.push(tokio::spawn(async move {
-            let mut k = c as u8;
+            let mut k = c;
             while Instant::now() < deadline {
-                k = k.wrapping_add(1);
+                k += 1;
                 match async {
                     let mut s = open(proxy, echo).await?;
-                    ping(&mut s, k).await
+                    ping(&mut s, ping_byte(k)).await
                 }
                 .await
                 {
