@@ -335,8 +335,8 @@ pub(crate) async fn splice(
     }
     relay.counters.spliced.fetch_add(1, Ordering::Relaxed);
     relay.counters.active.fetch_add(1, Ordering::Relaxed);
-    // 3. Hand bytes queued before the splice to the program, and watch for hang-ups.
-    tunnel.kick();
+    // 3. Watch for hang-ups. Bytes queued before the splice go to the program with the next
+    // arrival, or with a kick from the tunnel's task shortly after (`pair::KICK_AFTER`).
     if let Err(e) = tunnel.watch() {
         tracing::debug!(error = %e, "kernel relay: watching a spliced tunnel failed");
         return Ok(tunnel.demote_at_start());

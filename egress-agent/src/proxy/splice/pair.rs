@@ -24,6 +24,9 @@ const REPORT_EVERY: Duration = Duration::from_secs(1);
 /// Polling of a drain (a half-close or a hand-back waiting for the peer's send queue to take the
 /// last redirected bytes): from 1 ms, doubling, at most this.
 const MAX_BACKOFF: Duration = Duration::from_millis(100);
+/// When a spliced tunnel's task hands bytes queued before the splice to the program, if no
+/// arrival has done it ([`Spliced::kick_if_queued`]).
+pub(crate) const KICK_AFTER: Duration = Duration::from_millis(1);
 /// How long a hand-back waits after quiescing a socket before taking its lock: a segment that
 /// passed the socket filter just before it was attached is then through the receive path (a
 /// softirq's work of microseconds).
@@ -207,11 +210,24 @@ impl Spliced {
         &self.release.relay
     }
 
-    /// Hand bytes that were queued before the splice to the program (`SO_RCVLOWAT` runs the
-    /// socket's data-ready callback, now the verdict's, when bytes are waiting).
-    pub(super) fn kick(&self) {
+    /// Hand bytes still queued from before the splice to the program (`SO_RCVLOWAT` runs the
+    /// socket's data-ready callback, now the verdict's, when bytes are waiting): on each socket
+    /// that received more since the splice than the program has redirected. Done by the
+    /// tunnel's task [`KICK_AFTER`] after the splice, not at once: the verdict then runs on the
+    /// kicking CPU and so does the send work it queues (a kworker, bound to that CPU), which
+    /// on the proxy's own CPU kept the proxy's task from running for tens of milliseconds
+    /// (docs/benchmarks.md, "Relay integrity"). A busy socket needs no kick: its next segment
+    /// runs the verdict over the whole queue where it is received.
+    fn kick_if_queued(&self) {
         for s in [&self.c, &self.u] {
-            if let Err(e) = sys::set_rcvlowat(s.fd(), 1) {
+            let Some(flow) = self.relay().program.flow(s.cookie) else {
+                continue;
+            };
+            let queued = sys::tcp_info(s.fd()).is_ok_and(|i| {
+                let received = i.bytes_received.saturating_sub(u64::from(fin_received(&i)));
+                received.saturating_sub(s.read_base) > flow.redirected
+            });
+            if queued && let Err(e) = sys::set_rcvlowat(s.fd(), 1) {
                 tracing::debug!(error = %e, "kernel relay: SO_RCVLOWAT kick failed");
             }
         }
@@ -268,6 +284,7 @@ impl Spliced {
         report(&mut reported, self.drained);
         let mut backoff = Duration::from_millis(1);
         let mut next_report = started + REPORT_EVERY;
+        let mut kick_at = Some(started + KICK_AFTER);
         if self.demote_first {
             return self.hand_back(idle, relayed, reported, shutdown).await;
         }
@@ -365,6 +382,14 @@ impl Spliced {
                 backoff = (backoff * 2).min(MAX_BACKOFF);
             } else {
                 backoff = Duration::from_millis(1);
+            }
+            if let Some(k) = kick_at {
+                if k <= now {
+                    self.kick_if_queued();
+                    kick_at = None;
+                } else {
+                    deadline = deadline.min(k);
+                }
             }
             if live {
                 if next_report <= now {
