@@ -524,28 +524,36 @@ impl Spliced {
         let (up, down) = self.relayed_so_far(&fc, &fu);
         relayed(Direction::Upstream, up.saturating_sub(reported.0));
         relayed(Direction::Downstream, down.saturating_sub(reported.1));
-        // 3. Every redirected byte into the peers' send queues.
+        // 3. Every redirected byte into the peers' send queues. A tunnel that ends before (an
+        // error, the idle timeout, shutdown) is reset: redirected bytes still in a psock go with
+        // its entries, and a FIN would present the cut stream as complete.
+        let cut = |s: &Spliced, end| {
+            for x in [&s.c, &s.u] {
+                sys::reset_on_close(x.fd()).ok();
+            }
+            Outcome::Ended(up, down, end)
+        };
         let deadline = Instant::now() + idle;
         let mut backoff = Duration::from_millis(1);
         loop {
             if self.c.sock.take_error().ok().flatten().is_some()
                 || self.u.sock.take_error().ok().flatten().is_some()
             {
-                return Outcome::Ended(up, down, TunnelEnd::Error);
+                return cut(&self, TunnelEnd::Error);
             }
             let done = match (self.u.written_since(), self.c.written_since()) {
                 (Ok(wu), Ok(wc)) => wu >= fc.redirected && wc >= fu.redirected,
-                _ => return Outcome::Ended(up, down, TunnelEnd::Error),
+                _ => return cut(&self, TunnelEnd::Error),
             };
             if done {
                 break;
             }
             if Instant::now() >= deadline {
-                return Outcome::Ended(up, down, TunnelEnd::Idle);
+                return cut(&self, TunnelEnd::Idle);
             }
             tokio::select! {
                 () = tokio::time::sleep(backoff) => {}
-                () = &mut shutdown => return Outcome::Ended(up, down, TunnelEnd::Shutdown),
+                () = &mut shutdown => return cut(&self, TunnelEnd::Shutdown),
             }
             backoff = (backoff * 2).min(MAX_BACKOFF);
         }
