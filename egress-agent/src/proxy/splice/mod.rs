@@ -68,10 +68,9 @@ pub(crate) const HARD_WINDOWS: u64 = 512;
 /// A peer this many windows behind (redirected to it but not yet in its send queue) has the
 /// tunnel handed back to user space.
 pub(crate) const BEHIND_WINDOWS: u64 = 2;
-/// The smallest credit window: the proxy's task must answer a credit notice within
-/// `(HARD_WINDOWS - 1) × window` bytes of a busy direction, i.e. within ~1.2 ms at 2.5 GB/s
-/// (measured: with 256 KiB windows a loopback bulk tunnel parked before a busy single-threaded
-/// runtime got to the notice).
+/// The smallest credit window (one credit notice per window redirected): smaller windows mean
+/// more notices for the proxy's task to answer (measured before #34: with 256 KiB windows a
+/// loopback bulk tunnel outran a busy single-threaded runtime's answers).
 pub(crate) const MIN_WINDOW: u64 = 1 << 20;
 
 /// The loaded relay program plus what its tunnels share. One per proxy process.

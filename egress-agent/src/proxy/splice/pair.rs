@@ -57,11 +57,15 @@ pub(crate) fn consumed(fd: BorrowedFd<'_>) -> io::Result<u64> {
         let inq = sys::inq(fd)?;
         let after = sys::tcp_info(fd)?;
         if after.bytes_received == before.bytes_received {
-            let fin = u64::from(fin_received(&after));
-            return Ok(after.bytes_received.saturating_sub(fin + u64::from(inq)));
+            return Ok(received(&after).saturating_sub(u64::from(inq)));
         }
     }
     Err(io::Error::other("TCP_INFO never settled"))
+}
+
+/// Stream bytes the socket has received (`tcpi_bytes_received` counts a received FIN as one).
+fn received(i: &TcpInfo) -> u64 {
+    i.bytes_received.saturating_sub(u64::from(fin_received(i)))
 }
 
 /// A received FIN: the socket is past ESTABLISHED on its receive side.
@@ -223,10 +227,8 @@ impl Spliced {
             let Some(flow) = self.relay().program.flow(s.cookie) else {
                 continue;
             };
-            let queued = sys::tcp_info(s.fd()).is_ok_and(|i| {
-                let received = i.bytes_received.saturating_sub(u64::from(fin_received(&i)));
-                received.saturating_sub(s.read_base) > flow.redirected
-            });
+            let queued = sys::tcp_info(s.fd())
+                .is_ok_and(|i| received(&i).saturating_sub(s.read_base) > flow.redirected);
             if queued && let Err(e) = sys::set_rcvlowat(s.fd(), 1) {
                 tracing::debug!(error = %e, "kernel relay: SO_RCVLOWAT kick failed");
             }
@@ -353,8 +355,8 @@ impl Spliced {
                 }
                 return end(self, reported, TunnelEnd::Closed);
             }
-            // Credit: move it up while the peer's send queue keeps up; otherwise look again soon
-            // (at `hard` the program parks the socket and the tunnel goes to user space).
+            // Credit: move it up while the peer's send queue keeps up; a peer that falls behind
+            // has the tunnel handed back (before `hard`, where the program would park it).
             let mut behind = false;
             for (from_client, flow) in [(true, fc), (false, fu)] {
                 match self.extend_credit(from_client, &flow) {
@@ -528,9 +530,7 @@ impl Spliced {
         // error, the idle timeout, shutdown) is reset: redirected bytes still in a psock go with
         // its entries, and a FIN would present the cut stream as complete.
         let cut = |s: &Spliced, end| {
-            for x in [&s.c, &s.u] {
-                sys::reset_on_close(x.fd()).ok();
-            }
+            reset_on_close([&s.c, &s.u]);
             Outcome::Ended(up, down, end)
         };
         let deadline = Instant::now() + idle;
@@ -566,17 +566,11 @@ impl Spliced {
         for (side, flow, what) in [(&c, &fc, "client"), (&u, &fu, "upstream")] {
             let handed_on = consumed(side.fd()).map(|n| n.saturating_sub(side.read_base));
             if handed_on.as_ref().ok() != Some(&flow.redirected) {
-                tracing::warn!(
-                    socket = what,
-                    redirected = flow.redirected,
-                    handed_on = ?handed_on,
-                    "kernel relay: a socket's stream does not add up after the hand-back; tunnel reset"
+                let why = format!(
+                    "the {what} socket's stream does not add up after the hand-back: redirected {}, handed on {handed_on:?}",
+                    flow.redirected
                 );
-                relay.counters.aborted.fetch_add(1, Ordering::Relaxed);
-                for s in [&c, &u] {
-                    sys::reset_on_close(s.fd()).ok();
-                }
-                return Outcome::Ended(up, down, TunnelEnd::Error);
+                return reset(&relay, [&c, &u], (up, down), &why);
             }
         }
         match (TcpStream::from_std(c.sock), TcpStream::from_std(u.sock)) {
@@ -601,20 +595,29 @@ impl Spliced {
         Ok(())
     }
 
-    /// Reset both sockets (`SO_LINGER` 0, then close) rather than relay a stream that may have
-    /// lost or repeated a byte; counted in [`super::KernelRelayStats::aborted`].
+    /// [`reset`] this tunnel.
     fn abort(self, reported: (u64, u64), why: &str) -> Outcome {
-        tracing::warn!(
-            reason = why,
-            "kernel relay: tunnel reset to keep every relayed byte exact"
-        );
-        self.relay()
-            .counters
-            .aborted
-            .fetch_add(1, Ordering::Relaxed);
-        for s in [&self.c, &self.u] {
-            sys::reset_on_close(s.fd()).ok();
-        }
-        Outcome::Ended(reported.0, reported.1, TunnelEnd::Error)
+        let relay = self.release.relay.clone();
+        reset(&relay, [&self.c, &self.u], reported, why)
+    }
+}
+
+/// Reset both sockets of a tunnel (they close with an RST when dropped) rather than relay a
+/// stream that may have lost or repeated a byte: logged with `why`, counted in
+/// [`super::KernelRelayStats::aborted`].
+fn reset(relay: &KernelRelay, sides: [&Side; 2], reported: (u64, u64), why: &str) -> Outcome {
+    tracing::warn!(
+        reason = why,
+        "kernel relay: tunnel reset to keep every relayed byte exact"
+    );
+    relay.counters.aborted.fetch_add(1, Ordering::Relaxed);
+    reset_on_close(sides);
+    Outcome::Ended(reported.0, reported.1, TunnelEnd::Error)
+}
+
+/// `SO_LINGER` 0 on both sockets: their close sends an RST, never a FIN.
+fn reset_on_close(sides: [&Side; 2]) {
+    for s in sides {
+        sys::reset_on_close(s.fd()).ok();
     }
 }
