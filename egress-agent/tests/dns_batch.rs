@@ -18,9 +18,9 @@ use std::time::Duration;
 use egress_agent::config::Config;
 use egress_agent::events::EventSink;
 use egress_agent::metrics::Metrics;
+use egress_agent::proxy::admission::StaticAdmission;
 use egress_agent::proxy::dns::tcp::MAX_TCP_CONNECTIONS;
 use egress_agent::proxy::dns::{Answer, AnswerSink};
-use egress_agent::proxy::original_dst::StaticOriginalDst;
 use egress_agent::proxy::{InterceptHooks, PolicyProxy, ProxyContext};
 use hickory_server::proto::op::{Edns, Message, OpCode, Query, ResponseCode};
 use hickory_server::proto::rr::rdata::A;
@@ -152,7 +152,7 @@ allow_hosts = ["*.hit.test", "big.test", "*.slow.test"]
         .unwrap()
         .with_metrics(metrics.clone())
         .with_interception(InterceptHooks {
-            original_dst: Arc::new(StaticOriginalDst::default()),
+            admission: Arc::new(StaticAdmission::any()),
             answers: sink.clone(),
         });
     let proxy = PolicyProxy::bind(

@@ -14,8 +14,8 @@ use std::time::{Duration, Instant};
 
 use egress_agent::config::Config;
 use egress_agent::events::EventSink;
+use egress_agent::proxy::admission::StaticAdmission;
 use egress_agent::proxy::dns::{Answer, AnswerSink};
-use egress_agent::proxy::original_dst::StaticOriginalDst;
 use egress_agent::proxy::{InterceptHooks, PolicyHandle, PolicyProxy, ProxyContext};
 use egress_policy::Policy;
 use proxy_support::{TempDir, temp_dir};
@@ -199,7 +199,7 @@ resolve_private = ["10.1.0.0/16"]
     let ctx = ProxyContext::new(&config, events.clone())
         .unwrap()
         .with_interception(InterceptHooks {
-            original_dst: Arc::new(StaticOriginalDst::default()),
+            admission: Arc::new(StaticAdmission::any()),
             answers: heard.clone(),
         });
     let proxy = bind(&ctx, &config, "test").await;
@@ -510,7 +510,7 @@ async fn serve_reports_interception_addresses_per_policy_v6_siblings_included() 
     let ctx = ProxyContext::new(&config, f.events.clone())
         .unwrap()
         .with_interception(InterceptHooks {
-            original_dst: Arc::new(StaticOriginalDst::default()),
+            admission: Arc::new(StaticAdmission::any()),
             answers: heard.clone(),
         });
     let server = egress_agent::proxy::serve(config.clone(), ctx, std::future::pending())

@@ -227,7 +227,9 @@ async fn rebinding_after_the_check_cannot_redirect_the_dial() {
     let hosts = dir.join("hosts");
     std::fs::write(&hosts, "127.0.0.9 allowed.test\n").unwrap();
     let config = Arc::new(test_config(&h.up, &hosts, "", ""));
-    let ctx = egress_agent::proxy::ProxyContext::new(&config, h.events.clone()).unwrap();
+    let ctx = egress_agent::proxy::ProxyContext::new(&config, h.events.clone())
+        .unwrap()
+        .admit_any_peer();
     let proxy = egress_agent::proxy::PolicyProxy::bind(
         "127.0.0.1:0".parse().unwrap(),
         "test".into(),
@@ -578,7 +580,9 @@ async fn serve_binds_one_listener_per_policy() {
     std::fs::write(&hosts, HOSTS).unwrap();
     let config = Arc::new(test_config(&up, &hosts, "", ""));
     let events = egress_agent::events::EventSink::default();
-    let ctx = egress_agent::proxy::ProxyContext::new(&config, events).unwrap();
+    let ctx = egress_agent::proxy::ProxyContext::new(&config, events)
+        .unwrap()
+        .admit_any_peer();
     let (tx, rx) = tokio::sync::oneshot::channel::<()>();
     let server = egress_agent::proxy::serve(config.clone(), ctx, async move {
         rx.await.ok();
@@ -609,6 +613,49 @@ async fn serve_binds_one_listener_per_policy() {
     );
 }
 
+/// #40 item 5: a reload applies to what is open. A tunnel whose target the new policy refuses
+/// ends, with a denial event (`ended = policy-reload`); one whose target it still allows goes on.
+/// `cargo xtask test` runs this with the kernel relay too (every tunnel spliced at once).
+#[tokio::test]
+async fn a_reload_that_refuses_an_open_tunnels_target_ends_it() {
+    let h = harness().await;
+    let echo = h.up.echo.port();
+    let (r, mut refused) = connect(h.addr, &format!("allowed.test:{echo}")).await;
+    assert_eq!(r.status, 200);
+    let (r, mut kept) = connect(h.addr, &format!("api.wild.test:{echo}")).await;
+    assert_eq!(r.status, 200);
+    echo_roundtrip(&mut refused, b"before the reload").await;
+    echo_roundtrip(&mut kept, b"before the reload").await;
+    let before = h.events.total();
+    // The same policy without `allowed.test`.
+    let mut narrowed: Policy = h.config.policy("test").unwrap().clone();
+    narrowed
+        .allow_hosts
+        .retain(|e| e.pattern.to_string() != "allowed.test");
+    assert!(narrowed.allow_hosts.len() < h.config.policy("test").unwrap().allow_hosts.len());
+    h.handle.set(&narrowed);
+    assert_closed(&mut refused, T).await;
+    // The other tunnel is untouched, and relays both ways.
+    echo_roundtrip(&mut kept, b"after the reload").await;
+    let ev = h
+        .events
+        .recent(10)
+        .into_iter()
+        .find(|e| e.context.get("ended").map(String::as_str) == Some("policy-reload"))
+        .unwrap_or_else(|| panic!("no policy-reload event: {:?}", h.events.recent(10)));
+    assert_eq!(ev.host.as_deref(), Some("allowed.test"));
+    assert_eq!(ev.reason, "host-not-allowed");
+    assert_eq!(
+        h.events.total(),
+        before + 1,
+        "one event: {:?}",
+        h.events.recent(10)
+    );
+    // A second reload that changes nothing for the kept tunnel leaves it alone too.
+    h.handle.set(&narrowed);
+    echo_roundtrip(&mut kept, b"after a second reload").await;
+}
+
 #[tokio::test]
 async fn serve_binds_ipv6_siblings_sharing_the_policy() {
     if std::net::TcpListener::bind("[::1]:0").is_err() {
@@ -622,7 +669,8 @@ async fn serve_binds_ipv6_siblings_sharing_the_policy() {
     let config = Arc::new(test_config(&up, &hosts, "endpoint_v6 = \"[::1]:3128\"", ""));
     let ctx =
         egress_agent::proxy::ProxyContext::new(&config, egress_agent::events::EventSink::default())
-            .unwrap();
+            .unwrap()
+            .admit_any_peer();
     let server = egress_agent::proxy::serve(config.clone(), ctx, std::future::pending())
         .await
         .unwrap();
@@ -692,7 +740,8 @@ async fn per_listener_bound_keeps_one_client_from_taking_every_connection() {
     ));
     let ctx =
         egress_agent::proxy::ProxyContext::new(&config, egress_agent::events::EventSink::default())
-            .unwrap();
+            .unwrap()
+            .admit_any_peer();
     let policy = Arc::new(config.policy("test").unwrap().clone());
     let mut addrs = Vec::new();
     for _ in 0..2 {

@@ -1,7 +1,7 @@
 //! Transparent TCP on loopback (no root): real clients connect straight to a policy's
 //! transparent listener as if the kernel had redirected them — curl with `--connect-to`, python's
 //! `ssl` without SNI, rustls clients for hand-shaped ClientHellos (ECH, many records, trickled
-//! segments) — and a test [`OriginalDst`] plays the kernel's map. Upstreams are real (a TLS server
+//! segments) — and a test [`Admission`] plays the kernel's map. Upstreams are real (a TLS server
 //! with a CA the test generates, an HTTP server, a byte recorder) and so is a canary at the
 //! *original* address: each test checks what arrived where.
 #![expect(clippy::unwrap_used, reason = "test assertions")]
@@ -16,8 +16,8 @@ use std::time::Duration;
 
 use egress_agent::config::Config;
 use egress_agent::events::{DenialEvent, EventSink};
+use egress_agent::proxy::admission::{Admission, Admitted, ConnKey, StaticAdmission};
 use egress_agent::proxy::dns::NoAnswerSink;
-use egress_agent::proxy::original_dst::{ConnKey, OriginalDst, StaticOriginalDst};
 use egress_agent::proxy::{InterceptHooks, PolicyHandle, PolicyProxy, ProxyContext};
 use egress_policy::Policy;
 use proxy_support::{TempDir, http_server, temp_dir};
@@ -26,13 +26,19 @@ use tokio::net::{TcpListener, TcpStream};
 
 const T: Duration = Duration::from_secs(5);
 
-/// The kernel's original-destination map, played by the test: what the next connections were
-/// "going to".
-#[derive(Default)]
-struct Orig(Mutex<Option<SocketAddr>>);
+/// The kernel's records, played by the test: what the next connections were "going to"
+/// (`None`: no record, a foreign peer). Until a test says otherwise, connections were sent to
+/// the explicit listener.
+struct Orig(Mutex<Option<Admitted>>);
 
-impl OriginalDst for Orig {
-    fn original_dst(&self, _: &ConnKey) -> Option<SocketAddr> {
+impl Default for Orig {
+    fn default() -> Self {
+        Orig(Mutex::new(Some(Admitted { original: None })))
+    }
+}
+
+impl Admission for Orig {
+    fn admit(&self, _: &ConnKey) -> Option<Admitted> {
         *self.0.lock().unwrap()
     }
 }
@@ -241,7 +247,7 @@ resolve_private = ["127.0.0.1/32"]
     let ctx = ProxyContext::new(&config, events.clone())
         .unwrap()
         .with_interception(InterceptHooks {
-            original_dst: orig.clone(),
+            admission: orig.clone(),
             answers: Arc::new(NoAnswerSink),
         });
     let proxy = PolicyProxy::bind(
@@ -278,7 +284,7 @@ impl Fx {
     /// The next connections were going to the canary at 127.0.0.2, port `port`.
     fn going_to(&self, port: u16) -> SocketAddr {
         let a = SocketAddr::from(([127, 0, 0, 2], port));
-        *self.orig.0.lock().unwrap() = Some(a);
+        *self.orig.0.lock().unwrap() = Some(Admitted { original: Some(a) });
         a
     }
 
@@ -736,7 +742,8 @@ async fn clients_that_stall_or_send_garbage_are_cut_and_nothing_is_dialed() {
 #[tokio::test]
 async fn without_an_original_destination_nothing_is_decided() {
     let f = fixture().await;
-    *f.orig.0.lock().unwrap() = None;
+    // Admitted, but sent to the explicit listener: no original destination.
+    *f.orig.0.lock().unwrap() = Some(Admitted { original: None });
     let c = curl(
         &format!("https://allowed.test:{}/", f.tls.addr.port()),
         f.transparent,
@@ -810,6 +817,43 @@ async fn a_reload_turning_transparent_off_refuses_redirected_connections() {
 }
 
 #[tokio::test]
+async fn a_peer_the_kernel_did_not_send_is_refused_unread_on_both_listeners() {
+    // No record: a host process (or another workload) reached the listeners' addresses itself.
+    let f = fixture().await;
+    *f.orig.0.lock().unwrap() = None;
+    for (listener, which) in [(f.transparent, "transparent"), (f.explicit, "explicit")] {
+        let before = f.events.total();
+        let c = curl(
+            &format!("https://allowed.test:{}/", f.tls.addr.port()),
+            listener,
+            Some(&f.tls.ca_pem),
+            &[],
+        )
+        .await;
+        assert_ne!(c.code, 0);
+        let ev = f.event(before);
+        assert_eq!(ev.reason, "listener-foreign-peer");
+        assert_eq!(ev.context.get("listener").map(String::as_str), Some(which));
+        assert!(ev.context.contains_key("peer"), "{ev:?}");
+        assert_eq!((ev.host, ev.ip, ev.port), (None, None, 0));
+    }
+    // And an explicit CONNECT from it: refused before the head is read, nothing dialed.
+    let before = f.events.total();
+    let mut s = TcpStream::connect(f.explicit).await.unwrap();
+    let head = format!(
+        "CONNECT allowed.test:{p} HTTP/1.1\r\nHost: allowed.test:{p}\r\n\r\n",
+        p = f.tls.addr.port()
+    );
+    let _ = s.write_all(head.as_bytes()).await;
+    let mut got = Vec::new();
+    let _ = tokio::time::timeout(T, s.read_to_end(&mut got)).await;
+    assert!(got.is_empty(), "a foreign peer got {got:?}");
+    assert_eq!(f.event(before).reason, "listener-foreign-peer");
+    assert_eq!(f.tls.conns.load(Ordering::SeqCst), 0);
+    assert_eq!(f.tls_canary.conns.load(Ordering::SeqCst), 0);
+}
+
+#[tokio::test]
 async fn the_static_double_keys_by_the_connection_like_the_kernel() {
     // A client that binds its source port first, so the test can key the entry as the kernel
     // would (peer address + the listener it reached); the entry is used once.
@@ -817,11 +861,11 @@ async fn the_static_double_keys_by_the_connection_like_the_kernel() {
     let dir = temp_dir();
     let hosts = dir.join("hosts");
     std::fs::write(&hosts, HOSTS).unwrap();
-    let table = Arc::new(StaticOriginalDst::default());
+    let table = Arc::new(StaticAdmission::default());
     let ctx = ProxyContext::new(&f.config, f.events.clone())
         .unwrap()
         .with_interception(InterceptHooks {
-            original_dst: table.clone(),
+            admission: table.clone(),
             answers: Arc::new(NoAnswerSink),
         });
     let proxy = PolicyProxy::bind(
@@ -859,7 +903,7 @@ async fn the_static_double_keys_by_the_connection_like_the_kernel() {
     }
     assert!(
         table
-            .original_dst(&ConnKey {
+            .admit(&ConnKey {
                 peer,
                 local: transparent
             })

@@ -53,11 +53,14 @@ pub mod maps {
     /// by connect4/6 and sendmsg4/6 when a server on the host's loopback is looked up.
     pub const SOCK_OWNER: &str = "EGRESS_SOCK_OWNER";
 
-    /// `LruHashMap<u64 socket cookie, OrigDst>`: the original destination of a redirected TCP
-    /// connection (until it is established) or of a redirected DNS datagram (for recvmsg).
+    /// `LruHashMap<u64 socket cookie, OrigDst>`: every TCP connection connect4/6 sent to one of
+    /// the cgroup's own listeners, with its original destination (until it is established), or
+    /// a redirected DNS datagram's (for recvmsg).
     pub const ORIG_BY_COOKIE: &str = "EGRESS_ORIG_COOKIE";
-    /// `LruHashMap<ConnTuple, OrigDst>`: the original destination of an established redirected
-    /// TCP connection, written by sock_ops, read (and deleted) by the proxy when it accepts.
+    /// `LruHashMap<ConnTuple, OrigDst>`: an established TCP connection that connect4/6 sent to
+    /// one of the agent's listeners, written by sock_ops, read (and deleted) by the proxy when it
+    /// accepts: the listener's admission (a connection without an entry came from no confined
+    /// workload and is refused) and, for redirected ones, the original destination.
     pub const ORIG_BY_TUPLE: &str = "EGRESS_ORIG_TUPLE";
     /// `LruHashMap<Direct4Key, u64 expiry>`: direct TCP allowances from the agent's DNS answers
     /// (`bpf_ktime_get_ns` deadline).
@@ -337,16 +340,22 @@ pub struct ConnTuple {
 }
 
 /// Where a redirected connection or datagram was going ([`maps::ORIG_BY_COOKIE`],
-/// [`maps::ORIG_BY_TUPLE`]): network byte order, IPv4 in `addr[0]`.
+/// [`maps::ORIG_BY_TUPLE`]): network byte order, IPv4 in `addr[0]`. A connection to the explicit
+/// listener (the proxy endpoint, or the listener itself) has family [`ORIG_NONE`]: admitted, with
+/// no original destination.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct OrigDst {
     pub addr: [u32; 4],
     pub port: u16,
     pub _pad: u16,
-    /// AF_INET / AF_INET6.
+    /// AF_INET / AF_INET6, or [`ORIG_NONE`].
     pub family: u32,
 }
+
+/// [`OrigDst::family`] of a connection sent to the explicit listener: the kernel vouches for
+/// where it came from, but it was going to the proxy itself.
+pub const ORIG_NONE: u32 = 0;
 
 /// Key of [`maps::DIRECT4`]: an address the agent's DNS answered to this entry, for a port of
 /// an `allow_hosts` entry (network byte order, port host order).

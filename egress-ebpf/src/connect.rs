@@ -2,7 +2,8 @@
 //! DNS and transparent redirects ([`crate::redirect`]).
 //!
 //! Order of the verdict (allowlist; `allow_all` allows at once, no entry denies):
-//! 1. the stable proxy endpoint → the cgroup's explicit listener (TCP);
+//! 1. the stable proxy endpoint → the cgroup's explicit listener (TCP), recorded for the
+//!    listener's admission like every connection sent to one of the agent's listeners;
 //! 2. port 53, TCP or UDP, any address → the cgroup's DNS listener (UDP straight to that
 //!    listener passes: [`own_dns_udp4`]);
 //! 3. [`check`]: `allow_cidrs`, the socket's own netns loopback, same-tree host loopback;
@@ -25,14 +26,15 @@ use aya_ebpf::helpers::generated::{bpf_get_netns_cookie, bpf_get_socket_cookie};
 use aya_ebpf::macros::cgroup_sock_addr;
 use aya_ebpf::programs::SockAddrContext;
 use egress_common::{
-    HOOK_CONNECT4, HOOK_CONNECT6, MODE_ALLOW_ALL, MODE_ALLOWLIST, POLICY_FLAG_V6, PROTO_BIT_TCP,
-    PolicyEntry, REASON_NO_LISTENER, REASON_NO_POLICY, REASON_SOCKET_TYPE,
+    HOOK_CONNECT4, HOOK_CONNECT6, MODE_ALLOW_ALL, MODE_ALLOWLIST, ORIG_NONE, POLICY_FLAG_V6,
+    PROTO_BIT_TCP, PolicyEntry, REASON_NO_LISTENER, REASON_NO_POLICY, REASON_SOCKET_TYPE,
 };
 
 /// The proxy endpoint rule of connect4, connect6 and v4-mapped connect6 (allowlist, TCP): a
 /// connect to the policy's endpoint is redirected to its listener (`rewrite`), one straight to
 /// the listener passes, and with no listener the endpoint is refused. `None`: none of these,
-/// go on.
+/// go on. Both connections that go on to the listener are recorded by socket cookie
+/// ([`admit`]): the listener serves only connections the kernel sent it.
 #[inline(always)]
 fn endpoint_verdict<A: PartialEq>(
     (p, bit): (&PolicyEntry, u32),
@@ -41,7 +43,7 @@ fn endpoint_verdict<A: PartialEq>(
     (endpoint, endpoint_port): (&A, u16),
     (listener, listener_port): (&A, u16),
     (cg, hook, dst): (u64, u32, &Dst),
-    rewrite: impl FnOnce(),
+    (ctx, rewrite): (&SockAddrContext, impl FnOnce()),
 ) -> Option<i32> {
     if p.mode != MODE_ALLOWLIST || bit != PROTO_BIT_TCP {
         return None;
@@ -50,14 +52,27 @@ fn endpoint_verdict<A: PartialEq>(
         if listener_port == 0 {
             return Some(deny(cg, hook, REASON_NO_LISTENER, dst, true));
         }
+        admit(ctx);
         rewrite();
         count(cg, C_PROXIED);
         return Some(ALLOW);
     }
     if dst_addr == listener && port_be == listener_port && listener_port != 0 {
+        admit(ctx);
         return Some(allow(cg));
     }
     None
+}
+
+/// Record that this socket is sent to the cgroup's explicit listener (no original destination):
+/// sock_ops re-keys the record by the 4-tuple once the connection is established, and the
+/// proxy admits only connections it finds a record for (see `established.rs`). A record lost
+/// to the LRU only refuses the connection (fail closed).
+#[inline(always)]
+fn admit(ctx: &SockAddrContext) {
+    // SAFETY: sock_addr context; the cookie identifies the socket being connected.
+    let cookie = unsafe { bpf_get_socket_cookie(ctx.as_ptr()) };
+    remember(cookie, ORIG_NONE, [0; 4], 0);
 }
 
 /// [`endpoint_verdict`] for the policy's IPv4 endpoint (connect4 and v4-mapped connect6).
@@ -67,7 +82,7 @@ fn endpoint4_verdict(
     dst_addr: u32,
     port_be: u16,
     who: (u64, u32, &Dst),
-    rewrite: impl FnOnce(),
+    rewrite: (&SockAddrContext, impl FnOnce()),
 ) -> Option<i32> {
     endpoint_verdict(
         (p, bit),
@@ -165,7 +180,7 @@ fn try_connect4(ctx: &SockAddrContext) -> Result<i32, i32> {
         addr,
         port_be,
         who,
-        to(p.listener4_addr, p.listener4_port),
+        (ctx, to(p.listener4_addr, p.listener4_port)),
     ) {
         return Ok(verdict);
     }
@@ -252,7 +267,7 @@ fn try_connect6(ctx: &SockAddrContext) -> Result<i32, i32> {
             v4,
             port_be,
             who,
-            to4(p.listener4_addr, p.listener4_port),
+            (ctx, to4(p.listener4_addr, p.listener4_port)),
         ) {
             return Ok(verdict);
         }
@@ -296,7 +311,7 @@ fn try_connect6(ctx: &SockAddrContext) -> Result<i32, i32> {
             (&p.endpoint6_addr, p.endpoint6_port),
             (&p.listener6_addr, p.listener6_port),
             who,
-            to6(p.listener6_addr, p.listener6_port),
+            (ctx, to6(p.listener6_addr, p.listener6_port)),
         )
     {
         return Ok(verdict);

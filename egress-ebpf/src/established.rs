@@ -1,6 +1,9 @@
-//! `sockops`: a redirected TCP connection is established — re-key its original destination by
-//! the 4-tuple the proxy will see when it accepts (connect4/6 only knew the socket cookie: the
-//! source port is chosen after them). `BPF_SOCK_OPS_ACTIVE_ESTABLISHED_CB` runs on the client
+//! `sockops`: a TCP connection that connect4/6 sent to one of the agent's listeners is
+//! established — re-key its record (original destination, or [`egress_common::ORIG_NONE`] for
+//! the explicit listener) by the 4-tuple the proxy will see when it accepts (connect4/6 only
+//! knew the socket cookie: the source port is chosen after them). The proxy admits only
+//! connections it finds a record for: that is how a listener tells its own workload from any
+//! other process that can reach its address (docs/threat-model.md, "Listener admission"). `BPF_SOCK_OPS_ACTIVE_ESTABLISHED_CB` runs on the client
 //! side when the SYN-ACK arrives, before its ACK lets the proxy's `accept` return, so the entry
 //! exists by then. The proxy deletes the entry when it reads it; entries of connections the
 //! proxy never accepted are evicted (LRU) and a reused 4-tuple is overwritten by its own

@@ -96,6 +96,9 @@ pub enum DenyReason {
     UnknownProtocol,
     /// The kernel has no original destination for a transparently accepted connection.
     NoOriginalDestination,
+    /// A listener accepted a connection the kernel did not send it from its own workload (a
+    /// host process, another workload): refused before a byte is read.
+    ListenerForeignPeer,
     /// A DNS query of another type than A/AAAA (TXT, NULL, ANY, ...), or not class IN.
     DnsTypeRefused,
     /// A redirected connection reached a policy whose `transparent` is off (after a reload).
@@ -141,6 +144,7 @@ impl DenyReason {
             DenyReason::HttpNoHost => "http-no-host",
             DenyReason::UnknownProtocol => "unknown-protocol",
             DenyReason::NoOriginalDestination => "no-original-destination",
+            DenyReason::ListenerForeignPeer => "listener-foreign-peer",
             DenyReason::DnsTypeRefused => "dns-type-refused",
             DenyReason::TransparentOff => "transparent-off",
             DenyReason::AmbiguousFraming => "ambiguous-framing",
@@ -154,7 +158,7 @@ impl DenyReason {
 
 impl DenyReason {
     /// Every reason (for tests and documentation checks).
-    pub const ALL: [DenyReason; 30] = [
+    pub const ALL: [DenyReason; 31] = [
         DenyReason::PolicyDenyAll,
         DenyReason::HostNotAllowed,
         DenyReason::PortNotAllowed,
@@ -178,6 +182,7 @@ impl DenyReason {
         DenyReason::HttpNoHost,
         DenyReason::UnknownProtocol,
         DenyReason::NoOriginalDestination,
+        DenyReason::ListenerForeignPeer,
         DenyReason::DnsTypeRefused,
         DenyReason::TransparentOff,
         DenyReason::AmbiguousFraming,

@@ -22,6 +22,7 @@ pub mod canary;
 pub mod containerd;
 pub mod cri;
 pub mod escape;
+pub mod foreign;
 pub mod netns;
 pub mod packet;
 pub mod pods;

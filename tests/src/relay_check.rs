@@ -320,7 +320,8 @@ allow_cidrs = [{{ cidr = "127.0.0.1/32", ports = [{port}] }}]
                     let ctx = egress_agent::proxy::ProxyContext::new(
                         &config,
                         egress_agent::events::EventSink::default(),
-                    )?;
+                    )?
+                    .admit_any_peer();
                     let relay = ctx
                         .kernel_relay()
                         .cloned()

@@ -320,6 +320,37 @@ fn pods_are_confined_per_pod_through_containerd() {
         "an unannotated pod used a pod's listener (ports {ports:?}): {}",
         output(code, &logs)
     );
+    // #40 item 1: processes of the node itself — root and nobody — are no pod: a listener
+    // admits only connections the kernel sent from its own pod, so the same CONNECT through
+    // every pod listener gets nothing through (refused before a byte is read).
+    let host_borrow = |tag: &str| -> String {
+        ports
+            .iter()
+            .map(|p| {
+                format!(
+                    "(exec 3<>/dev/tcp/169.254.100.1/{p} && printf 'CONNECT {CANARY_IP}:{ALLOWED_PORT} HTTP/1.1\\r\\nHost: {CANARY_IP}:{ALLOWED_PORT}\\r\\n\\r\\nBORROW-{tag}-{p}-{pid}' >&3 && timeout 2 cat <&3); "
+                )
+            })
+            .collect()
+    };
+    let got_root = c.netns().sh(&host_borrow("NODEROOT"));
+    let got_nobody = c.netns().sh(&format!(
+        "setpriv --reuid=65534 --regid=65534 --clear-groups -- bash -c {}",
+        egress_tests::docker::shell_quote(&host_borrow("NODENOBODY"))
+    ));
+    std::thread::sleep(Duration::from_millis(300));
+    assert!(
+        !canary.saw("BORROW-NODE") && !format!("{got_root}{got_nobody}").contains("HTTP/1.1"),
+        "a node process used a pod's listener (ports {ports:?}): {got_root}{got_nobody}"
+    );
+    assert!(
+        agent.wait_event(
+            |e| e["reason"] == "listener-foreign-peer" && e["context"]["peer"].is_string(),
+            Duration::from_secs(10)
+        ),
+        "no listener-foreign-peer event: {:#?}",
+        agent.events()
+    );
     let rules = host_rules(&c);
     for (pod, what) in [(&a, "pod a"), (&b, "pod b")] {
         assert!(

@@ -352,6 +352,109 @@ echo "== env"; env"#,
     for r in up.requests() {
         assert!(!r.text().contains(PH), "placeholder upstream: {}", r.text());
     }
+    foreign_peers_get_nothing_through_a_containers_listeners(env, &up, PH, SECRET);
+}
+
+/// #40 item 1: a labelled container's listeners (explicit, transparent, DNS over TCP on
+/// 169.254.100.1) serve only that container. Host processes in the agent's network namespace —
+/// root and `nobody` — and an `allow_all` container get nothing back through any listener
+/// (CONNECT, absolute-form request, DNS over TCP, TLS with the placeholder), nothing reaches the
+/// upstream, and the container's own request still gets the secret.
+fn foreign_peers_get_nothing_through_a_containers_listeners(
+    env: &mut Env,
+    up: &egress_tests::tls_upstream::Upstream,
+    ph: &str,
+    secret: &str,
+) {
+    use egress_tests::foreign::{FOREIGN_PY, got_nothing};
+    use std::os::unix::fs::PermissionsExt;
+    let d = env.dir.display().to_string();
+    env.start_ok(
+        "agent-long",
+        &[
+            "--label",
+            "egress.policy=agent",
+            "-e",
+            &format!("API_KEY={ph}"),
+            "-v",
+            &format!("{d}/state/ca-bundle.pem:/etc/ssl/certs/ca-certificates.crt:ro"),
+            "-e",
+            "SSL_CERT_FILE=/etc/ssl/certs/ca-certificates.crt",
+        ],
+        &["sleep", "600"],
+    );
+    assert!(env.wait_enforced("agent-long", 1), "{}", env.log());
+    let script_dir = std::env::temp_dir().join(format!("egress-foreign-{}", std::process::id()));
+    std::fs::create_dir_all(&script_dir).expect("dir");
+    std::fs::set_permissions(&script_dir, std::fs::Permissions::from_mode(0o755)).expect("chmod");
+    let script = script_dir.join("foreign.py");
+    std::fs::write(&script, FOREIGN_PY).expect("foreign.py");
+    std::fs::set_permissions(&script, std::fs::Permissions::from_mode(0o644)).expect("chmod");
+    let ports = env.listener_ports();
+    assert!(ports.len() >= 3, "the container's listeners: {ports:?}");
+    let py = script.display();
+    for &port in &ports {
+        let l: std::net::SocketAddr = format!("169.254.100.1:{port}").parse().expect("addr");
+        let run = format!("python3 {py} 169.254.100.1 {port} 8443 {ph}");
+        let printed = env.d.netns.sh(&run);
+        got_nothing("a host process (root)", l, &printed);
+        let printed = env.d.netns.sh(&format!(
+            "setpriv --reuid=65534 --regid=65534 --clear-groups -- {run}"
+        ));
+        got_nothing("a host process (nobody)", l, &printed);
+        let out = env.run_out(
+            &["--label", "egress.policy=allow_all"],
+            &format!(
+                "curl -sk --max-time 5 --proxy http://169.254.100.1:{port} -H 'Authorization: Bearer {ph}' https://api.test:8443/v1/foreign-c; echo rc=$?; \
+                 curl -sk --max-time 5 --connect-to api.test:8443:169.254.100.1:{port} -H 'Authorization: Bearer {ph}' https://api.test:8443/v1/foreign-t; echo rc=$?"
+            ),
+        );
+        assert!(
+            !out.contains("upstream-ok") && out.matches("rc=").count() == 2,
+            "an allow_all container through {l}: {out}"
+        );
+    }
+    std::fs::remove_dir_all(&script_dir).ok();
+    for r in up.requests() {
+        assert!(
+            !r.text().contains("/v1/foreign"),
+            "a foreign peer reached the upstream: {}",
+            r.text()
+        );
+    }
+    assert!(
+        env.wait_event(
+            |e| e["reason"] == "listener-foreign-peer"
+                && e["container"]["name"] == "agent-long"
+                && e["context"]["peer"].is_string(),
+            Duration::from_secs(10)
+        ),
+        "no listener-foreign-peer event for agent-long"
+    );
+    // The container's own request is unchanged.
+    let out = String::from_utf8_lossy(
+        &env.d
+            .docker(&[
+                "exec",
+                "-e",
+                "HTTPS_PROXY=http://169.254.100.1:3128",
+                "agent-long",
+                "sh",
+                "-c",
+                "curl -sS --max-time 15 -H \"Authorization: Bearer $API_KEY\" https://api.test:8443/v1/own-after-foreign",
+            ])
+            .stdout,
+    )
+    .into_owned();
+    let r = up
+        .request("/v1/own-after-foreign")
+        .unwrap_or_else(|| panic!("the container's own request never arrived: {out}"));
+    assert_eq!(
+        r.header("authorization"),
+        Some(format!("Bearer {secret}").as_str()),
+        "{r:?}"
+    );
+    env.d.docker(&["rm", "-f", "agent-long"]);
 }
 
 #[test]

@@ -1,7 +1,8 @@
 //! The user-space half of transparent interception and the agent's DNS (the proxy's
-//! `InterceptHooks` are built on it in `proxy::kernel_hooks`): original destinations of redirected connections (read from
-//! [`maps::ORIG_BY_TUPLE`], deleted as they are read) and direct allowances for the addresses the
-//! agent's DNS answered ([`maps::DIRECT4`]/[`maps::DIRECT6`], expiring with the answer's TTL on
+//! `InterceptHooks` are built on it in `proxy::kernel_hooks`): the record of every connection
+//! the kernel sent to one of the agent's listeners, with the original destination of redirected
+//! ones (read from [`maps::ORIG_BY_TUPLE`], deleted as they are read: the listeners'
+//! admission), and direct allowances for the addresses the agent's DNS answered ([`maps::DIRECT4`]/[`maps::DIRECT6`], expiring with the answer's TTL on
 //! the kernel's clock).
 //!
 //! Both are map operations on the proxy's tasks: short and non-blocking. A failed allowance
@@ -88,7 +89,8 @@ pub fn tuple(peer: SocketAddr, local: SocketAddr) -> ConnTuple {
     }
 }
 
-/// The destination an [`OrigDst`] records, if its family is known.
+/// The destination an [`OrigDst`] records, if its family is known (`None` for
+/// [`egress_common::ORIG_NONE`]: the explicit listener).
 pub fn orig_addr(o: &OrigDst) -> Option<SocketAddr> {
     let port = u16::from_be(o.port);
     match o.family {
@@ -113,20 +115,19 @@ struct Conn {
 }
 
 impl KernelRedirects {
-    /// The original destination of the accepted connection `peer` → `local`, deleted as it is
-    /// read. `None`: the kernel has no record of redirecting it.
-    pub fn take_original_dst(&self, peer: SocketAddr, local: SocketAddr) -> Option<SocketAddr> {
+    /// The kernel's record of sending the accepted connection `peer` → `local` to this listener,
+    /// deleted as it is read: `Some(None)` for the explicit listener, `Some(Some(original
+    /// destination))` for a redirected one. `None`: no confined workload's connect() was sent
+    /// here — the listener refuses it.
+    pub fn take_record(&self, peer: SocketAddr, local: SocketAddr) -> Option<Option<SocketAddr>> {
         let key = tuple(peer, local);
-        let map = self.orig.lock().ok()?;
-        let found = map.get(&key, 0).ok();
-        drop(map);
-        if found.is_some()
-            && let Ok(mut map) = self.orig.lock()
-        {
-            // Each connection asks once; a reused 4-tuple gets its own entry from sock_ops.
-            map.remove(&key).ok();
-        }
-        found.as_ref().and_then(orig_addr)
+        let mut map = self.orig.lock().ok()?;
+        let found = map.get(&key, 0).ok()?;
+        // Each connection asks once; a reused 4-tuple gets its own entry from sock_ops. Deleting
+        // is what keeps a record from admitting a second connection: if it fails, the record
+        // admits nothing.
+        map.remove(&key).ok()?;
+        Some(orig_addr(&found))
     }
 }
 

@@ -1,5 +1,6 @@
 //! The accept loop every proxy listener runs (explicit and transparent): the per-listener and
-//! global connection bounds, metrics, backoff on accept errors.
+//! global connection bounds, metrics, backoff on accept errors, and admission (only connections
+//! the kernel sent from the listener's own workload are served: [`super::admission`]).
 use std::future::Future;
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -10,19 +11,25 @@ use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
 use super::Shared;
+use super::admission::{self, Admitted, Listener};
 use super::client::{CLIENT, Client};
 
-/// Accept on `listener` until `shutdown` completes, handing each connection (with a token
-/// cancelled when the listener stops) to `handle` on a task of its own, in a `conn` span
-/// (policy, peer) that every log line of the connection carries.
+/// Accept on `listener` (the workload's `which` listener) until `shutdown` completes. Each
+/// connection is admitted on a task of its own before a byte is read (refused: closed unread),
+/// then handed with the kernel's record and a token cancelled when the listener stops to
+/// `handle`, in a `conn` span (policy, peer) that every log line of the connection carries.
 pub(crate) async fn accept_loop<F, Fut>(
     listener: TcpListener,
     shared: Arc<Shared>,
     shutdown: impl Future<Output = ()>,
     stop_rx: CancellationToken,
+    which: Listener,
     handle: F,
 ) where
-    F: Fn(TcpStream, SocketAddr, Arc<Shared>, CancellationToken) -> Fut + Clone + Send + 'static,
+    F: Fn(TcpStream, SocketAddr, Admitted, Arc<Shared>, CancellationToken) -> Fut
+        + Clone
+        + Send
+        + 'static,
     Fut: Future<Output = ()> + Send + 'static,
 {
     let conns = shared.ctx.inner.conns.clone();
@@ -65,9 +72,13 @@ pub(crate) async fn accept_loop<F, Fut>(
                 // state), doubling every connection's memory.
                 tokio::spawn(
                     async move {
-                        match client {
-                            Some(c) => CLIENT.scope(c, handle(stream, peer, shared, stop)).await,
-                            None => handle(stream, peer, shared, stop).await,
+                        // A map lookup: on the connection's task, not the accept loop's.
+                        if let Some(admitted) = admission::admit(&shared, &stream, peer, which) {
+                            let served = handle(stream, peer, admitted, shared, stop);
+                            match client {
+                                Some(c) => CLIENT.scope(c, served).await,
+                                None => served.await,
+                            }
                         }
                         drop(permits);
                         drop(open);

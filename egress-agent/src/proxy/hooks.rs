@@ -13,7 +13,8 @@ use std::sync::Arc;
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 
-use super::original_dst::OriginalDst;
+use super::admission::Admission;
+use super::admission::Listener;
 use super::{Shared, accept, listen, transparent};
 use crate::proxy::dns::{AnswerSink, DnsResponder};
 use egress_policy::Policy;
@@ -22,8 +23,9 @@ use egress_policy::Policy;
 /// "Transparent interception and DNS: kernel interface").
 #[derive(Clone)]
 pub struct InterceptHooks {
-    /// Original destinations of redirected connections.
-    pub original_dst: Arc<dyn OriginalDst>,
+    /// The kernel's records of connections sent to the listeners: who is admitted, and where
+    /// redirected connections were going ([`super::admission`]).
+    pub admission: Arc<dyn Admission>,
     /// Hears of every DNS answer before it is sent.
     pub answers: Arc<dyn AnswerSink>,
 }
@@ -111,8 +113,9 @@ impl Interception {
                 shared.clone(),
                 accepting.clone().cancelled_owned(),
                 stop.clone(),
-                |stream, peer, shared, stop| async move {
-                    transparent::handle(stream, peer, Vec::new(), &shared, stop).await
+                Listener::Transparent,
+                |stream, peer, admitted, shared, stop| async move {
+                    transparent::handle(stream, peer, admitted, &shared, stop).await
                 },
             );
             tokio::spawn(async move {

@@ -1,20 +1,19 @@
 //! The proxy's [`InterceptHooks`] backed by the kernel's redirect maps
-//! ([`KernelRedirects`]): original destinations come from `ORIG_BY_TUPLE`, and every DNS answer
+//! ([`KernelRedirects`]): listener admission and original destinations come from `ORIG_BY_TUPLE`, and every DNS answer
 //! with direct ports becomes a per-cgroup allowance in `DIRECT4`/`DIRECT6`. The kernel side
 //! (`bpf`) knows nothing of the proxy; this adapter is where the two meet.
-use std::net::SocketAddr;
 use std::sync::Arc;
 
 use super::InterceptHooks;
+use super::admission::{Admission, Admitted, ConnKey};
 use super::dns::{Answer, AnswerSink};
-use super::original_dst::{ConnKey, OriginalDst};
 use crate::bpf::redirects::KernelRedirects;
 
 impl InterceptHooks {
     /// Hooks backed by the kernel's maps (the daemon and `exec`).
     pub fn kernel(redirects: &Arc<KernelRedirects>) -> InterceptHooks {
         InterceptHooks {
-            original_dst: Arc::new(Kernel(redirects.clone())),
+            admission: Arc::new(Kernel(redirects.clone())),
             answers: Arc::new(Kernel(redirects.clone())),
         }
     }
@@ -22,9 +21,10 @@ impl InterceptHooks {
 
 struct Kernel(Arc<KernelRedirects>);
 
-impl OriginalDst for Kernel {
-    fn original_dst(&self, conn: &ConnKey) -> Option<SocketAddr> {
-        self.0.take_original_dst(conn.peer, conn.local)
+impl Admission for Kernel {
+    fn admit(&self, conn: &ConnKey) -> Option<Admitted> {
+        let original = self.0.take_record(conn.peer, conn.local)?;
+        Some(Admitted { original })
     }
 }
 

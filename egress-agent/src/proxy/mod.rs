@@ -12,6 +12,7 @@
 //! request on the keep-alive connection the same way. Every error path answers and closes; nothing
 //! is forwarded before the checks pass.
 mod accept;
+pub mod admission;
 pub mod client;
 pub mod dial;
 pub mod dns;
@@ -21,7 +22,7 @@ pub mod http;
 pub mod intercept;
 mod kernel_hooks;
 pub mod listen;
-pub mod original_dst;
+mod narrow;
 pub mod prefixed;
 mod record;
 pub mod records_cache;
@@ -132,8 +133,11 @@ struct CtxInner {
 pub struct ProxyContext {
     inner: Arc<CtxInner>,
     metrics: Option<Arc<Metrics>>,
-    /// Transparent interception and DNS ([`ProxyContext::with_interception`]).
+    /// Transparent interception and DNS ([`ProxyContext::with_interception`]), and the kernel's
+    /// records every listener admits connections by ([`admission`]).
     interception: Option<Arc<InterceptHooks>>,
+    /// Without `interception`: serve every peer ([`ProxyContext::admit_any_peer`]).
+    admit_any: bool,
     /// The in-kernel tunnel relay (`proxy.kernel_relay`), when loaded.
     kernel_relay: Option<Arc<splice::KernelRelay>>,
     /// The process's sockets: what a workload's listener takes from a previous agent, offers
@@ -226,6 +230,7 @@ impl ProxyContext {
             }),
             metrics: None,
             interception: None,
+            admit_any: false,
             kernel_relay: None,
             sockets: crate::handover::Sockets::new(),
         }
@@ -254,6 +259,19 @@ impl ProxyContext {
 
     pub fn interception(&self) -> Option<&Arc<InterceptHooks>> {
         self.interception.as_ref()
+    }
+
+    /// For tests and benchmarks, where no kernel sends connections: listeners of a context
+    /// without [`InterceptHooks`] serve every peer. Without this (and without hooks) they serve
+    /// nobody: a listener admits only what the kernel recorded sending it ([`admission`]).
+    pub fn admit_any_peer(mut self) -> ProxyContext {
+        self.admit_any = true;
+        self
+    }
+
+    /// Does a listener without kernel records serve every peer ([`Self::admit_any_peer`])?
+    pub(crate) fn admits_any_peer(&self) -> bool {
+        self.interception.is_none() && self.admit_any
     }
 
     /// Use `relay` for pass-through tunnels (or none: user space only), replacing what
@@ -300,17 +318,21 @@ impl ProxyContext {
     }
 }
 
-/// Swaps the policy of a running listener atomically (config reload). Connections already past
-/// their check keep going; every new request (including the next one on a keep-alive connection)
-/// sees the new policy.
+/// Swaps the policy of a running listener atomically (config reload). Every new request
+/// (including the next one on a keep-alive connection) sees the new policy, and every connection
+/// carried to one checked target (tunnels, spliced or not; intercepted and transparent
+/// connections) is decided again and ends if the new policy refuses it ([`narrow`]).
 #[derive(Clone)]
 pub struct PolicyHandle {
-    current: Arc<ArcSwap<CompiledPolicy>>,
+    shared: Arc<Shared>,
 }
 
 impl PolicyHandle {
     pub fn set(&self, policy: &Policy) {
-        self.current.store(Arc::new(CompiledPolicy::new(policy)));
+        self.shared
+            .policy
+            .store(Arc::new(CompiledPolicy::new(policy)));
+        self.shared.policy_changed.send_replace(());
     }
 }
 
@@ -348,6 +370,8 @@ pub(crate) struct Shared {
     /// This listener's share of the connection bound (`max_connections_per_listener`; an IPv6
     /// sibling listener shares it).
     pub(crate) conns: Arc<Semaphore>,
+    /// Announces each policy swap to the connections it may end ([`narrow`]).
+    pub(crate) policy_changed: tokio::sync::watch::Sender<()>,
 }
 
 impl Shared {
@@ -549,6 +573,14 @@ impl PolicyProxy {
         ctx: ProxyContext,
         identity: Option<Identity>,
     ) -> io::Result<Self> {
+        if ctx.interception.is_none() && !ctx.admit_any {
+            // It would refuse every connection: say so now rather than serve nobody.
+            return Err(io::Error::other(format!(
+                "the listener for policy {policy_name} has no kernel admission records \
+                 (a proxy context without interception hooks serves nobody unless built \
+                 with admit_any_peer, for tests and benchmarks)"
+            )));
+        }
         let key = socket_key(identity.as_ref(), &policy_name, "proxy");
         let (listener, held) = listen::listen_as(&ctx, key, addr)?;
         let local = listener.local_addr()?;
@@ -561,6 +593,7 @@ impl PolicyProxy {
             policy: Arc::new(ArcSwap::from_pointee(CompiledPolicy::new(&policy))),
             ctx,
             counters,
+            policy_changed: tokio::sync::watch::channel(()).0,
         });
         let intercept = match shared.ctx.interception.clone() {
             Some(hooks) => {
@@ -617,7 +650,7 @@ impl PolicyProxy {
     /// Handle to swap this listener's policy while it runs.
     pub fn policy_handle(&self) -> PolicyHandle {
         PolicyHandle {
-            current: self.shared.policy.clone(),
+            shared: self.shared.clone(),
         }
     }
 
@@ -650,8 +683,9 @@ impl PolicyProxy {
             self.shared,
             until,
             stop.clone(),
-            |stream, peer, shared, stop| async move {
-                handle_connection(stream, peer, &shared, stop).await
+            admission::Listener::Explicit,
+            |stream, peer, admitted, shared, stop| async move {
+                handle_connection(stream, peer, admitted, &shared, stop).await
             },
         )
         .await;
@@ -684,6 +718,7 @@ async fn refuse(stream: &mut TcpStream, bytes: &[u8]) {
 async fn handle_connection(
     mut stream: TcpStream,
     peer: SocketAddr,
+    admitted: admission::Admitted,
     shared: &Arc<Shared>,
     stop: CancellationToken,
 ) {
@@ -722,7 +757,7 @@ async fn handle_connection(
         {
             // Not HTTP: a connection the kernel redirected here transparently (it has an
             // original destination) is decided on its SNI; anything else is malformed.
-            if let Some(orig) = transparent::original_dst(shared, &stream, peer) {
+            if let Some(orig) = admitted.original {
                 // Boxed: see `intercept::serve` below.
                 Box::pin(transparent::intercepted(stream, orig, buf, shared, stop)).await;
                 return;
@@ -930,7 +965,9 @@ mod size_tests {
             std::path::Path::new("t.toml"),
         )
         .unwrap();
-        let ctx = ProxyContext::new(&config, EventSink::default()).unwrap();
+        let ctx = ProxyContext::new(&config, EventSink::default())
+            .unwrap()
+            .admit_any_peer();
         let policy = Arc::new(config.policies["p"].clone());
         let addr = SocketAddr::from(([127, 0, 0, 1], 0));
         let proxy = PolicyProxy::bind(addr, "p".into(), policy, ctx)
@@ -938,7 +975,13 @@ mod size_tests {
             .unwrap();
         let client = TcpStream::connect(proxy.local).await.unwrap();
         let peer = client.local_addr().unwrap();
-        let f = handle_connection(client, peer, &proxy.shared, CancellationToken::new());
+        let f = handle_connection(
+            client,
+            peer,
+            admission::Admitted { original: None },
+            &proxy.shared,
+            CancellationToken::new(),
+        );
         let size = std::mem::size_of_val(&f);
         eprintln!("handle_connection future: {size} bytes");
         assert!(size <= 8 * 1024, "{size} bytes per connection task");

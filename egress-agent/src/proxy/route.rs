@@ -32,7 +32,7 @@ use tokio_util::sync::CancellationToken;
 use super::prefixed::Prefixed;
 use super::request::Target;
 use super::sniff::{Kind, MAX_SNIFF_BYTES, Sniffed, Sniffer, TLS_ACCESS_DENIED};
-use super::{Shared, http, intercept, refuse, response};
+use super::{Shared, http, intercept, narrow, refuse, response};
 use crate::events::DenialEvent;
 use egress_policy::DenyReason;
 use egress_policy::name::Destination;
@@ -116,6 +116,10 @@ pub(crate) async fn carry(
     stop: CancellationToken,
 ) {
     let intercepted = intercept::intercepts(shared, &target);
+    // Ends the connection on `stop`, or when a reload refuses its target (`narrow`).
+    let addr = upstream.peer_addr().ok().map(|a| a.ip());
+    let until =
+        || narrow::until_stopped_or_refused(shared.clone(), target.clone(), addr, stop.clone());
     match kind {
         Some(Kind::Tls) if intercepted => {
             // Boxed: interception's state (TLS both ways, hyper) is ~12 KiB, and inline it would
@@ -123,9 +127,9 @@ pub(crate) async fn carry(
             Box::pin(intercept::serve(
                 Prefixed::new(early, client),
                 upstream,
-                target,
+                target.clone(),
                 shared.clone(),
-                stop.cancelled_owned(),
+                until(),
             ))
             .await;
         }
@@ -134,9 +138,9 @@ pub(crate) async fn carry(
                 client,
                 early,
                 upstream,
-                target,
+                target.clone(),
                 shared.clone(),
-                stop.cancelled_owned(),
+                until(),
             ))
             .await;
         }
@@ -151,7 +155,7 @@ pub(crate) async fn carry(
         }
         _ => {
             shared
-                .relay(client, upstream, early, &target, stop.cancelled_owned())
+                .relay(client, upstream, early, &target, until())
                 .await;
         }
     }

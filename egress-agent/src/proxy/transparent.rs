@@ -1,8 +1,8 @@
 //! Transparent TCP: a connection the kernel redirected to this listener identity (any address, a
 //! port of `allow_ports`), decided on the name it carries.
 //!
-//! Per connection: the original destination from [`super::original_dst::OriginalDst`] (refused
-//! without one) → read the first bytes under `proxy.header_timeout_ms` and [`MAX_SNIFF_BYTES`]
+//! Per connection: the original destination from the kernel's record ([`super::admission`];
+//! refused without one) → read the first bytes under `proxy.header_timeout_ms` and [`MAX_SNIFF_BYTES`]
 //! ([`Sniffer`]: TLS SNI without terminating TLS, or the HTTP Host) → the policy check of CONNECT
 //! on that name and the **original port** → resolve the name, check every address → dial **the
 //! name's own addresses** → [`route::carry`]: TLS to an intercepted host is terminated and
@@ -22,34 +22,26 @@ use tokio::net::TcpStream;
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
-use super::original_dst::ConnKey;
+use super::admission::Admitted;
 use super::route::{self, Refused};
 use super::sniff::{Kind, MAX_SNIFF_BYTES, Sniffed, Sniffer};
 use super::{Refusal, Shared, refuse, response};
 use crate::events::DenialEvent;
 use egress_policy::DenyReason;
 
-/// The original destination of `stream` as the kernel recorded it, if it was redirected.
-pub(crate) fn original_dst(
-    shared: &Shared,
-    stream: &TcpStream,
-    peer: SocketAddr,
-) -> Option<SocketAddr> {
-    let hooks = shared.ctx.interception()?;
-    let local = stream.local_addr().ok()?;
-    hooks.original_dst.original_dst(&ConnKey { peer, local })
-}
-
-/// A connection accepted on the transparent listener.
+/// A connection accepted on the transparent listener and admitted ([`super::admission`]): the
+/// kernel's record carries where it was going.
 pub(crate) async fn handle(
     mut stream: TcpStream,
     peer: SocketAddr,
-    buf: Vec<u8>,
+    admitted: Admitted,
     shared: &Arc<Shared>,
     stop: CancellationToken,
 ) {
     let span = tracing::debug_span!("transparent", policy = %shared.name, %peer);
-    let Some(orig) = span.in_scope(|| original_dst(shared, &stream, peer)) else {
+    // A record without an original destination: the connection was sent to the explicit
+    // listener, never here (fail closed).
+    let Some(orig) = admitted.original else {
         shared.emit_denial(DenialEvent::proxy(
             &shared.name,
             None,
@@ -62,7 +54,7 @@ pub(crate) async fn handle(
         refuse(&mut stream, &[]).await;
         return;
     };
-    intercepted(stream, orig, buf, shared, stop)
+    intercepted(stream, orig, Vec::new(), shared, stop)
         .instrument(span)
         .await;
 }

@@ -799,7 +799,7 @@ methods = ["DELETE"]
     // was going to a documentation address on the upstream's port. It is never dialled (the
     // proxy dials the name the client sent), so nothing can arrive there.
     let hooks = egress_agent::proxy::InterceptHooks {
-        original_dst: Arc::new(egress_agent::proxy::original_dst::StaticOriginalDst::fixed(
+        admission: Arc::new(egress_agent::proxy::admission::StaticAdmission::fixed(
             SocketAddr::from(([192, 0, 2, 1], p)),
         )),
         answers: Arc::new(egress_agent::proxy::dns::NoAnswerSink),

@@ -257,7 +257,11 @@ pub async fn harness_ctx(
     std::fs::write(&hosts, HOSTS).unwrap();
     let config = Arc::new(test_config(&up, &hosts, proxy_extra, policy_extra));
     let events = EventSink::new(256);
-    let ctx = tweak(ProxyContext::new(&config, events.clone()).unwrap());
+    let ctx = tweak(
+        ProxyContext::new(&config, events.clone())
+            .unwrap()
+            .admit_any_peer(),
+    );
     let proxy = PolicyProxy::bind(
         "127.0.0.1:0".parse().unwrap(),
         policy.to_owned(),

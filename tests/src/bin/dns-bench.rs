@@ -125,9 +125,7 @@ fn serve(config: &Path, out: &Path) -> Result<()> {
         let ctx = egress_agent::proxy::ProxyContext::new(&config, events)?
             .with_metrics(Arc::new(egress_agent::metrics::Metrics::new()))
             .with_interception(egress_agent::proxy::InterceptHooks {
-                original_dst: Arc::new(
-                    egress_agent::proxy::original_dst::StaticOriginalDst::default(),
-                ),
+                admission: Arc::new(egress_agent::proxy::admission::StaticAdmission::any()),
                 answers: Arc::new(CountingSink::default()),
             });
         let policy = config

@@ -275,7 +275,7 @@ fn serve(config: &Path, out: &Path) -> Result<()> {
     rt.block_on(async {
         let config = Arc::new(egress_agent::config::Config::load(config)?);
         let events = egress_agent::events::EventSink::default();
-        let mut ctx = egress_agent::proxy::ProxyContext::new(&config, events)?;
+        let mut ctx = egress_agent::proxy::ProxyContext::new(&config, events)?.admit_any_peer();
         // The daemon's shape: metrics attached (PROXY_BENCH_NO_METRICS=1 measures without).
         if std::env::var_os("PROXY_BENCH_NO_METRICS").is_none() {
             ctx = ctx.with_metrics(Arc::new(egress_agent::metrics::Metrics::new()));

@@ -207,7 +207,9 @@ fn serve(config: &Path, out: &Path) -> Result<()> {
         egress_agent::metrics::spawn_denial_counter(&events, metrics.clone());
         let store = egress_agent::store::start(&config, &events, Some(metrics.clone()))?
             .context("store disabled")?;
-        let ctx = egress_agent::proxy::ProxyContext::new(&config, events)?.with_metrics(metrics);
+        let ctx = egress_agent::proxy::ProxyContext::new(&config, events)?
+            .admit_any_peer()
+            .with_metrics(metrics);
         let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
         let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
         let server = egress_agent::proxy::serve(config, ctx, async move {

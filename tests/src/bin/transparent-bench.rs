@@ -2,7 +2,7 @@
 //!
 //! One agent process (pinned to CPU 1) serves policy `bench` on an explicit listener and a
 //! transparent one; the original destination comes from the test double
-//! (`StaticOriginalDst::fixed`) until the kernel map exists. Clients in this process (CPU 0)
+//! (`StaticAdmission::fixed`) until the kernel map exists. Clients in this process (CPU 0)
 //! open tunnels to an echo upstream in this process: explicit = connect, `CONNECT`, 200, then a
 //! real TLS ClientHello (rustls, SNI `bench.test`) echoed back, close; transparent = connect, the
 //! same ClientHello (the proxy reads its SNI, dials, replays it) echoed back, close. It prints
@@ -71,9 +71,7 @@ fn serve(config: &Path, out: &Path, orig: SocketAddr) -> Result<()> {
         let ctx = egress_agent::proxy::ProxyContext::new(&config, events)?
             .with_metrics(Arc::new(egress_agent::metrics::Metrics::new()))
             .with_interception(egress_agent::proxy::InterceptHooks {
-                original_dst: Arc::new(
-                    egress_agent::proxy::original_dst::StaticOriginalDst::fixed(orig),
-                ),
+                admission: Arc::new(egress_agent::proxy::admission::StaticAdmission::fixed(orig)),
                 answers: Arc::new(egress_agent::proxy::dns::NoAnswerSink),
             });
         let policy = config

@@ -3,6 +3,8 @@
 //! [`REFUSAL_LOG_EVERY`]), each read as 2-byte length-prefixed messages (RFC 1035 §4.2.2), one
 //! at a time, through the same [`Core`] steps as UDP. A connection that sends nothing for the
 //! idle timeout (`proxy.header_timeout_ms`), or doesn't take its answer within it, is closed.
+//! Only connections the kernel sent from the responder's own workload are served
+//! (`proxy::admission`).
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -14,6 +16,7 @@ use tokio_util::sync::CancellationToken;
 
 use super::handler::{Core, Now};
 use super::wire::Transport;
+use crate::proxy::admission::{self, Listener};
 use crate::proxy::client::{CLIENT, Client};
 
 /// Most DNS-over-TCP connections open at once on one responder (one per confined listener
@@ -74,6 +77,13 @@ pub(crate) async fn serve(
         let (core, cut) = (core.clone(), cut.clone());
         let open = core.shared.ctx.sockets().open_one();
         tokio::spawn(async move {
+            // Only connections the kernel sent from this responder's workload (port 53 over
+            // TCP) are answered; anyone else is closed unread (`proxy::admission`).
+            if admission::admit(&core.shared, &stream, peer, Listener::DnsTcp).is_none() {
+                drop(permit);
+                drop(open);
+                return;
+            }
             let served = async {
                 tokio::select! {
                     () = connection(stream, peer, &core, idle) => {}

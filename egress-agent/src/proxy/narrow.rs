@@ -1,0 +1,87 @@
+//! A reload applies to what is open: every connection carried to one checked target (a
+//! pass-through tunnel, kernel-spliced or not; an intercepted TLS connection; transparent plain
+//! HTTP) ends when a reload makes its listener's policy refuse that target.
+//!
+//! [`PolicyHandle::set`](super::PolicyHandle::set) swaps the policy, then announces it on the
+//! listener's `policy_changed` channel. Each carried connection waits on that channel (no cost
+//! while nothing changes: one receiver in its task) and decides its target again with the
+//! listener's current policy — the name and port (`decide_target`), and the address the
+//! upstream connection reached (`decide_addr`). An enforced refusal ends the connection as a
+//! listener stop does (a spliced tunnel is reset) and is recorded as a denial with
+//! `context.ended = "policy-reload"`; an audited policy's would-deny lets it run.
+//!
+//! Requests on kept-alive connections were already decided one by one against the current
+//! policy; this is for what a single decision opened.
+use std::net::IpAddr;
+use std::sync::Arc;
+
+use tokio::sync::watch;
+use tokio_util::sync::CancellationToken;
+
+use super::Shared;
+use super::request::Target;
+use crate::events::Verdict;
+use egress_policy::name::Destination;
+use egress_policy::{Decision, DenyReason};
+
+/// Resolves when `stop` is cancelled, or when the listener's policy, reloaded, refuses `target`
+/// (reached at `addr`), after recording that refusal.
+pub(crate) async fn until_stopped_or_refused(
+    shared: Arc<Shared>,
+    target: Target,
+    addr: Option<IpAddr>,
+    stop: CancellationToken,
+) {
+    let mut reloads = shared.policy_changed.subscribe();
+    tokio::select! {
+        () = stop.cancelled() => {}
+        () = refused_by_reload(&shared, &target, addr, &mut reloads) => {}
+    }
+}
+
+async fn refused_by_reload(
+    shared: &Shared,
+    target: &Target,
+    addr: Option<IpAddr>,
+    reloads: &mut watch::Receiver<()>,
+) {
+    loop {
+        // Decided again at once (a reload between the connection's decision and the subscription
+        // is not missed: the same decision as at dial time otherwise), then at every reload.
+        if let Some(reason) = refused_now(shared, target, addr) {
+            shared.record_with(
+                target,
+                addr,
+                "tcp",
+                reason.as_str(),
+                Verdict::Deny,
+                &[("ended", "policy-reload")],
+            );
+            tracing::info!(
+                policy = %shared.name,
+                %target,
+                reason = reason.as_str(),
+                "connection closed: the reloaded policy refuses its target"
+            );
+            return;
+        }
+        if reloads.changed().await.is_err() {
+            // The listener is gone: `stop` ends the connection.
+            return std::future::pending().await;
+        }
+    }
+}
+
+/// The enforced refusal of `target` (at `addr`) by the listener's current policy, if any.
+#[must_use]
+fn refused_now(shared: &Shared, target: &Target, addr: Option<IpAddr>) -> Option<DenyReason> {
+    let policy = shared.policy.load();
+    if let Decision::Deny(r) = policy.decide_target(&target.dest, target.port) {
+        return Some(r.reason);
+    }
+    let via_name = matches!(target.dest, Destination::Name(_));
+    match addr.map(|ip| policy.decide_addr(ip, target.port, via_name)) {
+        Some(Decision::Deny(r)) => Some(r.reason),
+        _ => None,
+    }
+}
