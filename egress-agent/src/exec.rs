@@ -242,33 +242,69 @@ fn hidden_state(config: &Config) -> Vec<PathBuf> {
 
 /// Where the command finds the agent's CA (in its private `/run`).
 pub const CA_IN_RUN: &str = "egress-agent-ca.pem";
-/// Where the command finds the client bundle (the host's roots plus the agent's CA).
+/// Where the command finds the run's CA bundle: the host's roots, the CA files the caller had
+/// pointed its tools at, and the agent's CA (`ca::trust`).
 pub const BUNDLE_IN_RUN: &str = "egress-agent-ca-bundle.pem";
+/// `NODE_EXTRA_CA_CERTS` of the run: the caller's own extra CAs and the agent's CA.
+pub const EXTRA_IN_RUN: &str = "egress-agent-ca-extra.pem";
 
-/// What a command needs for TLS interception (`ca::command_env`): the agent's CA and client
-/// bundle in its private `/run`, the variables naming them, and the placeholders the policy's
-/// bindings name. Nothing at all when the policy intercepts nothing.
+/// The run's trust files, written for the sandbox to copy into the command's `/run` (root-only,
+/// under `/run/egress-agent`), removed when the run ends.
+struct TrustFiles(PathBuf);
+
+impl Drop for TrustFiles {
+    fn drop(&mut self) {
+        std::fs::remove_dir_all(&self.0).ok();
+    }
+}
+
+/// What a command needs for TLS interception (`ca::command_env`): the agent's CA, the run's CA
+/// bundle and extra-CA file in its private `/run`, every CA variable naming them (the caller's
+/// replaced ones reported on stderr, their certificates kept in the bundle), and the
+/// placeholders the policy's bindings name. Nothing at all when the policy intercepts nothing.
 fn interception(
     config: &Config,
     policy: &policy::Policy,
     spec: &mut sandbox::Spec,
-) -> anyhow::Result<Vec<(String, String)>> {
+) -> anyhow::Result<(Vec<(String, String)>, Option<TrustFiles>)> {
     let run = Path::new("/run");
-    let env = crate::ca::command_env(policy, &run.join(BUNDLE_IN_RUN), &run.join(CA_IN_RUN));
+    let env = crate::ca::command_env(policy, &run.join(BUNDLE_IN_RUN), &run.join(EXTRA_IN_RUN));
     if env.is_empty() || policy.mode != Mode::Allowlist {
-        return Ok(Vec::new());
+        return Ok((Vec::new(), None));
     }
     // The proxy context loaded (or created) this CA moments ago; the lock in `load_or_create`
     // makes both loads agree.
     let ca = crate::ca::AgentCa::load_or_create(&config.agent.state_dir)
         .context("exec: loading the interception CA")?;
+    let callers = crate::ca::trust::caller_cas(&|k| std::env::var(k).ok());
+    let trust = crate::ca::trust::bundle(crate::ca::system_roots(), &callers, ca.cert_pem());
+    for note in &trust.notes {
+        eprintln!("egress-agent: {note}");
+    }
+    // Copied by the sandbox, not carried in its argument: a bundle is larger than one argument
+    // may be.
+    let dir = PathBuf::from(format!(
+        "/run/egress-agent/exec-trust-{}-{}",
+        std::process::id(),
+        SEQ.fetch_add(1, Ordering::Relaxed)
+    ));
+    {
+        use std::os::unix::fs::DirBuilderExt as _;
+        std::fs::DirBuilder::new()
+            .recursive(true)
+            .mode(0o700)
+            .create(&dir)
+            .with_context(|| format!("exec: creating {}", dir.display()))?;
+    }
+    let files = TrustFiles(dir.clone());
+    for (name, text) in [(BUNDLE_IN_RUN, &trust.bundle), (EXTRA_IN_RUN, &trust.extra)] {
+        crate::ca::file::write_atomic(&dir, name, text.as_bytes(), 0o600)
+            .with_context(|| format!("exec: writing the run's {name} under {}", dir.display()))?;
+        spec.run_copies.push((PathBuf::from(name), dir.join(name)));
+    }
     spec.run_files
         .push((PathBuf::from(CA_IN_RUN), ca.cert_pem().as_bytes().to_vec()));
-    // Copied by the sandbox, not carried in its argument: the bundle is larger than one
-    // argument may be. `load_or_create` has just rewritten it.
-    spec.run_copies
-        .push((PathBuf::from(BUNDLE_IN_RUN), ca.bundle_path()));
-    Ok(env)
+    Ok((env, Some(files)))
 }
 
 async fn run_async(
@@ -414,7 +450,7 @@ async fn run_async(
     // 5. the command, in its sandbox (see `sandbox`): /proc/self/exe, not current_exe(): the
     // running image, even if the file was replaced (upgrade, rebuild) since exec started.
     let mut spec = sandbox_spec(&opts, &config, &path, user, policy.mode == Mode::AllowAll)?;
-    let interception_env = interception(&config, &policy, &mut spec)?;
+    let (interception_env, _trust_files) = interception(&config, &policy, &mut spec)?;
     let mut cmd = tokio::process::Command::new("/proc/self/exe");
     cmd.arg(sandbox::CHILD)
         .arg(spec.to_arg()?)

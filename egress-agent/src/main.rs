@@ -186,6 +186,16 @@ enum Command {
         #[arg(long)]
         config: Option<PathBuf>,
     },
+    /// Print the `docker run` flags a container needs for POLICY: the label, the proxy
+    /// variables and, when the policy intercepts, the agent's CA bundle mount, every CA variable
+    /// common clients read, and each binding's placeholder variable.
+    Wire {
+        /// The policy's name.
+        policy: String,
+        /// Configuration file (default /etc/egress-agent/config.toml if it exists).
+        #[arg(long)]
+        config: Option<PathBuf>,
+    },
     /// Manage policies through the daemon: list, show, set, delete, defaults, export, import.
     Policy(egress_agent::cli::manage::PolicyArgs),
     /// Which policy applies to a destination and why: what the proxy and the kernel would do.
@@ -414,6 +424,10 @@ fn main() -> ExitCode {
             init_cli_tracing();
             print_ca(config.as_deref()).map(|()| ExitCode::SUCCESS)
         }
+        Command::Wire { policy, config } => {
+            init_cli_tracing();
+            print_wire(config.as_deref(), &policy).map(|()| ExitCode::SUCCESS)
+        }
         Command::Check {
             config,
             container,
@@ -599,6 +613,29 @@ fn init_daemon_tracing() -> tracing_appender::non_blocking::WorkerGuard {
 }
 
 /// `egress-agent ca`.
+/// One flag per line, shell-quoted, each line but the last ending in ` \\`: paste after
+/// `docker run` and before the image.
+fn print_wire(config: Option<&std::path::Path>, policy: &str) -> anyhow::Result<()> {
+    use egress_agent::cli::wire;
+    let config = egress_agent::config::Config::load_or_default(config)?;
+    let flags = wire::docker_flags(&config, policy)?;
+    if flags.iter().any(|f| f == "-v") {
+        // The mounted files must exist: the CA and its bundle are made on first use.
+        egress_agent::ca::AgentCa::load_or_create(&config.agent.state_dir)?;
+    }
+    let lines: Vec<String> = flags
+        .chunks(2)
+        .map(|pair| {
+            pair.iter()
+                .map(|w| wire::shell_word(w))
+                .collect::<Vec<_>>()
+                .join(" ")
+        })
+        .collect();
+    println!("{}", lines.join(" \\\n"));
+    Ok(())
+}
+
 fn print_ca(config: Option<&std::path::Path>) -> anyhow::Result<()> {
     let config = egress_agent::config::Config::load_or_default(config)?;
     let ca = egress_agent::ca::AgentCa::load_or_create(&config.agent.state_dir)?;

@@ -265,6 +265,7 @@ header = "authorization"
 prefix = "Bearer "
 source = {{ file = "{d}/secret" }}
 placeholder = "{PH}"
+placeholder_env = "API_KEY"
 require = true
 "#
     )));
@@ -368,21 +369,26 @@ fn foreign_peers_get_nothing_through_a_containers_listeners(
 ) {
     use egress_tests::foreign::{FOREIGN_PY, got_nothing};
     use std::os::unix::fs::PermissionsExt;
-    let d = env.dir.display().to_string();
-    env.start_ok(
-        "agent-long",
-        &[
-            "--label",
-            "egress.policy=agent",
-            "-e",
-            &format!("API_KEY={ph}"),
-            "-v",
-            &format!("{d}/state/ca-bundle.pem:/etc/ssl/certs/ca-certificates.crt:ro"),
-            "-e",
-            "SSL_CERT_FILE=/etc/ssl/certs/ca-certificates.crt",
-        ],
-        &["sleep", "600"],
+    // Started with exactly what `egress-agent wire agent` prints (#40 item 7): the label, the
+    // proxy variables, the CA bundle mount, every CA variable and the placeholder.
+    let wired = std::process::Command::new(env.agent_bin())
+        .args(["wire", "agent", "--config"])
+        .arg(env.config_path())
+        .output()
+        .expect("wire");
+    let text = String::from_utf8_lossy(&wired.stdout).into_owned();
+    assert!(
+        wired.status.success(),
+        "wire: {text}{}",
+        String::from_utf8_lossy(&wired.stderr)
     );
+    let flags: Vec<&str> = text.split_whitespace().filter(|w| *w != "\\").collect();
+    assert!(
+        flags.contains(&format!("API_KEY={ph}").as_str())
+            && flags.contains(&"PIP_CERT=/etc/ssl/certs/ca-certificates.crt"),
+        "{text}"
+    );
+    env.start_ok("agent-long", &flags, &["sleep", "600"]);
     assert!(env.wait_enforced("agent-long", 1), "{}", env.log());
     let script_dir = std::env::temp_dir().join(format!("egress-foreign-{}", std::process::id()));
     std::fs::create_dir_all(&script_dir).expect("dir");
@@ -436,8 +442,6 @@ fn foreign_peers_get_nothing_through_a_containers_listeners(
         &env.d
             .docker(&[
                 "exec",
-                "-e",
-                "HTTPS_PROXY=http://169.254.100.1:3128",
                 "agent-long",
                 "sh",
                 "-c",

@@ -406,7 +406,12 @@ echo READY; read x
         "SSL_CERT_FILE=/run/egress-agent-ca-bundle.pem".to_owned(),
         "REQUESTS_CA_BUNDLE=/run/egress-agent-ca-bundle.pem".to_owned(),
         "CURL_CA_BUNDLE=/run/egress-agent-ca-bundle.pem".to_owned(),
-        "NODE_EXTRA_CA_CERTS=/run/egress-agent-ca.pem".to_owned(),
+        "NODE_EXTRA_CA_CERTS=/run/egress-agent-ca-extra.pem".to_owned(),
+        "PIP_CERT=/run/egress-agent-ca-bundle.pem".to_owned(),
+        "NPM_CONFIG_CAFILE=/run/egress-agent-ca-bundle.pem".to_owned(),
+        "GIT_SSL_CAINFO=/run/egress-agent-ca-bundle.pem".to_owned(),
+        "CARGO_HTTP_CAINFO=/run/egress-agent-ca-bundle.pem".to_owned(),
+        "AWS_CA_BUNDLE=/run/egress-agent-ca-bundle.pem".to_owned(),
         format!("API_KEY={PH}"),
         format!("ENV_KEY={PH_ENV}"),
         format!("HTTPS_PROXY=http://127.0.0.1:{}", cfg.endpoint_port),
@@ -497,6 +502,100 @@ echo READY; read x
             assert!(!has(e, s), "secret in /proc/{pid}/environ");
         }
     }
+}
+
+/// #40 item 7: a caller's own CA settings don't shut the agent's CA out, and they aren't lost.
+/// The caller points pip at its "corporate" CA (`PIP_CERT`) and has a global npmrc with
+/// `cafile` set, as corporate hosts do. Under `exec` every CA variable names the run's bundle
+/// (the caller is told which it replaced), which holds the caller's CA too: a pass-through host
+/// signed by that CA still verifies with `$PIP_CERT`, an intercepted one verifies with the same
+/// file, and npm — despite the npmrc's `cafile` — reaches an intercepted registry.
+#[test]
+fn a_callers_ca_settings_are_kept_and_npm_with_a_global_cafile_trusts_the_agent() {
+    if !root_or_skip("exec interception (caller CAs)") {
+        return;
+    }
+    let ca = TestCa::new();
+    let up = Upstream::start(
+        &ca,
+        &["api.test", "env.test", "other.test", "pass.test"],
+        "127.0.0.1:0".parse().expect("test value"),
+    );
+    let (dir, cfg) = setup(&up, &ca);
+    let p = up.port();
+    // The caller's corporate CA: the upstream's own CA (pass.test is passed through, so only a
+    // client that trusts it reaches pass.test).
+    let corp = dir.0.join("corp-ca.pem");
+    std::fs::write(&corp, &ca.pem).expect("corp CA");
+    let npmrc = dir.0.join("global-npmrc");
+    std::fs::write(&npmrc, format!("cafile={}\n", corp.display())).expect("npmrc");
+    for f in [&corp, &npmrc] {
+        std::fs::set_permissions(f, std::fs::Permissions::from_mode(0o644)).expect("chmod");
+    }
+    let py = |url: &str| {
+        format!(
+            "/usr/bin/python3 -c \"import os, ssl, urllib.request; c = ssl.create_default_context(cafile=os.environ['PIP_CERT']); print(urllib.request.urlopen('{url}', context=c, timeout=10).read().decode())\""
+        )
+    };
+    let script = format!(
+        r#"echo "== env"; env | sort
+echo "== pass"; {pass}
+echo "== intercepted"; {intercepted}
+echo "== npm"; npm ping --registry https://other.test:{p}/ --fetch-retries=0 --fetch-timeout=15000 --cache /tmp/egress-npm-$$ 2>&1; echo "npm-rc=$?"
+echo "== npm-cafile"; npm config get cafile
+echo "== done"
+"#,
+        pass = py(&format!("https://pass.test:{p}/v1/pass-corp")),
+        intercepted = py(&format!("https://other.test:{p}/v1/other-corp")),
+    );
+    let out = Command::new(agent_bin())
+        .args(["exec", "--policy", "agent", "--config"])
+        .arg(&cfg.path)
+        .args(["--", "sh", "-c", &script])
+        .env("EGRESS_TEST_SECRET_ENV", SECRET_ENV)
+        .env("PIP_CERT", &corp)
+        .env("NPM_CONFIG_GLOBALCONFIG", &npmrc)
+        .stdin(Stdio::null())
+        .output()
+        .expect("exec");
+    let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    let err = String::from_utf8_lossy(&out.stderr).into_owned();
+    assert!(out.status.success(), "{text}{err}");
+    let env = section(&text, "env");
+    assert!(
+        env.lines()
+            .any(|l| l == "PIP_CERT=/run/egress-agent-ca-bundle.pem"),
+        "{env}"
+    );
+    // The caller is told what was replaced, and that its CAs are kept.
+    assert!(
+        err.contains(&format!("PIP_CERT ({})", corp.display()))
+            && err.contains(&format!("cafile in {}", npmrc.display())),
+        "{err}"
+    );
+    assert!(
+        section(&text, "pass").contains("upstream-ok"),
+        "{text}{err}"
+    );
+    assert!(up.request("/v1/pass-corp").is_some());
+    assert!(
+        section(&text, "intercepted").contains("upstream-ok"),
+        "{text}{err}"
+    );
+    assert!(up.request("/v1/other-corp").is_some());
+    assert!(
+        section(&text, "npm").contains("npm-rc=0"),
+        "npm with a global cafile: {text}{err}"
+    );
+    assert!(
+        up.requests().iter().any(|r| r.text().contains("/-/ping")),
+        "npm's ping never reached the registry"
+    );
+    assert_eq!(
+        section(&text, "npm-cafile").trim(),
+        "/run/egress-agent-ca-bundle.pem",
+        "{text}"
+    );
 }
 
 #[test]

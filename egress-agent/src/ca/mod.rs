@@ -13,6 +13,7 @@
 //! It has `pathLenConstraint = 0` and signs only leaf certificates for names the policy
 //! intercepts, valid [`LEAF_VALIDITY_DAYS`] days (cached per name by the proxy).
 pub mod file;
+pub mod trust;
 
 use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
@@ -253,28 +254,26 @@ pub fn client_bundle_pem(ca_pem: &str) -> String {
     out
 }
 
-/// The environment a confined command needs for interception: the CA variables (pointing at
-/// `bundle` / `ca_cert` as the command sees them) and, for each credential binding of `policy`
-/// that names a `placeholder_env`, that variable set to the placeholder. Empty when the policy
-/// intercepts nothing.
+/// The environment a confined command needs for interception: every CA variable of
+/// [`trust::CA_VARIABLES`] (pointing at `bundle`, or `extra` for `NODE_EXTRA_CA_CERTS`, as the
+/// command sees them) and, for each credential binding of `policy` that names a
+/// `placeholder_env`, that variable set to the placeholder. Empty when the policy intercepts
+/// nothing.
 pub fn command_env(
     policy: &egress_policy::Policy,
     bundle: &Path,
-    ca_cert: &Path,
+    extra: &Path,
 ) -> Vec<(String, String)> {
     if policy.credentials.is_empty() && policy.request_rules.is_empty() {
         return Vec::new();
     }
-    let bundle = bundle.display().to_string();
-    let mut env = vec![
-        ("SSL_CERT_FILE".to_owned(), bundle.clone()),
-        ("REQUESTS_CA_BUNDLE".to_owned(), bundle.clone()),
-        ("CURL_CA_BUNDLE".to_owned(), bundle),
-        (
-            "NODE_EXTRA_CA_CERTS".to_owned(),
-            ca_cert.display().to_string(),
-        ),
-    ];
+    let mut env: Vec<(String, String)> = trust::CA_VARIABLES
+        .iter()
+        .map(|v| {
+            let file = if v.extra { extra } else { bundle };
+            (v.name.to_owned(), file.display().to_string())
+        })
+        .collect();
     for b in &policy.credentials {
         if let (Some(var), Some(ph)) = (&b.placeholder_env, &b.placeholder) {
             env.push((var.clone(), ph.clone()));
@@ -303,6 +302,15 @@ mod tests {
         let get = |k: &str| env.iter().find(|(n, _)| n == k).map(|(_, v)| v.as_str());
         assert_eq!(get("SSL_CERT_FILE"), Some("/run/b.pem"));
         assert_eq!(get("REQUESTS_CA_BUNDLE"), Some("/run/b.pem"));
+        for v in [
+            "PIP_CERT",
+            "NPM_CONFIG_CAFILE",
+            "GIT_SSL_CAINFO",
+            "CARGO_HTTP_CAINFO",
+            "AWS_CA_BUNDLE",
+        ] {
+            assert_eq!(get(v), Some("/run/b.pem"), "{v}");
+        }
         assert_eq!(get("NODE_EXTRA_CA_CERTS"), Some("/run/ca.pem"));
         // A policy that intercepts nothing needs nothing.
         assert!(

@@ -1,5 +1,6 @@
 //! The command-line views that talk to a running agent (its control API) or read its store:
-//! `events`, `suggest`, `policy`, `explain`. They sit above every domain module (nothing but
+//! `events`, `suggest`, `policy`, `explain`, and `wire` (the `docker run` flags of a policy). They sit above every domain module (nothing but
 //! `main.rs` uses them), so domain modules never depend on the API client.
 pub mod events;
 pub mod manage;
+pub mod wire;
