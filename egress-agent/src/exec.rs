@@ -10,7 +10,8 @@
 //!    cgroup, drops CAP_NET_RAW from all capability sets incl. the bounding set (unless the policy
 //!    is allow_all), and then `execvp`s CMD — so CMD's first instruction is already confined,
 //!    without `unsafe` pre_exec code. Dropping CAP_NET_RAW closes AF_PACKET/raw sockets even where
-//!    the BPF-LSM `socket_create` hook cannot be loaded (see docs/architecture.md);
+//!    the BPF-LSM `socket_create` hook cannot be loaded (see docs/architecture.md); the
+//!    sandbox (`crate::sandbox`) hides the agent's state and every secret source ([`hidden`]);
 //! 5. stream I/O (inherited), forward SIGINT/SIGTERM/SIGHUP/SIGQUIT to CMD, return its exit code
 //!    (128+signal when killed by a signal);
 //! 6. kill what is left in the cgroup, delete the entry, remove the cgroup — on every exit path
@@ -19,6 +20,8 @@
 //! If `exec` itself is killed with SIGKILL the cgroup and its entry stay: the command keeps
 //! running confined (fail closed); the next loader prunes the entry once the cgroup is gone, and
 //! removes abandoned empty `exec-*` cgroups.
+mod hidden;
+
 use std::ffi::OsString;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -216,11 +219,14 @@ fn sandbox_spec(
     read_only.extend(opts.config.clone());
     read_only.push(PathBuf::from(config::DEFAULT_CONFIG_PATH));
     read_only.push(user.home.join(".ssh"));
+    let hide = hidden::state(config);
+    let secrets = secret_covers(opts, config, &user, &writable, &read_only, &hide)?;
     Ok(sandbox::Spec {
         cgroup: cgroup.to_owned(),
         user,
         keep_net_raw,
-        hide: hidden_state(config),
+        hide,
+        secrets,
         read_only,
         writable,
         run_files: Vec::new(),
@@ -228,16 +234,45 @@ fn sandbox_spec(
     })
 }
 
-/// Where the agent keeps what a command must never see (CA key, secrets, event store): the
-/// configured `agent.state_dir`, and the default one too (a daemon with the default
-/// configuration may keep its CA there while this exec runs with another).
-fn hidden_state(config: &Config) -> Vec<PathBuf> {
-    let mut hide = vec![config.agent.bpffs.clone(), config.agent.state_dir.clone()];
-    let default = PathBuf::from(config::DEFAULT_STATE_DIR);
-    if !hide.contains(&default) {
-        hide.push(default);
+/// The secret sources and directories the sandbox covers (see [`hidden`]); notes about secret
+/// files that can only be hidden on their own go to stderr.
+fn secret_covers(
+    opts: &ExecOptions,
+    config: &Config,
+    user: &Identity,
+    writable: &[PathBuf],
+    read_only: &[PathBuf],
+    hide: &[PathBuf],
+) -> anyhow::Result<Vec<PathBuf>> {
+    let mut sources = hidden::file_sources(config);
+    // A daemon's configuration, when this exec runs with another one: its secrets too.
+    let default = Path::new(config::DEFAULT_CONFIG_PATH);
+    let other = opts
+        .config
+        .as_deref()
+        .is_some_and(|c| c.canonicalize().ok() != default.canonicalize().ok());
+    if other && default.exists() {
+        match hidden::file_sources_in(default) {
+            Ok(more) => sources.extend(more),
+            Err(e) => eprintln!(
+                "egress-agent: warning: the secret files of {} can't be hidden from the command: {e:#}",
+                default.display()
+            ),
+        }
     }
-    hide
+    let credentials = std::env::var_os("CREDENTIALS_DIRECTORY").map(PathBuf::from);
+    let cwd = std::env::current_dir().context("reading the working directory")?;
+    let keep: Vec<PathBuf> = writable
+        .iter()
+        .chain(read_only)
+        .chain([&cwd, &user.home])
+        .map(|p| p.canonicalize().unwrap_or_else(|_| p.clone()))
+        .collect();
+    let covers = hidden::secret_covers(&sources, credentials.as_deref(), &keep, hide);
+    for note in &covers.notes {
+        eprintln!("egress-agent: note: {note}");
+    }
+    Ok(covers.paths)
 }
 
 /// Where the command finds the agent's CA (in its private `/run`).
@@ -471,6 +506,8 @@ async fn run_async(
         }
     }
     cmd.envs(interception_env);
+    // The credentials directory is covered in the sandbox: nothing there for the command.
+    cmd.env_remove("CREDENTIALS_DIRECTORY");
     let mut child = cmd.spawn().context("starting the command")?;
     let pid = child.id().ok_or_else(|| anyhow!("child has no pid"))?;
 

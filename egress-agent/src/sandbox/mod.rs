@@ -19,7 +19,8 @@
 //!   `kill`/SIGHUP, `ptrace`, `process_vm_*`, `pidfd_getfd` or `/proc/<pid>/fd` on them.
 //! - **cgroup namespace + a read-only cgroup2 mount of its own subtree**: no `cgroup.procs`
 //!   anywhere outside the command's cgroup can be named, let alone written.
-//! - **mount namespace**: bpffs and the agent's state are covered by an empty read-only tmpfs,
+//! - **mount namespace**: bpffs, the agent's state and every secret source of the configuration
+//!   (and the directories holding only secrets) are covered by an empty read-only tmpfs or file,
 //!   `/run` (the control API socket, Docker/containerd/D-Bus/systemd sockets) and `/dev` are
 //!   private, the agent's configuration is read-only; for a root command the whole file system
 //!   is read-only except its workspace (so cron, systemd units or `ld.so.preload` can't be made
@@ -62,6 +63,11 @@ pub struct Spec {
     pub keep_net_raw: bool,
     /// Covered by an empty read-only tmpfs (besides every bpffs mount, found at setup).
     pub hide: Vec<PathBuf>,
+    /// Secret sources and the directories that hold only secrets (`exec`'s `hidden` module
+    /// chooses them): each covered like [`Spec::hide`], after it. One that does not exist is
+    /// skipped (nothing to read); one that can't be covered stops the command from running.
+    #[serde(default)]
+    pub secrets: Vec<PathBuf>,
     /// Bound read-only.
     pub read_only: Vec<PathBuf>,
     /// For a root command: the only writable places (everything else is read-only).
@@ -90,6 +96,11 @@ pub enum SandboxError {
     },
     #[error("{0}")]
     Invalid(String),
+    #[error("cannot hide the secret source {path} from the command ({source}); it was not run")]
+    Secret {
+        path: PathBuf,
+        source: Box<SandboxError>,
+    },
 }
 
 impl SandboxError {

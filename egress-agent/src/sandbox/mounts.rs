@@ -15,7 +15,12 @@
 //! 6. a fresh read-only cgroup2 mount in the new cgroup namespace: it shows only the command's
 //!    own cgroup tree;
 //! 7. [`Spec::read_only`] paths bound read-only (the agent's configuration);
-//! 8. every bpffs mount and [`Spec::hide`] path covered by an empty read-only tmpfs (mode 000).
+//! 8. every bpffs mount and [`Spec::hide`] path covered by an empty read-only tmpfs (mode 000);
+//! 9. every [`Spec::secrets`] path covered the same way, a file by an empty read-only file (mode
+//!    000). The cover goes where the path resolves (a mount follows symbolic links). A path that
+//!    no longer resolves (`ENOENT`, `ENOTDIR`: gone, or under a cover already) has nothing to
+//!    read; any other error, or a cover that can't be mounted, fails the setup: the command is
+//!    not run.
 //!
 //! Mounts a command copies into a namespace of its own (after creating a user namespace) are
 //! locked to these: it can't unmount a cover or remount a read-only mount writable.
@@ -99,6 +104,29 @@ pub fn build(spec: &Spec) -> Result<(), SandboxError> {
         }
         cover(&p)?;
         covered.push(p);
+    }
+    for p in &spec.secrets {
+        if covered.iter().any(|c| p.starts_with(c)) {
+            continue;
+        }
+        let hide_err = |e: SandboxError| SandboxError::Secret {
+            path: p.clone(),
+            source: Box::new(e),
+        };
+        match fs::metadata(p) {
+            Ok(_) => {}
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    std::io::ErrorKind::NotFound | std::io::ErrorKind::NotADirectory
+                ) =>
+            {
+                continue;
+            }
+            Err(e) => return Err(hide_err(io_err("resolving", p)(e))),
+        }
+        cover(p).map_err(hide_err)?;
+        covered.push(p.clone());
     }
     Ok(())
 }

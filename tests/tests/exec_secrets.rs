@@ -1,0 +1,508 @@
+//! No secret is readable inside an `exec` workload (issue #40, item 2).
+//!
+//! The configuration binds secrets from every kind of source, in two policies (the command runs
+//! under one; the other's secrets must be out of reach too): a file in a directory of secrets
+//! (with a private neighbour the configuration does not name), a file directly in a broad
+//! `/etc`-like directory (next to a `hosts` file the command may read), a symbolic link to a
+//! file in another broad directory, a systemd credential (`$CREDENTIALS_DIRECTORY`) and an
+//! environment variable. The secret files belong to `nobody`, so that without the sandbox the
+//! `nobody` command could read every one of them, as root can (checked first, outside).
+//!
+//! Under `exec`, as root and as `nobody`, the command tries to read each source (by its name and
+//! where it leads), everything below the test's directory, its own environment, every
+//! `/proc/<pid>/{environ,cmdline,mem}` it can see, and the `exec` supervisor's by its host pid;
+//! then, while it runs, the host adds files to the covered directories and replaces the secret
+//! in the secrets directory by a rename (rotation), and it reads again. The secret bytes never
+//! appear in anything it printed. Its own requests still get the secrets injected upstream.
+use std::io::{BufRead, BufReader, Read, Write};
+use std::os::unix::fs::PermissionsExt;
+use std::path::PathBuf;
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use egress_tests::agent::{StopOnDrop, TestConfig, agent_bin};
+use egress_tests::root_or_skip;
+use egress_tests::tls_upstream::{TestCa, Upstream};
+
+const SECRET_DIR: &str = "sk-dir-Vt3q8Rw1-never-inside";
+const SECRET_NEIGHBOUR: &str = "sk-neighbour-Bn5x2Pk7-never-inside";
+const SECRET_BROAD: &str = "sk-broad-Lm9c4Hs6-never-inside";
+const SECRET_LINK: &str = "sk-link-Qe2w7Zd3-never-inside";
+const SECRET_CRED: &str = "sk-cred-Yu6j1Fg8-never-inside";
+const SECRET_ENV: &str = "sk-env-Ko4t9Nb2-never-inside";
+const SECRET_LATE: &str = "sk-late-Wr8m3Xc5-never-inside";
+const SECRET_ROTATED: &str = "sk-rotated-Ja1v6Ep4-never-inside";
+const ALL: [&str; 8] = [
+    SECRET_DIR,
+    SECRET_NEIGHBOUR,
+    SECRET_BROAD,
+    SECRET_LINK,
+    SECRET_CRED,
+    SECRET_ENV,
+    SECRET_LATE,
+    SECRET_ROTATED,
+];
+const PH_DIR: &str = "egress-ph-dir-5ec2e7";
+const PH_CRED: &str = "egress-ph-cred-5ec2e7";
+const PH_LINK: &str = "egress-ph-link-5ec2e7";
+const NOBODY: u32 = 65534;
+
+/// The test's directory tree; removed on drop.
+struct Tree(PathBuf);
+
+impl Drop for Tree {
+    fn drop(&mut self) {
+        std::fs::remove_dir_all(&self.0).ok();
+    }
+}
+
+impl Tree {
+    fn dir(&self, rel: &str, mode: u32, owner: u32) -> PathBuf {
+        let p = self.0.join(rel);
+        std::fs::create_dir_all(&p).expect("dir");
+        std::fs::set_permissions(&p, std::fs::Permissions::from_mode(mode)).expect("chmod");
+        std::os::unix::fs::chown(&p, Some(owner), Some(owner)).expect("chown");
+        p
+    }
+    fn file(&self, rel: &str, text: &str, mode: u32, owner: u32) -> PathBuf {
+        let p = self.0.join(rel);
+        std::fs::write(&p, text).expect("write");
+        std::fs::set_permissions(&p, std::fs::Permissions::from_mode(mode)).expect("chmod");
+        std::os::unix::fs::chown(&p, Some(owner), Some(owner)).expect("chown");
+        p
+    }
+    /// Every secret file, by the names the command will try.
+    fn secret_files(&self) -> Vec<PathBuf> {
+        [
+            "secrets/t",
+            "secrets/other.key",
+            "etc/api.key",
+            "etc/linked.key",
+            "vault/real.key",
+            "creds/cred1",
+        ]
+        .iter()
+        .map(|r| self.0.join(r))
+        .collect()
+    }
+}
+
+fn setup(tag: &str, up: &Upstream, ca: &TestCa) -> (Tree, TestConfig) {
+    let root =
+        std::env::temp_dir().join(format!("egress-exec-secrets-{}-{tag}", std::process::id()));
+    std::fs::remove_dir_all(&root).ok();
+    let t = Tree(root);
+    t.dir("", 0o755, 0);
+    t.dir("state", 0o700, 0);
+    // A directory of secrets: the bound one and one of another tool.
+    t.dir("secrets", 0o700, NOBODY);
+    t.file("secrets/t", &format!("{SECRET_DIR}\n"), 0o600, NOBODY);
+    t.file("secrets/other.key", SECRET_NEIGHBOUR, 0o600, NOBODY);
+    // A broad directory: a secret directly in it, next to what the command may read.
+    t.dir("etc", 0o755, 0);
+    t.file(
+        "etc/hosts",
+        "127.0.0.1 api.test\n127.0.0.1 cred.test\n127.0.0.1 link.test\n",
+        0o644,
+        0,
+    );
+    t.file("etc/api.key", SECRET_BROAD, 0o600, NOBODY);
+    // A link from the broad directory to a secret in another broad directory.
+    t.dir("vault", 0o755, 0);
+    t.file("vault/README", "vault-readme-not-a-secret\n", 0o644, 0);
+    t.file("vault/real.key", SECRET_LINK, 0o600, NOBODY);
+    std::os::unix::fs::symlink("../vault/real.key", t.0.join("etc/linked.key")).expect("link");
+    // The systemd credentials directory.
+    t.dir("creds", 0o700, NOBODY);
+    t.file("creds/cred1", SECRET_CRED, 0o600, NOBODY);
+    t.file("upstream-ca.pem", &ca.pem, 0o644, 0);
+    t.file("scan.py", SCAN, 0o644, 0);
+    let (p, d) = (up.port(), t.0.display());
+    let cfg = TestConfig::new(&format!(
+        r#"connect_timeout_ms = 3000
+[agent]
+state_dir = "{d}/state"
+[intercept]
+upstream_ca_file = "{d}/upstream-ca.pem"
+[dns]
+nameservers = []
+hosts_file = "{d}/etc/hosts"
+
+[policies.cred]
+allow_hosts = ["api.test", "cred.test", "link.test"]
+allow_ports = [{p}]
+resolve_private = ["127.0.0.0/8"]
+
+[[policies.cred.credentials]]
+host = "api.test"
+port = {p}
+header = "authorization"
+prefix = "Bearer "
+source = {{ file = "{d}/secrets/t" }}
+placeholder = "{PH_DIR}"
+placeholder_env = "DIR_KEY"
+
+[[policies.cred.credentials]]
+host = "cred.test"
+port = {p}
+header = "x-api-key"
+source = {{ credential = "cred1" }}
+placeholder = "{PH_CRED}"
+placeholder_env = "CRED_KEY"
+
+[[policies.cred.credentials]]
+host = "link.test"
+port = {p}
+header = "x-api-key"
+source = {{ file = "{d}/etc/linked.key" }}
+placeholder = "{PH_LINK}"
+placeholder_env = "LINK_KEY"
+
+# Not the command's policy: its secrets must be out of reach all the same.
+[policies.other]
+allow_hosts = ["broad.test", "envh.test"]
+allow_ports = [{p}]
+
+[[policies.other.credentials]]
+host = "broad.test"
+port = {p}
+header = "x-api-key"
+source = {{ file = "{d}/etc/api.key" }}
+
+[[policies.other.credentials]]
+host = "envh.test"
+port = {p}
+header = "x-api-key"
+source = {{ env = "EGRESS_TEST_HIDDEN_ENV" }}
+"#
+    ));
+    (t, cfg)
+}
+
+/// Run by the command: every process it can see, its environ, cmdline and readable memory
+/// (`/proc/<pid>/mem`), searched for the secrets (given in hex, so that no process but this one
+/// holds them in clear; this one is skipped); and the supervisor's files by its host pid.
+const SCAN: &str = r#"import os, sys
+exec_pid = sys.argv[1]
+pats = [bytes.fromhex(h) for h in sys.argv[2:]]
+me = os.getpid()
+pids = sorted(int(p) for p in os.listdir('/proc') if p.isdigit())
+print('pids', ' '.join(map(str, pids)))
+print('supervisor visible', os.path.exists('/proc/' + exec_pid))
+for name in ['environ', 'cmdline', 'mem', 'maps']:
+    try:
+        open('/proc/%s/%s' % (exec_pid, name), 'rb').read(1)
+        print('supervisor', name, 'READ')
+    except OSError as e:
+        print('supervisor', name, 'errno', e.errno)
+found = 0
+for pid in pids:
+    if pid == me:
+        continue
+    for name in ['environ', 'cmdline']:
+        try:
+            data = open('/proc/%d/%s' % (pid, name), 'rb').read()
+        except OSError as e:
+            print(name, pid, 'errno', e.errno)
+            continue
+        print(name, pid, 'read', len(data))
+        for i, p in enumerate(pats):
+            if p in data:
+                print('FOUND', i, pid, name)
+                found += 1
+    try:
+        maps = open('/proc/%d/maps' % pid).read().splitlines()
+        mem = open('/proc/%d/mem' % pid, 'rb', 0)
+    except OSError as e:
+        print('mem', pid, 'errno', e.errno)
+        continue
+    n = 0
+    for line in maps:
+        addr, perms = line.split()[:2]
+        lo, hi = (int(x, 16) for x in addr.split('-'))
+        if 'r' not in perms or hi - lo > (256 << 20):
+            continue
+        try:
+            mem.seek(lo)
+            data = mem.read(hi - lo)
+        except (OSError, ValueError, OverflowError):
+            continue
+        n += len(data or b'')
+        for i, p in enumerate(pats):
+            if data and p in data:
+                print('FOUND', i, pid, 'mem', line)
+                found += 1
+    print('mem', pid, 'read', n)
+print('scan found', found)
+"#;
+
+fn has(hay: &[u8], needle: &str) -> bool {
+    hay.windows(needle.len()).any(|w| w == needle.as_bytes())
+}
+
+fn section<'a>(text: &'a str, name: &str) -> &'a str {
+    let start = format!("== {name}\n");
+    let i = text
+        .find(&start)
+        .unwrap_or_else(|| panic!("no section {name} in:\n{text}"))
+        + start.len();
+    let rest = &text[i..];
+    &rest[..rest.find("\n== ").map_or(rest.len(), |j| j + 1)]
+}
+
+/// `cat` of every secret file as `user`, outside any sandbox.
+fn read_outside(user: &str, t: &Tree) -> Vec<u8> {
+    let files: Vec<String> = t
+        .secret_files()
+        .iter()
+        .map(|p| p.display().to_string())
+        .collect();
+    let mut cmd = if user == "root" {
+        Command::new("cat")
+    } else {
+        let mut c = Command::new("setpriv");
+        c.args([
+            "--reuid",
+            user,
+            "--regid",
+            user,
+            "--clear-groups",
+            "--",
+            "cat",
+        ]);
+        c
+    };
+    let out = cmd.args(&files).output().expect("cat outside");
+    assert!(out.status.success(), "{out:?}");
+    out.stdout
+}
+
+/// The whole check as `user`.
+fn secrets_stay_hidden(user: &str) {
+    let ca = TestCa::new();
+    let up = Upstream::start(
+        &ca,
+        &["api.test", "cred.test", "link.test"],
+        "127.0.0.1:0".parse().expect("test value"),
+    );
+    let (t, cfg) = setup(user, &up, &ca);
+    let d = t.0.display().to_string();
+    let p = up.port();
+
+    // Without the sandbox, this user reads every secret file.
+    let outside = read_outside(if user == "root" { "root" } else { "65534" }, &t);
+    for s in [
+        SECRET_DIR,
+        SECRET_NEIGHBOUR,
+        SECRET_BROAD,
+        SECRET_LINK,
+        SECRET_CRED,
+    ] {
+        assert!(has(&outside, s), "[{user}] the setup does not expose {s}");
+    }
+
+    let hex: Vec<String> = ALL
+        .iter()
+        .map(|s| s.bytes().map(|b| format!("{b:02x}")).collect())
+        .collect();
+    let hex = hex.join(" ");
+    let curl = "curl -sS --max-time 15";
+    let reads = "secrets/t secrets/other.key etc/api.key etc/linked.key vault/real.key creds/cred1";
+    let script = format!(
+        r#"read EXEC_PID
+echo "== whoami"; id -u
+echo "== inject"
+{curl} -H "Authorization: Bearer $DIR_KEY" https://api.test:{p}/v1/dir; echo
+{curl} -H "x-api-key: $CRED_KEY" https://cred.test:{p}/v1/cred; echo
+{curl} -H "x-api-key: $LINK_KEY" https://link.test:{p}/v1/link; echo
+echo "== read"
+for f in {reads}; do echo "-- $f"; cat {d}/$f 2>&1; echo; done
+ls -la {d}/secrets {d}/creds 2>&1
+grep -R --exclude=scan.py . {d} 2>&1
+echo "== neighbours"; cat {d}/etc/hosts {d}/vault/README
+echo "== config"; cat {config}
+echo "== env"; env
+echo "== proc"; /usr/bin/python3 {d}/scan.py "$EXEC_PID" {hex}
+echo READY; read x
+echo "== late"
+for f in secrets/late creds/late secrets/t; do echo "-- $f"; cat {d}/$f 2>&1; echo; done
+grep -R --exclude=scan.py . {d} 2>&1
+echo "== end"
+"#,
+        config = cfg.path.display(),
+    );
+    let child = Command::new(agent_bin())
+        .args(["exec", "--user", user, "--policy", "cred", "--config"])
+        .arg(&cfg.path)
+        .args(["--", "sh", "-c", &script])
+        .env("CREDENTIALS_DIRECTORY", t.0.join("creds"))
+        .env("EGRESS_TEST_HIDDEN_ENV", SECRET_ENV)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("spawn exec");
+    let mut child = StopOnDrop(child);
+    let exec_pid = child.0.id();
+    let mut stdin = child.0.stdin.take().expect("stdin");
+    stdin
+        .write_all(format!("{exec_pid}\n").as_bytes())
+        .expect("exec pid");
+    let mut stderr = child.0.stderr.take().expect("stderr");
+    let err_thread = std::thread::spawn(move || {
+        let mut b = Vec::new();
+        stderr.read_to_end(&mut b).ok();
+        b
+    });
+    let mut out = BufReader::new(child.0.stdout.take().expect("stdout"));
+    let mut printed = Vec::new();
+    let mut line = Vec::new();
+    let deadline = Instant::now() + Duration::from_secs(120);
+    let mut ready = false;
+    while Instant::now() < deadline {
+        line.clear();
+        if out.read_until(b'\n', &mut line).unwrap_or(0) == 0 {
+            break;
+        }
+        printed.extend_from_slice(&line);
+        if line == b"READY\n" {
+            ready = true;
+            break;
+        }
+    }
+    if ready {
+        // While the command runs: new secrets in the covered directories, and the bound secret
+        // replaced by a rename (what rotation does).
+        t.file("secrets/late", SECRET_LATE, 0o644, NOBODY);
+        t.file("creds/late", SECRET_LATE, 0o644, NOBODY);
+        t.file("secrets/t.new", SECRET_ROTATED, 0o644, NOBODY);
+        std::fs::rename(t.0.join("secrets/t.new"), t.0.join("secrets/t")).expect("rotate");
+    }
+    stdin.write_all(b"\n").ok();
+    drop(stdin);
+    out.read_to_end(&mut printed).ok();
+    let status = child.0.wait().expect("wait exec");
+    let errors = err_thread.join().expect("stderr thread");
+    let text = String::from_utf8_lossy(&printed).into_owned();
+    let err_text = String::from_utf8_lossy(&errors).into_owned();
+    assert!(ready, "[{user}] never got to READY:\n{text}\n{err_text}");
+    assert_eq!(status.code(), Some(0), "[{user}]\n{text}\n{err_text}");
+    eprintln!("[{user}] command output:\n{text}\n[{user}] exec stderr:\n{err_text}");
+
+    let uid = if user == "root" { "0" } else { "65534" };
+    assert_eq!(section(&text, "whoami").trim(), uid, "{text}");
+    // Never inside: not in anything the command printed (its reads, its environment, the scan
+    // of every process it can see), not in what exec printed.
+    for s in ALL {
+        assert!(!has(&printed, s), "[{user}] the command read {s}:\n{text}");
+        assert!(!has(&errors, s), "[{user}] exec printed {s}:\n{err_text}");
+    }
+    // Hiding did not break injection: the upstream got the real secrets.
+    for (path, header, want) in [
+        ("/v1/dir", "authorization", format!("Bearer {SECRET_DIR}")),
+        ("/v1/cred", "x-api-key", SECRET_CRED.to_owned()),
+        ("/v1/link", "x-api-key", SECRET_LINK.to_owned()),
+    ] {
+        let r = up
+            .request(path)
+            .unwrap_or_else(|| panic!("[{user}] upstream never got {path}:\n{text}"));
+        assert_eq!(r.header(header), Some(want.as_str()), "[{user}] {path}");
+    }
+    assert_eq!(section(&text, "inject").matches("upstream-ok").count(), 3);
+    // What is not secret stays readable: the broad directories' other files, the configuration.
+    let neighbours = section(&text, "neighbours");
+    assert!(
+        neighbours.contains("127.0.0.1 api.test") && neighbours.contains("vault-readme"),
+        "[{user}] {neighbours}"
+    );
+    let config = section(&text, "config");
+    assert!(
+        config.contains("[policies.cred]") && config.contains("secrets/t"),
+        "[{user}] {config}"
+    );
+    // The environment: placeholders only, no env secret, no credentials directory.
+    let env = section(&text, "env");
+    for want in [
+        format!("DIR_KEY={PH_DIR}"),
+        format!("CRED_KEY={PH_CRED}"),
+        format!("LINK_KEY={PH_LINK}"),
+    ] {
+        assert!(env.lines().any(|l| l == want), "[{user}] {want}:\n{env}");
+    }
+    for gone in ["EGRESS_TEST_HIDDEN_ENV", "CREDENTIALS_DIRECTORY"] {
+        assert!(!env.contains(gone), "[{user}] {gone} in:\n{env}");
+    }
+    // The supervisor is out of sight, and the scan saw every process of the command.
+    let proc = section(&text, "proc");
+    assert!(
+        proc.contains("supervisor visible False") && proc.contains("scan found 0"),
+        "[{user}] {proc}"
+    );
+    for name in ["environ", "cmdline", "mem", "maps"] {
+        assert!(
+            !proc.contains(&format!("supervisor {name} READ")),
+            "[{user}] {proc}"
+        );
+    }
+    assert!(proc.contains("cmdline 1 read"), "[{user}] {proc}");
+    if user == "root" {
+        // Root reads the memory of the sandbox's init (pid 1, a re-exec of the agent).
+        assert!(
+            proc.lines()
+                .any(|l| l.starts_with("mem 1 read ") && l != "mem 1 read 0"),
+            "[{user}] {proc}"
+        );
+    }
+    // Files that came later, and the rotated secret: still nothing.
+    let late = section(&text, "late");
+    assert!(late.contains("-- secrets/late"), "[{user}] {late}");
+}
+
+#[test]
+fn exec_hides_every_secret_source_from_a_root_command() {
+    if !root_or_skip("exec secret hiding (root)") {
+        return;
+    }
+    secrets_stay_hidden("root");
+}
+
+#[test]
+fn exec_hides_every_secret_source_from_an_unprivileged_command() {
+    if !root_or_skip("exec secret hiding (nobody)") {
+        return;
+    }
+    secrets_stay_hidden("nobody");
+}
+
+/// A secret source that can't be checked or covered (here the credentials directory is a
+/// symbolic link loop): the command is not run.
+#[test]
+fn exec_refuses_to_run_when_a_secret_cannot_be_hidden() {
+    if !root_or_skip("exec secret hiding (fail closed)") {
+        return;
+    }
+    let dir = std::env::temp_dir().join(format!("egress-exec-secrets-{}-loop", std::process::id()));
+    std::fs::remove_dir_all(&dir).ok();
+    std::fs::create_dir_all(&dir).expect("dir");
+    let t = Tree(dir);
+    let lp = t.0.join("loop");
+    std::os::unix::fs::symlink(&lp, &lp).expect("loop");
+    let cfg = TestConfig::new("");
+    let out = Command::new(agent_bin())
+        .args(["exec", "--user", "root", "--policy", "deny_all", "--config"])
+        .arg(&cfg.path)
+        .args(["--", "sh", "-c", "echo COMMAND-RAN"])
+        .env("CREDENTIALS_DIRECTORY", &lp)
+        .stdin(Stdio::null())
+        .output()
+        .expect("exec");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!stdout.contains("COMMAND-RAN"), "{stdout}\n{stderr}");
+    assert_eq!(out.status.code(), Some(125), "{stdout}\n{stderr}");
+    let want = format!("cannot hide the secret source {}", lp.display());
+    assert!(
+        stderr.contains(&want) && stderr.contains("it was not run"),
+        "{stderr}"
+    );
+}
