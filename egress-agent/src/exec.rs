@@ -284,7 +284,7 @@ pub const BUNDLE_IN_RUN: &str = "egress-agent-ca-bundle.pem";
 pub const EXTRA_IN_RUN: &str = "egress-agent-ca-extra.pem";
 
 /// The run's trust files, written for the sandbox to copy into the command's `/run` (root-only,
-/// under `/run/egress-agent`), removed when the run ends.
+/// under `agent.state_dir`), removed when the run ends.
 struct TrustFiles(PathBuf);
 
 impl Drop for TrustFiles {
@@ -316,10 +316,11 @@ fn interception(
     for note in &trust.notes {
         eprintln!("egress-agent: {note}");
     }
-    // Copied by the sandbox, not carried in its argument: a bundle is larger than one argument
-    // may be.
-    let dir = PathBuf::from(format!(
-        "/run/egress-agent/exec-trust-{}-{}",
+    // Copied by the sandbox, not carried in its argument (a bundle is larger than one argument
+    // may be), before it replaces `/run` and hides `agent.state_dir`: so the files live in the
+    // state directory (root-only), never in `/run`.
+    let dir = config.agent.state_dir.join(format!(
+        "exec-trust-{}-{}",
         std::process::id(),
         SEQ.fetch_add(1, Ordering::Relaxed)
     ));

@@ -401,7 +401,7 @@ fn foreign_peers_get_nothing_through_a_containers_listeners(
     let py = script.display();
     for &port in &ports {
         let l: std::net::SocketAddr = format!("169.254.100.1:{port}").parse().expect("addr");
-        let run = format!("python3 {py} 169.254.100.1 {port} 8443 {ph}");
+        let run = format!("/usr/bin/python3 {py} 169.254.100.1 {port} 8443 {ph}");
         let printed = env.d.netns.sh(&run);
         got_nothing("a host process (root)", l, &printed);
         let printed = env.d.netns.sh(&format!(

@@ -137,7 +137,8 @@ fn listeners_of(pid: u32) -> Vec<SocketAddr> {
 /// return what it printed.
 fn foreign(prefix: &mut Command, dir: &Path, listener: SocketAddr, api_port: u16) -> String {
     let out = prefix
-        .arg("python3")
+        // Debian's, not a per-user shim (`nobody` can't run root's pyenv).
+        .arg("/usr/bin/python3")
         .arg(dir.join("foreign.py"))
         .arg(listener.ip().to_string())
         .arg(listener.port().to_string())
@@ -204,6 +205,11 @@ fn host_processes_and_other_workloads_get_nothing_through_a_workloads_listeners(
         // Unconfined, as root (this process) and as nobody.
         let printed = foreign(&mut Command::new("env"), &dir.0, l, p);
         got_nothing("a host process (root)", l, &printed);
+        // Not refused at connect(): the listener accepted, then closed without a byte.
+        assert!(
+            printed.lines().all(|line| line.ends_with("=0")),
+            "a host process should reach {l} and get it closed unread: {printed}"
+        );
         let printed = foreign(
             Command::new("setpriv").args([
                 "--reuid=65534",
