@@ -283,6 +283,9 @@ pub const BUNDLE_IN_RUN: &str = "egress-agent-ca-bundle.pem";
 /// `NODE_EXTRA_CA_CERTS` of the run: the caller's own extra CAs and the agent's CA.
 pub const EXTRA_IN_RUN: &str = "egress-agent-ca-extra.pem";
 
+/// Variables set for the command (name, value).
+type CommandEnv = Vec<(String, String)>;
+
 /// The run's trust files, written for the sandbox to copy into the command's `/run` (root-only,
 /// under `agent.state_dir`), removed when the run ends.
 struct TrustFiles(PathBuf);
@@ -301,7 +304,7 @@ fn interception(
     config: &Config,
     policy: &policy::Policy,
     spec: &mut sandbox::Spec,
-) -> anyhow::Result<(Vec<(String, String)>, Option<TrustFiles>)> {
+) -> anyhow::Result<(CommandEnv, Option<TrustFiles>)> {
     let run = Path::new("/run");
     let env = crate::ca::command_env(policy, &run.join(BUNDLE_IN_RUN), &run.join(EXTRA_IN_RUN));
     if env.is_empty() || policy.mode != Mode::Allowlist {
