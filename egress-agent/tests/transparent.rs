@@ -844,9 +844,10 @@ async fn a_peer_the_kernel_did_not_send_is_refused_unread_on_both_listeners() {
         "CONNECT allowed.test:{p} HTTP/1.1\r\nHost: allowed.test:{p}\r\n\r\n",
         p = f.tls.addr.port()
     );
-    let _ = s.write_all(head.as_bytes()).await;
+    // The proxy may close before the head is written or read: either way nothing comes back.
+    s.write_all(head.as_bytes()).await.ok();
     let mut got = Vec::new();
-    let _ = tokio::time::timeout(T, s.read_to_end(&mut got)).await;
+    tokio::time::timeout(T, s.read_to_end(&mut got)).await.ok();
     assert!(got.is_empty(), "a foreign peer got {got:?}");
     assert_eq!(f.event(before).reason, "listener-foreign-peer");
     assert_eq!(f.tls.conns.load(Ordering::SeqCst), 0);
