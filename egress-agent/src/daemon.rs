@@ -409,7 +409,7 @@ pub async fn run(opts: RunOptions) -> Result<()> {
     // What SIGUSR2 starts: the file this binary was started from, as it is then (an upgrade
     // installs the new build there first).
     let exe = std::env::current_exe().context("locating this binary")?;
-    let config = Arc::new(Config::load(&opts.config)?);
+    let mut config = Arc::new(Config::load(&opts.config)?);
     info!(config = %opts.config.display(), policies = ?config.policy_names().collect::<Vec<_>>(),
         "configuration loaded");
     // A running agent hands its sockets over (a restart or an upgrade): take them before
@@ -435,6 +435,13 @@ pub async fn run(opts: RunOptions) -> Result<()> {
             "taking over from the running agent"
         );
         sockets.adopt(fds);
+        // Its `env` secrets (gone from the environment this process inherited), before any
+        // binding is resolved for serving: nothing below serves a request until this config.
+        let installed = t.install_env_secrets();
+        if !installed.is_empty() {
+            info!(variables = ?installed, "took the running agent's env secrets over");
+            config = Arc::new(Config::load(&opts.config)?);
+        }
     }
     let docker_root = crate::cgroup::cgroup2_mount()
         .map(|m| docker::cgroups::DockerRoot::new(m, &opts.docker.cgroup_parent).path());
