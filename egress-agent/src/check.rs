@@ -58,8 +58,10 @@ pub fn explain_labels<'a>(
 }
 
 /// Runs `check`. Prints JSON; errors (the config's own, with file/line/field) go to the caller.
+/// Strict: a credential binding whose secret can't be loaded is an error naming its field
+/// (serving would keep the rest running and refuse that binding's host).
 pub async fn run(config_path: &Path, container: Option<&str>, docker_socket: &str) -> Result<()> {
-    let config = Config::load(config_path)?;
+    let config = Config::load_with(config_path, crate::config::Secrets::Strict)?;
     let out = match container {
         None => json!({
             "config": config_path.display().to_string(),

@@ -90,6 +90,8 @@ struct Daemon {
     ready: Value,
     /// For `explain --container` (the daemon's Docker socket).
     docker_socket: String,
+    /// Whether the runtimes' proxies can set TLS interception up (for `status`).
+    intercept: crate::proxy::tls::InterceptHealth,
     /// Refused reloads are counted here.
     metrics: Arc<Metrics>,
     /// The agent this one took over from, while it drains.
@@ -159,10 +161,61 @@ impl Daemon {
                 .await
                 .map_err(|_| "the enforcement task stopped during the reload".to_owned())??;
         }
-        self.config.store(new.clone());
-        Ok(Some(
-            json!({ "reloaded": true, "policies": new.policy_names().collect::<Vec<_>>() }),
-        ))
+        let old = self.config.swap(new.clone());
+        report_unavailable(&new, Some(&old), &self.events);
+        Ok(Some(json!({
+            "reloaded": true,
+            "policies": new.policy_names().collect::<Vec<_>>(),
+            "unavailable_bindings": unavailable_json(&new),
+        })))
+    }
+
+    /// What `status` says about interception: whether it can be set up, and the credential
+    /// bindings served without their secret (their hosts refused).
+    fn interception_status(&self, config: &Config) -> Value {
+        json!({
+            "setup_error": self.intercept.error(),
+            "bindings": config.policies.values().map(|p| p.credentials.len()).sum::<usize>(),
+            "unavailable_bindings": unavailable_json(config),
+        })
+    }
+}
+
+fn unavailable_json(config: &Config) -> Value {
+    config
+        .unavailable_bindings()
+        .iter()
+        .map(crate::config::UnavailableBinding::to_json)
+        .collect()
+}
+
+/// Say which credential bindings are kept without their secret (a lenient load: their hosts
+/// are refused, `interception-unavailable`, every other host is served): a warning and an agent
+/// event each; and, after a reload (`old`), which ones have their secret again.
+fn report_unavailable(config: &Config, old: Option<&Config>, events: &EventSink) {
+    let now = config.unavailable_bindings();
+    for u in &now {
+        warn!(policy = u.policy, binding = u.index, host = %u.binding.host, port = u.binding.port,
+            source = %crate::config::source_label(&u.binding.source), error = %u.why,
+            "credential binding unavailable: requests to its host are refused (interception-unavailable) until its secret loads (fix it, then reload); every other host is served");
+        events.emit(u.event());
+    }
+    let Some(old) = old else { return };
+    for u in old.unavailable_bindings() {
+        let still = now.iter().any(|n| {
+            n.policy == u.policy
+                && n.binding.host == u.binding.host
+                && n.binding.port == u.binding.port
+        });
+        let served = config.policy(u.policy).is_some_and(|p| {
+            p.credentials
+                .iter()
+                .any(|b| b.host == u.binding.host && b.port == u.binding.port && b.secret.is_some())
+        });
+        if !still && served {
+            info!(policy = u.policy, host = %u.binding.host, port = u.binding.port,
+                "credential binding restored: its secret loaded, its host is intercepted again");
+        }
     }
 }
 
@@ -187,6 +240,7 @@ impl Control for Daemon {
             "docker": self.ready.get("docker"),
             "kubernetes": self.ready.get("kubernetes"),
             "events_total": self.events.total(),
+            "interception": self.interception_status(&config),
             "kernel": kernel,
         })
     }
@@ -294,9 +348,13 @@ impl Control for Daemon {
     }
 
     fn doctor(&self) -> BoxFuture<'_, Value> {
-        Box::pin(
-            async move { backend::doctor(&self.config.load_full(), &self.docker_socket).await },
-        )
+        Box::pin(async move {
+            let config = self.config.load_full();
+            let view = crate::doctor::interception::InterceptionView::from_status(
+                &json!({ "interception": self.interception_status(&config) }),
+            );
+            backend::doctor(&config, &self.docker_socket, view).await
+        })
     }
 
     fn restart(&self) -> BoxFuture<'_, Result<Value, ApiError>> {
@@ -351,7 +409,7 @@ pub async fn run(opts: RunOptions) -> Result<()> {
     // What SIGUSR2 starts: the file this binary was started from, as it is then (an upgrade
     // installs the new build there first).
     let exe = std::env::current_exe().context("locating this binary")?;
-    let config = Arc::new(Config::load(&opts.config)?);
+    let mut config = Arc::new(Config::load(&opts.config)?);
     info!(config = %opts.config.display(), policies = ?config.policy_names().collect::<Vec<_>>(),
         "configuration loaded");
     // A running agent hands its sockets over (a restart or an upgrade): take them before
@@ -377,6 +435,13 @@ pub async fn run(opts: RunOptions) -> Result<()> {
             "taking over from the running agent"
         );
         sockets.adopt(fds);
+        // Its `env` secrets (gone from the environment this process inherited), before any
+        // binding is resolved for serving: nothing below serves a request until this config.
+        let installed = t.install_env_secrets();
+        if !installed.is_empty() {
+            info!(variables = ?installed, "took the running agent's env secrets over");
+            config = Arc::new(Config::load(&opts.config)?);
+        }
     }
     let docker_root = crate::cgroup::cgroup2_mount()
         .map(|m| docker::cgroups::DockerRoot::new(m, &opts.docker.cgroup_parent).path());
@@ -390,6 +455,7 @@ pub async fn run(opts: RunOptions) -> Result<()> {
     let metrics = Arc::new(Metrics::new());
     let mut agent = Agent::start(&config, Some(metrics.clone()))?;
     let events = agent.events().clone();
+    report_unavailable(&config, None, &events);
     if let Some(addr) = opts.metrics {
         let (listener, held) =
             metrics::bind_handed(addr, opts.metrics_allow_non_loopback, &sockets)
@@ -482,6 +548,7 @@ pub async fn run(opts: RunOptions) -> Result<()> {
         reload_lock: tokio::sync::Mutex::new(()),
         ready,
         docker_socket: opts.docker.socket.clone(),
+        intercept: opts.docker.intercept.clone(),
         metrics,
         previous,
         restart_tx,

@@ -312,8 +312,27 @@ fn interception(
     }
     // The proxy context loaded (or created) this CA moments ago; the lock in `load_or_create`
     // makes both loads agree.
-    let ca = crate::ca::AgentCa::load_or_create(&config.agent.state_dir)
-        .context("exec: loading the interception CA")?;
+    let ca = match crate::ca::AgentCa::load_or_create(&config.agent.state_dir) {
+        Ok(ca) => ca,
+        Err(e) => {
+            // Fail closed for the intercepted hosts only (the proxy refuses them,
+            // `interception-unavailable`); the command runs, its other hosts work, and no CA
+            // variable points at a bundle that isn't there (it would break every TLS client).
+            eprintln!(
+                "egress-agent: warning: TLS interception unavailable ({e}): requests to this policy's hosts with credential bindings or request rules are refused (interception-unavailable); every other host works"
+            );
+            let placeholders = env
+                .into_iter()
+                .filter(|(k, _)| {
+                    policy
+                        .credentials
+                        .iter()
+                        .any(|b| b.placeholder_env.as_deref() == Some(k.as_str()))
+                })
+                .collect();
+            return Ok((placeholders, None));
+        }
+    };
     let callers = crate::ca::trust::caller_cas(&|k| std::env::var(k).ok());
     let trust = crate::ca::trust::bundle(crate::ca::system_roots(), &callers, ca.cert_pem());
     for note in &trust.notes {
@@ -408,6 +427,21 @@ async fn run_async(
     // `suggest`) and to the configured exporters, and one ordered stop flushes both.
     let mut agent = Agent::start(&config, None)?;
     let events = agent.events().clone();
+    // This policy's bindings served without their secret (a lenient load): said on stderr and
+    // as an event; their hosts are refused, everything else works.
+    for u in config
+        .unavailable_bindings()
+        .into_iter()
+        .filter(|u| u.policy == opts.policy)
+    {
+        eprintln!(
+            "egress-agent: warning: credential binding unavailable, {}: requests to {}:{} are refused (interception-unavailable)",
+            u.describe(),
+            u.binding.host,
+            u.binding.port
+        );
+        events.emit(u.event());
+    }
     let mut endpoints = Endpoints {
         endpoint4: Some(config.proxy.endpoint).filter(|e| e.is_ipv4()),
         endpoint6: config.proxy.endpoint_v6,

@@ -162,14 +162,18 @@ enum Command {
         #[arg(long, default_value = "unix:///var/run/docker.sock")]
         docker_socket: String,
     },
-    /// Survey the host: kernel features, pins, proxy, Docker, firewall. Changes nothing.
+    /// Survey the host: kernel features, pins, proxy, Docker, firewall, interception. Changes
+    /// nothing.
     Doctor {
-        /// Configuration file (pin directory, proxy endpoint).
+        /// Configuration file (pin directory, proxy endpoint, credential bindings).
         #[arg(long)]
         config: Option<PathBuf>,
         /// Stable JSON output.
         #[arg(long)]
         json: bool,
+        /// Control API socket (the daemon's view of interception, when it answers).
+        #[arg(long, default_value = api::DEFAULT_SOCKET)]
+        api_socket: PathBuf,
     },
     /// Uninstall: remove the pinned programs and maps, the nftables tables, the proxy interface and
     /// the agent's cgroups. Stopping the agent does not do this, on purpose.
@@ -444,15 +448,26 @@ fn main() -> ExitCode {
                 })
                 .map(|()| ExitCode::SUCCESS)
         }
-        Command::Doctor { config, json } => {
+        Command::Doctor {
+            config,
+            json,
+            api_socket,
+        } => {
             init_cli_tracing();
-            let opts = match egress_agent::config::Config::load_or_default(config.as_deref()) {
+            let mut opts = match egress_agent::config::Config::load_or_default(config.as_deref()) {
                 Ok(c) => egress_agent::doctor::Options::from_config(&c),
                 Err(e) => {
                     eprintln!("egress-agent: warning: {e:#}; using default paths");
                     egress_agent::doctor::Options::default()
                 }
             };
+            // The daemon knows what it really loaded (its env secrets included).
+            if let Some(view) = daemon_status(&api_socket)
+                .as_ref()
+                .and_then(egress_agent::doctor::interception::InterceptionView::from_status)
+            {
+                opts.interception = Some(view);
+            }
             let report = egress_agent::doctor::run(opts);
             report.print(json);
             Ok(ExitCode::from(report.exit_code().clamp(0, 255) as u8))
@@ -493,6 +508,37 @@ fn exit_code(code: i32) -> ExitCode {
     ExitCode::from(code.clamp(0, 255) as u8)
 }
 
+/// The daemon's `GET /v1/status`, if one answers on `api_socket`.
+fn daemon_status(api_socket: &Path) -> Option<serde_json::Value> {
+    if !api_socket.exists() {
+        return None;
+    }
+    let body = runtime()
+        .ok()?
+        .block_on(api::client::request(api_socket, Method::GET, "/v1/status"))
+        .ok()?;
+    serde_json::from_str(&body).ok()
+}
+
+/// `status`'s lines about interception: a CA/TLS setup that failed, and each credential binding
+/// served without its secret (`v` is the daemon's status).
+fn print_interception(v: &serde_json::Value) {
+    let i = &v["interception"];
+    if let Some(e) = i["setup_error"].as_str() {
+        println!(
+            "interception: unavailable: {e}; hosts with credential bindings or request rules are refused (interception-unavailable)"
+        );
+    }
+    for b in i["unavailable_bindings"].as_array().into_iter().flatten() {
+        println!(
+            "credential binding unavailable: {}; requests to {}:{} are refused (interception-unavailable)",
+            b["summary"].as_str().unwrap_or("?"),
+            b["host"].as_str().unwrap_or("?"),
+            b["port"]
+        );
+    }
+}
+
 /// `status`: the daemon's view if it answers, else the pins read directly.
 fn status(config: Option<&Path>, json: bool, api_socket: &Path) -> anyhow::Result<ExitCode> {
     if api_socket.exists() {
@@ -515,6 +561,7 @@ fn status(config: Option<&Path>, json: bool, api_socket: &Path) -> anyhow::Resul
                         p["pid"], p["draining_connections"]
                     );
                 }
+                print_interception(&v);
             }
             Err(e) => {
                 eprintln!("egress-agent: daemon not reachable ({e}); reading the pins directly")

@@ -69,3 +69,20 @@ fn unknown_default_policy_is_refused() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("nope"), "{err}");
 }
+
+/// `check` stays strict about secrets (serving keeps the other policies running and refuses the
+/// binding's host): a binding whose secret can't be loaded fails it, naming the field and the
+/// source, never anything of a secret.
+#[test]
+fn a_binding_whose_secret_cannot_load_fails_check() {
+    let out = check(
+        "[policies.p]\nallow_hosts = [\"api.test\"]\n[[policies.p.credentials]]\nhost = \"api.test\"\nheader = \"x-api-key\"\nsource = { file = \"/nonexistent/egress-check-secret\" }\n",
+    );
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains(":6:1: policies.p.credentials[0].source: can't read secret file /nonexistent/egress-check-secret"),
+        "{err}"
+    );
+    assert!(out.stdout.is_empty());
+}

@@ -24,6 +24,7 @@ const GOLDEN: &[&str] = &[
     "host.firewall_forward",
     "host.ip_forward",
     "containerd.pod_annotations",
+    "proxy.interception",
 ];
 
 #[test]

@@ -1,6 +1,7 @@
 //! Audit mode through the real proxy on loopback: what the allowlist refuses goes through and is
 //! recorded as would-deny with exactly the fields a denial has; what `allow_all` refuses stays
-//! refused (nothing arrives); switching the running listener to enforce refuses at once; allowed
+//! refused (nothing arrives); switching the running listener to enforce refuses at once (and ends
+//! the tunnel it opened under audit); allowed
 //! traffic and would-denials land in a real store as flows, with no path, query string or
 //! credential anywhere in its files; the suggestion from it parses and allows what was seen.
 #![expect(clippy::unwrap_used, reason = "test assertions")]
@@ -154,6 +155,23 @@ allow_cidrs = [{{ cidr = "127.0.0.1/32", ports = [{echo}, {http}, {closed}] }}]
     let mut enforce = h.config.policy("watch").unwrap().clone();
     enforce.enforce = Enforce::Enforce;
     h.handle.set(&enforce);
+    // The tunnel opened under audit goes to a target the enforced policy refuses: the reload
+    // ends it (#40 item 5, `proxy/narrow.rs`), recorded as a denial.
+    let mut b = [0u8; 16];
+    let n = tokio::time::timeout(T, s.read(&mut b))
+        .await
+        .expect("the reload ends the audited tunnel")
+        .unwrap_or(0);
+    assert_eq!(n, 0, "the refused tunnel kept relaying");
+    let ended = last(&h);
+    assert_eq!(
+        (ended.verdict, ended.reason.as_str()),
+        (Verdict::Deny, "host-not-allowed")
+    );
+    assert_eq!(
+        ended.context.get("ended").map(String::as_str),
+        Some("policy-reload")
+    );
     let r = exchange(
         h.addr,
         format!("CONNECT other.test:{echo} HTTP/1.1\r\n\r\n").as_bytes(),
@@ -164,8 +182,6 @@ allow_cidrs = [{{ cidr = "127.0.0.1/32", ports = [{echo}, {http}, {closed}] }}]
     let denied = last(&h);
     assert_eq!(denied.verdict, Verdict::Deny);
     same_fields(&would, &denied);
-    // The tunnel opened under audit keeps going (only new requests see the new policy).
-    echo_through(&mut s).await;
 
     // The store has it all, and nothing it must not have.
     store.flush().await;
@@ -184,6 +200,7 @@ allow_cidrs = [{{ cidr = "127.0.0.1/32", ports = [{echo}, {http}, {closed}] }}]
             Verdict::WouldDeny,
             Verdict::WouldDeny,
             Verdict::WouldDeny,
+            Verdict::Deny,
             Verdict::Deny,
             Verdict::Deny,
             Verdict::Deny

@@ -66,6 +66,11 @@ pub struct CredentialBinding {
     /// Loaded from `source` by [`resolve`] (at load and every reload); never serialised.
     #[serde(skip)]
     pub secret: Option<Secret>,
+    /// Why [`resolve`] could not load the secret (the field and what went wrong; names the
+    /// source, never its content). Such a binding serves nothing: its host:port is refused
+    /// (`interception-unavailable`), never forwarded without the secret.
+    #[serde(skip)]
+    pub unavailable: Option<ValidationError>,
 }
 
 /// Where the secret goes, checked and compiled.
@@ -98,6 +103,8 @@ pub struct CompiledBinding {
     pub place: Option<Place>,
     placeholder: Option<String>,
     pub require: bool,
+    /// Why the secret is not loaded (with `place` `None`), for the refusal's event.
+    unavailable: Option<std::sync::Arc<str>>,
 }
 
 /// What a binding does to one request.
@@ -137,13 +144,27 @@ fn sensitive(mut v: HeaderValue) -> HeaderValue {
 impl CompiledBinding {
     pub fn new(b: &CredentialBinding) -> CompiledBinding {
         let place = b.secret.as_ref().and_then(|s| compile_place(b, s));
+        let unavailable = place.is_none().then(|| {
+            let why = b.unavailable.as_ref().map_or_else(
+                || "its secret is not loaded".to_owned(),
+                ValidationError::to_string,
+            );
+            std::sync::Arc::from(why)
+        });
         CompiledBinding {
             host: b.host.clone(),
             port: b.port,
             place,
             placeholder: b.placeholder.clone(),
             require: b.require,
+            unavailable,
         }
+    }
+
+    /// Why this binding can't inject (its secret is not loaded), or `None` when it can. Names
+    /// the field and the source, never the secret.
+    pub fn unavailable(&self) -> Option<&str> {
+        self.unavailable.as_deref()
     }
 
     pub fn applies_to(&self, host: &HostName, port: u16) -> bool {
@@ -505,27 +526,38 @@ fn pattern_allowed(pat: &HostPattern, list: &[HostPattern], m: &HostMatcher) -> 
 }
 
 /// Load every binding's secret with `load` (the agent's `secrets::load`, at start and at each
-/// reload). A source that can't be read is an error naming the field, never a request sent
-/// without its credential.
+/// reload). Returns every binding whose secret can't be used — the source can't be read, or the
+/// secret holds the placeholder — as an error naming its field; such a binding is left without
+/// a secret and records why ([`CredentialBinding::unavailable`]), so it refuses its host rather
+/// than send a request without its credential. Whether that refuses the whole configuration
+/// (`check`) or only the binding (serving) is the caller's decision.
 pub fn resolve<E: std::fmt::Display>(
     p: &mut Policy,
     base: &str,
     load: impl Fn(&SecretSource) -> Result<Secret, E>,
-) -> Result<(), ValidationError> {
+) -> Vec<ValidationError> {
+    let mut failed = Vec::new();
     for (i, b) in p.credentials.iter_mut().enumerate() {
-        let secret = load(&b.source)
-            .map_err(|e| verr(format!("{base}.credentials[{i}].source"), e.to_string()))?;
-        if let Some(ph) = &b.placeholder
-            && contains(secret.expose(), ph.as_bytes())
-        {
-            return Err(verr(
-                format!("{base}.credentials[{i}].placeholder"),
-                "the secret contains the placeholder; choose another placeholder",
-            ));
+        b.secret = None;
+        b.unavailable = None;
+        let loaded = load(&b.source)
+            .map_err(|e| verr(format!("{base}.credentials[{i}].source"), e.to_string()))
+            .and_then(|secret| match &b.placeholder {
+                Some(ph) if contains(secret.expose(), ph.as_bytes()) => Err(verr(
+                    format!("{base}.credentials[{i}].placeholder"),
+                    "the secret contains the placeholder; choose another placeholder",
+                )),
+                _ => Ok(secret),
+            });
+        match loaded {
+            Ok(secret) => b.secret = Some(secret),
+            Err(e) => {
+                b.unavailable = Some(e.clone());
+                failed.push(e);
+            }
         }
-        b.secret = Some(secret);
     }
-    Ok(())
+    failed
 }
 
 #[cfg(test)]
@@ -609,5 +641,67 @@ mod tests {
         assert_eq!(c.decide(&h, None), Injection::Unavailable);
         // Debug of a compiled binding never shows the secret.
         assert!(!format!("{b:?}").contains("s3cr3t"));
+    }
+
+    /// `resolve` loads what it can and names every binding it can't load; those stay without a
+    /// secret, say why, and fail closed. A later resolve that loads the secret clears it.
+    #[test]
+    fn resolve_names_each_unloadable_binding_and_keeps_the_others() {
+        let mut p = crate::testing::policy(
+            r#"
+allow_hosts = ["a.test", "b.test", "c.test"]
+[[credentials]]
+host = "a.test"
+header = "x-k"
+source = { env = "A" }
+[[credentials]]
+host = "b.test"
+header = "x-k"
+source = { env = "MISSING" }
+[[credentials]]
+host = "c.test"
+header = "x-k"
+source = { env = "C" }
+placeholder = "ph-c-000001"
+"#,
+        );
+        let load = |s: &SecretSource| match s {
+            SecretSource::Env(n) if n == "A" => Ok(Secret::new(b"sa".to_vec())),
+            SecretSource::Env(n) if n == "C" => Ok(Secret::new(b"x-ph-c-000001-x".to_vec())),
+            SecretSource::Env(n) => Err(format!("{n} is not set")),
+            _ => Err("?".to_owned()),
+        };
+        let failed = resolve(&mut p, "policies.p", load);
+        let fields: Vec<&str> = failed.iter().map(|e| e.field.as_str()).collect();
+        assert_eq!(
+            fields,
+            [
+                "policies.p.credentials[1].source",
+                "policies.p.credentials[2].placeholder"
+            ]
+        );
+        assert_eq!(failed[0].message, "MISSING is not set");
+        assert!(p.credentials[0].secret.is_some() && p.credentials[0].unavailable.is_none());
+        assert!(p.credentials[1].secret.is_none());
+        assert_eq!(p.credentials[1].unavailable.as_ref(), Some(&failed[0]));
+        // The secret holding the placeholder is never kept.
+        assert!(p.credentials[2].secret.is_none());
+        let c = CompiledBinding::new(&p.credentials[1]);
+        assert_eq!(
+            c.unavailable(),
+            Some("policies.p.credentials[1].source: MISSING is not set")
+        );
+        assert_eq!(c.decide(&headers(&[]), None), Injection::Unavailable);
+        assert_eq!(CompiledBinding::new(&p.credentials[0]).unavailable(), None);
+        // Loadable again: the binding serves, nothing is left of the failure.
+        let failed = resolve(&mut p, "policies.p", |_: &SecretSource| {
+            Ok::<_, String>(Secret::new(b"now".to_vec()))
+        });
+        assert!(failed.is_empty());
+        assert!(
+            p.credentials
+                .iter()
+                .all(|b| b.secret.is_some() && b.unavailable.is_none())
+        );
     }
 }

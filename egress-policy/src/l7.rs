@@ -11,8 +11,10 @@
 //!      (`path-not-normalized`), then the first matching rule decides (`request-denied-by-rule`,
 //!      `request-not-allowed`);
 //!   3. the binding of the host:port (intercepted only): secret not loaded →
-//!      `credential-unavailable`; `require` without the placeholder →
-//!      `credential-placeholder-missing`; otherwise the binding to apply.
+//!      `interception-unavailable` (the agent refuses such a host:port before it dials, see
+//!      [`L7Policy::unavailable`]; this is the same refusal for a request already inside);
+//!      `require` without the placeholder → `credential-placeholder-missing`; otherwise the
+//!      binding to apply.
 use http::HeaderMap;
 
 use super::DenyReason;
@@ -112,6 +114,16 @@ impl L7Policy {
         self.bindings.iter().find(|b| b.applies_to(host, port))
     }
 
+    /// Why connections to `dest:port` can't be served: its binding's secret is not loaded (a
+    /// lenient load kept the binding, see [`credentials::resolve`]). Such a destination is
+    /// refused whole — never relayed untouched, never sent without its secret.
+    pub fn unavailable(&self, dest: &Destination, port: u16) -> Option<&str> {
+        let Destination::Name(host) = dest else {
+            return None;
+        };
+        self.binding(host, port)?.unavailable()
+    }
+
     /// Placeholders the policy's bindings define (for `exec`'s environment: see `ca::command_env`).
     pub fn placeholders(&self) -> impl Iterator<Item = &str> {
         self.bindings
@@ -169,7 +181,7 @@ impl L7Policy {
             Injection::Inject => Ok(Forward::Inject(b)),
             Injection::Unchanged => Ok(Forward::AsIs),
             Injection::MissingPlaceholder => Err(DenyReason::PlaceholderMissing),
-            Injection::Unavailable => Err(DenyReason::CredentialUnavailable),
+            Injection::Unavailable => Err(DenyReason::InterceptionUnavailable),
         }
     }
 }
@@ -237,6 +249,41 @@ path = "/admin/**"
             query,
             headers: h,
         }
+    }
+
+    /// A binding without its secret makes its host:port unavailable (and only that one); a
+    /// request inside is refused as `interception-unavailable`, never forwarded.
+    #[test]
+    fn a_binding_without_its_secret_is_unavailable_and_refuses() {
+        let mut p = crate::testing::policy(
+            r#"
+allow_hosts = ["api.test", "other.test"]
+[[credentials]]
+host = "api.test"
+header = "x-api-key"
+source = { file = "/nonexistent" }
+"#,
+        );
+        p.credentials[0].unavailable = Some(crate::model::verr(
+            "policies.p.credentials[0].source",
+            "can't read secret file /nonexistent: entity not found",
+        ));
+        let l = L7Policy::new(&p);
+        assert!(l.intercepts(&dest("api.test"), 443));
+        assert_eq!(
+            l.unavailable(&dest("api.test"), 443),
+            Some(
+                "policies.p.credentials[0].source: can't read secret file /nonexistent: entity not found"
+            )
+        );
+        assert_eq!(l.unavailable(&dest("api.test"), 8443), None);
+        assert_eq!(l.unavailable(&dest("other.test"), 443), None);
+        assert_eq!(l7().unavailable(&dest("api.test"), 443), None);
+        let h = HeaderMap::new();
+        assert!(matches!(
+            l.check(&dest("api.test"), 443, true, &view("GET", "/", &h)),
+            Err(DenyReason::InterceptionUnavailable)
+        ));
     }
 
     #[test]

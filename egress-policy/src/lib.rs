@@ -74,8 +74,6 @@ pub enum DenyReason {
     PlaceholderWrongHost,
     /// `require = true` and the request to the bound host lacks the placeholder.
     PlaceholderMissing,
-    /// The binding's secret isn't loaded.
-    CredentialUnavailable,
     /// A `deny` request rule matched.
     RequestDeniedByRule,
     /// The host has `allow` request rules and none matched.
@@ -84,7 +82,9 @@ pub enum DenyReason {
     PathNotNormalized,
     /// The TLS ClientHello named another server than the CONNECT target.
     SniMismatch,
-    /// Interception is needed for this host but could not be set up (CA, TLS).
+    /// Interception is needed for this host but can't be had: the agent's CA or TLS setup
+    /// failed, or the host's credential binding has no secret loaded. Refused (`502`), never
+    /// relayed untouched or sent without its secret.
     InterceptionUnavailable,
     /// Transparent TLS without a server name (no SNI, or an IP address as SNI).
     TlsNoServerName,
@@ -133,7 +133,6 @@ impl DenyReason {
             DenyReason::UserinfoNotAllowed => "userinfo-not-allowed",
             DenyReason::PlaceholderWrongHost => "placeholder-wrong-host",
             DenyReason::PlaceholderMissing => "credential-placeholder-missing",
-            DenyReason::CredentialUnavailable => "credential-unavailable",
             DenyReason::RequestDeniedByRule => "request-denied-by-rule",
             DenyReason::RequestNotAllowed => "request-not-allowed",
             DenyReason::PathNotNormalized => "path-not-normalized",
@@ -158,7 +157,7 @@ impl DenyReason {
 
 impl DenyReason {
     /// Every reason (for tests and documentation checks).
-    pub const ALL: [DenyReason; 31] = [
+    pub const ALL: [DenyReason; 30] = [
         DenyReason::PolicyDenyAll,
         DenyReason::HostNotAllowed,
         DenyReason::PortNotAllowed,
@@ -171,7 +170,6 @@ impl DenyReason {
         DenyReason::UserinfoNotAllowed,
         DenyReason::PlaceholderWrongHost,
         DenyReason::PlaceholderMissing,
-        DenyReason::CredentialUnavailable,
         DenyReason::RequestDeniedByRule,
         DenyReason::RequestNotAllowed,
         DenyReason::PathNotNormalized,

@@ -579,3 +579,168 @@ fn restart_command_hands_over() {
     );
     kill(new);
 }
+
+/// `egress-agent restart` keeps `{ env = … }` secrets (#40 item 4). The agent took the variable
+/// out of its environment, so the successor it starts inherits none: it gets the secret over the
+/// hand-over socket (a sealed memfd, never an environment or a file) before it resolves its
+/// configuration. A labelled container requests the bound host through the proxy every 100 ms
+/// across the restart: every request succeeds, and every one that reached the upstream carried
+/// the real secret — none was served without it; the new agent's status names no unavailable
+/// binding and its environment holds no secret either.
+#[test]
+fn restart_keeps_env_secrets() {
+    use egress_tests::tls_upstream::{TestCa, Upstream};
+    if !require_root() {
+        return;
+    }
+    let _serial = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
+    const VAR: &str = "EGRESS_TEST_HANDOVER_SECRET";
+    const SECRET: &str = "sk-env-Vb4Nw9Kc2-survives-restart";
+    const PH: &str = "egress-ph-handover-0001";
+    let mut env = Env::new(&[Path::new("/usr/bin/curl")]);
+    let ca = TestCa::new();
+    let up = Upstream::start_in(
+        &ca,
+        &["api.test"],
+        "198.18.0.1:8443".parse().expect("address"),
+        &env.d.netns.path(),
+    );
+    let dir = env.dir.clone();
+    let d = dir.display().to_string();
+    std::fs::write(dir.join("upstream-ca.pem"), &ca.pem).expect("upstream CA");
+    let hosts = std::fs::read_to_string(dir.join("hosts")).expect("hosts");
+    std::fs::write(dir.join("hosts"), format!("{hosts}198.18.0.1 api.test\n")).expect("hosts");
+    env.write_config(&env.config_text(&format!(
+        r#"[intercept]
+upstream_ca_file = "{d}/upstream-ca.pem"
+
+[policies.agent]
+allow_hosts = ["api.test"]
+allow_ports = [8443]
+resolve_private = ["198.18.0.1/32"]
+[[policies.agent.credentials]]
+host = "api.test"
+port = 8443
+header = "authorization"
+prefix = "Bearer "
+source = {{ env = "{VAR}" }}
+placeholder = "{PH}"
+"#
+    )));
+    env.kill_agent();
+    env.agent_env.push((VAR.into(), SECRET.into()));
+    env.start_agent();
+    env.agent_env.clear();
+    let environ = |pid: u32| std::fs::read(format!("/proc/{pid}/environ")).unwrap_or_default();
+    let holds = |b: &[u8]| b.windows(SECRET.len()).any(|w| w == SECRET.as_bytes());
+    let old = pid_of(&env);
+    assert!(
+        !holds(&environ(old)),
+        "the secret is in the agent's environment"
+    );
+
+    let loop_script = format!(
+        "i=0; while true; do i=$((i+1)); echo \"code $(curl -sS --max-time 5 -o /dev/null -w '%{{http_code}}' -H 'Authorization: Bearer {PH}' https://api.test:8443/v1/loop/$i 2>&1)\"; sleep 0.1; done"
+    );
+    env.start_ok(
+        "looper",
+        &[
+            "--label",
+            "egress.policy=agent",
+            "-v",
+            &format!("{d}/state/ca-bundle.pem:/etc/ssl/certs/ca-certificates.crt:ro"),
+            "-e",
+            "SSL_CERT_FILE=/etc/ssl/certs/ca-certificates.crt",
+            "-e",
+            "HTTPS_PROXY=http://169.254.100.1:3128",
+        ],
+        &["sh", "-c", &loop_script],
+    );
+    assert!(env.wait_enforced("looper", 1), "{}", env.log());
+    let codes = |env: &Env| -> Vec<String> {
+        env.d
+            .docker_ok(&["logs", "looper"])
+            .lines()
+            .filter_map(|l| l.strip_prefix("code ").map(str::to_owned))
+            .collect()
+    };
+    let wait_codes = |env: &Env, n: usize| {
+        let deadline = Instant::now() + WAIT;
+        while codes(env).iter().filter(|c| *c == "200").count() < n {
+            assert!(
+                Instant::now() < deadline,
+                "the looper got no answers: {:?}\n{}",
+                codes(env),
+                env.log()
+            );
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    };
+    wait_codes(&env, 5);
+    let before = codes(&env).len();
+
+    let o = env.cli(&["restart"]);
+    let out = String::from_utf8_lossy(&o.stdout).into_owned();
+    assert!(
+        o.status.success(),
+        "{out}{}\n{}",
+        String::from_utf8_lossy(&o.stderr),
+        env.log()
+    );
+    let new = pid_of(&env);
+    assert_ne!(new, old);
+    assert!(
+        env.log()
+            .contains("took the running agent's env secrets over"),
+        "{}",
+        env.log()
+    );
+    assert!(
+        !holds(&environ(new)),
+        "the secret is in the new agent's environment"
+    );
+    let v: serde_json::Value =
+        serde_json::from_slice(&env.cli(&["status", "--json"]).stdout).expect("status");
+    assert_eq!(
+        v["interception"]["unavailable_bindings"],
+        serde_json::json!([]),
+        "{v}"
+    );
+    // Requests go on through the new agent (the old one has stopped accepting).
+    assert!(
+        env.wait_log(|l| l.contains("drained; exiting"), WAIT),
+        "{}",
+        env.log()
+    );
+    let served = codes(&env).iter().filter(|c| *c == "200").count();
+    wait_codes(&env, served + 10);
+    let all = codes(&env);
+    env.d.docker_ok(&["rm", "-f", "looper"]);
+    assert!(all.len() > before + 10, "{all:?}");
+    assert!(
+        all.iter().all(|c| c == "200"),
+        "requests failed across the restart: {all:?}\n{}",
+        env.log()
+    );
+    let loops: Vec<_> = up
+        .requests()
+        .into_iter()
+        .filter(|r| r.target.starts_with("/v1/loop/"))
+        .collect();
+    assert!(loops.len() >= all.len(), "{} of {}", loops.len(), all.len());
+    for r in &loops {
+        assert_eq!(
+            r.header("authorization"),
+            Some(format!("Bearer {SECRET}").as_str()),
+            "{} reached the upstream without the secret",
+            r.target
+        );
+    }
+    assert!(!env.log().contains(SECRET), "the secret is in the log");
+    eprintln!(
+        "env secret across the restart: {} requests, {} after it began, every one with the secret",
+        all.len(),
+        all.len() - before
+    );
+    kill(new);
+}

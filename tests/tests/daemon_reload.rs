@@ -660,3 +660,234 @@ fn configmap_policies_are_watched_and_read_only() {
     allowed("after the refused writes", "denied.test");
     refused("after the refused writes", "allowed.test");
 }
+
+/// Failures stay local (#40 item 3): the daemon starts with one credential binding whose secret
+/// file is missing. It serves: the other policies (one with a binding of its own), the same
+/// policy's pass-through host; the bound host is refused (`502 X-Egress-Error:
+/// interception-unavailable` to a `CONNECT`, nothing to the upstream, transparent included) with
+/// an event; `status` (JSON and text) and `doctor` name the policy, the binding and the file, never
+/// a secret. Once the file is written, `egress-agent reload` brings the binding back: the
+/// upstream gets the secret.
+#[test]
+fn a_binding_without_its_secret_fails_alone_until_reload() {
+    use egress_tests::tls_upstream::{TestCa, Upstream};
+    if !require_root() {
+        return;
+    }
+    let _g = lock();
+    const SECRET: &str = "sk-late-Qw7Zx1-arrives-after-start";
+    const GOOD: &str = "sk-good-Lm3Pq8-loads-at-start";
+    const PH: &str = "egress-ph-isolation-0001";
+    let mut env = Env::new(&[Path::new("/usr/bin/curl")]);
+    let ca = TestCa::new();
+    let up = Upstream::start_in(
+        &ca,
+        &["api.test", "pass.test", "good.test"],
+        "198.18.0.1:8443".parse().expect("address"),
+        &env.d.netns.path(),
+    );
+    let dir = env.dir.clone();
+    let d = dir.display().to_string();
+    std::fs::write(dir.join("upstream-ca.pem"), &ca.pem).expect("upstream CA");
+    let missing = dir.join("secret-late");
+    std::fs::remove_file(&missing).ok();
+    std::fs::write(dir.join("secret-good"), GOOD).expect("secret");
+    let hosts = std::fs::read_to_string(dir.join("hosts")).expect("hosts");
+    std::fs::write(
+        dir.join("hosts"),
+        format!("{hosts}198.18.0.1 api.test pass.test good.test\n"),
+    )
+    .expect("hosts");
+    let policies = format!(
+        r#"[intercept]
+upstream_ca_file = "{d}/upstream-ca.pem"
+
+{web}
+[policies.agent]
+allow_hosts = ["api.test", "pass.test"]
+allow_ports = [8443]
+resolve_private = ["198.18.0.1/32"]
+[[policies.agent.credentials]]
+host = "api.test"
+port = 8443
+header = "authorization"
+prefix = "Bearer "
+source = {{ file = "{d}/secret-late" }}
+placeholder = "{PH}"
+
+[policies.good]
+allow_hosts = ["good.test"]
+allow_ports = [8443]
+resolve_private = ["198.18.0.1/32"]
+[[policies.good.credentials]]
+host = "good.test"
+port = 8443
+header = "authorization"
+prefix = "Bearer "
+source = {{ file = "{d}/secret-good" }}
+placeholder = "{PH}"
+"#,
+        web = web_policy(&["allowed.test"], &[8080]),
+    );
+    env.write_config(&env.config_text(&policies));
+    // `[intercept]` takes a restart; the start must not be refused for the missing file.
+    env.kill_agent();
+    env.start_agent();
+
+    // status names the binding and why (JSON and text), never a secret.
+    let o = env.cli(&["status", "--json"]);
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).expect("status json");
+    let un = v["interception"]["unavailable_bindings"]
+        .as_array()
+        .cloned()
+        .unwrap_or_default();
+    assert_eq!(un.len(), 1, "{v}");
+    assert_eq!(
+        (
+            un[0]["policy"].as_str(),
+            un[0]["binding"].as_u64(),
+            un[0]["host"].as_str()
+        ),
+        (Some("agent"), Some(0), Some("api.test")),
+        "{v}"
+    );
+    assert_eq!(
+        un[0]["field"], "policies.agent.credentials[0].source",
+        "{v}"
+    );
+    let err = un[0]["error"].as_str().unwrap_or_default();
+    assert!(
+        err.starts_with("can't read secret file") && err.contains(&missing.display().to_string()),
+        "{v}"
+    );
+    assert!(v["interception"]["setup_error"].is_null(), "{v}");
+    assert!(!v.to_string().contains(GOOD), "a secret in the status: {v}");
+    let text = String::from_utf8_lossy(&env.cli(&["status"]).stdout).into_owned();
+    assert!(
+        text.contains(
+            "credential binding unavailable: policy agent, binding 0 (api.test:8443, file "
+        ) && text.contains("refused (interception-unavailable)"),
+        "{text}"
+    );
+    let o = env.cli(&[
+        "doctor",
+        "--json",
+        "--config",
+        &env.config_path().display().to_string(),
+    ]);
+    let doc: serde_json::Value = serde_json::from_slice(&o.stdout).expect("doctor json");
+    let probe = doc
+        .as_array()
+        .and_then(|a| a.iter().find(|p| p["id"] == "proxy.interception"))
+        .cloned()
+        .unwrap_or_default();
+    assert_eq!(probe["status"], "fail", "{probe}");
+    let summary = probe["summary"].as_str().unwrap_or_default();
+    assert!(
+        summary.contains("(the running daemon)") && summary.contains("policy agent, binding 0"),
+        "{probe}"
+    );
+
+    let mounts = [
+        "-v",
+        &format!("{d}/state/ca-bundle.pem:/etc/ssl/certs/ca-certificates.crt:ro"),
+        "-e",
+        "SSL_CERT_FILE=/etc/ssl/certs/ca-certificates.crt",
+        "-v",
+        &format!("{d}/upstream-ca.pem:/upstream-ca.pem:ro"),
+        "-e",
+        "HTTPS_PROXY=http://169.254.100.1:3128",
+    ]
+    .map(str::to_owned);
+    let run = |policy: &str, script: &str| {
+        let mut args: Vec<String> = vec!["--label".into(), format!("egress.policy={policy}")];
+        args.extend(mounts.iter().cloned());
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        env.run_out(&args, script)
+    };
+    let out = run(
+        "agent",
+        &format!(
+            r#"C="curl -sS --max-time 15"
+echo "== bound"; $C -H "Authorization: Bearer {PH}" https://api.test:8443/v1/bound; echo "rc=$?"
+echo "== connect"; printf 'CONNECT api.test:8443 HTTP/1.1\r\nHost: api.test:8443\r\n\r\n' | nc -w 5 169.254.100.1 3128
+echo "== t-bound"; $C --noproxy '*' -H "Authorization: Bearer {PH}" https://api.test:8443/v1/t-bound; echo "rc=$?"
+echo "== pass"; $C --cacert /upstream-ca.pem https://pass.test:8443/v1/pass"#
+        ),
+    );
+    assert!(
+        out.contains("== connect\nHTTP/1.1 502 ")
+            && out.contains("X-Egress-Error: interception-unavailable"),
+        "{out}\n{}",
+        env.log()
+    );
+    assert!(
+        out.contains("upstream-ok HTTP/2.0 /v1/pass"),
+        "{out}\n{}",
+        env.log()
+    );
+    assert!(
+        up.requests().iter().all(|r| !r.target.contains("bound")),
+        "an unavailable binding's request reached the upstream: {:?}",
+        up.requests()
+    );
+    assert!(
+        env.wait_event(
+            |e| e["reason"] == "interception-unavailable"
+                && e["policy"] == "agent"
+                && e["host"] == "api.test",
+            Duration::from_secs(10)
+        ),
+        "no interception-unavailable event"
+    );
+    // Another policy with a binding of its own keeps injecting.
+    let out = run(
+        "good",
+        &format!(
+            "curl -sS --max-time 15 -H 'Authorization: Bearer {PH}' https://good.test:8443/v1/good"
+        ),
+    );
+    assert!(out.contains("upstream-ok"), "{out}\n{}", env.log());
+    let r = up.request("/v1/good").expect("/v1/good arrived");
+    assert_eq!(
+        r.header("authorization"),
+        Some(format!("Bearer {GOOD}").as_str())
+    );
+    // And a policy without bindings is unaffected (curl: its SYN is retried if the container's
+    // first packets beat its host-layer rules, see `Env::wait_host_layer`).
+    let out = run("web", "curl -sS --max-time 15 http://allowed.test:8080/");
+    assert!(out.contains("hello-upstream"), "{out}");
+
+    // The secret appears; a reload restores the binding.
+    std::fs::write(&missing, format!("{SECRET}\n")).expect("secret");
+    let (ok, said) = cli_reload(&env);
+    assert!(ok, "{said}");
+    let v: serde_json::Value =
+        serde_json::from_slice(&env.cli(&["status", "--json"]).stdout).expect("status json");
+    assert_eq!(
+        v["interception"]["unavailable_bindings"],
+        serde_json::json!([]),
+        "{v}"
+    );
+    assert!(
+        env.log().contains("credential binding restored"),
+        "{}",
+        env.log()
+    );
+    let out = run(
+        "agent",
+        &format!(
+            "curl -sS --max-time 15 -H 'Authorization: Bearer {PH}' https://api.test:8443/v1/restored"
+        ),
+    );
+    assert!(out.contains("upstream-ok"), "{out}\n{}", env.log());
+    let r = up.request("/v1/restored").expect("/v1/restored arrived");
+    assert_eq!(
+        r.header("authorization"),
+        Some(format!("Bearer {SECRET}").as_str())
+    );
+    assert!(
+        !env.log().contains(SECRET) && !env.log().contains(GOOD),
+        "a secret in the log"
+    );
+}

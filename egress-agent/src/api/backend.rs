@@ -294,8 +294,17 @@ pub fn changes(config: &Config, n: usize) -> Result<Vec<Value>, ApiError> {
 /// The doctor's probes as the running daemon sees itself, run off the runtime's threads. The
 /// doctor's own discovery skips the calling process (it is meant for `egress-agent doctor`), so
 /// the daemon names its policy listeners (from the pins) and the Docker socket it really uses.
-pub async fn doctor(config: &Config, docker_socket: &str) -> Value {
+/// `interception`: the daemon's own view of interception (what it loaded, `env` secrets
+/// included), for `proxy.interception`.
+pub async fn doctor(
+    config: &Config,
+    docker_socket: &str,
+    interception: Option<crate::doctor::interception::InterceptionView>,
+) -> Value {
     let mut opts = crate::doctor::Options::from_config(config);
+    if interception.is_some() {
+        opts.interception = interception;
+    }
     opts.docker_socket = PathBuf::from(
         docker_socket
             .strip_prefix("unix://")

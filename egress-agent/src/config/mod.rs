@@ -449,13 +449,20 @@ impl Config {
         }
     }
 
+    /// [`Config::load_with`] for serving ([`Secrets::Lenient`]).
     pub fn load(path: &Path) -> Result<Config, ConfigError> {
+        Config::load_with(path, Secrets::Lenient)
+    }
+
+    /// Read, parse and validate `path` and its `policies.d`, loading the credential bindings'
+    /// secrets as `secrets` says.
+    pub fn load_with(path: &Path, secrets: Secrets) -> Result<Config, ConfigError> {
         let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
             path: path.to_owned(),
             source,
         })?;
         let files = policies_dir::read_policies(&policies_dir::policies_dir(path))?;
-        Config::load_parts(path, &text, files)
+        Config::load_parts_with(path, &text, files, secrets)
     }
 
     /// [`Config::load`] of texts already read: the main file's and the policy files'. The
@@ -464,6 +471,16 @@ impl Config {
         path: &Path,
         text: &str,
         files: Vec<policies_dir::PolicyFile>,
+    ) -> Result<Config, ConfigError> {
+        Config::load_parts_with(path, text, files, Secrets::Lenient)
+    }
+
+    /// [`Config::load_parts`], loading the secrets as `secrets` says.
+    pub fn load_parts_with(
+        path: &Path,
+        text: &str,
+        files: Vec<policies_dir::PolicyFile>,
+        secrets: Secrets,
     ) -> Result<Config, ConfigError> {
         let mut config: Config = parse_located(text, path, "")?;
         let mut sources = Sources::main(path, text);
@@ -497,20 +514,29 @@ impl Config {
             config.policies.insert(file.name.clone(), policy);
             sources.files.insert(file.name, (file.path, file.text));
         }
-        config.finish(&sources)
+        config.finish(&sources, secrets)
     }
 
-    /// Parse and validate TOML text; `origin` names the file in errors.
+    /// Parse and validate TOML text ([`Secrets::Lenient`]); `origin` names the file in errors.
     pub fn from_toml_str(s: &str, origin: &Path) -> Result<Config, ConfigError> {
+        Config::from_toml_str_with(s, origin, Secrets::Lenient)
+    }
+
+    /// [`Config::from_toml_str`], loading the secrets as `secrets` says.
+    pub fn from_toml_str_with(
+        s: &str,
+        origin: &Path,
+        secrets: Secrets,
+    ) -> Result<Config, ConfigError> {
         let config: Config = parse_located(s, origin, "")?;
-        config.finish(&Sources::main(origin, s))
+        config.finish(&Sources::main(origin, s), secrets)
     }
 
     /// Validate and load the credentials' secrets; errors are located in the file each policy
     /// came from.
-    pub(crate) fn finish(mut self, sources: &Sources<'_>) -> Result<Config, ConfigError> {
-        self.validate()
-            .and_then(|()| self.resolve_secrets())
+    fn finish(mut self, sources: &Sources<'_>, secrets: Secrets) -> Result<Config, ConfigError> {
+        self.validate().map_err(|v| sources.locate(v))?;
+        self.resolve_secrets(secrets)
             .map_err(|v| sources.locate(v))?;
         Ok(self)
     }
@@ -535,16 +561,132 @@ impl Config {
             .chain(self.policies.keys().map(String::as_str))
     }
 
-    /// Load the secrets the policies' credential bindings name (see `policy::credentials`).
-    fn resolve_secrets(&mut self) -> Result<(), ValidationError> {
+    /// Load the secrets the policies' credential bindings name (see `policy::credentials`): the
+    /// one place that decides what a secret that can't be loaded does ([`Secrets`]).
+    fn resolve_secrets(&mut self, mode: Secrets) -> Result<(), ValidationError> {
         for (name, policy) in &mut self.policies {
-            egress_policy::credentials::resolve(
+            let failed = egress_policy::credentials::resolve(
                 policy,
                 &format!("policies.{name}"),
                 crate::secrets::load,
-            )?;
+            );
+            match (mode, failed.into_iter().next()) {
+                (Secrets::Strict, Some(first)) => return Err(first),
+                // Each binding keeps why ([`Config::unavailable_bindings`]) and refuses its host.
+                (Secrets::Lenient, _) | (_, None) => {}
+            }
         }
         Ok(())
+    }
+
+    /// Every credential binding whose secret a lenient load could not load, in policy order:
+    /// what `status` and `doctor` name, and what the proxy refuses (`interception-unavailable`).
+    pub fn unavailable_bindings(&self) -> Vec<UnavailableBinding<'_>> {
+        self.policies
+            .iter()
+            .flat_map(|(name, p)| {
+                p.credentials.iter().enumerate().filter_map(move |(i, b)| {
+                    Some(UnavailableBinding {
+                        policy: name,
+                        index: i,
+                        binding: b,
+                        why: b.unavailable.as_ref()?,
+                    })
+                })
+            })
+            .collect()
+    }
+}
+
+/// How loading a configuration treats a credential binding whose secret can't be loaded (a
+/// missing or empty file, an unset variable, no `$CREDENTIALS_DIRECTORY`, a secret holding its
+/// placeholder). Decided in one place, [`Config::resolve_secrets`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Secrets {
+    /// `egress-agent check`: the load fails, naming the field
+    /// (`policies.p.credentials[0].source: can't read secret file …`).
+    Strict,
+    /// Serving (`run` and its reloads, `exec`, the control API's changes) and every other
+    /// command: the binding is kept without its secret and says why
+    /// ([`Config::unavailable_bindings`]); the proxy refuses its host:port
+    /// (`interception-unavailable`) and everything else is served. A later load that can read
+    /// the secret restores it.
+    Lenient,
+}
+
+/// A credential binding a lenient load kept without its secret ([`Config::unavailable_bindings`]).
+#[derive(Debug, Clone, Copy)]
+pub struct UnavailableBinding<'a> {
+    pub policy: &'a str,
+    /// Its index in the policy's `credentials`.
+    pub index: usize,
+    pub binding: &'a egress_policy::credentials::CredentialBinding,
+    /// The field and what went wrong (names the source, never the secret).
+    pub why: &'a ValidationError,
+}
+
+impl UnavailableBinding<'_> {
+    /// What `status --json` shows for it.
+    pub fn to_json(&self) -> serde_json::Value {
+        let b = self.binding;
+        serde_json::json!({
+            "policy": self.policy,
+            "binding": self.index,
+            "host": b.host.to_string(),
+            "port": b.port,
+            "source": source_label(&b.source),
+            "field": self.why.field,
+            "error": self.why.message,
+            "summary": self.describe(),
+        })
+    }
+
+    /// The agent's event about it (at start and at each reload that leaves it so): reason
+    /// `interception-unavailable`, the binding's host and port, and why (never the secret).
+    pub fn event(&self) -> crate::events::DenialEvent {
+        let b = self.binding;
+        let mut ev = crate::events::DenialEvent::proxy(
+            self.policy,
+            Some(b.host.to_string()),
+            None,
+            b.port,
+            "https",
+            egress_policy::DenyReason::InterceptionUnavailable.as_str(),
+        );
+        ev.source = crate::events::Source::Agent;
+        ev.context.insert(
+            "binding".to_owned(),
+            format!("policies.{}.credentials[{}]", self.policy, self.index),
+        );
+        ev.context
+            .insert("source".to_owned(), source_label(&b.source));
+        ev.context
+            .insert("unavailable".to_owned(), self.why.to_string());
+        ev
+    }
+
+    /// One line: `policy p, binding 0 (api.test:443, file /x): can't read secret file …`.
+    pub fn describe(&self) -> String {
+        let b = self.binding;
+        format!(
+            "policy {}, binding {} ({}:{}, {}): {}",
+            self.policy,
+            self.index,
+            b.host,
+            b.port,
+            source_label(&b.source),
+            self.why
+        )
+    }
+}
+
+/// A secret source in words (`file /x`, `env VAR`, `credential name`): never the secret.
+pub fn source_label(s: &egress_policy::secret::SecretSource) -> String {
+    use egress_policy::secret::SecretSource;
+    match s {
+        SecretSource::File(p) => format!("file {}", p.display()),
+        SecretSource::Env(v) => format!("env {v}"),
+        SecretSource::Credential(c) => format!("credential {c}"),
     }
 }
 
@@ -929,17 +1071,28 @@ transparent = false
         assert!(!toml::to_string(&c).unwrap().contains("sk-example"));
     }
 
+    fn err_strict(s: &str) -> String {
+        match Config::from_toml_str_with(
+            s,
+            Path::new("/etc/egress-agent/test.toml"),
+            Secrets::Strict,
+        ) {
+            Ok(c) => panic!("accepted: {c:?}"),
+            Err(e) => e.to_string(),
+        }
+    }
+
     #[test]
     fn credential_errors_are_located() {
         let base = "[policies.p]\nallow_hosts = [\"api.test\"]\n[[policies.p.credentials]]\nhost = \"api.test\"\nheader = \"x-api-key\"\n";
-        let e = err(&format!(
+        let e = err_strict(&format!(
             "{base}source = {{ file = \"/nonexistent/key\" }}\n"
         ));
         assert!(
             e.starts_with("/etc/egress-agent/test.toml:6:1: policies.p.credentials[0].source: can't read secret file /nonexistent/key"),
             "{e}"
         );
-        let e = err(&format!(
+        let e = err_strict(&format!(
             "{base}source = {{ env = \"EGRESS_SURELY_UNSET\" }}\n"
         ));
         assert!(
@@ -972,6 +1125,85 @@ transparent = false
             e.contains(":5:") && e.contains("policies.p.request_rules[0].path"),
             "{e}"
         );
+    }
+
+    /// Strict (`check`) refuses the configuration at the first binding it can't load; lenient
+    /// (serving) keeps every policy, leaves each such binding without a secret and names it, and
+    /// a later load that can read the secret restores it. Validation errors stay errors in both.
+    #[test]
+    fn lenient_load_keeps_unloadable_bindings_and_names_them() {
+        let dir = std::env::temp_dir().join(format!("egress-lenient-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let key = dir.join("key");
+        let good = dir.join("good");
+        std::fs::write(&good, "sk-good\n").unwrap();
+        std::fs::remove_file(&key).ok();
+        let text = format!(
+            r#"[policies.p]
+allow_hosts = ["api.test", "pass.test"]
+[[policies.p.credentials]]
+host = "api.test"
+header = "x-api-key"
+source = {{ file = "{key}" }}
+[[policies.p.credentials]]
+host = "pass.test"
+header = "x-api-key"
+source = {{ env = "EGRESS_SURELY_UNSET_TOO" }}
+[policies.q]
+allow_hosts = ["api.test"]
+[[policies.q.credentials]]
+host = "api.test"
+header = "x-api-key"
+source = {{ file = "{good}" }}
+"#,
+            key = key.display(),
+            good = good.display()
+        );
+        let e = err_strict(&text);
+        assert!(
+            e.contains(":6:1: policies.p.credentials[0].source: can't read secret file")
+                && e.contains(&key.display().to_string()),
+            "{e}"
+        );
+        let c = parse(&text).unwrap();
+        let un = c.unavailable_bindings();
+        assert_eq!(un.len(), 2, "{un:?}");
+        assert_eq!((un[0].policy, un[0].index), ("p", 0));
+        assert_eq!(un[0].why.field, "policies.p.credentials[0].source");
+        assert!(un[0].why.message.starts_with("can't read secret file"));
+        let j = un[0].to_json();
+        assert_eq!(j["source"], format!("file {}", key.display()));
+        assert_eq!(
+            (j["host"].as_str(), j["port"].as_u64()),
+            (Some("api.test"), Some(443))
+        );
+        assert_eq!(un[1].why.field, "policies.p.credentials[1].source");
+        assert!(
+            un[1].describe().contains("env EGRESS_SURELY_UNSET_TOO"),
+            "{}",
+            un[1].describe()
+        );
+        assert!(c.policy("p").unwrap().credentials[0].secret.is_none());
+        assert!(c.policy("q").unwrap().credentials[0].secret.is_some());
+        // The file appears: the next load serves the binding.
+        std::fs::write(&key, "sk-now\n").unwrap();
+        let c2 = parse(&text).unwrap();
+        assert_eq!(c2.unavailable_bindings().len(), 1);
+        assert_ne!(c2, c, "a reload must see the secret appear");
+        assert_eq!(
+            c2.policy("p").unwrap().credentials[0]
+                .secret
+                .as_ref()
+                .map(|s| s.expose()),
+            Some(&b"sk-now"[..])
+        );
+        // An invalid binding is a configuration error either way.
+        let e = err(&text.replace(
+            "header = \"x-api-key\"\nsource = { file",
+            "header = \"host\"\nsource = { file",
+        ));
+        assert!(e.contains("policies.p.credentials[0].header"), "{e}");
+        std::fs::remove_dir_all(&dir).ok();
     }
 
     #[test]

@@ -34,6 +34,7 @@ pub async fn serve(
         directory: host.directory,
         tables: host.tables,
         sockets: host.sockets,
+        intercept: host.intercept,
         runtime: "kubernetes",
     };
     let (enforcer, mut info) =

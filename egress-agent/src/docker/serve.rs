@@ -35,6 +35,9 @@ pub struct DockerOptions {
     /// The agent's sockets: workloads' listeners are taken from a previous agent and offered to
     /// a successor through them (shared by every runtime).
     pub sockets: Arc<crate::handover::Sockets>,
+    /// Whether TLS interception can be set up, as every runtime's proxy finds (what `status`
+    /// shows; shared likewise).
+    pub intercept: crate::proxy::tls::InterceptHealth,
 }
 
 impl Default for DockerOptions {
@@ -47,6 +50,7 @@ impl Default for DockerOptions {
             directory: Directory::default(),
             tables: Arc::default(),
             sockets: crate::handover::Sockets::new(),
+            intercept: crate::proxy::tls::InterceptHealth::default(),
         }
     }
 }
@@ -113,6 +117,7 @@ pub async fn serve_with(
         directory: opts.directory.clone(),
         tables: opts.tables.clone(),
         sockets: opts.sockets.clone(),
+        intercept: opts.intercept.clone(),
         runtime: "docker",
     };
     let (enforcer, info) =
@@ -146,6 +151,8 @@ pub struct Site {
     pub tables: Arc<HostTables>,
     /// The agent's sockets (see [`DockerOptions::sockets`]).
     pub sockets: Arc<crate::handover::Sockets>,
+    /// See [`DockerOptions::intercept`].
+    pub intercept: crate::proxy::tls::InterceptHealth,
     pub runtime: &'static str,
 }
 
@@ -195,7 +202,7 @@ pub async fn enforcer_at(
         site.nft.then(|| site.tables.direct()),
     ));
     hooks_in.answers = direct.clone();
-    let mut ctx = ProxyContext::new(config, events.clone())
+    let mut ctx = ProxyContext::new_reporting(config, events.clone(), site.intercept)
         .map_err(|e| ServeError::Proxy(e.to_string()))?
         .with_interception(hooks_in)
         .with_sockets(site.sockets);

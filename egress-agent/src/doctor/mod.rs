@@ -10,6 +10,7 @@
 //! - `kernel`: cgroup2, BTF, BPF LSM, cgroup BPF, nf_tables, unprivileged BPF.
 //! - `pins`: bpffs and the agent's pinned maps and links.
 //! - `proxy`: the proxy listeners accept connections.
+//! - `interception`: TLS interception can be set up and every credential binding has its secret.
 //! - `docker`: a minimal Docker Engine API client and the Docker probes.
 //! - `netfilter`: an nf_tables netlink dump (and legacy iptables) for the agent's table, the firewall
 //!   default policies and IP forwarding.
@@ -30,6 +31,7 @@
 mod containerd;
 mod docker;
 mod host;
+pub mod interception;
 mod kernel;
 mod netfilter;
 mod pins;
@@ -167,6 +169,9 @@ pub struct Options {
     /// containerd's configuration, read when the agent confines pods (`[kubernetes]`); `None`:
     /// no Kubernetes runtime, the probe is skipped.
     pub containerd_config: Option<PathBuf>,
+    /// What `proxy.interception` judges: the daemon's view or the configuration's; `None`:
+    /// nothing to judge, the probe is skipped.
+    pub interception: Option<interception::InterceptionView>,
     /// Per-probe timeout.
     pub probe_timeout: Duration,
     /// Deadline for the whole run; probes still running then are reported as `skip`.
@@ -193,6 +198,7 @@ impl Default for Options {
             tool_path: None,
             netlink: true,
             containerd_config: None,
+            interception: None,
             probe_timeout: Duration::from_secs(3),
             deadline: Duration::from_secs(8),
         }
@@ -206,6 +212,7 @@ impl Options {
             pin_dir: cfg.agent.bpffs.clone(),
             proxy_endpoint: cfg.proxy.endpoint,
             containerd_config: cfg.kubernetes.as_ref().map(|k| k.containerd_config.clone()),
+            interception: Some(interception::InterceptionView::from_config(cfg)),
             ..Options::default()
         }
     }
@@ -231,6 +238,7 @@ pub const PROBE_IDS: &[&str] = &[
     "host.firewall_forward",
     "host.ip_forward",
     "containerd.pod_annotations",
+    "proxy.interception",
 ];
 
 /// What a probe returns; the runner adds the id.
@@ -304,6 +312,7 @@ fn probe_fn(id: &str) -> Option<ProbeFn> {
         "host.firewall_forward" => |c| Box::pin(netfilter::firewall_forward(c)),
         "host.ip_forward" => |c| Box::pin(netfilter::ip_forward(c)),
         "containerd.pod_annotations" => |c| Box::pin(containerd::pod_annotations(c)),
+        "proxy.interception" => |c| Box::pin(interception::interception(c)),
         _ => return None,
     })
 }

@@ -132,11 +132,17 @@ fn offer(conn: &Conn, sockets: &Sockets) -> io::Result<u32> {
             ));
         }
     };
-    let fds = sockets.offer()?;
+    let mut fds = sockets.offer()?;
+    let count = fds.len();
+    // After the peer check above: only a root successor gets the env secrets.
+    let secrets = super::secrets::offer()?;
+    let env_secrets = secrets.len();
+    fds.extend(secrets);
     tracing::info!(
         successor = pid,
-        sockets = fds.len(),
-        "offering the sockets to a new agent"
+        sockets = count,
+        env_secrets,
+        "offering the sockets (and env secrets) to a new agent"
     );
     conn.send_offer(std::process::id(), &fds)?;
     drop(fds);

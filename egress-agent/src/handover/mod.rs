@@ -3,7 +3,8 @@
 //! A new agent process takes the running one's listening sockets instead of binding new ones:
 //! 1. the new process connects to the running agent's hand-over socket
 //!    (`<agent.state_dir>/handover.sock`) and receives every socket it serves, by name
-//!    ([`wire`], `SCM_RIGHTS`); both now serve the same sockets;
+//!    ([`wire`], `SCM_RIGHTS`), and its `env` secrets, which it installs before it resolves its
+//!    configuration ([`secrets`]); both now serve the same sockets;
 //! 2. it starts as usual, except that each bind takes the handed-over socket of the same name
 //!    ([`Sockets`]): the same ports, so the kernel's entries and redirect maps are already right
 //!    and nothing queued on a socket is lost; it reconciles every runtime (each workload claims
@@ -25,6 +26,7 @@
 //! entries.
 pub mod fdstore;
 pub mod give;
+pub mod secrets;
 pub mod sockets;
 pub mod take;
 pub mod wire;

@@ -29,6 +29,8 @@ pub struct Taking {
     conn: Conn,
     pub from_pid: u32,
     fds: Vec<(String, OwnedFd)>,
+    /// Its env secrets, by variable name (sealed memfds, see [`super::secrets`]).
+    env_secrets: Vec<(String, OwnedFd)>,
 }
 
 /// The agent that handed over, while it drains (what `status` and the metrics show).
@@ -80,10 +82,12 @@ pub async fn take(path: &Path) -> Result<Option<Taking>, TakeError> {
             &[],
         )?;
         let (from_pid, fds) = conn.recv_offer()?;
+        let (fds, env_secrets) = super::secrets::split(fds);
         Ok(Some(Taking {
             conn,
             from_pid,
             fds,
+            env_secrets,
         }))
     })
     .await
@@ -99,6 +103,12 @@ impl Taking {
     /// The sockets, by name (for [`super::Sockets::adopt`]).
     pub fn sockets(&mut self) -> Vec<(String, OwnedFd)> {
         std::mem::take(&mut self.fds)
+    }
+
+    /// Install the running agent's env secrets in this process's table (before the
+    /// configuration is resolved with them); returns the variables installed.
+    pub fn install_env_secrets(&mut self) -> Vec<String> {
+        super::secrets::install(std::mem::take(&mut self.env_secrets))
     }
 
     /// This agent serves every socket it took: the previous one stops accepting and releases

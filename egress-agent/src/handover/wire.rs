@@ -12,7 +12,9 @@
 //!                              ←    Draining {connections}      (every second, until 0)
 //!                                   exits (EOF)
 //! ```
-//! A running agent that can't hand over answers `Refused {reason}`.
+//! A running agent that can't hand over answers `Refused {reason}`. An offer's descriptors are
+//! its listening sockets, and its `env` secrets as sealed memfds named `env-secret/<VAR>`
+//! ([`super::secrets`]).
 use std::io;
 use std::io::{IoSlice, IoSliceMut};
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};

@@ -524,6 +524,27 @@ async fn handle(mut req: Request<Incoming>, s: &Session) -> Response<Body> {
         {
             Ok(Forward::AsIs) => None,
             Ok(Forward::Inject(b)) => Some(b),
+            Err(DenyReason::InterceptionUnavailable) => {
+                // A reload left the binding without its secret while this connection was open:
+                // refused as a new connection would be (`502`), never forwarded without it.
+                let reason = DenyReason::InterceptionUnavailable;
+                let why = policy
+                    .l7()
+                    .unavailable(&s.target.dest, s.target.port)
+                    .unwrap_or("its secret is not loaded");
+                let path = req.uri().path();
+                shared.deny_event_with(
+                    &s.target,
+                    "https",
+                    reason,
+                    &[
+                        ("method", req.method().as_str()),
+                        ("path", path.split(['?', '#']).next().unwrap_or("")),
+                        ("unavailable", why),
+                    ],
+                );
+                return refusal(Refusal::Upstream(reason.as_str()), &shared.name);
+            }
             Err(reason) => {
                 shared.deny_request_event(
                     &s.target,

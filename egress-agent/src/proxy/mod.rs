@@ -75,8 +75,6 @@ pub enum ProxyError {
     UnknownPolicy(String),
     #[error(transparent)]
     CongestionControl(#[from] listen::CongestionError),
-    #[error("TLS interception: {0}")]
-    Intercept(#[from] tls::TlsSetupError),
     #[error(
         "proxy.kernel_relay = \"on\" but the kernel relay can't be loaded: {0} (set it to \"auto\" to relay in user space instead)"
     )]
@@ -125,6 +123,8 @@ struct CtxInner {
     /// TLS interception: settings, and the interceptor once set up (see [`ProxyContext::interceptor`]).
     intercept: Option<tls::InterceptSettings>,
     interceptor: std::sync::OnceLock<Arc<tls::Interceptor>>,
+    /// Why setting the interceptor up failed last, if it did (what `status` shows).
+    health: tls::InterceptHealth,
 }
 
 /// What every listener shares: resolver, event sink, limits, the connection bound, and optionally
@@ -159,6 +159,20 @@ impl std::fmt::Debug for ProxyContext {
 impl ProxyContext {
     /// Build from the config: resolver from `[dns]`, limits and socket options from `[proxy]`.
     pub fn new(config: &Config, events: EventSink) -> Result<ProxyContext, ProxyError> {
+        ProxyContext::new_reporting(config, events, tls::InterceptHealth::default())
+    }
+
+    /// [`ProxyContext::new`], reporting whether interception can be set up to `health` (the
+    /// daemon's, which `status` reads; shared by every runtime's context).
+    ///
+    /// A CA or TLS setup that fails does not fail the context: the hosts that need
+    /// interception are refused (`interception-unavailable`) while everything else is served,
+    /// and the setup is tried again when such a host is asked for (a fixed file heals it).
+    pub fn new_reporting(
+        config: &Config,
+        events: EventSink,
+        health: tls::InterceptHealth,
+    ) -> Result<ProxyContext, ProxyError> {
         let resolver = DnsResolver::from_config(&config.dns)?;
         let client_cc = listen::client_congestion_control(&config.proxy)?;
         let mut ctx = ProxyContext::build(Limits::from(&config.proxy), resolver, events, client_cc);
@@ -170,11 +184,11 @@ impl ProxyContext {
             .values()
             .any(|p| !p.credentials.is_empty() || !p.request_rules.is_empty());
         if let Some(inner) = Arc::get_mut(&mut ctx.inner) {
-            if needed {
-                let icpt = tls::Interceptor::new(&settings)?;
-                inner.interceptor.set(Arc::new(icpt)).ok();
-            }
             inner.intercept = Some(settings);
+            inner.health = health;
+        }
+        if needed {
+            ctx.interceptor();
         }
         ctx.kernel_relay = splice::from_config(&config.proxy)?;
         Ok(ctx)
@@ -182,19 +196,38 @@ impl ProxyContext {
 
     /// The interceptor (CA, leaf cache, upstream TLS), set up on first use; `None` if this
     /// context has no interception settings or setting up failed (intercepted hosts are then
-    /// refused: `interception-unavailable`).
+    /// refused: `interception-unavailable`). A failed setup is tried again at most once per
+    /// second, by the next connection that needs it.
     pub fn interceptor(&self) -> Option<Arc<tls::Interceptor>> {
         if let Some(i) = self.inner.interceptor.get() {
             return Some(i.clone());
         }
         let settings = self.inner.intercept.as_ref()?;
+        let health = &self.inner.health;
+        if !health.may_retry() {
+            return None;
+        }
         match tls::Interceptor::new(settings) {
-            Ok(i) => Some(self.inner.interceptor.get_or_init(|| Arc::new(i)).clone()),
+            Ok(i) => {
+                if health.error().is_some() {
+                    tracing::info!("TLS interception set up: intercepted hosts are served again");
+                }
+                health.ok();
+                Some(self.inner.interceptor.get_or_init(|| Arc::new(i)).clone())
+            }
             Err(e) => {
-                tracing::warn!(error = %e, "TLS interception unavailable");
+                if health.failed(&e) {
+                    tracing::warn!(error = %e,
+                        "TLS interception unavailable: hosts with credential bindings or request rules are refused (interception-unavailable) until it can be set up; every other host is served");
+                }
                 None
             }
         }
+    }
+
+    /// Why TLS interception can't be set up, if the last attempt failed.
+    pub fn interception_error(&self) -> Option<String> {
+        self.inner.health.error()
     }
 
     /// Are responses of intercepted hosts scrubbed of bound secrets (`intercept.scrub_responses`,
@@ -227,6 +260,7 @@ impl ProxyContext {
                 conns,
                 intercept: None,
                 interceptor: std::sync::OnceLock::new(),
+                health: tls::InterceptHealth::default(),
             }),
             metrics: None,
             interception: None,
@@ -500,6 +534,20 @@ impl Shared {
                 return Err(Refusal::Denied(r.reason));
             }
         };
+        // A target that must be intercepted and can't be is refused before anything is dialled
+        // (audited or not): never relayed untouched, never sent without its secret.
+        if let Some(why) = self.interception_unavailable(&policy, target, protocol) {
+            let reason = DenyReason::InterceptionUnavailable;
+            self.record_with(
+                target,
+                orig.map(|o| o.ip()),
+                protocol,
+                reason.as_str(),
+                Verdict::Deny,
+                &[("unavailable", &why)],
+            );
+            return Err(Refusal::Upstream(reason.as_str()));
+        }
         let limits = self.ctx.limits();
         let would_deny = |pending: Option<(DenyReason, Option<std::net::IpAddr>)>| {
             pending.is_some_and(|(reason, ip)| {
@@ -531,6 +579,35 @@ impl Shared {
                 Err(Refusal::Upstream(e.code()))
             }
         }
+    }
+}
+
+impl Shared {
+    /// Why `target`, which `policy` intercepts, can't be served now: its credential binding has
+    /// no secret loaded (any protocol: nothing goes to a bound host:port without it), or — for
+    /// what may be TLS (`CONNECT`, transparent TLS, a session's redial; not plain HTTP, which
+    /// is checked request by request without interception) — no interceptor can be set up.
+    /// `None` for targets that aren't intercepted or can be.
+    fn interception_unavailable(
+        &self,
+        policy: &CompiledPolicy,
+        target: &Target,
+        protocol: &str,
+    ) -> Option<String> {
+        let l7 = policy.l7();
+        if !l7.intercepts(&target.dest, target.port) {
+            return None;
+        }
+        if let Some(why) = l7.unavailable(&target.dest, target.port) {
+            return Some(why.to_owned());
+        }
+        if protocol == "http" || self.ctx.interceptor().is_some() {
+            return None;
+        }
+        Some(match self.ctx.interception_error() {
+            Some(e) => format!("TLS interception can't be set up: {e}"),
+            None => "TLS interception is not configured for this listener".to_owned(),
+        })
     }
 }
 

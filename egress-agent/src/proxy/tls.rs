@@ -101,6 +101,61 @@ pub enum TlsSetupError {
     Verifier(String),
 }
 
+/// Whether TLS interception can be set up (the agent's CA, the upstream roots), as the last
+/// attempt found: `None` while it works (or was never needed). Shared by the proxy contexts of
+/// one daemon (every runtime's) and read by `status` and `doctor`. Cheap to clone.
+#[derive(Debug, Clone, Default)]
+pub struct InterceptHealth(Arc<Mutex<HealthState>>);
+
+#[derive(Debug, Default)]
+struct HealthState {
+    error: Option<String>,
+    /// The last failed attempt (a retry waits [`RETRY_AFTER`] after it).
+    failed_at: Option<Instant>,
+}
+
+/// How long after a failed setup the next connection that needs interception tries again (the
+/// CA files, the roots are read each time): what a fix of the files waits at most.
+const RETRY_AFTER: Duration = Duration::from_secs(1);
+
+impl InterceptHealth {
+    fn lock(&self) -> std::sync::MutexGuard<'_, HealthState> {
+        self.0
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// Why interception can't be set up, if the last attempt failed.
+    pub fn error(&self) -> Option<String> {
+        self.lock().error.clone()
+    }
+
+    /// A setup attempt worked.
+    pub(crate) fn ok(&self) {
+        let mut s = self.lock();
+        s.error = None;
+        s.failed_at = None;
+    }
+
+    /// A setup attempt failed with `e`; true when that is news (the first failure, or another
+    /// error than the last one), so it is logged once.
+    pub(crate) fn failed(&self, e: &TlsSetupError) -> bool {
+        let mut s = self.lock();
+        let e = e.to_string();
+        let news = s.error.as_deref() != Some(e.as_str());
+        s.error = Some(e);
+        s.failed_at = Some(Instant::now());
+        news
+    }
+
+    /// Is it time to try again (nothing failed, or the last failure is [`RETRY_AFTER`] old)?
+    pub(crate) fn may_retry(&self) -> bool {
+        self.lock()
+            .failed_at
+            .is_none_or(|t| t.elapsed() >= RETRY_AFTER)
+    }
+}
+
 /// What interception needs from the configuration.
 #[derive(Debug, Clone, PartialEq)]
 pub struct InterceptSettings {

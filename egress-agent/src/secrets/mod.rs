@@ -10,7 +10,9 @@
 //! - `env`: an environment variable **of the agent**. It is read once, the first time any
 //!   configuration names it, kept in a process-wide table (so a reload finds it again), and then
 //!   removed from the process environment *and* overwritten in place in the memory that
-//!   `/proc/<pid>/environ` shows (see [`sys`]); child processes (`exec`'s command) never inherit it.
+//!   `/proc/<pid>/environ` shows (see [`sys`]); child processes (`exec`'s command, a restart's
+//!   new agent) never inherit it. A new agent that takes over gets the table over the hand-over
+//!   socket instead ([`env_secrets`] → `handover::secrets` → [`install_env`]).
 //! - `credential`: a systemd credential, `$CREDENTIALS_DIRECTORY/<name>` (`LoadCredential=` /
 //!   `LoadCredentialEncrypted=` in the unit).
 //!
@@ -100,6 +102,45 @@ fn valid_env_name(name: &str) -> bool {
         && b.all(|c| c.is_ascii_alphanumeric() || c == b'_')
 }
 
+/// Every environment secret this process holds (taken from its environment, or installed from
+/// the agent it took over from), by variable name: what a hand-over passes to a successor.
+pub fn env_secrets() -> Vec<(String, Secret)> {
+    let table = ENV_SECRETS
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
+    table
+        .iter()
+        .flatten()
+        .map(|(k, v)| (k.clone(), v.clone()))
+        .collect()
+}
+
+/// Install environment secret `name` as the agent this one takes over from held it, before any
+/// configuration is resolved with it. The same checks as a value read from the environment.
+/// A variable of this process's own environment wins (the operator's newer value, e.g. a
+/// DaemonSet roll with a rotated key): it is taken (and scrubbed) instead, and `Ok(false)` says
+/// the handed-over value was not used.
+pub fn install_env(name: &str, bytes: Zeroizing<Vec<u8>>) -> Result<bool, SecretError> {
+    if !valid_env_name(name) {
+        return Err(SecretError::EnvName(name.to_owned()));
+    }
+    let secret = checked(format!("environment variable {name}"), bytes)?;
+    let mut table = ENV_SECRETS
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
+    let table = table.get_or_insert_with(HashMap::new);
+    if table.contains_key(name) {
+        return Ok(false);
+    }
+    if let Some(own) = sys::take_env(name) {
+        let own = checked(format!("environment variable {name}"), own)?;
+        table.insert(name.to_owned(), own);
+        return Ok(false);
+    }
+    table.insert(name.to_owned(), secret);
+    Ok(true)
+}
+
 fn from_env(name: &str) -> Result<Secret, SecretError> {
     if !valid_env_name(name) {
         return Err(SecretError::EnvName(name.to_owned()));
@@ -155,6 +196,44 @@ mod tests {
                 Err(SecretError::CredentialName(_))
             ));
         }
+    }
+
+    /// A handed-over value fills a gap in the table; the table (and this process's own
+    /// environment) win over it; a bad one is refused like a bad variable.
+    #[test]
+    fn installed_env_secrets_are_found_like_taken_ones() {
+        let var = "EGRESS_TEST_INSTALLED_SECRET";
+        assert!(matches!(
+            load(&SecretSource::Env(var.into())),
+            Err(SecretError::EnvMissing(_))
+        ));
+        assert!(install_env(var, Zeroizing::new(b"handed-over".to_vec())).unwrap());
+        assert_eq!(
+            load(&SecretSource::Env(var.into())).unwrap().expose(),
+            b"handed-over"
+        );
+        assert!(!install_env(var, Zeroizing::new(b"other".to_vec())).unwrap());
+        assert_eq!(
+            load(&SecretSource::Env(var.into())).unwrap().expose(),
+            b"handed-over"
+        );
+        assert!(
+            env_secrets()
+                .iter()
+                .any(|(k, v)| k == var && v.expose() == b"handed-over")
+        );
+        assert!(matches!(
+            install_env("EGRESS_TEST_EMPTY", Zeroizing::new(Vec::new())),
+            Err(SecretError::Empty(_))
+        ));
+        assert!(matches!(
+            install_env("BAD=NAME", Zeroizing::new(b"x".to_vec())),
+            Err(SecretError::EnvName(_))
+        ));
+        assert!(matches!(
+            install_env("EGRESS_TEST_CTL", Zeroizing::new(b"a\nb".to_vec())),
+            Err(SecretError::NotHeaderSafe(_))
+        ));
     }
 
     #[test]

@@ -48,6 +48,17 @@ function renderSummary(s) {
   p.id = "proxy-state";
   box.append(p);
   renderProxyState();
+  // What is refused as interception-unavailable: a CA that can't be set up, bindings without
+  // their secret (each names its policy, binding and source, never the secret).
+  const i = s.interception || {};
+  const problems = (i.unavailable_bindings || []).map((b) => b.summary);
+  if (i.setup_error) problems.unshift("TLS interception: " + i.setup_error);
+  for (const text of problems) {
+    const span = el("span");
+    span.dataset.interception = "unavailable";
+    span.append(el("span", "interception-unavailable: ", "muted"), el("b", text));
+    box.append(span);
+  }
 }
 
 function renderContainers(list) {

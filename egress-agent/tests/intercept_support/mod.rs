@@ -259,6 +259,8 @@ pub struct Upstream {
     pub seen: Arc<Mutex<Vec<Received>>>,
     /// `/sse` sends its first event, then waits for this before the second and the end.
     pub sse_gate: Arc<Notify>,
+    /// TCP connections accepted (whether or not a request followed).
+    pub accepted: Arc<std::sync::atomic::AtomicUsize>,
 }
 
 impl Upstream {
@@ -435,12 +437,14 @@ pub async fn upstream(ca: &TestCa, names: &[&str]) -> Upstream {
     let addr = l.local_addr().unwrap();
     let seen = Arc::new(Mutex::new(Vec::new()));
     let sse_gate = Arc::new(Notify::new());
-    let (s2, g2) = (seen.clone(), sse_gate.clone());
+    let accepted = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let (s2, g2, a2) = (seen.clone(), sse_gate.clone(), accepted.clone());
     tokio::spawn(async move {
         loop {
             let Ok((tcp, _)) = l.accept().await else {
                 return;
             };
+            a2.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
             let acceptor = acceptor.clone();
             let (seen, gate) = (s2.clone(), g2.clone());
             tokio::spawn(async move {
@@ -472,6 +476,7 @@ pub async fn upstream(ca: &TestCa, names: &[&str]) -> Upstream {
         cert,
         seen,
         sse_gate,
+        accepted,
     }
 }
 
