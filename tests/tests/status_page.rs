@@ -125,9 +125,19 @@ fn policies_through_the_api_and_the_status_page() {
         dom.contains("class=\"up\""),
         "the header's proxy state: {dom}"
     );
+    // Probing its own listeners is no foreign peer's connection: the doctor reads their LISTEN
+    // state instead of connecting (a connection would be refused and recorded, #40 item 1).
+    assert!(
+        !b.dom().contains("data-reason=\"listener-foreign-peer\""),
+        "the doctor's probes were recorded as denials: {}",
+        b.dom()
+    );
 
     // A refusal shows up live (the page is already open: SSE, not a reload).
-    let before = b.dom().matches("class=\"fresh\"").count();
+    let before = b
+        .dom()
+        .matches("class=\"fresh\" data-reason=\"host-not-allowed\"")
+        .count();
     let out = env.exec_out("web-1", &get("denied.test", 8080));
     assert!(
         out.contains("403") && out.contains("host-not-allowed"),

@@ -206,10 +206,16 @@ pub(super) async fn listening(ctx: Arc<Ctx>) -> Outcome {
             )
         };
     }
+    // Discovered listeners are in LISTEN state (`/proc/net/tcp`): the kernel completes their
+    // handshakes. They are not connected to: a listener serves only its own workload and
+    // reports anyone else as `listener-foreign-peer`, so a probe would be recorded as a denial
+    // (the status page runs these probes). Configured ones are connected to, as before.
     let mut down = Vec::new();
-    for a in &listeners {
-        if !accepts(&ctx, *a).await {
-            down.push(a.to_string());
+    if source == "configured" {
+        for a in &listeners {
+            if !accepts(&ctx, *a).await {
+                down.push(a.to_string());
+            }
         }
     }
     let exposed: Vec<String> = listeners
