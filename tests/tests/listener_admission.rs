@@ -15,7 +15,7 @@
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 use std::os::unix::fs::PermissionsExt;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
@@ -23,22 +23,14 @@ use egress_tests::agent::{TestConfig, agent_bin, exec_cmd};
 use egress_tests::foreign::{FOREIGN_PY, got_nothing};
 use egress_tests::root_or_skip;
 use egress_tests::tls_upstream::{TestCa, Upstream};
+use egress_tests::upstreams::TempDir;
 
 const SECRET: &str = "sk-admission-Tq3Lw8Zr5Vn1-never-sent";
 const PH: &str = "egress-ph-admission-0ddba11";
 
-/// Files the test owns; removed on drop.
-struct Dir(PathBuf);
-
-impl Drop for Dir {
-    fn drop(&mut self) {
-        std::fs::remove_dir_all(&self.0).ok();
-    }
-}
-
-fn setup(up: &Upstream, ca: &TestCa) -> (Dir, TestConfig) {
-    let dir = std::env::temp_dir().join(format!("egress-admission-{}", std::process::id()));
-    std::fs::remove_dir_all(&dir).ok();
+fn setup(up: &Upstream, ca: &TestCa) -> (TempDir, TestConfig) {
+    let owned = TempDir::new("admission");
+    let dir = owned.0.clone();
     let secrets = dir.join("secrets");
     std::fs::create_dir_all(&secrets).expect("dir");
     std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o755)).expect("chmod");
@@ -87,7 +79,7 @@ resolve_private = ["127.0.0.0/8"]
 mode = "allow_all"
 "#
     ));
-    (Dir(dir), cfg)
+    (owned, cfg)
 }
 
 /// The listening TCP sockets of process `pid`, from its fds and `/proc/<pid>/net/tcp{,6}`.
