@@ -6,15 +6,40 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::OwnedSemaphorePermit;
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
 use super::Shared;
 use super::client::{CLIENT, Client};
+use crate::handover::Open;
+
+/// What an accepted connection holds until it ends: its places in the connection bounds (this
+/// listener's and the global one), and its count among the open connections (after a hand-over,
+/// this process drains them). The handler keeps it in its future, so it goes when the
+/// connection's task ends or is dropped.
+pub(crate) struct Slot {
+    _permits: (OwnedSemaphorePermit, OwnedSemaphorePermit),
+    _open: Open,
+}
+
+impl Slot {
+    /// A connection of `shared`'s listener holding `permits` (its own, the global one), counted
+    /// as open from now on.
+    pub(crate) fn new(
+        shared: &Shared,
+        permits: (OwnedSemaphorePermit, OwnedSemaphorePermit),
+    ) -> Slot {
+        Slot {
+            _permits: permits,
+            _open: shared.ctx.sockets().open_one(),
+        }
+    }
+}
 
 /// Accept on `listener` until `shutdown` completes, handing each connection (with a token
-/// cancelled when the listener stops) to `handle` on a task of its own, in a `conn` span
-/// (policy, peer) that every log line of the connection carries.
+/// cancelled when the listener stops, and its [`Slot`]) to `handle` on a task of its own, in a
+/// `conn` span (policy, peer) that every log line of the connection carries.
 pub(crate) async fn accept_loop<F, Fut>(
     listener: TcpListener,
     shared: Arc<Shared>,
@@ -22,7 +47,10 @@ pub(crate) async fn accept_loop<F, Fut>(
     stop_rx: CancellationToken,
     handle: F,
 ) where
-    F: Fn(TcpStream, SocketAddr, Arc<Shared>, CancellationToken) -> Fut + Clone + Send + 'static,
+    F: Fn(TcpStream, SocketAddr, Arc<Shared>, CancellationToken, Slot) -> Fut
+        + Clone
+        + Send
+        + 'static,
     Fut: Future<Output = ()> + Send + 'static,
 {
     let conns = shared.ctx.inner.conns.clone();
@@ -57,23 +85,16 @@ pub(crate) async fn accept_loop<F, Fut>(
                     .and_then(|i| i.clients.as_ref())
                     .and_then(|_| stream.local_addr().ok())
                     .map(|local| Client::tcp(peer, local));
-                let (handle, shared, stop) = (handle.clone(), shared.clone(), stop_rx.clone());
-                // Counted until it ends: after a hand-over, this process drains it.
-                let open = shared.ctx.sockets().open_one();
-                // The connection's future is made inside the task's: awaiting one made outside
-                // would keep it twice in the task (as the captured value and as the awaited
-                // state), doubling every connection's memory.
-                tokio::spawn(
-                    async move {
-                        match client {
-                            Some(c) => CLIENT.scope(c, handle(stream, peer, shared, stop)).await,
-                            None => handle(stream, peer, shared, stop).await,
-                        }
-                        drop(permits);
-                        drop(open);
-                    }
-                    .instrument(span),
-                );
+                let slot = Slot::new(&shared, permits);
+                // The handler's future is the task's (no block around it): a block awaiting it
+                // would hold the handler's arguments (and the client) once more beside the
+                // future made from them, for the connection's whole life, and awaiting a future
+                // made outside would hold that future twice.
+                let conn = handle(stream, peer, shared.clone(), stop_rx.clone(), slot);
+                match client {
+                    Some(c) => tokio::spawn(CLIENT.scope(c, conn).instrument(span)),
+                    None => tokio::spawn(conn.instrument(span)),
+                };
             }
             Err(e) => {
                 // EMFILE/ENFILE and friends: back off instead of spinning.

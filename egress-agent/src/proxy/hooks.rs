@@ -111,8 +111,9 @@ impl Interception {
                 shared.clone(),
                 accepting.clone().cancelled_owned(),
                 stop.clone(),
-                |stream, peer, shared, stop| async move {
-                    transparent::handle(stream, peer, Vec::new(), &shared, stop).await
+                |stream, peer, shared, stop, slot| async move {
+                    transparent::handle(stream, peer, Vec::new(), &shared, stop).await;
+                    drop(slot);
                 },
             );
             tokio::spawn(async move {
