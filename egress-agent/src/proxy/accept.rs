@@ -1,23 +1,65 @@
 //! The accept loop every proxy listener runs (explicit and transparent): the per-listener and
-//! global connection bounds, metrics, backoff on accept errors, and admission (only connections
-//! the kernel sent from the listener's own workload are served: [`super::admission`]).
+//! global connection bounds, metrics, backoff on accept errors, and the [`Slot`] through which
+//! each handler admits its connection before reading a byte (only connections the kernel sent
+//! from the listener's own workload are served: [`super::admission`]).
 use std::future::Future;
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
 use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::OwnedSemaphorePermit;
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
 use super::Shared;
 use super::admission::{self, Admitted, Listener};
 use super::client::{CLIENT, Client};
+use crate::handover::Open;
 
-/// Accept on `listener` (the workload's `which` listener) until `shutdown` completes. Each
-/// connection is admitted on a task of its own before a byte is read (refused: closed unread),
-/// then handed with the kernel's record and a token cancelled when the listener stops to
-/// `handle`, in a `conn` span (policy, peer) that every log line of the connection carries.
+/// What an accepted connection holds until it ends: its places in the connection bounds (this
+/// listener's and the global one), and its count among the open connections (after a hand-over,
+/// this process drains them). The handler keeps it in its future, so it goes when the
+/// connection's task ends or is dropped. It also knows which listener accepted the connection:
+/// every handler's first step is [`Slot::admit`].
+pub(crate) struct Slot {
+    _permits: (OwnedSemaphorePermit, OwnedSemaphorePermit),
+    _open: Open,
+    which: Listener,
+}
+
+impl Slot {
+    /// A connection of `shared`'s listener holding `permits` (its own, the global one), counted
+    /// as open from now on.
+    pub(crate) fn new(
+        shared: &Shared,
+        permits: (OwnedSemaphorePermit, OwnedSemaphorePermit),
+        which: Listener,
+    ) -> Slot {
+        Slot {
+            _permits: permits,
+            _open: shared.ctx.sockets().open_one(),
+            which,
+        }
+    }
+
+    /// Admit `stream` (accepted from `peer`) by the kernel's record, before a byte of it is
+    /// read; `None`: refused (an event was recorded), close it unread. A map lookup, on the
+    /// connection's task rather than the accept loop's.
+    pub(crate) fn admit(
+        &self,
+        shared: &Shared,
+        stream: &TcpStream,
+        peer: SocketAddr,
+    ) -> Option<Admitted> {
+        admission::admit(shared, stream, peer, self.which)
+    }
+}
+
+/// Accept on `listener` (the workload's `which` listener) until `shutdown` completes, handing
+/// each connection (with a token cancelled when the listener stops, and its [`Slot`], which
+/// `handle` admits it with first) to `handle` on a task of its own, in a `conn` span (policy,
+/// peer) that every log line of the connection carries.
 pub(crate) async fn accept_loop<F, Fut>(
     listener: TcpListener,
     shared: Arc<Shared>,
@@ -26,7 +68,7 @@ pub(crate) async fn accept_loop<F, Fut>(
     which: Listener,
     handle: F,
 ) where
-    F: Fn(TcpStream, SocketAddr, Admitted, Arc<Shared>, CancellationToken) -> Fut
+    F: Fn(TcpStream, SocketAddr, Arc<Shared>, CancellationToken, Slot) -> Fut
         + Clone
         + Send
         + 'static,
@@ -64,27 +106,16 @@ pub(crate) async fn accept_loop<F, Fut>(
                     .and_then(|i| i.clients.as_ref())
                     .and_then(|_| stream.local_addr().ok())
                     .map(|local| Client::tcp(peer, local));
-                let (handle, shared, stop) = (handle.clone(), shared.clone(), stop_rx.clone());
-                // Counted until it ends: after a hand-over, this process drains it.
-                let open = shared.ctx.sockets().open_one();
-                // The connection's future is made inside the task's: awaiting one made outside
-                // would keep it twice in the task (as the captured value and as the awaited
-                // state), doubling every connection's memory.
-                tokio::spawn(
-                    async move {
-                        // A map lookup: on the connection's task, not the accept loop's.
-                        if let Some(admitted) = admission::admit(&shared, &stream, peer, which) {
-                            let served = handle(stream, peer, admitted, shared, stop);
-                            match client {
-                                Some(c) => CLIENT.scope(c, served).await,
-                                None => served.await,
-                            }
-                        }
-                        drop(permits);
-                        drop(open);
-                    }
-                    .instrument(span),
-                );
+                let slot = Slot::new(&shared, permits, which);
+                // The handler's future is the task's (no block around it): a block awaiting it
+                // would hold the handler's arguments (and the client) once more beside the
+                // future made from them, for the connection's whole life, and awaiting a future
+                // made outside would hold that future twice.
+                let conn = handle(stream, peer, shared.clone(), stop_rx.clone(), slot);
+                match client {
+                    Some(c) => tokio::spawn(CLIENT.scope(c, conn).instrument(span)),
+                    None => tokio::spawn(conn.instrument(span)),
+                };
             }
             Err(e) => {
                 // EMFILE/ENFILE and friends: back off instead of spinning.

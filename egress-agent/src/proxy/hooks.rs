@@ -114,8 +114,12 @@ impl Interception {
                 accepting.clone().cancelled_owned(),
                 stop.clone(),
                 Listener::Transparent,
-                |stream, peer, admitted, shared, stop| async move {
-                    transparent::handle(stream, peer, admitted, &shared, stop).await
+                |stream, peer, shared, stop, slot| async move {
+                    let Some(admitted) = slot.admit(&shared, &stream, peer) else {
+                        return;
+                    };
+                    transparent::handle(stream, peer, admitted, &shared, stop).await;
+                    drop(slot);
                 },
             );
             tokio::spawn(async move {

@@ -171,7 +171,9 @@ impl DnsResolver {
         if let Some(ips) = self.hosts_answer(&fqdn) {
             return distinct(name, ips);
         }
-        self.lookup_hickory(name, &fqdn).await
+        // Boxed: hickory's lookup state (~1 KiB) would otherwise size every future that
+        // awaits a dial, an idle tunnel's among them, for the connection's whole life.
+        Box::pin(self.lookup_hickory(name, &fqdn)).await
     }
 
     /// The full hickory lookup (hosts file, special-use names, cache, nameservers).

@@ -32,7 +32,7 @@ use tokio_util::sync::CancellationToken;
 use super::prefixed::Prefixed;
 use super::request::Target;
 use super::sniff::{Kind, MAX_SNIFF_BYTES, Sniffed, Sniffer, TLS_ACCESS_DENIED};
-use super::{Shared, http, intercept, narrow, refuse, response};
+use super::{Refusal, Shared, http, intercept, narrow, refuse, response, tunnel};
 use crate::events::DenialEvent;
 use egress_policy::DenyReason;
 use egress_policy::name::Destination;
@@ -106,7 +106,15 @@ pub(crate) async fn answer(
 
 /// Carry a checked, dialled connection on: `early` holds the client's bytes already read,
 /// `kind` what they are (`None`: neither TLS nor HTTP, or nothing yet).
-pub(crate) async fn carry(
+///
+/// A function returning an `async move` block, not an `async fn`: the block uses its arguments
+/// where they were captured, an `async fn` keeps each one used across an `.await` twice; every
+/// tunnel's future holds this one (see `tunnel::copy`).
+#[expect(
+    clippy::manual_async_fn,
+    reason = "an `async fn` stores arguments used across `.await` twice; per-tunnel memory"
+)]
+pub(crate) fn carry(
     mut client: TcpStream,
     upstream: TcpStream,
     early: Vec<u8>,
@@ -114,49 +122,54 @@ pub(crate) async fn carry(
     target: Target,
     shared: &Arc<Shared>,
     stop: CancellationToken,
-) {
-    let intercepted = intercept::intercepts(shared, &target);
-    // Ends the connection on `stop`, or when a reload refuses its target (`narrow`).
-    let addr = upstream.peer_addr().ok().map(|a| a.ip());
-    let until =
-        || narrow::until_stopped_or_refused(shared.clone(), target.clone(), addr, stop.clone());
-    match kind {
-        Some(Kind::Tls) if intercepted => {
-            // Boxed: interception's state (TLS both ways, hyper) is ~12 KiB, and inline it would
-            // size every connection's task, idle pass-through tunnels included.
-            Box::pin(intercept::serve(
-                Prefixed::new(early, client),
-                upstream,
-                target.clone(),
-                shared.clone(),
-                until(),
-            ))
-            .await;
-        }
-        Some(Kind::Http) => {
-            Box::pin(http::serve_fixed(
-                client,
-                early,
-                upstream,
-                target.clone(),
-                shared.clone(),
-                until(),
-            ))
-            .await;
-        }
-        _ if intercepted => {
-            // Bytes that are neither TLS nor HTTP can't be checked request by request: nothing
-            // of them reaches an intercepted host.
-            let r = Refused {
-                host: host_of(&target),
-                ..Refused::new(None, DenyReason::UnknownProtocol, target.port)
-            };
-            deny(shared, &mut client, r).await;
-        }
-        _ => {
-            shared
-                .relay(client, upstream, early, &target, until())
+) -> impl Future<Output = ()> {
+    async move {
+        let intercepted = intercept::intercepts(shared, &target);
+        // Ends the connection on `stop`, or when a reload refuses its target (`narrow`).
+        let addr = upstream.peer_addr().ok().map(|a| a.ip());
+        let until = |target: &Target| {
+            narrow::until_stopped_or_refused(shared.clone(), target.clone(), addr, stop.clone())
+        };
+        match kind {
+            Some(Kind::Tls) if intercepted => {
+                // Boxed: interception's state (TLS both ways, hyper) is ~12 KiB, and inline it
+                // would size every connection's task, idle pass-through tunnels included.
+                Box::pin(intercept::serve(
+                    Prefixed::new(early, client),
+                    upstream,
+                    target.clone(),
+                    shared.clone(),
+                    until(&target),
+                ))
                 .await;
+            }
+            Some(Kind::Http) => {
+                Box::pin(http::serve_fixed(
+                    client,
+                    early,
+                    upstream,
+                    target.clone(),
+                    shared.clone(),
+                    until(&target),
+                ))
+                .await;
+            }
+            _ if intercepted => {
+                // Bytes that are neither TLS nor HTTP can't be checked request by request: nothing
+                // of them reaches an intercepted host.
+                let r = Refused {
+                    host: host_of(&target),
+                    ..Refused::new(None, DenyReason::UnknownProtocol, target.port)
+                };
+                deny(shared, &mut client, r).await;
+            }
+            _ => {
+                // Pinned here, once: the relay's layers pass it down by reference.
+                let shutdown = std::pin::pin!(until(&target));
+                shared
+                    .relay(client, upstream, early, &target, shutdown)
+                    .await;
+            }
         }
     }
 }
@@ -177,6 +190,49 @@ enum Opening {
     Closed,
 }
 
+/// An explicit `CONNECT` whose head is read (`early`: the bytes the client pipelined after it):
+/// check and dial the target (a refusal is answered), write the `200`, then go on as
+/// [`connect_tunnel`].
+///
+/// Boxed (and `dyn`, see [`connect_tunnel`]): the dial and the tunnel are steps of one future,
+/// so they share one allocation, and the connection's task holds only the head reading's state
+/// and this box. An idle tunnel's memory is this box, its task and its sockets.
+pub(crate) fn connect(
+    mut client: TcpStream,
+    mut early: Vec<u8>,
+    target: Target,
+    shared: Arc<Shared>,
+    stop: CancellationToken,
+) -> Pin<Box<dyn Future<Output = ()> + Send>> {
+    Box::pin(async move {
+        let upstream = match shared.check_and_dial(&target, "connect").await {
+            Ok(s) => s,
+            Err(Refusal::Denied(reason)) => {
+                refuse(&mut client, &response::forbidden(reason, &shared.name)).await;
+                return;
+            }
+            Err(Refusal::Upstream(code)) => {
+                refuse(&mut client, &response::error(502, code)).await;
+                return;
+            }
+        };
+        if tunnel::write_all(&client, response::CONNECT_OK)
+            .await
+            .is_err()
+        {
+            return;
+        }
+        // [`connect_tunnel`]'s steps, written out here: through an `async fn` taking the
+        // sockets, the target and the early bytes, the box would hold them once more.
+        match opening(&mut client, &upstream, &mut early, &target, &shared, &stop).await {
+            Opening::Carry(kind) => {
+                carry(client, upstream, early, kind, target, &shared, stop).await;
+            }
+            Opening::Closed => {}
+        }
+    })
+}
+
 /// A `CONNECT` tunnel whose `200` has been sent: read its first bytes (`early`: those the client
 /// pipelined after its head) like a transparent connection's, refuse a name that isn't the
 /// target, then [`carry`] it.
@@ -187,16 +243,15 @@ enum Opening {
 pub(crate) fn connect_tunnel(
     mut client: TcpStream,
     upstream: TcpStream,
-    early: Vec<u8>,
+    mut early: Vec<u8>,
     target: Target,
     shared: Arc<Shared>,
     stop: CancellationToken,
 ) -> Pin<Box<dyn Future<Output = ()> + Send>> {
     Box::pin(async move {
-        let mut buf = early;
-        match opening(&mut client, &upstream, &mut buf, &target, &shared, &stop).await {
+        match opening(&mut client, &upstream, &mut early, &target, &shared, &stop).await {
             Opening::Carry(kind) => {
-                carry(client, upstream, buf, kind, target, &shared, stop).await;
+                carry(client, upstream, early, kind, target, &shared, stop).await;
             }
             Opening::Closed => {}
         }

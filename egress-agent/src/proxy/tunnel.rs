@@ -4,7 +4,9 @@
 //! borrows a buffer (never zeroed; 16 KiB at first, doubled up to `buf_size` each time a read fills
 //! it) only while bytes are flowing and drops it as soon as the socket is drained. So 10 000 idle
 //! tunnels cost their sockets, tasks and timers, not 10 000 × 2 buffers; a busy tunnel still copies
-//! in large chunks.
+//! in large chunks. The futures an idle tunnel holds are kept small too: both directions share
+//! one [`Shared`] by reference, and the per-tunnel steps are functions returning `async move`
+//! blocks rather than `async fn`s (see [`copy`]).
 //!
 //! System calls: reads go through tokio's `poll_read`, which marks a socket drained after a short
 //! read (edge-triggered epoll reports the next arrival), so the end of a burst costs no extra
@@ -27,7 +29,7 @@ use std::time::Duration;
 
 use tokio::io::AsyncReadExt;
 use tokio::net::TcpStream;
-use tokio::net::tcp::{ReadHalf, WriteHalf};
+use tokio::net::tcp::ReadHalf;
 use tokio::time::Instant;
 
 /// Why a tunnel ended.
@@ -61,22 +63,38 @@ impl Activity {
     fn last(&self) -> Instant {
         self.start + Duration::from_millis(self.last_ms.load(Ordering::Relaxed))
     }
-    /// Completes once `idle` has passed without a [`Activity::touch`].
-    pub(crate) async fn idle_for(&self, idle: Duration) {
-        loop {
-            tokio::time::sleep_until(self.last() + idle).await;
-            if self.last() + idle <= Instant::now() {
-                return;
+    /// Completes once `idle` has passed without a [`Activity::touch`]. (A function returning a
+    /// block, as [`copy`] is, for the same reason.)
+    #[expect(
+        clippy::manual_async_fn,
+        reason = "an `async fn` stores arguments used across `.await` twice; per-tunnel memory"
+    )]
+    pub(crate) fn idle_for(&self, idle: Duration) -> impl Future<Output = ()> {
+        async move {
+            loop {
+                tokio::time::sleep_until(self.last() + idle).await;
+                if self.last() + idle <= Instant::now() {
+                    return;
+                }
             }
         }
     }
 }
 
-/// State both directions of one tunnel share.
-struct Shared {
+/// State both directions of one tunnel share (one [`copy`]'s; its [`pump`]s take it by
+/// reference, so each direction's future holds little more than its own burst).
+struct Shared<'a> {
     activity: Activity,
     /// Set by the first direction to reach EOF.
     one_side_done: AtomicBool,
+    /// Largest read buffer.
+    max_buf: usize,
+    relayed: &'a (dyn Fn(Direction, u64) + Sync),
+    handover: Option<&'a Handover>,
+    /// Per direction ([`UP`], [`DOWN`]): the socket its bytes are written to.
+    dst: [&'a TcpStream; 2],
+    /// Per direction: bytes written on.
+    total: [AtomicU64; 2],
 }
 
 /// Which way bytes went.
@@ -177,188 +195,211 @@ enum PumpEnd {
 }
 
 /// Both directions of [`run`]; `None` as the end: handed over (only with `handover`).
-async fn copy(
-    client: &mut TcpStream,
-    upstream: &mut TcpStream,
+///
+/// Written as a function returning an `async move` block, as [`pump`] is: the block uses its
+/// arguments where they were captured, while an `async fn` keeps each argument used across an
+/// `.await` twice (captured, and moved into the body). Every tunnel holds this future while it
+/// is relayed in user space, idle ones included.
+#[expect(
+    clippy::manual_async_fn,
+    reason = "an `async fn` stores arguments used across `.await` twice; per-tunnel memory"
+)]
+fn copy<'a>(
+    client: &'a mut TcpStream,
+    upstream: &'a mut TcpStream,
     buf_size: usize,
     idle: Duration,
-    relayed: &(dyn Fn(Direction, u64) + Sync),
-    shutdown: impl Future<Output = ()>,
-    handover: Option<&Handover>,
-) -> (u64, u64, Option<TunnelEnd>) {
-    let shared = Shared {
-        activity: Activity::new(),
-        one_side_done: AtomicBool::new(false),
-    };
-    let up_bytes = AtomicU64::new(0);
-    let down_bytes = AtomicU64::new(0);
-    let (mut client_rx, client_tx) = client.split();
-    let (mut upstream_rx, upstream_tx) = upstream.split();
-    let up = async |src: &mut ReadHalf<'_>, h: Option<&Handover>| {
-        let h = h.map(|h| (h, UP));
-        pump(
-            src,
-            &upstream_tx,
-            buf_size,
-            &shared,
-            &up_bytes,
-            (Direction::Upstream, relayed),
-            h,
-        )
-        .await
-    };
-    let down = async |src: &mut ReadHalf<'_>, h: Option<&Handover>| {
-        let h = h.map(|h| (h, DOWN));
-        pump(
-            src,
-            &client_tx,
-            buf_size,
-            &shared,
-            &down_bytes,
-            (Direction::Downstream, relayed),
-            h,
-        )
-        .await
-    };
-    let copy = async {
-        let ends = {
-            let mut a = std::pin::pin!(up(&mut client_rx, handover));
-            let mut b = std::pin::pin!(down(&mut upstream_rx, handover));
-            let (mut ea, mut eb) = (None, None);
-            poll_fn(|cx| {
-                if ea.is_none()
-                    && let Poll::Ready(r) = a.as_mut().poll(cx)
-                {
-                    ea = Some(r?);
-                }
-                if eb.is_none()
-                    && let Poll::Ready(r) = b.as_mut().poll(cx)
-                {
-                    eb = Some(r?);
-                }
-                let idle = |dir| handover.is_some_and(|h| !h.busy(dir));
-                Poll::Ready(io::Result::Ok(match (ea, eb) {
-                    (Some(x), Some(y)) => (x, y),
-                    // One direction stopped for the hand-over while the other waits for data,
-                    // holding none: that one stops too (its wait is dropped with it).
-                    (Some(PumpEnd::HandedOver), None) if idle(DOWN) => {
-                        (PumpEnd::HandedOver, PumpEnd::HandedOver)
-                    }
-                    (None, Some(PumpEnd::HandedOver)) if idle(UP) => {
-                        (PumpEnd::HandedOver, PumpEnd::HandedOver)
-                    }
-                    _ => return Poll::Pending,
-                }))
-            })
-            .await?
+    relayed: &'a (dyn Fn(Direction, u64) + Sync),
+    shutdown: impl Future<Output = ()> + 'a,
+    handover: Option<&'a Handover>,
+) -> impl Future<Output = (u64, u64, Option<TunnelEnd>)> + 'a {
+    async move {
+        let (mut client_rx, client_tx) = client.split();
+        let (mut upstream_rx, upstream_tx) = upstream.split();
+        let shared = Shared {
+            activity: Activity::new(),
+            one_side_done: AtomicBool::new(false),
+            max_buf: buf_size,
+            relayed,
+            handover,
+            dst: [upstream_tx.as_ref(), client_tx.as_ref()],
+            total: [AtomicU64::new(0), AtomicU64::new(0)],
         };
-        // One direction stopped for the hand-over after the other reached EOF: it goes on here.
-        match ends {
-            (PumpEnd::HandedOver, PumpEnd::HandedOver) => return Ok(None),
-            (PumpEnd::HandedOver, PumpEnd::Eof) => up(&mut client_rx, None).await?,
-            (PumpEnd::Eof, PumpEnd::HandedOver) => down(&mut upstream_rx, None).await?,
-            (PumpEnd::Eof, PumpEnd::Eof) => PumpEnd::Eof,
+        let copy = async {
+            let ends = {
+                let mut a = std::pin::pin!(pump(&mut client_rx, &shared, UP, true));
+                let mut b = std::pin::pin!(pump(&mut upstream_rx, &shared, DOWN, true));
+                let (mut ea, mut eb) = (None, None);
+                poll_fn(|cx| {
+                    if ea.is_none()
+                        && let Poll::Ready(r) = a.as_mut().poll(cx)
+                    {
+                        ea = Some(r?);
+                    }
+                    if eb.is_none()
+                        && let Poll::Ready(r) = b.as_mut().poll(cx)
+                    {
+                        eb = Some(r?);
+                    }
+                    let idle = |dir| handover.is_some_and(|h| !h.busy(dir));
+                    Poll::Ready(io::Result::Ok(match (ea, eb) {
+                        (Some(x), Some(y)) => (x, y),
+                        // One direction stopped for the hand-over while the other waits for
+                        // data, holding none: that one stops too (its wait is dropped with it).
+                        (Some(PumpEnd::HandedOver), None) if idle(DOWN) => {
+                            (PumpEnd::HandedOver, PumpEnd::HandedOver)
+                        }
+                        (None, Some(PumpEnd::HandedOver)) if idle(UP) => {
+                            (PumpEnd::HandedOver, PumpEnd::HandedOver)
+                        }
+                        _ => return Poll::Pending,
+                    }))
+                })
+                .await?
+            };
+            // One direction stopped for the hand-over after the other reached EOF: it goes on
+            // here.
+            match ends {
+                (PumpEnd::HandedOver, PumpEnd::HandedOver) => return Ok(None),
+                (PumpEnd::HandedOver, PumpEnd::Eof) => {
+                    pump(&mut client_rx, &shared, UP, false).await?
+                }
+                (PumpEnd::Eof, PumpEnd::HandedOver) => {
+                    pump(&mut upstream_rx, &shared, DOWN, false).await?
+                }
+                (PumpEnd::Eof, PumpEnd::Eof) => PumpEnd::Eof,
+            };
+            io::Result::Ok(Some(TunnelEnd::Closed))
         };
-        io::Result::Ok(Some(TunnelEnd::Closed))
-    };
-    let watchdog = shared.activity.idle_for(idle);
-    let end = tokio::select! {
-        r = copy => r.unwrap_or(Some(TunnelEnd::Error)),
-        () = watchdog => Some(TunnelEnd::Idle),
-        () = shutdown => Some(TunnelEnd::Shutdown),
-    };
-    (
-        up_bytes.load(Ordering::Relaxed),
-        down_bytes.load(Ordering::Relaxed),
-        end,
-    )
+        let watchdog = shared.activity.idle_for(idle);
+        let end = tokio::select! {
+            r = copy => r.unwrap_or(Some(TunnelEnd::Error)),
+            () = watchdog => Some(TunnelEnd::Idle),
+            () = shutdown => Some(TunnelEnd::Shutdown),
+        };
+        let [up, down] = &shared.total;
+        (
+            up.load(Ordering::Relaxed),
+            down.load(Ordering::Relaxed),
+            end,
+        )
+    }
 }
 
 /// First buffer of a burst; doubled (up to the configured maximum) whenever a read fills it, so a
 /// bulk transfer quickly moves large chunks per wake-up while chatty tunnels stay small.
 const INITIAL_BUF: usize = 16 * 1024;
 
-async fn pump(
-    src: &mut ReadHalf<'_>,
-    dst: &WriteHalf<'_>,
-    max_buf: usize,
-    shared: &Shared,
-    total: &AtomicU64,
-    (dir, relayed): (Direction, &(dyn Fn(Direction, u64) + Sync)),
-    handover: Option<(&Handover, usize)>,
-) -> io::Result<PumpEnd> {
-    let dst: &TcpStream = dst.as_ref();
-    let mut size = INITIAL_BUF.min(max_buf);
-    loop {
-        // Here this direction holds nothing: everything it read is written.
-        if let Some((h, _)) = handover
-            && h.go.load(Ordering::Relaxed)
-        {
-            return Ok(PumpEnd::HandedOver);
-        }
-        poll_fn(|cx| src.as_ref().poll_read_ready(cx)).await?;
-        if let Some((h, dir)) = handover {
-            h.busy[dir].store(true, Ordering::Relaxed);
-        }
-        // Borrowed only while data flows; dropped below before waiting again.
-        let mut buf: Vec<u8> = Vec::with_capacity(size);
+/// One direction of [`copy`] ([`UP`] or [`DOWN`]): from `src` to `shared.dst[way]`. It stops
+/// for the hand-over only if `handing_over` (and [`copy`] has one). A function returning a block
+/// for the reason given at [`copy`].
+#[expect(
+    clippy::manual_async_fn,
+    reason = "an `async fn` stores arguments used across `.await` twice; per-tunnel memory"
+)]
+fn pump<'a>(
+    src: &'a mut ReadHalf<'_>,
+    shared: &'a Shared<'_>,
+    way: usize,
+    handing_over: bool,
+) -> impl Future<Output = io::Result<PumpEnd>> + 'a {
+    async move {
+        let handover = shared.handover.filter(|_| handing_over);
+        let (dst, total) = (shared.dst[way], &shared.total[way]);
+        let dir = if way == UP {
+            Direction::Upstream
+        } else {
+            Direction::Downstream
+        };
+        let max_buf = shared.max_buf;
+        let mut size = INITIAL_BUF.min(max_buf);
         loop {
-            buf.clear();
-            // One read attempt; `Pending` (drained, or this task's budget is spent: it has been
-            // woken to run again) ends the burst and the buffer goes back.
-            let read = {
-                let mut read = std::pin::pin!(src.read_buf(&mut buf));
-                poll_fn(|cx| Poll::Ready(read.as_mut().poll(cx))).await
-            };
-            match read {
-                Poll::Ready(Ok(0)) => {
-                    half_close(dst, shared);
-                    return Ok(PumpEnd::Eof);
-                }
-                Poll::Ready(Ok(n)) => {
-                    shared.activity.touch();
-                    write_all(dst, &buf[..n]).await?;
-                    total.fetch_add(n as u64, Ordering::Relaxed);
-                    relayed(dir, n as u64);
-                    if let Some((h, _)) = handover {
-                        h.count_read();
-                    }
-                    if n == buf.capacity() && size < max_buf {
-                        size = (size * 2).min(max_buf);
-                        buf = Vec::with_capacity(size);
-                    }
-                }
-                Poll::Pending => break,
-                Poll::Ready(Err(e)) if e.kind() == io::ErrorKind::Interrupted => {}
-                Poll::Ready(Err(e)) => return Err(e),
+            // Here this direction holds nothing: everything it read is written.
+            if let Some(h) = handover
+                && h.go.load(Ordering::Relaxed)
+            {
+                return Ok(PumpEnd::HandedOver);
             }
-        }
-        if let Some((h, dir)) = handover {
-            h.busy[dir].store(false, Ordering::Relaxed);
+            poll_fn(|cx| src.as_ref().poll_read_ready(cx)).await?;
+            if let Some(h) = handover {
+                h.busy[way].store(true, Ordering::Relaxed);
+            }
+            // Borrowed only while data flows; dropped below before waiting again.
+            let mut buf: Vec<u8> = Vec::with_capacity(size);
+            loop {
+                buf.clear();
+                // One read attempt; `Pending` (drained, or this task's budget is spent: it has
+                // been woken to run again) ends the burst and the buffer goes back.
+                let read = {
+                    let mut read = std::pin::pin!(src.read_buf(&mut buf));
+                    poll_fn(|cx| Poll::Ready(read.as_mut().poll(cx))).await
+                };
+                match read {
+                    Poll::Ready(Ok(0)) => {
+                        half_close(dst, shared);
+                        return Ok(PumpEnd::Eof);
+                    }
+                    Poll::Ready(Ok(n)) => {
+                        shared.activity.touch();
+                        write_all(dst, &buf[..n]).await?;
+                        total.fetch_add(n as u64, Ordering::Relaxed);
+                        (shared.relayed)(dir, n as u64);
+                        if let Some(h) = handover {
+                            h.count_read();
+                        }
+                        if n == buf.capacity() && size < max_buf {
+                            size = (size * 2).min(max_buf);
+                            buf = Vec::with_capacity(size);
+                        }
+                    }
+                    Poll::Pending => break,
+                    Poll::Ready(Err(e)) if e.kind() == io::ErrorKind::Interrupted => {}
+                    Poll::Ready(Err(e)) => return Err(e),
+                }
+            }
+            if let Some(h) = handover {
+                h.busy[way].store(false, Ordering::Relaxed);
+            }
         }
     }
 }
 
 /// EOF from the source. The first side to finish passes the half-close on; after the second, the
 /// caller's close sends the FIN (a `shutdown` now would be one more call).
-fn half_close(dst: &TcpStream, shared: &Shared) {
+fn half_close(dst: &TcpStream, shared: &Shared<'_>) {
     if !shared.one_side_done.swap(true, Ordering::Relaxed) {
         socket2::SockRef::from(dst).shutdown(Shutdown::Write).ok();
     }
 }
 
 /// Write all of `data` to `dst` (which other tasks never write to).
-pub async fn write_all(dst: &TcpStream, mut data: &[u8]) -> io::Result<()> {
-    while !data.is_empty() {
-        match dst.try_write(data) {
-            Ok(0) => return Err(io::ErrorKind::WriteZero.into()),
-            Ok(n) => data = &data[n..],
-            Err(e) if e.kind() == io::ErrorKind::WouldBlock => dst.writable().await?,
-            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-            Err(e) => return Err(e),
+///
+/// Inline in both directions of every tunnel's future, so kept small: it waits with
+/// `poll_write_ready` (the socket's one writer waker, which `AsyncWrite` uses too) rather than
+/// `writable()`, whose waiter node made this future ~230 bytes, and it is a function returning a
+/// block (see [`copy`]).
+#[expect(
+    clippy::manual_async_fn,
+    reason = "an `async fn` stores arguments used across `.await` twice; per-tunnel memory"
+)]
+pub fn write_all<'a>(
+    dst: &'a TcpStream,
+    mut data: &'a [u8],
+) -> impl Future<Output = io::Result<()>> + 'a {
+    async move {
+        while !data.is_empty() {
+            match dst.try_write(data) {
+                Ok(0) => return Err(io::ErrorKind::WriteZero.into()),
+                Ok(n) => data = &data[n..],
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
+                    poll_fn(|cx| dst.poll_write_ready(cx)).await?;
+                }
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e) => return Err(e),
+            }
         }
+        Ok(())
     }
-    Ok(())
 }
 
 #[cfg(test)]

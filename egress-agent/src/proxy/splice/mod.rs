@@ -353,61 +353,97 @@ pub(crate) const VIA_DEMOTED: &str = "kernel+user";
 /// ([`KernelRelay::splice_after`] reads, see [`super::tunnel::run_until_long_lived`]), then
 /// through the kernel relay when it takes the tunnel, else (or after a hand-back) in user space
 /// again. Returns (bytes client → upstream, upstream → client, how it ended, which path).
-pub(crate) async fn relay(
+///
+/// A function returning an `async move` block for the reason `route::carry` gives.
+#[expect(
+    clippy::manual_async_fn,
+    reason = "an `async fn` stores arguments used across `.await` twice; per-tunnel memory"
+)]
+pub(crate) fn relay(
     relay: &Arc<KernelRelay>,
     shared: &super::Shared,
     mut client: TcpStream,
     mut upstream: TcpStream,
     shutdown: impl std::future::Future<Output = ()>,
-) -> (u64, u64, super::tunnel::TunnelEnd, &'static str) {
-    let limits = shared.ctx.limits();
-    let relayed = |dir, n| shared.relayed_one(dir, n);
-    let mut shutdown = std::pin::pin!(shutdown);
-    // Bytes user space relayed before the splice.
-    let mut before = (0, 0);
-    if relay.splice_after > 0 {
-        let (up, down, end) = super::tunnel::run_until_long_lived(
-            &mut client,
-            &mut upstream,
-            limits.tunnel_buffer_bytes,
-            limits.idle_timeout,
-            &relayed,
-            shutdown.as_mut(),
-            relay.splice_after,
-        )
-        .await;
-        if let Some(end) = end {
-            return (up, down, end, VIA_USER);
+) -> impl std::future::Future<Output = (u64, u64, super::tunnel::TunnelEnd, &'static str)> {
+    async move {
+        let mut shutdown = std::pin::pin!(shutdown);
+        // Bytes user space relayed before the splice.
+        let mut before = (0, 0);
+        if relay.splice_after > 0 {
+            let limits = shared.ctx.limits();
+            let (up, down, end) = super::tunnel::run_until_long_lived(
+                &mut client,
+                &mut upstream,
+                limits.tunnel_buffer_bytes,
+                limits.idle_timeout,
+                &|dir, n| shared.relayed_one(dir, n),
+                shutdown.as_mut(),
+                relay.splice_after,
+            )
+            .await;
+            if let Some(end) = end {
+                return (up, down, end, VIA_USER);
+            }
+            before = (up, down);
         }
-        before = (up, down);
+        // Boxed: only a long-lived tunnel gets here, and the splice, the spliced tunnel's task and
+        // the hand-back would otherwise size every tunnel's future, the idle ones' included.
+        let (up, down, end, via) = Box::pin(in_kernel(
+            relay,
+            shared,
+            client,
+            upstream,
+            shutdown.as_mut(),
+        ))
+        .await;
+        (before.0 + up, before.1 + down, end, via)
     }
+}
+
+/// [`relay`] from the splice on: the bytes relayed from here, how the tunnel ended, which path.
+async fn in_kernel(
+    relay: &Arc<KernelRelay>,
+    shared: &super::Shared,
+    client: TcpStream,
+    upstream: TcpStream,
+    mut shutdown: std::pin::Pin<&mut impl std::future::Future<Output = ()>>,
+) -> (u64, u64, super::tunnel::TunnelEnd, &'static str) {
     let tunnel = match splice(relay, client, upstream).await {
         Ok(t) => t,
         Err(NotSpliced::Failed { drained }) => {
             shared.relayed(drained.0, drained.1);
-            let (up, down) = (before.0 + drained.0, before.1 + drained.1);
-            return (up, down, super::tunnel::TunnelEnd::Error, VIA_USER);
+            return (
+                drained.0,
+                drained.1,
+                super::tunnel::TunnelEnd::Error,
+                VIA_USER,
+            );
         }
-        Err(NotSpliced::Fallback(f)) => {
+        Err(NotSpliced::Fallback(mut f)) => {
             tracing::debug!(
                 reason = f.reason,
                 "kernel relay: tunnel stays in user space"
             );
             shared.relayed(f.drained.0, f.drained.1);
-            (client, upstream) = (f.client, f.upstream);
             let (up, down, end) = shared
-                .relay_in_user_space(&mut client, &mut upstream, shutdown.as_mut())
+                .relay_in_user_space(&mut f.client, &mut f.upstream, shutdown.as_mut())
                 .await;
-            let up = before.0 + f.drained.0 + up;
-            return (up, before.1 + f.drained.1 + down, end, VIA_USER);
+            return (f.drained.0 + up, f.drained.1 + down, end, VIA_USER);
         }
     };
     let live = shared.counters.is_some();
+    let relayed = |dir, n| shared.relayed_one(dir, n);
     match tunnel
-        .run(limits.idle_timeout, &relayed, live, shutdown.as_mut())
+        .run(
+            shared.ctx.limits().idle_timeout,
+            &relayed,
+            live,
+            shutdown.as_mut(),
+        )
         .await
     {
-        Outcome::Ended(up, down, end) => (before.0 + up, before.1 + down, end, VIA_KERNEL),
+        Outcome::Ended(up, down, end) => (up, down, end, VIA_KERNEL),
         Outcome::Demoted {
             mut client,
             mut upstream,
@@ -418,7 +454,7 @@ pub(crate) async fn relay(
             let (u, d, end) = shared
                 .relay_in_user_space(&mut client, &mut upstream, shutdown.as_mut())
                 .await;
-            (before.0 + up + u, before.1 + down + d, end, VIA_DEMOTED)
+            (up + u, down + d, end, VIA_DEMOTED)
         }
     }
 }
