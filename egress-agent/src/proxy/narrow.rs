@@ -15,7 +15,6 @@
 use std::net::IpAddr;
 use std::sync::Arc;
 
-use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
 use super::Shared;
@@ -26,50 +25,58 @@ use egress_policy::{Decision, DenyReason};
 
 /// Resolves when `stop` is cancelled, or when the listener's policy, reloaded, refuses `target`
 /// (reached at `addr`), after recording that refusal.
-pub(crate) async fn until_stopped_or_refused(
+///
+/// Every open tunnel holds this future: a function returning an `async move` block (an `async
+/// fn` would keep each argument twice), and the waiting loop inline.
+#[expect(
+    clippy::manual_async_fn,
+    reason = "an `async fn` stores arguments used across `.await` twice; per-tunnel memory"
+)]
+pub(crate) fn until_stopped_or_refused(
     shared: Arc<Shared>,
     target: Target,
     addr: Option<IpAddr>,
     stop: CancellationToken,
-) {
-    let mut reloads = shared.policy_changed.subscribe();
-    tokio::select! {
-        () = stop.cancelled() => {}
-        () = refused_by_reload(&shared, &target, addr, &mut reloads) => {}
+) -> impl Future<Output = ()> + Send {
+    async move {
+        let mut reloads = shared.policy_changed.subscribe();
+        let refused = async {
+            loop {
+                // Decided again at once (a reload between the connection's decision and the
+                // subscription is not missed: the same decision as at dial time otherwise), then
+                // at every reload.
+                if let Some(reason) = refused_now(&shared, &target, addr) {
+                    record(&shared, &target, addr, reason);
+                    return;
+                }
+                if reloads.changed().await.is_err() {
+                    // The listener is gone: `stop` ends the connection.
+                    return std::future::pending().await;
+                }
+            }
+        };
+        tokio::select! {
+            () = stop.cancelled() => {}
+            () = refused => {}
+        }
     }
 }
 
-async fn refused_by_reload(
-    shared: &Shared,
-    target: &Target,
-    addr: Option<IpAddr>,
-    reloads: &mut watch::Receiver<()>,
-) {
-    loop {
-        // Decided again at once (a reload between the connection's decision and the subscription
-        // is not missed: the same decision as at dial time otherwise), then at every reload.
-        if let Some(reason) = refused_now(shared, target, addr) {
-            shared.record_with(
-                target,
-                addr,
-                "tcp",
-                reason.as_str(),
-                Verdict::Deny,
-                &[("ended", "policy-reload")],
-            );
-            tracing::info!(
-                policy = %shared.name,
-                %target,
-                reason = reason.as_str(),
-                "connection closed: the reloaded policy refuses its target"
-            );
-            return;
-        }
-        if reloads.changed().await.is_err() {
-            // The listener is gone: `stop` ends the connection.
-            return std::future::pending().await;
-        }
-    }
+fn record(shared: &Shared, target: &Target, addr: Option<IpAddr>, reason: DenyReason) {
+    shared.record_with(
+        target,
+        addr,
+        "tcp",
+        reason.as_str(),
+        Verdict::Deny,
+        &[("ended", "policy-reload")],
+    );
+    tracing::info!(
+        policy = %shared.name,
+        %target,
+        reason = reason.as_str(),
+        "connection closed: the reloaded policy refuses its target"
+    );
 }
 
 /// The enforced refusal of `target` (at `addr`) by the listener's current policy, if any.
