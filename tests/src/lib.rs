@@ -5,6 +5,8 @@
 //! - [`canary`]: TCP/UDP listeners and an AF_PACKET capture that record what *arrived*.
 //! - [`packet`]: hand-made Ethernet/IPv4/UDP frames sent through AF_PACKET.
 //! - [`upstreams`]: a test CA, python web servers, a recording dnsmasq, local "public" addresses.
+//! - [`registries`]: local TLS package registries (pip, npm, cargo, go, apt, git) for the
+//!   real-client matrix, recording every request.
 //! - [`tls_upstream`]: a recording TLS upstream with its own CA (interception tests).
 //! - [`relay_check`]: content-checked tunnels through an in-process proxy (relay test, soak).
 //! - [`stream`]: content-checked byte streams (relay tests and benchmarks compare content).
@@ -26,6 +28,7 @@ pub mod foreign;
 pub mod netns;
 pub mod packet;
 pub mod pods;
+pub mod registries;
 pub mod relay_check;
 pub mod stream;
 pub mod tls_upstream;

@@ -3,7 +3,8 @@
 //! - Debian packages (build: libnftnl/libmnl/pkg-config; runtime and tests: nftables, iproute2,
 //!   docker.io, busybox-static; benchmark peers: squid-openssl, tinyproxy; unit check:
 //!   systemd-analyze; the interception tests' clients: curl, python3, nodejs; the CRI harness:
-//!   containerd, runc, containernetworking-plugins, protobuf-compiler).
+//!   containerd, runc, containernetworking-plugins, protobuf-compiler; the real-client matrix:
+//!   python3-pip, git, golang-go, dpkg-dev, and Debian's npm where nodejs has none).
 //! - mitmproxy (PyPI, pinned) in its own venv: the interception benchmark's second peer.
 //! - kubernetes-validate (PyPI, pinned) in its own venv: offline schema validation of
 //!   `deploy/kubernetes/` by `cargo xtask test`.
@@ -60,6 +61,15 @@ const APT_PACKAGES: &[&str] = &[
     "runc",
     "containernetworking-plugins",
     "protobuf-compiler",
+    // The real-client matrix (tests/tests/real_clients.rs) runs Debian's clients against local
+    // registries it builds: pip (Debian's python3), git (clone and push through `git
+    // http-backend`), Go 1.19 (a GOPROXY module proxy), and dpkg-scanpackages for the apt
+    // repository (apt-get itself is always there). npm comes with nodejs (see `npm()`), cargo
+    // with the toolchain.
+    "python3-pip",
+    "git",
+    "golang-go",
+    "dpkg-dev",
 ];
 
 /// mitmproxy (PyPI, pinned) for the interception benchmark, in a venv of its own.
@@ -76,6 +86,7 @@ const BPF_LINKER_VERSION: &str = "0.13.0";
 /// Runs every setup step.
 pub fn run() -> Result<()> {
     apt_packages()?;
+    npm()?;
     nightly_rust_src()?;
     bpf_linker()?;
     bpffs()?;
@@ -88,6 +99,7 @@ pub fn run() -> Result<()> {
 /// Whether a quick look says setup is complete (used by the other tasks to decide to run it).
 pub fn needed() -> bool {
     missing_packages().map(|m| !m.is_empty()).unwrap_or(true)
+        || !npm_ok()
         || !bpf_linker_ok()
         || !rust_src_installed().unwrap_or(false)
         || !bpffs_mounted()
@@ -155,6 +167,34 @@ fn apt_packages() -> Result<()> {
         std::fs::remove_file(policy).ok();
     }
     result
+}
+
+fn npm_ok() -> bool {
+    Command::new("npm")
+        .arg("--version")
+        .output()
+        .is_ok_and(|o| o.status.success())
+}
+
+/// npm for the real-client matrix. NodeSource's nodejs (this machine kind's) ships it; Debian's
+/// nodejs does not, and Debian's `npm` package would conflict with NodeSource's: install it only
+/// when there is no `npm` at all.
+fn npm() -> Result<()> {
+    if npm_ok() {
+        return Ok(());
+    }
+    if !is_root() {
+        bail!("xtask setup: npm is missing and installing it needs root");
+    }
+    eprintln!("xtask setup: installing Debian's npm");
+    Command::new("apt-get")
+        .args(["install", "-y", "-qq", "--no-install-recommends", "npm"])
+        .env("DEBIAN_FRONTEND", "noninteractive")
+        .status()
+        .context("running apt-get install npm")?
+        .success()
+        .then_some(())
+        .context("apt-get install npm failed")
 }
 
 fn mitmproxy_ok() -> bool {
