@@ -92,6 +92,8 @@ struct Daemon {
     docker_socket: String,
     /// Whether the runtimes' proxies can set TLS interception up (for `status`).
     intercept: crate::proxy::tls::InterceptHealth,
+    /// The runtimes' workloads holding a real key (for `status` and `doctor`).
+    holders: crate::exposure::Holders,
     /// Refused reloads are counted here.
     metrics: Arc<Metrics>,
     /// The agent this one took over from, while it drains.
@@ -241,6 +243,7 @@ impl Control for Daemon {
             "kubernetes": self.ready.get("kubernetes"),
             "events_total": self.events.total(),
             "interception": self.interception_status(&config),
+            "workload_secrets": self.holders.list(),
             "kernel": kernel,
         })
     }
@@ -353,7 +356,10 @@ impl Control for Daemon {
             let view = crate::doctor::interception::InterceptionView::from_status(
                 &json!({ "interception": self.interception_status(&config) }),
             );
-            backend::doctor(&config, &self.docker_socket, view).await
+            let workloads = crate::doctor::workloads::WorkloadSecretsView::from_status(
+                &json!({ "workload_secrets": self.holders.list() }),
+            );
+            backend::doctor(&config, &self.docker_socket, view, workloads).await
         })
     }
 
@@ -549,6 +555,7 @@ pub async fn run(opts: RunOptions) -> Result<()> {
         ready,
         docker_socket: opts.docker.socket.clone(),
         intercept: opts.docker.intercept.clone(),
+        holders: opts.docker.holders.clone(),
         metrics,
         previous,
         restart_tx,

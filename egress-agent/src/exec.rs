@@ -365,6 +365,35 @@ fn interception(
     Ok((env, Some(files)))
 }
 
+/// The environment the command gets: this process's, with the agent's `changes` applied.
+fn command_env(changes: &[(String, Option<String>)]) -> crate::exposure::WorkloadEnv {
+    use std::os::unix::ffi::OsStringExt as _;
+    let mut env: std::collections::BTreeMap<String, Vec<u8>> = std::env::vars_os()
+        .map(|(k, v)| (k.to_string_lossy().into_owned(), v.into_vec()))
+        .collect();
+    for (k, v) in changes {
+        match v {
+            Some(v) => env.insert(k.clone(), v.clone().into_bytes()),
+            None => env.remove(k),
+        };
+    }
+    crate::exposure::WorkloadEnv::from_pairs(None, env)
+}
+
+/// The command's name for events (its first word's file name).
+fn command_name(command: &[OsString]) -> String {
+    command
+        .first()
+        .map(|c| {
+            Path::new(c)
+                .file_name()
+                .unwrap_or(c)
+                .to_string_lossy()
+                .into_owned()
+        })
+        .unwrap_or_default()
+}
+
 async fn run_async(
     opts: ExecOptions,
     config: Config,
@@ -529,23 +558,65 @@ async fn run_async(
         .arg(spec.to_arg()?)
         .arg("--")
         .args(&opts.command);
+    // What the agent changes in the environment the command inherits (`None`: removed).
+    let mut changes: Vec<(String, Option<String>)> = Vec::new();
     if policy.mode == Mode::Allowlist {
         let url = format!("http://{}", config.proxy.endpoint);
         for var in ["HTTP_PROXY", "HTTPS_PROXY", "http_proxy", "https_proxy"] {
-            cmd.env(var, &url);
+            changes.push((var.to_owned(), Some(url.clone())));
         }
         for var in ["ALL_PROXY", "all_proxy"] {
-            cmd.env_remove(var);
+            changes.push((var.to_owned(), None));
         }
         // The command's own servers on loopback are reached directly (the kernel allows that
         // only for servers of the same command); nothing else bypasses the proxy.
         for var in ["NO_PROXY", "no_proxy"] {
-            cmd.env(var, LOOPBACK_NO_PROXY);
+            changes.push((var.to_owned(), Some(LOOPBACK_NO_PROXY.to_owned())));
         }
     }
-    cmd.envs(interception_env);
+    changes.extend(interception_env.into_iter().map(|(k, v)| (k, Some(v))));
     // The credentials directory is covered in the sandbox: nothing there for the command.
-    cmd.env_remove("CREDENTIALS_DIRECTORY");
+    changes.push(("CREDENTIALS_DIRECTORY".to_owned(), None));
+    for (k, v) in &changes {
+        match v {
+            Some(v) => cmd.env(k, v),
+            None => cmd.env_remove(k),
+        };
+    }
+    // A real key in the environment the command gets (issue #40, item 6): reported; with
+    // `agent.refuse_workload_secrets`, the command is not started.
+    let exposure = crate::exposure::check(&config, &command_env(&changes));
+    if !exposure.is_empty() {
+        let mut ev = crate::events::DenialEvent::proxy(
+            &opts.policy,
+            None,
+            None,
+            0,
+            "exec",
+            crate::exposure::REASON,
+        );
+        ev.source = crate::events::Source::Agent;
+        ev.cgroup_id = Some(id);
+        ev.context
+            .insert("exec".to_owned(), command_name(&opts.command));
+        ev.context
+            .extend(exposure.context("refused to start the command"));
+        events.emit(ev);
+        if exposure.confine {
+            drop(guard);
+            agent.shutdown().await;
+            bail!(
+                "exec: the command's environment holds a real key: {}; it was not run (agent.refuse_workload_secrets = true). Unset the variable, or bind the key (policies.{}.credentials, with placeholder_env naming the variable) so the command gets its placeholder",
+                exposure.variables(),
+                opts.policy
+            );
+        }
+        eprintln!(
+            "egress-agent: warning: the command's environment holds a real key: {}; it can spend it on every host policy {} allows (bind the key instead; agent.refuse_workload_secrets = true refuses such a command)",
+            exposure.variables(),
+            opts.policy
+        );
+    }
     let mut child = cmd.spawn().context("starting the command")?;
     let pid = child.id().ok_or_else(|| anyhow!("child has no pid"))?;
 

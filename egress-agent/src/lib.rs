@@ -16,6 +16,8 @@
 //! - what confined sockets reach: [`proxy`] (explicit CONNECT, transparent TLS/HTTP, TLS
 //!   interception, the agent's DNS in [`proxy::dns`]), [`ca`] (the interception CA), [`secrets`]
 //!   (loading credentials);
+//! - workloads holding real keys: [`exposure`] (their environment checked against the bound
+//!   secrets and the provider variables, for every runtime);
 //! - records: [`events`] (the sink), [`store`] (SQLite), [`export`] (OTLP, syslog), [`metrics`],
 //!   [`suggest`] (policies from observed traffic);
 //! - management: [`config`] (the file and `policies.d`), [`manage`] (policy changes),
@@ -46,6 +48,7 @@ pub mod docker;
 pub mod events;
 pub mod exec;
 pub mod export;
+pub mod exposure;
 pub mod handover;
 pub mod manage;
 pub mod mcp;

@@ -461,13 +461,18 @@ fn main() -> ExitCode {
                     egress_agent::doctor::Options::default()
                 }
             };
-            // The daemon knows what it really loaded (its env secrets included).
-            if let Some(view) = daemon_status(&api_socket)
+            // The daemon knows what it really loaded (its env secrets included) and what its
+            // workloads hold.
+            let status = daemon_status(&api_socket);
+            if let Some(view) = status
                 .as_ref()
                 .and_then(egress_agent::doctor::interception::InterceptionView::from_status)
             {
                 opts.interception = Some(view);
             }
+            opts.workload_secrets = status
+                .as_ref()
+                .and_then(egress_agent::doctor::workloads::WorkloadSecretsView::from_status);
             let report = egress_agent::doctor::run(opts);
             report.print(json);
             Ok(ExitCode::from(report.exit_code().clamp(0, 255) as u8))
@@ -562,6 +567,14 @@ fn status(config: Option<&Path>, json: bool, api_socket: &Path) -> anyhow::Resul
                     );
                 }
                 print_interception(&v);
+                // Workloads holding a real key (names and why, never values).
+                if let Some(view) =
+                    egress_agent::doctor::workloads::WorkloadSecretsView::from_status(&v)
+                {
+                    for w in &view.held {
+                        println!("holds a real key (workload-holds-secret): {w}");
+                    }
+                }
             }
             Err(e) => {
                 eprintln!("egress-agent: daemon not reachable ({e}); reading the pins directly")

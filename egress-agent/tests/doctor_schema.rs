@@ -25,6 +25,7 @@ const GOLDEN: &[&str] = &[
     "host.ip_forward",
     "containerd.pod_annotations",
     "proxy.interception",
+    "workloads.secrets",
 ];
 
 #[test]

@@ -33,6 +33,7 @@
 pub mod addr;
 pub mod credentials;
 pub mod explain;
+pub mod exposure;
 pub mod kernel;
 pub mod kernel_eval;
 pub mod l7;

@@ -354,6 +354,128 @@ echo "== env"; env"#,
         assert!(!r.text().contains(PH), "placeholder upstream: {}", r.text());
     }
     foreign_peers_get_nothing_through_a_containers_listeners(env, &up, PH, SECRET);
+    real_keys_in_a_labelled_container(env, SECRET);
+}
+
+/// #40 item 6: a labelled container holding a real key in its environment — a provider's key
+/// variable and a copy of policy `agent`'s bound secret, shown to a container of policy
+/// `canary` — is reported (event naming the variables, `status`, `doctor`) and, once
+/// `agent.refuse_workload_secrets = true` is reloaded, confined `deny_all`: its connections to
+/// what `canary` allows get nothing through. No value in the events, the status or the log.
+fn real_keys_in_a_labelled_container(env: &mut Env, secret: &str) {
+    const PROVIDER: &str = "sk-proj-Wq5Ht1Xr8Jd3-never-shown";
+    let openai = format!("OPENAI_API_KEY={PROVIDER}");
+    let leaked = format!("LEAKED={secret}");
+    let holding = [
+        "--label",
+        "egress.policy=canary",
+        "-e",
+        openai.as_str(),
+        "-e",
+        leaked.as_str(),
+    ];
+    let mut flags = vec!["--name", "holds-1"];
+    flags.extend(holding);
+    let before = env.canary.count();
+    let out = env.run_out(&flags, DIRECT);
+    assert!(out.contains("DIRECT-OK"), "reported only: {out}");
+    assert!(
+        env.canary.count() > before,
+        "its allowed connection did not arrive"
+    );
+    assert!(
+        env.wait_event(
+            |e| e["reason"] == "workload-holds-secret"
+                && e["container"]["name"] == "holds-1"
+                && e["policy"] == "canary"
+                && e["context"]["variables"].as_str().is_some_and(|v| {
+                    v.contains("OPENAI_API_KEY (provider-variable)")
+                        && v.contains("LEAKED (bound-secret policies.agent.credentials[0])")
+                })
+                && e["context"]["action"]
+                    .as_str()
+                    .is_some_and(|a| a.starts_with("reported")),
+            Duration::from_secs(10)
+        ),
+        "no workload-holds-secret event for holds-1: {:?}",
+        env.events()
+    );
+    // With the setting (a reload applies it): confined deny_all — here from its first
+    // instruction, as the inspect that follows `create` came before the start.
+    let config = std::fs::read_to_string(env.config_path()).expect("config");
+    let refusing = config.replacen("[agent]\n", "[agent]\nrefuse_workload_secrets = true\n", 1);
+    env.write_config(&refusing);
+    let o = env.cli(&["reload"]);
+    assert!(o.status.success(), "reload: {o:?}");
+    let mut flags = vec!["--name", "holds-2"];
+    flags.extend(holding);
+    let before = env.canary.count();
+    let out = env.run_out(&flags, &format!("{DIRECT}; sleep 1; {DIRECT}"));
+    assert!(
+        !out.contains("DIRECT-OK") && out.matches("DIRECT-FAIL").count() == 2,
+        "a container holding a real key got out: {out}"
+    );
+    assert_eq!(env.canary.count(), before, "its connection arrived");
+    assert!(
+        env.wait_event(
+            |e| e["reason"] == "workload-holds-secret"
+                && e["container"]["name"] == "holds-2"
+                && e["context"]["action"]
+                    .as_str()
+                    .is_some_and(|a| a.starts_with("confined deny_all")),
+            Duration::from_secs(10)
+        ),
+        "no confining event for holds-2: {:?}",
+        env.events()
+    );
+    // A running one is listed by `status` and `doctor` (names, never values).
+    env.start_ok("holds-long", &holding, &["sleep", "600"]);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let (status, listed) = loop {
+        let o = env.cli(&["status", "--json"]);
+        let text = String::from_utf8_lossy(&o.stdout).into_owned();
+        let v: serde_json::Value = serde_json::from_str(&text).unwrap_or_default();
+        let listed = v["workload_secrets"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .find(|w| w["name"] == "holds-long")
+            .cloned();
+        if let Some(l) = listed {
+            break (text, l);
+        }
+        assert!(
+            Instant::now() < deadline,
+            "holds-long not in status: {text}"
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    };
+    assert!(
+        listed["confined"] == true && listed["policy"] == "canary",
+        "{listed}"
+    );
+    let config_path = env.config_path().display().to_string();
+    let doctor = env.cli(&["doctor", "--json", "--config", &config_path]);
+    let report = String::from_utf8_lossy(&doctor.stdout).into_owned();
+    assert!(
+        report.contains("workloads.secrets") && report.contains("holds-long"),
+        "{report}"
+    );
+    for (what, text) in [
+        ("status", status),
+        ("doctor", report),
+        ("events", format!("{:?}", env.events())),
+        ("log", env.log()),
+    ] {
+        assert!(
+            !text.contains(secret) && !text.contains(PROVIDER),
+            "{what} holds a value"
+        );
+    }
+    env.d.docker(&["rm", "-f", "holds-long"]);
+    env.write_config(&config);
+    let o = env.cli(&["reload"]);
+    assert!(o.status.success(), "reload: {o:?}");
 }
 
 /// #40 item 1: a labelled container's listeners (explicit, transparent, DNS over TCP on

@@ -506,3 +506,163 @@ fn exec_refuses_to_run_when_a_secret_cannot_be_hidden() {
         "{stderr}"
     );
 }
+
+/// #40 item 6: a real key in the command's environment. Reported (the event names the
+/// variables and why; the command runs and reaches what its policy allows), and with
+/// `agent.refuse_workload_secrets` the command is not run: nothing arrives. Neither exec's
+/// stderr, nor the events, nor the store's files ever hold a value. A placeholder (or an empty
+/// provider variable) is no finding, even with the setting on.
+#[test]
+fn exec_reports_and_refuses_a_real_key_in_the_environment() {
+    use egress_tests::agent::{exec_cmd, probe_bin};
+    use egress_tests::canary::Canary;
+    use egress_tests::marker;
+    use egress_tests::netns::Netns;
+    const PORT: u16 = 7350;
+    const BOUND: &str = "sk-bound-Rf7Yc2Nq9Lw4-never-shown";
+    const PROVIDER: &str = "sk-proj-Dk3Hv8Tz5Mb1-never-shown";
+    const PH_HOLD: &str = "egress-ph-holds-7a11";
+    if !root_or_skip("exec: a real key in the command's environment") {
+        return;
+    }
+    let ns = Netns::new();
+    let canary = Canary::in_netns(&ns, &[PORT], &[]);
+    let dir = std::env::temp_dir().join(format!("egress-exec-holds-{}", std::process::id()));
+    std::fs::remove_dir_all(&dir).ok();
+    let t = Tree(dir);
+    t.dir("", 0o755, 0);
+    t.dir("state", 0o700, 0);
+    t.file("state/secret", BOUND, 0o600, 0);
+    let config = |refuse: bool| {
+        let d = t.0.display();
+        TestConfig::new(&format!(
+            r#"[agent]
+state_dir = "{d}/state"
+refuse_workload_secrets = {refuse}
+[policies.holds]
+allow_hosts = ["api.test"]
+allow_cidrs = [{{ cidr = "198.19.0.0/16", ports = [{PORT}] }}]
+[[policies.holds.credentials]]
+host = "api.test"
+header = "x-api-key"
+source = {{ file = "{d}/state/secret" }}
+placeholder = "{PH_HOLD}"
+placeholder_env = "HOLDS_KEY"
+"#
+        ))
+    };
+    let alt = ns.ns_v4_alt.to_string();
+    let run = |cfg: &TestConfig, env: &[(&str, &str)], m: &str| {
+        let mut cmd = exec_cmd("holds", Some(&cfg.path));
+        cmd.arg(probe_bin())
+            .args(["tcp", &alt, &PORT.to_string(), m])
+            .envs(env.iter().copied())
+            .stdin(Stdio::null());
+        let out = cmd.output().expect("exec");
+        let text = format!(
+            "{}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        for v in [BOUND, PROVIDER] {
+            assert!(!text.contains(v), "exec printed a value:\n{text}");
+        }
+        (
+            out.status.code(),
+            String::from_utf8_lossy(&out.stderr).into_owned(),
+        )
+    };
+    let events = |cfg: &TestConfig| -> Vec<serde_json::Value> {
+        let out = Command::new(agent_bin())
+            // A selection: read from this run's store, never a daemon's ring.
+            .args([
+                "events", "--json", "-n", "1000", "--policy", "holds", "--config",
+            ])
+            .arg(&cfg.path)
+            .output()
+            .expect("events");
+        let text = String::from_utf8_lossy(&out.stdout).into_owned();
+        for v in [BOUND, PROVIDER] {
+            assert!(!text.contains(v), "the events hold a value:\n{text}");
+        }
+        text.lines()
+            .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+            .filter(|e| e["reason"] == "workload-holds-secret")
+            .collect()
+    };
+    let holding = [("OPENAI_API_KEY", PROVIDER), ("LEAKED_COPY", BOUND)];
+
+    // Reported: the command runs and its allowed destination gets its bytes.
+    let cfg = config(false);
+    let m = marker("holds-reported");
+    let (code, err) = run(&cfg, &holding, &m);
+    assert_eq!(code, Some(0), "{err}");
+    assert!(canary.wait_for(&m, Duration::from_secs(3)), "{err}");
+    assert!(
+        err.contains("OPENAI_API_KEY (provider-variable)")
+            && err.contains("LEAKED_COPY (bound-secret policies.holds.credentials[0])"),
+        "{err}"
+    );
+    let evs = events(&cfg);
+    let ev = evs
+        .last()
+        .unwrap_or_else(|| panic!("no workload-holds-secret event"));
+    assert!(ev["policy"] == "holds" && ev["source"] == "agent", "{ev}");
+    let vars = ev["context"]["variables"].as_str().unwrap_or_default();
+    assert!(
+        vars.contains("OPENAI_API_KEY (provider-variable)") && vars.contains("LEAKED_COPY"),
+        "{ev}"
+    );
+    assert!(
+        ev["context"]["action"]
+            .as_str()
+            .is_some_and(|a| a.starts_with("reported")),
+        "{ev}"
+    );
+
+    // Refused: not run, nothing arrives; the error names the variable and the setting.
+    let cfg = config(true);
+    let m = marker("holds-refused");
+    let (code, err) = run(&cfg, &holding, &m);
+    assert_eq!(code, Some(125), "{err}");
+    assert!(
+        err.contains("OPENAI_API_KEY (provider-variable)")
+            && err.contains("refuse_workload_secrets = true")
+            && err.contains("it was not run"),
+        "{err}"
+    );
+    std::thread::sleep(Duration::from_millis(500));
+    assert!(!canary.saw(&m), "the refused command's bytes arrived");
+    let evs = events(&cfg);
+    assert!(
+        evs.iter().any(|e| e["context"]["action"]
+            .as_str()
+            .is_some_and(|a| a.starts_with("refused to start"))),
+        "{evs:?}"
+    );
+    let before = evs.len();
+
+    // Placeholders and empty provider variables are fine, setting on or not; and a binding's
+    // `placeholder_env` is judged as the command gets it (exec sets it to the placeholder).
+    let m = marker("holds-placeholder");
+    let (code, err) = run(
+        &cfg,
+        &[
+            ("OPENAI_API_KEY", PH_HOLD),
+            ("GITHUB_TOKEN", ""),
+            ("HOLDS_KEY", BOUND),
+        ],
+        &m,
+    );
+    assert_eq!(code, Some(0), "a placeholder was refused: {err}");
+    assert!(canary.wait_for(&m, Duration::from_secs(3)), "{err}");
+    assert_eq!(events(&cfg).len(), before, "an event for placeholders");
+
+    // The store's files never hold a value.
+    for f in ["events.db", "events.db-wal"] {
+        let bytes = std::fs::read(t.0.join("state").join(f)).unwrap_or_default();
+        for v in [BOUND, PROVIDER] {
+            assert!(!has(&bytes, v), "{f} holds a value");
+        }
+    }
+}

@@ -300,11 +300,13 @@ pub async fn doctor(
     config: &Config,
     docker_socket: &str,
     interception: Option<crate::doctor::interception::InterceptionView>,
+    workload_secrets: Option<crate::doctor::workloads::WorkloadSecretsView>,
 ) -> Value {
     let mut opts = crate::doctor::Options::from_config(config);
     if interception.is_some() {
         opts.interception = interception;
     }
+    opts.workload_secrets = workload_secrets;
     opts.docker_socket = PathBuf::from(
         docker_socket
             .strip_prefix("unix://")

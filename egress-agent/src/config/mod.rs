@@ -133,6 +133,12 @@ pub struct AgentConfig {
     /// keeps relaying the connections it has open (tunnels, DNS-over-TCP) before it cuts what is
     /// left and exits, in seconds. Default 300.
     pub drain_timeout_s: u64,
+    /// A workload (an opted-in container or pod, an `exec` command) whose environment holds a
+    /// real key — a bound secret of any policy, or a provider's key variable (`OPENAI_API_KEY`,
+    /// `GITHUB_TOKEN`, ...) holding anything but a placeholder — is reported either way (event
+    /// `workload-holds-secret`, `status`, `doctor`); with this set it is also confined
+    /// `deny_all` (`exec` refuses to start the command). A reload applies it. Default false.
+    pub refuse_workload_secrets: bool,
 }
 
 impl Default for AgentConfig {
@@ -144,6 +150,7 @@ impl Default for AgentConfig {
             state_dir: PathBuf::from(DEFAULT_STATE_DIR),
             watch_policies: true,
             drain_timeout_s: 300,
+            refuse_workload_secrets: false,
         }
     }
 }
@@ -729,6 +736,7 @@ mod tests {
         let c = parse("").unwrap();
         assert_eq!(c.agent.default_policy, "deny_all");
         assert_eq!(c.agent.unlabeled, "allow_all");
+        assert!(!c.agent.refuse_workload_secrets);
         assert_eq!(c.agent.bpffs, PathBuf::from("/sys/fs/bpf/egress-agent"));
         assert_eq!(c.proxy.endpoint, "127.0.0.1:3128".parse().unwrap());
         assert_eq!(c.proxy.listen_ip(), "127.0.0.1".parse::<IpAddr>().unwrap());
@@ -809,6 +817,17 @@ deny_cidrs = ["203.0.113.0/24"]
         assert!(e.contains("policies.ci.allow_ports"), "{e}");
         let e = err("[proxy]\nendpoint = \"localhost:3128\"\n");
         assert!(e.contains("proxy.endpoint"), "{e}");
+        let e = err("[agent]\nrefuse_workload_secrets = \"yes\"\n");
+        assert!(
+            e.contains(":2:") && e.contains("agent.refuse_workload_secrets"),
+            "{e}"
+        );
+        assert!(
+            parse("[agent]\nrefuse_workload_secrets = true\n")
+                .unwrap()
+                .agent
+                .refuse_workload_secrets
+        );
     }
 
     #[test]

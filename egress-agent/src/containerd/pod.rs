@@ -62,6 +62,9 @@ pub struct App {
     pub name: String,
     pub pod: PodRef,
     pub cgroup: PodCgroup,
+    /// Its environment (the OCI spec's `process.env`, named by the container), checked for real
+    /// keys (`crate::exposure`).
+    pub env: crate::exposure::WorkloadEnv,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -183,12 +186,21 @@ pub fn classify(
         .or_else(|| labels.get(LABEL_CONTAINER_NAME))
         .cloned()
         .unwrap_or_default();
+    let env = crate::exposure::WorkloadEnv::from_entries(
+        Some(&name),
+        spec.pointer("/process/env")
+            .and_then(|e| e.as_array())
+            .into_iter()
+            .flatten()
+            .filter_map(|e| e.as_str()),
+    );
     Ok(Record::App(App {
         id: id.to_owned(),
         sandbox_id,
         name,
         pod,
         cgroup,
+        env,
     }))
 }
 
@@ -332,6 +344,20 @@ mod tests {
         assert_eq!(
             (app.sandbox_id.as_str(), app.name.as_str()),
             (SANDBOX, "main")
+        );
+        assert!(app.env.is_empty());
+        // Its environment, named by the container; values never in `Debug`.
+        let mut with_env: serde_json::Value = serde_json::from_slice(&s).expect("json");
+        with_env["process"] =
+            serde_json::json!({ "env": ["PATH=/bin", "OPENAI_API_KEY=sk-pod-value"] });
+        let s = serde_json::to_vec(&with_env).expect("json");
+        let Ok(Record::App(app)) = classify(APP, &labels("container"), &s, "/kubepods") else {
+            panic!("not an app container");
+        };
+        let shown = format!("{app:?}");
+        assert!(
+            shown.contains("main/OPENAI_API_KEY") && !shown.contains("sk-pod-value"),
+            "{shown}"
         );
     }
 

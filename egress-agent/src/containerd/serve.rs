@@ -35,6 +35,7 @@ pub async fn serve(
         tables: host.tables,
         sockets: host.sockets,
         intercept: host.intercept,
+        holders: host.holders,
         runtime: "kubernetes",
     };
     let (enforcer, mut info) =

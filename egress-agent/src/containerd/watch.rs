@@ -11,12 +11,12 @@
 //!
 //! | event                | action                                                          |
 //! |----------------------|-----------------------------------------------------------------|
-//! | `/containers/create` | a sandbox: resolve its annotations; pre-create the pod cgroup; write its entry and start its listener |
+//! | `/containers/create` | a sandbox: resolve its annotations; pre-create the pod cgroup; write its entry and start its listener. An app container: its environment joins the pod's; a real key in it is reported, and with `agent.refuse_workload_secrets` the pod's entry becomes `deny_all` (before the container's task exists) |
 //! | `/tasks/start` of a sandbox | its interfaces exist: write its nftables host rules (found through its network namespace) |
 //! | `/tasks/create`, `/tasks/start` | a container of a refused pod: kill it (at create, before it runs anything) |
 //! | `/tasks/exit` of a sandbox | its interfaces are gone: take its host rules out (the entry stays until delete) |
 //! | `/containers/delete` | a sandbox: release its entry and listener, remove a pre-created dir |
-use std::collections::{HashMap, HashSet};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
@@ -28,6 +28,7 @@ use super::pod::{self, Record, Sandbox};
 use crate::config::KubernetesConfig;
 use crate::docker::watch::{Pause, next_reload, pause};
 use crate::docker::{Enforcer, Outcome, ReloadRequest};
+use crate::exposure::WorkloadEnv;
 use crate::metrics::Metrics;
 
 const BACKOFF_MIN: Duration = Duration::from_millis(100);
@@ -44,13 +45,22 @@ struct Pods {
     running: HashMap<String, u32>,
     /// App containers → their cgroup id, named in the directory (`k8s.container.name`).
     members: HashMap<String, u64>,
+    /// Sandbox id → its app containers' environments (app id → env): what the pod holds. Kept
+    /// until the pod is removed (a key a container held may have been left in the pod's
+    /// volumes: a pod confined for it stays confined).
+    envs: HashMap<String, BTreeMap<String, WorkloadEnv>>,
 }
 
 impl Pods {
-    /// The pod of sandbox `id` as the enforcer sees it, with its process if it runs.
+    /// The pod of sandbox `id` as the enforcer sees it, with its process if it runs and its
+    /// containers' environments.
     fn workload(&self, id: &str) -> Option<crate::docker::container::ContainerInfo> {
         let sb = self.sandboxes.get(id)?;
-        Some(sb.workload(self.running.get(id).copied()))
+        let mut info = sb.workload(self.running.get(id).copied());
+        if let Some(envs) = self.envs.get(id) {
+            info.env = WorkloadEnv::join(envs.values());
+        }
+        Some(info)
     }
 }
 
@@ -262,6 +272,7 @@ async fn reconcile_all(
             }
             Ok(Record::App(app)) => {
                 member(enforcer, pods, &app);
+                app_env(enforcer, pods, &app).await;
                 started.push((app.id, app.sandbox_id));
             }
             Err(e) => {
@@ -281,6 +292,7 @@ async fn reconcile_all(
     for id in gone {
         removed(enforcer, pods, &id).await;
     }
+    pods.envs.retain(|id, _| seen.contains(id));
     enforcer.prune();
     Ok(started)
 }
@@ -300,7 +312,8 @@ async fn handle(
             let (labels, spec) = client::parts(&c);
             match pod::classify(&id, labels, spec, &k8s.cgroup_root) {
                 Ok(Record::Sandbox(sb)) => sandbox(enforcer, pods, sb).await,
-                Ok(Record::App(_)) => {}
+                // Before its task exists: what it holds is judged before it runs.
+                Ok(Record::App(app)) => app_env(enforcer, pods, &app).await,
                 Err(e) => {
                     // Refused: its task is killed when it starts (`/tasks/start`).
                     not_a_pod(pods, &id, labels, &e);
@@ -349,6 +362,7 @@ async fn handle(
                 kill(client, k8s, &id).await;
             } else if let Some(app) = app {
                 member(enforcer, pods, &app);
+                app_env(enforcer, pods, &app).await;
             }
         }
         Event::Sync(_) | Event::Other => {}
@@ -419,7 +433,25 @@ fn member(enforcer: &Enforcer, pods: &mut Pods, app: &pod::App) {
     }
 }
 
+/// An app container's environment joins its pod's: the pod is applied again when what it
+/// holds changes (with `agent.refuse_workload_secrets`, its entry becomes `deny_all`).
+async fn app_env(enforcer: &mut Enforcer, pods: &mut Pods, app: &pod::App) {
+    let envs = pods.envs.entry(app.sandbox_id.clone()).or_default();
+    if envs.get(&app.id) == Some(&app.env) {
+        return;
+    }
+    envs.insert(app.id.clone(), app.env.clone());
+    let Some(info) = pods.workload(&app.sandbox_id) else {
+        // Its sandbox is not known yet: the sandbox's record brings the environment in.
+        return;
+    };
+    if let Outcome::Refuse(why) = enforcer.env_changed(&info).await {
+        refused(pods, &app.sandbox_id, &why);
+    }
+}
+
 async fn removed(enforcer: &mut Enforcer, pods: &mut Pods, id: &str) {
+    pods.envs.remove(id);
     pods.sandboxes.remove(id);
     pods.refused.remove(id);
     pods.running.remove(id);

@@ -35,6 +35,9 @@ pub struct ContainerInfo {
     pub unconfinable: Vec<String>,
     /// Set for a Kubernetes pod (the containerd runtime): the workload is the whole pod.
     pub pod: Option<PodPlacement>,
+    /// Its environment (`Config.Env`; a pod's: its app containers'), checked for real keys
+    /// (`crate::exposure`). Empty when not known yet (from a `create` event).
+    pub env: crate::exposure::WorkloadEnv,
 }
 
 /// Where a pod's entry goes and what names it: a pod is enforced at its pod-level cgroup, which
@@ -126,7 +129,17 @@ impl ContainerInfo {
                 unconfinable.push(format!("mount of {src}"));
             }
         }
+        let env = crate::exposure::WorkloadEnv::from_entries(
+            None,
+            c.config
+                .as_ref()
+                .and_then(|cfg| cfg.env.as_ref())
+                .into_iter()
+                .flatten()
+                .map(String::as_str),
+        );
         Some(ContainerInfo {
+            env,
             id,
             name,
             labels,
@@ -160,6 +173,7 @@ impl ContainerInfo {
             published_tcp: Vec::new(),
             unconfinable: Vec::new(),
             pod: None,
+            env: Default::default(),
         }
     }
 

@@ -94,6 +94,8 @@ pub struct Settings {
     pub direct: Arc<super::direct::DirectPorts>,
     /// The agent's nftables tables, shared by its runtimes, and this runtime's name in them.
     pub tables: Arc<HostTables>,
+    /// The workloads holding a real key (`status`), shared by the agent's runtimes.
+    pub holders: crate::exposure::Holders,
     pub runtime: &'static str,
 }
 
@@ -245,7 +247,7 @@ impl Enforcer {
 
     fn resolve(&self, info: &ContainerInfo) -> Resolved {
         let labels = info.labels.iter().map(|(k, v)| (k.as_str(), v.as_str()));
-        let resolved = match &info.pod {
+        let mut resolved = match &info.pod {
             None => labels::resolve(labels, &self.config),
             Some(pod) => {
                 let mut r = labels::resolve_pod(labels, &pod.namespace, &self.config);
@@ -253,8 +255,35 @@ impl Enforcer {
                 r
             }
         };
+        // Real keys in its environment: only an opted-in workload is the agent's to judge.
+        if resolved.opted_in() {
+            resolved.exposure = crate::exposure::check(&self.config, &info.env);
+        }
         self.note_invalid(info, &resolved);
+        self.note_exposure(info, &resolved);
         resolved
+    }
+
+    /// A pod's environment changed (an app container was created or removed): re-applied when
+    /// what it holds changes (the pod's entry may become `deny_all`), else only remembered.
+    pub async fn env_changed(&mut self, info: &ContainerInfo) -> Outcome {
+        let Some(t) = self.tracked.get_mut(&info.id) else {
+            return Outcome::Ok;
+        };
+        let now = if t.resolved.opted_in() {
+            crate::exposure::check(&self.config, &info.env)
+        } else {
+            crate::exposure::Exposure::default()
+        };
+        if now == t.resolved.exposure {
+            t.info.env = info.env.clone();
+            return Outcome::Ok;
+        }
+        if info.running {
+            self.started(info).await
+        } else {
+            self.prepare(info).await
+        }
     }
 
     /// Prepare a container that is not running (from `create`, after `die`, or found stopped):
@@ -386,6 +415,7 @@ impl Enforcer {
     #[tracing::instrument(skip(self))]
     pub async fn destroyed(&mut self, container_id: &str) {
         self.stopped(container_id).await;
+        self.settings.holders.remove(container_id);
         if let Some(t) = self.tracked.remove(container_id)
             && let Some(dir) = t.precreated
             && let Err(e) = self.settings.root.remove_if_unused(&dir)
@@ -642,6 +672,31 @@ impl Enforcer {
         }
     }
 
+    /// Report what a workload's environment holds, once per change: an event (variable names
+    /// and why, never values; what was done) and the list `status` shows.
+    fn note_exposure(&self, info: &ContainerInfo, resolved: &Resolved) {
+        let before = self.tracked.get(&info.id);
+        let exposure = &resolved.exposure;
+        if before.map_or(exposure.is_empty(), |t| &t.resolved.exposure == exposure) {
+            return;
+        }
+        self.settings.holders.set(crate::exposure::Holder {
+            runtime: self.settings.runtime.to_owned(),
+            id: info.id.clone(),
+            name: info.name.clone(),
+            policy: resolved.name.clone(),
+            variables: exposure.holdings.iter().map(ToString::to_string).collect(),
+            confined: exposure.confine,
+        });
+        if exposure.is_empty() {
+            return;
+        }
+        let cgroup_id = before.and_then(|t| t.cgroup.as_ref().map(|c| c.1));
+        let mut ev = self.event_of(info, resolved, cgroup_id, crate::exposure::REASON);
+        ev.context.extend(exposure.context("confined deny_all"));
+        self.events.emit(ev);
+    }
+
     fn track(&mut self, info: &ContainerInfo, resolved: Resolved) {
         let t = self.tracked.get_mut(&info.id);
         let (cgroup, precreated, listener) = match t {
@@ -681,7 +736,18 @@ impl Enforcer {
         cgroup_id: Option<u64>,
         reason: &str,
     ) {
-        self.events.emit(DenialEvent {
+        self.events
+            .emit(self.event_of(info, resolved, cgroup_id, reason));
+    }
+
+    fn event_of(
+        &self,
+        info: &ContainerInfo,
+        resolved: &Resolved,
+        cgroup_id: Option<u64>,
+        reason: &str,
+    ) -> DenialEvent {
+        DenialEvent {
             time: SystemTime::now(),
             source: Source::Agent,
             cgroup_id,
@@ -700,7 +766,7 @@ impl Enforcer {
             .to_owned(),
             reason: reason.to_owned(),
             verdict: crate::events::Verdict::Deny,
-        });
+        }
     }
 
     /// Remove the kernel entries of cgroups that no longer exist (anywhere in the hierarchy).

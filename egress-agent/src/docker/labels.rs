@@ -67,6 +67,9 @@ pub struct Resolved {
     pub source: Source,
     /// Context labels, keys without the `egress.` prefix (`agent`, `workspace`, `repo`, `run`).
     pub context: BTreeMap<String, String>,
+    /// Real keys its environment holds (filled in by the enforcer, which knows the environment;
+    /// empty here): with `agent.refuse_workload_secrets` it is confined `deny_all`.
+    pub exposure: crate::exposure::Exposure,
 }
 
 impl Resolved {
@@ -145,6 +148,7 @@ where
             policy: Arc::new(Policy::deny_all()),
             source: Source::Invalid(e.to_string()),
             context,
+            exposure: Default::default(),
         }
     };
     if let Some(d) = dup {
@@ -186,6 +190,7 @@ where
                 policy: Arc::new(policy),
                 source: Source::Inline,
                 context,
+                exposure: Default::default(),
             },
             Err(e) => invalid(e, context),
         },
@@ -249,6 +254,7 @@ fn named(
             policy: Arc::new(p.clone()),
             source,
             context,
+            exposure: Default::default(),
         },
         None => {
             let e = LabelError::UnknownPolicy(name.to_owned());
@@ -261,6 +267,7 @@ fn named(
                 policy: Arc::new(Policy::deny_all()),
                 source: Source::Invalid(e.to_string()),
                 context,
+                exposure: Default::default(),
             }
         }
     }

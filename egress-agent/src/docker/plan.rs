@@ -22,24 +22,31 @@ pub struct Plan {
     pub published: Vec<u16>,
     /// It can't be confined (privileged, dangerous capabilities or mounts): stop it. Reasons.
     pub refuse: Option<String>,
+    /// Its environment holds a real key and `agent.refuse_workload_secrets` is on: it runs on,
+    /// confined `deny_all`.
+    pub confined_for_secret: bool,
 }
 
 /// Decide the kernel side. A refused container is `deny_all` (until it is stopped) and, like
-/// one whose labels were refused, gets no published ports: both are fail-closed states.
+/// one whose labels were refused or one confined for a real key it holds, gets no published
+/// ports: all are fail-closed states.
 pub fn plan(info: &ContainerInfo, resolved: &Resolved) -> Plan {
     let refuse = (resolved.opted_in() && !info.unconfinable.is_empty())
         .then(|| info.unconfinable.join(", "));
-    let (policy_name, policy) = if refuse.is_some() {
+    let confined_for_secret = resolved.opted_in() && resolved.exposure.confine;
+    let (policy_name, policy) = if refuse.is_some() || confined_for_secret {
         (DENY_ALL.to_owned(), Arc::new(Policy::deny_all()))
     } else {
         (resolved.name.clone(), resolved.policy.clone())
     };
-    let published = if refuse.is_some() || resolved.invalid_reason().is_some() {
-        Vec::new()
-    } else {
-        info.published_tcp.clone()
-    };
+    let published =
+        if refuse.is_some() || confined_for_secret || resolved.invalid_reason().is_some() {
+            Vec::new()
+        } else {
+            info.published_tcp.clone()
+        };
     Plan {
+        confined_for_secret,
         listener: resolved.opted_in() && refuse.is_none() && policy.mode != Mode::DenyAll,
         policy_name,
         policy,
@@ -167,6 +174,26 @@ mod tests {
         assert_eq!(p.refuse.as_deref(), Some("privileged"));
         assert_eq!(p.policy.mode, Mode::DenyAll);
         assert!(!p.listener && p.published.is_empty());
+    }
+
+    #[test]
+    fn a_container_confined_for_a_real_key_is_deny_all_and_runs_on() {
+        let c = config();
+        let i = info(&[("egress.policy", "ci")], &[], &[8080]);
+        let mut r = resolve(&i, &c);
+        r.exposure.confine = true;
+        let p = plan(&i, &r);
+        assert!(p.confined_for_secret && p.refuse.is_none());
+        assert_eq!(
+            (p.policy_name.as_str(), p.policy.mode),
+            ("deny_all", Mode::DenyAll)
+        );
+        assert!(!p.listener && p.published.is_empty());
+        // Unlabelled: never confined by the agent.
+        let i = info(&[], &[], &[]);
+        let mut r = resolve(&i, &c);
+        r.exposure.confine = true;
+        assert!(!plan(&i, &r).confined_for_secret);
     }
 
     #[test]

@@ -38,6 +38,9 @@ pub struct DockerOptions {
     /// Whether TLS interception can be set up, as every runtime's proxy finds (what `status`
     /// shows; shared likewise).
     pub intercept: crate::proxy::tls::InterceptHealth,
+    /// The workloads holding a real key, kept by every runtime's enforcer (what `status` shows;
+    /// shared likewise).
+    pub holders: crate::exposure::Holders,
 }
 
 impl Default for DockerOptions {
@@ -51,6 +54,7 @@ impl Default for DockerOptions {
             tables: Arc::default(),
             sockets: crate::handover::Sockets::new(),
             intercept: crate::proxy::tls::InterceptHealth::default(),
+            holders: crate::exposure::Holders::default(),
         }
     }
 }
@@ -118,6 +122,7 @@ pub async fn serve_with(
         tables: opts.tables.clone(),
         sockets: opts.sockets.clone(),
         intercept: opts.intercept.clone(),
+        holders: opts.holders.clone(),
         runtime: "docker",
     };
     let (enforcer, info) =
@@ -153,6 +158,8 @@ pub struct Site {
     pub sockets: Arc<crate::handover::Sockets>,
     /// See [`DockerOptions::intercept`].
     pub intercept: crate::proxy::tls::InterceptHealth,
+    /// See [`DockerOptions::holders`].
+    pub holders: crate::exposure::Holders,
     pub runtime: &'static str,
 }
 
@@ -220,6 +227,7 @@ pub async fn enforcer_at(
         l2_guard: site.nft && enforcement_lsm.is_some(),
         direct,
         tables: site.tables,
+        holders: site.holders,
         runtime: site.runtime,
     };
     let mut enforcer = Enforcer::new(

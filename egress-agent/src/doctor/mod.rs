@@ -11,6 +11,7 @@
 //! - `pins`: bpffs and the agent's pinned maps and links.
 //! - `proxy`: the proxy listeners accept connections.
 //! - `interception`: TLS interception can be set up and every credential binding has its secret.
+//! - `workloads`: no running workload holds a real key in its environment (the daemon's view).
 //! - `docker`: a minimal Docker Engine API client and the Docker probes.
 //! - `netfilter`: an nf_tables netlink dump (and legacy iptables) for the agent's table, the firewall
 //!   default policies and IP forwarding.
@@ -37,6 +38,7 @@ mod netfilter;
 mod pins;
 mod proxy;
 mod tool;
+pub mod workloads;
 
 use std::ffi::OsString;
 use std::future::Future;
@@ -172,6 +174,9 @@ pub struct Options {
     /// What `proxy.interception` judges: the daemon's view or the configuration's; `None`:
     /// nothing to judge, the probe is skipped.
     pub interception: Option<interception::InterceptionView>,
+    /// What `workloads.secrets` judges: the running daemon's workloads holding a real key;
+    /// `None` (no daemon answered): the probe is skipped.
+    pub workload_secrets: Option<workloads::WorkloadSecretsView>,
     /// Per-probe timeout.
     pub probe_timeout: Duration,
     /// Deadline for the whole run; probes still running then are reported as `skip`.
@@ -199,6 +204,7 @@ impl Default for Options {
             netlink: true,
             containerd_config: None,
             interception: None,
+            workload_secrets: None,
             probe_timeout: Duration::from_secs(3),
             deadline: Duration::from_secs(8),
         }
@@ -239,6 +245,7 @@ pub const PROBE_IDS: &[&str] = &[
     "host.ip_forward",
     "containerd.pod_annotations",
     "proxy.interception",
+    "workloads.secrets",
 ];
 
 /// What a probe returns; the runner adds the id.
@@ -313,6 +320,7 @@ fn probe_fn(id: &str) -> Option<ProbeFn> {
         "host.ip_forward" => |c| Box::pin(netfilter::ip_forward(c)),
         "containerd.pod_annotations" => |c| Box::pin(containerd::pod_annotations(c)),
         "proxy.interception" => |c| Box::pin(interception::interception(c)),
+        "workloads.secrets" => |c| Box::pin(workloads::workload_secrets(c)),
         _ => return None,
     })
 }
