@@ -40,12 +40,21 @@ struct Part {
 
 /// A workload's environment. `Debug` shows variable names only.
 #[derive(Clone, Default, PartialEq, Eq)]
-pub struct WorkloadEnv(Vec<Part>);
+pub struct WorkloadEnv {
+    parts: Vec<Part>,
+    /// Not read yet: a Docker `create` event carries labels but no environment, and the
+    /// inspect that reads it may return only after the start. With
+    /// `agent.refuse_workload_secrets` such a workload is confined until it is read.
+    unread: bool,
+}
 
 impl fmt::Debug for WorkloadEnv {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let mut l = f.debug_list();
-        for p in &self.0 {
+        if self.unread {
+            l.entry(&format_args!("(not read yet)"));
+        }
+        for p in &self.parts {
             for (name, _) in p.vars.iter() {
                 match &p.container {
                     Some(c) => l.entry(&format_args!("{c}/{name}")),
@@ -86,24 +95,35 @@ impl WorkloadEnv {
         if vars.is_empty() {
             return WorkloadEnv::default();
         }
-        WorkloadEnv(vec![Part {
-            container: container.map(str::to_owned),
-            vars: Arc::new(vars),
-        }])
+        WorkloadEnv {
+            parts: vec![Part {
+                container: container.map(str::to_owned),
+                vars: Arc::new(vars),
+            }],
+            unread: false,
+        }
     }
 
     /// Several processes' environments as one workload's (a pod's containers).
     pub fn join<'a>(parts: impl IntoIterator<Item = &'a WorkloadEnv>) -> WorkloadEnv {
-        WorkloadEnv(
-            parts
-                .into_iter()
-                .flat_map(|e| e.0.iter().cloned())
-                .collect(),
-        )
+        let mut joined = WorkloadEnv::default();
+        for e in parts {
+            joined.parts.extend(e.parts.iter().cloned());
+            joined.unread |= e.unread;
+        }
+        joined
+    }
+
+    /// An environment not read yet (see the `unread` field).
+    pub fn unread() -> WorkloadEnv {
+        WorkloadEnv {
+            parts: Vec::new(),
+            unread: true,
+        }
     }
 
     pub fn is_empty(&self) -> bool {
-        self.0.is_empty()
+        self.parts.is_empty() && !self.unread
     }
 }
 
@@ -128,7 +148,8 @@ impl fmt::Display for Holding {
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Exposure {
     pub holdings: Vec<Holding>,
-    /// `agent.refuse_workload_secrets` and something is held: `deny_all`.
+    /// `agent.refuse_workload_secrets` and something is held, or the environment was not read
+    /// yet: `deny_all`.
     pub confine: bool,
 }
 
@@ -170,7 +191,7 @@ pub fn check(config: &Config, env: &WorkloadEnv) -> Exposure {
     }
     let known = Known::of(config.policies.iter().map(|(n, p)| (n.as_str(), p)));
     let mut holdings = Vec::new();
-    for part in &env.0 {
+    for part in &env.parts {
         let found = exposure::findings(
             part.vars.iter().map(|(k, v)| (k.as_str(), v.as_slice())),
             &known,
@@ -181,7 +202,8 @@ pub fn check(config: &Config, env: &WorkloadEnv) -> Exposure {
         }));
     }
     Exposure {
-        confine: config.agent.refuse_workload_secrets && !holdings.is_empty(),
+        // Not read yet: nothing to report, but nothing gets out before it is read (fail closed).
+        confine: config.agent.refuse_workload_secrets && (!holdings.is_empty() || env.unread),
         holdings,
     }
 }
@@ -289,6 +311,19 @@ mod tests {
         // Nothing held: nothing to confine, whatever the setting.
         let clean = WorkloadEnv::from_entries(None, ["OPENAI_API_KEY=egress-ph-a", "GH_TOKEN="]);
         assert_eq!(check(&config(true), &clean), Exposure::default());
+    }
+
+    #[test]
+    fn an_unread_environment_is_confined_only_when_refusing_and_reports_nothing() {
+        let unread = WorkloadEnv::unread();
+        assert!(!unread.is_empty());
+        let e = check(&config(true), &unread);
+        assert!(e.confine && e.holdings.is_empty(), "{e:?}");
+        assert_eq!(check(&config(false), &unread), Exposure::default());
+        // Joined with a read part (a pod), still unread.
+        let read = WorkloadEnv::from_entries(Some("main"), ["PATH=/bin"]);
+        assert!(check(&config(true), &WorkloadEnv::join([&read, &unread])).confine);
+        assert!(!check(&config(true), &read).confine);
     }
 
     #[test]

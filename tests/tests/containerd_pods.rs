@@ -447,6 +447,51 @@ fn pods_are_confined_per_pod_through_containerd() {
         });
     }
     assert!(!canary.saw("BAD-"), "a pod with bad annotations got out");
+    // #40 item 6: an app container holding a provider's key in its environment is reported
+    // (named by container, never by value) when its containerd record is created; the agent's
+    // setting here is the default (reported, not confined), so its allowed connection arrives.
+    const PROVIDER_KEY: &str = "sk-proj-Pz4Lq8Wd2Kv6-never-shown";
+    let holder = pod_with(&c, "ci", "holder", &[("egress.policy", "web")]);
+    let (code, logs) = rt.block_on(async {
+        let mut cs = egress_tests::cri::ContainerSpec::new(
+            "main",
+            &[
+                "egress-probe",
+                "tcp",
+                &CANARY_IP.to_string(),
+                &ALLOWED_PORT.to_string(),
+                &format!("HOLDER-{pid}"),
+            ],
+        );
+        cs.envs
+            .insert("OPENAI_API_KEY".to_owned(), PROVIDER_KEY.to_owned());
+        let id = c.create_container_spec(&holder, &cs).await;
+        c.start_container(&id).await;
+        let code = c.wait_exit(&id, Duration::from_secs(30)).await;
+        (code, c.logs(&holder, "main"))
+    });
+    assert_eq!(code, 0, "holder: {}", output(code, &logs));
+    assert!(
+        agent.wait_event(
+            |e| e["reason"] == "workload-holds-secret"
+                && context_of(e, "k8s.pod.name") == "holder"
+                && context_of(e, "variables").contains("main/OPENAI_API_KEY (provider-variable)")
+                && context_of(e, "action").starts_with("reported"),
+            Duration::from_secs(10)
+        ),
+        "no workload-holds-secret event for the holder pod: {:#?}",
+        agent.events()
+    );
+    assert!(
+        canary.saw(&format!("HOLDER-{pid}")),
+        "the holder pod's allowed connection did not arrive"
+    );
+    let shown = format!("{:?}{}", agent.events(), agent.log());
+    assert!(!shown.contains(PROVIDER_KEY), "a key's value was shown");
+    rt.block_on(async {
+        c.stop_pod(&holder).await;
+        c.remove_pod(&holder).await;
+    });
     // An annotated pod whose cgroup is outside the kubelet root the agent enforces: nothing
     // would confine it, so it never runs (killed at task create).
     let enforced_root = std::mem::replace(

@@ -400,8 +400,9 @@ fn real_keys_in_a_labelled_container(env: &mut Env, secret: &str) {
         "no workload-holds-secret event for holds-1: {:?}",
         env.events()
     );
-    // With the setting (a reload applies it): confined deny_all — here from its first
-    // instruction, as the inspect that follows `create` came before the start.
+    // With the setting (a reload applies it): confined deny_all from its first instruction —
+    // until the agent has read a container's environment (the inspect that follows `create`,
+    // which Docker may answer only after the start), every labelled container is.
     let config = std::fs::read_to_string(env.config_path()).expect("config");
     let refusing = config.replacen("[agent]\n", "[agent]\nrefuse_workload_secrets = true\n", 1);
     env.write_config(&refusing);
@@ -428,6 +429,20 @@ fn real_keys_in_a_labelled_container(env: &mut Env, secret: &str) {
         "no confining event for holds-2: {:?}",
         env.events()
     );
+    // One holding nothing runs under its own policy once its environment is read (its first
+    // attempts may come before that: refused, never let through unread).
+    let before = env.canary.count();
+    let out = env.run_out(
+        &["--name", "holds-none", "--label", "egress.policy=canary"],
+        &format!(
+            "for i in $(seq 100); do if ({DIRECT}) | grep -q DIRECT-OK; then echo CLEAN-OK; break; fi; sleep 0.1; done"
+        ),
+    );
+    assert!(
+        out.contains("CLEAN-OK"),
+        "a clean container stayed confined: {out}"
+    );
+    assert!(env.canary.count() > before, "its connection did not arrive");
     // A running one is listed by `status` and `doctor` (names, never values).
     env.start_ok("holds-long", &holding, &["sleep", "600"]);
     let deadline = Instant::now() + Duration::from_secs(10);

@@ -173,7 +173,8 @@ impl ContainerInfo {
             published_tcp: Vec::new(),
             unconfinable: Vec::new(),
             pod: None,
-            env: Default::default(),
+            // Read by the inspect that follows; until then `refuse_workload_secrets` confines.
+            env: crate::exposure::WorkloadEnv::unread(),
         }
     }
 
