@@ -169,6 +169,19 @@ fn docker_routes() -> Vec<(&'static str, String)> {
     ]
 }
 
+/// `/proc/net/tcp` with one IPv4 socket in LISTEN state at `addr` (the kernel prints the address
+/// as a native-endian u32 of network-order bytes).
+fn proc_net_tcp_listening(addr: std::net::SocketAddr) -> String {
+    let std::net::IpAddr::V4(ip) = addr.ip() else {
+        panic!("IPv4 only: {addr}")
+    };
+    format!(
+        "  sl  local_address rem_address   st tx_queue rx_queue tr tm->when retrnsmt   uid  timeout inode\n   0: {:08X}:{:04X} 00000000:0000 0A 00000000:00000000 00:00000000 00000000     0        0 4242 1\n",
+        u32::from_ne_bytes(ip.octets()),
+        addr.port()
+    )
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn good_host_statuses() {
     let root = Root::new("good");
@@ -177,8 +190,12 @@ async fn good_host_statuses() {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
         .await
         .expect("bind");
+    let addr = listener.local_addr().expect("addr");
+    // The daemon's listeners are judged by their LISTEN state in its namespace, never connected
+    // to (a connection would be a listener-foreign-peer denial): the fixture's /proc/net/tcp.
+    root.write("proc/net/tcp", &proc_net_tcp_listening(addr));
     let mut opts = options(&root);
-    opts.proxy_listeners = vec![listener.local_addr().expect("addr")];
+    opts.proxy_listeners = vec![addr];
 
     let r = doctor::run_async(opts).await;
     println!("{}", r.to_text());
@@ -204,7 +221,7 @@ async fn good_host_statuses() {
             (
                 "proxy.listening",
                 Status::Pass,
-                "1 configured listeners accept",
+                "1 configured listeners are listening",
             ),
             ("docker.reachable", Status::Pass, "Docker 27.3.1"),
             ("docker.cgroup_driver", Status::Pass, "cgroupfs, cgroup v2"),
@@ -252,6 +269,9 @@ async fn weak_host_statuses() {
         .expect("bind")
         .local_addr()
         .expect("addr");
+    // Listening elsewhere only: another port of the same address.
+    let elsewhere = std::net::SocketAddr::new(closed.ip(), closed.port().wrapping_add(1));
+    root.write("proc/net/tcp", &proc_net_tcp_listening(elsewhere));
     let mut opts = options(&root);
     opts.proxy_listeners = vec![closed];
 
@@ -272,7 +292,7 @@ async fn weak_host_statuses() {
             ("kernel.unprivileged_bpf", Status::Warn, "allowed"),
             ("bpf.bpffs", Status::Warn, "no bpffs mounted"),
             ("bpf.pinned", Status::Fail, "no program links"),
-            ("proxy.listening", Status::Fail, "refuse connections"),
+            ("proxy.listening", Status::Fail, "are not listening"),
             ("docker.reachable", Status::Skip, "no Docker socket"),
             ("docker.privileged", Status::Skip, "Docker not reachable"),
             ("host.ip_forward", Status::Warn, "forward policy unknown"),
@@ -469,6 +489,6 @@ fn discovers_the_agents_listeners_through_proc() {
         &r,
         "proxy.listening",
         Status::Pass,
-        &format!("discovered listeners accept connections (127.0.0.1:{port})"),
+        &format!("discovered listeners are listening (127.0.0.1:{port})"),
     );
 }

@@ -125,6 +125,15 @@ fn policies_through_the_api_and_the_status_page() {
         dom.contains("class=\"up\""),
         "the header's proxy state: {dom}"
     );
+    // Probing its own listeners is no foreign peer's connection: the doctor reads their LISTEN
+    // state instead of connecting (a connection would be refused and recorded, #40 item 1).
+    assert!(
+        !env.events()
+            .iter()
+            .any(|e| e["reason"] == "listener-foreign-peer"),
+        "the doctor's probes were recorded as denials: {:?}",
+        env.events()
+    );
 
     // A refusal shows up live (the page is already open: SSE, not a reload).
     let before = b

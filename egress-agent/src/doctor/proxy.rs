@@ -4,8 +4,11 @@
 //! policy's own listener (bound on port 0), so nothing has to listen on the endpoint itself. The
 //! listeners are taken from the options (e.g. the control API's status) or discovered: the TCP
 //! sockets in LISTEN state held by processes named `egress-agent` (`/proc/<pid>/fd` → socket inode →
-//! `/proc/<pid>/net/tcp{,6}`). Each is then connected to (and closed) with a timeout. The doctor
-//! itself runs outside any enforcement root, so its connects are not rewritten.
+//! `/proc/<pid>/net/tcp{,6}`). Listeners are judged by their LISTEN state, never connected to:
+//! a listener serves only its own workload and records anyone else as `listener-foreign-peer`
+//! (the status page runs these probes every few seconds). Only the stable endpoint is connected
+//! to: nothing listens there (the kernel rewrites confined connections), and the doctor runs
+//! outside any enforcement root, so its connect is not rewritten.
 
 use std::collections::HashSet;
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
@@ -119,6 +122,28 @@ fn connect_addr(a: SocketAddr) -> SocketAddr {
     }
 }
 
+/// The sockets in LISTEN state of this network namespace (`<proc>/net/tcp{,6}`).
+fn listening_sockets(proc_dir: &Path) -> Vec<SocketAddr> {
+    ["net/tcp", "net/tcp6"]
+        .iter()
+        .flat_map(|f| {
+            let text = std::fs::read_to_string(proc_dir.join(f)).unwrap_or_default();
+            parse_proc_net_tcp(&text)
+        })
+        .map(|(addr, _)| addr)
+        .collect()
+}
+
+/// Does one of `listening` accept connections to `a` (the same address and port, or a wildcard
+/// of its family — an IPv6 wildcard takes both — on its port)?
+fn covered(listening: &[SocketAddr], a: SocketAddr) -> bool {
+    listening.iter().any(|l| {
+        l.port() == a.port()
+            && (l.ip() == a.ip()
+                || (l.ip().is_unspecified() && (l.is_ipv6() || l.is_ipv4() == a.is_ipv4())))
+    })
+}
+
 async fn accepts(ctx: &Ctx, a: SocketAddr) -> bool {
     let t = ctx.opts.probe_timeout / 3;
     matches!(
@@ -206,17 +231,21 @@ pub(super) async fn listening(ctx: Arc<Ctx>) -> Outcome {
             )
         };
     }
-    // Discovered listeners are in LISTEN state (`/proc/net/tcp`): the kernel completes their
-    // handshakes. They are not connected to: a listener serves only its own workload and
-    // reports anyone else as `listener-foreign-peer`, so a probe would be recorded as a denial
-    // (the status page runs these probes). Configured ones are connected to, as before.
+    // Discovered listeners are in LISTEN state: the kernel completes their handshakes.
+    // Configured ones (the daemon's own, from its status) are looked up in this namespace's
+    // LISTEN sockets. Neither is connected to: a probe would be a `listener-foreign-peer`
+    // denial (see the module's comment).
     let mut down = Vec::new();
     if source == "configured" {
-        for a in &listeners {
-            if !accepts(&ctx, *a).await {
-                down.push(a.to_string());
-            }
-        }
+        let proc_dir = ctx.opts.paths.proc_dir.clone();
+        let listening = blocking(move || listening_sockets(&proc_dir))
+            .await
+            .unwrap_or_default();
+        down = listeners
+            .iter()
+            .filter(|a| !covered(&listening, **a))
+            .map(ToString::to_string)
+            .collect();
     }
     let exposed: Vec<String> = listeners
         .iter()
@@ -231,7 +260,7 @@ pub(super) async fn listening(ctx: Arc<Ctx>) -> Outcome {
     if !down.is_empty() {
         return Outcome::fail(
             format!(
-                "{} of {} {source} listeners refuse connections: {}",
+                "{} of {} {source} listeners are not listening: {}",
                 down.len(),
                 listeners.len(),
                 down.join(", ")
@@ -249,7 +278,7 @@ pub(super) async fn listening(ctx: Arc<Ctx>) -> Outcome {
         );
     }
     Outcome::pass(format!(
-        "{} {source} listeners accept connections ({list})",
+        "{} {source} listeners are listening ({list})",
         listeners.len()
     ))
 }
@@ -269,5 +298,18 @@ mod tests {
             parse_proc_net_tcp(v6),
             vec![("[::1]:8080".parse().expect("addr"), 777)]
         );
+    }
+
+    #[test]
+    fn a_configured_listener_is_covered_by_its_own_or_a_wildcard_socket() {
+        let a = |s: &str| -> SocketAddr { s.parse().expect("addr") };
+        let listening = [a("127.0.0.1:4000"), a("0.0.0.0:4001"), a("[::]:4002")];
+        assert!(covered(&listening, a("127.0.0.1:4000")));
+        assert!(!covered(&listening, a("127.0.0.2:4000")));
+        assert!(covered(&listening, a("169.254.100.1:4001")));
+        assert!(!covered(&listening, a("[::1]:4001")));
+        assert!(covered(&listening, a("[::1]:4002")));
+        assert!(covered(&listening, a("10.0.0.1:4002")));
+        assert!(!covered(&listening, a("127.0.0.1:4003")));
     }
 }
