@@ -37,6 +37,17 @@ pub enum Source {
     Agent,
 }
 
+impl Source {
+    /// The name the store, the exporters and the CLI print (as serde writes it).
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Source::Kernel => "kernel",
+            Source::Proxy => "proxy",
+            Source::Agent => "agent",
+        }
+    }
+}
+
 /// What happened to the attempt an event describes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, Default)]
 pub enum Verdict {

@@ -28,9 +28,9 @@ use http::header::{AUTHORIZATION, HeaderMap, HeaderName, HeaderValue};
 use serde::{Deserialize, Serialize};
 
 use super::matcher::{HostMatcher, HostPattern};
-use super::model::{Mode, Policy, ValidationError, verr};
 use super::name::HostName;
 use super::rules::default_tls_port;
+use super::validation::{ValidationError, verr};
 use crate::secret::{Secret, SecretSource};
 
 /// One `credentials` entry.
@@ -354,28 +354,42 @@ const FORBIDDEN_HEADERS: &[&str] = &[
     "proxy-connection",
 ];
 
-/// Checks the `credentials` of one policy (`base` = its dotted path). Sources are not read here
-/// (see [`resolve`]).
-pub fn validate(p: &Policy, base: &str) -> Result<(), ValidationError> {
-    if p.credentials.is_empty() {
+/// What of its policy the bindings must fit (the policy's `validate` fills it in).
+pub struct Scope<'a> {
+    /// A `deny_all` policy: no binding can be used.
+    pub deny_all: bool,
+    /// An allowlist: each binding's host and port must be allowed.
+    pub allowlist: bool,
+    pub allow_hosts: &'a [HostPattern],
+    pub allow_ports: &'a [u16],
+}
+
+/// Checks the `credentials` of one policy (`base` = its dotted path) against what it allows.
+/// Sources are not read here (see [`resolve`]).
+pub fn validate(
+    credentials: &[CredentialBinding],
+    p: &Scope<'_>,
+    base: &str,
+) -> Result<(), ValidationError> {
+    if credentials.is_empty() {
         return Ok(());
     }
-    if p.mode == Mode::DenyAll {
+    if p.deny_all {
         return Err(verr(
             format!("{base}.credentials"),
             "a deny_all policy reaches no host to send credentials to",
         ));
     }
-    let patterns: Vec<HostPattern> = p.allow_hosts.iter().map(|e| e.pattern.clone()).collect();
-    let allowed = HostMatcher::new(&patterns);
+    let patterns = p.allow_hosts;
+    let allowed = HostMatcher::new(patterns);
     let mut placeholders: Vec<&str> = Vec::new();
     let mut envs: Vec<&str> = Vec::new();
-    for (i, b) in p.credentials.iter().enumerate() {
+    for (i, b) in credentials.iter().enumerate() {
         let at = format!("{base}.credentials[{i}]");
         if b.port == 0 {
             return Err(verr(format!("{at}.port"), "port 0 is not a port"));
         }
-        if p.mode == Mode::Allowlist && !pattern_allowed(&b.host, &patterns, &allowed) {
+        if p.allowlist && !pattern_allowed(&b.host, patterns, &allowed) {
             return Err(verr(
                 format!("{at}.host"),
                 format!(
@@ -384,7 +398,7 @@ pub fn validate(p: &Policy, base: &str) -> Result<(), ValidationError> {
                 ),
             ));
         }
-        if p.mode == Mode::Allowlist && !p.allow_ports.contains(&b.port) {
+        if p.allowlist && !p.allow_ports.contains(&b.port) {
             return Err(verr(
                 format!("{at}.port"),
                 format!("port {} is not in allow_ports", b.port),
@@ -501,7 +515,7 @@ pub fn validate(p: &Policy, base: &str) -> Result<(), ValidationError> {
             }
             envs.push(e);
         }
-        if p.credentials[..i]
+        if credentials[..i]
             .iter()
             .any(|o| o.port == b.port && o.host == b.host)
         {
@@ -532,12 +546,12 @@ fn pattern_allowed(pat: &HostPattern, list: &[HostPattern], m: &HostMatcher) -> 
 /// than send a request without its credential. Whether that refuses the whole configuration
 /// (`check`) or only the binding (serving) is the caller's decision.
 pub fn resolve<E: std::fmt::Display>(
-    p: &mut Policy,
+    credentials: &mut [CredentialBinding],
     base: &str,
     load: impl Fn(&SecretSource) -> Result<Secret, E>,
 ) -> Vec<ValidationError> {
     let mut failed = Vec::new();
-    for (i, b) in p.credentials.iter_mut().enumerate() {
+    for (i, b) in credentials.iter_mut().enumerate() {
         b.secret = None;
         b.unavailable = None;
         let loaded = load(&b.source)
@@ -671,7 +685,7 @@ placeholder = "ph-c-000001"
             SecretSource::Env(n) => Err(format!("{n} is not set")),
             _ => Err("?".to_owned()),
         };
-        let failed = resolve(&mut p, "policies.p", load);
+        let failed = resolve(&mut p.credentials, "policies.p", load);
         let fields: Vec<&str> = failed.iter().map(|e| e.field.as_str()).collect();
         assert_eq!(
             fields,
@@ -694,7 +708,7 @@ placeholder = "ph-c-000001"
         assert_eq!(c.decide(&headers(&[]), None), Injection::Unavailable);
         assert_eq!(CompiledBinding::new(&p.credentials[0]).unavailable(), None);
         // Loadable again: the binding serves, nothing is left of the failure.
-        let failed = resolve(&mut p, "policies.p", |_: &SecretSource| {
+        let failed = resolve(&mut p.credentials, "policies.p", |_: &SecretSource| {
             Ok::<_, String>(Secret::new(b"now".to_vec()))
         });
         assert!(failed.is_empty());

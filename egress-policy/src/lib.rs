@@ -45,6 +45,7 @@ pub mod scrub;
 pub mod secret;
 #[cfg(test)]
 mod testing;
+pub mod validation;
 
 use std::net::IpAddr;
 

@@ -13,6 +13,7 @@ use serde::{Deserialize, Deserializer, Serialize};
 use super::credentials::CredentialBinding;
 use super::matcher::HostPattern;
 use super::rules::RequestRule;
+pub use super::validation::{ValidationError, verr};
 
 /// Built-in policy names; always present, cannot be redefined.
 pub const ALLOW_ALL: &str = "allow_all";
@@ -374,22 +375,6 @@ impl<'de> Deserialize<'de> for CidrRule {
     }
 }
 
-/// A semantic error found by [`Config::validate`], before it is located in the source.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("{field}: {message}")]
-pub struct ValidationError {
-    /// Dotted path, e.g. `policies.ci.deny_cidrs[1]`.
-    pub field: String,
-    pub message: String,
-}
-
-pub fn verr(field: impl Into<String>, message: impl Into<String>) -> ValidationError {
-    ValidationError {
-        field: field.into(),
-        message: message.into(),
-    }
-}
-
 impl Policy {
     /// Checks one policy; `base` is its dotted path for error messages.
     pub fn validate(&self, base: &str) -> Result<(), ValidationError> {
@@ -512,7 +497,15 @@ impl Policy {
                 }
             }
         }
-        super::credentials::validate(self, base)?;
+        let patterns: Vec<HostPattern> =
+            self.allow_hosts.iter().map(|e| e.pattern.clone()).collect();
+        let scope = super::credentials::Scope {
+            deny_all: self.mode == Mode::DenyAll,
+            allowlist: self.mode == Mode::Allowlist,
+            allow_hosts: &patterns,
+            allow_ports: &self.allow_ports,
+        };
+        super::credentials::validate(&self.credentials, &scope, base)?;
         super::rules::validate(&self.request_rules, base)?;
         Ok(())
     }

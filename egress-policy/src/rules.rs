@@ -21,8 +21,8 @@
 use serde::{Deserialize, Deserializer, Serialize};
 
 use super::matcher::HostPattern;
-use super::model::{ValidationError, verr};
 use super::name::HostName;
+use super::validation::{ValidationError, verr};
 
 /// Default port of credential bindings and request rules: HTTPS.
 pub(crate) fn default_tls_port() -> u16 {

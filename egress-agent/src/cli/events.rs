@@ -65,7 +65,7 @@ pub fn human(ev: &DenialEvent) -> String {
         "{} {:<10} {:<6} policy={}{who} {} {dest} {}{}",
         humantime::format_rfc3339_millis(ev.time),
         ev.verdict.as_str(),
-        crate::store::source_str(ev.source),
+        ev.source.as_str(),
         ev.policy,
         ev.protocol,
         ev.reason,

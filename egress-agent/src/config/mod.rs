@@ -573,7 +573,7 @@ impl Config {
     fn resolve_secrets(&mut self, mode: Secrets) -> Result<(), ValidationError> {
         for (name, policy) in &mut self.policies {
             let failed = egress_policy::credentials::resolve(
-                policy,
+                &mut policy.credentials,
                 &format!("policies.{name}"),
                 crate::secrets::load,
             );

@@ -91,7 +91,7 @@ pub fn record(ev: &DenialEvent) -> LogRecord {
     };
     let mut attributes = vec![
         kv("egress.verdict", s(ev.verdict.as_str())),
-        kv("egress.source", s(crate::store::source_str(ev.source))),
+        kv("egress.source", s(ev.source.as_str())),
         kv("egress.policy", s(ev.policy.clone())),
     ];
     if let Some(h) = &ev.host {

@@ -81,11 +81,7 @@ pub fn format(ctx: &SyslogContext, ev: &DenialEvent) -> String {
         e.add_param(k, v).ok();
     };
     add(&mut fields, "verdict", ev.verdict.as_str().to_owned());
-    add(
-        &mut fields,
-        "source",
-        crate::store::source_str(ev.source).to_owned(),
-    );
+    add(&mut fields, "source", ev.source.as_str().to_owned());
     add(&mut fields, "policy", ev.policy.clone());
     if let Some(h) = &ev.host {
         add(&mut fields, "host", h.clone());

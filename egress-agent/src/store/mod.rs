@@ -171,7 +171,7 @@ impl FlowKey {
             .collect();
         FlowKey {
             verdict: ev.verdict.as_str(),
-            source: source_str(ev.source),
+            source: ev.source.as_str(),
             policy: ev.policy.clone(),
             container_id: ev.container.as_ref().map_or("", |c| &c.id).to_owned(),
             container_name: ev.container.as_ref().map_or("", |c| &c.name).to_owned(),
@@ -214,14 +214,6 @@ pub fn add_flow(batch: &mut FlowBatch, ev: &DenialEvent) {
             first_us: t,
             last_us: t,
         });
-}
-
-pub(crate) fn source_str(s: crate::events::Source) -> &'static str {
-    match s {
-        crate::events::Source::Kernel => "kernel",
-        crate::events::Source::Proxy => "proxy",
-        crate::events::Source::Agent => "agent",
-    }
 }
 
 /// What [`Store::prune`] removed.
@@ -377,7 +369,7 @@ impl Store {
                 ins.execute(params![
                     micros(ev.time),
                     ev.verdict.as_str(),
-                    source_str(ev.source),
+                    ev.source.as_str(),
                     ev.policy,
                     ev.container.as_ref().map(|c| c.id.as_str()),
                     ev.container.as_ref().map(|c| c.name.as_str()),
