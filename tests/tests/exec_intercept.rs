@@ -11,13 +11,13 @@
 //! printed. The placeholder sent to another host is refused and never reaches it.
 use std::io::{BufRead, BufReader, Read, Write};
 use std::os::unix::fs::PermissionsExt;
-use std::path::PathBuf;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use egress_tests::agent::{TestConfig, agent_bin, exec_root};
 use egress_tests::root_or_skip;
 use egress_tests::tls_upstream::{TestCa, Upstream};
+use egress_tests::upstreams::TempDir;
 
 /// The real secrets: a file in the (hidden) state directory, and an environment variable of the
 /// agent (scrubbed before the command starts).
@@ -26,18 +26,10 @@ const SECRET_ENV: &str = "sk-env-Zx7R3nKc5Yb1-never-inside";
 const PH: &str = "egress-ph-api-51c0ffee";
 const PH_ENV: &str = "egress-ph-env-a11ce";
 
-/// Files the test owns; removed on drop.
-struct Dir(PathBuf);
-
-impl Drop for Dir {
-    fn drop(&mut self) {
-        std::fs::remove_dir_all(&self.0).ok();
-    }
-}
-
-fn setup(up: &Upstream, ca: &TestCa) -> (Dir, TestConfig) {
-    let dir = std::env::temp_dir().join(format!("egress-exec-intercept-{}", std::process::id()));
-    std::fs::remove_dir_all(&dir).ok();
+/// The test's files (removed on drop: [`TempDir`]).
+fn setup(up: &Upstream, ca: &TestCa) -> (TempDir, TestConfig) {
+    let guard = TempDir::new("exec-intercept");
+    let dir = guard.path().to_owned();
     let state = dir.join("state");
     std::fs::create_dir_all(&state).expect("state dir");
     std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o755)).expect("chmod");
@@ -115,7 +107,7 @@ allow_ports = [{p}]
 resolve_private = ["127.0.0.0/8"]
 "#
     ));
-    (Dir(dir), cfg)
+    (guard, cfg)
 }
 
 fn has(hay: &[u8], needle: &str) -> bool {

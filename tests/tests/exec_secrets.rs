@@ -23,6 +23,7 @@ use std::time::{Duration, Instant};
 use egress_tests::agent::{StopOnDrop, TestConfig, agent_bin};
 use egress_tests::root_or_skip;
 use egress_tests::tls_upstream::{TestCa, Upstream};
+use egress_tests::upstreams::TempDir;
 
 const SECRET_DIR: &str = "sk-dir-Vt3q8Rw1-never-inside";
 const SECRET_NEIGHBOUR: &str = "sk-neighbour-Bn5x2Pk7-never-inside";
@@ -47,25 +48,19 @@ const PH_CRED: &str = "egress-ph-cred-5ec2e7";
 const PH_LINK: &str = "egress-ph-link-5ec2e7";
 const NOBODY: u32 = 65534;
 
-/// The test's directory tree; removed on drop.
-struct Tree(PathBuf);
-
-impl Drop for Tree {
-    fn drop(&mut self) {
-        std::fs::remove_dir_all(&self.0).ok();
-    }
-}
+/// The test's directory tree; removed on drop ([`TempDir`]).
+struct Tree(TempDir);
 
 impl Tree {
     fn dir(&self, rel: &str, mode: u32, owner: u32) -> PathBuf {
-        let p = self.0.join(rel);
+        let p = self.0.path().join(rel);
         std::fs::create_dir_all(&p).expect("dir");
         std::fs::set_permissions(&p, std::fs::Permissions::from_mode(mode)).expect("chmod");
         std::os::unix::fs::chown(&p, Some(owner), Some(owner)).expect("chown");
         p
     }
     fn file(&self, rel: &str, text: &str, mode: u32, owner: u32) -> PathBuf {
-        let p = self.0.join(rel);
+        let p = self.0.path().join(rel);
         std::fs::write(&p, text).expect("write");
         std::fs::set_permissions(&p, std::fs::Permissions::from_mode(mode)).expect("chmod");
         std::os::unix::fs::chown(&p, Some(owner), Some(owner)).expect("chown");
@@ -82,7 +77,7 @@ impl Tree {
             "creds/cred1",
         ]
         .iter()
-        .map(|r| self.0.join(r))
+        .map(|r| self.0.path().join(r))
         .collect()
     }
 }
@@ -91,7 +86,7 @@ fn setup(tag: &str, up: &Upstream, ca: &TestCa) -> (Tree, TestConfig) {
     let root =
         std::env::temp_dir().join(format!("egress-exec-secrets-{}-{tag}", std::process::id()));
     std::fs::remove_dir_all(&root).ok();
-    let t = Tree(root);
+    let t = Tree(TempDir(root));
     t.dir("", 0o755, 0);
     t.dir("state", 0o700, 0);
     // A directory of secrets: the bound one and one of another tool.
@@ -111,13 +106,14 @@ fn setup(tag: &str, up: &Upstream, ca: &TestCa) -> (Tree, TestConfig) {
     t.dir("vault", 0o755, 0);
     t.file("vault/README", "vault-readme-not-a-secret\n", 0o644, 0);
     t.file("vault/real.key", SECRET_LINK, 0o600, NOBODY);
-    std::os::unix::fs::symlink("../vault/real.key", t.0.join("etc/linked.key")).expect("link");
+    std::os::unix::fs::symlink("../vault/real.key", t.0.path().join("etc/linked.key"))
+        .expect("link");
     // The systemd credentials directory.
     t.dir("creds", 0o700, NOBODY);
     t.file("creds/cred1", SECRET_CRED, 0o600, NOBODY);
     t.file("upstream-ca.pem", &ca.pem, 0o644, 0);
     t.file("scan.py", SCAN, 0o644, 0);
-    let (p, d) = (up.port(), t.0.display());
+    let (p, d) = (up.port(), t.0.path().display());
     let cfg = TestConfig::new(&format!(
         r#"connect_timeout_ms = 3000
 [agent]
@@ -286,7 +282,7 @@ fn secrets_stay_hidden(user: &str) {
         "127.0.0.1:0".parse().expect("test value"),
     );
     let (t, cfg) = setup(user, &up, &ca);
-    let d = t.0.display().to_string();
+    let d = t.0.path().display().to_string();
     let p = up.port();
 
     // Without the sandbox, this user reads every secret file.
@@ -335,7 +331,7 @@ echo "== end"
         .args(["exec", "--user", user, "--policy", "cred", "--config"])
         .arg(&cfg.path)
         .args(["--", "sh", "-c", &script])
-        .env("CREDENTIALS_DIRECTORY", t.0.join("creds"))
+        .env("CREDENTIALS_DIRECTORY", t.0.path().join("creds"))
         .env("EGRESS_TEST_HIDDEN_ENV", SECRET_ENV)
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
@@ -376,7 +372,11 @@ echo "== end"
         t.file("secrets/late", SECRET_LATE, 0o644, NOBODY);
         t.file("creds/late", SECRET_LATE, 0o644, NOBODY);
         t.file("secrets/t.new", SECRET_ROTATED, 0o644, NOBODY);
-        std::fs::rename(t.0.join("secrets/t.new"), t.0.join("secrets/t")).expect("rotate");
+        std::fs::rename(
+            t.0.path().join("secrets/t.new"),
+            t.0.path().join("secrets/t"),
+        )
+        .expect("rotate");
     }
     stdin.write_all(b"\n").ok();
     drop(stdin);
@@ -484,8 +484,8 @@ fn exec_refuses_to_run_when_a_secret_cannot_be_hidden() {
     let dir = std::env::temp_dir().join(format!("egress-exec-secrets-{}-loop", std::process::id()));
     std::fs::remove_dir_all(&dir).ok();
     std::fs::create_dir_all(&dir).expect("dir");
-    let t = Tree(dir);
-    let lp = t.0.join("loop");
+    let t = Tree(TempDir(dir));
+    let lp = t.0.path().join("loop");
     std::os::unix::fs::symlink(&lp, &lp).expect("loop");
     let cfg = TestConfig::new("");
     let out = Command::new(agent_bin())
@@ -529,12 +529,12 @@ fn exec_reports_and_refuses_a_real_key_in_the_environment() {
     let canary = Canary::in_netns(&ns, &[PORT], &[]);
     let dir = std::env::temp_dir().join(format!("egress-exec-holds-{}", std::process::id()));
     std::fs::remove_dir_all(&dir).ok();
-    let t = Tree(dir);
+    let t = Tree(TempDir(dir));
     t.dir("", 0o755, 0);
     t.dir("state", 0o700, 0);
     t.file("state/secret", BOUND, 0o600, 0);
     let config = |refuse: bool| {
-        let d = t.0.display();
+        let d = t.0.path().display();
         TestConfig::new(&format!(
             r#"[agent]
 state_dir = "{d}/state"
@@ -660,7 +660,7 @@ placeholder_env = "HOLDS_KEY"
 
     // The store's files never hold a value.
     for f in ["events.db", "events.db-wal"] {
-        let bytes = std::fs::read(t.0.join("state").join(f)).unwrap_or_default();
+        let bytes = std::fs::read(t.0.path().join("state").join(f)).unwrap_or_default();
         for v in [BOUND, PROVIDER] {
             assert!(!has(&bytes, v), "{f} holds a value");
         }
