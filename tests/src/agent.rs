@@ -303,3 +303,58 @@ impl Drop for StopOnDrop {
         }
     }
 }
+
+/// A spawned `exec`'s output while its command runs: stderr collected on a thread, stdout read
+/// line by line up to the command's `READY` line (or its end, or `timeout`, checked between
+/// lines). The test then looks at the running command, tells it to go on, and
+/// [`ReadyOutput::finish`]es.
+pub struct ReadyOutput {
+    /// What stdout printed so far (up to and including `READY`).
+    pub printed: Vec<u8>,
+    /// Did the command print `READY` in time?
+    pub ready: bool,
+    out: std::io::BufReader<std::process::ChildStdout>,
+    err: std::thread::JoinHandle<Vec<u8>>,
+}
+
+impl ReadyOutput {
+    /// Take `child`'s stdout and stderr (both piped) and read up to `READY`.
+    pub fn read(child: &mut Child, timeout: std::time::Duration) -> ReadyOutput {
+        use std::io::{BufRead as _, Read as _};
+        let mut stderr = child.stderr.take().expect("stderr");
+        let err = std::thread::spawn(move || {
+            let mut b = Vec::new();
+            stderr.read_to_end(&mut b).ok();
+            b
+        });
+        let mut out = std::io::BufReader::new(child.stdout.take().expect("stdout"));
+        let (mut printed, mut line, mut ready) = (Vec::new(), Vec::new(), false);
+        let deadline = std::time::Instant::now() + timeout;
+        while std::time::Instant::now() < deadline {
+            line.clear();
+            if out.read_until(b'\n', &mut line).unwrap_or(0) == 0 {
+                break;
+            }
+            printed.extend_from_slice(&line);
+            if line == b"READY\n" {
+                ready = true;
+                break;
+            }
+        }
+        ReadyOutput {
+            printed,
+            ready,
+            out,
+            err,
+        }
+    }
+
+    /// Read stdout to its end (the command's exit) and all of stderr: (everything stdout
+    /// printed, `READY` included; stderr).
+    pub fn finish(mut self) -> (Vec<u8>, Vec<u8>) {
+        use std::io::Read as _;
+        self.out.read_to_end(&mut self.printed).ok();
+        let err = self.err.join().expect("stderr thread");
+        (self.printed, err)
+    }
+}

@@ -9,12 +9,12 @@
 //! environment (`/proc/<pid>/environ` of every process of the command, read from outside while
 //! it runs), not in its files (its `/run`, the hidden `agent.state_dir`), not in anything it
 //! printed. The placeholder sent to another host is refused and never reaches it.
-use std::io::{BufRead, BufReader, Read, Write};
+use std::io::Write;
 use std::os::unix::fs::PermissionsExt;
 use std::process::{Command, Stdio};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use egress_tests::agent::{TestConfig, agent_bin, exec_root};
+use egress_tests::agent::{ReadyOutput, TestConfig, agent_bin, exec_root};
 use egress_tests::root_or_skip;
 use egress_tests::tls_upstream::{TestCa, Upstream};
 use egress_tests::upstreams::TempDir;
@@ -155,28 +155,8 @@ fn run_inspected(cfg: &TestConfig, user: Option<&str>, script: &str) -> Inspecte
         .spawn()
         .expect("spawn exec");
     let exec_pid = child.id();
-    let mut stderr = child.stderr.take().expect("stderr");
-    let err_thread = std::thread::spawn(move || {
-        let mut b = Vec::new();
-        stderr.read_to_end(&mut b).ok();
-        b
-    });
-    let mut out = BufReader::new(child.stdout.take().expect("stdout"));
-    let mut printed = Vec::new();
-    let mut line = Vec::new();
-    let deadline = Instant::now() + Duration::from_secs(120);
-    let mut ready = false;
-    while Instant::now() < deadline {
-        line.clear();
-        if out.read_until(b'\n', &mut line).unwrap_or(0) == 0 {
-            break;
-        }
-        printed.extend_from_slice(&line);
-        if line == b"READY\n" {
-            ready = true;
-            break;
-        }
-    }
+    let output = ReadyOutput::read(&mut child, Duration::from_secs(120));
+    let ready = output.ready;
     let mut environs = Vec::new();
     let (mut run_ca, mut run_bundle) = (Vec::new(), Vec::new());
     if ready {
@@ -195,9 +175,9 @@ fn run_inspected(cfg: &TestConfig, user: Option<&str>, script: &str) -> Inspecte
     }
     let agent_environ = std::fs::read(format!("/proc/{exec_pid}/environ")).unwrap_or_default();
     child.stdin.take().expect("stdin").write_all(b"\n").ok();
-    out.read_to_end(&mut printed).ok();
+    let (mut printed, errors) = output.finish();
     let status = child.wait().expect("wait exec");
-    printed.extend(err_thread.join().expect("stderr thread"));
+    printed.extend(errors);
     assert!(
         ready,
         "the command never got to READY:\n{}",

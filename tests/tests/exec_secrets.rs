@@ -14,13 +14,13 @@
 //! then, while it runs, the host adds files to the covered directories and replaces the secret
 //! in the secrets directory by a rename (rotation), and it reads again. The secret bytes never
 //! appear in anything it printed. Its own requests still get the secrets injected upstream.
-use std::io::{BufRead, BufReader, Read, Write};
+use std::io::Write;
 use std::os::unix::fs::PermissionsExt;
 use std::path::PathBuf;
 use std::process::{Command, Stdio};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use egress_tests::agent::{StopOnDrop, TestConfig, agent_bin};
+use egress_tests::agent::{ReadyOutput, StopOnDrop, TestConfig, agent_bin};
 use egress_tests::root_or_skip;
 use egress_tests::tls_upstream::{TestCa, Upstream};
 use egress_tests::upstreams::TempDir;
@@ -344,28 +344,8 @@ echo "== end"
     stdin
         .write_all(format!("{exec_pid}\n").as_bytes())
         .expect("exec pid");
-    let mut stderr = child.0.stderr.take().expect("stderr");
-    let err_thread = std::thread::spawn(move || {
-        let mut b = Vec::new();
-        stderr.read_to_end(&mut b).ok();
-        b
-    });
-    let mut out = BufReader::new(child.0.stdout.take().expect("stdout"));
-    let mut printed = Vec::new();
-    let mut line = Vec::new();
-    let deadline = Instant::now() + Duration::from_secs(120);
-    let mut ready = false;
-    while Instant::now() < deadline {
-        line.clear();
-        if out.read_until(b'\n', &mut line).unwrap_or(0) == 0 {
-            break;
-        }
-        printed.extend_from_slice(&line);
-        if line == b"READY\n" {
-            ready = true;
-            break;
-        }
-    }
+    let output = ReadyOutput::read(&mut child.0, Duration::from_secs(120));
+    let ready = output.ready;
     if ready {
         // While the command runs: new secrets in the covered directories, and the bound secret
         // replaced by a rename (what rotation does).
@@ -380,9 +360,8 @@ echo "== end"
     }
     stdin.write_all(b"\n").ok();
     drop(stdin);
-    out.read_to_end(&mut printed).ok();
+    let (printed, errors) = output.finish();
     let status = child.0.wait().expect("wait exec");
-    let errors = err_thread.join().expect("stderr thread");
     let text = String::from_utf8_lossy(&printed).into_owned();
     let err_text = String::from_utf8_lossy(&errors).into_owned();
     assert!(ready, "[{user}] never got to READY:\n{text}\n{err_text}");

@@ -12,14 +12,14 @@
 //! (so no secret was injected for them), and the refusals are recorded as
 //! `listener-foreign-peer` events. Then the workload's own requests (explicit and transparent)
 //! still get the secret injected: admission changes nothing for it.
-use std::io::{BufRead, BufReader, Read, Write};
+use std::io::Write;
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 use std::os::unix::fs::PermissionsExt;
 use std::path::Path;
 use std::process::{Command, Stdio};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use egress_tests::agent::{TestConfig, agent_bin, exec_cmd};
+use egress_tests::agent::{ReadyOutput, TestConfig, agent_bin, exec_cmd};
 use egress_tests::foreign::{FOREIGN_PY, got_nothing};
 use egress_tests::root_or_skip;
 use egress_tests::tls_upstream::{TestCa, Upstream};
@@ -171,22 +171,12 @@ fn host_processes_and_other_workloads_get_nothing_through_a_workloads_listeners(
         .spawn()
         .expect("spawn exec");
     let exec_pid = child.id();
-    let mut stderr = child.stderr.take().expect("stderr");
-    let err_thread = std::thread::spawn(move || {
-        let mut b = Vec::new();
-        stderr.read_to_end(&mut b).ok();
-        b
-    });
-    let mut out = BufReader::new(child.stdout.take().expect("stdout"));
-    let mut line = String::new();
-    let deadline = Instant::now() + Duration::from_secs(60);
-    while Instant::now() < deadline && line != "READY\n" {
-        line.clear();
-        if out.read_line(&mut line).unwrap_or(0) == 0 {
-            break;
-        }
-    }
-    assert_eq!(line, "READY\n", "the workload never got to READY");
+    let output = ReadyOutput::read(&mut child, Duration::from_secs(60));
+    assert!(
+        output.ready,
+        "the workload never got to READY: {}",
+        String::from_utf8_lossy(&output.printed)
+    );
     let listeners = listeners_of(exec_pid);
     // Explicit, transparent and DNS over TCP, at least.
     assert!(
@@ -228,10 +218,10 @@ fn host_processes_and_other_workloads_get_nothing_through_a_workloads_listeners(
     );
     // The workload's own traffic is unchanged: the secret is injected on both paths.
     child.stdin.take().expect("stdin").write_all(b"go\n").ok();
-    let mut rest = String::new();
-    out.read_to_string(&mut rest).ok();
+    let (printed, err) = output.finish();
     let status = child.wait().expect("wait exec");
-    let err = String::from_utf8_lossy(&err_thread.join().expect("stderr")).into_owned();
+    let rest = String::from_utf8_lossy(&printed).into_owned();
+    let err = String::from_utf8_lossy(&err).into_owned();
     assert!(status.success(), "exec failed: {rest}\n{err}");
     for path in ["/v1/own", "/v1/own-t"] {
         let r = up
