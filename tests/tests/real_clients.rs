@@ -31,7 +31,7 @@
 use std::fmt::Write as _;
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
+use std::process::{Command, Output, Stdio};
 use std::time::Instant;
 
 use egress_tests::agent::{TestConfig, agent_bin};
@@ -346,6 +346,36 @@ struct Run {
     hits: Vec<Hit>,
 }
 
+/// After run `r`'s driver (`exec`, or `docker exec` in the run's container) ended as `o`: a
+/// failed driver is a failure of its own, then every client is checked against what the
+/// fixture received since `before`.
+fn conclude(
+    s: &Setup,
+    server: &RegistryServer,
+    before: usize,
+    o: &Output,
+    mut r: Run,
+    rows: &mut Vec<Row>,
+    failures: &mut Vec<String>,
+) {
+    if !o.status.success() {
+        let driver = if r.runtime == "docker" {
+            "docker exec"
+        } else {
+            "exec"
+        };
+        failures.push(format!(
+            "== {}: {driver} failed ({}):\n{}{}",
+            r.label,
+            o.status,
+            String::from_utf8_lossy(&o.stdout),
+            String::from_utf8_lossy(&o.stderr)
+        ));
+    }
+    r.hits = server.hits()[before..].to_vec();
+    check_run(s, &r, rows, failures);
+}
+
 /// Check every client of one run: exit code, artefact hash, the fixture's record of its
 /// requests and the agent's header on them.
 fn check_run(s: &Setup, r: &Run, rows: &mut Vec<Row>, failures: &mut Vec<String>) {
@@ -628,24 +658,15 @@ hosts_file = "{a}/hosts"
                 .stdin(Stdio::null())
                 .output()
                 .expect("egress-agent exec");
-            if !o.status.success() {
-                failures.push(format!(
-                    "== {run}: exec failed ({}):\n{}{}",
-                    o.status,
-                    String::from_utf8_lossy(&o.stdout),
-                    String::from_utf8_lossy(&o.stderr)
-                ));
-            }
-            let hits = server.hits()[before..].to_vec();
             let r = Run {
                 runtime: "exec",
                 mode,
                 transparent,
                 label: run,
                 out,
-                hits,
+                hits: Vec::new(),
             };
-            check_run(&s, &r, &mut rows, &mut failures);
+            conclude(&s, &server, before, &o, r, &mut rows, &mut failures);
         }
     }
     report(&rows, &failures, started);
@@ -734,24 +755,15 @@ fn real_clients_in_docker() {
             let a: Vec<&str> = args.iter().map(String::as_str).collect();
             let before = server.hits().len();
             let o = env.d.docker(&a);
-            if !o.status.success() {
-                failures.push(format!(
-                    "== {run}: docker exec failed ({}):\n{}{}",
-                    o.status,
-                    String::from_utf8_lossy(&o.stdout),
-                    String::from_utf8_lossy(&o.stderr)
-                ));
-            }
-            let hits = server.hits()[before..].to_vec();
             let r = Run {
                 runtime: "docker",
                 mode,
                 transparent,
                 label: run,
                 out,
-                hits,
+                hits: Vec::new(),
             };
-            check_run(&s, &r, &mut rows, &mut failures);
+            conclude(&s, &server, before, &o, r, &mut rows, &mut failures);
             env.d.docker(&["rm", "-f", &name]);
         }
     }
