@@ -17,12 +17,9 @@
 //! arrived and whether the agent terminated TLS on the way. The artefacts are built by the test
 //! ([`Fixtures::build`]) and their sha256 kept, to compare with what each client downloaded.
 use std::collections::BTreeMap;
-use std::io::{BufRead, BufReader};
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
-use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::process::{Command, Stdio};
 
 use sha2::{Digest, Sha256, Sha512};
 
@@ -428,8 +425,7 @@ impl Hit {
 /// The fixture server (python3, HTTPS with the test CA's certificate for [`NAMES`]): killed on
 /// drop.
 pub struct RegistryServer {
-    child: Child,
-    hits: Arc<Mutex<Vec<Hit>>>,
+    server: crate::upstreams::ScriptServer<Hit>,
     pub addr: SocketAddr,
 }
 
@@ -450,8 +446,7 @@ impl RegistryServer {
             }
             None => Command::new("/usr/bin/python3"),
         };
-        let mut child = cmd
-            .args(["-u", "-c", SERVER])
+        cmd.args(["-u", "-c", SERVER])
             .arg(&fx.root)
             .arg(&fx.git)
             .arg(addr.ip().to_string())
@@ -459,60 +454,37 @@ impl RegistryServer {
             .arg(&ca.cert_pem)
             .arg(&ca.key_pem)
             .stdin(Stdio::null())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::inherit())
-            .spawn()
-            .expect("python3 registry server");
-        let stdout = child.stdout.take().expect("stdout");
-        let hits = Arc::new(Mutex::new(Vec::new()));
-        let (ready_tx, ready_rx) = std::sync::mpsc::channel();
-        let h = hits.clone();
-        std::thread::spawn(move || {
-            for line in BufReader::new(stdout).lines().map_while(Result::ok) {
-                if let Some(port) = line.strip_prefix("READY ") {
-                    ready_tx.send(port.parse::<u16>().unwrap_or(0)).ok();
-                } else if let Some(hit) = line.strip_prefix("HIT ") {
-                    let v: serde_json::Value = serde_json::from_str(hit)
-                        .unwrap_or_else(|e| panic!("registry server printed {hit:?}: {e}"));
-                    let s = |k: &str| v[k].as_str().unwrap_or_default().to_owned();
-                    let hit = Hit {
-                        host: s("host"),
-                        method: s("method"),
-                        path: s("path"),
-                        status: v["status"]
-                            .as_u64()
-                            .and_then(|n| u16::try_from(n).ok())
-                            .unwrap_or(0),
-                        token: v["token"].as_str().map(str::to_owned),
-                    };
-                    h.lock()
-                        .unwrap_or_else(std::sync::PoisonError::into_inner)
-                        .push(hit);
-                }
-            }
-        });
-        let port = ready_rx
-            .recv_timeout(Duration::from_secs(20))
-            .unwrap_or_else(|_| panic!("registry server on {addr} did not start"));
+            .stderr(Stdio::inherit());
+        let (server, port) = crate::upstreams::ScriptServer::start(
+            &mut cmd,
+            &format!("registry server on {addr}"),
+            parse_hit,
+        );
         RegistryServer {
-            child,
-            hits,
-            addr: SocketAddr::new(addr.ip(), port),
+            server,
+            addr: SocketAddr::new(addr.ip(), port.unwrap_or(0)),
         }
     }
 
     /// Every request so far.
     pub fn hits(&self) -> Vec<Hit> {
-        self.hits
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-            .clone()
+        self.server.hits()
     }
 }
 
-impl Drop for RegistryServer {
-    fn drop(&mut self) {
-        self.child.kill().ok();
-        self.child.wait().ok();
+/// One `HIT <json>` line of the server.
+fn parse_hit(hit: &str) -> Hit {
+    let v: serde_json::Value = serde_json::from_str(hit)
+        .unwrap_or_else(|e| panic!("registry server printed {hit:?}: {e}"));
+    let s = |k: &str| v[k].as_str().unwrap_or_default().to_owned();
+    Hit {
+        host: s("host"),
+        method: s("method"),
+        path: s("path"),
+        status: v["status"]
+            .as_u64()
+            .and_then(|n| u16::try_from(n).ok())
+            .unwrap_or(0),
+        token: v["token"].as_str().map(str::to_owned),
     }
 }

@@ -84,11 +84,68 @@ print("READY", flush=True)
 srv.serve_forever()
 "#;
 
+/// A server child (the python3 scripts here) that prints `READY` (or `READY <port>`) once it
+/// listens and `HIT <record>` for each request: the records, parsed by `parse`, kept in order.
+/// Killed on drop.
+pub struct ScriptServer<H> {
+    child: Child,
+    hits: Arc<Mutex<Vec<H>>>,
+}
+
+impl<H: Clone + Send + 'static> ScriptServer<H> {
+    /// Spawn `cmd` (its stdout piped here) and wait for its `READY` line: the port it printed,
+    /// if any. `what` names it in the panic if it never gets there.
+    pub fn start(
+        cmd: &mut Command,
+        what: &str,
+        parse: fn(&str) -> H,
+    ) -> (ScriptServer<H>, Option<u16>) {
+        let mut child = cmd
+            .stdout(Stdio::piped())
+            .spawn()
+            .unwrap_or_else(|e| panic!("starting {what}: {e}"));
+        let stdout = child.stdout.take().expect("stdout");
+        let hits = Arc::new(Mutex::new(Vec::new()));
+        let (ready_tx, ready_rx) = std::sync::mpsc::channel();
+        let h = hits.clone();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+                if let Some(port) = line.strip_prefix("READY") {
+                    ready_tx.send(port.trim().parse::<u16>().ok()).ok();
+                } else if let Some(hit) = line.strip_prefix("HIT ") {
+                    let hit = parse(hit);
+                    h.lock()
+                        .unwrap_or_else(std::sync::PoisonError::into_inner)
+                        .push(hit);
+                }
+            }
+        });
+        let port = ready_rx
+            .recv_timeout(Duration::from_secs(20))
+            .unwrap_or_else(|_| panic!("{what} did not start"));
+        (ScriptServer { child, hits }, port)
+    }
+
+    /// Every request so far.
+    pub fn hits(&self) -> Vec<H> {
+        self.hits
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .clone()
+    }
+}
+
+impl<H> Drop for ScriptServer<H> {
+    fn drop(&mut self) {
+        self.child.kill().ok();
+        self.child.wait().ok();
+    }
+}
+
 /// A python3 web server (HTTPS with `tls`) answering `upstream-ok <tag>` and logging each
 /// request's Host header and path. Killed on drop.
 pub struct WebServer {
-    child: Child,
-    hits: Arc<Mutex<Vec<String>>>,
+    server: ScriptServer<String>,
     pub addr: SocketAddr,
 }
 
@@ -101,49 +158,25 @@ impl WebServer {
             ),
             None => ("-".to_owned(), "-".to_owned()),
         };
-        let mut child = Command::new("python3")
-            .args(["-u", "-c", WEB_SERVER])
+        let mut cmd = Command::new("python3");
+        cmd.args(["-u", "-c", WEB_SERVER])
             .arg(addr.ip().to_string())
             .arg(addr.port().to_string())
             .args([cert, key, tag.to_owned()])
-            .stdout(Stdio::piped())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("python3 web server");
-        let stdout = child.stdout.take().expect("stdout");
-        let hits = Arc::new(Mutex::new(Vec::new()));
-        let (ready_tx, ready_rx) = std::sync::mpsc::channel();
-        let h = hits.clone();
-        std::thread::spawn(move || {
-            for line in BufReader::new(stdout).lines().map_while(Result::ok) {
-                if line == "READY" {
-                    ready_tx.send(()).ok();
-                } else if let Some(hit) = line.strip_prefix("HIT ") {
-                    h.lock().expect("hits").push(hit.to_owned());
-                }
-            }
-        });
-        ready_rx
-            .recv_timeout(Duration::from_secs(20))
-            .unwrap_or_else(|_| panic!("web server on {addr} did not start"));
-        WebServer { child, hits, addr }
+            .stderr(Stdio::null());
+        let (server, _) =
+            ScriptServer::start(&mut cmd, &format!("web server on {addr}"), str::to_owned);
+        WebServer { server, addr }
     }
 
     /// Requests received so far: `"<Host header> <path>"`.
     pub fn hits(&self) -> Vec<String> {
-        self.hits.lock().expect("hits").clone()
+        self.server.hits()
     }
 
     /// Did a request whose path contains `marker` arrive?
     pub fn saw(&self, marker: &str) -> bool {
         self.hits().iter().any(|h| h.contains(marker))
-    }
-}
-
-impl Drop for WebServer {
-    fn drop(&mut self) {
-        self.child.kill().ok();
-        self.child.wait().ok();
     }
 }
 
