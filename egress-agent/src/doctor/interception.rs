@@ -122,19 +122,12 @@ pub(super) async fn interception(ctx: Arc<Ctx>) -> Outcome {
 mod tests {
     use super::*;
     use crate::doctor::{Options, Status};
-    use tokio::sync::OnceCell;
 
     async fn probe(view: Option<InterceptionView>) -> Outcome {
-        let ctx = Arc::new(Ctx {
-            opts: Options {
-                interception: view,
-                ..Options::default()
-            },
-            docker_info: OnceCell::new(),
-            docker_containers: OnceCell::new(),
-            firewall: OnceCell::new(),
-            kernel_config: OnceCell::new(),
-        });
+        let ctx = Arc::new(Ctx::new(Options {
+            interception: view,
+            ..Options::default()
+        }));
         interception(ctx).await
     }
 

@@ -296,6 +296,19 @@ struct Ctx {
     pub kernel_config: OnceCell<Option<host::KernelConfig>>,
 }
 
+impl Ctx {
+    /// A context for `opts`, nothing asked yet.
+    fn new(opts: Options) -> Ctx {
+        Ctx {
+            opts,
+            docker_info: OnceCell::new(),
+            docker_containers: OnceCell::new(),
+            firewall: OnceCell::new(),
+            kernel_config: OnceCell::new(),
+        }
+    }
+}
+
 type ProbeFuture = Pin<Box<dyn Future<Output = Outcome> + Send>>;
 type ProbeFn = fn(Arc<Ctx>) -> ProbeFuture;
 
@@ -330,13 +343,7 @@ fn probe_fn(id: &str) -> Option<ProbeFn> {
 pub async fn run_async(opts: Options) -> Report {
     let per_probe = opts.probe_timeout;
     let deadline = tokio::time::Instant::now() + opts.deadline;
-    let ctx = Arc::new(Ctx {
-        opts,
-        docker_info: OnceCell::new(),
-        docker_containers: OnceCell::new(),
-        firewall: OnceCell::new(),
-        kernel_config: OnceCell::new(),
-    });
+    let ctx = Arc::new(Ctx::new(opts));
 
     let mut results: Vec<Option<Outcome>> = vec![None; PROBE_IDS.len()];
     let mut set = JoinSet::new();

@@ -80,19 +80,12 @@ pub(super) async fn workload_secrets(ctx: Arc<Ctx>) -> Outcome {
 mod tests {
     use super::*;
     use crate::doctor::{Options, Status};
-    use tokio::sync::OnceCell;
 
     async fn probe(view: Option<WorkloadSecretsView>) -> Outcome {
-        let ctx = Arc::new(Ctx {
-            opts: Options {
-                workload_secrets: view,
-                ..Options::default()
-            },
-            docker_info: OnceCell::new(),
-            docker_containers: OnceCell::new(),
-            firewall: OnceCell::new(),
-            kernel_config: OnceCell::new(),
-        });
+        let ctx = Arc::new(Ctx::new(Options {
+            workload_secrets: view,
+            ..Options::default()
+        }));
         workload_secrets(ctx).await
     }
 
