@@ -141,6 +141,81 @@ fn signals_are_forwarded_and_cleanup_runs() {
     assert!(entry_of(pid).is_none(), "entry left behind after SIGTERM");
 }
 
+/// Child processes of `pid` (every thread's `children`).
+fn children_of(pid: u32) -> Vec<u32> {
+    let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else {
+        return Vec::new();
+    };
+    tasks
+        .flatten()
+        .filter_map(|t| std::fs::read_to_string(t.path().join("children")).ok())
+        .flat_map(|c| {
+            c.split_whitespace()
+                .filter_map(|p| p.parse().ok())
+                .collect::<Vec<u32>>()
+        })
+        .collect()
+}
+
+/// A SIGTERM sent the moment the sandbox's pid-1 init exists (before it has handlers, while it
+/// mounts its own `/proc`) is held by the stage above it and still reaches the command. Each
+/// round must end well before the command's `sleep 30` would.
+#[test]
+fn sigterm_while_the_sandbox_starts_reaches_the_command() {
+    if !root_or_skip("kernel lifecycle: early SIGTERM") {
+        return;
+    }
+    for round in 0..60 {
+        let mut child = exec_cmd("deny_all", None)
+            .args(["sleep", "30"])
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("spawn");
+        let pid = child.id();
+        // exec → stage 1 (`__exec-child`) → stage 2 (`__exec-init`, pid 1 of its namespace).
+        let deadline = Instant::now() + Duration::from_secs(20);
+        let init = loop {
+            let init = children_of(pid).into_iter().flat_map(children_of).next();
+            if let Some(init) = init {
+                break init;
+            }
+            if let Ok(Some(status)) = child.try_wait() {
+                panic!("round {round}: exec ended ({status}) before its sandbox started");
+            }
+            assert!(
+                Instant::now() < deadline,
+                "round {round}: no sandbox init after 20 s"
+            );
+            std::thread::yield_now();
+        };
+        nix::sys::signal::kill(
+            nix::unistd::Pid::from_raw(pid as i32),
+            nix::sys::signal::Signal::SIGTERM,
+        )
+        .expect("kill");
+        let deadline = Instant::now() + Duration::from_secs(15);
+        let status = loop {
+            if let Some(status) = child.try_wait().expect("wait") {
+                break status;
+            }
+            if Instant::now() > deadline {
+                child.kill().ok();
+                child.wait().ok();
+                panic!(
+                    "round {round}: SIGTERM sent as init {init} started was lost: the command still runs 15 s later"
+                );
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        };
+        assert_eq!(
+            status.code(),
+            Some(128 + 15),
+            "round {round}: SIGTERM should end the command (exit 143), got {status}"
+        );
+        assert!(entry_of(pid).is_none(), "round {round}: entry left behind");
+    }
+}
+
 #[test]
 fn kill9_agent_keeps_blocking() {
     if !root_or_skip("kernel lifecycle: kill -9") {

@@ -25,6 +25,17 @@ pub(super) fn run_stage(stage: &str, spec: &str, command: &[OsString], init: boo
         Ok(s) => s,
         Err(e) => return super::fail("exec", format!("installing signal handlers: {e}")),
     };
+    // The host's procfs, opened before the child starts: the sandbox's init mounts a fresh
+    // `/proc` for its pid namespace over `/proc` in the mount namespace it shares with this
+    // stage, after which `/proc/<pid>` (a host pid) names nothing there.
+    let host_proc = if stage == super::INIT {
+        match std::fs::File::open("/proc") {
+            Ok(d) => Some(d),
+            Err(e) => return super::fail("exec", format!("opening /proc: {e}")),
+        }
+    } else {
+        None
+    };
     // /proc/self/exe: this very binary even if its file was replaced or is hidden.
     let child = std::process::Command::new("/proc/self/exe")
         .arg(stage)
@@ -37,11 +48,11 @@ pub(super) fn run_stage(stage: &str, spec: &str, command: &[OsString], init: boo
         Err(e) => return super::fail("exec", format!("starting {stage}: {e}")),
     };
     let pid = Pid::from_raw(child.id() as i32);
-    if stage == super::INIT {
+    if let Some(host_proc) = &host_proc {
         // The child is pid 1 of its namespace: until its handlers are in place a relayed signal
         // would be dropped (not queued), and a SIGTERM sent to `exec` early would be lost while
         // the command runs on. Signals that arrive meanwhile wait in `signals`.
-        wait_for_handlers(pid);
+        wait_for_handlers(host_proc, pid);
     }
     if init && let Err(e) = privs::drop_all() {
         // Not a hole (the command can't ptrace a process with more capabilities than its own),
@@ -65,14 +76,16 @@ pub(super) fn run_stage(stage: &str, spec: &str, command: &[OsString], init: boo
 /// How long a starting pid-1 stage may take to install its handlers.
 const HANDLERS_DEADLINE: std::time::Duration = std::time::Duration::from_secs(10);
 
-/// Wait until `pid` catches every relayed signal (`SigCgt` in /proc/<pid>/status), or has
+/// Wait until `pid` catches every relayed signal (`SigCgt` in `<proc>/<pid>/status`), or has
 /// exited, or [`HANDLERS_DEADLINE`] passed. A short poll: there is no event for "handler
 /// installed", and a pipe to signal it would leave its descriptor to the command (closing an
 /// inherited raw descriptor needs `unsafe`, which this crate keeps out of the sandbox).
-fn wait_for_handlers(pid: Pid) {
+/// `proc`: a procfs of `pid`'s namespace's parent, held open (the path `/proc` may be
+/// covered meanwhile; through it a "gone" would be read, and the wait end early).
+fn wait_for_handlers(proc: &std::fs::File, pid: Pid) {
     let deadline = std::time::Instant::now() + HANDLERS_DEADLINE;
     while std::time::Instant::now() < deadline {
-        match caught_signals(pid) {
+        match caught_signals(proc, pid) {
             Some(mask) if RELAYED.iter().all(|s| mask & (1u64 << (s - 1)) != 0) => return,
             Some(_) => {}
             // Gone (or a zombie without status): nothing to wait for.
@@ -85,9 +98,18 @@ fn wait_for_handlers(pid: Pid) {
     );
 }
 
-/// The `SigCgt` mask of `pid` (bit n-1 = signal n has a handler); `None` when it is gone.
-fn caught_signals(pid: Pid) -> Option<u64> {
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+/// The `SigCgt` mask of `pid` (bit n-1 = signal n has a handler), read through the procfs
+/// directory `proc`; `None` when it is gone.
+fn caught_signals(proc: &std::fs::File, pid: Pid) -> Option<u64> {
+    use nix::fcntl::{OFlag, openat};
+    let fd = openat(
+        proc,
+        format!("{pid}/status").as_str(),
+        OFlag::O_RDONLY | OFlag::O_CLOEXEC,
+        nix::sys::stat::Mode::empty(),
+    )
+    .ok()?;
+    let status = std::io::read_to_string(std::fs::File::from(fd)).ok()?;
     let state_zombie = status
         .lines()
         .find_map(|l| l.strip_prefix("State:"))
@@ -124,13 +146,14 @@ mod tests {
         let me = Pid::from_raw(std::process::id() as i32);
         // Registered here: SIGUSR2 is caught from now on.
         let _sig = signal_hook::iterator::Signals::new([SIGUSR2]).expect("handler");
-        let mask = caught_signals(me).expect("own status");
+        let proc = std::fs::File::open("/proc").expect("/proc");
+        let mask = caught_signals(&proc, me).expect("own status");
         assert_ne!(mask & (1u64 << (SIGUSR2 - 1)), 0, "{mask:x}");
         // A pid that can't exist (above pid_max's limit): gone, so nothing to wait for.
         let none = Pid::from_raw(i32::MAX);
-        assert_eq!(caught_signals(none), None);
+        assert_eq!(caught_signals(&proc, none), None);
         let t = std::time::Instant::now();
-        wait_for_handlers(none);
+        wait_for_handlers(&proc, none);
         assert!(t.elapsed() < HANDLERS_DEADLINE);
     }
 }
