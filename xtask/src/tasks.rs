@@ -179,7 +179,8 @@ pub fn test(filter: Option<&str>) -> Result<()> {
         ])
         .context("the kernel relay integrity test failed")?;
     }
-    let mut args = vec!["test", "-p", "egress-tests", "--"];
+    // --no-fail-fast: one failing suite must not hide what the suites after it would say.
+    let mut args = vec!["test", "--no-fail-fast", "-p", "egress-tests", "--"];
     if let Some(f) = filter {
         args.push(f);
     }
