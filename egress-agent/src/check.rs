@@ -6,7 +6,7 @@ use std::path::Path;
 use anyhow::{Context, Result};
 use serde_json::{Value, json};
 
-use crate::{config::Config, docker::labels};
+use crate::{config::Config, workload::labels};
 
 /// The effective policies of `config` (built-ins included), as JSON.
 pub fn effective_policies(config: &Config) -> Value {

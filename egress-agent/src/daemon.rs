@@ -30,12 +30,13 @@ use crate::{
     api::{ApiError, BoxFuture, Control, ExplainQuery, StoreQuery, backend, server::ApiServer},
     bpf, check,
     config::Config,
-    docker::{self, DockerOptions, ReloadRequest},
+    docker::{self, DockerOptions},
     events::EventSink,
     handover,
     manage::{Change, Who},
     metrics::{self, Metrics},
     notify, status,
+    workload::{self, HostOptions, ReloadRequest},
 };
 
 /// Options of `egress-agent run`.
@@ -43,6 +44,8 @@ use crate::{
 pub struct RunOptions {
     pub config: PathBuf,
     pub docker: DockerOptions,
+    /// The host-wide settings and state every runtime shares.
+    pub host: HostOptions,
     /// Run the Docker runtime (off with `--no-docker`, e.g. on a Kubernetes node).
     pub watch_docker: bool,
     pub api_socket: PathBuf,
@@ -421,7 +424,7 @@ pub async fn run(opts: RunOptions) -> Result<()> {
     // A running agent hands its sockets over (a restart or an upgrade): take them before
     // binding anything.
     let handover_path = handover::socket_path(&config.agent.state_dir);
-    let sockets = opts.docker.sockets.clone();
+    let sockets = opts.host.sockets.clone();
     // Sockets systemd kept for this agent (a crash and its restart: the fd store).
     let stored = handover::fdstore::passed();
     let from_store = !stored.is_empty();
@@ -450,7 +453,7 @@ pub async fn run(opts: RunOptions) -> Result<()> {
         }
     }
     let docker_root = crate::cgroup::cgroup2_mount()
-        .map(|m| docker::cgroups::DockerRoot::new(m, &opts.docker.cgroup_parent).path());
+        .map(|m| workload::root::WorkloadRoot::new(m, &opts.docker.cgroup_parent).path());
     let api = ApiServer::bind_handed(&opts.api_socket, &sockets)
         .await?
         .refusing_roots(docker_root.ok().into_iter().chain(kubelet_root(&config)));
@@ -478,14 +481,19 @@ pub async fn run(opts: RunOptions) -> Result<()> {
     let mut runtimes = Runtimes::default();
     if opts.watch_docker {
         let (hooks, rt) = Runtimes::hooks(&metrics);
-        let (c, o, e) = (config.clone(), opts.docker.clone(), events.clone());
+        let (c, o, h, e) = (
+            config.clone(),
+            opts.docker.clone(),
+            opts.host.clone(),
+            events.clone(),
+        );
         runtimes.add("docker", rt, &mut agent, |stop| {
-            docker::serve_with(c, o, e, hooks, stop)
+            docker::serve_with(c, o, h, e, hooks, stop)
         });
     }
     if let Some(k8s) = config.kubernetes.clone() {
         let (hooks, rt) = Runtimes::hooks(&metrics);
-        let (c, host, e) = (config.clone(), opts.docker.clone(), events.clone());
+        let (c, host, e) = (config.clone(), opts.host.clone(), events.clone());
         runtimes.add("kubernetes", rt, &mut agent, |stop| {
             crate::containerd::serve(c, k8s, host, e, hooks, stop)
         });
@@ -531,13 +539,13 @@ pub async fn run(opts: RunOptions) -> Result<()> {
     // both named by the directory the runtimes keep.
     let (bpffs, directory, m) = (
         config.agent.bpffs.clone(),
-        opts.docker.directory.clone(),
+        opts.host.directory.clone(),
         metrics.clone(),
     );
     agent.spawn("kernel gauges", |stop| {
-        docker::serve::kernel_gauges(bpffs, directory, m, stop)
+        workload::site::kernel_gauges(bpffs, directory, m, stop)
     });
-    let directory = opts.docker.directory.clone();
+    let directory = opts.host.directory.clone();
     match agent.pump_kernel_events(&config.agent.bpffs, move |d| directory.enrich(d)) {
         Ok(true) => {}
         Ok(false) => info!("another process consumes kernel events"),
@@ -554,8 +562,8 @@ pub async fn run(opts: RunOptions) -> Result<()> {
         reload_lock: tokio::sync::Mutex::new(()),
         ready,
         docker_socket: opts.docker.socket.clone(),
-        intercept: opts.docker.intercept.clone(),
-        holders: opts.docker.holders.clone(),
+        intercept: opts.host.intercept.clone(),
+        holders: opts.host.holders.clone(),
         metrics,
         previous,
         restart_tx,
@@ -820,7 +828,7 @@ struct Runtime {
     name: &'static str,
     reload: mpsc::Sender<ReloadRequest>,
     ready: Option<oneshot::Receiver<Value>>,
-    ended: Option<oneshot::Receiver<Result<(), docker::ServeError>>>,
+    ended: Option<oneshot::Receiver<Result<(), workload::ServeError>>>,
 }
 
 /// The daemon's ends of one runtime's hooks.
@@ -830,11 +838,11 @@ struct RuntimeEnds {
 }
 
 impl Runtimes {
-    fn hooks(metrics: &Arc<Metrics>) -> (docker::Hooks, RuntimeEnds) {
+    fn hooks(metrics: &Arc<Metrics>) -> (workload::Hooks, RuntimeEnds) {
         let (reload_tx, reload_rx) = mpsc::channel(1);
         let (ready_tx, ready_rx) = oneshot::channel();
         (
-            docker::Hooks {
+            workload::Hooks {
                 ready: Some(ready_tx),
                 reload: Some(reload_rx),
                 metrics: Some(metrics.clone()),
@@ -849,7 +857,7 @@ impl Runtimes {
     fn add<F, Fut>(&mut self, name: &'static str, ends: RuntimeEnds, agent: &mut Agent, serve: F)
     where
         F: FnOnce(tokio_util::sync::CancellationToken) -> Fut,
-        Fut: std::future::Future<Output = Result<(), docker::ServeError>> + Send + 'static,
+        Fut: std::future::Future<Output = Result<(), workload::ServeError>> + Send + 'static,
     {
         let (ended_tx, ended_rx) = oneshot::channel();
         agent.spawn(name, |stop| {
@@ -923,7 +931,7 @@ impl Runtimes {
 
 fn ended_error(
     name: &str,
-    r: Result<Result<(), docker::ServeError>, oneshot::error::RecvError>,
+    r: Result<Result<(), workload::ServeError>, oneshot::error::RecvError>,
 ) -> anyhow::Error {
     match r {
         Ok(Ok(())) => anyhow::anyhow!("the {name} enforcement task stopped"),
@@ -951,6 +959,7 @@ mod tests {
         let opts = RunOptions {
             config,
             docker: DockerOptions::default(),
+            host: HostOptions::default(),
             watch_docker: true,
             api_socket: dir.join("api.sock"),
             metrics: None,
@@ -963,7 +972,7 @@ mod tests {
         );
         std::fs::remove_dir_all(&dir).ok();
         assert!(
-            err.contains("127.0.0.1:3128 can't be used for Docker")
+            err.contains("127.0.0.1:3128 can't be used for containers or pods")
                 && err.contains("169.254.100.1"),
             "{err}"
         );

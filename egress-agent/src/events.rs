@@ -107,7 +107,7 @@ pub struct DenialEvent {
     pub source: Source,
     pub cgroup_id: Option<u64>,
     /// Kernel events: the cgroup of the task that made the call, when it is not the entry's
-    /// (a container of a pod); how [`crate::docker::Directory`] names the container. Not kept.
+    /// (a container of a pod); how [`crate::workload::Directory`] names the container. Not kept.
     #[serde(skip)]
     pub task_cgroup_id: Option<u64>,
     pub container: Option<ContainerRef>,

@@ -62,3 +62,4 @@ pub mod status;
 pub mod store;
 pub mod suggest;
 pub mod ui;
+pub mod workload;

@@ -7,7 +7,9 @@ use std::process::ExitCode;
 
 use anyhow::Context;
 use clap::{Parser, Subcommand};
-use egress_agent::{api, config::DEFAULT_CONFIG_PATH, docker::DockerOptions};
+use egress_agent::{
+    api, config::DEFAULT_CONFIG_PATH, docker::DockerOptions, workload::HostOptions,
+};
 use hyper::Method;
 
 /// Network egress policy for containers and commands: eBPF confinement + hostname-checking proxy.
@@ -321,11 +323,13 @@ fn main() -> ExitCode {
                 docker: DockerOptions {
                     socket: docker_socket,
                     cgroup_parent,
+                },
+                host: HostOptions {
                     nft: !no_nft,
                     require_lsm,
                     // Kept in systemd's fd store too, when run under systemd.
                     sockets: egress_agent::handover::Sockets::with_fdstore(),
-                    ..DockerOptions::default()
+                    ..HostOptions::default()
                 },
                 watch_docker: !no_docker,
                 api_socket,

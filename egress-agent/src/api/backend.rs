@@ -122,7 +122,7 @@ pub async fn explain(
                 .await
                 .map_err(|e| ApiError::new(404, format!("inspecting container {id}: {e}")))?;
             let labels = c.config.and_then(|c| c.labels).unwrap_or_default();
-            let resolved = crate::docker::labels::resolve(
+            let resolved = crate::workload::labels::resolve(
                 labels.iter().map(|(k, v)| (k.as_str(), v.as_str())),
                 config,
             );
@@ -147,7 +147,7 @@ pub async fn explain(
 /// `explain` of a workload's resolved policy, with the reason it got it.
 fn explain_resolved(
     config: &Config,
-    resolved: &crate::docker::labels::Resolved,
+    resolved: &crate::workload::labels::Resolved,
     why: String,
     target: &Target,
     netns: Netns,
@@ -214,7 +214,7 @@ async fn explain_pod(
         })
         .find(|sb| sb.pod.namespace == ns && sb.pod.name == name)
         .ok_or_else(|| ApiError::new(404, format!("no pod {pod} in containerd")))?;
-    let resolved = crate::docker::labels::resolve_pod(
+    let resolved = crate::workload::labels::resolve_pod(
         sandbox
             .annotations
             .iter()
@@ -223,13 +223,13 @@ async fn explain_pod(
         config,
     );
     let why = match &resolved.source {
-        crate::docker::labels::Source::Namespace => {
+        crate::workload::labels::Source::Namespace => {
             format!("no egress.* annotation: namespace {ns:?}'s default applies")
         }
-        crate::docker::labels::Source::Unlabeled => {
+        crate::workload::labels::Source::Unlabeled => {
             "no egress.* annotation and no namespace default: agent.unlabeled applies".to_owned()
         }
-        source => crate::docker::labels::label_to_annotation(&crate::check::why(source)),
+        source => crate::workload::labels::label_to_annotation(&crate::check::why(source)),
     };
     let mut v = explain_resolved(config, &resolved, why, target, netns);
     let enforced = enforced_as(config, &format!("pod:{pod}"));

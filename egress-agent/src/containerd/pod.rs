@@ -9,7 +9,7 @@
 use std::collections::{BTreeMap, HashMap};
 
 use super::cgroup_path::{self, CgroupPathError, PodCgroup};
-use crate::docker::container::ContainerInfo;
+use crate::workload::info::ContainerInfo;
 
 pub const LABEL_KIND: &str = "io.cri-containerd.kind";
 pub const LABEL_POD_NAMESPACE: &str = "io.kubernetes.pod.namespace";
@@ -238,7 +238,7 @@ impl Sandbox {
             .iter()
             .map(|(k, v)| (k.clone(), v.clone()))
             .collect();
-        info.pod = Some(crate::docker::container::PodPlacement {
+        info.pod = Some(crate::workload::info::PodPlacement {
             namespace: self.pod.namespace.clone(),
             context: self.pod.context(),
             cgroup_dir: self.cgroup.pod_dir.clone(),

@@ -26,10 +26,10 @@ use tokio::sync::mpsc;
 use super::client::{self, Client, ClientError, Event};
 use super::pod::{self, Record, Sandbox};
 use crate::config::KubernetesConfig;
-use crate::docker::watch::{Pause, next_reload, pause};
-use crate::docker::{Enforcer, Outcome, ReloadRequest};
 use crate::exposure::WorkloadEnv;
 use crate::metrics::Metrics;
+use crate::workload::reload::{Pause, next_reload, pause};
+use crate::workload::{Enforcer, Outcome, ReloadRequest};
 
 const BACKOFF_MIN: Duration = Duration::from_millis(100);
 const BACKOFF_MAX: Duration = Duration::from_secs(5);
@@ -54,7 +54,7 @@ struct Pods {
 impl Pods {
     /// The pod of sandbox `id` as the enforcer sees it, with its process if it runs and its
     /// containers' environments.
-    fn workload(&self, id: &str) -> Option<crate::docker::container::ContainerInfo> {
+    fn workload(&self, id: &str) -> Option<crate::workload::info::ContainerInfo> {
         let sb = self.sandboxes.get(id)?;
         let mut info = sb.workload(self.running.get(id).copied());
         if let Some(envs) = self.envs.get(id) {
@@ -111,7 +111,7 @@ pub async fn run(
 }
 
 async fn apply_reload(enforcer: &mut Enforcer, pods: &mut Pods, req: ReloadRequest) {
-    if let Some(msg) = crate::docker::watch::restart_needed(enforcer.config(), &req.config) {
+    if let Some(msg) = crate::workload::reload::restart_needed(enforcer.config(), &req.config) {
         if req.done.send(Err(msg)).is_err() {
             tracing::debug!("reload requester went away");
         }

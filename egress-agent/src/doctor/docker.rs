@@ -254,7 +254,7 @@ pub(super) async fn reachable(ctx: Arc<Ctx>) -> Outcome {
 }
 
 /// Verdict on Docker's cgroup setup, from `/info`. The agent follows the cgroupfs layout
-/// (`<cgroup2>/<cgroup parent>/<id>`, see `docker::cgroups`); under the systemd driver containers
+/// (`<cgroup2>/<cgroup parent>/<id>`, see `workload::root`); under the systemd driver containers
 /// live in `system.slice/docker-<id>.scope`, outside its enforcement root. Pure, for tests.
 pub(super) fn cgroup_driver_verdict(info: &Value) -> Outcome {
     const FIX: &str = r#"set "exec-opts": ["native.cgroupdriver=cgroupfs"] in /etc/docker/daemon.json and restart Docker"#;

@@ -3,8 +3,8 @@
 use std::net::SocketAddrV4;
 use std::sync::Arc;
 
-use super::container::ContainerInfo;
 use super::host_layer::HostEntry;
+use super::info::ContainerInfo;
 use super::labels::Resolved;
 use crate::nft;
 use egress_policy::kernel::InterceptAddrs;

@@ -12,16 +12,16 @@ use std::path::{Path, PathBuf};
 use crate::cgroup;
 
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct DockerRoot {
+pub struct WorkloadRoot {
     /// The cgroup2 mount (from /proc/self/mountinfo).
     pub mount: PathBuf,
     /// The cgroup parent relative to the mount, without leading `/` (default `docker`).
     pub parent: String,
 }
 
-impl DockerRoot {
-    pub fn new(mount: impl Into<PathBuf>, parent: &str) -> DockerRoot {
-        DockerRoot {
+impl WorkloadRoot {
+    pub fn new(mount: impl Into<PathBuf>, parent: &str) -> WorkloadRoot {
+        WorkloadRoot {
             mount: mount.into(),
             parent: parent.trim_matches('/').to_owned(),
         }
@@ -102,7 +102,7 @@ mod tests {
 
     #[test]
     fn expected_dirs() {
-        let r = DockerRoot::new("/sys/fs/cgroup/unified", "/docker");
+        let r = WorkloadRoot::new("/sys/fs/cgroup/unified", "/docker");
         assert_eq!(r.path(), Path::new("/sys/fs/cgroup/unified/docker"));
         assert_eq!(
             r.expected_dir(ID, ""),

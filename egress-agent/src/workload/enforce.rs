@@ -20,16 +20,16 @@ use std::time::SystemTime;
 
 use tokio_util::sync::CancellationToken;
 
-use super::cgroups::DockerRoot;
-use super::container::ContainerInfo;
 use super::directory::Directory;
 use super::entries::{Entries, Written};
 use super::host_layer::{HostLayer, HostTables};
+use super::info::ContainerInfo;
 use super::labels::{self, Resolved};
 use super::listeners::Listener;
 use super::netinfo;
 use super::plan::{self, Plan};
 use super::pod_clients::PodClients;
+use super::root::WorkloadRoot;
 use crate::bpf::PinnedState;
 use crate::cgroup;
 use crate::config::Config;
@@ -78,7 +78,7 @@ fn direct_entries(p: &egress_policy::Policy) -> Vec<&egress_policy::HostEntry> {
 /// Static settings of the Docker enforcer.
 #[derive(Debug, Clone)]
 pub struct Settings {
-    pub root: DockerRoot,
+    pub root: WorkloadRoot,
     /// The stable proxy endpoint containers use (IPv4, non-loopback, e.g. 169.254.100.1:3128).
     pub endpoint4: SocketAddrV4,
     pub endpoint6: Option<SocketAddr>,

@@ -11,7 +11,7 @@ use std::process::Command;
 
 use serde::Deserialize;
 
-use super::container::{NetEndpoint, parse_mac};
+use super::info::{NetEndpoint, parse_mac};
 use crate::nft::Endpoint;
 
 #[derive(Debug, thiserror::Error)]

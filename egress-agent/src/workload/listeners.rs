@@ -10,7 +10,7 @@ use std::sync::Arc;
 
 use tokio_util::sync::CancellationToken;
 
-use super::container::ContainerInfo;
+use super::info::ContainerInfo;
 use super::pod_clients::PodClients;
 use crate::events::ContainerRef;
 use crate::proxy::{Identity, PolicyHandle, PolicyProxy, ProxyContext};
