@@ -2,7 +2,7 @@
 //! sink with its durable store and exporters, the kernel's denial events, the tasks that serve
 //! confined workloads (proxy listeners, DNS, a runtime's watcher, the API), and one ordered stop.
 //!
-//! A runtime (Docker today, containerd next) or `exec` plugs into it: it takes
+//! A runtime (Docker, containerd, or `exec` with its one command) plugs into it: it takes
 //! [`Agent::stop_token`] (a child of the one root token) for what it spawns, or hands its task
 //! to [`Agent::spawn`], and names the policy and workload of kernel events through the
 //! attribution it gives [`Agent::pump_kernel_events`].

@@ -3,9 +3,17 @@
 //! Standalone (no daemon needed), per docs/architecture.md:
 //! 1. load or adopt the programs on the exec root `<cgroup2>/egress-agent` (loader lock);
 //! 2. create `<exec root>/exec-<pid>-<n>`;
-//! 3. bind an in-process proxy listener for P on `proxy.listen` port 0 (allowlist policies),
-//!    with its transparent listener and DNS responder (`proxy::hooks`), and write the cgroup's
-//!    policy entry pointing the endpoint, TCP on `allow_ports` and port 53 at them;
+//! 3. hand the cgroup to the workload enforcer every runtime uses ([`crate::workload`], with
+//!    `exec` as its runtime, [`crate::workload::Enforcer::command_started`]): it binds the
+//!    command's proxy listeners for P on `proxy.listen` and `proxy.endpoint_v6`'s address, port
+//!    0 (any policy but `deny_all`, as for a container), with their transparent listener and
+//!    DNS responder (`proxy::hooks`) and the direct-port sink, and writes the cgroup's policy
+//!    entry pointing the endpoint, TCP on `allow_ports` and port 53 at them (`deny_all` when
+//!    that can't be written; the command is not run if even that fails). What differs from a
+//!    container, and why: no host layer (the command has no interface of its own), the
+//!    endpoint may be loopback or IPv6-only (it shares the host's network), its environment
+//!    is checked here (a holder is refused rather than confined), and its own cgroup is never
+//!    exempted (exec is not under its root);
 //! 4. start CMD through a tiny re-exec of this binary (`__exec-child`) that moves itself into the
 //!    cgroup, drops CAP_NET_RAW from all capability sets incl. the bounding set (unless the policy
 //!    is allow_all), and then `execvp`s CMD — so CMD's first instruction is already confined,
@@ -31,12 +39,14 @@ use std::time::Duration;
 use anyhow::{Context as _, anyhow, bail};
 
 use crate::agent::Agent;
-use crate::bpf::{self, KernelPolicy, PinnedState};
+use crate::bpf::{self, PinnedState};
 use crate::cgroup;
 use crate::config::{self, Config};
-use crate::proxy::{PolicyProxy, ProxyContext};
 use crate::sandbox::{self, Identity};
-use egress_policy::kernel::Endpoints;
+use crate::workload::info::ContainerInfo;
+use crate::workload::root::WorkloadRoot;
+use crate::workload::site::{self, HostOptions, Site};
+use crate::workload::{Directory, Outcome};
 use egress_policy::{self as policy, Mode};
 
 /// Name of the exec enforcement root under the cgroup2 mount.
@@ -412,7 +422,7 @@ async fn run_async(
     let mut sigquit = signal(SignalKind::quit())?;
 
     // 1. programs on the exec root.
-    let mut enforcement = bpf::enforce_root(&bpffs, &root, false)?;
+    let enforcement = bpf::enforce_root(&bpffs, &root, false)?;
     if !enforcement.report.upgraded.is_empty() {
         eprintln!(
             "egress-agent: pinned links switched to this build's programs: {}",
@@ -450,9 +460,7 @@ async fn run_async(
         bpffs: bpffs.clone(),
     };
 
-    // 3. the policy's proxy listener (allowlist only: deny_all/allow_all never use it), with
-    // its transparent listener and DNS responder backed by the kernel's redirect maps.
-    // The agent core, as in the daemon: this run's events go to the durable store (`events`,
+    // 3. the agent core, as in the daemon: this run's events go to the durable store (`events`,
     // `suggest`) and to the configured exporters, and one ordered stop flushes both.
     let mut agent = Agent::start(&config, None)?;
     let events = agent.events().clone();
@@ -471,78 +479,57 @@ async fn run_async(
         );
         events.emit(u.event());
     }
-    let mut endpoints = Endpoints {
-        endpoint4: Some(config.proxy.endpoint).filter(|e| e.is_ipv4()),
-        endpoint6: config.proxy.endpoint_v6,
-        ..Endpoints::default()
-    };
-    if policy.mode == Mode::Allowlist {
-        let redirects = Arc::new(
-            bpf::redirects::KernelRedirects::open(&bpffs).context("opening the redirect maps")?,
-        );
-        let ctx = ProxyContext::new(&config, events.clone())
-            .context("proxy context")?
-            .with_interception(crate::proxy::InterceptHooks::kernel(&redirects));
-        let shared_policy = Arc::new(policy.clone());
-        // A non-loopback proxy address (the Docker-style 169.254.100.1) lives on the agent's
-        // interface: make sure it exists, as the daemon does, before binding on it.
-        if let std::net::IpAddr::V4(ip) = config.proxy.listen_ip()
-            && !ip.is_loopback()
-        {
-            crate::netif::ensure(ip)
-                .with_context(|| format!("setting up the proxy address {ip}"))?;
-        }
-        let mut addrs = vec![std::net::SocketAddr::new(config.proxy.listen_ip(), 0)];
-        if let Some(v6) = config.proxy.endpoint_v6 {
-            addrs.push(std::net::SocketAddr::new(v6.ip(), 0));
-        }
-        let identity = crate::proxy::Identity {
-            container: None,
-            cgroup_id: Some(id),
-            context: Default::default(),
-            clients: None,
-        };
-        for addr in addrs {
-            let proxy = PolicyProxy::bind_for(
-                addr,
-                opts.policy.clone(),
-                shared_policy.clone(),
-                ctx.clone(),
-                Some(identity.clone()),
-            )
-            .await
-            .with_context(|| {
-                format!(
-                    "binding the proxy listener for policy {} on {addr}",
-                    opts.policy
-                )
-            })?;
-            let local = proxy.local_addr();
-            let intercept = proxy.intercept_addrs().unwrap_or_default();
-            if local.is_ipv4() {
-                endpoints.listener4 = Some(local);
-                endpoints.intercept4 = intercept;
-            } else {
-                endpoints.listener6 = Some(local);
-                endpoints.intercept6 = intercept;
-            }
-            agent.spawn("proxy", |stop| proxy.run(stop.cancelled_owned()));
-        }
-    }
-    let kpolicy = KernelPolicy::compile(&policy, endpoints, &[])?;
 
-    // 4. the entry (listener = step 3).
-    enforcement.state.set_policy(id, &kpolicy)?;
-    enforcement
-        .state
-        .set_name(id, &opts.policy, &format!("exec:{}", std::process::id()))?;
-    let names = enforcement.state;
+    // 4. the workload enforcer every runtime uses (`crate::workload`), with `exec` as its
+    // runtime: the command's entry (its policy, `deny_all` if that can't be written), its proxy
+    // listeners (with their transparent listener and DNS responder, backed by the kernel's
+    // redirect maps and the direct-port sink) and its directory record, before it starts.
+    let config = Arc::new(config);
+    let directory = Directory::default();
+    let site = Site::new(
+        WorkloadRoot::new(
+            root.parent().unwrap_or(&root),
+            &root
+                .file_name()
+                .map(|n| n.to_string_lossy().into_owned())
+                .unwrap_or_default(),
+        ),
+        HostOptions {
+            nft: false,
+            directory: directory.clone(),
+            ..HostOptions::default()
+        },
+        "exec",
+    );
+    let mut enforcer = site::enforcer_on(
+        &config,
+        site,
+        enforcement.state,
+        site::Addresses::sharing_host_network(&config)?,
+        false,
+        &events,
+        None,
+        &agent.stop_token(),
+    )?;
+    let workload = ContainerInfo::command(
+        format!("exec:{}", std::process::id()),
+        command_name(&opts.command),
+        &opts.policy,
+    );
+    if let Outcome::Refuse(why) = enforcer.command_started(&workload, path.clone(), id).await {
+        drop(guard);
+        agent.shutdown().await;
+        bail!("exec: the command's cgroup could not be confined: {why}; it was not run");
+    }
+    let names = PinnedState::open(&bpffs).context("opening the pinned maps")?;
 
     // Kernel denial events of this run, if no daemon consumes the ring buffer. This exec then
     // holds the ring: events of other cgroups (other execs) would be lost otherwise, so they
     // are logged with the policy their writer recorded.
     if let Err(e) = agent.pump_kernel_events(&bpffs, move |d| {
-        if let Some((policy, _)) = d.cgroup_id.and_then(|id| names.name(id)) {
+        if d.cgroup_id.is_some_and(|id| directory.get(id).is_some()) {
+            directory.enrich(d);
+        } else if let Some((policy, _)) = d.cgroup_id.and_then(|id| names.name(id)) {
             d.policy = policy;
         }
     }) {
@@ -634,9 +621,10 @@ async fn run_async(
         }
     };
 
-    // 7. cleanup (guard), then the core's ordered stop: proxy, the last kernel events, the
-    // store and the exporters.
+    // 7. cleanup (guard: the cgroup, then its entry), the enforcer's record and listeners,
+    // then the core's ordered stop: the last kernel events, the store and the exporters.
     drop(guard);
+    enforcer.destroyed(&workload.id).await;
     agent.shutdown().await;
     use std::os::unix::process::ExitStatusExt as _;
     Ok(match (status.code(), status.signal()) {

@@ -1,4 +1,5 @@
-//! The agent's TOML configuration and the policy model shared by the kernel and proxy sides.
+//! The agent's TOML configuration: its sections, and the policies (whose model and checks live
+//! in `egress-policy`) as the file names them.
 //!
 //! Default path: [`DEFAULT_CONFIG_PATH`]. Every struct refuses unknown fields; every field has a
 //! documented default (see `config/example.toml`). Loading is parse → [`Config::validate`]; any
@@ -66,8 +67,6 @@ pub struct Config {
     pub policies: BTreeMap<String, Policy>,
 }
 
-/// `[api]`: who may read the control API, and the status page's optional TCP address. Changes
-/// take effect on a restart.
 /// `[kubernetes]`: pods on this node, learnt from containerd (see docs/operations.md,
 /// "Kubernetes"). A pod's policy comes from its `egress.*` annotations, else its namespace's
 /// entry in `namespace_defaults`, else `agent.unlabeled`. Changes take effect on a restart.
@@ -101,6 +100,8 @@ impl Default for KubernetesConfig {
     }
 }
 
+/// `[api]`: who may read the control API, and the status page's optional TCP address. Changes
+/// take effect on a restart.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, Default)]
 #[serde(default, deny_unknown_fields)]
 pub struct ApiConfig {

@@ -18,7 +18,7 @@
 //!
 //! Bridge networks are listed before the containers on every reconcile, and a network's
 //! `create` event is handled at once (before any later event): a container's frames on a Docker
-//! bridge are dropped until its `start` has been handled (see `nft.rs`).
+//! bridge are dropped until its `start` has been handled (see `nft/`).
 use std::collections::{HashMap, HashSet};
 use std::future::Future;
 use std::sync::Arc;

@@ -162,7 +162,7 @@ pub struct Options {
     pub docker_socket: PathBuf,
     /// Docker's daemon configuration (read for a non-upstream `default-capabilities` key).
     pub docker_daemon_json: PathBuf,
-    /// Name of the agent's nftables tables (one `inet`, one `bridge`; see `nft.rs`).
+    /// Name of the agent's nftables tables (one `inet`, one `bridge`; see `nft/`).
     pub nft_table: String,
     /// `PATH` used to find external tools (`iptables-legacy`); `None`: this process's `PATH`.
     pub tool_path: Option<OsString>,

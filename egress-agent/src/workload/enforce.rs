@@ -1,5 +1,5 @@
-//! The per-container lifecycle: what the agent does when Docker creates, starts, stops or
-//! removes a container, and on reload.
+//! The per-workload lifecycle: what the agent does when a runtime creates, starts, stops or
+//! removes a workload (a Docker container, a pod, a command under `exec`), and on reload.
 //!
 //! Each step decides with [`super::plan`] (pure) and carries the plan out through the three
 //! parts that hold state: [`Entries`] (kernel entries and the event directory), [`Listener`]s
@@ -75,15 +75,19 @@ fn direct_entries(p: &egress_policy::Policy) -> Vec<&egress_policy::HostEntry> {
         .collect()
 }
 
-/// Static settings of the Docker enforcer.
+/// Static settings of an enforcer (one per runtime).
 #[derive(Debug, Clone)]
 pub struct Settings {
     pub root: WorkloadRoot,
-    /// The stable proxy endpoint containers use (IPv4, non-loopback, e.g. 169.254.100.1:3128).
-    pub endpoint4: SocketAddrV4,
+    /// The stable proxy endpoint workloads use: for containers and pods IPv4 and non-loopback
+    /// (e.g. 169.254.100.1:3128); a command under `exec` shares the host's network and may
+    /// use loopback, or only IPv6 (`None`).
+    pub endpoint4: Option<SocketAddrV4>,
     pub endpoint6: Option<SocketAddr>,
-    /// Where per-container listeners bind (port 0). Normally the endpoint's IP.
-    pub listen_ip: IpAddr,
+    /// Where per-workload listeners bind (port 0), one socket each. Containers and pods: the
+    /// endpoint's IP (`proxy.listen`), no IPv6 listener (their entries refuse `endpoint_v6`);
+    /// `exec`: that and `endpoint_v6`'s IP.
+    pub listen: Vec<IpAddr>,
     /// Maintain the nftables host layer (the tables are created on the first change).
     pub nft: bool,
     /// Guard Docker's bridges at L2 until each container is classified: on when the BPF-LSM
@@ -121,9 +125,17 @@ impl Enforcer {
         directory: Directory,
         stop: CancellationToken,
     ) -> Enforcer {
-        let entries = Entries::new(state, directory, settings.endpoint4, settings.endpoint6);
+        let entries = Entries::new(
+            state,
+            directory,
+            settings.endpoint4,
+            settings.endpoint6,
+            settings.runtime,
+        );
         let host = HostLayer::new(
-            *settings.endpoint4.ip(),
+            settings
+                .endpoint4
+                .map_or(std::net::Ipv4Addr::UNSPECIFIED, |e| *e.ip()),
             settings.nft,
             settings.l2_guard,
             &settings.tables,
@@ -156,7 +168,8 @@ impl Enforcer {
 
     /// The listener serving container `id`, if any.
     pub fn listener_of(&self, id: &str) -> Option<SocketAddr> {
-        self.tracked.get(id)?.listener.as_ref().map(|l| l.addr)
+        let bound = self.tracked.get(id)?.listener.as_ref()?.bound;
+        bound.v4.or(bound.v6).map(|(a, _)| a)
     }
 
     /// Name of a tracked container.
@@ -381,6 +394,21 @@ impl Enforcer {
         }
     }
 
+    /// A command run by `exec` (a runtime of its own, [`ContainerInfo::command`]) in `dir`, the
+    /// cgroup `exec` made for it under the root (id `id`), before the command starts: its
+    /// entry, listener and directory record are written as for any other workload (with the
+    /// same `deny_all` fallback). `Refuse`: not even `deny_all` could be written; don't run it.
+    #[tracing::instrument(skip_all, fields(workload = %info.id, name = %info.name))]
+    pub async fn command_started(
+        &mut self,
+        info: &ContainerInfo,
+        dir: PathBuf,
+        id: u64,
+    ) -> Outcome {
+        let resolved = self.resolve(info);
+        self.apply_entry(info, resolved, dir, id, None).await
+    }
+
     /// A pod's sandbox stopped: its interfaces are gone (its address may be given to another
     /// pod), so its host-layer rules go; its entry stays until the pod is removed.
     pub async fn pod_stopped(&mut self, sandbox_id: &str) {
@@ -460,7 +488,7 @@ impl Enforcer {
         } else {
             None
         };
-        let addrs = listener.as_ref().map(|l| (l.addr, l.intercept));
+        let addrs = listener.as_ref().map(|l| l.bound).unwrap_or_default();
         let written_name = match self.entries.write_or_deny(
             id,
             &plan.policy,
@@ -533,7 +561,7 @@ impl Enforcer {
             return Ok(l);
         }
         Listener::bind(
-            self.settings.listen_ip,
+            &self.settings.listen,
             info,
             cgroup_id,
             &plan.policy_name,
@@ -561,7 +589,10 @@ impl Enforcer {
         }
         let opted_in = t.resolved.opted_in();
         let plan = plan::plan(info, &t.resolved);
-        let listener = match t.listener.as_ref().map(|l| (l.addr, l.intercept)) {
+        let Some(proxy_ip) = self.settings.endpoint4.map(|e| *e.ip()) else {
+            return Outcome::Ok;
+        };
+        let listener = match t.listener.as_ref().and_then(|l| l.bound.v4) {
             Some((SocketAddr::V4(l), intercept)) => Some((l, intercept)),
             _ => None,
         };
@@ -590,7 +621,6 @@ impl Enforcer {
         if let Err(e) = nft::Ruleset::check_endpoints(&endpoints) {
             return self.host_layer_failed(info, &e.to_string());
         }
-        let proxy_ip = *self.settings.endpoint4.ip();
         let entry = match plan::host_entry(opted_in, &plan, listener, proxy_ip, endpoints) {
             Ok(e) => e,
             Err(why) => return self.host_layer_failed(info, &why),
@@ -760,6 +790,8 @@ impl Enforcer {
             port: 0,
             protocol: if info.pod.is_some() {
                 "containerd"
+            } else if self.settings.runtime == "exec" {
+                "exec"
             } else {
                 "docker"
             }

@@ -11,10 +11,11 @@ use std::net::{SocketAddr, SocketAddrV4};
 use std::path::Path;
 
 use super::directory::{DirEntry, Directory};
+use super::listeners::Bound;
 use crate::bpf::{BpfError, PinnedState};
 use crate::cgroup;
 use crate::events::ContainerRef;
-use egress_policy::kernel::{Endpoints, InterceptAddrs, KernelPolicy};
+use egress_policy::kernel::{Endpoints, KernelPolicy};
 use egress_policy::{DENY_ALL, Policy};
 
 /// What was written for a container's cgroup.
@@ -68,32 +69,38 @@ fn with_sources(e: &dyn std::error::Error) -> String {
 pub struct Entries {
     state: Box<dyn KernelMap>,
     directory: Directory,
-    endpoint4: SocketAddrV4,
+    endpoint4: Option<SocketAddrV4>,
     endpoint6: Option<SocketAddr>,
+    /// How the pinned names call this runtime's workloads (`docker:NAME`, `pod:NS/NAME`, or
+    /// `exec:PID` for a command).
+    runtime: &'static str,
 }
 
 impl Entries {
     pub fn new(
         state: PinnedState,
         directory: Directory,
-        endpoint4: SocketAddrV4,
+        endpoint4: Option<SocketAddrV4>,
         endpoint6: Option<SocketAddr>,
+        runtime: &'static str,
     ) -> Entries {
-        Entries::with_map(Box::new(state), directory, endpoint4, endpoint6)
+        Entries::with_map(Box::new(state), directory, endpoint4, endpoint6, runtime)
     }
 
     /// [`Entries::new`] on any [`KernelMap`] (tests inject failing ones).
     pub fn with_map(
         state: Box<dyn KernelMap>,
         directory: Directory,
-        endpoint4: SocketAddrV4,
+        endpoint4: Option<SocketAddrV4>,
         endpoint6: Option<SocketAddr>,
+        runtime: &'static str,
     ) -> Entries {
         Entries {
             state,
             directory,
             endpoint4,
             endpoint6,
+            runtime,
         }
     }
 
@@ -101,23 +108,24 @@ impl Entries {
         &self.directory
     }
 
-    /// Write `policy` for `cgroup_id` with the container's `listener` (and its interception
+    /// Write `policy` for `cgroup_id` with the workload's `listener` (and its interception
     /// sockets) and `published` TCP ports.
     fn write(
         &mut self,
         cgroup_id: u64,
         policy: &Policy,
-        listener: Option<(SocketAddr, InterceptAddrs)>,
+        listener: Bound,
         published: &[u16],
     ) -> Result<(), String> {
-        let listener = listener.filter(|(a, _)| a.is_ipv4());
+        let v4 = listener.v4.filter(|(a, _)| a.is_ipv4());
+        let v6 = listener.v6.filter(|(a, _)| a.is_ipv6());
         let endpoints = Endpoints {
-            endpoint4: Some(SocketAddr::V4(self.endpoint4)),
-            listener4: listener.map(|(a, _)| a),
+            endpoint4: self.endpoint4.map(SocketAddr::V4),
+            listener4: v4.map(|(a, _)| a),
             endpoint6: self.endpoint6,
-            listener6: None,
-            intercept4: listener.map(|(_, i)| i).unwrap_or_default(),
-            intercept6: InterceptAddrs::default(),
+            listener6: v6.map(|(a, _)| a),
+            intercept4: v4.map(|(_, i)| i).unwrap_or_default(),
+            intercept6: v6.map(|(_, i)| i).unwrap_or_default(),
         };
         let kp =
             KernelPolicy::compile(policy, endpoints, published).map_err(|e| with_sources(&e))?;
@@ -132,7 +140,7 @@ impl Entries {
         &mut self,
         cgroup_id: u64,
         policy: &Policy,
-        listener: Option<(SocketAddr, InterceptAddrs)>,
+        listener: Bound,
         published: &[u16],
     ) -> Written {
         match self.write(cgroup_id, policy, listener, published) {
@@ -143,12 +151,12 @@ impl Entries {
 
     /// The agent's own cgroup: `allow_all`, no listener (see [`super::Enforcer::exempt_self`]).
     pub fn write_self(&mut self, cgroup_id: u64) -> Result<(), String> {
-        self.write(cgroup_id, &Policy::allow_all(), None, &[])
+        self.write(cgroup_id, &Policy::allow_all(), Bound::default(), &[])
     }
 
     /// Confine `cgroup_id` as `deny_all` because of `why`.
     pub fn deny(&mut self, cgroup_id: u64, why: String) -> Written {
-        match self.write(cgroup_id, &Policy::deny_all(), None, &[]) {
+        match self.write(cgroup_id, &Policy::deny_all(), Bound::default(), &[]) {
             Ok(()) => Written::DenyAll(why),
             Err(again) => Written::Failed(format!("{why}; writing deny_all failed too: {again}")),
         }
@@ -170,13 +178,15 @@ impl Entries {
         container: ContainerRef,
         context: std::collections::BTreeMap<String, String>,
     ) {
-        // `pod:NAMESPACE/NAME` for a Kubernetes pod (its context names it), `docker:NAME` else.
-        let kind = if context.contains_key("k8s.pod.name") {
-            "pod"
+        // `pod:NAMESPACE/NAME` for a Kubernetes pod (its context names it), `exec:PID` for a
+        // command (its id), `docker:NAME` else.
+        let owner = if self.runtime == "exec" {
+            container.id.clone()
+        } else if context.contains_key("k8s.pod.name") {
+            format!("pod:{}", container.name)
         } else {
-            "docker"
+            format!("docker:{}", container.name)
         };
-        let owner = format!("{kind}:{}", container.name);
         if let Err(e) = self.state.set_name(cgroup_id, policy, &owner) {
             tracing::warn!(container = %container.id, cgroup_id, error = %e, "recording the policy name failed");
         }
@@ -222,6 +232,7 @@ impl Entries {
 #[expect(clippy::unwrap_used, reason = "test assertions")]
 mod tests {
     use super::*;
+    use egress_policy::kernel::InterceptAddrs;
     use std::sync::{Arc, Mutex};
 
     /// A map whose `set_policy` fails for the first `fail` calls (as a full map does: E2BIG),
@@ -273,8 +284,9 @@ mod tests {
         let e = Entries::with_map(
             Box::new(map.clone()),
             Directory::default(),
-            "169.254.100.1:3128".parse().unwrap(),
+            Some("169.254.100.1:3128".parse().unwrap()),
             None,
+            "docker",
         );
         (e, map)
     }
@@ -296,7 +308,10 @@ mod tests {
         let w = e.write_or_deny(
             7,
             &allowlist(),
-            Some((LISTENER.parse().unwrap(), InterceptAddrs::default())),
+            Bound {
+                v4: Some((LISTENER.parse().unwrap(), InterceptAddrs::default())),
+                v6: None,
+            },
             &[8080],
         );
         assert_eq!(w, Written::Policy);
@@ -312,7 +327,10 @@ mod tests {
         let w = e.write_or_deny(
             7,
             &allowlist(),
-            Some((LISTENER.parse().unwrap(), InterceptAddrs::default())),
+            Bound {
+                v4: Some((LISTENER.parse().unwrap(), InterceptAddrs::default())),
+                v6: None,
+            },
             &[8080],
         );
         let Written::DenyAll(why) = w else {
@@ -339,7 +357,10 @@ mod tests {
         let w = e.write_or_deny(
             7,
             &allowlist(),
-            Some((LISTENER.parse().unwrap(), InterceptAddrs::default())),
+            Bound {
+                v4: Some((LISTENER.parse().unwrap(), InterceptAddrs::default())),
+                v6: None,
+            },
             &[8080],
         );
         let Written::Failed(why) = w else {

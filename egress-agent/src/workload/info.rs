@@ -1,6 +1,7 @@
-//! What the enforcer knows about a workload (a Docker container, a Kubernetes pod), whatever
-//! runtime reported it: each runtime fills a [`ContainerInfo`] (`docker::container` from
-//! `docker inspect`, `containerd::pod` from containerd's records).
+//! What the enforcer knows about a workload (a Docker container, a Kubernetes pod, a command
+//! under `exec`), whatever runtime reported it: each runtime fills a [`ContainerInfo`]
+//! (`docker::container` from `docker inspect`, `containerd::pod` from containerd's records,
+//! [`ContainerInfo::command`] for `exec`).
 use std::collections::HashMap;
 use std::net::Ipv4Addr;
 
@@ -52,6 +53,31 @@ pub struct PodPlacement {
 }
 
 impl ContainerInfo {
+    /// A command run by `exec` with policy `policy`: `id` is `exec:<pid of exec>`, `name` the
+    /// command's. It runs in the host's network namespace (no host-layer rules: no interface of
+    /// its own), nothing is published, and its environment is checked by `exec` itself (which
+    /// refuses to start it rather than confining it).
+    pub fn command(id: String, name: String, policy: &str) -> ContainerInfo {
+        ContainerInfo {
+            id,
+            name,
+            labels: HashMap::from([(
+                crate::workload::labels::LABEL_POLICY.to_owned(),
+                policy.to_owned(),
+            )]),
+            running: true,
+            pid: None,
+            cgroup_parent: String::new(),
+            network_mode: "host".to_owned(),
+            endpoints: Vec::new(),
+            auto_remove: true,
+            published_tcp: Vec::new(),
+            unconfinable: Vec::new(),
+            pod: None,
+            env: crate::exposure::WorkloadEnv::default(),
+        }
+    }
+
     pub fn host_network(&self) -> bool {
         self.network_mode == "host"
     }

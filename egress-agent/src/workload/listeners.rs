@@ -1,4 +1,4 @@
-//! One proxy listener per opted-in container.
+//! One proxy listener per opted-in workload (a socket per address family it is asked for).
 //!
 //! The listener serves the container's policy on `proxy.listen` with a kernel-chosen port; the
 //! container's kernel entry points the stable endpoint at it. The listener that accepted a
@@ -17,19 +17,25 @@ use crate::proxy::{Identity, PolicyHandle, PolicyProxy, ProxyContext};
 use egress_policy::Policy;
 use egress_policy::kernel::InterceptAddrs;
 
-/// A running listener; dropping it stops it.
+/// Where a workload's listener serves, per address family, each with its transparent
+/// listener and DNS responder (when the proxy context has the kernel hooks).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Bound {
+    pub v4: Option<(SocketAddr, InterceptAddrs)>,
+    pub v6: Option<(SocketAddr, InterceptAddrs)>,
+}
+
+/// A running listener (one socket per address it was asked for); dropping it stops it.
 pub struct Listener {
-    pub addr: SocketAddr,
-    /// Its transparent listener and DNS responder (when the proxy context has the kernel hooks).
-    pub intercept: InterceptAddrs,
+    pub bound: Bound,
     /// The policy name it serves.
     pub policy: String,
     /// The container cgroup it serves (DNS answers allow direct TCP for this entry only).
     pub cgroup_id: u64,
     /// A pod's: names the container of each client (attached when the sandbox runs).
     pub clients: Option<Arc<PodClients>>,
-    /// Swaps its policy in place (reload with the same policy name).
-    handle: PolicyHandle,
+    /// Swap its policy in place (reload with the same policy name), one per socket.
+    handles: Vec<PolicyHandle>,
     stop: CancellationToken,
 }
 
@@ -40,14 +46,14 @@ impl Drop for Listener {
 }
 
 impl Listener {
-    /// Serve `policy` (named `name`) for `info` (whose cgroup is `cgroup_id`) on `ip`, port 0,
-    /// until dropped or `shutdown`.
+    /// Serve `policy` (named `name`) for `info` (whose cgroup is `cgroup_id`) on each of `ips`
+    /// (at most one per address family), port 0, until dropped or `shutdown`.
     #[expect(
         clippy::too_many_arguments,
         reason = "one call site; each is a distinct input"
     )]
     pub async fn bind(
-        ip: IpAddr,
+        ips: &[IpAddr],
         info: &ContainerInfo,
         cgroup_id: u64,
         name: &str,
@@ -68,33 +74,43 @@ impl Listener {
                 .clone()
                 .map(|c| c as Arc<dyn crate::proxy::client::ClientNames>),
         };
-        let proxy = PolicyProxy::bind_for(
-            SocketAddr::new(ip, 0),
-            name.to_owned(),
-            policy.clone(),
-            proxy.clone(),
-            Some(identity),
-        )
-        .await?;
-        let addr = proxy.local_addr();
-        let intercept = proxy.intercept_addrs().unwrap_or_default();
-        let handle = proxy.policy_handle();
         let stop = shutdown.child_token();
-        tokio::spawn(proxy.run(stop.clone().cancelled_owned()));
-        tracing::debug!(container = %info.id, policy = name, %addr, "container proxy listener");
+        let mut bound = Bound::default();
+        let mut handles = Vec::new();
+        for ip in ips {
+            let proxy = PolicyProxy::bind_for(
+                SocketAddr::new(*ip, 0),
+                name.to_owned(),
+                policy.clone(),
+                proxy.clone(),
+                Some(identity.clone()),
+            )
+            .await?;
+            let addr = proxy.local_addr();
+            let at = Some((addr, proxy.intercept_addrs().unwrap_or_default()));
+            if addr.is_ipv4() {
+                bound.v4 = at;
+            } else {
+                bound.v6 = at;
+            }
+            handles.push(proxy.policy_handle());
+            tokio::spawn(proxy.run(stop.clone().cancelled_owned()));
+            tracing::debug!(container = %info.id, policy = name, %addr, "workload proxy listener");
+        }
         Ok(Listener {
-            addr,
-            intercept,
+            bound,
             policy: name.to_owned(),
             cgroup_id,
             clients,
-            handle,
+            handles,
             stop,
         })
     }
 
     /// Keep serving, with the new content of the same policy.
     pub fn set(&self, policy: &Policy) {
-        self.handle.set(policy);
+        for h in &self.handles {
+            h.set(policy);
+        }
     }
 }

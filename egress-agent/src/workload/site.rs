@@ -145,9 +145,8 @@ pub async fn enforcer_at(
 ) -> Result<(Enforcer, serde_json::Value), ServeError> {
     let endpoint4 = proxy_endpoint(config)?;
     netif::ensure(*endpoint4.ip())?;
-    let root = site.root;
-    let root_path = root.ensure().map_err(|source| ServeError::Root {
-        path: root.path(),
+    let root_path = site.root.ensure().map_err(|source| ServeError::Root {
+        path: site.root.path(),
         source,
     })?;
     let enforcement = bpf::enforce_root(&config.agent.bpffs, &root_path, site.require_lsm)?;
@@ -167,6 +166,81 @@ pub async fn enforcer_at(
         .as_ref()
         .map(|w| w.to_string());
     let bpf::Enforcement { state, .. } = enforcement;
+    let addresses = Addresses {
+        endpoint4: Some(endpoint4),
+        listen: vec![config.proxy.listen.unwrap_or(IpAddr::V4(*endpoint4.ip()))],
+    };
+    // Without the LSM hook, AF_PACKET frames of a container the agent has not classified yet
+    // are stopped only by the L2 guard on Docker's bridges.
+    let l2_guard = site.nft && enforcement_lsm.is_some();
+    let mut enforcer = enforcer_on(
+        config, site, state, addresses, l2_guard, events, metrics, shutdown,
+    )?;
+    // Before anything dials out: the agent's own cgroup, if under the root, must not be
+    // refused as an unclassified workload.
+    enforcer.exempt_self().map_err(ServeError::SelfEntry)?;
+    // Before READY: without the host layer the proxy address is reachable from the LAN.
+    enforcer.init().await.map_err(ServeError::HostLayer)?;
+    let info = serde_json::json!({
+        "root": root_path.display().to_string(),
+        "endpoint": endpoint4.to_string(),
+        "lsm": enforcement_lsm.is_none(),
+        "lsm_unavailable": enforcement_lsm,
+    });
+    Ok((enforcer, info))
+}
+
+/// Where a runtime's workloads reach the proxy and where their listeners bind.
+pub struct Addresses {
+    /// The IPv4 endpoint (`None`: an IPv6-only `proxy.endpoint`, possible under `exec`).
+    pub endpoint4: Option<std::net::SocketAddrV4>,
+    /// One listener socket per address, port 0.
+    pub listen: Vec<IpAddr>,
+}
+
+impl Addresses {
+    /// A command under `exec` shares the host's network: the endpoint may be loopback or
+    /// IPv6, and its listener also binds `proxy.endpoint_v6`'s address (containers' entries
+    /// refuse `endpoint_v6` instead). A non-loopback proxy address (the Docker-style
+    /// 169.254.100.1) lives on the agent's interface, set up here as the daemon does.
+    pub fn sharing_host_network(config: &Config) -> Result<Addresses, ServeError> {
+        let listen_ip = config.proxy.listen_ip();
+        if let IpAddr::V4(ip) = listen_ip
+            && !ip.is_loopback()
+        {
+            netif::ensure(ip)?;
+        }
+        let mut listen = vec![listen_ip];
+        listen.extend(config.proxy.endpoint_v6.map(|e| e.ip()));
+        Ok(Addresses {
+            endpoint4: match config.proxy.endpoint {
+                SocketAddr::V4(e) => Some(e),
+                SocketAddr::V6(_) => None,
+            },
+            listen,
+        })
+    }
+}
+
+/// An [`Enforcer`] for the workloads under `site.root`, whose programs are attached and whose
+/// pinned maps are `state`: the kernel redirect maps, the direct-port sink, the proxy context
+/// and the settings every runtime shares. The daemon's runtimes come through [`enforcer_at`];
+/// `exec` calls this directly (it reports the programs' state on its own terminal, and its
+/// own cgroup is never under its root).
+#[expect(
+    clippy::too_many_arguments,
+    reason = "two call sites; each is a distinct input"
+)]
+pub fn enforcer_on(
+    config: &Arc<Config>,
+    site: Site,
+    state: bpf::PinnedState,
+    addresses: Addresses,
+    l2_guard: bool,
+    events: &EventSink,
+    metrics: Option<&Arc<crate::metrics::Metrics>>,
+    shutdown: &CancellationToken,
+) -> Result<Enforcer, ServeError> {
     // Transparent interception and DNS: original destinations and DNS-answer allowances live in
     // the pinned maps the programs just attached read.
     let redirects = Arc::new(bpf::redirects::KernelRedirects::open(&config.agent.bpffs)?);
@@ -187,20 +261,18 @@ pub async fn enforcer_at(
         ctx = ctx.with_metrics(m.clone());
     }
     let settings = Settings {
-        root,
-        endpoint4,
+        root: site.root,
+        endpoint4: addresses.endpoint4,
         endpoint6: config.proxy.endpoint_v6,
-        listen_ip: config.proxy.listen.unwrap_or(IpAddr::V4(*endpoint4.ip())),
+        listen: addresses.listen,
         nft: site.nft,
-        // Without the LSM hook, AF_PACKET frames of a container the agent has not classified
-        // yet are stopped only by the L2 guard on Docker's bridges.
-        l2_guard: site.nft && enforcement_lsm.is_some(),
+        l2_guard,
         direct,
         tables: site.tables,
         holders: site.holders,
         runtime: site.runtime,
     };
-    let mut enforcer = Enforcer::new(
+    Ok(Enforcer::new(
         state,
         settings,
         config.clone(),
@@ -208,19 +280,7 @@ pub async fn enforcer_at(
         events.clone(),
         site.directory,
         shutdown.child_token(),
-    );
-    // Before anything dials out: the agent's own cgroup, if under the root, must not be
-    // refused as an unclassified workload.
-    enforcer.exempt_self().map_err(ServeError::SelfEntry)?;
-    // Before READY: without the host layer the proxy address is reachable from the LAN.
-    enforcer.init().await.map_err(ServeError::HostLayer)?;
-    let info = serde_json::json!({
-        "root": root_path.display().to_string(),
-        "endpoint": endpoint4.to_string(),
-        "lsm": enforcement_lsm.is_none(),
-        "lsm_unavailable": enforcement_lsm,
-    });
-    Ok((enforcer, info))
+    ))
 }
 
 /// The stable IPv4 endpoint containers reach the proxy at: not loopback, not unspecified.
