@@ -253,6 +253,43 @@ type Edges = BTreeMap<(String, String), String>;
 /// The cycles among the top-level modules of the crate at `src`: one per strongly connected
 /// group of modules, as a path with the line that makes each edge.
 fn cycles(src: &Path) -> Vec<String> {
+    let (modules, edges) = graph(src);
+    strongly_connected(&modules, &edges)
+        .into_iter()
+        .filter(|group| group.len() > 1)
+        .map(|group| describe(&group, &edges))
+        .collect()
+}
+
+/// The runtimes of the agent: each only feeds the workload enforcer.
+const RUNTIMES: &[&str] = &["docker", "containerd", "exec"];
+
+/// No runtime module uses another runtime's module, and the enforcer uses none of them
+/// (docs/architecture.md, "Workloads and runtimes"): a pod fix never means editing Docker files.
+#[test]
+fn runtimes_only_feed_the_workload_enforcer() {
+    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
+    let (modules, edges) = graph(&src);
+    for m in RUNTIMES.iter().chain(&["workload"]) {
+        assert!(modules.contains(*m), "no module {m} in {}", src.display());
+    }
+    let crossing: Vec<String> = edges
+        .iter()
+        .filter(|((from, to), _)| {
+            RUNTIMES.contains(&to.as_str())
+                && (RUNTIMES.contains(&from.as_str()) || from == "workload")
+        })
+        .map(|((from, to), at)| format!("{from} → {to}: {at}"))
+        .collect();
+    assert!(
+        crossing.is_empty(),
+        "a runtime (or the enforcer) uses a runtime's module; move the shared part into workload/:\n{}",
+        crossing.join("\n")
+    );
+}
+
+/// The crate's top-level modules and the edges between them (unit tests left out).
+fn graph(src: &Path) -> (BTreeSet<String>, Edges) {
     let mut modules = BTreeSet::new();
     for e in std::fs::read_dir(src).expect("src").flatten() {
         let p = e.path();
@@ -296,11 +333,7 @@ fn cycles(src: &Path) -> Vec<String> {
             }
         }
     }
-    strongly_connected(&modules, &edges)
-        .into_iter()
-        .filter(|group| group.len() > 1)
-        .map(|group| describe(&group, &edges))
-        .collect()
+    (modules, edges)
 }
 
 /// Tarjan's strongly connected components of the module graph.
