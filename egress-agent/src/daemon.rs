@@ -30,16 +30,21 @@ use crate::{
     api::{ApiError, BoxFuture, Control, ExplainQuery, StoreQuery, backend, server::ApiServer},
     bpf, check,
     config::Config,
-    docker::{self, DockerOptions},
+    docker,
     events::EventSink,
     handover,
     manage::{Change, Who},
     metrics::{self, Metrics},
     notify, status,
-    workload::{self, HostOptions, ReloadRequest},
+    workload::{self, ReloadRequest},
 };
 
+/// The Docker runtime's options and the host-wide ones every runtime shares, as `run` takes them.
+pub use crate::docker::DockerOptions;
+pub use crate::workload::HostOptions;
+
 /// Options of `egress-agent run`.
+
 #[derive(Debug, Clone)]
 pub struct RunOptions {
     pub config: PathBuf,

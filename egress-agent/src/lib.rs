@@ -29,37 +29,37 @@
 //! (`bpf/events.rs`), netlink buffers for nftables (`nft/`), splice/sockmap descriptors
 //! (`proxy/splice/`), descriptors received in a hand-over (`handover/wire.rs`) and scrubbing a secret from the process environment (`secrets/sys.rs`).
 #![deny(unsafe_code)]
-pub mod agent;
+mod agent;
 pub mod api;
 pub mod doctor;
 pub mod metrics;
-pub mod notify;
+mod notify;
 
 pub mod bpf;
 pub mod ca;
-pub mod cgroup;
+mod cgroup;
 pub mod check;
 pub mod cleanup;
 pub mod cli;
 pub mod config;
 pub mod containerd;
 pub mod daemon;
-pub mod docker;
+mod docker;
 pub mod events;
 pub mod exec;
 pub mod export;
-pub mod exposure;
+mod exposure;
 pub mod handover;
 pub mod manage;
 pub mod mcp;
-pub mod mountinfo;
-pub mod netif;
+mod mountinfo;
+mod netif;
 pub mod nft;
 pub mod proxy;
 pub mod sandbox;
-pub mod secrets;
+mod secrets;
 pub mod status;
 pub mod store;
 pub mod suggest;
-pub mod ui;
-pub mod workload;
+mod ui;
+mod workload;

@@ -8,7 +8,9 @@ use std::process::ExitCode;
 use anyhow::Context;
 use clap::{Parser, Subcommand};
 use egress_agent::{
-    api, config::DEFAULT_CONFIG_PATH, docker::DockerOptions, workload::HostOptions,
+    api,
+    config::DEFAULT_CONFIG_PATH,
+    daemon::{DockerOptions, HostOptions},
 };
 use hyper::Method;
 

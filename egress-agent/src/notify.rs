@@ -73,12 +73,6 @@ pub fn stopping() -> Result<(), NotifyError> {
     )
 }
 
-/// `STATUS=...`: a one-line status for `systemctl status`.
-pub fn status(line: &str) -> Result<(), NotifyError> {
-    let s = one_line(line);
-    send("STATUS", &[NotifyState::Status(&s)])
-}
-
 #[cfg(test)]
 mod tests {
     use std::os::unix::net::UnixDatagram;
@@ -94,7 +88,6 @@ mod tests {
         }
         super::ready("serving 2 policies\nfake=1").expect("ready");
         super::reloading().expect("reloading");
-        super::status("applied").expect("status");
         super::stopping().expect("stopping");
     }
 
@@ -134,7 +127,7 @@ mod tests {
 
         let mut got = Vec::new();
         let mut buf = [0u8; 4096];
-        for _ in 0..4 {
+        for _ in 0..3 {
             let n = sock.recv(&mut buf).expect("datagram");
             got.push(String::from_utf8_lossy(&buf[..n]).into_owned());
         }
@@ -149,8 +142,7 @@ mod tests {
             .expect("number");
         assert!(usec > 0);
         assert_eq!(reload[2], "STATUS=reloading configuration");
-        assert_eq!(got[2], "STATUS=applied\n");
-        assert_eq!(got[3], "STOPPING=1\nSTATUS=stopping\n");
+        assert_eq!(got[2], "STOPPING=1\nSTATUS=stopping\n");
     }
 
     #[test]

@@ -12,4 +12,3 @@ pub mod serve;
 pub mod watch;
 
 pub use serve::{DockerOptions, serve_with};
-pub use watch::run;

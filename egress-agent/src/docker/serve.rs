@@ -48,7 +48,7 @@ pub async fn serve_with(
     {
         tracing::debug!("nobody waits for readiness");
     }
-    let _enforcer = super::watch::run_with_reload(
+    let _enforcer = super::watch::run(
         &opts.socket,
         enforcer,
         hooks.reload,

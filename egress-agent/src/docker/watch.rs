@@ -55,19 +55,12 @@ pub enum WatchError {
 }
 
 /// Watch `docker_socket` (a path or `unix://` URL) and enforce containers until `shutdown`
-/// completes. Returns the enforcer (its pinned entries and nftables rules stay in force).
-pub async fn run(
-    docker_socket: &str,
-    enforcer: Enforcer,
-    shutdown: impl Future<Output = ()>,
-) -> Enforcer {
-    run_with_reload(docker_socket, enforcer, None, None, shutdown).await
-}
-
-/// [`run`], also applying configuration reloads sent on `reload` (in between Docker events, so a
-/// reload never races an event for the same container), and counting every session that failed
+/// completes; returns the enforcer (its pinned entries and nftables rules stay in force).
+/// Configuration reloads sent on `reload` are applied in between Docker events (so a reload
+/// never races an event for the same container); every session that failed (Docker
+/// unreachable, reconcile failed, event stream lost) is counted every session that failed
 /// (Docker unreachable, reconcile failed, event stream lost) in `metrics`' `reconcile_errors_total`.
-pub async fn run_with_reload(
+pub async fn run(
     docker_socket: &str,
     mut enforcer: Enforcer,
     mut reload: Option<mpsc::Receiver<ReloadRequest>>,

@@ -35,9 +35,9 @@ pub mod reload;
 pub mod root;
 pub mod site;
 
-pub use directory::{DirEntry, Directory};
-pub use enforce::{Enforcer, Outcome, Settings};
-pub use site::{Hooks, HostOptions, ServeError, cleanup_host};
+pub use directory::Directory;
+pub use enforce::{Enforcer, Outcome};
+pub use site::{Hooks, HostOptions, ServeError};
 
 /// A configuration reload for the enforcer: `done` gets `Ok` once every tracked workload runs
 /// under `config`, or the reason nothing was applied.

@@ -22,9 +22,6 @@ pub struct Plan {
     pub published: Vec<u16>,
     /// It can't be confined (privileged, dangerous capabilities or mounts): stop it. Reasons.
     pub refuse: Option<String>,
-    /// Its environment holds a real key and `agent.refuse_workload_secrets` is on: it runs on,
-    /// confined `deny_all`.
-    pub confined_for_secret: bool,
 }
 
 /// Decide the kernel side. A refused container is `deny_all` (until it is stopped) and, like
@@ -46,7 +43,6 @@ pub fn plan(info: &ContainerInfo, resolved: &Resolved) -> Plan {
             info.published_tcp.clone()
         };
     Plan {
-        confined_for_secret,
         listener: resolved.opted_in() && refuse.is_none() && policy.mode != Mode::DenyAll,
         policy_name,
         policy,
@@ -183,7 +179,7 @@ mod tests {
         let mut r = resolve(&i, &c);
         r.exposure.confine = true;
         let p = plan(&i, &r);
-        assert!(p.confined_for_secret && p.refuse.is_none());
+        assert!(p.refuse.is_none());
         assert_eq!(
             (p.policy_name.as_str(), p.policy.mode),
             ("deny_all", Mode::DenyAll)
@@ -193,7 +189,7 @@ mod tests {
         let i = info(&[], &[], &[]);
         let mut r = resolve(&i, &c);
         r.exposure.confine = true;
-        assert!(!plan(&i, &r).confined_for_secret);
+        assert_ne!(plan(&i, &r).policy_name, "deny_all");
     }
 
     #[test]

@@ -390,14 +390,6 @@ impl LossTracker {
     }
 }
 
-/// Uninstall the host pieces: the nftables tables and the `egress0` interface (in the
-/// caller's network namespace). The pinned programs/entries are removed by `egress-agent cleanup`.
-pub fn cleanup_host() -> Result<(), ServeError> {
-    crate::nft::cleanup()?;
-    netif::cleanup()?;
-    Ok(())
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
