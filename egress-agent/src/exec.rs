@@ -404,6 +404,49 @@ fn command_name(command: &[OsString]) -> String {
         .unwrap_or_default()
 }
 
+/// Signals forwarded to the command, caught from the start of [`run_async`]: a signal before
+/// the command runs would otherwise end exec itself and leave the command confined by nothing
+/// but the kernel (still confined, but without cleanup).
+struct Forwarded {
+    int: tokio::signal::unix::Signal,
+    term: tokio::signal::unix::Signal,
+    hup: tokio::signal::unix::Signal,
+    quit: tokio::signal::unix::Signal,
+}
+
+impl Forwarded {
+    fn catch() -> std::io::Result<Forwarded> {
+        use tokio::signal::unix::{SignalKind, signal};
+        Ok(Forwarded {
+            int: signal(SignalKind::interrupt())?,
+            term: signal(SignalKind::terminate())?,
+            hup: signal(SignalKind::hangup())?,
+            quit: signal(SignalKind::quit())?,
+        })
+    }
+
+    /// Wait for `child`, passing each caught signal on to it.
+    async fn wait(
+        &mut self,
+        child: &mut tokio::process::Child,
+    ) -> anyhow::Result<std::process::ExitStatus> {
+        use nix::sys::signal::Signal;
+        let pid = child.id().ok_or_else(|| anyhow!("child has no pid"))?;
+        let forward = |sig: Signal| {
+            nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid as i32), sig).ok();
+        };
+        loop {
+            tokio::select! {
+                s = child.wait() => return s.context("waiting for the command"),
+                _ = self.int.recv() => forward(Signal::SIGINT),
+                _ = self.term.recv() => forward(Signal::SIGTERM),
+                _ = self.hup.recv() => forward(Signal::SIGHUP),
+                _ = self.quit.recv() => forward(Signal::SIGQUIT),
+            }
+        }
+    }
+}
+
 async fn run_async(
     opts: ExecOptions,
     config: Config,
@@ -412,17 +455,85 @@ async fn run_async(
     bpffs: PathBuf,
     user: Identity,
 ) -> anyhow::Result<i32> {
-    // Signals that arrive from here on are forwarded to the command once it runs (a signal
-    // before that would otherwise end exec itself and leave the command unconfined by nothing
-    // but the kernel — still confined, but without cleanup).
-    use tokio::signal::unix::{SignalKind, signal};
-    let mut sigint = signal(SignalKind::interrupt())?;
-    let mut sigterm = signal(SignalKind::terminate())?;
-    let mut sighup = signal(SignalKind::hangup())?;
-    let mut sigquit = signal(SignalKind::quit())?;
-
+    let mut signals = Forwarded::catch()?;
     // 1. programs on the exec root.
-    let enforcement = bpf::enforce_root(&bpffs, &root, false)?;
+    let enforcement = attach_programs(&bpffs, &root, policy.mode)?;
+    reap_abandoned(&root);
+    // 2. the cgroup (its id names the listener's client). The guard removes it and its entry
+    // on every path from here on.
+    let (path, id, guard) = command_cgroup(&root, &bpffs)?;
+    // 3. the agent core, as in the daemon: this run's events go to the durable store (`events`,
+    // `suggest`) and to the configured exporters, and one ordered stop flushes both.
+    let mut agent = Agent::start(&config, None)?;
+    let events = agent.events().clone();
+    report_unavailable_bindings(&config, &opts.policy, &events);
+    // 4. the workload enforcer every runtime uses: entry, listeners, directory record.
+    let config = Arc::new(config);
+    let directory = Directory::default();
+    let workload = ContainerInfo::command(
+        format!("exec:{}", std::process::id()),
+        command_name(&opts.command),
+        &opts.policy,
+    );
+    let mut enforcer = site::enforcer_on(
+        &config,
+        exec_site(&root, &directory),
+        enforcement.state,
+        site::Addresses::sharing_host_network(&config)?,
+        false,
+        &events,
+        None,
+        &agent.stop_token(),
+    )?;
+    if let Outcome::Refuse(why) = enforcer.command_started(&workload, path.clone(), id).await {
+        drop(guard);
+        agent.shutdown().await;
+        bail!("exec: the command's cgroup could not be confined: {why}; it was not run");
+    }
+    pump_kernel_events(&mut agent, &bpffs, directory);
+
+    // 5. the command, in its sandbox (see `sandbox`): /proc/self/exe, not current_exe(): the
+    // running image, even if the file was replaced (upgrade, rebuild) since exec started.
+    let mut spec = sandbox_spec(&opts, &config, &path, user, policy.mode == Mode::AllowAll)?;
+    let (interception_env, _trust_files) = interception(&config, &policy, &mut spec)?;
+    let mut cmd = tokio::process::Command::new("/proc/self/exe");
+    cmd.arg(sandbox::CHILD)
+        .arg(spec.to_arg()?)
+        .arg("--")
+        .args(&opts.command);
+    let changes = environment_changes(&config, &policy, interception_env);
+    for (k, v) in &changes {
+        match v {
+            Some(v) => cmd.env(k, v),
+            None => cmd.env_remove(k),
+        };
+    }
+    if let Err(refused) = check_environment(&config, &opts, id, &changes, &events) {
+        drop(guard);
+        agent.shutdown().await;
+        return Err(refused);
+    }
+    let mut child = cmd.spawn().context("starting the command")?;
+
+    // 6. wait, forwarding signals (kernel events are pumped meanwhile).
+    let status = signals.wait(&mut child).await?;
+
+    // 7. cleanup (guard: the cgroup, then its entry), the enforcer's record and listeners,
+    // then the core's ordered stop: the last kernel events, the store and the exporters.
+    drop(guard);
+    enforcer.destroyed(&workload.id).await;
+    agent.shutdown().await;
+    use std::os::unix::process::ExitStatusExt as _;
+    Ok(match (status.code(), status.signal()) {
+        (Some(code), _) => code,
+        (None, Some(sig)) => 128 + sig,
+        _ => 1,
+    })
+}
+
+/// Load or adopt the programs on the exec root, saying on stderr what changed or is missing.
+fn attach_programs(bpffs: &Path, root: &Path, mode: Mode) -> anyhow::Result<bpf::Enforcement> {
+    let enforcement = bpf::enforce_root(bpffs, root, false)?;
     if !enforcement.report.upgraded.is_empty() {
         eprintln!(
             "egress-agent: pinned links switched to this build's programs: {}",
@@ -433,7 +544,7 @@ async fn run_async(
         eprintln!("egress-agent: warning: {why}");
     }
     if let Some(reason) = &enforcement.report.lsm_unavailable {
-        let closed_by = if policy.mode == Mode::AllowAll {
+        let closed_by = if mode == Mode::AllowAll {
             "nothing (allow_all)"
         } else {
             "CAP_NET_RAW being absent from the command's capability sets, bounding set included"
@@ -442,10 +553,11 @@ async fn run_async(
             "egress-agent: warning: BPF-LSM socket_create hook not active: {reason}. AF_PACKET and raw sockets are closed by {closed_by}"
         );
     }
-    reap_abandoned(&root);
+    Ok(enforcement)
+}
 
-    // 2. the cgroup (its id names the listener's client). The guard removes it and its entry
-    // on every path from here on.
+/// `<root>/exec-<pid>-<n>`, its id, and the guard that removes it and its entry.
+fn command_cgroup(root: &Path, bpffs: &Path) -> anyhow::Result<(PathBuf, u64, CgroupGuard)> {
     let name = format!(
         "exec-{}-{}",
         std::process::id(),
@@ -457,19 +569,18 @@ async fn run_async(
     let guard = CgroupGuard {
         path: path.clone(),
         id,
-        bpffs: bpffs.clone(),
+        bpffs: bpffs.to_owned(),
     };
+    Ok((path, id, guard))
+}
 
-    // 3. the agent core, as in the daemon: this run's events go to the durable store (`events`,
-    // `suggest`) and to the configured exporters, and one ordered stop flushes both.
-    let mut agent = Agent::start(&config, None)?;
-    let events = agent.events().clone();
-    // This policy's bindings served without their secret (a lenient load): said on stderr and
-    // as an event; their hosts are refused, everything else works.
+/// This policy's bindings served without their secret (a lenient load): said on stderr and
+/// as an event; their hosts are refused, everything else works.
+fn report_unavailable_bindings(config: &Config, policy: &str, events: &crate::events::EventSink) {
     for u in config
         .unavailable_bindings()
         .into_iter()
-        .filter(|u| u.policy == opts.policy)
+        .filter(|u| u.policy == policy)
     {
         eprintln!(
             "egress-agent: warning: credential binding unavailable, {}: requests to {}:{} are refused (interception-unavailable)",
@@ -479,73 +590,54 @@ async fn run_async(
         );
         events.emit(u.event());
     }
+}
 
-    // 4. the workload enforcer every runtime uses (`crate::workload`), with `exec` as its
-    // runtime: the command's entry (its policy, `deny_all` if that can't be written), its proxy
-    // listeners (with their transparent listener and DNS responder, backed by the kernel's
-    // redirect maps and the direct-port sink) and its directory record, before it starts.
-    let config = Arc::new(config);
-    let directory = Directory::default();
-    let site = Site::new(
-        WorkloadRoot::new(
-            root.parent().unwrap_or(&root),
-            &root
-                .file_name()
-                .map(|n| n.to_string_lossy().into_owned())
-                .unwrap_or_default(),
-        ),
+/// The exec root as a runtime's site: no host layer (a command has no interface of its own),
+/// no BPF-LSM requirement (reported instead), commands named in `directory`.
+fn exec_site(root: &Path, directory: &Directory) -> Site {
+    let parent = root
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    Site::new(
+        WorkloadRoot::new(root.parent().unwrap_or(root), &parent),
         HostOptions {
             nft: false,
             directory: directory.clone(),
             ..HostOptions::default()
         },
         "exec",
-    );
-    let mut enforcer = site::enforcer_on(
-        &config,
-        site,
-        enforcement.state,
-        site::Addresses::sharing_host_network(&config)?,
-        false,
-        &events,
-        None,
-        &agent.stop_token(),
-    )?;
-    let workload = ContainerInfo::command(
-        format!("exec:{}", std::process::id()),
-        command_name(&opts.command),
-        &opts.policy,
-    );
-    if let Outcome::Refuse(why) = enforcer.command_started(&workload, path.clone(), id).await {
-        drop(guard);
-        agent.shutdown().await;
-        bail!("exec: the command's cgroup could not be confined: {why}; it was not run");
-    }
-    let names = PinnedState::open(&bpffs).context("opening the pinned maps")?;
+    )
+}
 
-    // Kernel denial events of this run, if no daemon consumes the ring buffer. This exec then
-    // holds the ring: events of other cgroups (other execs) would be lost otherwise, so they
-    // are logged with the policy their writer recorded.
-    if let Err(e) = agent.pump_kernel_events(&bpffs, move |d| {
+/// Kernel denial events of this run, if no daemon consumes the ring buffer. This exec then
+/// holds the ring: events of other cgroups (other execs) would be lost otherwise, so they are
+/// logged with the policy their writer recorded.
+fn pump_kernel_events(agent: &mut Agent, bpffs: &Path, directory: Directory) {
+    // Other commands' names; without them their events keep the policy the kernel recorded.
+    let names = PinnedState::open(bpffs).ok();
+    if let Err(e) = agent.pump_kernel_events(bpffs, move |d| {
         if d.cgroup_id.is_some_and(|id| directory.get(id).is_some()) {
             directory.enrich(d);
-        } else if let Some((policy, _)) = d.cgroup_id.and_then(|id| names.name(id)) {
+        } else if let Some((policy, _)) = d
+            .cgroup_id
+            .and_then(|id| names.as_ref().and_then(|n| n.name(id)))
+        {
             d.policy = policy;
         }
     }) {
         eprintln!("egress-agent: warning: kernel events: {e}");
     }
+}
 
-    // 5. the command, in its sandbox (see `sandbox`): /proc/self/exe, not current_exe(): the
-    // running image, even if the file was replaced (upgrade, rebuild) since exec started.
-    let mut spec = sandbox_spec(&opts, &config, &path, user, policy.mode == Mode::AllowAll)?;
-    let (interception_env, _trust_files) = interception(&config, &policy, &mut spec)?;
-    let mut cmd = tokio::process::Command::new("/proc/self/exe");
-    cmd.arg(sandbox::CHILD)
-        .arg(spec.to_arg()?)
-        .arg("--")
-        .args(&opts.command);
-    // What the agent changes in the environment the command inherits (`None`: removed).
+/// What the agent changes in the environment the command inherits (`None`: removed): the
+/// proxy variables (allowlist policies), the interception variables, and no credentials
+/// directory (it is covered in the sandbox).
+fn environment_changes(
+    config: &Config,
+    policy: &policy::Policy,
+    interception_env: CommandEnv,
+) -> Vec<(String, Option<String>)> {
     let mut changes: Vec<(String, Option<String>)> = Vec::new();
     if policy.mode == Mode::Allowlist {
         let url = format!("http://{}", config.proxy.endpoint);
@@ -562,74 +654,49 @@ async fn run_async(
         }
     }
     changes.extend(interception_env.into_iter().map(|(k, v)| (k, Some(v))));
-    // The credentials directory is covered in the sandbox: nothing there for the command.
     changes.push(("CREDENTIALS_DIRECTORY".to_owned(), None));
-    for (k, v) in &changes {
-        match v {
-            Some(v) => cmd.env(k, v),
-            None => cmd.env_remove(k),
-        };
+    changes
+}
+
+/// A real key in the environment the command gets (issue #40, item 6): reported (an event and
+/// stderr); `Err` when `agent.refuse_workload_secrets` says not to start it.
+fn check_environment(
+    config: &Config,
+    opts: &ExecOptions,
+    cgroup_id: u64,
+    changes: &[(String, Option<String>)],
+    events: &crate::events::EventSink,
+) -> anyhow::Result<()> {
+    let exposure = crate::exposure::check(config, &command_env(changes));
+    if exposure.is_empty() {
+        return Ok(());
     }
-    // A real key in the environment the command gets (issue #40, item 6): reported; with
-    // `agent.refuse_workload_secrets`, the command is not started.
-    let exposure = crate::exposure::check(&config, &command_env(&changes));
-    if !exposure.is_empty() {
-        let mut ev = crate::events::DenialEvent::proxy(
-            &opts.policy,
-            None,
-            None,
-            0,
-            "exec",
-            crate::exposure::REASON,
-        );
-        ev.source = crate::events::Source::Agent;
-        ev.cgroup_id = Some(id);
-        ev.context
-            .insert("exec".to_owned(), command_name(&opts.command));
-        ev.context
-            .extend(exposure.context("refused to start the command"));
-        events.emit(ev);
-        if exposure.confine {
-            drop(guard);
-            agent.shutdown().await;
-            bail!(
-                "exec: the command's environment holds a real key: {}; it was not run (agent.refuse_workload_secrets = true). Unset the variable, or bind the key (policies.{}.credentials, with placeholder_env naming the variable) so the command gets its placeholder",
-                exposure.variables(),
-                opts.policy
-            );
-        }
-        eprintln!(
-            "egress-agent: warning: the command's environment holds a real key: {}; it can spend it on every host policy {} allows (bind the key instead; agent.refuse_workload_secrets = true refuses such a command)",
+    let mut ev = crate::events::DenialEvent::proxy(
+        &opts.policy,
+        None,
+        None,
+        0,
+        "exec",
+        crate::exposure::REASON,
+    );
+    ev.source = crate::events::Source::Agent;
+    ev.cgroup_id = Some(cgroup_id);
+    ev.context
+        .insert("exec".to_owned(), command_name(&opts.command));
+    ev.context
+        .extend(exposure.context("refused to start the command"));
+    events.emit(ev);
+    if exposure.confine {
+        bail!(
+            "exec: the command's environment holds a real key: {}; it was not run (agent.refuse_workload_secrets = true). Unset the variable, or bind the key (policies.{}.credentials, with placeholder_env naming the variable) so the command gets its placeholder",
             exposure.variables(),
             opts.policy
         );
     }
-    let mut child = cmd.spawn().context("starting the command")?;
-    let pid = child.id().ok_or_else(|| anyhow!("child has no pid"))?;
-
-    // 6. wait, forwarding signals (kernel events are pumped meanwhile).
-    let forward = |sig: nix::sys::signal::Signal| {
-        nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid as i32), sig).ok();
-    };
-    let status = loop {
-        tokio::select! {
-            s = child.wait() => break s.context("waiting for the command")?,
-            _ = sigint.recv() => forward(nix::sys::signal::Signal::SIGINT),
-            _ = sigterm.recv() => forward(nix::sys::signal::Signal::SIGTERM),
-            _ = sighup.recv() => forward(nix::sys::signal::Signal::SIGHUP),
-            _ = sigquit.recv() => forward(nix::sys::signal::Signal::SIGQUIT),
-        }
-    };
-
-    // 7. cleanup (guard: the cgroup, then its entry), the enforcer's record and listeners,
-    // then the core's ordered stop: the last kernel events, the store and the exporters.
-    drop(guard);
-    enforcer.destroyed(&workload.id).await;
-    agent.shutdown().await;
-    use std::os::unix::process::ExitStatusExt as _;
-    Ok(match (status.code(), status.signal()) {
-        (Some(code), _) => code,
-        (None, Some(sig)) => 128 + sig,
-        _ => 1,
-    })
+    eprintln!(
+        "egress-agent: warning: the command's environment holds a real key: {}; it can spend it on every host policy {} allows (bind the key instead; agent.refuse_workload_secrets = true refuses such a command)",
+        exposure.variables(),
+        opts.policy
+    );
+    Ok(())
 }
