@@ -497,3 +497,132 @@ fn cycles_of_any_length_are_found() {
     let text = describe(&groups[0], &edges);
     assert!(text.starts_with("a -> b -> c -> a"), "{text}");
 }
+
+/// Production code (unit tests and the test crate aside) whose functions are held to
+/// [`MAX_FN_LINES`].
+const PRODUCTION: &[&str] = &[
+    "egress-agent",
+    "egress-policy",
+    "egress-common",
+    "egress-ebpf",
+    "xtask",
+];
+
+/// Longer functions need a reason, in a `// Long: ...` comment just above them (among their
+/// doc comments and attributes).
+const MAX_FN_LINES: usize = 120;
+
+/// Every function of the production code longer than [`MAX_FN_LINES`] without a `// Long:`
+/// comment: `file:line name (n lines)`.
+fn long_functions(src: &Path) -> Vec<String> {
+    let mut files = Vec::new();
+    rs_files(src, &mut files);
+    let mut found = Vec::new();
+    for f in files {
+        let text = std::fs::read_to_string(&f).expect("read");
+        let mut code = code_only(&text);
+        if let Some(t) = code.find("#[cfg(test)]") {
+            code.truncate(t);
+        }
+        let lines: Vec<&str> = text.lines().collect();
+        for (name, start, end) in functions(&code) {
+            let n = end - start + 1;
+            if n <= MAX_FN_LINES {
+                continue;
+            }
+            let reasoned = lines[..start]
+                .iter()
+                .rev()
+                .map(|l| l.trim())
+                .take_while(|l| l.starts_with("//") || l.starts_with("#[") || l.starts_with(')'))
+                .any(|l| l.starts_with("// Long:"));
+            if !reasoned {
+                found.push(format!(
+                    "{}:{} fn {name} ({n} lines)",
+                    f.strip_prefix(src).unwrap_or(&f).display(),
+                    start + 1
+                ));
+            }
+        }
+    }
+    found
+}
+
+/// Each function with a body in `code` (comments and strings blanked): its name and its first
+/// and last line (0-based).
+fn functions(code: &str) -> Vec<(String, usize, usize)> {
+    let bytes = code.as_bytes();
+    let line_of = |at: usize| code[..at].matches('\n').count();
+    let mut out = Vec::new();
+    for (i, _) in code.match_indices("fn ") {
+        let word_start = i == 0 || !(bytes[i - 1].is_ascii_alphanumeric() || bytes[i - 1] == b'_');
+        if !word_start {
+            continue;
+        }
+        let name = ident_at(&code[i + 3..]);
+        if name.is_empty() {
+            continue;
+        }
+        // The body opens at the first `{` before any `;` (a declaration has none).
+        let Some(open) = code[i..].find(['{', ';']).map(|o| i + o) else {
+            continue;
+        };
+        if bytes[open] == b';' {
+            continue;
+        }
+        let mut depth = 0usize;
+        let mut close = None;
+        for (j, b) in bytes.iter().enumerate().skip(open) {
+            match b {
+                b'{' => depth += 1,
+                b'}' => {
+                    depth -= 1;
+                    if depth == 0 {
+                        close = Some(j);
+                        break;
+                    }
+                }
+                _ => {}
+            }
+        }
+        if let Some(close) = close {
+            out.push((name, line_of(i), line_of(close)));
+        }
+    }
+    out
+}
+
+#[test]
+fn long_functions_say_why() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .expect("workspace root");
+    let mut found = Vec::new();
+    for krate in PRODUCTION {
+        let src = root.join(krate).join("src");
+        found.extend(
+            long_functions(&src)
+                .into_iter()
+                .map(|l| format!("{krate}/src/{l}")),
+        );
+    }
+    assert!(
+        found.is_empty(),
+        "functions over {MAX_FN_LINES} lines: split them into named steps, or say why not in a \
+         `// Long: ...` comment above them:\n{}",
+        found.join("\n")
+    );
+}
+
+#[test]
+fn function_lengths_are_measured_from_code() {
+    let code = code_only(
+        "fn a() {\n    let s = \"}\";\n    // }\n}\nfn b();\nimpl X { fn c(&self) -> u8 {\n 1\n } }\n",
+    );
+    let f = functions(&code);
+    assert_eq!(
+        f,
+        vec![("a".to_owned(), 0, 3), ("c".to_owned(), 5, 7)],
+        "{code}"
+    );
+}

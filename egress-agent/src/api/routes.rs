@@ -159,28 +159,8 @@ pub async fn route(
     transport: Transport,
     control: &dyn Control,
 ) -> Response<Body> {
-    let path = req.uri().path().to_owned();
-    let access = peer.access(read_gid);
-    if let Access::Refused(why) = access {
-        warn!(peer_uid = ?peer.uid, peer_pid = ?peer.pid, path, why, "control API refused a client");
-        return error(StatusCode::FORBIDDEN, why);
-    }
-    let read_only = access == Access::ReadOnly || matches!(transport, Transport::Tcp(_));
-    if let Transport::Tcp(local) = transport
-        && !loopback_host(&req, local)
-    {
-        return error(
-            StatusCode::FORBIDDEN,
-            "the Host header must be the loopback address this listens on",
-        );
-    }
-    if read_only && !matches!(*req.method(), Method::GET | Method::HEAD) {
-        let why = if access == Access::ReadOnly {
-            "read-only access (api.read_group): GET only"
-        } else {
-            "the TCP address serves GET only; changes go through the unix socket"
-        };
-        return error(StatusCode::FORBIDDEN, why);
+    if let Some(refusal) = refusal(&req, peer, read_gid, transport) {
+        return refusal;
     }
     let who = Who {
         uid: peer.uid.unwrap_or(u32::MAX),
@@ -189,6 +169,7 @@ pub async fn route(
     let query = req.uri().query().map(str::to_owned);
     let query = query.as_deref();
     let method = req.method().clone();
+    let path = req.uri().path().to_owned();
     let segments: Vec<&str> = path.trim_start_matches('/').split('/').collect();
     match (&method, segments.as_slice()) {
         (&Method::GET, [""]) => Response::builder()
@@ -196,21 +177,7 @@ pub async fn route(
             .header("location", "/ui/")
             .body(Full::new(Bytes::new()).boxed())
             .unwrap_or_else(|_| error(StatusCode::INTERNAL_SERVER_ERROR, "redirect")),
-        (&Method::GET, ["ui", file]) => match crate::ui::asset(file) {
-            Some((ct, body)) => {
-                let mut r = bytes_response(StatusCode::OK, ct, body.as_bytes().to_vec());
-                r.headers_mut().insert(
-                    "content-security-policy",
-                    hyper::header::HeaderValue::from_static(crate::ui::CSP),
-                );
-                r.headers_mut().insert(
-                    "x-frame-options",
-                    hyper::header::HeaderValue::from_static("DENY"),
-                );
-                r
-            }
-            None => error(StatusCode::NOT_FOUND, "no such file"),
-        },
+        (&Method::GET, ["ui", file]) => ui_asset(file),
         (&Method::GET, ["v1", "status"]) => json_response(StatusCode::OK, &control.status()),
         (&Method::GET, ["v1", "containers"]) => {
             json_response(StatusCode::OK, &control.containers())
@@ -240,34 +207,7 @@ pub async fn route(
             answer(control.change(change, who, flag(query, "dry_run")).await)
         }
         (&Method::GET, ["v1", "defaults"]) => answer(control.defaults()),
-        (&Method::PUT, ["v1", "defaults"]) => {
-            let text = match read_body(req).await {
-                Ok((_, t)) => t,
-                Err(e) => return api_error(e),
-            };
-            #[derive(serde::Deserialize)]
-            #[serde(deny_unknown_fields)]
-            struct Defaults {
-                default_policy: Option<String>,
-                unlabeled: Option<String>,
-            }
-            let d: Defaults = match serde_json::from_str(&text) {
-                Ok(d) => d,
-                Err(e) => {
-                    return error(
-                        StatusCode::BAD_REQUEST,
-                        &format!(
-                            "request body: {e} (a JSON object with default_policy and/or unlabeled)"
-                        ),
-                    );
-                }
-            };
-            let change = Change::SetDefaults {
-                default_policy: d.default_policy,
-                unlabeled: d.unlabeled,
-            };
-            answer(control.change(change, who, flag(query, "dry_run")).await)
-        }
+        (&Method::PUT, ["v1", "defaults"]) => set_defaults(req, who, query, control).await,
         (&Method::GET, ["v1", "export"]) => match control.export() {
             Ok(b) if query_param(query, "format").as_deref() == Some("toml") => {
                 bytes_response(StatusCode::OK, "application/toml", b.to_toml().into_bytes())
@@ -315,46 +255,8 @@ pub async fn route(
                 .map(Value::Array),
         ),
         (&Method::GET, ["v1", "doctor"]) => json_response(StatusCode::OK, &control.doctor().await),
-        (&Method::GET, ["v1", "events", "sse"]) => {
-            let rx = control.subscribe();
-            // A comment first, so the client's EventSource opens at once.
-            let hello = tokio_stream::once(Ok::<_, Infallible>(Frame::data(Bytes::from_static(
-                b": egress-agent denials\n\n",
-            ))));
-            let stream = hello.chain(ReceiverStream::new(rx).map(|ev| {
-                let data = serde_json::to_string(&ev).unwrap_or_default();
-                Ok::<_, Infallible>(Frame::data(Bytes::from(format!(
-                    "event: denial\ndata: {data}\n\n"
-                ))))
-            }));
-            Response::builder()
-                .status(StatusCode::OK)
-                .header("content-type", "text/event-stream")
-                .header("cache-control", "no-store")
-                .body(BodyExt::boxed(StreamBody::new(stream)))
-                .unwrap_or_else(|_| error(StatusCode::INTERNAL_SERVER_ERROR, "stream"))
-        }
-        (&Method::GET, ["v1", "events"]) => {
-            if flag(query, "follow") {
-                let rx = control.subscribe();
-                let stream = ReceiverStream::new(rx).map(|ev| {
-                    let mut line = serde_json::to_vec(&ev).unwrap_or_default();
-                    line.push(b'\n');
-                    Ok::<_, Infallible>(Frame::data(Bytes::from(line)))
-                });
-                return Response::builder()
-                    .status(StatusCode::OK)
-                    .header("content-type", "application/x-ndjson")
-                    .body(BodyExt::boxed(StreamBody::new(stream)))
-                    .unwrap_or_else(|_| error(StatusCode::INTERNAL_SERVER_ERROR, "stream"));
-            }
-            let n = match query_param(query, "n").map(|n| n.parse::<usize>()) {
-                None => 100,
-                Some(Ok(n)) => n,
-                Some(Err(_)) => return error(StatusCode::BAD_REQUEST, "n must be a number"),
-            };
-            json_response(StatusCode::OK, &Value::Array(control.events(n)))
-        }
+        (&Method::GET, ["v1", "events", "sse"]) => events_sse(control),
+        (&Method::GET, ["v1", "events"]) => events(query, control),
         (&Method::POST, ["v1", "reload"]) => match control.reload().await {
             Ok(v) => json_response(StatusCode::OK, &v),
             Err(msg) => error(StatusCode::UNPROCESSABLE_ENTITY, &msg),
@@ -373,6 +275,136 @@ pub async fn route(
         | (_, ["ui", _]) => error(StatusCode::METHOD_NOT_ALLOWED, "method not allowed"),
         _ => error(StatusCode::NOT_FOUND, "no such endpoint"),
     }
+}
+
+/// Who may ask what: the refusal for a client the API does not serve, a TCP client naming
+/// another host, or a write from a read-only client; `None` to go on.
+fn refusal(
+    req: &Request<Incoming>,
+    peer: &Peer,
+    read_gid: Option<u32>,
+    transport: Transport,
+) -> Option<Response<Body>> {
+    let path = req.uri().path();
+    let access = peer.access(read_gid);
+    if let Access::Refused(why) = access {
+        warn!(peer_uid = ?peer.uid, peer_pid = ?peer.pid, path, why, "control API refused a client");
+        return Some(error(StatusCode::FORBIDDEN, why));
+    }
+    let read_only = access == Access::ReadOnly || matches!(transport, Transport::Tcp(_));
+    if let Transport::Tcp(local) = transport
+        && !loopback_host(req, local)
+    {
+        return Some(error(
+            StatusCode::FORBIDDEN,
+            "the Host header must be the loopback address this listens on",
+        ));
+    }
+    if read_only && !matches!(*req.method(), Method::GET | Method::HEAD) {
+        let why = if access == Access::ReadOnly {
+            "read-only access (api.read_group): GET only"
+        } else {
+            "the TCP address serves GET only; changes go through the unix socket"
+        };
+        return Some(error(StatusCode::FORBIDDEN, why));
+    }
+    None
+}
+
+/// A file of the status page, with its content security policy.
+fn ui_asset(file: &str) -> Response<Body> {
+    match crate::ui::asset(file) {
+        Some((ct, body)) => {
+            let mut r = bytes_response(StatusCode::OK, ct, body.as_bytes().to_vec());
+            r.headers_mut().insert(
+                "content-security-policy",
+                hyper::header::HeaderValue::from_static(crate::ui::CSP),
+            );
+            r.headers_mut().insert(
+                "x-frame-options",
+                hyper::header::HeaderValue::from_static("DENY"),
+            );
+            r
+        }
+        None => error(StatusCode::NOT_FOUND, "no such file"),
+    }
+}
+
+/// `PUT /v1/defaults`: `default_policy` and/or `unlabeled`.
+async fn set_defaults(
+    req: Request<Incoming>,
+    who: Who,
+    query: Option<&str>,
+    control: &dyn Control,
+) -> Response<Body> {
+    let text = match read_body(req).await {
+        Ok((_, t)) => t,
+        Err(e) => return api_error(e),
+    };
+    #[derive(serde::Deserialize)]
+    #[serde(deny_unknown_fields)]
+    struct Defaults {
+        default_policy: Option<String>,
+        unlabeled: Option<String>,
+    }
+    let d: Defaults = match serde_json::from_str(&text) {
+        Ok(d) => d,
+        Err(e) => {
+            return error(
+                StatusCode::BAD_REQUEST,
+                &format!("request body: {e} (a JSON object with default_policy and/or unlabeled)"),
+            );
+        }
+    };
+    let change = Change::SetDefaults {
+        default_policy: d.default_policy,
+        unlabeled: d.unlabeled,
+    };
+    answer(control.change(change, who, flag(query, "dry_run")).await)
+}
+
+/// `GET /v1/events/sse`: denials as server-sent events, for the status page.
+fn events_sse(control: &dyn Control) -> Response<Body> {
+    let rx = control.subscribe();
+    // A comment first, so the client's EventSource opens at once.
+    let hello = tokio_stream::once(Ok::<_, Infallible>(Frame::data(Bytes::from_static(
+        b": egress-agent denials\n\n",
+    ))));
+    let stream = hello.chain(ReceiverStream::new(rx).map(|ev| {
+        let data = serde_json::to_string(&ev).unwrap_or_default();
+        Ok::<_, Infallible>(Frame::data(Bytes::from(format!(
+            "event: denial\ndata: {data}\n\n"
+        ))))
+    }));
+    Response::builder()
+        .status(StatusCode::OK)
+        .header("content-type", "text/event-stream")
+        .header("cache-control", "no-store")
+        .body(BodyExt::boxed(StreamBody::new(stream)))
+        .unwrap_or_else(|_| error(StatusCode::INTERNAL_SERVER_ERROR, "stream"))
+}
+
+/// `GET /v1/events`: the last `n` (default 100), or a stream of new ones with `follow`.
+fn events(query: Option<&str>, control: &dyn Control) -> Response<Body> {
+    if flag(query, "follow") {
+        let rx = control.subscribe();
+        let stream = ReceiverStream::new(rx).map(|ev| {
+            let mut line = serde_json::to_vec(&ev).unwrap_or_default();
+            line.push(b'\n');
+            Ok::<_, Infallible>(Frame::data(Bytes::from(line)))
+        });
+        return Response::builder()
+            .status(StatusCode::OK)
+            .header("content-type", "application/x-ndjson")
+            .body(BodyExt::boxed(StreamBody::new(stream)))
+            .unwrap_or_else(|_| error(StatusCode::INTERNAL_SERVER_ERROR, "stream"));
+    }
+    let n = match query_param(query, "n").map(|n| n.parse::<usize>()) {
+        None => 100,
+        Some(Ok(n)) => n,
+        Some(Err(_)) => return error(StatusCode::BAD_REQUEST, "n must be a number"),
+    };
+    json_response(StatusCode::OK, &Value::Array(control.events(n)))
 }
 
 fn answer(r: Result<Value, ApiError>) -> Response<Body> {
