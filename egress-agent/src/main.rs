@@ -278,6 +278,7 @@ impl From<SelectionArgs> for egress_agent::store::selection::Selection {
     }
 }
 
+// Long: the dispatch table, one arm per subcommand turning its flags into a call.
 fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {

@@ -366,6 +366,8 @@ pub struct Scope<'a> {
 
 /// Checks the `credentials` of one policy (`base` = its dotted path) against what it allows.
 /// Sources are not read here (see [`resolve`]).
+// Long: independent checks of each binding (host, port, header, placeholder, secret source)
+// and of the bindings together, each naming the field it refuses.
 pub fn validate(
     credentials: &[CredentialBinding],
     p: &Scope<'_>,

@@ -377,6 +377,7 @@ impl<'de> Deserialize<'de> for CidrRule {
 
 impl Policy {
     /// Checks one policy; `base` is its dotted path for error messages.
+    // Long: independent checks, a few lines each, in the order of the policy's fields.
     pub fn validate(&self, base: &str) -> Result<(), ValidationError> {
         for (i, port) in self.allow_ports.iter().enumerate() {
             if *port == 0 {

@@ -116,6 +116,7 @@ fn config_map<'a>(maps: &'a [Yaml], name: &str) -> Result<Vec<(&'a str, &'a str)
         .collect()
 }
 
+// Long: a checklist of the manifests' invariants, each an `ensure!` naming what is wrong.
 fn check_texts(daemonset: &str, configmap: &str) -> Result<()> {
     let ds_docs = docs(daemonset, "daemonset.yaml")?;
     let ds = ds_docs

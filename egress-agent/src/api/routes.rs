@@ -172,11 +172,7 @@ pub async fn route(
     let path = req.uri().path().to_owned();
     let segments: Vec<&str> = path.trim_start_matches('/').split('/').collect();
     match (&method, segments.as_slice()) {
-        (&Method::GET, [""]) => Response::builder()
-            .status(StatusCode::SEE_OTHER)
-            .header("location", "/ui/")
-            .body(Full::new(Bytes::new()).boxed())
-            .unwrap_or_else(|_| error(StatusCode::INTERNAL_SERVER_ERROR, "redirect")),
+        (&Method::GET, [""]) => to_status_page(),
         (&Method::GET, ["ui", file]) => ui_asset(file),
         (&Method::GET, ["v1", "status"]) => json_response(StatusCode::OK, &control.status()),
         (&Method::GET, ["v1", "containers"]) => {
@@ -208,16 +204,7 @@ pub async fn route(
         }
         (&Method::GET, ["v1", "defaults"]) => answer(control.defaults()),
         (&Method::PUT, ["v1", "defaults"]) => set_defaults(req, who, query, control).await,
-        (&Method::GET, ["v1", "export"]) => match control.export() {
-            Ok(b) if query_param(query, "format").as_deref() == Some("toml") => {
-                bytes_response(StatusCode::OK, "application/toml", b.to_toml().into_bytes())
-            }
-            Ok(b) => json_response(
-                StatusCode::OK,
-                &serde_json::to_value(b).unwrap_or(Value::Null),
-            ),
-            Err(e) => api_error(e),
-        },
+        (&Method::GET, ["v1", "export"]) => export(query, control),
         (&Method::POST, ["v1", "import"]) => {
             let (ct, text) = match read_body(req).await {
                 Ok(b) => b,
@@ -309,6 +296,29 @@ fn refusal(
         return Some(error(StatusCode::FORBIDDEN, why));
     }
     None
+}
+
+/// `GET /`: the status page.
+fn to_status_page() -> Response<Body> {
+    Response::builder()
+        .status(StatusCode::SEE_OTHER)
+        .header("location", "/ui/")
+        .body(Full::new(Bytes::new()).boxed())
+        .unwrap_or_else(|_| error(StatusCode::INTERNAL_SERVER_ERROR, "redirect"))
+}
+
+/// `GET /v1/export`: every policy and the defaults, as JSON or (`format=toml`) TOML.
+fn export(query: Option<&str>, control: &dyn Control) -> Response<Body> {
+    match control.export() {
+        Ok(b) if query_param(query, "format").as_deref() == Some("toml") => {
+            bytes_response(StatusCode::OK, "application/toml", b.to_toml().into_bytes())
+        }
+        Ok(b) => json_response(
+            StatusCode::OK,
+            &serde_json::to_value(b).unwrap_or(Value::Null),
+        ),
+        Err(e) => api_error(e),
+    }
 }
 
 /// A file of the status page, with its content security policy.

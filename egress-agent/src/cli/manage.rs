@@ -196,6 +196,7 @@ fn print_change(v: &Value) {
 }
 
 /// Runs `egress-agent policy ...`.
+// Long: one arm per `policy` subcommand, each asking the API and printing its answer.
 pub fn policy(args: PolicyArgs) -> Result<()> {
     let socket = args.api_socket.clone();
     runtime()?.block_on(async move {

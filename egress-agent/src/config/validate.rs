@@ -8,6 +8,7 @@ use super::{Config, check_policy_name};
 
 impl Config {
     /// Cross-field and semantic checks.
+    // Long: independent checks, a few lines each, in the order of the file's sections.
     pub fn validate(&self) -> Result<(), ValidationError> {
         for (field, name) in [
             ("agent.default_policy", &self.agent.default_policy),

@@ -152,6 +152,8 @@ async fn accepts(ctx: &Ctx, a: SocketAddr) -> bool {
     )
 }
 
+// Long: one probe's cases (configured or discovered listeners, the endpoint up or not), each
+// ending in its own outcome, in the order they are told apart.
 pub(super) async fn listening(ctx: Arc<Ctx>) -> Outcome {
     const START: &str =
         "start the agent (systemctl start egress-agent) and check `journalctl -u egress-agent`";

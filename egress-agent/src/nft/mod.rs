@@ -190,6 +190,9 @@ impl Ruleset {
             .collect()
     }
 
+    // Long: one nftables batch in the order the kernel must receive it (tables, chains, sets
+    // before the rules that look them up, per-endpoint rules, the guard, the proxy address);
+    // the chains and sets every part uses are its locals, borrowed by each rule.
     fn build(
         &self,
         live: &BTreeMap<direct::SetKey, BTreeMap<Ipv4Addr, std::time::Instant>>,

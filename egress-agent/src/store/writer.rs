@@ -105,6 +105,8 @@ pub fn spawn(
     }
 }
 
+// Long: the writer's one loop (batch, flush on demand, prune, stop), whose arms share the
+// batch and the store.
 async fn run(
     store: Store,
     mut tap: TapReceiver,
