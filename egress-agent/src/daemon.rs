@@ -406,7 +406,7 @@ fn watch_policies(agent: &mut Agent, daemon: &Arc<Daemon>) {
         "watching the policies directory");
     let daemon = daemon.clone();
     agent.spawn("policy watch", |stop| {
-        crate::config::watch::run(watch, stop, move |names| {
+        crate::config::watch::run(watch, stop.token().clone(), move |names| {
             let daemon = daemon.clone();
             async move {
                 info!(changed = ?names, "the policies directory changed: reloading");
@@ -528,7 +528,9 @@ pub async fn run(opts: RunOptions) -> Result<()> {
         Some(t) => match take_over(t).await {
             Ok(p) => {
                 let (follow, m) = (p.clone(), metrics.clone());
-                agent.spawn("previous agent", |stop| follow_previous(follow, m, stop));
+                agent.spawn("previous agent", |stop| {
+                    follow_previous(follow, m, stop.token().clone())
+                });
                 Some(p)
             }
             Err(e) => {
@@ -548,7 +550,7 @@ pub async fn run(opts: RunOptions) -> Result<()> {
         metrics.clone(),
     );
     agent.spawn("kernel gauges", |stop| {
-        workload::site::kernel_gauges(bpffs, directory, m, stop)
+        workload::site::kernel_gauges(bpffs, directory, m, stop.token().clone())
     });
     let directory = opts.host.directory.clone();
     match agent.pump_kernel_events(&config.agent.bpffs, move |d| directory.enrich(d)) {
@@ -861,7 +863,7 @@ impl Runtimes {
 
     fn add<F, Fut>(&mut self, name: &'static str, ends: RuntimeEnds, agent: &mut Agent, serve: F)
     where
-        F: FnOnce(tokio_util::sync::CancellationToken) -> Fut,
+        F: FnOnce(crate::agent::Stop) -> Fut,
         Fut: std::future::Future<Output = Result<(), workload::ServeError>> + Send + 'static,
     {
         let (ended_tx, ended_rx) = oneshot::channel();

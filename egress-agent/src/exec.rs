@@ -483,7 +483,7 @@ async fn run_async(
         false,
         &events,
         None,
-        &agent.stop_token(),
+        &agent.stop(),
     )?;
     if let Outcome::Refuse(why) = enforcer.command_started(&workload, path.clone(), id).await {
         drop(guard);

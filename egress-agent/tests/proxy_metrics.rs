@@ -88,7 +88,7 @@ async fn setup_with(proxy_extra: &str) -> Setup {
         Some(metrics.clone()),
     )
     .await;
-    metrics::spawn_denial_counter(&h.events, metrics.clone());
+    tokio::spawn(metrics::denial_counter(&h.events, metrics.clone()));
     Setup {
         h,
         metrics,

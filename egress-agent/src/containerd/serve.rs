@@ -2,8 +2,7 @@
 //! enforcer, and the watcher, until the agent core's stop.
 use std::sync::Arc;
 
-use tokio_util::sync::CancellationToken;
-
+use crate::agent::Stop;
 use crate::config::{Config, KubernetesConfig};
 use crate::events::EventSink;
 use crate::workload::root::WorkloadRoot;
@@ -21,7 +20,7 @@ pub async fn serve(
     host: HostOptions,
     events: EventSink,
     hooks: Hooks,
-    shutdown: CancellationToken,
+    shutdown: Stop,
 ) -> Result<(), ServeError> {
     let root = WorkloadRoot::new(crate::cgroup::cgroup2_mount()?, &k8s.cgroup_root);
     // Pod interfaces (each pod's host-side veth, found through its sandbox's network

@@ -1,11 +1,11 @@
 //! Everything the daemon needs to run the Docker integration, in one call: [`serve_with`].
 use std::sync::Arc;
 
+use crate::agent::Stop;
 use crate::config::Config;
 use crate::events::EventSink;
 use crate::workload::root::WorkloadRoot;
 use crate::workload::site::{Hooks, HostOptions, ServeError, Site, enforcer_at, proxy_endpoint};
-use tokio_util::sync::CancellationToken;
 
 /// The Docker runtime's options (beside the agent's host-wide ones).
 #[derive(Debug, Clone)]
@@ -27,7 +27,7 @@ impl Default for DockerOptions {
 }
 
 /// Set up (proxy address, enforcement root, programs, host layer) and watch Docker until
-/// `shutdown` is cancelled (the agent core's stop token), with readiness, reload and metrics
+/// `shutdown` is cancelled (the agent core's stop), with readiness, reload and metrics
 /// hooks. The kernel's denial events are the core's to pump (named with
 /// [`HostOptions::directory`]).
 pub async fn serve_with(
@@ -36,7 +36,7 @@ pub async fn serve_with(
     host: HostOptions,
     events: EventSink,
     hooks: Hooks,
-    shutdown: CancellationToken,
+    shutdown: Stop,
 ) -> Result<(), ServeError> {
     proxy_endpoint(&config)?;
     let root = WorkloadRoot::new(crate::cgroup::cgroup2_mount()?, &opts.cgroup_parent);
@@ -73,7 +73,7 @@ mod tests {
             HostOptions::default(),
             EventSink::default(),
             Hooks::default(),
-            CancellationToken::new(),
+            Stop::detached(),
         );
         is_send(&f);
     }
@@ -86,7 +86,7 @@ mod tests {
             HostOptions::default(),
             EventSink::default(),
             Hooks::default(),
-            CancellationToken::new(),
+            Stop::detached(),
         )
         .await;
         assert!(matches!(r, Err(ServeError::Endpoint(_))), "{r:?}");

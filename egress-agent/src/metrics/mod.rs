@@ -270,11 +270,15 @@ impl ProxyCounters {
     }
 }
 
-/// Count every denial event of `events` into `metrics` (both sources) on a task of its own, off
-/// the hot path; events a slow counter missed are counted as `event_drops{source="ring"}`.
-pub fn spawn_denial_counter(events: &crate::events::EventSink, metrics: Arc<Metrics>) {
+/// Count every denial event of `events` from now on into `metrics` (both sources), until the
+/// sink closes: run it on a task of its own, off the hot path (the agent runs it until its
+/// stop). Events a slow counter missed are counted as `event_drops{source="ring"}`.
+pub fn denial_counter(
+    events: &crate::events::EventSink,
+    metrics: Arc<Metrics>,
+) -> impl std::future::Future<Output = ()> + Send + 'static {
     let mut rx = events.subscribe();
-    tokio::spawn(async move {
+    async move {
         loop {
             match rx.recv().await {
                 Ok(ev) => metrics.record_denial(&ev),
@@ -284,7 +288,7 @@ pub fn spawn_denial_counter(events: &crate::events::EventSink, metrics: Arc<Metr
                 Err(tokio::sync::broadcast::error::RecvError::Closed) => return,
             }
         }
-    });
+    }
 }
 
 /// The agent's metrics. Cheap to update from any thread; share it as `Arc<Metrics>`.

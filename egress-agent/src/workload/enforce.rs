@@ -18,8 +18,6 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::SystemTime;
 
-use tokio_util::sync::CancellationToken;
-
 use super::directory::Directory;
 use super::entries::{Entries, Written};
 use super::host_layer::{HostLayer, HostTables};
@@ -30,6 +28,7 @@ use super::netinfo;
 use super::plan::{self, Plan};
 use super::pod_clients::PodClients;
 use super::root::WorkloadRoot;
+use crate::agent::Stop;
 use crate::bpf::PinnedState;
 use crate::cgroup;
 use crate::config::Config;
@@ -111,8 +110,9 @@ pub struct Enforcer {
     entries: Entries,
     host: HostLayer,
     tracked: HashMap<String, Tracked>,
-    /// Stops every container listener (agent shutdown): a child of the agent core's stop.
-    shutdown: CancellationToken,
+    /// Stops every container listener (agent shutdown): a child of the agent core's stop, whose
+    /// tracker keeps the listeners' tasks.
+    shutdown: Stop,
 }
 
 impl Enforcer {
@@ -123,7 +123,7 @@ impl Enforcer {
         proxy: ProxyContext,
         events: EventSink,
         directory: Directory,
-        stop: CancellationToken,
+        stop: Stop,
     ) -> Enforcer {
         let entries = Entries::new(
             state,
@@ -839,7 +839,7 @@ impl Enforcer {
     /// Agent shutdown: listeners stop (the endpoint is then refused); kernel entries and
     /// nftables rules stay (pinned, still enforcing).
     pub fn shutdown(&mut self) {
-        self.shutdown.cancel();
+        self.shutdown.token().cancel();
         for t in self.tracked.values_mut() {
             t.listener = None;
         }

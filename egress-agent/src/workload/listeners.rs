@@ -8,10 +8,9 @@ use std::collections::BTreeMap;
 use std::net::{IpAddr, SocketAddr};
 use std::sync::Arc;
 
-use tokio_util::sync::CancellationToken;
-
 use super::info::ContainerInfo;
 use super::pod_clients::PodClients;
+use crate::agent::Stop;
 use crate::events::ContainerRef;
 use crate::proxy::{Identity, PolicyHandle, PolicyProxy, ProxyContext};
 use egress_policy::Policy;
@@ -36,18 +35,20 @@ pub struct Listener {
     pub clients: Option<Arc<PodClients>>,
     /// Swap its policy in place (reload with the same policy name), one per socket.
     handles: Vec<PolicyHandle>,
-    stop: CancellationToken,
+    stop: Stop,
 }
 
 impl Drop for Listener {
     fn drop(&mut self) {
-        self.stop.cancel();
+        self.stop.token().cancel();
     }
 }
 
 impl Listener {
     /// Serve `policy` (named `name`) for `info` (whose cgroup is `cgroup_id`) on each of `ips`
-    /// (at most one per address family), port 0, until dropped or `shutdown`.
+    /// (at most one per address family), port 0, until dropped or `shutdown`, each socket on a
+    /// task `shutdown`'s tracker keeps (the agent's stop waits for it, and it for its
+    /// connections).
     #[expect(
         clippy::too_many_arguments,
         reason = "one call site; each is a distinct input"
@@ -61,7 +62,7 @@ impl Listener {
         context: &BTreeMap<String, String>,
         proxy: &ProxyContext,
         clients: Option<Arc<PodClients>>,
-        shutdown: &CancellationToken,
+        shutdown: &Stop,
     ) -> std::io::Result<Listener> {
         let identity = Identity {
             container: Some(ContainerRef {
@@ -74,7 +75,7 @@ impl Listener {
                 .clone()
                 .map(|c| c as Arc<dyn crate::proxy::client::ClientNames>),
         };
-        let stop = shutdown.child_token();
+        let stop = shutdown.child();
         let mut bound = Bound::default();
         let mut handles = Vec::new();
         for ip in ips {
@@ -94,7 +95,7 @@ impl Listener {
                 bound.v6 = at;
             }
             handles.push(proxy.policy_handle());
-            tokio::spawn(proxy.run(stop.clone().cancelled_owned()));
+            stop.spawn(proxy.run(stop.clone().cancelled_owned()));
             tracing::debug!(container = %info.id, policy = name, %addr, "workload proxy listener");
         }
         Ok(Listener {

@@ -141,7 +141,7 @@ pub async fn enforcer_at(
     site: Site,
     events: &EventSink,
     metrics: Option<&Arc<crate::metrics::Metrics>>,
-    shutdown: &CancellationToken,
+    shutdown: &crate::agent::Stop,
 ) -> Result<(Enforcer, serde_json::Value), ServeError> {
     let endpoint4 = proxy_endpoint(config)?;
     netif::ensure(*endpoint4.ip())?;
@@ -239,7 +239,7 @@ pub fn enforcer_on(
     l2_guard: bool,
     events: &EventSink,
     metrics: Option<&Arc<crate::metrics::Metrics>>,
-    shutdown: &CancellationToken,
+    shutdown: &crate::agent::Stop,
 ) -> Result<Enforcer, ServeError> {
     // Transparent interception and DNS: original destinations and DNS-answer allowances live in
     // the pinned maps the programs just attached read.
@@ -279,7 +279,7 @@ pub fn enforcer_on(
         ctx,
         events.clone(),
         site.directory,
-        shutdown.child_token(),
+        shutdown.child(),
     ))
 }
 

@@ -204,7 +204,10 @@ fn serve(config: &Path, out: &Path) -> Result<()> {
         let config = Arc::new(egress_agent::config::Config::load(config)?);
         let events = EventSink::default();
         let metrics = Arc::new(egress_agent::metrics::Metrics::new());
-        egress_agent::metrics::spawn_denial_counter(&events, metrics.clone());
+        tokio::spawn(egress_agent::metrics::denial_counter(
+            &events,
+            metrics.clone(),
+        ));
         let store = egress_agent::store::start(&config, &events, Some(metrics.clone()))?
             .context("store disabled")?;
         let ctx = egress_agent::proxy::ProxyContext::new(&config, events)?
