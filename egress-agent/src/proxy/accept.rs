@@ -58,8 +58,9 @@ impl Slot {
 
 /// Accept on `listener` (the workload's `which` listener) until `shutdown` completes, handing
 /// each connection (with a token cancelled when the listener stops, and its [`Slot`], which
-/// `handle` admits it with first) to `handle` on a task of its own, in a `conn` span (policy,
-/// peer) that every log line of the connection carries.
+/// `handle` admits it with first) to `handle` on a task of its own (kept by the listener's
+/// tracker, `Shared::tasks`), in a `conn` span (policy, peer) that every log line of the
+/// connection carries.
 pub(crate) async fn accept_loop<F, Fut>(
     listener: TcpListener,
     shared: Arc<Shared>,
@@ -113,8 +114,8 @@ pub(crate) async fn accept_loop<F, Fut>(
                 // made outside would hold that future twice.
                 let conn = handle(stream, peer, shared.clone(), stop_rx.clone(), slot);
                 match client {
-                    Some(c) => tokio::spawn(CLIENT.scope(c, conn).instrument(span)),
-                    None => tokio::spawn(conn.instrument(span)),
+                    Some(c) => shared.tasks.spawn(CLIENT.scope(c, conn).instrument(span)),
+                    None => shared.tasks.spawn(conn.instrument(span)),
                 };
             }
             Err(e) => {

@@ -90,8 +90,8 @@ impl Interception {
         self.addrs
     }
 
-    /// Run the sockets on tasks of their own: accepting until `accepting` is cancelled, their
-    /// connections until `stop` is.
+    /// Run the sockets on tasks of their own (kept by the listener's tracker): accepting until
+    /// `accepting` is cancelled, their connections until `stop` is.
     pub(crate) fn spawn(
         self,
         shared: &Arc<Shared>,
@@ -102,7 +102,7 @@ impl Interception {
         if let Some(dns) = self.dns {
             let held = held.clone();
             let run = dns.run(accepting.clone(), stop.clone());
-            tokio::spawn(async move {
+            shared.tasks.spawn(async move {
                 run.await;
                 drop(held);
             });
@@ -122,7 +122,7 @@ impl Interception {
                     drop(slot);
                 },
             );
-            tokio::spawn(async move {
+            shared.tasks.spawn(async move {
                 accept.await;
                 drop(held);
             });

@@ -120,6 +120,8 @@ struct ConnState {
     /// it, so it keeps the connection's place in the connection bounds and ends on proxy
     /// shutdown.
     tunnel: std::sync::Mutex<Option<tokio::task::JoinHandle<()>>>,
+    /// The connection's stop (the listener's), which a `CONNECT` tunnel gets.
+    stop: CancellationToken,
 }
 
 /// Serve a plain-HTTP client connection of the explicit proxy; `prefix` holds the bytes already
@@ -128,13 +130,15 @@ pub(crate) async fn serve(
     stream: TcpStream,
     prefix: Vec<u8>,
     shared: Arc<Shared>,
-    shutdown: impl std::future::Future<Output = ()>,
+    stop: CancellationToken,
 ) {
+    let shutdown = stop.clone().cancelled_owned();
     let state = ConnState {
         shared,
         route: Route::Forward,
         upstream: Mutex::new(None),
         tunnel: std::sync::Mutex::new(None),
+        stop,
     };
     run(stream, prefix, state, shutdown).await;
 }
@@ -148,6 +152,7 @@ pub(crate) async fn serve_fixed(
     upstream: TcpStream,
     target: Target,
     shared: Arc<Shared>,
+    stop: CancellationToken,
     shutdown: impl std::future::Future<Output = ()>,
 ) {
     let Some(sender) = upstream_handshake(upstream, &shared).await else {
@@ -162,6 +167,7 @@ pub(crate) async fn serve_fixed(
         shared,
         route: Route::Fixed(target),
         tunnel: std::sync::Mutex::new(None),
+        stop,
     };
     run(stream, prefix, state, shutdown).await;
 }
@@ -177,7 +183,8 @@ async fn upstream_handshake(
     let (sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(upstream))
         .await
         .ok()?;
-    tokio::spawn(async move {
+    // Ends when the connection's state (holding `sender`) is dropped.
+    shared.tasks.spawn(async move {
         conn.with_upgrades().await.ok();
     });
     Some(sender)
@@ -425,8 +432,8 @@ async fn handle(mut req: Request<Incoming>, state: &ConnState) -> Response<Body>
             Err(r) => return refusal(r, &shared.name),
         };
         let on_upgrade = hyper::upgrade::on(&mut req);
-        let shared = shared.clone();
-        let tunnel = tokio::spawn(async move {
+        let (shared, stop) = (shared.clone(), state.stop.clone());
+        let tunnel = shared.tasks.clone().spawn(async move {
             let Ok(upgraded) = on_upgrade.await else {
                 return;
             };
@@ -438,16 +445,8 @@ async fn handle(mut req: Request<Incoming>, state: &ConnState) -> Response<Body>
             // hyper's buffered bytes were read before whatever is left of our prefix.
             let mut pending = parts.read_buf.to_vec();
             pending.extend_from_slice(&rest);
-            // Shutdown: `serve` aborts this task.
-            super::route::connect_tunnel(
-                client,
-                upstream,
-                pending,
-                target,
-                shared,
-                CancellationToken::new(),
-            )
-            .await;
+            // Shutdown: `stop` ends it, and `serve` aborts this task.
+            super::route::connect_tunnel(client, upstream, pending, target, shared, stop).await;
         });
         *state
             .tunnel
@@ -566,7 +565,7 @@ async fn handle(mut req: Request<Incoming>, state: &ConnState) -> Response<Body>
         // The upstream connection is the WebSocket's now: not reused.
         drop(cached);
         let upstream_up = hyper::upgrade::on(&mut resp);
-        let relay = tokio::spawn(async move {
+        let relay = shared.tasks.spawn(async move {
             let (Ok(c), Ok(u)) = tokio::join!(client_up, upstream_up) else {
                 return;
             };

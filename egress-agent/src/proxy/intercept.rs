@@ -37,11 +37,12 @@ use http::{Request, Response, StatusCode, Uri, Version};
 use http_body_util::{Either, Full};
 use hyper::body::Incoming;
 use hyper::client::conn::{http1 as client1, http2 as client2};
-use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
+use hyper_util::rt::{TokioIo, TokioTimer};
 use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::net::TcpStream;
 use tokio_rustls::LazyConfigAcceptor;
 use tokio_rustls::client::TlsStream;
+use tokio_util::task::TaskTracker;
 
 use super::prefixed::Prefixed;
 use super::request::{self, Target};
@@ -97,22 +98,43 @@ struct Session {
     would_deny_recorded: AtomicBool,
 }
 
-async fn handshake(tls: TlsStream<TcpStream>, proto: Proto) -> Result<Sender, hyper::Error> {
+/// hyper's HTTP/2 executor (its per-stream tasks) on the listener's tracker: they end with their
+/// connection, which ends at the listener's stop.
+#[derive(Clone)]
+struct Tracked(TaskTracker);
+
+impl<F> hyper::rt::Executor<F> for Tracked
+where
+    F: Future + Send + 'static,
+    F::Output: Send + 'static,
+{
+    fn execute(&self, fut: F) {
+        self.0.spawn(fut);
+    }
+}
+
+/// The upstream connection's driver runs on a task the listener's tracker keeps; it ends when
+/// the [`Sender`] is dropped (with the client connection's session).
+async fn handshake(
+    tls: TlsStream<TcpStream>,
+    proto: Proto,
+    tasks: &TaskTracker,
+) -> Result<Sender, hyper::Error> {
     let io = TokioIo::new(tls);
     Ok(match proto {
         Proto::H2 => {
-            let (sender, conn) = client2::Builder::new(TokioExecutor::new())
+            let (sender, conn) = client2::Builder::new(Tracked(tasks.clone()))
                 .timer(TokioTimer::new())
                 .handshake(io)
                 .await?;
-            tokio::spawn(async move {
+            tasks.spawn(async move {
                 conn.await.ok();
             });
             Sender::H2(sender)
         }
         Proto::Http1 => {
             let (sender, conn) = client1::handshake(io).await?;
-            tokio::spawn(async move {
+            tasks.spawn(async move {
                 conn.with_upgrades().await.ok();
             });
             Sender::H1(sender)
@@ -140,7 +162,7 @@ impl Session {
         if proto != self.proto {
             return Err(Refusal::Upstream("upstream-protocol-changed"));
         }
-        handshake(tls, proto)
+        handshake(tls, proto, &self.shared.tasks)
             .await
             .map_err(|_| Refusal::Upstream("upstream-handshake"))
     }
@@ -270,7 +292,7 @@ pub(crate) async fn serve<C>(
         Err(_) => return,
     };
     let (sender, failed) = match first {
-        Some(tls) => match handshake(tls, proto).await {
+        Some(tls) => match handshake(tls, proto, &shared.tasks).await {
             Ok(s) => (Some(s), failed),
             Err(_) => (None, Some("upstream-handshake")),
         },
@@ -303,7 +325,7 @@ pub(crate) async fn serve<C>(
     let io = TokioIo::new(tls);
     let conn: Pin<Box<dyn Future<Output = Result<(), hyper::Error>> + Send>> = match proto {
         Proto::H2 => Box::pin(
-            hyper::server::conn::http2::Builder::new(TokioExecutor::new())
+            hyper::server::conn::http2::Builder::new(Tracked(session.shared.tasks.clone()))
                 .timer(TokioTimer::new())
                 .max_header_list_size(u32::try_from(limits.max_header_bytes).unwrap_or(u32::MAX))
                 .serve_connection(io, service),
@@ -622,7 +644,7 @@ async fn handle(mut req: Request<Incoming>, s: &Session) -> Response<Body> {
             };
             (sc, report)
         });
-        let relay = tokio::spawn(async move {
+        let relay = shared.tasks.spawn(async move {
             let (Ok(c), Ok(u)) = tokio::join!(client_up, upstream_up) else {
                 return;
             };

@@ -50,6 +50,7 @@ use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::Semaphore;
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
 
 use crate::config::{Config, ProxyConfig};
 use crate::events::{DenialEvent, EventSink, Verdict};
@@ -323,7 +324,7 @@ impl ProxyContext {
 
     /// Report to `metrics`: per listener, connections accepted, allowed decisions (`reason =
     /// "allowed"`) and bytes relayed. Denials are counted from the event stream
-    /// ([`crate::metrics::spawn_denial_counter`]), not here. Listeners bound from this context
+    /// ([`crate::metrics::denial_counter`]), not here. Listeners bound from this context
     /// (and its clones made afterwards) report; earlier clones don't.
     pub fn with_metrics(mut self, metrics: Arc<Metrics>) -> ProxyContext {
         self.metrics = Some(metrics);
@@ -406,6 +407,10 @@ pub(crate) struct Shared {
     pub(crate) conns: Arc<Semaphore>,
     /// Announces each policy swap to the connections it may end ([`narrow`]).
     pub(crate) policy_changed: tokio::sync::watch::Sender<()>,
+    /// Every task this listener (and an IPv6 sibling) starts: its connections, its interception
+    /// sockets' loops and theirs, hyper's connection drivers, upgraded relays.
+    /// [`PolicyProxy::run`] waits for them once it stopped them.
+    pub(crate) tasks: TaskTracker,
 }
 
 impl Shared {
@@ -679,6 +684,7 @@ impl PolicyProxy {
             ctx,
             counters,
             policy_changed: tokio::sync::watch::channel(()).0,
+            tasks: TaskTracker::new(),
         });
         let intercept = match shared.ctx.interception.clone() {
             Some(hooks) => {
@@ -739,16 +745,23 @@ impl PolicyProxy {
         }
     }
 
-    /// Accept until `shutdown` completes; then stop accepting and end open connections. The
-    /// listener's interception sockets (transparent listener, DNS responder) run and stop with it.
+    /// Accept until `shutdown` completes; then stop accepting, end open connections and wait
+    /// for their tasks (at most [`CONNECTION_DRAIN`]). The listener's interception sockets
+    /// (transparent listener, DNS responder) run and stop with it.
     ///
     /// When a successor takes the sockets ([`crate::handover::Sockets::hand_over`]) first, the
     /// listener stops accepting but its connections go on until they end or the drain cuts them
     /// ([`crate::handover::Sockets::cut`]); `shutdown` no longer ends them.
     pub async fn run(self, shutdown: impl Future<Output = ()>) {
+        // The connections' stop, and the accept loops' (cancelled first). Not derived from the
+        // agent's stop: after a hand-over the connections outlive it until the drain cuts them.
+        // `run` cancels it on every way out, a dropped `run` included, and then waits for the
+        // tasks it ends.
         let stop = CancellationToken::new();
-        let accepting = CancellationToken::new();
+        let _stopped = stop.clone().drop_guard();
+        let accepting = stop.child_token();
         let sockets = self.shared.ctx.sockets().clone();
+        let shared = self.shared.clone();
         if let Some(i) = self.intercept {
             i.spawn(&self.shared, &stop, &accepting);
         }
@@ -778,8 +791,20 @@ impl PolicyProxy {
             sockets.cut_done().await;
         }
         stop.cancel();
+        shared.tasks.close();
+        if tokio::time::timeout(CONNECTION_DRAIN, shared.tasks.wait())
+            .await
+            .is_err()
+        {
+            tracing::warn!(policy = %shared.name, tasks = shared.tasks.len(),
+                "connections did not end in time after the listener stopped; left behind");
+        }
     }
 }
+
+/// How long a stopped listener waits for its connections' tasks to end (each ends at its stop
+/// token, recording its end, at once).
+pub const CONNECTION_DRAIN: Duration = Duration::from_secs(1);
 
 /// Find the end of a request head in the bytes just read (window includes 3 earlier bytes).
 fn head_may_be_complete(buf: &[u8], new_from: usize) -> bool {
@@ -907,13 +932,7 @@ fn handle_connection(
             (_, Request::Http { .. }) => {
                 // hyper re-parses from the start and checks every request on the connection. Boxed
                 // like the `CONNECT` path: hyper's connection state stays out of every task.
-                Box::pin(http::serve(
-                    stream,
-                    buf,
-                    shared.clone(),
-                    stop.cancelled_owned(),
-                ))
-                .await;
+                Box::pin(http::serve(stream, buf, shared.clone(), stop)).await;
             }
         }
     }
@@ -1037,6 +1056,9 @@ pub async fn serve(
         tasks,
     })
 }
+
+#[cfg(test)]
+mod run_tests;
 
 #[cfg(test)]
 #[expect(clippy::unwrap_used, reason = "test")]

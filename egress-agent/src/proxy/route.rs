@@ -150,6 +150,7 @@ pub(crate) fn carry(
                     upstream,
                     target.clone(),
                     shared.clone(),
+                    stop.clone(),
                     until(&target),
                 ))
                 .await;

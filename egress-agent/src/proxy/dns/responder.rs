@@ -98,12 +98,13 @@ impl DnsResponder {
     /// is closed.
     pub async fn run(self, accepting: CancellationToken, cut: CancellationToken) {
         tracing::debug!(policy = %self.core.shared.name, udp = %self.udp_addr, tcp = %self.tcp_addr, "dns responder listening");
-        let udp = tokio::spawn(udp::serve(
+        let tasks = self.core.shared.tasks.clone();
+        let udp = tasks.spawn(udp::serve(
             Arc::new(self.udp),
             self.core.clone(),
             accepting.clone(),
         ));
-        let tcp = tokio::spawn(tcp::serve(
+        let tcp = tasks.spawn(tcp::serve(
             self.tcp,
             self.core,
             self.tcp_timeout,

@@ -76,7 +76,7 @@ pub(crate) async fn serve(
             .map(|local| Client::tcp(peer, local));
         let (core, cut) = (core.clone(), cut.clone());
         let open = core.shared.ctx.sockets().open_one();
-        tokio::spawn(async move {
+        core.shared.tasks.clone().spawn(async move {
             // Only connections the kernel sent from this responder's workload (port 53 over
             // TCP) are answered; anyone else is closed unread (`proxy::admission`).
             if admission::admit(&core.shared, &stream, peer, Listener::DnsTcp).is_none() {

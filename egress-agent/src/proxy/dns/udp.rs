@@ -80,7 +80,7 @@ pub(crate) async fn serve(socket: Arc<UdpSocket>, core: Arc<Core>, stop: Cancell
                         // A successor may serve the socket now: this process stays until the
                         // answer is sent.
                         let open = core.shared.ctx.sockets().open_one();
-                        tokio::spawn(async move {
+                        core.shared.tasks.clone().spawn(async move {
                             let resolve = core.resolve(&miss, Transport::Udp);
                             let out = match local {
                                 Some(local) => CLIENT.scope(Client::udp(src, local), resolve).await,

@@ -82,6 +82,10 @@ impl Watcher {
     pub(crate) fn start(events: RingBuf<MapData>) -> io::Result<Watcher> {
         let epoll = Arc::new(Epoll::new(EpollCreateFlags::EPOLL_CLOEXEC)?);
         let tunnels: Registry = Arc::default();
+        // Not derived from the agent's stop: spliced tunnels need the pump until they end, and
+        // after a hand-over they outlive that stop while they drain. The pump ends when the
+        // relay (held by the proxy contexts, so by every listener and connection) is dropped;
+        // it records nothing, so no stop waits for it.
         let stop = CancellationToken::new();
         #[expect(
             unsafe_code,
