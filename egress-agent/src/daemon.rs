@@ -275,9 +275,15 @@ impl Control for Daemon {
     fn subscribe(&self) -> mpsc::Receiver<Value> {
         let mut rx = self.events.subscribe();
         let (tx, out) = mpsc::channel(256);
+        // Per API connection (`events --follow`): it ends with the connection, which drops
+        // `out` (the API ends its connections at the stop).
         tokio::spawn(async move {
             loop {
-                match rx.recv().await {
+                let next = tokio::select! {
+                    next = rx.recv() => next,
+                    () = tx.closed() => return,
+                };
+                match next {
                     Ok(ev) => {
                         let Ok(v) = serde_json::to_value(ev) else {
                             continue;

@@ -186,7 +186,9 @@ impl ApiServer {
         let read_gid = self.read_gid;
         let tcp = self.tcp;
         let handed_over = self.sockets.clone().unwrap_or_default();
+        let mut conns = tokio::task::JoinSet::new();
         loop {
+            while conns.try_join_next().is_some() {}
             let (io, peer, transport) = tokio::select! {
                 _ = &mut shutdown => break,
                 () = handed_over.handed_over() => break,
@@ -220,7 +222,7 @@ impl ApiServer {
                 },
             };
             let control = control.clone();
-            tokio::spawn(async move {
+            conns.spawn(async move {
                 let peer = Arc::new(peer);
                 let service = service_fn(move |req| {
                     let control = control.clone();
@@ -241,6 +243,8 @@ impl ApiServer {
                 }
             });
         }
+        // A request in flight gets a moment to finish; a stream (`events --follow`) ends here.
+        crate::agent::end_connections(conns, crate::proxy::CONNECTION_DRAIN).await;
         // After a hand-over the successor serves this same file: it stays.
         if !self.sockets.as_ref().is_some_and(|s| s.is_handed_over()) {
             std::fs::remove_file(&self.path).ok();

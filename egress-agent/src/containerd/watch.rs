@@ -188,9 +188,12 @@ async fn subscribe(client: &Client) -> Result<(EventStream, Vec<Event>), ClientE
             .map(|d| d.as_nanos())
             .unwrap_or_default()
     );
+    // Aborted if this is dropped (the agent stopped meanwhile), not left running.
     let sub = {
         let client = client.clone();
-        tokio::spawn(async move { client.subscribe().await })
+        tokio_util::task::AbortOnDropHandle::new(tokio::spawn(
+            async move { client.subscribe().await },
+        ))
     };
     tokio::pin!(sub);
     let deadline = tokio::time::Instant::now() + SYNC_TIMEOUT;

@@ -93,21 +93,24 @@ fn respond(metrics: &Metrics, req: &Request<Incoming>) -> Response<Full<Bytes>> 
     }
 }
 
-/// Serve `GET /metrics` on `listener` until `shutdown` completes.
+/// Serve `GET /metrics` on `listener` until `shutdown` completes; then scrapes in flight get
+/// [`crate::proxy::CONNECTION_DRAIN`] to finish before they are ended.
 pub async fn serve(
     listener: TcpListener,
     metrics: Arc<Metrics>,
     shutdown: impl Future<Output = ()>,
 ) {
     let slots = Arc::new(Semaphore::new(MAX_CONNECTIONS));
+    let mut conns = tokio::task::JoinSet::new();
     tokio::pin!(shutdown);
     loop {
+        while conns.try_join_next().is_some() {}
         let permit = tokio::select! {
-            _ = &mut shutdown => return,
-            p = Arc::clone(&slots).acquire_owned() => match p { Ok(p) => p, Err(_) => return },
+            _ = &mut shutdown => break,
+            p = Arc::clone(&slots).acquire_owned() => match p { Ok(p) => p, Err(_) => break },
         };
         let (stream, peer) = tokio::select! {
-            _ = &mut shutdown => return,
+            _ = &mut shutdown => break,
             r = listener.accept() => match r {
                 Ok(x) => x,
                 Err(e) => {
@@ -118,7 +121,7 @@ pub async fn serve(
             },
         };
         let metrics = Arc::clone(&metrics);
-        tokio::spawn(async move {
+        conns.spawn(async move {
             let _permit = permit;
             let svc = hyper::service::service_fn(move |req| {
                 let r = respond(&metrics, &req);
@@ -137,4 +140,5 @@ pub async fn serve(
             }
         });
     }
+    crate::agent::end_connections(conns, crate::proxy::CONNECTION_DRAIN).await;
 }
