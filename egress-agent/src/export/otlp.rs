@@ -197,9 +197,6 @@ async fn post(ep: &Endpoint, body: Vec<u8>, timeout: Duration) -> Result<(), Str
             hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(stream))
                 .await
                 .map_err(|e| format!("handshake: {e}"))?;
-        tokio::spawn(async move {
-            conn.await.ok();
-        });
         let host = if ep.host.contains(':') {
             format!("[{}]:{}", ep.host, ep.port)
         } else {
@@ -210,18 +207,24 @@ async fn post(ep: &Endpoint, body: Vec<u8>, timeout: Duration) -> Result<(), Str
             .header(hyper::header::CONTENT_TYPE, "application/x-protobuf")
             .body(Full::new(Bytes::from(body)))
             .map_err(|e| e.to_string())?;
-        let resp = sender
-            .send_request(req)
-            .await
-            .map_err(|e| format!("request: {e}"))?;
-        let status = resp.status();
-        // Drain the (small) answer so the connection closes cleanly.
-        resp.into_body().collect().await.ok();
-        if status.is_success() {
-            Ok(())
-        } else {
-            Err(format!("collector answered {status}"))
-        }
+        let exchange = async move {
+            let resp = sender
+                .send_request(req)
+                .await
+                .map_err(|e| format!("request: {e}"))?;
+            let status = resp.status();
+            // Drain the (small) answer so the connection closes cleanly.
+            resp.into_body().collect().await.ok();
+            if status.is_success() {
+                Ok(())
+            } else {
+                Err(format!("collector answered {status}"))
+            }
+        };
+        // The connection is driven beside the exchange, on this task (no task of its own to
+        // outlive the exporter): it closes once the exchange is over and `sender` dropped.
+        let (result, _) = tokio::join!(exchange, conn);
+        result
     };
     tokio::time::timeout(timeout, go)
         .await
