@@ -295,3 +295,231 @@ impl Agent {
         }
     }
 }
+
+/// One shutdown (issue #37 item 3): `Agent::shutdown` leaves no task of the agent running — a
+/// workload's proxy listener and its open connection, the exporter, the denial counter, a task
+/// started on the agent's stop — and every event emitted before the exporters are flushed
+/// reaches the OTLP collector: those still queued when the stop began, and one a task of the
+/// agent records after the stop (which only a stop that waits for its tasks gets).
+#[cfg(test)]
+#[expect(clippy::unwrap_used, reason = "test assertions")]
+mod tests {
+    use std::collections::{BTreeMap, BTreeSet};
+    use std::net::{IpAddr, Ipv4Addr};
+    use std::sync::Arc;
+    use std::sync::mpsc;
+    use std::time::Duration;
+
+    use super::Agent;
+    use crate::config::Config;
+    use crate::events::DenialEvent;
+    use crate::metrics::Metrics;
+    use crate::proxy::ProxyContext;
+    use crate::workload::info::ContainerInfo;
+    use crate::workload::listeners::Listener;
+    use opentelemetry_proto::tonic::collector::logs::v1::ExportLogsServiceRequest;
+    use opentelemetry_proto::tonic::common::v1::any_value;
+    use prost::Message;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+    /// How long the collector takes to answer each request: with one event per request, what was
+    /// emitted just before the stop is still queued when it begins.
+    const COLLECTOR_DELAY: Duration = Duration::from_millis(60);
+    /// Events emitted straight into the sink before the stop (besides the listener's denial).
+    const EMITTED: usize = 25;
+    /// How long after the stop a task of the agent records its last event.
+    const LATE: Duration = Duration::from_millis(300);
+
+    /// A slow loopback OTLP/HTTP logs collector on a thread and runtime of its own (so its tasks are
+    /// not the agent's): the `egress.host` attribute of every record it took, in order.
+    fn collector() -> (std::net::SocketAddr, mpsc::Receiver<String>) {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        l.set_nonblocking(true).unwrap();
+        let addr = l.local_addr().unwrap();
+        let (tx, rx) = mpsc::channel();
+        std::thread::spawn(move || {
+            let rt = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .unwrap();
+            rt.block_on(async move {
+                use http_body_util::{BodyExt, Full};
+                let l = tokio::net::TcpListener::from_std(l).unwrap();
+                loop {
+                    let Ok((s, _)) = l.accept().await else { return };
+                    let tx = tx.clone();
+                    tokio::spawn(async move {
+                        let svc = hyper::service::service_fn(
+                            move |req: hyper::Request<hyper::body::Incoming>| {
+                                let tx = tx.clone();
+                                async move {
+                                    let body = req.into_body().collect().await.unwrap().to_bytes();
+                                    let decoded = ExportLogsServiceRequest::decode(body).unwrap();
+                                    tokio::time::sleep(COLLECTOR_DELAY).await;
+                                    for r in decoded
+                                        .resource_logs
+                                        .iter()
+                                        .flat_map(|r| &r.scope_logs)
+                                        .flat_map(|s| &s.log_records)
+                                    {
+                                        let host = r
+                                            .attributes
+                                            .iter()
+                                            .find(|a| a.key == "egress.host")
+                                            .and_then(|a| a.value.as_ref()?.value.as_ref());
+                                        let host = match host {
+                                            Some(any_value::Value::StringValue(h)) => h.clone(),
+                                            other => format!("{other:?}"),
+                                        };
+                                        tx.send(host).ok();
+                                    }
+                                    Ok::<_, std::convert::Infallible>(hyper::Response::new(
+                                        Full::new(hyper::body::Bytes::new()),
+                                    ))
+                                }
+                            },
+                        );
+                        hyper::server::conn::http1::Builder::new()
+                            .serve_connection(hyper_util::rt::TokioIo::new(s), svc)
+                            .await
+                            .ok();
+                    });
+                }
+            });
+        });
+        (addr, rx)
+    }
+
+    /// The workload the listener serves (a command's record: no runtime behind it).
+    fn container() -> ContainerInfo {
+        ContainerInfo::command("exec:1".into(), "web".into(), "p")
+    }
+
+    fn alive() -> usize {
+        tokio::runtime::Handle::current()
+            .metrics()
+            .num_alive_tasks()
+    }
+
+    #[tokio::test]
+    async fn a_stop_leaves_no_task_running_and_flushes_the_exporters() {
+        let (collector, received) = collector();
+        let config = Config::from_toml_str(
+            &format!(
+                "[store]\nenabled = false\n\
+                 [proxy]\nkernel_relay = \"off\"\n\
+                 [export.otlp]\nendpoint = \"http://{collector}/v1/logs\"\nbatch = 1\n\
+                 [policies.p]\nmode = \"allowlist\"\nallow_hosts = [\"a.test\"]\nallow_ports = [443]\n"
+            ),
+            std::path::Path::new("t.toml"),
+        )
+        .unwrap();
+        let baseline = alive();
+
+        let agent = Agent::start(&config, Some(Arc::new(Metrics::new()))).unwrap();
+        // A workload's listener, as the enforcer binds it: on a task of the agent's tracker.
+        let ctx = ProxyContext::new(&config, agent.events().clone())
+            .unwrap()
+            .admit_any_peer();
+        let listener = Listener::bind(
+            &[IpAddr::V4(Ipv4Addr::LOCALHOST)],
+            &container(),
+            7,
+            "p",
+            &Arc::new(config.policies["p"].clone()),
+            &BTreeMap::new(),
+            &ctx,
+            None,
+            &agent.stop(),
+        )
+        .await
+        .unwrap();
+        let addr = listener.bound.v4.unwrap().0;
+
+        // A refused CONNECT: one denial event, from the listener.
+        let mut refused = tokio::net::TcpStream::connect(addr).await.unwrap();
+        refused
+            .write_all(b"CONNECT denied.test:443 HTTP/1.1\r\nHost: denied.test:443\r\n\r\n")
+            .await
+            .unwrap();
+        let mut answer = Vec::new();
+        refused.read_to_end(&mut answer).await.unwrap();
+        assert!(
+            String::from_utf8_lossy(&answer).starts_with("HTTP/1.1 403"),
+            "{}",
+            String::from_utf8_lossy(&answer)
+        );
+        // A connection still open at the stop, its head not sent yet: a task of the listener.
+        let mut open = tokio::net::TcpStream::connect(addr).await.unwrap();
+        open.write_all(b"CONNECT a.test:443 HTTP/1.1\r\n")
+            .await
+            .unwrap();
+
+        let mut expected: BTreeSet<String> = BTreeSet::from(["denied.test".to_owned()]);
+        for i in 0..EMITTED {
+            let host = format!("e{i}.test");
+            agent.events().emit(DenialEvent::proxy(
+                "p",
+                Some(host.clone()),
+                None,
+                443,
+                "tls",
+                "host-not-allowed",
+            ));
+            expected.insert(host);
+        }
+        // A task started on the agent's stop that records an event a while after the stop (as a
+        // connection records its end): the stop waits for it before it flushes the exporters.
+        let stop = agent.stop();
+        let events = agent.events().clone();
+        stop.clone().spawn(async move {
+            stop.cancelled().await;
+            tokio::time::sleep(LATE).await;
+            events.emit(DenialEvent::proxy(
+                "p",
+                Some("late.test".into()),
+                None,
+                443,
+                "tls",
+                "host-not-allowed",
+            ));
+        });
+        expected.insert("late.test".to_owned());
+        // The listener, its open connection, the exporter, the denial counter and that task run now.
+        tokio::task::yield_now().await;
+        let running = alive();
+        assert!(
+            running >= baseline + 5,
+            "{running} tasks alive (baseline {baseline}): the listener, its connection, the exporter, the denial counter and the late task should be"
+        );
+        let mut exported: Vec<String> = received.try_iter().collect();
+        let before_stop = exported.len();
+        assert!(
+            before_stop < expected.len() / 2,
+            "{before_stop} of {} events already exported: the queue should still hold most at the stop",
+            expected.len()
+        );
+
+        // The listener stays bound (as the enforcer holds it) while the agent stops.
+        agent.shutdown().await;
+
+        assert_eq!(
+            alive(),
+            baseline,
+            "tasks still alive after the stop (listener, connection or exporter left behind)"
+        );
+        // The open connection was ended by the stop (closed, no answer).
+        let mut rest = Vec::new();
+        let n = tokio::time::timeout(Duration::from_secs(1), open.read_to_end(&mut rest))
+            .await
+            .expect("the open connection was not closed by the stop")
+            .unwrap();
+        assert_eq!(n, 0, "{}", String::from_utf8_lossy(&rest));
+        // Every event emitted before the stop reached the collector, once, by the time `shutdown`
+        // returned.
+        exported.extend(received.try_iter());
+        assert_eq!(exported.len(), expected.len(), "{exported:?}");
+        assert_eq!(exported.into_iter().collect::<BTreeSet<_>>(), expected);
+        drop(listener);
+    }
+}
