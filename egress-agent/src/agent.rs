@@ -11,7 +11,7 @@
 //! what it starts that outlives its own call (a workload's proxy listener) it starts with
 //! [`Stop::spawn`], so the stop waits for that too. Below that, each owner awaits what it
 //! spawned: a proxy listener its connections (`proxy::PolicyProxy::run`), the API and metrics
-//! listeners theirs ([`end_connections`]).
+//! listeners theirs ([`crate::tasks::end_connections`]).
 //!
 //! [`Agent::shutdown`] stops in this order, so every event that was emitted is recorded:
 //! 1. the root token is cancelled: listeners stop accepting, watchers and the API stop;
@@ -27,7 +27,7 @@ use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
 
-use tokio::task::{JoinHandle, JoinSet};
+use tokio::task::JoinHandle;
 use tokio_util::sync::{CancellationToken, WaitForCancellationFutureOwned};
 use tokio_util::task::TaskTracker;
 
@@ -106,19 +106,6 @@ impl Stop {
             token: CancellationToken::new(),
             tasks: TaskTracker::new(),
         }
-    }
-}
-
-/// A server's connections once it stopped accepting (the API, the metrics listener): those
-/// still open get `within` to finish, the rest are aborted; every one is awaited.
-pub async fn end_connections(mut conns: JoinSet<()>, within: Duration) {
-    let drained = async { while conns.join_next().await.is_some() {} };
-    if tokio::time::timeout(within, drained).await.is_err() {
-        tracing::debug!(
-            connections = conns.len(),
-            "connections still open at the stop: ended"
-        );
-        conns.shutdown().await;
     }
 }
 

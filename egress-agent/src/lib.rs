@@ -22,7 +22,8 @@
 //!   [`suggest`] (policies from observed traffic);
 //! - management: [`config`] (the file and `policies.d`), [`manage`] (policy changes),
 //!   [`check`], [`doctor`], [`status`], [`cleanup`], [`notify`] (sd_notify);
-//! - surfaces: [`cli`] (commands that talk to a running agent), [`mcp`], [`ui`] (status page).
+//! - surfaces: [`cli`] (commands that talk to a running agent), [`mcp`], [`ui`] (status page);
+//! - below everything: [`tasks`] (how a stopped server ends its connections).
 //!
 //! `unsafe` is denied crate-wide; the exceptions, each with `expect(unsafe_code, reason)` and a
 //! SAFETY comment: raw `bpf()`/sockopt syscalls (`bpf/sys.rs`), the ring buffer's fd registration
@@ -61,5 +62,6 @@ mod secrets;
 pub mod status;
 pub mod store;
 pub mod suggest;
+mod tasks;
 mod ui;
 mod workload;

@@ -244,7 +244,7 @@ impl ApiServer {
             });
         }
         // A request in flight gets a moment to finish; a stream (`events --follow`) ends here.
-        crate::agent::end_connections(conns, crate::proxy::CONNECTION_DRAIN).await;
+        crate::tasks::end_connections(conns, crate::tasks::CONNECTION_DRAIN).await;
         // After a hand-over the successor serves this same file: it stays.
         if !self.sockets.as_ref().is_some_and(|s| s.is_handed_over()) {
             std::fs::remove_file(&self.path).ok();

@@ -94,7 +94,7 @@ fn respond(metrics: &Metrics, req: &Request<Incoming>) -> Response<Full<Bytes>> 
 }
 
 /// Serve `GET /metrics` on `listener` until `shutdown` completes; then scrapes in flight get
-/// [`crate::proxy::CONNECTION_DRAIN`] to finish before they are ended.
+/// [`crate::tasks::CONNECTION_DRAIN`] to finish before they are ended.
 pub async fn serve(
     listener: TcpListener,
     metrics: Arc<Metrics>,
@@ -140,5 +140,5 @@ pub async fn serve(
             }
         });
     }
-    crate::agent::end_connections(conns, crate::proxy::CONNECTION_DRAIN).await;
+    crate::tasks::end_connections(conns, crate::tasks::CONNECTION_DRAIN).await;
 }

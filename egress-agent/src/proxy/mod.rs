@@ -746,8 +746,8 @@ impl PolicyProxy {
     }
 
     /// Accept until `shutdown` completes; then stop accepting, end open connections and wait
-    /// for their tasks (at most [`CONNECTION_DRAIN`]). The listener's interception sockets
-    /// (transparent listener, DNS responder) run and stop with it.
+    /// for their tasks (at most [`crate::tasks::CONNECTION_DRAIN`]). The listener's
+    /// interception sockets (transparent listener, DNS responder) run and stop with it.
     ///
     /// When a successor takes the sockets ([`crate::handover::Sockets::hand_over`]) first, the
     /// listener stops accepting but its connections go on until they end or the drain cuts them
@@ -792,7 +792,7 @@ impl PolicyProxy {
         }
         stop.cancel();
         shared.tasks.close();
-        if tokio::time::timeout(CONNECTION_DRAIN, shared.tasks.wait())
+        if tokio::time::timeout(crate::tasks::CONNECTION_DRAIN, shared.tasks.wait())
             .await
             .is_err()
         {
@@ -801,10 +801,6 @@ impl PolicyProxy {
         }
     }
 }
-
-/// How long a stopped listener waits for its connections' tasks to end (each ends at its stop
-/// token, recording its end, at once).
-pub const CONNECTION_DRAIN: Duration = Duration::from_secs(1);
 
 /// Find the end of a request head in the bytes just read (window includes 3 earlier bytes).
 fn head_may_be_complete(buf: &[u8], new_from: usize) -> bool {
