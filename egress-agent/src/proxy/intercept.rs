@@ -53,7 +53,7 @@ use crate::events::Verdict;
 use egress_policy::credentials::CompiledBinding;
 use egress_policy::l7::{Forward, RequestView};
 use egress_policy::name::{Destination, HostName};
-use egress_policy::{Decision, DenyReason};
+use egress_policy::{CompiledPolicy, Decision, DenyReason};
 
 /// Upstream bodies as they are (no binding), scrubbed as they stream, or the agent's own.
 type Body = Either<Either<Incoming, Box<ScrubBody>>, Full<Bytes>>;
@@ -472,9 +472,38 @@ async fn handle(mut req: Request<Incoming>, s: &Session) -> Response<Body> {
         .scrubber()
         .filter(|_| shared.ctx.scrubs_responses())
         .cloned();
-    // The target against the current policy (a reload applies to kept-alive connections),
-    // decided as at every enforcement point: an audited policy's refusal is a would-deny and
-    // the request goes on, as the connection itself did.
+    if let Some(refused) = refused_target(s, &policy) {
+        return refused;
+    }
+    let binding = match checked_request(&req, s, &policy) {
+        Ok(b) => b,
+        Err(answer) => return *answer,
+    };
+    // Any other protocol switch was refused above.
+    let upgrade = s.proto == Proto::Http1 && super::http::is_websocket(&req);
+    let head = req.method() == http::Method::HEAD;
+    let client_upgrade = upgrade.then(|| hyper::upgrade::on(&mut req));
+    let upstream = match upstream_request(req, s, binding, scrubber.is_some(), upgrade) {
+        Ok(r) => r,
+        Err(answer) => return *answer,
+    };
+    let mut resp = match s.send(upstream).await {
+        Ok(r) => r,
+        Err(r) => return refusal(r, &shared.name),
+    };
+    let switching = resp.status() == StatusCode::SWITCHING_PROTOCOLS;
+    if let (true, Some(client_up)) = (switching, client_upgrade) {
+        relay_upgrade(s, &mut resp, client_up, scrubber.clone());
+    }
+    client_response(resp, s, scrubber, switching, head).await
+}
+
+/// The connection's target against the current policy (a reload applies to kept-alive
+/// connections), decided as at every enforcement point: an audited policy's refusal is a
+/// would-deny (recorded once per connection) and the request goes on, as the connection itself
+/// did. `Some`: the refusal to answer with.
+fn refused_target(s: &Session, policy: &CompiledPolicy) -> Option<Response<Body>> {
+    let shared = &s.shared;
     match policy.decide_target(&s.target.dest, s.target.port) {
         Decision::Allow(_) => {}
         Decision::WouldDeny(r) => {
@@ -490,13 +519,25 @@ async fn handle(mut req: Request<Incoming>, s: &Session) -> Response<Body> {
         }
         Decision::Deny(r) => {
             shared.deny_event(&s.target, None, "https", r.reason);
-            return forbidden(r.reason, &shared.name);
+            return Some(forbidden(r.reason, &shared.name));
         }
     }
+    None
+}
+
+/// What may go on, checked before anything is sent: no tunnel or `OPTIONS *`, unambiguous
+/// framing, no protocol switch but WebSocket, the authority the connection was decided for,
+/// and the request rules. `Ok`: the binding whose secret goes in, if any; `Err`: the answer.
+fn checked_request<'p>(
+    req: &Request<Incoming>,
+    s: &Session,
+    policy: &'p CompiledPolicy,
+) -> Result<Option<&'p CompiledBinding>, Box<Response<Body>>> {
+    let shared = &s.shared;
     // No tunnels inside an intercepted connection (h2 CONNECT, or HTTP/1.1 CONNECT after TLS),
     // and no `OPTIONS *` (nothing for the target to answer on the client's behalf).
     if req.method() == http::Method::CONNECT || req.uri().path() == "*" {
-        return bad_request();
+        return Err(Box::new(bad_request()));
     }
     if let Err(e) = super::framing::check(req.headers()) {
         shared.deny_request_event(
@@ -506,11 +547,11 @@ async fn handle(mut req: Request<Incoming>, s: &Session) -> Response<Body> {
             req.method().as_str(),
             req.uri().path(),
         );
-        return bad_request_because(e.as_str());
+        return Err(Box::new(bad_request_because(e.as_str())));
     }
     // The only protocol switch forwarded is WebSocket: `Upgrade: h2c` (or anything else) would
     // turn the connection into one whose later requests the proxy no longer parses.
-    if req.headers().contains_key(header::UPGRADE) && !super::http::is_websocket(&req) {
+    if req.headers().contains_key(header::UPGRADE) && !super::http::is_websocket(req) {
         shared.deny_request_event(
             &s.target,
             "https",
@@ -518,9 +559,11 @@ async fn handle(mut req: Request<Incoming>, s: &Session) -> Response<Body> {
             req.method().as_str(),
             req.uri().path(),
         );
-        return bad_request_because(DenyReason::UpgradeNotAllowed.as_str());
+        return Err(Box::new(bad_request_because(
+            DenyReason::UpgradeNotAllowed.as_str(),
+        )));
     }
-    if let Err(mismatch) = authority_ok(&req, &s.target) {
+    if let Err(mismatch) = authority_ok(req, &s.target) {
         if mismatch {
             shared.deny_request_event(
                 &s.target,
@@ -529,9 +572,12 @@ async fn handle(mut req: Request<Incoming>, s: &Session) -> Response<Body> {
                 req.method().as_str(),
                 req.uri().path(),
             );
-            return forbidden(DenyReason::HostHeaderMismatch, &shared.name);
+            return Err(Box::new(forbidden(
+                DenyReason::HostHeaderMismatch,
+                &shared.name,
+            )));
         }
-        return bad_request();
+        return Err(Box::new(bad_request()));
     }
     let view = RequestView {
         method: req.method().as_str(),
@@ -539,49 +585,59 @@ async fn handle(mut req: Request<Incoming>, s: &Session) -> Response<Body> {
         query: req.uri().query(),
         headers: req.headers(),
     };
-    let binding: Option<&CompiledBinding> =
-        match policy
-            .l7()
-            .check(&s.target.dest, s.target.port, true, &view)
-        {
-            Ok(Forward::AsIs) => None,
-            Ok(Forward::Inject(b)) => Some(b),
-            Err(DenyReason::InterceptionUnavailable) => {
-                // A reload left the binding without its secret while this connection was open:
-                // refused as a new connection would be (`502`), never forwarded without it.
-                let reason = DenyReason::InterceptionUnavailable;
-                let why = policy
-                    .l7()
-                    .unavailable(&s.target.dest, s.target.port)
-                    .unwrap_or("its secret is not loaded");
-                let path = req.uri().path();
-                shared.deny_event_with(
-                    &s.target,
-                    "https",
-                    reason,
-                    &[
-                        ("method", req.method().as_str()),
-                        ("path", path.split(['?', '#']).next().unwrap_or("")),
-                        ("unavailable", why),
-                    ],
-                );
-                return refusal(Refusal::Upstream(reason.as_str()), &shared.name);
-            }
-            Err(reason) => {
-                shared.deny_request_event(
-                    &s.target,
-                    "https",
-                    reason,
-                    req.method().as_str(),
-                    req.uri().path(),
-                );
-                return forbidden(reason, &shared.name);
-            }
-        };
-    // Any other protocol switch was refused above.
-    let upgrade = s.proto == Proto::Http1 && super::http::is_websocket(&req);
-    let head = req.method() == http::Method::HEAD;
-    let client_upgrade = upgrade.then(|| hyper::upgrade::on(&mut req));
+    match policy
+        .l7()
+        .check(&s.target.dest, s.target.port, true, &view)
+    {
+        Ok(Forward::AsIs) => Ok(None),
+        Ok(Forward::Inject(b)) => Ok(Some(b)),
+        Err(DenyReason::InterceptionUnavailable) => {
+            // A reload left the binding without its secret while this connection was open:
+            // refused as a new connection would be (`502`), never forwarded without it.
+            let reason = DenyReason::InterceptionUnavailable;
+            let why = policy
+                .l7()
+                .unavailable(&s.target.dest, s.target.port)
+                .unwrap_or("its secret is not loaded");
+            let path = req.uri().path();
+            shared.deny_event_with(
+                &s.target,
+                "https",
+                reason,
+                &[
+                    ("method", req.method().as_str()),
+                    ("path", path.split(['?', '#']).next().unwrap_or("")),
+                    ("unavailable", why),
+                ],
+            );
+            Err(Box::new(refusal(
+                Refusal::Upstream(reason.as_str()),
+                &shared.name,
+            )))
+        }
+        Err(reason) => {
+            shared.deny_request_event(
+                &s.target,
+                "https",
+                reason,
+                req.method().as_str(),
+                req.uri().path(),
+            );
+            Err(Box::new(forbidden(reason, &shared.name)))
+        }
+    }
+}
+
+/// The request as it goes upstream: hop-by-hop headers gone, `binding`'s secret injected, an
+/// uncompressed answer asked for when it is to be scrubbed, the URI and `Host` of the
+/// connection's target, a WebSocket upgrade kept.
+fn upstream_request(
+    req: Request<Incoming>,
+    s: &Session,
+    binding: Option<&CompiledBinding>,
+    scrubbing: bool,
+    upgrade: bool,
+) -> Result<Request<Incoming>, Box<Response<Body>>> {
     let mut pq = req
         .uri()
         .path_and_query()
@@ -595,7 +651,7 @@ async fn handle(mut req: Request<Incoming>, s: &Session) -> Response<Body> {
     {
         pq = new;
     }
-    if scrubber.is_some() {
+    if scrubbing {
         // The scrubber reads what comes back: uncompressed, and no compressed WebSocket frames.
         scrub_body::ask_identity(&mut parts.headers);
         parts
@@ -608,14 +664,14 @@ async fn handle(mut req: Request<Incoming>, s: &Session) -> Response<Body> {
         Proto::H2 => format!("https://{authority}{pq}").parse::<Uri>(),
     };
     let Ok(uri) = uri else {
-        return bad_request();
+        return Err(Box::new(bad_request()));
     };
     parts.uri = uri;
     match s.proto {
         Proto::Http1 => {
             parts.version = Version::HTTP_11;
             let Ok(host) = HeaderValue::from_str(&authority) else {
-                return bad_request();
+                return Err(Box::new(bad_request()));
             };
             parts.headers.insert(header::HOST, host);
             if let (true, Some(to)) = (upgrade, upgrade_to) {
@@ -630,37 +686,54 @@ async fn handle(mut req: Request<Incoming>, s: &Session) -> Response<Body> {
             parts.headers.remove(header::HOST);
         }
     }
-    let mut resp = match s.send(Request::from_parts(parts, body)).await {
-        Ok(r) => r,
-        Err(r) => return refusal(r, &shared.name),
-    };
-    let switching = resp.status() == StatusCode::SWITCHING_PROTOCOLS;
-    if let (true, Some(client_up)) = (switching, client_upgrade) {
-        let upstream_up = hyper::upgrade::on(&mut resp);
-        let scrub = scrubber.clone().map(|sc| {
-            let report = Report {
-                shared: shared.clone(),
-                target: s.target.clone(),
-            };
-            (sc, report)
-        });
-        let relay = shared.tasks.spawn(async move {
-            let (Ok(c), Ok(u)) = tokio::join!(client_up, upstream_up) else {
-                return;
-            };
-            let (mut c, mut u) = (TokioIo::new(c), TokioIo::new(u));
-            match scrub {
-                Some((sc, report)) => ws_relay(c, u, sc, report).await,
-                None => {
-                    tokio::io::copy_bidirectional(&mut c, &mut u).await.ok();
-                }
+    Ok(Request::from_parts(parts, body))
+}
+
+/// Relay a switched (WebSocket) connection once both sides have upgraded, on the listener's
+/// tracker: as is, or scrubbed upstream → client when the policy scrubs.
+fn relay_upgrade(
+    s: &Session,
+    resp: &mut Response<Incoming>,
+    client_up: hyper::upgrade::OnUpgrade,
+    scrubber: Option<Arc<egress_policy::scrub::Scrubber>>,
+) {
+    let shared = &s.shared;
+    let upstream_up = hyper::upgrade::on(resp);
+    let scrub = scrubber.map(|sc| {
+        let report = Report {
+            shared: shared.clone(),
+            target: s.target.clone(),
+        };
+        (sc, report)
+    });
+    let relay = shared.tasks.spawn(async move {
+        let (Ok(c), Ok(u)) = tokio::join!(client_up, upstream_up) else {
+            return;
+        };
+        let (mut c, mut u) = (TokioIo::new(c), TokioIo::new(u));
+        match scrub {
+            Some((sc, report)) => ws_relay(c, u, sc, report).await,
+            None => {
+                tokio::io::copy_bidirectional(&mut c, &mut u).await.ok();
             }
-        });
-        s.relays
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-            .push(relay);
-    }
+        }
+    });
+    s.relays
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+        .push(relay);
+}
+
+/// The upstream's response as the client gets it: hop-by-hop headers gone (but a switch's),
+/// the version of the client's connection, and every secret of the policy scrubbed from the body.
+async fn client_response(
+    resp: Response<Incoming>,
+    s: &Session,
+    scrubber: Option<Arc<egress_policy::scrub::Scrubber>>,
+    switching: bool,
+    head: bool,
+) -> Response<Body> {
+    let shared = &s.shared;
     let (mut parts, body) = resp.into_parts();
     let keep = switching.then(|| {
         (
