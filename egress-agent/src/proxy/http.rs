@@ -427,82 +427,156 @@ async fn handle(mut req: Request<Incoming>, state: &ConnState) -> Response<Body>
         return error(StatusCode::BAD_REQUEST, e.as_str());
     }
     if req.method() == Method::CONNECT {
-        let upstream = match shared.check_and_dial(&target, protocol).await {
-            Ok(s) => s,
-            Err(r) => return refusal(r, &shared.name),
-        };
-        let on_upgrade = hyper::upgrade::on(&mut req);
-        let (shared, stop) = (shared.clone(), state.stop.clone());
-        let tunnel = shared.tasks.clone().spawn(async move {
-            let Ok(upgraded) = on_upgrade.await else {
-                return;
-            };
-            // Recover the raw client socket so the tunnel is the same as the fast path's.
-            let Ok(parts) = upgraded.downcast::<TokioIo<Prefixed<TcpStream>>>() else {
-                return;
-            };
-            let (rest, client) = parts.io.into_inner().into_parts();
-            // hyper's buffered bytes were read before whatever is left of our prefix.
-            let mut pending = parts.read_buf.to_vec();
-            pending.extend_from_slice(&rest);
-            // Shutdown: `stop` ends it, and `serve` aborts this task.
-            super::route::connect_tunnel(client, upstream, pending, target, shared, stop).await;
-        });
-        *state
-            .tunnel
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner) = Some(tunnel);
-        return Response::new(Either::Right(Full::new(Bytes::new())));
+        return connect(&mut req, state, target, protocol).await;
     }
 
-    // Request-level rules and placeholders (plain HTTP never gets a secret: a placeholder of any
-    // binding is refused here).
-    {
-        let policy = shared.policy.load();
-        let uri = req.uri();
-        let view = egress_policy::l7::RequestView {
-            method: req.method().as_str(),
-            path: uri.path(),
-            query: uri.query(),
-            headers: req.headers(),
-        };
-        if let Err(reason) = policy
-            .l7()
-            .check(&target.dest, target.port, false, &view)
-            .map(|_| ())
-        {
-            shared.deny_request_event(&target, protocol, reason, req.method().as_str(), uri.path());
-            return forbidden(reason, &shared.name);
-        }
+    if let Some(refused) = refused_request(&req, shared, &target, protocol) {
+        return refused;
     }
 
     // Reuse the previous upstream only for the same target, and only after this request's check.
     let mut cached = state.upstream.lock().await;
+    let mut sender = match upstream_sender(&mut cached, shared, &target, protocol).await {
+        Ok(s) => s,
+        Err(answer) => return answer,
+    };
+
+    let authority = match origin_form(&mut req, &target) {
+        Ok(a) => a,
+        Err(answer) => return *answer,
+    };
+    // A WebSocket handshake on a connection to one host keeps its protocol switch.
+    let websocket = matches!(state.route, Route::Fixed(_)) && is_websocket(&req);
+    let client_upgrade = websocket.then(|| hyper::upgrade::on(&mut req));
+    strip_hop_by_hop(req.headers_mut());
+    req.headers_mut().insert(header::HOST, authority);
+    if websocket {
+        let h = req.headers_mut();
+        h.insert(header::CONNECTION, HeaderValue::from_static("upgrade"));
+        h.insert(header::UPGRADE, HeaderValue::from_static("websocket"));
+    }
+    let resp = match sender.send_request(req).await {
+        Ok(r) => r,
+        Err(e) => {
+            tracing::debug!(policy = %shared.name, %target, error = %e, "upstream request failed");
+            return error(StatusCode::BAD_GATEWAY, "upstream-failed");
+        }
+    };
+    let switching = resp.status() == StatusCode::SWITCHING_PROTOCOLS;
+    if let (true, Some(client_up)) = (switching, client_upgrade) {
+        // The upstream connection is the WebSocket's now: not reused.
+        drop(cached);
+        return relay_websocket(state, resp, client_up);
+    }
+    *cached = Some(Upstream {
+        target,
+        sender,
+        fresh: false,
+    });
+    drop(cached);
+    let (mut parts, body) = resp.into_parts();
+    strip_hop_by_hop(&mut parts.headers);
+    Response::from_parts(parts, Either::Left(body))
+}
+
+/// `CONNECT`: checked and dialled, then the client's socket, recovered from hyper once the
+/// `200` is sent, is relayed as a tunnel (the fast path's tunnel, on the listener's tracker).
+async fn connect(
+    req: &mut Request<Incoming>,
+    state: &ConnState,
+    target: Target,
+    protocol: &'static str,
+) -> Response<Body> {
+    let shared = &state.shared;
+    let upstream = match shared.check_and_dial(&target, protocol).await {
+        Ok(s) => s,
+        Err(r) => return refusal(r, &shared.name),
+    };
+    let on_upgrade = hyper::upgrade::on(req);
+    let (shared, stop) = (shared.clone(), state.stop.clone());
+    let tunnel = shared.tasks.clone().spawn(async move {
+        let Ok(upgraded) = on_upgrade.await else {
+            return;
+        };
+        // Recover the raw client socket so the tunnel is the same as the fast path's.
+        let Ok(parts) = upgraded.downcast::<TokioIo<Prefixed<TcpStream>>>() else {
+            return;
+        };
+        let (rest, client) = parts.io.into_inner().into_parts();
+        // hyper's buffered bytes were read before whatever is left of our prefix.
+        let mut pending = parts.read_buf.to_vec();
+        pending.extend_from_slice(&rest);
+        // Shutdown: `stop` ends it, and `serve` aborts this task.
+        super::route::connect_tunnel(client, upstream, pending, target, shared, stop).await;
+    });
+    *state
+        .tunnel
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner) = Some(tunnel);
+    Response::new(Either::Right(Full::new(Bytes::new())))
+}
+
+/// Request-level rules and placeholders (plain HTTP never gets a secret: a placeholder of any
+/// binding is refused here). `Some`: the refusal.
+fn refused_request(
+    req: &Request<Incoming>,
+    shared: &Shared,
+    target: &Target,
+    protocol: &str,
+) -> Option<Response<Body>> {
+    let policy = shared.policy.load();
+    let uri = req.uri();
+    let view = egress_policy::l7::RequestView {
+        method: req.method().as_str(),
+        path: uri.path(),
+        query: uri.query(),
+        headers: req.headers(),
+    };
+    if let Err(reason) = policy
+        .l7()
+        .check(&target.dest, target.port, false, &view)
+        .map(|_| ())
+    {
+        shared.deny_request_event(target, protocol, reason, req.method().as_str(), uri.path());
+        return Some(forbidden(reason, &shared.name));
+    }
+    None
+}
+
+/// The upstream connection for this request: the previous one of this client connection, for
+/// the same target only, with the target decided again (a reload may have refused it since);
+/// else a new one, checked and dialled. `Err`: the answer.
+async fn upstream_sender(
+    cached: &mut Option<Upstream>,
+    shared: &Arc<Shared>,
+    target: &Target,
+    protocol: &str,
+) -> Result<SendRequest<Incoming>, Response<Body>> {
     let reuse = match cached.take() {
         Some(Upstream {
             target: t,
             sender,
             fresh: true,
-        }) if t == target && !sender.is_closed() => Some(sender),
+        }) if t == *target && !sender.is_closed() => Some(sender),
         Some(Upstream {
             target: t,
             mut sender,
             fresh: _,
-        }) if t == target && !sender.is_closed() => {
+        }) if t == *target && !sender.is_closed() => {
             // Policy may have changed since: re-check the target before reusing.
             let decision = shared
                 .policy
                 .load()
                 .decide_target(&target.dest, target.port);
-            match shared.enforce(&target, None, protocol, decision) {
+            match shared.enforce(target, None, protocol, decision) {
                 Ok(audited) => match sender.ready().await {
                     Ok(()) => {
-                        shared.allowed(&target, None, protocol, audited);
+                        shared.allowed(target, None, protocol, audited);
                         Some(sender)
                     }
                     Err(_) => None,
                 },
-                Err(reason) => return forbidden(reason, &shared.name),
+                Err(reason) => return Err(forbidden(reason, &shared.name)),
             }
         }
         _ => None,
@@ -510,21 +584,28 @@ async fn handle(mut req: Request<Incoming>, state: &ConnState) -> Response<Body>
     let mut sender = match reuse {
         Some(s) => s,
         None => {
-            let upstream = match shared.check_and_dial(&target, protocol).await {
+            let upstream = match shared.check_and_dial(target, protocol).await {
                 Ok(s) => s,
-                Err(r) => return refusal(r, &shared.name),
+                Err(r) => return Err(refusal(r, &shared.name)),
             };
             match upstream_handshake(upstream, shared).await {
                 Some(s) => s,
-                None => return error(StatusCode::BAD_GATEWAY, "upstream-handshake"),
+                None => return Err(error(StatusCode::BAD_GATEWAY, "upstream-handshake")),
             }
         }
     };
     if sender.ready().await.is_err() {
-        return error(StatusCode::BAD_GATEWAY, "upstream-failed");
+        return Err(error(StatusCode::BAD_GATEWAY, "upstream-failed"));
     }
+    Ok(sender)
+}
 
-    // Origin-form, hop-by-hop headers removed.
+/// The request in origin form, for `target` (the `Host` value its authority gives): `Err` for a
+/// request that can't be written so.
+fn origin_form(
+    req: &mut Request<Incoming>,
+    target: &Target,
+) -> Result<HeaderValue, Box<Response<Body>>> {
     let pq = req
         .uri()
         .path_and_query()
@@ -537,63 +618,53 @@ async fn handle(mut req: Request<Incoming>, state: &ConnState) -> Response<Body>
     };
     match Uri::builder().path_and_query(pq).build() {
         Ok(uri) => *req.uri_mut() = uri,
-        Err(_) => return error(StatusCode::BAD_REQUEST, "malformed-request"),
+        Err(_) => {
+            return Err(Box::new(error(
+                StatusCode::BAD_REQUEST,
+                "malformed-request",
+            )));
+        }
     }
-    let authority = match target_of_authority(&target) {
+    let authority = match target_of_authority(target) {
         Some(v) => v,
-        None => return error(StatusCode::BAD_REQUEST, "malformed-request"),
-    };
-    // A WebSocket handshake on a connection to one host keeps its protocol switch.
-    let websocket = matches!(state.route, Route::Fixed(_)) && is_websocket(&req);
-    let client_upgrade = websocket.then(|| hyper::upgrade::on(&mut req));
-    strip_hop_by_hop(req.headers_mut());
-    req.headers_mut().insert(header::HOST, authority);
-    if websocket {
-        let h = req.headers_mut();
-        h.insert(header::CONNECTION, HeaderValue::from_static("upgrade"));
-        h.insert(header::UPGRADE, HeaderValue::from_static("websocket"));
-    }
-    let mut resp = match sender.send_request(req).await {
-        Ok(r) => r,
-        Err(e) => {
-            tracing::debug!(policy = %shared.name, %target, error = %e, "upstream request failed");
-            return error(StatusCode::BAD_GATEWAY, "upstream-failed");
+        None => {
+            return Err(Box::new(error(
+                StatusCode::BAD_REQUEST,
+                "malformed-request",
+            )));
         }
     };
-    let switching = resp.status() == StatusCode::SWITCHING_PROTOCOLS;
-    if let (true, Some(client_up)) = (switching, client_upgrade) {
-        // The upstream connection is the WebSocket's now: not reused.
-        drop(cached);
-        let upstream_up = hyper::upgrade::on(&mut resp);
-        let relay = shared.tasks.spawn(async move {
-            let (Ok(c), Ok(u)) = tokio::join!(client_up, upstream_up) else {
-                return;
-            };
-            let (mut c, mut u) = (TokioIo::new(c), TokioIo::new(u));
-            tokio::io::copy_bidirectional(&mut c, &mut u).await.ok();
-        });
-        *state
-            .tunnel
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner) = Some(relay);
-        let (mut parts, body) = resp.into_parts();
-        strip_hop_by_hop(&mut parts.headers);
-        parts
-            .headers
-            .insert(header::CONNECTION, HeaderValue::from_static("upgrade"));
-        parts
-            .headers
-            .insert(header::UPGRADE, HeaderValue::from_static("websocket"));
-        return Response::from_parts(parts, Either::Left(body));
-    }
-    *cached = Some(Upstream {
-        target,
-        sender,
-        fresh: false,
+    Ok(authority)
+}
+
+/// A WebSocket the upstream switched to: both sides relayed as is once upgraded (on the
+/// listener's tracker), and the `101` passed on.
+fn relay_websocket(
+    state: &ConnState,
+    mut resp: Response<Incoming>,
+    client_up: hyper::upgrade::OnUpgrade,
+) -> Response<Body> {
+    let shared = &state.shared;
+    let upstream_up = hyper::upgrade::on(&mut resp);
+    let relay = shared.tasks.spawn(async move {
+        let (Ok(c), Ok(u)) = tokio::join!(client_up, upstream_up) else {
+            return;
+        };
+        let (mut c, mut u) = (TokioIo::new(c), TokioIo::new(u));
+        tokio::io::copy_bidirectional(&mut c, &mut u).await.ok();
     });
-    drop(cached);
+    *state
+        .tunnel
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner) = Some(relay);
     let (mut parts, body) = resp.into_parts();
     strip_hop_by_hop(&mut parts.headers);
+    parts
+        .headers
+        .insert(header::CONNECTION, HeaderValue::from_static("upgrade"));
+    parts
+        .headers
+        .insert(header::UPGRADE, HeaderValue::from_static("websocket"));
     Response::from_parts(parts, Either::Left(body))
 }
 
