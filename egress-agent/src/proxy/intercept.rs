@@ -317,13 +317,35 @@ pub(crate) async fn serve<C>(
         relays: std::sync::Mutex::new(Vec::new()),
         would_deny_recorded: AtomicBool::new(would_deny_recorded),
     });
+    let conn = client_connection(&session, TokioIo::new(tls), &limits);
+    let mut shutdown = std::pin::pin!(shutdown);
+    let stopped = tokio::select! {
+        r = conn => {
+            if let Err(e) = r { tracing::debug!(error = %e, "intercepted connection ended") }
+            false
+        }
+        () = activity.idle_for(limits.idle_timeout) => false,
+        () = &mut shutdown => true,
+    };
+    end_relays(&session, stopped, shutdown).await;
+}
+
+/// The client's side of an intercepted connection: hyper serving [`handle`] for each request
+/// over `io` (the terminated TLS), in the protocol agreed with the upstream.
+fn client_connection<IO>(
+    session: &Arc<Session>,
+    io: TokioIo<IO>,
+    limits: &super::Limits,
+) -> Pin<Box<dyn Future<Output = Result<(), hyper::Error>> + Send>>
+where
+    IO: AsyncRead + AsyncWrite + Unpin + Send + 'static,
+{
     let s = session.clone();
     let service = hyper::service::service_fn(move |req| {
         let s = s.clone();
         async move { Ok::<_, Infallible>(handle(req, &s).await) }
     });
-    let io = TokioIo::new(tls);
-    let conn: Pin<Box<dyn Future<Output = Result<(), hyper::Error>> + Send>> = match proto {
+    match session.proto {
         Proto::H2 => Box::pin(
             hyper::server::conn::http2::Builder::new(Tracked(session.shared.tasks.clone()))
                 .timer(TokioTimer::new())
@@ -339,16 +361,13 @@ pub(crate) async fn serve<C>(
                 .serve_connection(io, service)
                 .with_upgrades(),
         ),
-    };
+    }
+}
+
+/// The WebSocket relays the connection started: aborted when the agent stops, else waited for
+/// (each until it ends or the stop comes).
+async fn end_relays(session: &Session, stopped: bool, shutdown: impl Future<Output = ()>) {
     let mut shutdown = std::pin::pin!(shutdown);
-    let stopped = tokio::select! {
-        r = conn => {
-            if let Err(e) = r { tracing::debug!(error = %e, "intercepted connection ended") }
-            false
-        }
-        () = activity.idle_for(limits.idle_timeout) => false,
-        () = &mut shutdown => true,
-    };
     let relays = std::mem::take(
         &mut *session
             .relays
