@@ -14,7 +14,12 @@
 //! that handed over stops accepting, stops its tasks, drains its connections
 //! (`agent.drain_timeout_s`) and exits.
 
-use std::{net::SocketAddr, path::PathBuf, sync::Arc, time::Instant};
+use std::{
+    net::SocketAddr,
+    path::{Path, PathBuf},
+    sync::Arc,
+    time::Instant,
+};
 
 use anyhow::{Context, Result};
 use arc_swap::ArcSwap;
@@ -108,7 +113,7 @@ struct Daemon {
     previous: Option<Arc<handover::Previous>>,
     /// `POST /v1/restart`: asks the main loop to start a successor (as SIGUSR2); the answer is
     /// its pid or why not.
-    restart_tx: mpsc::Sender<oneshot::Sender<Result<u32, String>>>,
+    restart_tx: mpsc::Sender<RestartReply>,
 }
 
 impl Daemon {
@@ -436,39 +441,8 @@ pub async fn run(opts: RunOptions) -> Result<()> {
     // binding anything.
     let handover_path = handover::socket_path(&config.agent.state_dir);
     let sockets = opts.host.sockets.clone();
-    // Sockets systemd kept for this agent (a crash and its restart: the fd store).
-    let stored = handover::fdstore::passed();
-    let from_store = !stored.is_empty();
-    if from_store {
-        info!(
-            sockets = stored.len(),
-            "adopting the sockets the service manager kept (fd store)"
-        );
-        sockets.adopt(stored);
-    }
-    let mut taking = handover::take(&handover_path).await?;
-    if let Some(t) = &mut taking {
-        let fds = t.sockets();
-        info!(
-            from_pid = t.from_pid,
-            sockets = fds.len(),
-            "taking over from the running agent"
-        );
-        sockets.adopt(fds);
-        // Its `env` secrets (gone from the environment this process inherited), before any
-        // binding is resolved for serving: nothing below serves a request until this config.
-        let installed = t.install_env_secrets();
-        if !installed.is_empty() {
-            info!(variables = ?installed, "took the running agent's env secrets over");
-            config = Arc::new(Config::load(&opts.config)?);
-        }
-    }
-    let docker_root = crate::cgroup::cgroup2_mount()
-        .map(|m| workload::root::WorkloadRoot::new(m, &opts.docker.cgroup_parent).path());
-    let api = ApiServer::bind_handed(&opts.api_socket, &sockets)
-        .await?
-        .refusing_roots(docker_root.ok().into_iter().chain(kubelet_root(&config)));
-    let api = crate::api::server::with_config(api, &config.api).await?;
+    let (from_store, taking) = adopt_sockets(&opts, &handover_path, &sockets, &mut config).await?;
+    let api = bind_api(&opts, &config, &sockets).await?;
 
     // The core: events, the durable store and exporters (taps on the sink, written off the hot
     // path), one stop for everything below.
@@ -487,35 +461,13 @@ pub async fn run(opts: RunOptions) -> Result<()> {
         });
     }
 
-    // The runtimes (Docker; containerd when `[kubernetes]` is configured), on the core's stop,
-    // sharing one directory for naming kernel events; the first to end stops the daemon.
-    let mut runtimes = Runtimes::default();
-    if opts.watch_docker {
-        let (hooks, rt) = Runtimes::hooks(&metrics);
-        let (c, o, h, e) = (
-            config.clone(),
-            opts.docker.clone(),
-            opts.host.clone(),
-            events.clone(),
-        );
-        runtimes.add("docker", rt, &mut agent, |stop| {
-            docker::serve_with(c, o, h, e, hooks, stop)
-        });
-    }
-    if let Some(k8s) = config.kubernetes.clone() {
-        let (hooks, rt) = Runtimes::hooks(&metrics);
-        let (c, host, e) = (config.clone(), opts.host.clone(), events.clone());
-        runtimes.add("kubernetes", rt, &mut agent, |stop| {
-            crate::containerd::serve(c, k8s, host, e, hooks, stop)
-        });
-    }
-    if runtimes.is_empty() {
-        agent.shutdown().await;
-        anyhow::bail!(
-            "nothing to enforce: --no-docker and no [kubernetes] section in {}; add one or drop --no-docker",
-            opts.config.display()
-        );
-    }
+    let mut runtimes = match start_runtimes(&opts, &config, &events, &metrics, &mut agent) {
+        Ok(r) => r,
+        Err(e) => {
+            agent.shutdown().await;
+            return Err(e);
+        }
+    };
 
     // READY once every runtime's programs are loaded/adopted and the proxy listens (or fail the
     // start with the failing runtime's own error).
@@ -531,39 +483,10 @@ pub async fn run(opts: RunOptions) -> Result<()> {
         settle_adopted(&sockets, &runtimes).await;
     }
     let previous = match taking {
-        Some(t) => match take_over(t).await {
-            Ok(p) => {
-                let (follow, m) = (p.clone(), metrics.clone());
-                agent.spawn("previous agent", |stop| {
-                    follow_previous(follow, m, stop.token().clone())
-                });
-                Some(p)
-            }
-            Err(e) => {
-                // This agent serves every socket already; the previous one may still serve
-                // some too (it did not confirm), which is no gap.
-                warn!(error = %e, "the previous agent did not confirm the hand-over");
-                None
-            }
-        },
+        Some(t) => confirm_take_over(&mut agent, t, &metrics).await,
         None => None,
     };
-    // Gauges of what the runtimes enforce (one task for all of them), and kernel denials,
-    // both named by the directory the runtimes keep.
-    let (bpffs, directory, m) = (
-        config.agent.bpffs.clone(),
-        opts.host.directory.clone(),
-        metrics.clone(),
-    );
-    agent.spawn("kernel gauges", |stop| {
-        workload::site::kernel_gauges(bpffs, directory, m, stop.token().clone())
-    });
-    let directory = opts.host.directory.clone();
-    match agent.pump_kernel_events(&config.agent.bpffs, move |d| directory.enrich(d)) {
-        Ok(true) => {}
-        Ok(false) => info!("another process consumes kernel events"),
-        Err(e) => warn!(error = %e, "kernel events unavailable"),
-    }
+    spawn_workload_telemetry(&mut agent, &config, &opts.host.directory, &metrics);
 
     let (restart_tx, mut restart_rx) = mpsc::channel(1);
     let daemon = Arc::new(Daemon {
@@ -585,8 +508,163 @@ pub async fn run(opts: RunOptions) -> Result<()> {
     agent.spawn("api", |stop| api.run(control, stop.cancelled_owned()));
     watch_policies(&mut agent, &daemon);
     // The next agent takes this one's sockets here.
-    let (successor_tx, mut successor_rx) = mpsc::channel(1);
-    match handover::Giver::listen(&handover_path, sockets.clone()) {
+    let mut successor_rx = listen_for_successor(&mut agent, &handover_path, &sockets);
+    if let Err(e) = notify::ready("enforcing") {
+        warn!(error = %e, "sd_notify READY failed");
+    }
+
+    let mut signals = Signals::catch()?;
+    let mut spawned: Option<std::process::Child> = None;
+    let end = serve_until_end(
+        &daemon,
+        &exe,
+        &mut signals,
+        (&mut restart_rx, &mut successor_rx),
+        &mut runtimes,
+        &mut spawned,
+    )
+    .await;
+    match end {
+        End::Stop(result) => stop(agent, &handover_path, result).await,
+        End::HandedOver(successor) => {
+            let config = daemon.config.load_full();
+            let stop_asked = drain(
+                agent,
+                &sockets,
+                successor,
+                &config,
+                (&mut signals.term, &mut signals.int),
+            )
+            .await;
+            reap(spawned);
+            if opts.stay_after_handover && !stop_asked {
+                info!("handed over and drained; waiting for SIGTERM (--stay-after-handover)");
+                tokio::select! {
+                    _ = signals.term.recv() => {}
+                    _ = signals.int.recv() => {}
+                }
+            }
+            Ok(())
+        }
+    }
+}
+
+/// The daemon's stop (not a hand-over): no hand-over socket left behind, then the core's
+/// ordered stop; the pinned programs keep enforcing.
+async fn stop(agent: Agent, handover_path: &Path, result: Result<()>) -> Result<()> {
+    std::fs::remove_file(handover_path).ok();
+    info!("stopping; the pinned programs keep enforcing");
+    if let Err(e) = notify::stopping() {
+        warn!(error = %e, "sd_notify STOPPING failed");
+    }
+    agent.shutdown().await;
+    info!("stopped: events recorded and exported");
+    result
+}
+
+/// The control API on its socket (handed over or new), refusing clients confined under any
+/// runtime's root, with `[api]`'s access and status page.
+async fn bind_api(
+    opts: &RunOptions,
+    config: &Config,
+    sockets: &Arc<handover::Sockets>,
+) -> Result<ApiServer> {
+    let docker_root = crate::cgroup::cgroup2_mount()
+        .map(|m| workload::root::WorkloadRoot::new(m, &opts.docker.cgroup_parent).path());
+    let api = ApiServer::bind_handed(&opts.api_socket, sockets)
+        .await?
+        .refusing_roots(docker_root.ok().into_iter().chain(kubelet_root(config)));
+    Ok(crate::api::server::with_config(api, &config.api).await?)
+}
+
+/// Take the sockets a previous agent left: those the service manager kept (a crash and its
+/// restart), then a running agent's through the hand-over socket, with its `env` secrets (the
+/// configuration is loaded again with them, before any binding is resolved for serving).
+/// Returns whether the fd store had any, and the hand-over in progress.
+async fn adopt_sockets(
+    opts: &RunOptions,
+    handover_path: &Path,
+    sockets: &Arc<handover::Sockets>,
+    config: &mut Arc<Config>,
+) -> Result<(bool, Option<handover::Taking>)> {
+    // Sockets systemd kept for this agent (a crash and its restart: the fd store).
+    let stored = handover::fdstore::passed();
+    let from_store = !stored.is_empty();
+    if from_store {
+        info!(
+            sockets = stored.len(),
+            "adopting the sockets the service manager kept (fd store)"
+        );
+        sockets.adopt(stored);
+    }
+    let mut taking = handover::take(handover_path).await?;
+    if let Some(t) = &mut taking {
+        let fds = t.sockets();
+        info!(
+            from_pid = t.from_pid,
+            sockets = fds.len(),
+            "taking over from the running agent"
+        );
+        sockets.adopt(fds);
+        // Its `env` secrets (gone from the environment this process inherited), before any
+        // binding is resolved for serving: nothing below serves a request until this config.
+        let installed = t.install_env_secrets();
+        if !installed.is_empty() {
+            info!(variables = ?installed, "took the running agent's env secrets over");
+            *config = Arc::new(Config::load(&opts.config)?);
+        }
+    }
+    Ok((from_store, taking))
+}
+
+/// The runtimes (Docker; containerd when `[kubernetes]` is configured), on the core's stop,
+/// sharing one directory for naming kernel events; the first to end stops the daemon. `Err`
+/// when there is none to run.
+fn start_runtimes(
+    opts: &RunOptions,
+    config: &Arc<Config>,
+    events: &EventSink,
+    metrics: &Arc<Metrics>,
+    agent: &mut Agent,
+) -> Result<Runtimes> {
+    let mut runtimes = Runtimes::default();
+    if opts.watch_docker {
+        let (hooks, rt) = Runtimes::hooks(metrics);
+        let (c, o, h, e) = (
+            config.clone(),
+            opts.docker.clone(),
+            opts.host.clone(),
+            events.clone(),
+        );
+        runtimes.add("docker", rt, agent, |stop| {
+            docker::serve_with(c, o, h, e, hooks, stop)
+        });
+    }
+    if let Some(k8s) = config.kubernetes.clone() {
+        let (hooks, rt) = Runtimes::hooks(metrics);
+        let (c, host, e) = (config.clone(), opts.host.clone(), events.clone());
+        runtimes.add("kubernetes", rt, agent, |stop| {
+            crate::containerd::serve(c, k8s, host, e, hooks, stop)
+        });
+    }
+    if runtimes.is_empty() {
+        anyhow::bail!(
+            "nothing to enforce: --no-docker and no [kubernetes] section in {}; add one or drop --no-docker",
+            opts.config.display()
+        );
+    }
+    Ok(runtimes)
+}
+
+/// The hand-over socket the next agent (a restart, an upgrade) takes this one's sockets
+/// through; the successor arrives on the returned channel.
+fn listen_for_successor(
+    agent: &mut Agent,
+    handover_path: &Path,
+    sockets: &Arc<handover::Sockets>,
+) -> mpsc::Receiver<handover::Successor> {
+    let (successor_tx, successor_rx) = mpsc::channel(1);
+    match handover::Giver::listen(handover_path, sockets.clone()) {
         Ok(giver) => {
             info!(socket = %giver.path().display(), "hand-over socket listening");
             agent.spawn("hand-over", |stop| async move {
@@ -599,59 +677,112 @@ pub async fn run(opts: RunOptions) -> Result<()> {
         Err(e) => warn!(socket = %handover_path.display(), error = %e,
             "no hand-over socket: a restart will bind new sockets (workloads see a short gap)"),
     }
-    if let Err(e) = notify::ready("enforcing") {
-        warn!(error = %e, "sd_notify READY failed");
-    }
+    successor_rx
+}
 
-    let mut hup = signal(SignalKind::hangup())?;
-    let mut term = signal(SignalKind::terminate())?;
-    let mut int = signal(SignalKind::interrupt())?;
-    let mut usr2 = signal(SignalKind::user_defined2())?;
-    let mut spawned: Option<std::process::Child> = None;
-    let end = loop {
+/// Finish taking over from the agent that handed its sockets to this one, once this one serves
+/// them: tell it, and follow it until it has drained.
+async fn confirm_take_over(
+    agent: &mut Agent,
+    taking: handover::Taking,
+    metrics: &Arc<Metrics>,
+) -> Option<Arc<handover::Previous>> {
+    match take_over(taking).await {
+        Ok(p) => {
+            let (follow, m) = (p.clone(), metrics.clone());
+            agent.spawn("previous agent", |stop| {
+                follow_previous(follow, m, stop.token().clone())
+            });
+            Some(p)
+        }
+        Err(e) => {
+            // This agent serves every socket already; the previous one may still serve
+            // some too (it did not confirm), which is no gap.
+            warn!(error = %e, "the previous agent did not confirm the hand-over");
+            None
+        }
+    }
+}
+
+/// Gauges of what the runtimes enforce (one task for all of them), and kernel denials, both
+/// named by the directory the runtimes keep.
+fn spawn_workload_telemetry(
+    agent: &mut Agent,
+    config: &Config,
+    directory: &workload::Directory,
+    metrics: &Arc<Metrics>,
+) {
+    let (bpffs, gauged, m) = (
+        config.agent.bpffs.clone(),
+        directory.clone(),
+        metrics.clone(),
+    );
+    agent.spawn("kernel gauges", |stop| {
+        workload::site::kernel_gauges(bpffs, gauged, m, stop.token().clone())
+    });
+    let directory = directory.clone();
+    match agent.pump_kernel_events(&config.agent.bpffs, move |d| directory.enrich(d)) {
+        Ok(true) => {}
+        Ok(false) => info!("another process consumes kernel events"),
+        Err(e) => warn!(error = %e, "kernel events unavailable"),
+    }
+}
+
+/// Where the API's restart hears the successor's pid (or why none started).
+type RestartReply = oneshot::Sender<Result<u32, String>>;
+
+/// The signals the daemon acts on, caught before it serves.
+struct Signals {
+    hup: tokio::signal::unix::Signal,
+    term: tokio::signal::unix::Signal,
+    int: tokio::signal::unix::Signal,
+    usr2: tokio::signal::unix::Signal,
+}
+
+impl Signals {
+    fn catch() -> std::io::Result<Signals> {
+        Ok(Signals {
+            hup: signal(SignalKind::hangup())?,
+            term: signal(SignalKind::terminate())?,
+            int: signal(SignalKind::interrupt())?,
+            usr2: signal(SignalKind::user_defined2())?,
+        })
+    }
+}
+
+/// Serve until SIGTERM/SIGINT, a successor taking the sockets over, or a runtime ending:
+/// SIGHUP reloads the configuration; SIGUSR2 (or the API's restart) starts a successor from
+/// `exe` (kept in `spawned`).
+async fn serve_until_end(
+    daemon: &Daemon,
+    exe: &Path,
+    signals: &mut Signals,
+    (restart, successor): (
+        &mut mpsc::Receiver<RestartReply>,
+        &mut mpsc::Receiver<handover::Successor>,
+    ),
+    runtimes: &mut Runtimes,
+    spawned: &mut Option<std::process::Child>,
+) -> End {
+    loop {
         tokio::select! {
-            _ = hup.recv() => {
+            _ = signals.hup.recv() => {
                 info!("SIGHUP: reloading the configuration");
                 // The outcome is logged and counted by reload(); a rejected file changes nothing.
                 daemon.reload(Trigger::Sighup).await.ok();
             }
-            _ = usr2.recv() => {
-                start_successor(&exe, &mut spawned).ok();
+            _ = signals.usr2.recv() => {
+                start_successor(exe, spawned).ok();
             }
-            Some(reply) = restart_rx.recv() => {
-                reply.send(start_successor(&exe, &mut spawned)).ok();
+            Some(reply) = restart.recv() => {
+                reply.send(start_successor(exe, spawned)).ok();
             }
-            Some(s) = successor_rx.recv() => break End::HandedOver(s),
-            _ = term.recv() => break End::Stop(Ok(())),
-            _ = int.recv() => break End::Stop(Ok(())),
+            Some(s) = successor.recv() => break End::HandedOver(s),
+            _ = signals.term.recv() => break End::Stop(Ok(())),
+            _ = signals.int.recv() => break End::Stop(Ok(())),
             why = runtimes.ended() => break End::Stop(Err(why)),
         }
-    };
-    let result = match end {
-        End::Stop(result) => result,
-        End::HandedOver(successor) => {
-            let config = daemon.config.load_full();
-            let stop_asked =
-                drain(agent, &sockets, successor, &config, (&mut term, &mut int)).await;
-            reap(spawned);
-            if opts.stay_after_handover && !stop_asked {
-                info!("handed over and drained; waiting for SIGTERM (--stay-after-handover)");
-                tokio::select! {
-                    _ = term.recv() => {}
-                    _ = int.recv() => {}
-                }
-            }
-            return Ok(());
-        }
-    };
-    std::fs::remove_file(&handover_path).ok();
-    info!("stopping; the pinned programs keep enforcing");
-    if let Err(e) = notify::stopping() {
-        warn!(error = %e, "sd_notify STOPPING failed");
     }
-    agent.shutdown().await;
-    info!("stopped: events recorded and exported");
-    result
 }
 
 /// How the daemon's main loop ended.

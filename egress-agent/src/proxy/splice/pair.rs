@@ -261,6 +261,9 @@ impl Spliced {
         )
     }
 
+    // Long: the spliced relay's one loop; its wake-ups, errors, idle end, hand-back and reports
+    // share the loop's state (bytes reported, backoff, next kick), which split functions would
+    // pass around; `relay_integrity` drives every way out of it with content-checked streams.
     /// Relay until the tunnel ends (or is handed back to user space). `relayed` is told the bytes
     /// as the kernel's counts move (at every wake-up; every [`REPORT_EVERY`] if `live`).
     pub(crate) async fn run(
