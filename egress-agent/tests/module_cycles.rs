@@ -7,6 +7,10 @@
 //! string and character literals are not code. Any cycle — of two modules or of more — fails,
 //! with the path and one line per edge. Between crates, cargo already refuses cycles
 //! (`egress-policy` can't name the agent at all).
+//!
+//! Two more layout rules read from the same graph and text (issue #37): the runtimes only feed
+//! the workload enforcer (no runtime module uses another's), and a production function longer
+//! than [`MAX_FN_LINES`] says why in a `// Long:` comment above it.
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
 
