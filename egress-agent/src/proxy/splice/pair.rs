@@ -444,19 +444,7 @@ impl Spliced {
             return Ok(true);
         }
         let taken = y.written_since()?;
-        let credit = Credit {
-            soft: flow.redirected + window,
-            hard: taken + super::HARD_WINDOWS * window,
-        };
-        let behind = flow.redirected.saturating_sub(taken) > super::BEHIND_WINDOWS * window;
-        // The soft point is moved on every notice, even when the peer took nothing new (so the
-        // hard credit stays): a soft point left behind `redirected` sends no further notice,
-        // and the direction would run on unwatched until it parks at `hard` (measured: 1 GiB
-        // loopback downloads reset after ~512 MiB, their soft point stuck at 4.4 MB).
-        let credit = Credit {
-            soft: credit.soft,
-            hard: credit.hard.max(x.credit.hard),
-        };
+        let (credit, behind) = next_credit(x.credit, flow.redirected, taken, window);
         if credit != x.credit {
             let cookie = x.cookie;
             self.relay()
@@ -630,5 +618,59 @@ fn reset(relay: &KernelRelay, sides: [&Side; 2], reported: (u64, u64), why: &str
 fn reset_on_close(sides: [&Side; 2]) {
     for s in sides {
         sys::reset_on_close(s.fd()).ok();
+    }
+}
+
+/// A direction's next credit once it went past `now.soft`, having redirected `redirected` bytes
+/// of which its peer's send queue took `taken`: the next notice one `window` on, the hard credit
+/// [`super::HARD_WINDOWS`] windows past `taken` (never lowered); and whether the peer is more
+/// than [`super::BEHIND_WINDOWS`] behind.
+///
+/// The soft point moves on every notice, even when the peer took nothing new (so the hard
+/// credit stays): the program notifies once per soft point, so one left behind `redirected`
+/// sends no further notice and the direction runs on unwatched until it parks at `hard`
+/// (measured: 1 GiB loopback downloads reset after ~512 MiB, their soft point stuck at 4.4 MB).
+fn next_credit(now: Credit, redirected: u64, taken: u64, window: u64) -> (Credit, bool) {
+    let credit = Credit {
+        soft: redirected + window,
+        hard: (taken + super::HARD_WINDOWS * window).max(now.hard),
+    };
+    let behind = redirected.saturating_sub(taken) > super::BEHIND_WINDOWS * window;
+    (credit, behind)
+}
+
+#[cfg(test)]
+mod credit_tests {
+    use super::*;
+
+    const W: u64 = 1 << 20;
+
+    #[test]
+    fn the_soft_point_moves_even_when_the_peer_took_nothing_new() {
+        let start = Credit {
+            soft: W,
+            hard: super::super::HARD_WINDOWS * W,
+        };
+        // The peer took 0.5 windows; 1.2 windows redirected: not behind, both points move.
+        let (c, behind) = next_credit(start, W + W / 5, W / 2, W);
+        assert!(!behind);
+        assert_eq!(c.soft, W + W / 5 + W);
+        assert_eq!(
+            c.hard,
+            start.hard.max(W / 2 + super::super::HARD_WINDOWS * W)
+        );
+        // Next notice: the peer took nothing more. The hard credit stays, the soft point must
+        // still pass what was redirected (else no notice ever comes again).
+        let (c2, behind) = next_credit(c, c.soft + 1, W / 2, W);
+        assert!(!behind, "1.7 windows behind");
+        assert!(c2.soft > c.soft + 1, "{c2:?}");
+        assert_eq!(c2.hard, c.hard, "the hard credit is never lowered");
+        // And the notice after that finds the peer more than 2 windows behind: hand back.
+        let (_, behind) = next_credit(c2, c2.soft + 1, W / 2, W);
+        assert!(behind, "2.7 windows behind");
+        // A peer that catches up raises the hard credit again.
+        let (c3, behind) = next_credit(c2, c2.soft + 1, c2.soft, W);
+        assert!(!behind);
+        assert_eq!(c3.hard, c2.soft + super::super::HARD_WINDOWS * W);
     }
 }
