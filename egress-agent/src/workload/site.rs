@@ -100,19 +100,9 @@ pub struct Hooks {
 pub struct Site {
     /// The enforcement root (Docker's cgroup parent, or the kubelet's `/kubepods`).
     pub root: WorkloadRoot,
-    /// Maintain the nftables host layer for this runtime's workloads.
-    pub nft: bool,
-    pub require_lsm: bool,
-    /// cgroup id → workload, shared with the agent core's event pump.
-    pub directory: Directory,
-    /// The agent's nftables tables and this runtime's name in them.
-    pub tables: Arc<HostTables>,
-    /// The agent's sockets (see [`HostOptions::sockets`]).
-    pub sockets: Arc<crate::handover::Sockets>,
-    /// See [`HostOptions::intercept`].
-    pub intercept: crate::proxy::tls::InterceptHealth,
-    /// See [`HostOptions::holders`].
-    pub holders: crate::exposure::Holders,
+    /// The agent's host-wide settings and shared state (see [`HostOptions`]).
+    pub host: HostOptions,
+    /// This runtime's name (in the nftables tables, events and `status`).
     pub runtime: &'static str,
 }
 
@@ -121,13 +111,7 @@ impl Site {
     pub fn new(root: WorkloadRoot, host: HostOptions, runtime: &'static str) -> Site {
         Site {
             root,
-            nft: host.nft,
-            require_lsm: host.require_lsm,
-            directory: host.directory,
-            tables: host.tables,
-            sockets: host.sockets,
-            intercept: host.intercept,
-            holders: host.holders,
+            host,
             runtime,
         }
     }
@@ -149,7 +133,7 @@ pub async fn enforcer_at(
         path: site.root.path(),
         source,
     })?;
-    let enforcement = bpf::enforce_root(&config.agent.bpffs, &root_path, site.require_lsm)?;
+    let enforcement = bpf::enforce_root(&config.agent.bpffs, &root_path, site.host.require_lsm)?;
     if let Some(why) = &enforcement.report.lsm_unavailable {
         tracing::warn!(reason = %why, "BPF-LSM socket hook unavailable: AF_PACKET is stopped only by the nftables layer");
     }
@@ -172,7 +156,7 @@ pub async fn enforcer_at(
     };
     // Without the LSM hook, AF_PACKET frames of a container the agent has not classified yet
     // are stopped only by the L2 guard on Docker's bridges.
-    let l2_guard = site.nft && enforcement_lsm.is_some();
+    let l2_guard = site.host.nft && enforcement_lsm.is_some();
     let mut enforcer = enforcer_on(
         config, site, state, addresses, l2_guard, events, metrics, shutdown,
     )?;
@@ -250,13 +234,13 @@ pub fn enforcer_on(
     // first, then in the kernel (workload::direct).
     let direct = Arc::new(super::direct::DirectPorts::new(
         redirects.clone(),
-        site.nft.then(|| site.tables.direct()),
+        site.host.nft.then(|| site.host.tables.direct()),
     ));
     hooks_in.answers = direct.clone();
-    let mut ctx = ProxyContext::new_reporting(config, events.clone(), site.intercept)
+    let mut ctx = ProxyContext::new_reporting(config, events.clone(), site.host.intercept)
         .map_err(|e| ServeError::Proxy(e.to_string()))?
         .with_interception(hooks_in)
-        .with_sockets(site.sockets);
+        .with_sockets(site.host.sockets);
     if let Some(m) = metrics {
         ctx = ctx.with_metrics(m.clone());
     }
@@ -265,11 +249,11 @@ pub fn enforcer_on(
         endpoint4: addresses.endpoint4,
         endpoint6: config.proxy.endpoint_v6,
         listen: addresses.listen,
-        nft: site.nft,
+        nft: site.host.nft,
         l2_guard,
         direct,
-        tables: site.tables,
-        holders: site.holders,
+        tables: site.host.tables,
+        holders: site.host.holders,
         runtime: site.runtime,
     };
     Ok(Enforcer::new(
@@ -278,7 +262,7 @@ pub fn enforcer_on(
         config.clone(),
         ctx,
         events.clone(),
-        site.directory,
+        site.host.directory,
         shutdown.child(),
     ))
 }
