@@ -125,6 +125,12 @@ pub struct DenialEvent {
     /// `deny` (absent in events written before audit mode existed), `would-deny` or `allow`.
     #[serde(default)]
     pub verdict: Verdict,
+    /// The rule of the policy that decided, as configured (`allow_hosts "api.github.com"`,
+    /// `deny_cidrs 10.0.0.0/8`, `mode deny_all`, ...): [`egress_policy::Rule::describe`]. `None`:
+    /// no rule of the policy is behind the verdict (`host-not-allowed`, a request-shape refusal,
+    /// an event written before events named their rule).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rule: Option<String>,
 }
 
 impl DenialEvent {
@@ -151,6 +157,7 @@ impl DenialEvent {
             protocol: protocol.to_owned(),
             reason: reason.to_owned(),
             verdict: Verdict::Deny,
+            rule: None,
         }
     }
 

@@ -259,6 +259,7 @@ pub fn to_denial(ev: &Event, time: SystemTime, policy: &str) -> DenialEvent {
             _ => reason_name(ev.reason).to_owned(),
         },
         verdict,
+        rule: None,
     }
 }
 

@@ -181,6 +181,7 @@ impl Store {
                         protocol: r.get(12)?,
                         reason: r.get(13)?,
                         verdict: verdict.parse().unwrap_or_default(),
+                        rule: None,
                     },
                 })
             })

@@ -798,6 +798,7 @@ impl Enforcer {
             .to_owned(),
             reason: reason.to_owned(),
             verdict: crate::events::Verdict::Deny,
+            rule: None,
         }
     }
 
