@@ -318,6 +318,7 @@ impl EventSink {
             port = ev.port,
             protocol = %ev.protocol,
             reason = %ev.reason,
+            rule = ev.rule.as_deref(),
             cgroup_id = ev.cgroup_id,
             container_id = ev.container.as_ref().map(|c| c.id.as_str()),
             container_name = ev.container.as_ref().map(|c| c.name.as_str()),

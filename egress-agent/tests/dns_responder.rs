@@ -363,6 +363,8 @@ async fn denied_names_never_reach_the_upstream_resolver() {
         Some(format!("{}.exfil.test", secret.to_ascii_lowercase()).as_str())
     );
     assert_eq!(first.reason, "host-not-allowed");
+    // No rule of the policy is behind a name no entry matches, or a refused query type.
+    assert!(ev.iter().all(|e| e.rule.is_none()), "{ev:?}");
     assert!(
         ev.iter()
             .any(|e| e.reason == "dns-type-refused" && e.host.as_deref() == Some("allowed.test"))
@@ -379,15 +381,27 @@ async fn names_whose_answer_holds_a_denied_address_are_refused_whole() {
     let d = dig(f.udp, false, "mixed.test", "A").await;
     assert_eq!(d.status, "NXDOMAIN", "{}", d.raw);
     let ev = f.events.recent(10);
-    let reasons: Vec<(&str, Option<String>)> = ev
+    let reasons: Vec<(&str, Option<String>, Option<&str>)> = ev
         .iter()
-        .map(|e| (e.reason.as_str(), e.ip.map(|i| i.to_string())))
+        .map(|e| {
+            let ip = e.ip.map(|i| i.to_string());
+            (e.reason.as_str(), ip, e.rule.as_deref())
+        })
         .collect();
+    // Each names the range that refused it.
     assert_eq!(
         reasons,
         vec![
-            ("address-denied", Some("10.0.0.1".to_owned())),
-            ("address-denied", Some("::1".to_owned()))
+            (
+                "address-denied",
+                Some("10.0.0.1".to_owned()),
+                Some("the built-in deny list (rfc1918)")
+            ),
+            (
+                "address-denied",
+                Some("::1".to_owned()),
+                Some("the built-in deny list (loopback)")
+            )
         ]
     );
     assert!(
@@ -494,6 +508,33 @@ async fn deny_all_and_allow_all_get_no_responder_and_a_reload_to_deny_all_refuse
     assert_eq!(d.status, "REFUSED", "{}", d.raw);
     let ev = f.events.recent(1).pop().unwrap();
     assert_eq!(ev.reason, "policy-deny-all");
+    assert_eq!(ev.rule.as_deref(), Some("mode deny_all"));
+}
+
+/// Under audit a name no entry matches is answered and reported as a would-deny (no rule behind
+/// it); an allowed name's answer records nothing.
+#[tokio::test]
+async fn an_audited_name_is_a_would_deny_without_a_rule() {
+    let f = fixture().await;
+    let mut audit = f.config.policy("test").unwrap().clone();
+    audit.enforce = egress_policy::model::Enforce::Audit;
+    f.handle.set(&audit);
+    let before = f.events.total();
+    let d = dig(f.udp, false, "allowed.test", "A").await;
+    assert_eq!(d.status, "NOERROR", "{}", d.raw);
+    assert_eq!(f.events.total(), before);
+    dig(f.udp, false, "unlisted.test", "A").await;
+    let ev = f.events.recent(1).pop().unwrap();
+    assert_eq!(
+        (ev.verdict, ev.reason.as_str(), ev.host.as_deref(), ev.rule),
+        (
+            egress_agent::events::Verdict::WouldDeny,
+            "host-not-allowed",
+            Some("unlisted.test"),
+            None
+        )
+    );
+    assert_eq!(f.events.total(), before + 1);
 }
 
 #[tokio::test]

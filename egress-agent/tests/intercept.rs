@@ -327,6 +327,25 @@ async fn method_and_path_rules_hold(via: Via) {
         "{}",
         adm.text()
     );
+    // Each refusal by a deny rule names that rule, as configured; no rule is behind a request
+    // no allow rule matched.
+    let rule_of = |host: &str| {
+        h.events
+            .recent(1000)
+            .into_iter()
+            .find(|e| e.reason == "request-denied-by-rule" && e.host.as_deref() == Some(host))
+            .and_then(|e| e.rule)
+    };
+    let p = h.port();
+    assert_eq!(
+        rule_of("rules.test").as_deref(),
+        Some(format!("request_rules deny rules.test:{p} DELETE /**").as_str())
+    );
+    assert_eq!(
+        rule_of("other.test").as_deref(),
+        Some(format!("request_rules deny other.test:{p} /admin/**").as_str())
+    );
+    assert_eq!(h.wait_event("request-not-allowed").await.rule, None);
     assert!(h.up.requests().is_empty(), "arrived: {:?}", h.up.requests());
     let ok = curl(&h, &["--http1.1", &h.url("rules.test", "/thing")]).await;
     assert!(ok.text().contains("ok HTTP/1.1"), "{}", ok.text());
@@ -460,6 +479,8 @@ async fn audit_lets_requests_to_an_unlisted_intercepted_host_through(via: Via) {
     let ev = h.wait_event("host-not-allowed").await;
     assert_eq!(ev.verdict, Verdict::WouldDeny, "{}", h.events_json());
     assert_eq!(ev.host.as_deref(), Some("audit.test"));
+    // No entry of the allowlist matched: no rule is behind it.
+    assert_eq!(ev.rule, None);
     let would_deny = h
         .events
         .recent(1000)

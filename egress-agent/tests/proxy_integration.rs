@@ -837,3 +837,104 @@ async fn plain_http_inside_a_tunnel_must_name_the_target() {
         .expect("the mismatch event");
     assert_eq!(ev.host.as_deref(), Some("other.test"));
 }
+
+/// Every event of the explicit listener names the rule that decided, as configured: the
+/// `allow_hosts` entry (most specific first) or `allow_cidrs` entry that let a `CONNECT` or a
+/// proxied request through (a kept-alive request decided again included), the entry that matched
+/// a name on a port it doesn't list, the `deny_cidrs` entry or built-in range that refused an
+/// address; a name no entry matches names none.
+#[tokio::test]
+async fn every_explicit_decision_names_its_rule() {
+    let up = upstreams().await;
+    let (echo, http) = (up.echo.port(), up.http.port());
+    let extra = format!(
+        "allow_cidrs = [{{ cidr = \"127.0.0.1/32\", ports = [{echo}] }}]\ndeny_cidrs = [\"10.0.0.0/8\"]"
+    );
+    let h = harness_on(up, "header_timeout_ms = 2000", &extra, "test", None).await;
+    let mut tap = h.events.tap(64, true);
+    let mut next = async || {
+        tokio::time::timeout(T, tap.rx.recv())
+            .await
+            .unwrap()
+            .unwrap()
+    };
+    let mut expect = async |protocol: &str, verdict, reason: &str, rule: Option<&str>| {
+        let ev = next().await;
+        assert_eq!(
+            (
+                ev.protocol.as_str(),
+                ev.verdict,
+                ev.reason.as_str(),
+                ev.rule.as_deref()
+            ),
+            (protocol, verdict, reason, rule),
+            "{ev:?}"
+        );
+    };
+    use egress_agent::events::Verdict::{Allow, Deny};
+
+    let (r, _s) = connect(h.addr, &format!("allowed.test:{echo}")).await;
+    assert_eq!(r.status, 200);
+    expect(
+        "connect",
+        Allow,
+        "allowed",
+        Some("allow_hosts allowed.test"),
+    )
+    .await;
+    let (r, _s) = connect(h.addr, &format!("deep.api.wild.test:{echo}")).await;
+    assert_eq!(r.status, 200);
+    expect("connect", Allow, "allowed", Some("allow_hosts *.wild.test")).await;
+    let (r, _s) = connect(h.addr, &format!("127.0.0.1:{echo}")).await;
+    assert_eq!(r.status, 200);
+    let cidr = format!("allow_cidrs 127.0.0.1/32 (ports {echo})");
+    expect("connect", Allow, "allowed", Some(&cidr)).await;
+
+    // Proxied HTTP: the first request dials, the second reuses the connection (decided again).
+    let mut s = TcpStream::connect(h.addr).await.unwrap();
+    for _ in 0..2 {
+        let r = get(&mut s, &format!("allowed.test:{http}"), "/x").await;
+        assert_eq!(r.status, 200);
+        expect("http", Allow, "allowed", Some("allow_hosts allowed.test")).await;
+    }
+
+    let r = exchange(h.addr, b"CONNECT allowed.test:9 HTTP/1.1\r\n\r\n").await;
+    assert_eq!(r.status, 403);
+    expect(
+        "connect",
+        Deny,
+        "port-not-allowed",
+        Some("allow_hosts allowed.test"),
+    )
+    .await;
+    let r = exchange(
+        h.addr,
+        format!("CONNECT rebind.test:{echo} HTTP/1.1\r\n\r\n").as_bytes(),
+    )
+    .await;
+    assert_eq!(r.status, 403);
+    expect(
+        "connect",
+        Deny,
+        "address-denied",
+        Some("the built-in deny list (loopback)"),
+    )
+    .await;
+    let r = exchange(h.addr, b"CONNECT 10.9.9.9:443 HTTP/1.1\r\n\r\n").await;
+    assert_eq!(r.status, 403);
+    expect(
+        "connect",
+        Deny,
+        "address-denied-by-policy",
+        Some("deny_cidrs 10.0.0.0/8"),
+    )
+    .await;
+    let r = exchange(
+        h.addr,
+        format!("CONNECT nowhere.test:{echo} HTTP/1.1\r\n\r\n").as_bytes(),
+    )
+    .await;
+    assert_eq!(r.status, 403);
+    expect("connect", Deny, "host-not-allowed", None).await;
+    assert!(tap.rx.try_recv().is_err(), "one event per decision");
+}

@@ -15,7 +15,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use egress_agent::config::Config;
-use egress_agent::events::{DenialEvent, EventSink};
+use egress_agent::events::{DenialEvent, EventSink, Verdict};
 use egress_agent::proxy::admission::{Admission, Admitted, ConnKey, StaticAdmission};
 use egress_agent::proxy::dns::NoAnswerSink;
 use egress_agent::proxy::{InterceptHooks, PolicyHandle, PolicyProxy, ProxyContext};
@@ -600,6 +600,111 @@ async fn allowed_names_that_resolve_to_denied_addresses_are_refused_at_dial_time
         Some("127.0.0.2")
     );
     assert_eq!(f.tls_canary.conns.load(Ordering::SeqCst), 0);
+}
+
+/// Every event of the transparent paths names the rule that decided, as configured: the
+/// `allow_hosts` entry that let a TLS or HTTP connection through, the entry that matched a name
+/// on a port it doesn't allow, the built-in range a resolved address fell in; a name no entry
+/// matches names none (its would-deny under audit neither).
+#[tokio::test]
+async fn every_transparent_decision_names_its_rule() {
+    let f = fixture().await;
+    let mut allowed = f.events.tap(64, true);
+    let mut next = async || {
+        tokio::time::timeout(T, allowed.rx.recv())
+            .await
+            .unwrap()
+            .unwrap()
+    };
+    let (tls, http) = (f.tls.addr.port(), f.http.port());
+    f.going_to(tls);
+    let c = curl(
+        &format!("https://allowed.test:{tls}/"),
+        f.transparent,
+        Some(&f.tls.ca_pem),
+        &[],
+    )
+    .await;
+    assert_eq!(c.code, 0, "{}", c.stderr);
+    let ev = next().await;
+    assert_eq!(
+        (ev.verdict, ev.protocol.as_str(), ev.rule.as_deref()),
+        (Verdict::Allow, "tls", Some("allow_hosts allowed.test"))
+    );
+    f.going_to(http);
+    let c = curl(
+        &format!("http://allowed.test:{http}/"),
+        f.transparent,
+        None,
+        &[],
+    )
+    .await;
+    assert_eq!(c.code, 0, "{}", c.stderr);
+    let ev = next().await;
+    assert_eq!(
+        (ev.verdict, ev.protocol.as_str(), ev.rule.as_deref()),
+        (Verdict::Allow, "http", Some("allow_hosts allowed.test"))
+    );
+    // A port the policy doesn't list: refused, naming the entry that matched the name.
+    f.going_to(9);
+    let c = curl("http://allowed.test:9/", f.transparent, None, &["-i"]).await;
+    assert!(c.stdout.starts_with("HTTP/1.1 403"), "{}", c.stdout);
+    let ev = next().await;
+    assert_eq!(
+        (ev.verdict, ev.reason.as_str(), ev.rule.as_deref()),
+        (
+            Verdict::Deny,
+            "port-not-allowed",
+            Some("allow_hosts allowed.test")
+        )
+    );
+    // An allowed name resolving into the built-in deny list: the range is the rule.
+    f.going_to(tls);
+    let c = curl(
+        &format!("https://rebind.test:{tls}/"),
+        f.transparent,
+        Some(&f.tls.ca_pem),
+        &[],
+    )
+    .await;
+    assert_ne!(c.code, 0);
+    let ev = next().await;
+    assert_eq!(
+        (ev.reason.as_str(), ev.rule.as_deref()),
+        ("address-denied", Some("the built-in deny list (loopback)"))
+    );
+    // No entry matches: no rule, enforced or audited.
+    f.going_to(http);
+    let c = curl(
+        &format!("http://other.test:{http}/"),
+        f.transparent,
+        None,
+        &[],
+    )
+    .await;
+    assert_eq!(c.code, 0, "{}", c.stderr);
+    let ev = next().await;
+    assert_eq!((ev.reason.as_str(), ev.rule), ("host-not-allowed", None));
+    let mut audit: Policy = f.config.policy("test").unwrap().clone();
+    audit.enforce = egress_policy::model::Enforce::Audit;
+    f.handle.set(&audit);
+    let c = curl(
+        &format!("http://other.test:{http}/"),
+        f.transparent,
+        None,
+        &[],
+    )
+    .await;
+    assert_eq!(c.code, 0, "{}", c.stderr);
+    let ev = next().await;
+    assert_eq!(
+        (ev.verdict, ev.reason.as_str(), ev.rule),
+        (Verdict::WouldDeny, "host-not-allowed", None)
+    );
+    // Nothing else was recorded (an audited connection is its would-deny, not also an allow).
+    assert!(allowed.rx.try_recv().is_err());
+    assert_eq!(f.tls_canary.conns.load(Ordering::SeqCst), 0);
+    assert_eq!(f.http_canary.conns.load(Ordering::SeqCst), 0);
 }
 
 /// ClientHello bytes rustls would send for `name` with `config`.

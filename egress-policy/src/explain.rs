@@ -126,6 +126,11 @@ fn matched(policy: &Policy, rule: Rule) -> Value {
         }),
         Rule::Builtin(label) => json!({ "list": "builtin", "entry": label }),
         Rule::Unlisted => json!({ "list": "none" }),
+        Rule::Request { index } => json!({
+            "list": "request_rules",
+            "index": index,
+            "entry": policy.request_rules.get(index).map(ToString::to_string),
+        }),
     }
 }
 

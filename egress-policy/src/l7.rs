@@ -17,12 +17,12 @@
 //!      binding to apply.
 use http::HeaderMap;
 
-use super::DenyReason;
 use super::Policy;
 use super::credentials::{self, CompiledBinding, Injection};
 use super::name::{Destination, HostName};
 use super::rules::{self, RequestRule, RuleVerdict};
 use super::scrub::{ScrubSecret, Scrubber};
+use super::{DenyReason, Refused, Rule};
 
 /// The request-level part of a policy, compiled.
 #[derive(Debug, Clone, Default)]
@@ -139,7 +139,7 @@ impl L7Policy {
         port: u16,
         intercepted: bool,
         req: &RequestView<'_>,
-    ) -> Result<Forward<'a>, DenyReason> {
+    ) -> Result<Forward<'a>, Refused> {
         let host = match dest {
             Destination::Name(n) => Some(n),
             Destination::Ip(_) => None,
@@ -155,22 +155,30 @@ impl L7Policy {
                 continue;
             }
             if carries(req, ph.as_bytes()) {
-                return Err(DenyReason::PlaceholderWrongHost);
+                return Err(Refused::because(DenyReason::PlaceholderWrongHost));
             }
         }
         if let Some(h) = host {
             let mut of_host = self
                 .rules
                 .iter()
-                .filter(|r| r.applies_to(h, port))
+                .enumerate()
+                .filter(|(_, r)| r.applies_to(h, port))
                 .peekable();
             if of_host.peek().is_some() {
-                let path =
-                    rules::normalize_path(req.path).map_err(|_| DenyReason::PathNotNormalized)?;
+                let path = rules::normalize_path(req.path)
+                    .map_err(|_| Refused::because(DenyReason::PathNotNormalized))?;
                 match rules::decide(of_host, req.method, &path) {
                     RuleVerdict::Allowed => {}
-                    RuleVerdict::Denied => return Err(DenyReason::RequestDeniedByRule),
-                    RuleVerdict::NotAllowed => return Err(DenyReason::RequestNotAllowed),
+                    RuleVerdict::Denied(index) => {
+                        return Err(Refused {
+                            reason: DenyReason::RequestDeniedByRule,
+                            rule: Some(Rule::Request { index }),
+                        });
+                    }
+                    RuleVerdict::NotAllowed => {
+                        return Err(Refused::because(DenyReason::RequestNotAllowed));
+                    }
                 }
             }
         }
@@ -180,8 +188,8 @@ impl L7Policy {
         match b.decide(req.headers, req.query) {
             Injection::Inject => Ok(Forward::Inject(b)),
             Injection::Unchanged => Ok(Forward::AsIs),
-            Injection::MissingPlaceholder => Err(DenyReason::PlaceholderMissing),
-            Injection::Unavailable => Err(DenyReason::InterceptionUnavailable),
+            Injection::MissingPlaceholder => Err(Refused::because(DenyReason::PlaceholderMissing)),
+            Injection::Unavailable => Err(Refused::because(DenyReason::InterceptionUnavailable)),
         }
     }
 }
@@ -282,7 +290,10 @@ source = { file = "/nonexistent" }
         let h = HeaderMap::new();
         assert!(matches!(
             l.check(&dest("api.test"), 443, true, &view("GET", "/", &h)),
-            Err(DenyReason::InterceptionUnavailable)
+            Err(Refused {
+                reason: DenyReason::InterceptionUnavailable,
+                rule: None
+            })
         ));
     }
 
@@ -316,7 +327,7 @@ source = { file = "/nonexistent" }
         ] {
             assert_eq!(
                 l.check(&dest(d), port, i, &v).err(),
-                Some(DenyReason::PlaceholderWrongHost),
+                Some(Refused::because(DenyReason::PlaceholderWrongHost)),
                 "{d}:{port} {i}"
             );
         }
@@ -330,7 +341,7 @@ source = { file = "/nonexistent" }
             assert_eq!(
                 l.check(&dest("other.test"), 443, true, &view("GET", p, &empty))
                     .err(),
-                Some(DenyReason::PlaceholderWrongHost),
+                Some(Refused::because(DenyReason::PlaceholderWrongHost)),
                 "{p}"
             );
         }
@@ -349,24 +360,27 @@ source = { file = "/nonexistent" }
         assert_eq!(
             l.check(&d, 443, true, &view("GET", "/v1/messages", &h))
                 .err(),
-            Some(DenyReason::RequestNotAllowed)
+            Some(Refused::because(DenyReason::RequestNotAllowed))
         );
         assert_eq!(
             l.check(&d, 443, true, &view("POST", "/v1/x/../messages", &h))
                 .err(),
-            Some(DenyReason::PathNotNormalized)
+            Some(Refused::because(DenyReason::PathNotNormalized))
         );
         let empty = HeaderMap::new();
         assert_eq!(
             l.check(&d, 443, true, &view("POST", "/v1/messages", &empty))
                 .err(),
-            Some(DenyReason::PlaceholderMissing)
+            Some(Refused::because(DenyReason::PlaceholderMissing))
         );
         let r = dest("a.rules.test");
         assert_eq!(
             l.check(&r, 443, true, &view("GET", "/admin/keys", &empty))
                 .err(),
-            Some(DenyReason::RequestDeniedByRule)
+            Some(Refused {
+                reason: DenyReason::RequestDeniedByRule,
+                rule: Some(Rule::Request { index: 1 })
+            })
         );
         assert!(matches!(
             l.check(&r, 443, true, &view("GET", "/public?x=1", &empty)),

@@ -332,6 +332,8 @@ pub enum Rule {
     Builtin(&'static str),
     /// An address on no list: a resolved address of a name the policy allowed.
     Unlisted,
+    /// `request_rules[index]`, a `deny` rule, matched the request.
+    Request { index: usize },
 }
 
 impl Rule {
@@ -360,6 +362,9 @@ impl Rule {
             }
             Rule::Builtin(label) => format!("the built-in deny list ({label})"),
             Rule::Unlisted => "on no deny list".to_owned(),
+            Rule::Request { index } => {
+                format!("request_rules {}", nth(&policy.request_rules, index))
+            }
         }
     }
 }
@@ -390,6 +395,9 @@ pub struct CompiledPolicy {
     resolve_private: Vec<IpNet>,
     transparent: bool,
     l7: l7::L7Policy,
+    /// What it was built from: [`CompiledPolicy::describe`] names a decision's rule as
+    /// configured (an event carries that text, so a reload never renames a past rule).
+    source: std::sync::Arc<Policy>,
 }
 
 impl CompiledPolicy {
@@ -411,7 +419,13 @@ impl CompiledPolicy {
             resolve_private: p.resolve_private.clone(),
             transparent: p.transparent(),
             l7: l7::L7Policy::new(p),
+            source: std::sync::Arc::new(p.clone()),
         }
+    }
+
+    /// `rule` (of a decision this policy took) as configured: [`Rule::describe`].
+    pub fn describe(&self, rule: Rule) -> String {
+        rule.describe(&self.source)
     }
 
     pub fn mode(&self) -> Mode {
@@ -423,18 +437,24 @@ impl CompiledPolicy {
         self.transparent
     }
 
-    /// The early check of a name the DNS responder was asked for (no port: a DNS answer is for
-    /// every port). Same rules as [`CompiledPolicy::check_target`] for names. On success, the
-    /// ports the matching `allow_hosts` entries carry for direct TCP (empty for most names).
-    pub fn check_name(&self, name: &name::HostName) -> Result<Vec<u16>, DenyReason> {
-        match self.mode {
-            Mode::DenyAll => Err(DenyReason::PolicyDenyAll),
-            Mode::AllowAll => Ok(Vec::new()),
-            Mode::Allowlist => self
-                .hosts
-                .entry_ports(name)
-                .ok_or(DenyReason::HostNotAllowed),
-        }
+    /// A name asked of the DNS responder (no port yet), with the audit rule applied as at
+    /// every enforcement point: the decision, with the most specific `allow_hosts` entry that
+    /// matches (its `port` is `None`: no port was asked), and the ports the matching entries
+    /// carry (the kernel may open those directly to the answered addresses).
+    pub fn decide_name(&self, name: &name::HostName) -> (Decision, Vec<u16>) {
+        let enforced = match self.mode {
+            Mode::DenyAll => Err(Refused::by(DenyReason::PolicyDenyAll, Rule::DenyAll)),
+            Mode::AllowAll => Ok(Rule::AllowAll),
+            Mode::Allowlist => match self.hosts.matching(name).next() {
+                Some((index, _)) => Ok(Rule::Host { index, port: None }),
+                None => Err(Refused::because(DenyReason::HostNotAllowed)),
+            },
+        };
+        let ports = match enforced {
+            Ok(Rule::Host { .. }) => self.hosts.entry_ports(name).unwrap_or_default(),
+            _ => Vec::new(),
+        };
+        (self.decide(enforced, || Ok(Rule::AllowAll)), ports)
     }
 
     /// True when refusals of the allowlist are recorded, not enforced.
@@ -549,12 +569,11 @@ impl CompiledPolicy {
         ip: IpAddr,
         port: Option<u16>,
         via_name: bool,
-    ) -> Result<AddrClass, DenyReason> {
-        match self.addr_in(self.mode, ip, port, via_name) {
-            Ok(Rule::Cidr { .. }) => Ok(AddrClass::Cidr),
-            Ok(Rule::ResolvePrivate { .. }) => Ok(AddrClass::ResolvePrivate),
-            Ok(_) => Ok(AddrClass::Public),
-            Err(r) => Err(r.reason),
+    ) -> Result<AddrClass, Refused> {
+        match self.addr_in(self.mode, ip, port, via_name)? {
+            Rule::Cidr { .. } => Ok(AddrClass::Cidr),
+            Rule::ResolvePrivate { .. } => Ok(AddrClass::ResolvePrivate),
+            _ => Ok(AddrClass::Public),
         }
     }
 
@@ -795,11 +814,49 @@ mod tests {
             Err(DenyReason::PortNotAllowed)
         );
         let name = |s: &str| name::HostName::parse(s).unwrap();
-        assert_eq!(p.check_name(&name("github.com")), Ok(vec![22]));
-        assert_eq!(p.check_name(&name("example.com")), Ok(vec![]));
+        let host = |index| Decision::Allow(Rule::Host { index, port: None });
+        assert_eq!(p.decide_name(&name("github.com")), (host(0), vec![22]));
+        assert_eq!(p.decide_name(&name("example.com")), (host(1), vec![]));
         assert_eq!(
-            p.check_name(&name("evil.example")),
-            Err(DenyReason::HostNotAllowed)
+            p.decide_name(&name("evil.example")),
+            (
+                Decision::Deny(Refused::because(DenyReason::HostNotAllowed)),
+                vec![]
+            )
+        );
+    }
+
+    #[test]
+    fn a_name_is_decided_with_its_rule_and_the_audit() {
+        let name = |s: &str| name::HostName::parse(s).unwrap();
+        let p = policy("allow_hosts = [\"*.example.com\", \"api.example.com\"]");
+        let (d, _) = p.decide_name(&name("api.example.com"));
+        // The most specific entry: the exact one, not the wildcard listed first.
+        assert_eq!(
+            d,
+            Decision::Allow(Rule::Host {
+                index: 1,
+                port: None
+            })
+        );
+        assert_eq!(p.describe(d.rule().unwrap()), "allow_hosts api.example.com");
+        let audited = policy("allow_hosts = [\"a.test\"]\nenforce = \"audit\"");
+        assert_eq!(
+            audited.decide_name(&name("b.test")).0,
+            Decision::WouldDeny(Refused::because(DenyReason::HostNotAllowed))
+        );
+        let closed = policy("mode = \"deny_all\"");
+        let (d, _) = closed.decide_name(&name("a.test"));
+        assert_eq!(
+            d,
+            Decision::Deny(Refused::by(DenyReason::PolicyDenyAll, Rule::DenyAll))
+        );
+        assert_eq!(closed.describe(d.rule().unwrap()), "mode deny_all");
+        assert_eq!(
+            policy("mode = \"allow_all\"")
+                .decide_name(&name("a.test"))
+                .0,
+            Decision::Allow(Rule::AllowAll)
         );
     }
 
@@ -846,7 +903,10 @@ mod tests {
         assert_eq!(p.classify_addr(ip, None, true), Ok(AddrClass::Cidr));
         assert_eq!(
             p.classify_addr(ip, Some(443), true),
-            Err(DenyReason::PortNotAllowed)
+            Err(Refused::by(
+                DenyReason::PortNotAllowed,
+                Rule::Cidr { index: 0 }
+            ))
         );
     }
 

@@ -53,6 +53,21 @@ pub struct RequestRule {
     pub path: PathGlob,
 }
 
+impl std::fmt::Display for RequestRule {
+    /// `deny other.test:443 /admin/**`, `allow api.test:443 GET,POST /v1/*`.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let action = match self.action {
+            RuleAction::Allow => "allow",
+            RuleAction::Deny => "deny",
+        };
+        write!(f, "{action} {}:{}", self.host, self.port)?;
+        if !self.methods.is_empty() {
+            write!(f, " {}", self.methods.join(","))?;
+        }
+        write!(f, " {}", self.path.as_str())
+    }
+}
+
 impl RequestRule {
     pub fn applies_to(&self, host: &HostName, port: u16) -> bool {
         self.port == port && self.host.matches(host)
@@ -68,24 +83,25 @@ impl RequestRule {
 #[must_use]
 pub enum RuleVerdict {
     Allowed,
-    /// A `deny` rule matched.
-    Denied,
+    /// A `deny` rule matched: its index in the policy's `request_rules`.
+    Denied(usize),
     /// The host has `allow` rules and none matched.
     NotAllowed,
 }
 
-/// Decide one request against the rules of one host:port (`rules` already filtered to it).
+/// Decide one request against the rules of one host:port (`rules` already filtered to it, each
+/// with its index in the policy's `request_rules`).
 pub fn decide<'a>(
-    rules: impl IntoIterator<Item = &'a RequestRule>,
+    rules: impl IntoIterator<Item = (usize, &'a RequestRule)>,
     method: &str,
     path: &NormalPath,
 ) -> RuleVerdict {
     let mut any_allow = false;
-    for r in rules {
+    for (index, r) in rules {
         if r.matches(method, path) {
             return match r.action {
                 RuleAction::Allow => RuleVerdict::Allowed,
-                RuleAction::Deny => RuleVerdict::Denied,
+                RuleAction::Deny => RuleVerdict::Denied(index),
             };
         }
         any_allow |= r.action == RuleAction::Allow;
@@ -424,23 +440,29 @@ mod tests {
             rule(RuleAction::Allow, &["GET"], "/v1/models/*"),
         ];
         assert_eq!(
-            decide(&rules, "POST", &p("/v1/messages")),
+            decide(rules.iter().enumerate(), "POST", &p("/v1/messages")),
             RuleVerdict::Allowed
         );
         assert_eq!(
-            decide(&rules, "GET", &p("/v1/messages")),
+            decide(rules.iter().enumerate(), "GET", &p("/v1/messages")),
             RuleVerdict::NotAllowed
         );
         assert_eq!(
-            decide(&rules, "GET", &p("/v1/models/x")),
+            decide(rules.iter().enumerate(), "GET", &p("/v1/models/x")),
             RuleVerdict::Allowed
         );
         assert_eq!(
-            decide(&rules, "POST", &p("/v1/admin/keys")),
-            RuleVerdict::Denied
+            decide(rules.iter().enumerate(), "POST", &p("/v1/admin/keys")),
+            RuleVerdict::Denied(0)
         );
         let deny_only = [rule(RuleAction::Deny, &["DELETE"], "/**")];
-        assert_eq!(decide(&deny_only, "GET", &p("/x")), RuleVerdict::Allowed);
-        assert_eq!(decide(&deny_only, "DELETE", &p("/x")), RuleVerdict::Denied);
+        assert_eq!(
+            decide(deny_only.iter().enumerate(), "GET", &p("/x")),
+            RuleVerdict::Allowed
+        );
+        assert_eq!(
+            decide(deny_only.iter().enumerate(), "DELETE", &p("/x")),
+            RuleVerdict::Denied(0)
+        );
     }
 }

@@ -30,7 +30,7 @@ use std::sync::Mutex;
 use tokio::net::TcpStream;
 
 use super::Shared;
-use crate::events::DenialEvent;
+use super::act::At;
 use egress_policy::DenyReason;
 
 /// The accepted connection, as the kernel's map keys it.
@@ -152,20 +152,15 @@ pub(crate) fn admit(
 fn refused(shared: &Shared, peer: SocketAddr, local: Option<SocketAddr>, which: Listener) {
     // No destination (the peer never got to say one): host, ip and port stay empty, so
     // nothing turns the event into a rule (`suggest`); the peer is in the context.
-    let mut ev = DenialEvent::proxy(
-        &shared.name,
-        None,
-        None,
-        0,
-        "tcp",
-        DenyReason::ListenerForeignPeer.as_str(),
-    );
-    ev.context.insert("peer".into(), peer.to_string());
-    ev.context.insert("listener".into(), which.as_str().into());
-    if let Some(local) = local {
-        ev.context.insert("listener_addr".into(), local.to_string());
+    let (peer_s, local_s) = (peer.to_string(), local.map(|l| l.to_string()));
+    let mut context = vec![("peer", peer_s.as_str()), ("listener", which.as_str())];
+    if let Some(local) = &local_s {
+        context.push(("listener_addr", local.as_str()));
     }
-    shared.emit_denial(ev);
+    let _ = shared.refuse(
+        &At::nowhere("tcp").context(&context),
+        DenyReason::ListenerForeignPeer,
+    );
     tracing::debug!(
         policy = %shared.name,
         %peer,

@@ -8,15 +8,12 @@ use tokio::net::TcpStream;
 use super::request::Target;
 use super::resolve::{DnsResolver, ResolveError};
 use egress_policy::name::Destination;
-use egress_policy::{CompiledPolicy, Decision, DenyReason};
+use egress_policy::{CompiledPolicy, Decision, Refused};
 
 #[derive(Debug, thiserror::Error)]
 pub enum DialError {
-    #[error("denied: {reason} ({ip:?})")]
-    Denied {
-        reason: DenyReason,
-        ip: Option<IpAddr>,
-    },
+    #[error("denied: {} ({ip})", refused.reason)]
+    Denied { refused: Refused, ip: IpAddr },
     #[error("dns: {0}")]
     Dns(#[from] ResolveError),
     #[error("connect timed out after {0:?}")]
@@ -29,7 +26,7 @@ impl DialError {
     /// Short machine-readable code for the 502 `X-Egress-Error` header.
     pub fn code(&self) -> &'static str {
         match self {
-            DialError::Denied { reason, .. } => reason.as_str(),
+            DialError::Denied { refused, .. } => refused.reason.as_str(),
             DialError::Dns(_) => "dns-failure",
             DialError::Timeout(_) => "connect-timeout",
             DialError::Connect(_) => "connect-failed",
@@ -42,8 +39,8 @@ impl DialError {
 pub struct Dialed {
     pub stream: TcpStream,
     pub addr: SocketAddr,
-    /// The first address the allowlist refused and the audit let through (its reason).
-    pub would_deny: Option<(DenyReason, IpAddr)>,
+    /// The first address the allowlist refused and the audit let through (its refusal).
+    pub would_deny: Option<(Refused, IpAddr)>,
 }
 
 /// Resolve (if a name), check each address ([`CompiledPolicy::decide_addr`]), connect.
@@ -71,13 +68,10 @@ pub async fn dial(
         match policy.decide_addr(*ip, target.port, via_name) {
             Decision::Allow(_) => {}
             Decision::WouldDeny(r) => {
-                would_deny.get_or_insert((r.reason, *ip));
+                would_deny.get_or_insert((r, *ip));
             }
-            Decision::Deny(r) => {
-                return Err(DialError::Denied {
-                    reason: r.reason,
-                    ip: Some(*ip),
-                });
+            Decision::Deny(refused) => {
+                return Err(DialError::Denied { refused, ip: *ip });
             }
         }
     }

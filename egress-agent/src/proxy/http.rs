@@ -29,10 +29,11 @@ use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::TcpStream;
 use tokio::sync::Mutex;
 
+use super::act::{Act, At, Stage, request_context};
 use super::prefixed::Prefixed;
 use super::request::{self, RequestError, Target};
 use super::{Refusal, Shared};
-use egress_policy::DenyReason;
+use egress_policy::{Decision, DenyReason};
 use tokio_util::sync::CancellationToken;
 
 type Body = Either<Incoming, Full<Bytes>>;
@@ -417,13 +418,9 @@ async fn handle(mut req: Request<Incoming>, state: &ConnState) -> Response<Body>
         Err(e) => return request_error(e, state, protocol),
     };
     if let Err(e) = super::framing::check(req.headers()) {
-        shared.deny_request_event(
-            &target,
-            protocol,
-            DenyReason::AmbiguousFraming,
-            req.method().as_str(),
-            req.uri().path(),
-        );
+        let context = request_context(req.method().as_str(), req.uri().path());
+        let at = At::target(&target, protocol).context(&context);
+        let _ = shared.refuse(&at, DenyReason::AmbiguousFraming);
         return error(StatusCode::BAD_REQUEST, e.as_str());
     }
     if req.method() == Method::CONNECT {
@@ -489,7 +486,7 @@ async fn connect(
 ) -> Response<Body> {
     let shared = &state.shared;
     let upstream = match shared.check_and_dial(&target, protocol).await {
-        Ok(s) => s,
+        Ok(c) => c,
         Err(r) => return refusal(r, &shared.name),
     };
     let on_upgrade = hyper::upgrade::on(req);
@@ -532,13 +529,14 @@ fn refused_request(
         query: uri.query(),
         headers: req.headers(),
     };
-    if let Err(reason) = policy
+    if let Err(refused) = policy
         .l7()
         .check(&target.dest, target.port, false, &view)
         .map(|_| ())
     {
-        shared.deny_request_event(target, protocol, reason, req.method().as_str(), uri.path());
-        return Some(forbidden(reason, &shared.name));
+        let context = request_context(req.method().as_str(), uri.path());
+        let at = At::target(target, protocol).context(&context);
+        return Some(forbidden(shared.deny(&policy, &at, refused), &shared.name));
     }
     None
 }
@@ -564,19 +562,18 @@ async fn upstream_sender(
             fresh: _,
         }) if t == *target && !sender.is_closed() => {
             // Policy may have changed since: re-check the target before reusing.
-            let decision = shared
-                .policy
-                .load()
-                .decide_target(&target.dest, target.port);
-            match shared.enforce(target, None, protocol, decision) {
-                Ok(audited) => match sender.ready().await {
-                    Ok(()) => {
-                        shared.allowed(target, None, protocol, audited);
-                        Some(sender)
-                    }
-                    Err(_) => None,
+            let policy = shared.policy.load_full();
+            let at = At::target(target, protocol);
+            let decision = policy.decide_target(&target.dest, target.port);
+            if let Decision::Deny(r) = decision {
+                return Err(forbidden(shared.deny(&policy, &at, r), &shared.name));
+            }
+            match sender.ready().await {
+                Ok(()) => match shared.act(&policy, &at, decision, Stage::Carried) {
+                    Act::Go { .. } => Some(sender),
+                    Act::Refuse(reason) => return Err(forbidden(reason, &shared.name)),
                 },
-                Err(reason) => return Err(forbidden(reason, &shared.name)),
+                Err(_) => None,
             }
         }
         _ => None,
@@ -585,7 +582,7 @@ async fn upstream_sender(
         Some(s) => s,
         None => {
             let upstream = match shared.check_and_dial(target, protocol).await {
-                Ok(s) => s,
+                Ok(c) => c.stream,
                 Err(r) => return Err(refusal(r, &shared.name)),
             };
             match upstream_handshake(upstream, shared).await {

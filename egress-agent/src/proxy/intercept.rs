@@ -29,7 +29,7 @@ use std::convert::Infallible;
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::AtomicBool;
 
 use bytes::Bytes;
 use http::header::{self, HeaderValue};
@@ -44,16 +44,16 @@ use tokio_rustls::LazyConfigAcceptor;
 use tokio_rustls::client::TlsStream;
 use tokio_util::task::TaskTracker;
 
+use super::act::{Act, At, Stage, request_context};
 use super::prefixed::Prefixed;
 use super::request::{self, Target};
 use super::scrub_body::{self, Report, ScrubBody, Scrubbed};
 use super::tls::{self, Interceptor, Offer, Proto};
-use super::{Refusal, Shared};
-use crate::events::Verdict;
+use super::{Checked, Refusal, Shared};
 use egress_policy::credentials::CompiledBinding;
 use egress_policy::l7::{Forward, RequestView};
 use egress_policy::name::{Destination, HostName};
-use egress_policy::{CompiledPolicy, Decision, DenyReason};
+use egress_policy::{CompiledPolicy, DenyReason};
 
 /// Upstream bodies as they are (no binding), scrubbed as they stream, or the agent's own.
 type Body = Either<Either<Incoming, Box<ScrubBody>>, Full<Bytes>>;
@@ -146,7 +146,11 @@ impl Session {
     /// A new upstream connection: the target re-checked and dialled, TLS in this connection's
     /// protocol.
     async fn redial(&self) -> Result<Sender, Refusal> {
-        let tcp = self.shared.check_and_dial(&self.target, "https").await?;
+        let tcp = self
+            .shared
+            .check_and_dial(&self.target, "https")
+            .await?
+            .stream;
         let limits = self.shared.ctx.limits();
         let (tls, proto) = tokio::time::timeout(
             limits.connect_timeout,
@@ -211,7 +215,7 @@ impl Session {
 /// `upstream` is the first upstream TCP connection, already checked and dialled.
 pub(crate) async fn serve<C>(
     client: Prefixed<C>,
-    upstream: TcpStream,
+    upstream: Checked,
     target: Target,
     shared: Arc<Shared>,
     shutdown: impl Future<Output = ()>,
@@ -224,7 +228,10 @@ pub(crate) async fn serve<C>(
     let host = host.clone();
     let limits = shared.ctx.limits().clone();
     let Some(icpt) = shared.ctx.interceptor() else {
-        shared.deny_event(&target, None, "https", DenyReason::InterceptionUnavailable);
+        let _ = shared.refuse(
+            &At::target(&target, "https"),
+            DenyReason::InterceptionUnavailable,
+        );
         return;
     };
     let activity = client.activity();
@@ -245,12 +252,12 @@ pub(crate) async fn serve<C>(
         (Offer::from_hello(&hello), sni_ok)
     };
     if !sni_ok {
-        shared.deny_event(&target, None, "https", DenyReason::SniMismatch);
+        let _ = shared.refuse(&At::target(&target, "https"), DenyReason::SniMismatch);
         return;
     }
     let up = tokio::time::timeout(
         limits.connect_timeout,
-        icpt.connect_upstream(upstream, host.as_str(), offer),
+        icpt.connect_upstream(upstream.stream, host.as_str(), offer),
     )
     .await;
     let fallback = match offer {
@@ -270,7 +277,10 @@ pub(crate) async fn serve<C>(
         Ok(c) => c,
         Err(e) => {
             tracing::warn!(%target, error = %e, "no leaf certificate");
-            shared.deny_event(&target, None, "https", DenyReason::InterceptionUnavailable);
+            let _ = shared.refuse(
+                &At::target(&target, "https"),
+                DenyReason::InterceptionUnavailable,
+            );
             return;
         }
     };
@@ -280,12 +290,9 @@ pub(crate) async fn serve<C>(
             tracing::debug!(%target, error = %e, "client TLS handshake failed");
             if let Some(why) = refused_our_certificate(&e) {
                 // Fail closed, and say why: nothing reaches the upstream without the handshake.
-                shared.deny_event_with(
-                    &target,
-                    "https",
-                    DenyReason::AgentCaNotTrusted,
-                    &[("client_tls", why), ("fix", TRUST_THE_CA)],
-                );
+                let context = [("client_tls", why), ("fix", TRUST_THE_CA)];
+                let at = At::target(&target, "https").context(&context);
+                let _ = shared.refuse(&at, DenyReason::AgentCaNotTrusted);
             }
             return;
         }
@@ -298,14 +305,6 @@ pub(crate) async fn serve<C>(
         },
         None => (None, failed),
     };
-    // The dial that brought the connection here recorded its would-deny, if it was one.
-    let would_deny_recorded = matches!(
-        shared
-            .policy
-            .load()
-            .decide_target(&target.dest, target.port),
-        Decision::WouldDeny(_)
-    );
     let session = Arc::new(Session {
         shared,
         target,
@@ -315,7 +314,8 @@ pub(crate) async fn serve<C>(
         upstream: tokio::sync::Mutex::new(sender),
         failed,
         relays: std::sync::Mutex::new(Vec::new()),
-        would_deny_recorded: AtomicBool::new(would_deny_recorded),
+        // The dial that brought the connection here recorded its would-deny, if it was one.
+        would_deny_recorded: AtomicBool::new(upstream.audited),
     });
     let conn = client_connection(&session, TokioIo::new(tls), &limits);
     let mut shutdown = std::pin::pin!(shutdown);
@@ -523,25 +523,12 @@ async fn handle(mut req: Request<Incoming>, s: &Session) -> Response<Body> {
 /// did. `Some`: the refusal to answer with.
 fn refused_target(s: &Session, policy: &CompiledPolicy) -> Option<Response<Body>> {
     let shared = &s.shared;
-    match policy.decide_target(&s.target.dest, s.target.port) {
-        Decision::Allow(_) => {}
-        Decision::WouldDeny(r) => {
-            if !s.would_deny_recorded.swap(true, Ordering::Relaxed) {
-                shared.record(
-                    &s.target,
-                    None,
-                    "https",
-                    r.reason.as_str(),
-                    Verdict::WouldDeny,
-                );
-            }
-        }
-        Decision::Deny(r) => {
-            shared.deny_event(&s.target, None, "https", r.reason);
-            return Some(forbidden(r.reason, &shared.name));
-        }
+    let at = At::target(&s.target, "https").audit_once(&s.would_deny_recorded);
+    let decision = policy.decide_target(&s.target.dest, s.target.port);
+    match shared.act(policy, &at, decision, Stage::Checked) {
+        Act::Go { .. } => None,
+        Act::Refuse(reason) => Some(forbidden(reason, &shared.name)),
     }
-    None
 }
 
 /// What may go on, checked before anything is sent: no tunnel or `OPTIONS *`, unambiguous
@@ -559,24 +546,20 @@ fn checked_request<'p>(
         return Err(Box::new(bad_request()));
     }
     if let Err(e) = super::framing::check(req.headers()) {
-        shared.deny_request_event(
-            &s.target,
-            "https",
+        let context = request_context(req.method().as_str(), req.uri().path());
+        let _ = shared.refuse(
+            &At::target(&s.target, "https").context(&context),
             DenyReason::AmbiguousFraming,
-            req.method().as_str(),
-            req.uri().path(),
         );
         return Err(Box::new(bad_request_because(e.as_str())));
     }
     // The only protocol switch forwarded is WebSocket: `Upgrade: h2c` (or anything else) would
     // turn the connection into one whose later requests the proxy no longer parses.
     if req.headers().contains_key(header::UPGRADE) && !super::http::is_websocket(req) {
-        shared.deny_request_event(
-            &s.target,
-            "https",
+        let context = request_context(req.method().as_str(), req.uri().path());
+        let _ = shared.refuse(
+            &At::target(&s.target, "https").context(&context),
             DenyReason::UpgradeNotAllowed,
-            req.method().as_str(),
-            req.uri().path(),
         );
         return Err(Box::new(bad_request_because(
             DenyReason::UpgradeNotAllowed.as_str(),
@@ -584,12 +567,10 @@ fn checked_request<'p>(
     }
     if let Err(mismatch) = authority_ok(req, &s.target) {
         if mismatch {
-            shared.deny_request_event(
-                &s.target,
-                "https",
+            let context = request_context(req.method().as_str(), req.uri().path());
+            let _ = shared.refuse(
+                &At::target(&s.target, "https").context(&context),
                 DenyReason::HostHeaderMismatch,
-                req.method().as_str(),
-                req.uri().path(),
             );
             return Err(Box::new(forbidden(
                 DenyReason::HostHeaderMismatch,
@@ -610,7 +591,7 @@ fn checked_request<'p>(
     {
         Ok(Forward::AsIs) => Ok(None),
         Ok(Forward::Inject(b)) => Ok(Some(b)),
-        Err(DenyReason::InterceptionUnavailable) => {
+        Err(r) if r.reason == DenyReason::InterceptionUnavailable => {
             // A reload left the binding without its secret while this connection was open:
             // refused as a new connection would be (`502`), never forwarded without it.
             let reason = DenyReason::InterceptionUnavailable;
@@ -618,30 +599,18 @@ fn checked_request<'p>(
                 .l7()
                 .unavailable(&s.target.dest, s.target.port)
                 .unwrap_or("its secret is not loaded");
-            let path = req.uri().path();
-            shared.deny_event_with(
-                &s.target,
-                "https",
-                reason,
-                &[
-                    ("method", req.method().as_str()),
-                    ("path", path.split(['?', '#']).next().unwrap_or("")),
-                    ("unavailable", why),
-                ],
-            );
+            let [method, path] = request_context(req.method().as_str(), req.uri().path());
+            let context = [method, path, ("unavailable", why)];
+            let _ = shared.refuse(&At::target(&s.target, "https").context(&context), reason);
             Err(Box::new(refusal(
                 Refusal::Upstream(reason.as_str()),
                 &shared.name,
             )))
         }
-        Err(reason) => {
-            shared.deny_request_event(
-                &s.target,
-                "https",
-                reason,
-                req.method().as_str(),
-                req.uri().path(),
-            );
+        Err(refused) => {
+            let context = request_context(req.method().as_str(), req.uri().path());
+            let at = At::target(&s.target, "https").context(&context);
+            let reason = shared.deny(policy, &at, refused);
             Err(Box::new(forbidden(reason, &shared.name)))
         }
     }

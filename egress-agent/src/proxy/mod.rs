@@ -12,6 +12,7 @@
 //! request on the keep-alive connection the same way. Every error path answers and closes; nothing
 //! is forwarded before the checks pass.
 mod accept;
+mod act;
 pub mod admission;
 pub mod client;
 pub mod dial;
@@ -24,7 +25,6 @@ mod kernel_hooks;
 pub mod listen;
 mod narrow;
 pub mod prefixed;
-mod record;
 pub mod records_cache;
 pub mod request;
 pub mod resolve;
@@ -53,8 +53,9 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
 use crate::config::{Config, ProxyConfig};
-use crate::events::{DenialEvent, EventSink, Verdict};
+use crate::events::EventSink;
 use crate::metrics::{Metrics, ProxyCounters};
+use act::{Act, At, Stage};
 use dial::DialError;
 use egress_policy::Policy;
 use egress_policy::{CompiledPolicy, Decision, DenyReason};
@@ -499,100 +500,81 @@ impl Shared {
 
     /// Policy check + dial, with one event for the request: its denial, or its would-deny (the
     /// first refusal the audit let through, recorded once the outcome is known, so a request
-    /// that ends up denied at dial time has only its denial), or its allow
-    /// ([`Shared::allowed`]). Counted as an allowed decision when the upstream connection is made.
+    /// that ends up denied at dial time has only its denial), or its allow. Counted as allowed
+    /// when the upstream connection is made.
     pub(crate) async fn check_and_dial(
         &self,
         target: &Target,
         protocol: &str,
-    ) -> Result<TcpStream, Refusal> {
+    ) -> Result<Checked, Refusal> {
         self.check_and_dial_from(target, protocol, None).await
     }
 
     /// [`Shared::check_and_dial`] for every way in: `orig` is where a transparently redirected
     /// connection was going (its events carry that address, and a refused resolved address as
-    /// `denied_address`); `None` for `CONNECT` and proxied HTTP. The one decide → dial → record
-    /// path of the proxy.
+    /// `denied_address`); `None` for `CONNECT` and proxied HTTP. The one decide → dial → act
+    /// path of the proxy: each outcome goes to [`Shared::act`] once.
     pub(crate) async fn check_and_dial_from(
         &self,
         target: &Target,
         protocol: &str,
         orig: Option<SocketAddr>,
-    ) -> Result<TcpStream, Refusal> {
+    ) -> Result<Checked, Refusal> {
         let policy = self.policy.load_full();
-        // The address an event names: the original destination of a redirected connection (a
-        // refused resolved address goes into `denied_address`), else the one concerned.
-        let record = |ip: Option<std::net::IpAddr>, reason: DenyReason, verdict: Verdict| {
-            let denied = ip.map(|i| i.to_string());
-            match (orig, denied) {
-                (Some(o), Some(d)) => self.record_with(
-                    target,
-                    Some(o.ip()),
-                    protocol,
-                    reason.as_str(),
-                    verdict,
-                    &[("denied_address", &d)],
-                ),
-                (Some(o), None) => {
-                    self.record(target, Some(o.ip()), protocol, reason.as_str(), verdict);
-                }
-                (None, _) => self.record(target, ip, protocol, reason.as_str(), verdict),
-            }
-        };
-        let pending = match policy.decide_target(&target.dest, target.port) {
-            Decision::Allow(_) => None,
-            Decision::WouldDeny(r) => Some((r.reason, None)),
-            Decision::Deny(r) => {
-                record(None, r.reason, Verdict::Deny);
-                return Err(Refusal::Denied(r.reason));
-            }
-        };
+        let at = At::target(target, protocol).ip(orig.map(|o| o.ip()));
+        let on_name = policy.decide_target(&target.dest, target.port);
+        if let Decision::Deny(r) = on_name {
+            return Err(Refusal::Denied(self.deny(&policy, &at, r)));
+        }
         // A target that must be intercepted and can't be is refused before anything is dialled
         // (audited or not): never relayed untouched, never sent without its secret.
         if let Some(why) = self.interception_unavailable(&policy, target, protocol) {
-            let reason = DenyReason::InterceptionUnavailable;
-            self.record_with(
-                target,
-                orig.map(|o| o.ip()),
-                protocol,
-                reason.as_str(),
-                Verdict::Deny,
-                &[("unavailable", &why)],
-            );
+            let context = [("unavailable", why.as_str())];
+            let reason = self.refuse(&at.context(&context), DenyReason::InterceptionUnavailable);
             return Err(Refusal::Upstream(reason.as_str()));
         }
         let limits = self.ctx.limits();
-        let would_deny = |pending: Option<(DenyReason, Option<std::net::IpAddr>)>| {
-            pending.is_some_and(|(reason, ip)| {
-                match ip {
-                    // Decided on the name: the event names where a redirected connection was
-                    // going. Decided at dial time: the address that was let through.
-                    None => record(None, reason, Verdict::WouldDeny),
-                    Some(_) => {
-                        self.record(target, ip, protocol, reason.as_str(), Verdict::WouldDeny);
-                    }
-                }
-                true
-            })
-        };
         match dial::dial(&policy, self.ctx.resolver(), target, limits.connect_timeout).await {
             Ok(d) => {
-                let audited =
-                    would_deny(pending.or(d.would_deny.map(|(reason, ip)| (reason, Some(ip)))));
-                self.allowed(target, Some(d.addr.ip()), protocol, audited);
-                Ok(d.stream)
+                // The name's would-deny names where a redirected connection was going; one at
+                // dial time names the address let through; an allow, the address reached.
+                let (decision, ip) = match (on_name, d.would_deny) {
+                    (Decision::WouldDeny(_), _) => (on_name, None),
+                    (_, Some((refused, ip))) => (Decision::WouldDeny(refused), Some(ip)),
+                    _ => (on_name, Some(d.addr.ip())),
+                };
+                let act = self.act(&policy, &at.ip(ip), decision, Stage::Carried);
+                Ok(Checked {
+                    stream: d.stream,
+                    audited: act == (Act::Go { audited: true }),
+                })
             }
-            Err(DialError::Denied { reason, ip }) => {
-                record(ip, reason, Verdict::Deny);
-                Err(Refusal::Denied(reason))
+            Err(DialError::Denied { refused: r, ip }) => {
+                let denied = ip.to_string();
+                let context = [("denied_address", denied.as_str())];
+                let at = match orig {
+                    Some(_) => at.context(&context),
+                    None => at.ip(Some(ip)),
+                };
+                Err(Refusal::Denied(self.deny(&policy, &at, r)))
             }
             Err(e) => {
-                would_deny(pending);
+                // Let through by the audit, then unreachable: still reported.
+                if let Decision::WouldDeny(r) = on_name {
+                    self.would_deny(&policy, &at, r);
+                }
                 tracing::debug!(policy = %self.name, target = %target, error = %e, "upstream unreachable");
                 Err(Refusal::Upstream(e.code()))
             }
         }
     }
+}
+
+/// A checked, dialled upstream connection.
+pub(crate) struct Checked {
+    pub(crate) stream: TcpStream,
+    /// The policy refused the target and audits: its would-deny is recorded.
+    pub(crate) audited: bool,
 }
 
 impl Shared {
@@ -902,14 +884,7 @@ fn handle_connection(
                 }
                 Err(RequestError::Denied(reason)) => {
                     // With the listener's identity, like every other refusal.
-                    shared.emit_denial(DenialEvent::proxy(
-                        &shared.name,
-                        None,
-                        None,
-                        0,
-                        "http",
-                        reason.as_str(),
-                    ));
+                    let _ = shared.refuse(&At::nowhere("http"), reason);
                     refuse(&mut stream, &response::forbidden(reason, &shared.name)).await;
                     return;
                 }

@@ -18,10 +18,10 @@ use std::sync::Arc;
 use tokio_util::sync::CancellationToken;
 
 use super::Shared;
+use super::act::At;
 use super::request::Target;
-use crate::events::Verdict;
+use egress_policy::Decision;
 use egress_policy::name::Destination;
-use egress_policy::{Decision, DenyReason};
 
 /// Resolves when `stop` is cancelled, or when the listener's policy, reloaded, refuses `target`
 /// (reached at `addr`), after recording that refusal.
@@ -45,8 +45,7 @@ pub(crate) fn until_stopped_or_refused(
                 // Decided again at once (a reload between the connection's decision and the
                 // subscription is not missed: the same decision as at dial time otherwise), then
                 // at every reload.
-                if let Some(reason) = refused_now(&shared, &target, addr) {
-                    record(&shared, &target, addr, reason);
+                if refused_now(&shared, &target, addr) {
                     return;
                 }
                 if reloads.changed().await.is_err() {
@@ -62,33 +61,28 @@ pub(crate) fn until_stopped_or_refused(
     }
 }
 
-fn record(shared: &Shared, target: &Target, addr: Option<IpAddr>, reason: DenyReason) {
-    shared.record_with(
-        target,
-        addr,
-        "tcp",
-        reason.as_str(),
-        Verdict::Deny,
-        &[("ended", "policy-reload")],
-    );
+/// Whether the listener's current policy refuses `target` (at `addr`), enforced; if so, the
+/// refusal is recorded (with `context.ended = "policy-reload"`).
+#[must_use]
+fn refused_now(shared: &Shared, target: &Target, addr: Option<IpAddr>) -> bool {
+    let policy = shared.policy.load();
+    let via_name = matches!(target.dest, Destination::Name(_));
+    let refused = match policy.decide_target(&target.dest, target.port) {
+        Decision::Deny(r) => r,
+        _ => match addr.map(|ip| policy.decide_addr(ip, target.port, via_name)) {
+            Some(Decision::Deny(r)) => r,
+            _ => return false,
+        },
+    };
+    let at = At::target(target, "tcp")
+        .ip(addr)
+        .context(&[("ended", "policy-reload")]);
+    let reason = shared.deny(&policy, &at, refused);
     tracing::info!(
         policy = %shared.name,
         %target,
         reason = reason.as_str(),
         "connection closed: the reloaded policy refuses its target"
     );
-}
-
-/// The enforced refusal of `target` (at `addr`) by the listener's current policy, if any.
-#[must_use]
-fn refused_now(shared: &Shared, target: &Target, addr: Option<IpAddr>) -> Option<DenyReason> {
-    let policy = shared.policy.load();
-    if let Decision::Deny(r) = policy.decide_target(&target.dest, target.port) {
-        return Some(r.reason);
-    }
-    let via_name = matches!(target.dest, Destination::Name(_));
-    match addr.map(|ip| policy.decide_addr(ip, target.port, via_name)) {
-        Some(Decision::Deny(r)) => Some(r.reason),
-        _ => None,
-    }
+    true
 }

@@ -29,11 +29,11 @@ use tokio::io::AsyncReadExt;
 use tokio::net::TcpStream;
 use tokio_util::sync::CancellationToken;
 
+use super::act::At;
 use super::prefixed::Prefixed;
 use super::request::Target;
 use super::sniff::{Kind, MAX_SNIFF_BYTES, Sniffed, Sniffer, TLS_ACCESS_DENIED};
-use super::{Refusal, Shared, http, intercept, narrow, refuse, response, tunnel};
-use crate::events::DenialEvent;
+use super::{Checked, Refusal, Shared, http, intercept, narrow, refuse, response, tunnel};
 use egress_policy::DenyReason;
 use egress_policy::name::Destination;
 
@@ -70,20 +70,17 @@ impl Refused<'_> {
 /// Refuse: event (name, where the client connected, reason), then a TLS alert or an HTTP 403,
 /// then close.
 pub(crate) async fn deny(shared: &Shared, stream: &mut TcpStream, r: Refused<'_>) {
-    let protocol = r.kind.map_or("tcp", Kind::as_str);
-    let mut ev = DenialEvent::proxy(
-        &shared.name,
-        r.host,
-        r.orig.map(|o| o.ip()),
-        r.orig.map_or(r.port, |o| o.port()),
-        protocol,
-        r.reason.as_str(),
-    );
-    if let Some((k, v)) = r.context {
-        ev.context.insert(k.into(), v);
-    }
-    shared.emit_denial(ev);
-    answer(shared, stream, r.kind, r.reason, r.alert).await;
+    let context = r.context.as_ref().map(|(k, v)| [(*k, v.as_str())]);
+    let at = At {
+        host: r.host.as_deref(),
+        ip: r.orig.map(|o| o.ip()),
+        port: r.orig.map_or(r.port, |o| o.port()),
+        protocol: r.kind.map_or("tcp", Kind::as_str),
+        context: context.as_ref().map_or(&[], |c| c.as_slice()),
+        audit_once: None,
+    };
+    let reason = shared.refuse(&at, r.reason);
+    answer(shared, stream, r.kind, reason, r.alert).await;
 }
 
 /// The refusal a client sees (its event is recorded already): a TLS alert (`alert`, else
@@ -116,7 +113,7 @@ pub(crate) async fn answer(
 )]
 pub(crate) fn carry(
     mut client: TcpStream,
-    upstream: TcpStream,
+    upstream: Checked,
     early: Vec<u8>,
     kind: Option<Kind>,
     target: Target,
@@ -126,7 +123,7 @@ pub(crate) fn carry(
     async move {
         let intercepted = intercept::intercepts(shared, &target);
         // Ends the connection on `stop`, or when a reload refuses its target (`narrow`).
-        let addr = upstream.peer_addr().ok().map(|a| a.ip());
+        let addr = upstream.stream.peer_addr().ok().map(|a| a.ip());
         let until = |target: &Target| {
             narrow::until_stopped_or_refused(shared.clone(), target.clone(), addr, stop.clone())
         };
@@ -147,7 +144,7 @@ pub(crate) fn carry(
                 Box::pin(http::serve_fixed(
                     client,
                     early,
-                    upstream,
+                    upstream.stream,
                     target.clone(),
                     shared.clone(),
                     stop.clone(),
@@ -168,7 +165,7 @@ pub(crate) fn carry(
                 // Pinned here, once: the relay's layers pass it down by reference.
                 let shutdown = std::pin::pin!(until(&target));
                 shared
-                    .relay(client, upstream, early, &target, shutdown)
+                    .relay(client, upstream.stream, early, &target, shutdown)
                     .await;
             }
         }
@@ -225,7 +222,16 @@ pub(crate) fn connect(
         }
         // [`connect_tunnel`]'s steps, written out here: through an `async fn` taking the
         // sockets, the target and the early bytes, the box would hold them once more.
-        match opening(&mut client, &upstream, &mut early, &target, &shared, &stop).await {
+        match opening(
+            &mut client,
+            &upstream.stream,
+            &mut early,
+            &target,
+            &shared,
+            &stop,
+        )
+        .await
+        {
             Opening::Carry(kind) => {
                 carry(client, upstream, early, kind, target, &shared, stop).await;
             }
@@ -243,14 +249,23 @@ pub(crate) fn connect(
 /// object ends that cycle of future types.
 pub(crate) fn connect_tunnel(
     mut client: TcpStream,
-    upstream: TcpStream,
+    upstream: Checked,
     mut early: Vec<u8>,
     target: Target,
     shared: Arc<Shared>,
     stop: CancellationToken,
 ) -> Pin<Box<dyn Future<Output = ()> + Send>> {
     Box::pin(async move {
-        match opening(&mut client, &upstream, &mut early, &target, &shared, &stop).await {
+        match opening(
+            &mut client,
+            &upstream.stream,
+            &mut early,
+            &target,
+            &shared,
+            &stop,
+        )
+        .await
+        {
             Opening::Carry(kind) => {
                 carry(client, upstream, early, kind, target, &shared, stop).await;
             }

@@ -29,6 +29,7 @@ use http_body_util::BodyExt;
 use hyper::body::{Body, Frame, Incoming, SizeHint};
 
 use super::Shared;
+use super::act::At;
 use super::request::Target;
 use egress_policy::DenyReason;
 use egress_policy::scrub::{ScrubStream, Scrubber};
@@ -154,12 +155,10 @@ impl Report {
         if count == 0 {
             return;
         }
-        self.shared.deny_event_with(
-            &self.target,
-            "https",
-            DenyReason::ResponseSecretScrubbed,
-            &[("where", place), ("count", &count.to_string())],
-        );
+        let count = count.to_string();
+        let context = [("where", place), ("count", count.as_str())];
+        let at = At::target(&self.target, "https").context(&context);
+        let _ = self.shared.refuse(&at, DenyReason::ResponseSecretScrubbed);
     }
 }
 
@@ -194,13 +193,10 @@ pub(crate) async fn response(
         return Ok(Scrubbed::Passed(body));
     }
     let coding = Coding::of(&parts.headers).map_err(|()| {
-        report.shared.deny_event_with(
-            &report.target,
-            "https",
-            DenyReason::ResponseEncodingRefused,
-            &[],
-        );
-        DenyReason::ResponseEncodingRefused
+        let at = At::target(&report.target, "https");
+        report
+            .shared
+            .refuse(&at, DenyReason::ResponseEncodingRefused)
     })?;
     let decoded = !matches!(coding, Coding::Identity);
     let in_headers = scrub_headers(scrubber, &mut parts.headers);

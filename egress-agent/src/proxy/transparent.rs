@@ -22,11 +22,11 @@ use tokio::net::TcpStream;
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
+use super::act::At;
 use super::admission::Admitted;
 use super::route::{self, Refused};
 use super::sniff::{Kind, MAX_SNIFF_BYTES, Sniffed, Sniffer};
 use super::{Refusal, Shared, refuse, response};
-use crate::events::DenialEvent;
 use egress_policy::DenyReason;
 
 /// A connection accepted on the transparent listener and admitted ([`super::admission`]): the
@@ -42,14 +42,7 @@ pub(crate) async fn handle(
     // A record without an original destination: the connection was sent to the explicit
     // listener, never here (fail closed).
     let Some(orig) = admitted.original else {
-        shared.emit_denial(DenialEvent::proxy(
-            &shared.name,
-            None,
-            None,
-            0,
-            "tcp",
-            DenyReason::NoOriginalDestination.as_str(),
-        ));
+        let _ = shared.refuse(&At::nowhere("tcp"), DenyReason::NoOriginalDestination);
         tracing::debug!(policy = %shared.name, %peer, "transparent: no original destination");
         refuse(&mut stream, &[]).await;
         return;

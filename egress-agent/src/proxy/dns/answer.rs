@@ -6,7 +6,7 @@ use std::time::{Duration, Instant};
 use hickory_server::proto::rr::{Record, RecordType};
 
 use crate::proxy::resolve::{Family, NameRecords};
-use egress_policy::{AddrClass, CompiledPolicy, DenyReason};
+use egress_policy::{AddrClass, CompiledPolicy, Refused};
 
 /// Longest TTL answered (a hosts-file entry has hickory's one day): the kernel's allowance for
 /// direct ports follows the answered TTL, so it is kept short.
@@ -31,7 +31,7 @@ pub enum Planned {
     /// The name doesn't exist (the resolver said so).
     NxDomain,
     /// An address of the name is denied: the name is refused whole (NXDOMAIN + event).
-    Denied { reason: DenyReason, ip: IpAddr },
+    Denied { refused: Refused, ip: IpAddr },
     /// The resolver failed for the asked family (SERVFAIL).
     Failed(String),
 }
@@ -51,7 +51,7 @@ pub fn plan(
         match policy.classify_addr(ip, None, true) {
             Ok(AddrClass::Public) => public.push(ip),
             Ok(AddrClass::Cidr | AddrClass::ResolvePrivate) => {}
-            Err(reason) => return Planned::Denied { reason, ip },
+            Err(refused) => return Planned::Denied { refused, ip },
         }
     }
     match names.family(record_type) {
@@ -190,7 +190,10 @@ mod tests {
         assert_eq!(
             plan(&p, &names, RecordType::A, now),
             Planned::Denied {
-                reason: DenyReason::AddressDenied,
+                refused: Refused {
+                    reason: egress_policy::DenyReason::AddressDenied,
+                    rule: Some(egress_policy::Rule::Builtin("loopback")),
+                },
                 ip: "::1".parse().unwrap()
             }
         );

@@ -5,7 +5,7 @@ use hickory_server::proto::rr::{DNSClass, RecordType};
 use hickory_server::zone_handler::MessageRequest;
 
 use egress_policy::name::{HostName, MAX_NAME_LEN};
-use egress_policy::{CompiledPolicy, DenyReason};
+use egress_policy::{CompiledPolicy, Decision as PolicyDecision, DenyReason, Refused};
 
 /// What to do with one request.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -19,27 +19,33 @@ pub enum Decision {
     /// Send nothing (a response packet: never answered, against reflection loops).
     Drop,
     /// The name is allowed: resolve it (both families) and answer `record_type` after the address
-    /// check. `direct_ports`: the ports its `allow_hosts` entries carry. `would_deny`: the policy
-    /// audits and would refuse the name for this reason (it is answered and reported).
+    /// check. `direct_ports`: the ports its `allow_hosts` entries carry. `decision`: the policy's
+    /// on the name, `Allow` or — the policy audits and would refuse it — `WouldDeny` (answered
+    /// and reported).
     Resolve {
         name: HostName,
         record_type: RecordType,
         direct_ports: Vec<u16>,
-        would_deny: Option<DenyReason>,
+        decision: PolicyDecision,
     },
 }
 
-/// A denial: the normalised name when there is one, and why.
+/// A denial: the normalised name when there is one, and why (with the rule, when a rule of the
+/// policy refused).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Denied {
     pub host: Option<HostName>,
-    pub reason: DenyReason,
+    pub refused: Refused,
 }
 
 fn reply(code: ResponseCode, host: Option<HostName>, reason: Option<DenyReason>) -> Decision {
+    refused(code, host, reason.map(Refused::because))
+}
+
+fn refused(code: ResponseCode, host: Option<HostName>, refused: Option<Refused>) -> Decision {
     Decision::Reply {
         code,
-        denied: reason.map(|reason| Denied { host, reason }),
+        denied: refused.map(|refused| Denied { host, refused }),
     }
 }
 
@@ -76,27 +82,24 @@ pub fn decide(policy: &CompiledPolicy, request: &MessageRequest) -> Decision {
         Ok(n) => n,
         Err(reason) => return reply(ResponseCode::NXDomain, None, Some(reason)),
     };
-    // Enforce-only check, with audit applied here: an audited refusal of a name is resolved and
-    // reported as a would-deny (`allow_all`, the audit floor, refuses no name).
-    match policy.check_name(&name) {
-        Ok(direct_ports) => Decision::Resolve {
+    // The policy's decision on the name, audit applied as at every enforcement point: an
+    // audited refusal is resolved and reported as a would-deny.
+    let record_type = query.query_type();
+    match policy.decide_name(&name) {
+        (PolicyDecision::Deny(r), _) => {
+            // `deny_all` is refused outright; a name no entry allows does not exist.
+            let code = match r.reason {
+                DenyReason::PolicyDenyAll => ResponseCode::Refused,
+                _ => ResponseCode::NXDomain,
+            };
+            refused(code, Some(name), Some(r))
+        }
+        (decision, direct_ports) => Decision::Resolve {
             name,
-            record_type: query.query_type(),
+            record_type,
             direct_ports,
-            would_deny: None,
+            decision,
         },
-        Err(DenyReason::PolicyDenyAll) => reply(
-            ResponseCode::Refused,
-            Some(name),
-            Some(DenyReason::PolicyDenyAll),
-        ),
-        Err(reason) if policy.audits() => Decision::Resolve {
-            name,
-            record_type: query.query_type(),
-            direct_ports: Vec::new(),
-            would_deny: Some(reason),
-        },
-        Err(reason) => reply(ResponseCode::NXDomain, Some(name), Some(reason)),
     }
 }
 
@@ -105,6 +108,7 @@ pub fn decide(policy: &CompiledPolicy, request: &MessageRequest) -> Decision {
 mod tests {
     use super::*;
     use crate::config::Config;
+    use egress_policy::Rule;
     use hickory_server::net::xfer::Protocol;
     use hickory_server::proto::op::{Message, Query};
     use hickory_server::proto::rr::Name;
@@ -135,7 +139,7 @@ mod tests {
                 denied
                     .as_ref()
                     .and_then(|d| d.host.as_ref().map(ToString::to_string)),
-                denied.map(|d| d.reason.as_str()),
+                denied.map(|d| d.refused.reason.as_str()),
             ),
             other => panic!("not a reply: {other:?}"),
         }
@@ -150,7 +154,10 @@ mod tests {
                 name: HostName::parse("allowed.test").unwrap(),
                 record_type: RecordType::A,
                 direct_ports: vec![],
-                would_deny: None,
+                decision: PolicyDecision::Allow(Rule::Host {
+                    index: 0,
+                    port: None
+                }),
             }
         );
         assert_eq!(
@@ -159,7 +166,10 @@ mod tests {
                 name: HostName::parse("git.ssh.test").unwrap(),
                 record_type: RecordType::AAAA,
                 direct_ports: vec![22],
-                would_deny: None,
+                decision: PolicyDecision::Allow(Rule::Host {
+                    index: 1,
+                    port: None
+                }),
             }
         );
         for (name, rt, want) in [
@@ -293,7 +303,7 @@ mod tests {
                 name: HostName::parse("other.test").unwrap(),
                 record_type: RecordType::A,
                 direct_ports: vec![],
-                would_deny: Some(DenyReason::HostNotAllowed),
+                decision: PolicyDecision::WouldDeny(Refused::because(DenyReason::HostNotAllowed)),
             }
         );
         // Not a name decision: still refused.

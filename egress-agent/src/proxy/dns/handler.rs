@@ -23,12 +23,12 @@ use super::answer::{Planned, plan};
 use super::decide::{Decision, Denied, decide};
 use super::wire::{self, Read, Reply, Transport};
 use super::{Answer, AnswerSink, DNS_PORT};
-use crate::events::{DenialEvent, Verdict};
 use crate::metrics::{DnsCounters, DnsDrop, DnsOutcome};
 use crate::proxy::Shared;
+use crate::proxy::act::{Act, At, Stage};
 use crate::proxy::resolve::NameRecords;
+use egress_policy::CompiledPolicy;
 use egress_policy::name::HostName;
-use egress_policy::{CompiledPolicy, DenyReason};
 
 pub(crate) struct Core {
     pub(crate) shared: Arc<Shared>,
@@ -75,32 +75,6 @@ impl Core {
         }
     }
 
-    /// A name the auditing policy would refuse, answered anyway.
-    fn report(&self, host: &HostName, reason: DenyReason, verdict: Verdict) {
-        self.shared.emit_denial(
-            DenialEvent::proxy(
-                &self.shared.name,
-                Some(host.as_str().to_owned()),
-                None,
-                DNS_PORT,
-                "dns",
-                reason.as_str(),
-            )
-            .with_verdict(verdict),
-        );
-    }
-
-    fn deny(&self, host: Option<&HostName>, ip: Option<IpAddr>, reason: DenyReason) {
-        self.shared.emit_denial(DenialEvent::proxy(
-            &self.shared.name,
-            host.map(|h| h.as_str().to_owned()),
-            ip,
-            DNS_PORT,
-            "dns",
-            reason.as_str(),
-        ));
-    }
-
     /// The encoded response, or nothing (counted) when it can't be encoded.
     fn encode(&self, request: &Request, transport: Transport, reply: &Reply) -> Option<Vec<u8>> {
         let out = wire::encode(request, transport, reply);
@@ -134,8 +108,9 @@ impl Core {
                 return Now::Drop;
             }
             Decision::Reply { code, denied } => {
-                if let Some(Denied { host, reason }) = denied {
-                    self.deny(host.as_ref(), None, reason);
+                if let Some(Denied { host, refused }) = denied {
+                    let at = at(host.as_ref(), None);
+                    let _ = self.shared.deny(&policy, &at, refused);
                     self.count(DnsOutcome::Denied);
                 } else {
                     self.count(DnsOutcome::FormErr);
@@ -148,10 +123,18 @@ impl Core {
                 name,
                 record_type,
                 direct_ports,
-                would_deny,
+                decision,
             } => {
-                if let Some(reason) = would_deny {
-                    self.report(&name, reason, Verdict::WouldDeny);
+                // An allowed name goes on (counted when answered); an audited one is reported.
+                if let Act::Refuse(_) =
+                    self.shared
+                        .act(&policy, &at(Some(&name), None), decision, Stage::Checked)
+                {
+                    // `decide` hands over no denial here; refused all the same if it did.
+                    self.count(DnsOutcome::Denied);
+                    return self
+                        .encode(&request, transport, &Reply::code(ResponseCode::NXDomain))
+                        .map_or(Now::Drop, Now::Send);
                 }
                 Pending {
                     policy,
@@ -254,8 +237,10 @@ impl Core {
                 self.count(DnsOutcome::Empty);
                 Reply::code(ResponseCode::NXDomain)
             }
-            Planned::Denied { reason, ip } => {
-                self.deny(Some(name), Some(ip), reason);
+            Planned::Denied { refused, ip } => {
+                let _ = self
+                    .shared
+                    .deny(&pending.policy, &at(Some(name), Some(ip)), refused);
                 self.count(DnsOutcome::Denied);
                 Reply::code(ResponseCode::NXDomain)
             }
@@ -265,5 +250,18 @@ impl Core {
                 Reply::code(ResponseCode::ServFail)
             }
         }
+    }
+}
+
+/// Where a DNS decision is taken, for [`Shared::act`]: the name asked (an address of its answer:
+/// `ip`), on the DNS port.
+fn at(host: Option<&HostName>, ip: Option<IpAddr>) -> At<'_> {
+    At {
+        host: host.map(HostName::as_str),
+        ip,
+        port: DNS_PORT,
+        protocol: "dns",
+        context: &[],
+        audit_once: None,
     }
 }

@@ -10,7 +10,7 @@
 //! 1. [`decide`] — before anything leaves the agent: one question, opcode QUERY, class IN, type A
 //!    or AAAA (else REFUSED, with a `dns-type-refused` denial event for other types/classes); the
 //!    name normalised like every host name ([`egress_policy::name`]) and matched against
-//!    `allow_hosts` ([`egress_policy::CompiledPolicy::check_name`]). Anything not allowed is
+//!    `allow_hosts` ([`egress_policy::CompiledPolicy::decide_name`]). Anything not allowed is
 //!    answered **NXDOMAIN** with a denial event and is **never sent to any resolver**: labels of a
 //!    denied name can't carry data out (DNS tunnelling).
 //! 2. [`answer`] — the allowed name is resolved by the proxy's own resolver (same cache, hosts
