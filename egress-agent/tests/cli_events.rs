@@ -94,7 +94,11 @@ fn events_read_the_store_when_no_daemon_answers() {
         &[
             ev("a.example", "ci", Verdict::WouldDeny, "1"),
             ev("b.example", "ci", Verdict::Deny, "2"),
-            ev("github.com", "ci", Verdict::Allow, "1"),
+            {
+                let mut e = ev("github.com", "ci", Verdict::Allow, "1");
+                e.rule = Some("allow_hosts github.com".into());
+                e
+            },
             ev("c.example", "web", Verdict::WouldDeny, "1"),
         ],
     );
@@ -142,6 +146,11 @@ fn events_read_the_store_when_no_daemon_answers() {
     assert_eq!(flows.len(), 1);
     assert_eq!(flows[0]["host"], "github.com");
     assert_eq!(flows[0]["count"], 1);
+    assert_eq!(flows[0]["rule"], "allow_hosts github.com");
+    // A flow no rule decided has no `rule` field (as events have none).
+    let flows = lines(&cli(&config, &["events", "--flows", "--policy", "web"]));
+    assert_eq!(flows.len(), 1);
+    assert!(flows[0].get("rule").is_none(), "{:?}", flows[0]);
     // suggest reads the same store.
     let o = cli(&config, &["suggest", "--run", "1", "--policy", "ci"]);
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));

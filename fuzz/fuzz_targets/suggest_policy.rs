@@ -49,6 +49,7 @@ fuzz_target!(|data: &[u8]| {
             port,
             protocol: "connect".into(),
             reason: "host-not-allowed".into(),
+            rule: None,
             count: 1,
             first_seen: UNIX_EPOCH,
             last_seen: UNIX_EPOCH,

@@ -62,19 +62,25 @@ pub fn human(ev: &DenialEvent) -> String {
         .unwrap_or_default();
     let labels: Vec<String> = ev.context.iter().map(|(k, v)| format!("{k}={v}")).collect();
     format!(
-        "{} {:<10} {:<6} policy={}{who} {} {dest} {}{}",
+        "{} {:<10} {:<6} policy={}{who} {} {dest} {}{}{}",
         humantime::format_rfc3339_millis(ev.time),
         ev.verdict.as_str(),
         ev.source.as_str(),
         ev.policy,
         ev.protocol,
         ev.reason,
+        rule_field(ev.rule.as_deref()),
         if labels.is_empty() {
             String::new()
         } else {
             format!(" [{}]", labels.join(" "))
         }
     )
+}
+
+/// ` rule="allow_hosts api.github.com"` (quoted: a rule has spaces), or nothing.
+fn rule_field(rule: Option<&str>) -> String {
+    rule.map(|r| format!(" rule={r:?}")).unwrap_or_default()
 }
 
 fn flow_line(f: &Flow) -> String {
@@ -84,7 +90,7 @@ fn flow_line(f: &Flow) -> String {
         f.host.clone()
     };
     format!(
-        "{:>8} {:<10} {:<6} policy={} container={} {} {dest}:{} {} first={} last={}",
+        "{:>8} {:<10} {:<6} policy={} container={} {} {dest}:{} {}{} first={} last={}",
         f.count,
         f.verdict.as_str(),
         f.source,
@@ -97,6 +103,7 @@ fn flow_line(f: &Flow) -> String {
         f.protocol,
         f.port,
         f.reason,
+        rule_field(f.rule.as_deref()),
         humantime::format_rfc3339_seconds(f.first_seen),
         humantime::format_rfc3339_seconds(f.last_seen),
     )
@@ -199,4 +206,72 @@ pub fn suggest(opts: &SuggestOptions) -> Result<String> {
     let filter = opts.selection.filter()?;
     let flows = store.flows(&filter)?;
     suggest_from(&flows, &config, opts)
+}
+
+#[cfg(test)]
+#[expect(clippy::unwrap_used, reason = "test assertions")]
+mod tests {
+    use super::*;
+    use crate::events::Verdict;
+
+    #[test]
+    fn the_rule_is_a_quoted_field_after_the_reason() {
+        let mut ev = DenialEvent::proxy(
+            "ci",
+            Some("api.github.com".into()),
+            None,
+            22,
+            "connect",
+            "port-not-allowed",
+        )
+        .with_verdict(Verdict::WouldDeny);
+        ev.context.insert("run".into(), "42".into());
+        assert!(
+            human(&ev).ends_with(" api.github.com:22 port-not-allowed [run=42]"),
+            "{}",
+            human(&ev)
+        );
+        ev.rule = Some("allow_hosts api.github.com".into());
+        assert!(
+            human(&ev).ends_with(
+                " api.github.com:22 port-not-allowed rule=\"allow_hosts api.github.com\" [run=42]"
+            ),
+            "{}",
+            human(&ev)
+        );
+        // JSON (`--json`, a pipe) has it as a field, and none without one.
+        let v = serde_json::to_value(&ev).unwrap();
+        assert_eq!(v["rule"], "allow_hosts api.github.com");
+        ev.rule = None;
+        let v = serde_json::to_value(&ev).unwrap();
+        assert!(v.get("rule").is_none(), "{v}");
+    }
+
+    #[test]
+    fn a_flows_line_names_its_rule() {
+        let f = Flow {
+            verdict: Verdict::Allow,
+            source: "proxy".into(),
+            policy: "ci".into(),
+            container_id: String::new(),
+            container_name: "job".into(),
+            labels: Default::default(),
+            host: "github.com".into(),
+            ip: String::new(),
+            port: 443,
+            protocol: "connect".into(),
+            reason: "allowed".into(),
+            rule: Some("allow_hosts github.com".into()),
+            count: 3,
+            first_seen: std::time::UNIX_EPOCH,
+            last_seen: std::time::UNIX_EPOCH,
+        };
+        let l = flow_line(&f);
+        assert!(
+            l.contains(" github.com:443 allowed rule=\"allow_hosts github.com\" first="),
+            "{l}"
+        );
+        let l = flow_line(&Flow { rule: None, ..f });
+        assert!(l.contains(" github.com:443 allowed first="), "{l}");
+    }
 }

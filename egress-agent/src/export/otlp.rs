@@ -5,8 +5,8 @@
 //! One record per event: `time_unix_nano` = the event's time, severity WARN (deny), INFO2
 //! (would-deny) or INFO (allow), `severity_text` = the verdict, body = a one-line summary, and the
 //! event's fields as attributes (`egress.verdict`, `egress.source`, `egress.policy`,
-//! `egress.host`, `egress.ip`, `egress.port`, `egress.protocol`, `egress.reason`,
-//! `egress.container.id`, `egress.container.name`, `egress.cgroup_id`, and each context label as
+//! `egress.host`, `egress.ip`, `egress.port`, `egress.protocol`, `egress.reason`, `egress.rule`
+//! (the rule of the policy that decided, when the event names one), `egress.container.id`, `egress.container.name`, `egress.cgroup_id`, and each context label as
 //! `egress.context.<name>`). Resource: `service.name = egress-agent`, `host.name`; a Kubernetes
 //! pod's events are in a resource of their own that also carries OpenTelemetry's Kubernetes
 //! attributes (`k8s.namespace.name`, `k8s.pod.name`, `k8s.pod.uid`, and `k8s.container.name` when
@@ -106,6 +106,9 @@ pub fn record(ev: &DenialEvent) -> LogRecord {
     ));
     attributes.push(kv("egress.protocol", s(ev.protocol.clone())));
     attributes.push(kv("egress.reason", s(ev.reason.clone())));
+    if let Some(r) = &ev.rule {
+        attributes.push(kv("egress.rule", s(r.clone())));
+    }
     if let Some(c) = &ev.container {
         attributes.push(kv("egress.container.id", s(c.id.clone())));
         attributes.push(kv("egress.container.name", s(c.name.clone())));
@@ -301,6 +304,37 @@ mod tests {
         ] {
             assert!(parse_endpoint(bad).is_err(), "{bad}");
         }
+    }
+
+    fn string_attr(r: &LogRecord, key: &str) -> Option<String> {
+        r.attributes.iter().find(|a| a.key == key).and_then(|a| {
+            match a.value.as_ref().and_then(|v| v.value.as_ref()) {
+                Some(any_value::Value::StringValue(s)) => Some(s.clone()),
+                _ => None,
+            }
+        })
+    }
+
+    #[test]
+    fn the_rule_is_an_attribute_when_the_event_names_one() {
+        let mut ev = DenialEvent::proxy(
+            "ci",
+            Some("api.github.com".into()),
+            None,
+            22,
+            "connect",
+            "port-not-allowed",
+        );
+        assert_eq!(string_attr(&record(&ev), "egress.rule"), None);
+        assert_eq!(
+            string_attr(&record(&ev), "egress.reason").as_deref(),
+            Some("port-not-allowed")
+        );
+        ev.rule = Some("allow_hosts api.github.com".into());
+        assert_eq!(
+            string_attr(&record(&ev), "egress.rule").as_deref(),
+            Some("allow_hosts api.github.com")
+        );
     }
 
     #[test]

@@ -5,8 +5,8 @@
 //!
 //! One message per event:
 //! `<PRI>1 TIME HOST egress-agent PID would-deny [egress@32473 verdict=".." source=".." policy=".."
-//! host=".." ip=".." port=".." protocol=".." reason=".." container_id=".." container_name=".."
-//! cgroup_id=".." time=".."][context@32473 run=".." ...] would-deny connect evil.example:443 ...`.
+//! host=".." ip=".." port=".." protocol=".." reason=".." rule=".." container_id=".."
+//! container_name=".." cgroup_id=".." time=".."][context@32473 run=".." ...] would-deny connect evil.example:443 ...`.
 //! Severity: deny → warning, would-deny → notice, allow → info. `32473` is the private
 //! enterprise number RFC 5612 reserves for documentation; SD-IDs with it are never registered.
 use std::io::Write;
@@ -92,6 +92,9 @@ pub fn format(ctx: &SyslogContext, ev: &DenialEvent) -> String {
     add(&mut fields, "port", ev.port.to_string());
     add(&mut fields, "protocol", ev.protocol.clone());
     add(&mut fields, "reason", ev.reason.clone());
+    if let Some(r) = &ev.rule {
+        add(&mut fields, "rule", r.clone());
+    }
     if let Some(c) = &ev.container {
         add(&mut fields, "container_id", c.id.clone());
         add(&mut fields, "container_name", c.name.clone());
@@ -269,6 +272,34 @@ mod tests {
         assert!(!m.contains("bad name"), "{m}");
         assert!(
             m.ends_with("] would-deny connect evil.example:443 policy=ci reason=host-not-allowed"),
+            "{m}"
+        );
+        // No rule behind host-not-allowed: no field.
+        assert!(!m.contains("rule="), "{m}");
+    }
+
+    #[test]
+    fn the_rule_is_a_field_when_the_event_names_one() {
+        let mut ctx = SyslogContext::new();
+        ctx.facility(Facility::LOCAL0)
+            .appname("egress-agent")
+            .hostname("h");
+        let mut ev = DenialEvent::proxy(
+            "ci",
+            Some("pkg.example.com".into()),
+            None,
+            8443,
+            "connect",
+            "port-not-allowed",
+        )
+        .with_verdict(Verdict::WouldDeny);
+        ev.rule = Some("allow_hosts *.example.com (ports 443, 8443]\"".into());
+        let m = format(&ctx, &ev);
+        // After the reason, escaped like the other values (RFC 5424 §6.3.3: `"`, `\`, `]`).
+        assert!(
+            m.contains(
+                "reason=\"port-not-allowed\" rule=\"allow_hosts *.example.com (ports 443, 8443\\]\\\"\""
+            ),
             "{m}"
         );
     }

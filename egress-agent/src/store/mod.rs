@@ -6,8 +6,12 @@
 //! - `events`: every denial and would-deny, one row each, with exactly the fields of a
 //!   [`DenialEvent`] (the context labels as a JSON object).
 //! - `flows`: every event (allowed ones too) aggregated by what it was — verdict, source, policy,
-//!   container, context labels (without the pid), host or address, port, protocol, reason — with
-//!   a count and first/last seen. `suggest` reads these.
+//!   container, context labels (without the pid), host or address, port, protocol, reason, rule —
+//!   with a count and first/last seen. `suggest` reads these.
+//!
+//! Schema version 2 added `rule` (the rule of the policy that decided) to both; [`Store::open`]
+//! migrates a version-1 file in one transaction, [`Store::open_read_only`] reads one as it is
+//! (no rule).
 //!
 //! Durability: each batch is one transaction with `synchronous = FULL`, so a committed batch
 //! survives a crash of the agent (kill -9) and of the machine; an interrupted one is rolled back
@@ -57,10 +61,11 @@ pub fn start(
 /// The database file name under `agent.state_dir` (the configuration names it).
 pub use crate::config::STORE_DB_FILE as DB_FILE;
 
-/// Schema version in `PRAGMA user_version`.
-const SCHEMA_VERSION: i64 = 1;
+/// Schema version in `PRAGMA user_version`. 1: the first; 2: `events.rule` and `flows.rule` (the
+/// rule of the policy that decided, see [`DenialEvent::rule`]), `rule` part of a flow's key.
+const SCHEMA_VERSION: i64 = 2;
 
-const SCHEMA: &str = "
+const EVENTS_TABLE: &str = "
 CREATE TABLE IF NOT EXISTS events(
     id INTEGER PRIMARY KEY,
     time_us INTEGER NOT NULL,
@@ -75,10 +80,21 @@ CREATE TABLE IF NOT EXISTS events(
     ip TEXT,
     port INTEGER NOT NULL,
     protocol TEXT NOT NULL,
-    reason TEXT NOT NULL
+    reason TEXT NOT NULL,
+    rule TEXT
 );
+";
+
+/// Made after the tables (and after a migration rebuilt `flows`).
+const INDEXES: &str = "
 CREATE INDEX IF NOT EXISTS events_time ON events(time_us);
-CREATE TABLE IF NOT EXISTS flows(
+CREATE INDEX IF NOT EXISTS flows_last ON flows(last_us);
+";
+
+/// The `flows` table under `name` (the migration builds it under another name first).
+fn flows_table(name: &str) -> String {
+    format!(
+        "CREATE TABLE IF NOT EXISTS {name}(
     id INTEGER PRIMARY KEY,
     verdict TEXT NOT NULL,
     source TEXT NOT NULL,
@@ -91,14 +107,60 @@ CREATE TABLE IF NOT EXISTS flows(
     port INTEGER NOT NULL,
     protocol TEXT NOT NULL,
     reason TEXT NOT NULL,
+    rule TEXT NOT NULL DEFAULT '',
     count INTEGER NOT NULL,
     first_us INTEGER NOT NULL,
     last_us INTEGER NOT NULL,
     UNIQUE(verdict, source, policy, container_id, container_name, labels, host, ip, port,
-           protocol, reason)
-);
-CREATE INDEX IF NOT EXISTS flows_last ON flows(last_us);
+           protocol, reason, rule)
+);"
+    )
+}
+
+/// Version 1 → 2: `events` gains `rule` (NULL in old rows); `flows` is rebuilt with `rule`
+/// (`''` in old rows) in its key, since SQLite can't change a UNIQUE constraint in place.
+const MIGRATE_FLOWS_V2: &str = "
+INSERT INTO flows_v2(id, verdict, source, policy, container_id, container_name, labels, host, ip,
+    port, protocol, reason, rule, count, first_us, last_us)
+SELECT id, verdict, source, policy, container_id, container_name, labels, host, ip, port,
+    protocol, reason, '', count, first_us, last_us FROM flows;
+DROP TABLE flows;
+ALTER TABLE flows_v2 RENAME TO flows;
 ";
+
+/// Does `table` exist and have `column`?
+fn has_column(conn: &Connection, table: &str, column: &str) -> Result<bool, rusqlite::Error> {
+    conn.query_row(
+        "SELECT count(*) FROM pragma_table_info(?1) WHERE name = ?2",
+        params![table, column],
+        |r| r.get::<_, i64>(0),
+    )
+    .map(|n| n > 0)
+}
+
+/// Bring an older file's tables to this version (inside the caller's transaction). Decided by
+/// the columns, not the version alone: a version-1 agent stamped the version after creating its
+/// tables, so a file it crashed in between has version-1 tables and version 0.
+fn migrate(conn: &Connection) -> Result<(), rusqlite::Error> {
+    if has_table(conn, "events")? && !has_column(conn, "events", "rule")? {
+        conn.execute_batch("ALTER TABLE events ADD COLUMN rule TEXT;")?;
+    }
+    if has_table(conn, "flows")? && !has_column(conn, "flows", "rule")? {
+        conn.execute_batch("DROP TABLE IF EXISTS flows_v2;")?;
+        conn.execute_batch(&flows_table("flows_v2"))?;
+        conn.execute_batch(MIGRATE_FLOWS_V2)?;
+    }
+    Ok(())
+}
+
+fn has_table(conn: &Connection, table: &str) -> Result<bool, rusqlite::Error> {
+    conn.query_row(
+        "SELECT count(*) FROM sqlite_master WHERE type = 'table' AND name = ?1",
+        params![table],
+        |r| r.get::<_, i64>(0),
+    )
+    .map(|n| n > 0)
+}
 
 #[derive(Debug, thiserror::Error)]
 pub enum StoreError {
@@ -120,6 +182,9 @@ pub enum StoreError {
 pub struct Store {
     conn: Connection,
     path: PathBuf,
+    /// The tables have `rule` (version 2). Always after [`Store::open`] (which migrates); a
+    /// version-1 file opened with [`Store::open_read_only`] has not, and reads as `rule` unknown.
+    has_rule: bool,
 }
 
 impl std::fmt::Debug for Store {
@@ -159,6 +224,9 @@ pub struct FlowKey {
     pub port: u16,
     pub protocol: String,
     pub reason: String,
+    /// The rule that decided ([`DenialEvent::rule`]); empty for none. A flow decided by another
+    /// rule (after a policy change) is another flow.
+    pub rule: String,
 }
 
 impl FlowKey {
@@ -184,6 +252,7 @@ impl FlowKey {
             port: ev.port,
             protocol: ev.protocol.clone(),
             reason: ev.reason.clone(),
+            rule: ev.rule.clone().unwrap_or_default(),
         }
     }
 }
@@ -271,6 +340,8 @@ impl Store {
         let store = Store {
             conn,
             path: path.to_owned(),
+            // `init` migrates.
+            has_rule: true,
         };
         store.init().map_err(|source| store.err(source))?;
         Ok(store)
@@ -291,9 +362,10 @@ impl Store {
                 path: path.to_owned(),
                 source,
             })?;
-        let store = Store {
+        let mut store = Store {
             conn,
             path: path.to_owned(),
+            has_rule: false,
         };
         let found: i64 = store
             .conn
@@ -305,7 +377,19 @@ impl Store {
                 found,
             });
         }
+        // Not migrated here (read-only): an older daemon's store is read as it is.
+        store.has_rule = store.read_has_rule()?;
         Ok(store)
+    }
+
+    fn read_has_rule(&self) -> Result<bool, StoreError> {
+        let has = |t| has_column(&self.conn, t, "rule").map_err(|e| self.err(e));
+        Ok(has("events")? && has("flows")?)
+    }
+
+    /// Do the tables have `rule`? (No: a version-1 file opened read-only.)
+    pub(crate) fn has_rule(&self) -> bool {
+        self.has_rule
     }
 
     pub fn path(&self) -> &Path {
@@ -333,18 +417,25 @@ impl Store {
             )));
         }
         self.conn.pragma_update(None, "synchronous", "FULL")?;
-        let found: i64 = self
-            .conn
-            .query_row("PRAGMA user_version", [], |r| r.get(0))?;
+        // Read, migrated and stamped in one transaction: a crash leaves the old version whole.
+        let tx = rusqlite::Transaction::new_unchecked(
+            &self.conn,
+            rusqlite::TransactionBehavior::Immediate,
+        )?;
+        let found: i64 = tx.query_row("PRAGMA user_version", [], |r| r.get(0))?;
         if found > SCHEMA_VERSION {
             return Err(rusqlite::Error::InvalidParameterName(format!(
                 "schema version {found} is newer than this agent's ({SCHEMA_VERSION})"
             )));
         }
-        self.conn.execute_batch(SCHEMA)?;
-        self.conn
-            .pragma_update(None, "user_version", SCHEMA_VERSION)?;
-        Ok(())
+        if found < SCHEMA_VERSION {
+            migrate(&tx)?;
+        }
+        tx.execute_batch(EVENTS_TABLE)?;
+        tx.execute_batch(&flows_table("flows"))?;
+        tx.execute_batch(INDEXES)?;
+        tx.pragma_update(None, "user_version", SCHEMA_VERSION)?;
+        tx.commit()
     }
 
     /// Write `events` (denials and would-denials: one row each) and `flows` in one transaction.
@@ -362,8 +453,8 @@ impl Store {
         {
             let mut ins = tx.prepare_cached(
                 "INSERT INTO events(time_us, verdict, source, policy, container_id,
-                    container_name, cgroup_id, context, host, ip, port, protocol, reason)
-                 VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13)",
+                    container_name, cgroup_id, context, host, ip, port, protocol, reason, rule)
+                 VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14)",
             )?;
             for ev in events.iter().filter(|e| e.verdict != Verdict::Allow) {
                 ins.execute(params![
@@ -380,14 +471,15 @@ impl Store {
                     ev.port,
                     ev.protocol,
                     ev.reason,
+                    ev.rule,
                 ])?;
             }
             let mut up = tx.prepare_cached(
                 "INSERT INTO flows(verdict, source, policy, container_id, container_name, labels,
-                    host, ip, port, protocol, reason, count, first_us, last_us)
-                 VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14)
+                    host, ip, port, protocol, reason, rule, count, first_us, last_us)
+                 VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15)
                  ON CONFLICT(verdict, source, policy, container_id, container_name, labels, host,
-                    ip, port, protocol, reason)
+                    ip, port, protocol, reason, rule)
                  DO UPDATE SET count = count + excluded.count,
                     first_us = min(first_us, excluded.first_us),
                     last_us = max(last_us, excluded.last_us)",
@@ -405,6 +497,7 @@ impl Store {
                     k.port,
                     k.protocol,
                     k.reason,
+                    k.rule,
                     i64::try_from(s.count).unwrap_or(i64::MAX),
                     s.first_us,
                     s.last_us,
@@ -585,6 +678,188 @@ mod tests {
             .query_row("SELECT count(*) FROM events", [], |r| r.get(0))
             .unwrap();
         assert_eq!(rows, 0);
+        std::fs::remove_dir_all(path.parent().unwrap().parent().unwrap()).ok();
+    }
+
+    /// A flow decided by another rule (the policy changed) is another flow; events keep theirs.
+    #[test]
+    fn the_rule_is_stored_and_part_of_a_flows_key() {
+        let path = temp_db("rule");
+        let mut s = Store::open(&path).unwrap();
+        let mut batch = FlowBatch::new();
+        let mut a = ev("api.github.com", 443, Verdict::Allow);
+        a.rule = Some("allow_hosts api.github.com".into());
+        let mut b = a.clone();
+        b.rule = Some("allow_hosts *.github.com".into());
+        let mut d = ev("api.github.com", 22, Verdict::WouldDeny);
+        d.rule = Some("allow_hosts api.github.com".into());
+        for e in [&a, &a, &b, &d] {
+            add_flow(&mut batch, e);
+        }
+        assert_eq!(batch.len(), 3);
+        s.write(&[a, b, d], &batch).unwrap();
+        // Written again: the same three flows, counted up.
+        s.write(&[], &batch).unwrap();
+        let flows: Vec<(String, i64)> = s
+            .conn()
+            .prepare("SELECT rule, count FROM flows ORDER BY rule, count")
+            .unwrap()
+            .query_map([], |r| Ok((r.get(0)?, r.get(1)?)))
+            .unwrap()
+            .collect::<Result<_, _>>()
+            .unwrap();
+        assert_eq!(
+            flows,
+            [
+                ("allow_hosts *.github.com".to_owned(), 2),
+                ("allow_hosts api.github.com".to_owned(), 2),
+                ("allow_hosts api.github.com".to_owned(), 4),
+            ]
+        );
+        let rule: Option<String> = s
+            .conn()
+            .query_row("SELECT rule FROM events", [], |r| r.get(0))
+            .unwrap();
+        assert_eq!(rule.as_deref(), Some("allow_hosts api.github.com"));
+        std::fs::remove_dir_all(path.parent().unwrap().parent().unwrap()).ok();
+    }
+
+    /// A version-1 file as the first agent wrote it: its schema, an event and a flow.
+    fn write_v1(path: &Path) {
+        std::fs::create_dir_all(path.parent().unwrap()).unwrap();
+        std::fs::set_permissions(
+            path.parent().unwrap(),
+            std::fs::Permissions::from_mode(0o700),
+        )
+        .unwrap();
+        let c = Connection::open(path).unwrap();
+        c.execute_batch(
+            "PRAGMA journal_mode = WAL;
+             CREATE TABLE events(id INTEGER PRIMARY KEY, time_us INTEGER NOT NULL,
+                verdict TEXT NOT NULL, source TEXT NOT NULL, policy TEXT NOT NULL,
+                container_id TEXT, container_name TEXT, cgroup_id INTEGER,
+                context TEXT NOT NULL DEFAULT '{}', host TEXT, ip TEXT, port INTEGER NOT NULL,
+                protocol TEXT NOT NULL, reason TEXT NOT NULL);
+             CREATE INDEX events_time ON events(time_us);
+             CREATE TABLE flows(id INTEGER PRIMARY KEY, verdict TEXT NOT NULL,
+                source TEXT NOT NULL, policy TEXT NOT NULL, container_id TEXT NOT NULL,
+                container_name TEXT NOT NULL, labels TEXT NOT NULL, host TEXT NOT NULL,
+                ip TEXT NOT NULL, port INTEGER NOT NULL, protocol TEXT NOT NULL,
+                reason TEXT NOT NULL, count INTEGER NOT NULL, first_us INTEGER NOT NULL,
+                last_us INTEGER NOT NULL,
+                UNIQUE(verdict, source, policy, container_id, container_name, labels, host, ip,
+                       port, protocol, reason));
+             CREATE INDEX flows_last ON flows(last_us);
+             INSERT INTO events(time_us, verdict, source, policy, container_id, container_name,
+                context, host, port, protocol, reason)
+             VALUES (1000, 'would-deny', 'proxy', 'ci', 'abc123', 'job', '{\"run\":\"42\"}',
+                'evil.example', 443, 'connect', 'host-not-allowed');
+             INSERT INTO flows(verdict, source, policy, container_id, container_name, labels,
+                host, ip, port, protocol, reason, count, first_us, last_us)
+             VALUES ('allow', 'proxy', 'ci', 'abc123', 'job', '{\"run\":\"42\"}',
+                'github.com', '', 443, 'connect', 'allowed', 5, 1000, 2000);
+             PRAGMA user_version = 1;",
+        )
+        .unwrap();
+    }
+
+    #[test]
+    fn a_version_1_store_is_migrated_in_place() {
+        use crate::store::query::EventFilter;
+        let path = temp_db("v1");
+        write_v1(&path);
+        let mut s = Store::open(&path).unwrap();
+        let version: i64 = s
+            .conn()
+            .query_row("PRAGMA user_version", [], |r| r.get(0))
+            .unwrap();
+        assert_eq!(version, SCHEMA_VERSION);
+        assert!(has_column(s.conn(), "events", "rule").unwrap());
+        assert!(has_column(s.conn(), "flows", "rule").unwrap());
+        assert!(!has_table(s.conn(), "flows_v2").unwrap());
+        let index: i64 = s
+            .conn()
+            .query_row(
+                "SELECT count(*) FROM sqlite_master WHERE type = 'index' AND name = 'flows_last'",
+                [],
+                |r| r.get(0),
+            )
+            .unwrap();
+        assert_eq!(index, 1);
+        // The old rows, with no rule.
+        let events = s.events(&EventFilter::default(), 0, 10).unwrap();
+        assert_eq!(events.len(), 1);
+        assert_eq!(events[0].event.host.as_deref(), Some("evil.example"));
+        assert_eq!(events[0].event.rule, None);
+        let flows = s.flows(&EventFilter::default()).unwrap();
+        assert_eq!(flows.len(), 1);
+        assert_eq!((flows[0].host.as_str(), flows[0].count), ("github.com", 5));
+        assert_eq!(flows[0].rule, None);
+        // The old flow goes on counting under the new key (its rule empty), a named one is new.
+        let mut old = ev("github.com", 443, Verdict::Allow);
+        old.reason = "allowed".into();
+        old.context.remove("pid");
+        old.protocol = "connect".into();
+        let mut named = old.clone();
+        named.rule = Some("allow_hosts github.com".into());
+        let mut batch = FlowBatch::new();
+        add_flow(&mut batch, &old);
+        add_flow(&mut batch, &named);
+        s.write(&[], &batch).unwrap();
+        let flows = s.flows(&EventFilter::default()).unwrap();
+        let counts: Vec<(u64, Option<&str>)> =
+            flows.iter().map(|f| (f.count, f.rule.as_deref())).collect();
+        assert_eq!(counts, [(6, None), (1, Some("allow_hosts github.com"))]);
+        drop(s);
+        // Opening again changes nothing.
+        Store::open(&path).unwrap();
+        assert_eq!(Store::open(&path).unwrap().integrity_check().unwrap(), "ok");
+        std::fs::remove_dir_all(path.parent().unwrap().parent().unwrap()).ok();
+    }
+
+    /// `events`/`suggest` on an older daemon's store: read as it is, without a rule.
+    #[test]
+    fn a_version_1_store_is_read_only_without_a_rule() {
+        use crate::store::query::EventFilter;
+        let path = temp_db("v1ro");
+        write_v1(&path);
+        let s = Store::open_read_only(&path).unwrap();
+        assert!(!s.has_rule());
+        let events = s.events(&EventFilter::default(), 0, 10).unwrap();
+        assert_eq!(events.len(), 1);
+        assert_eq!(events[0].event.rule, None);
+        let flows = s.flows(&EventFilter::default()).unwrap();
+        assert_eq!(flows.len(), 1);
+        assert_eq!(flows[0].rule, None);
+        drop(s);
+        // Not migrated by reading.
+        let c = Connection::open(&path).unwrap();
+        let version: i64 = c
+            .query_row("PRAGMA user_version", [], |r| r.get(0))
+            .unwrap();
+        assert_eq!(version, 1);
+        assert!(!has_column(&c, "events", "rule").unwrap());
+        std::fs::remove_dir_all(path.parent().unwrap().parent().unwrap()).ok();
+    }
+
+    #[test]
+    fn a_store_newer_than_the_agent_is_refused() {
+        let path = temp_db("newer");
+        drop(Store::open(&path).unwrap());
+        Connection::open(&path)
+            .unwrap()
+            .pragma_update(None, "user_version", SCHEMA_VERSION + 1)
+            .unwrap();
+        let e = Store::open(&path).unwrap_err().to_string();
+        assert!(e.contains("is newer than this agent's"), "{e}");
+        let e = Store::open_read_only(&path).unwrap_err().to_string();
+        assert!(e.contains("is newer than this agent's"), "{e}");
+        // Refusing left it as it was.
+        let version: i64 = Connection::open(&path)
+            .unwrap()
+            .query_row("PRAGMA user_version", [], |r| r.get(0))
+            .unwrap();
+        assert_eq!(version, SCHEMA_VERSION + 1);
         std::fs::remove_dir_all(path.parent().unwrap().parent().unwrap()).ok();
     }
 

@@ -112,6 +112,11 @@ pub struct Flow {
     pub port: u16,
     pub protocol: String,
     pub reason: String,
+    /// The rule that decided, as the event named it ([`DenialEvent::rule`]); `None` when none
+    /// did, for flows recorded before events named their rule, and in a version-1 store read
+    /// without migrating it.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub rule: Option<String>,
     pub count: u64,
     #[serde(serialize_with = "ser_time")]
     pub first_seen: SystemTime,
@@ -132,6 +137,11 @@ fn parse_source(s: &str) -> Source {
 }
 
 impl Store {
+    /// `rule`, or `absent` (an SQL value) in a version-1 file read without migrating it.
+    fn rule_column(&self, absent: &'static str) -> &'static str {
+        if self.has_rule() { "rule" } else { absent }
+    }
+
     /// The newest `limit` events matching `filter` with an id above `after`, oldest first.
     pub fn events(
         &self,
@@ -144,9 +154,10 @@ impl Store {
         let after_n = params.len();
         params.push(Value::Integer(i64::try_from(limit).unwrap_or(i64::MAX)));
         let limit_n = params.len();
+        let rule = self.rule_column("NULL");
         let sql = format!(
             "SELECT id, time_us, verdict, source, policy, container_id, container_name, cgroup_id,
-                    context, host, ip, port, protocol, reason
+                    context, host, ip, port, protocol, reason, {rule}
              FROM (SELECT * FROM events WHERE {cond} AND id > ?{after_n}
                    ORDER BY id DESC LIMIT ?{limit_n})
              ORDER BY id"
@@ -181,7 +192,7 @@ impl Store {
                         protocol: r.get(12)?,
                         reason: r.get(13)?,
                         verdict: verdict.parse().unwrap_or_default(),
-                        rule: None,
+                        rule: r.get(14)?,
                     },
                 })
             })
@@ -192,12 +203,13 @@ impl Store {
     /// Flows matching `filter` (`since`: last seen at or after), in a stable order.
     pub fn flows(&self, filter: &EventFilter) -> Result<Vec<Flow>, StoreError> {
         let (cond, params) = filter.sql("last_us", "labels");
+        let rule = self.rule_column("''");
         let sql = format!(
             "SELECT verdict, source, policy, container_id, container_name, labels, host, ip, port,
-                    protocol, reason, count, first_us, last_us
+                    protocol, reason, count, first_us, last_us, {rule}
              FROM flows WHERE {cond}
              ORDER BY host, ip, port, protocol, verdict, policy, container_name, labels, source,
-                      reason"
+                      reason, {rule}"
         );
         let conn = self.conn();
         let mut stmt = conn.prepare(&sql).map_err(|e| self.err(e))?;
@@ -206,6 +218,7 @@ impl Store {
                 let verdict: String = r.get(0)?;
                 let labels: String = r.get(5)?;
                 let count: i64 = r.get(11)?;
+                let rule: String = r.get(14)?;
                 Ok(Flow {
                     verdict: verdict.parse().unwrap_or_default(),
                     source: r.get(1)?,
@@ -218,6 +231,7 @@ impl Store {
                     port: r.get(8)?,
                     protocol: r.get(9)?,
                     reason: r.get(10)?,
+                    rule: (!rule.is_empty()).then_some(rule),
                     count: u64::try_from(count).unwrap_or(0),
                     first_seen: from_micros(r.get(12)?),
                     last_seen: from_micros(r.get(13)?),
@@ -260,6 +274,7 @@ mod tests {
         all[0].time = t0;
         all[0].ip = Some("10.0.0.1".parse().unwrap());
         all[0].cgroup_id = Some(77);
+        all[1].rule = Some("mode deny_all".into());
         let mut batch = FlowBatch::new();
         for e in &all {
             add_flow(&mut batch, e);
@@ -312,11 +327,16 @@ mod tests {
             };
             assert_eq!(trunc(stored), trunc(live), "{f:?}");
             let flows = s.flows(f).unwrap();
-            assert_eq!(
-                flows.len(),
-                all.iter().filter(|e| f.matches(e)).count(),
-                "{f:?}"
-            );
+            let rules: Vec<Option<String>> = flows.iter().map(|f| f.rule.clone()).collect();
+            let mut want: Vec<Option<String>> = all
+                .iter()
+                .filter(|e| f.matches(e))
+                .map(|e| e.rule.clone())
+                .collect();
+            want.sort();
+            let mut got = rules;
+            got.sort();
+            assert_eq!(got, want, "{f:?}");
         }
         // Limit keeps the newest, oldest first; `after` skips what was seen.
         let last2 = s.events(&EventFilter::default(), 0, 2).unwrap();

@@ -12,6 +12,10 @@
 //!   `allow_cidrs` host entries (/32, /128) with the ports seen; public ones get a warning comment
 //!   (they are reached without the proxy's name check). Inbound connections (kernel flows with
 //!   `direction = inbound`: the peer's address, the cgroup's local port) become `allow_inbound`.
+//! - **Rules** (`--diff`): the rule each flow's events named says which `allow_hosts` entries of
+//!   the policy in force decided nothing in the window (listed as removal candidates, in
+//!   comments), and which entry a `port-not-allowed` name matched (the port can go on that
+//!   entry rather than in `allow_ports`).
 //! - Not suggested (a comment counts them): request-shape refusals (userinfo, numeric IP forms,
 //!   Host mismatch), socket types the kernel never allows, connections to the proxy endpoint,
 //!   and agent lifecycle events.
@@ -29,7 +33,7 @@ use crate::events::Verdict;
 use crate::store::query::Flow;
 use egress_policy::matcher::HostMatcher;
 use egress_policy::name::{Destination, HostName};
-use egress_policy::{CompiledPolicy, DenyReason, Policy};
+use egress_policy::{CompiledPolicy, DenyReason, Policy, Rule};
 use group::HostEntry;
 
 /// Proxy reasons a policy can fix (by listing the name, port or address).
@@ -69,6 +73,47 @@ pub struct Observed {
     pub last: Option<SystemTime>,
     /// Left out, by why → count of events.
     pub skipped: BTreeMap<String, u64>,
+    /// Per policy, the rules its flows named (for `--diff`).
+    pub rules: BTreeMap<String, RuleUse>,
+}
+
+/// What the flows of one policy said about its rules: the rule each event names (as
+/// [`egress_policy::Rule::describe`] wrote it under that policy).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct RuleUse {
+    /// Every rule a flow named.
+    pub named: BTreeSet<String>,
+    /// Allowed proxy flows naming no rule: recorded before events named their rule, so the
+    /// rules they stand for are unknown.
+    pub allowed_unnamed: usize,
+    /// `port-not-allowed` flows, by the `allow_hosts` entry that matched the name → the ports.
+    pub ports_refused: BTreeMap<String, BTreeSet<u16>>,
+    /// First and last seen of these flows.
+    pub first: Option<SystemTime>,
+    pub last: Option<SystemTime>,
+}
+
+/// The prefix [`egress_policy::Rule::describe`] gives an `allow_hosts` entry.
+const HOST_RULE: &str = "allow_hosts ";
+
+/// Count `f` (a flow [`observe`] used) in its policy's [`RuleUse`].
+fn note_rule(o: &mut Observed, f: &Flow) {
+    let u = o.rules.entry(f.policy.clone()).or_default();
+    u.first = Some(u.first.map_or(f.first_seen, |t| t.min(f.first_seen)));
+    u.last = Some(u.last.map_or(f.last_seen, |t| t.max(f.last_seen)));
+    let Some(rule) = &f.rule else {
+        if f.verdict == Verdict::Allow && f.source == "proxy" {
+            u.allowed_unnamed += 1;
+        }
+        return;
+    };
+    u.named.insert(rule.clone());
+    if reason_is(f, DenyReason::PortNotAllowed) && rule.starts_with(HOST_RULE) {
+        u.ports_refused
+            .entry(rule.clone())
+            .or_default()
+            .insert(f.port);
+    }
 }
 
 fn reason_is(flow: &Flow, r: DenyReason) -> bool {
@@ -145,6 +190,7 @@ pub fn observe(flows: &[Flow], opts: &Options) -> Observed {
                 continue;
             }
         }
+        note_rule(&mut o, f);
         o.flows += 1;
         o.events += f.count;
         o.first = Some(o.first.map_or(f.first_seen, |t| t.min(f.first_seen)));
@@ -303,6 +349,12 @@ pub fn header(o: &Observed, selection: &str) -> Vec<String> {
 /// an audited policy would refuse is not allowed) for each observed name on each of its ports,
 /// and for each observed address and port, so per-entry ports, `allow_ports`, `deny_cidrs`,
 /// `resolve_private` and the mode all count.
+///
+/// From the rules the flows named (their events' [`crate::events::DenialEvent::rule`]), as
+/// comments: the `allow_hosts` entries no flow decided under `current` named (removal
+/// candidates for the observed window, never taken out), and next to a needed `allow_ports`
+/// port, the entries whose names were refused on it (`port-not-allowed`), which could list the
+/// port themselves.
 pub fn diff(s: &Suggestion, o: &Observed, current: &Policy, current_name: &str) -> String {
     let mut out = String::new();
     writeln!(out, "--- policy {current_name} (in force)").ok();
@@ -340,6 +392,7 @@ pub fn diff(s: &Suggestion, o: &Observed, current: &Policy, current_name: &str) 
             .ok();
         }
     }
+    unused_hosts(&mut out, o, current, current_name);
     if !s.hosts.is_empty() {
         for p in &s.ports {
             // Listed, or not needed: every name seen on it is allowed there already (by its
@@ -348,12 +401,12 @@ pub fn diff(s: &Suggestion, o: &Observed, current: &Policy, current_name: &str) 
                 .names
                 .iter()
                 .any(|(n, ports)| ports.contains(p) && !allowed_on(n, *p));
-            let mark = if current.allow_ports.contains(p) || !needed {
-                ' '
+            if current.allow_ports.contains(p) || !needed {
+                writeln!(out, "  allow_ports {p}").ok();
             } else {
-                '+'
-            };
-            writeln!(out, "{mark} allow_ports {p}").ok();
+                let note = entry_ports_note(o, current, current_name, *p);
+                writeln!(out, "+ allow_ports {p}{note}").ok();
+            }
         }
     }
     for p in &current.allow_ports {
@@ -404,6 +457,98 @@ pub fn diff(s: &Suggestion, o: &Observed, current: &Policy, current_name: &str) 
         .ok();
     }
     out
+}
+
+/// The description of each `allow_hosts` entry of `policy`, as events name it.
+fn host_rules(policy: &Policy) -> impl Iterator<Item = (String, &egress_policy::model::HostEntry)> {
+    policy.allow_hosts.iter().enumerate().map(|(index, e)| {
+        let rule = Rule::Host { index, port: None };
+        (rule.describe(policy), e)
+    })
+}
+
+fn window(u: &RuleUse) -> String {
+    let t = |t: Option<SystemTime>| {
+        t.map_or_else(
+            || "-".to_owned(),
+            |t| humantime::format_rfc3339_seconds(t).to_string(),
+        )
+    };
+    format!("{} .. {}", t(u.first), t(u.last))
+}
+
+/// The `allow_hosts` entries of `current` that no flow decided under it named: comments, as
+/// removal candidates (nothing is taken out of the policy). Said to be unknown rather than
+/// listed when the selection has no flow of that policy, or allowed proxy flows that name no
+/// rule (recorded before events named it).
+fn unused_hosts(out: &mut String, o: &Observed, current: &Policy, name: &str) {
+    if current.allow_hosts.is_empty() {
+        return;
+    }
+    let head = "# allow_hosts entries unused in the observed window";
+    let Some(u) = o.rules.get(name) else {
+        writeln!(
+            out,
+            "{head}: not known (no flow of the selection was decided under policy {name})"
+        )
+        .ok();
+        return;
+    };
+    if u.allowed_unnamed > 0 {
+        writeln!(
+            out,
+            "{head} ({}): not known ({} allowed flows of policy {name} were recorded before \
+             events named their rule)",
+            window(u),
+            u.allowed_unnamed
+        )
+        .ok();
+        return;
+    }
+    let unused: Vec<String> = host_rules(current)
+        .map(|(rule, _)| rule)
+        .filter(|rule| !u.named.contains(rule))
+        .collect();
+    if unused.is_empty() {
+        writeln!(out, "{head} ({}): none", window(u)).ok();
+    } else {
+        writeln!(
+            out,
+            "{head} ({}): no flow of policy {name} was decided by these; candidates for \
+             removal, left in the policy:",
+            window(u)
+        )
+        .ok();
+        for rule in unused {
+            writeln!(out, "#   {rule}").ok();
+        }
+    }
+    if !current.allow_cidrs.is_empty() {
+        writeln!(
+            out,
+            "# allow_cidrs entries are decided in the kernel, whose events name no rule yet: not \
+             listed as unused"
+        )
+        .ok();
+    }
+}
+
+/// `  # allow_hosts entry NAME: add port N` for each entry of `current` whose names were refused
+/// on `port` (`port-not-allowed` flows under it that named the entry), or nothing: the narrower
+/// alternative to listing the port in `allow_ports` for every name.
+fn entry_ports_note(o: &Observed, current: &Policy, name: &str, port: u16) -> String {
+    let Some(u) = o.rules.get(name) else {
+        return String::new();
+    };
+    let notes: Vec<String> = host_rules(current)
+        .filter(|(rule, _)| u.ports_refused.get(rule).is_some_and(|p| p.contains(&port)))
+        .map(|(_, e)| format!("allow_hosts entry {e}: add port {port}"))
+        .collect();
+    if notes.is_empty() {
+        String::new()
+    } else {
+        format!("  # {}", notes.join("; "))
+    }
 }
 
 #[cfg(test)]
@@ -474,5 +619,213 @@ deny_cidrs = ["192.0.2.0/24"]
             l.contains(&"+ allow_cidrs 192.0.2.7/32 port 443  # refused by deny_cidrs"),
             "{d}"
         );
+    }
+
+    fn at(t: &str) -> SystemTime {
+        humantime::parse_rfc3339(t).unwrap()
+    }
+
+    /// A proxy flow of `policy` seen once at 10:00 UTC (`rule`: what its events named).
+    fn flow(policy: &str, host: &str, port: u16, verdict: Verdict, rule: Option<&str>) -> Flow {
+        let reason = match verdict {
+            Verdict::Allow => "allowed",
+            _ if rule.is_some() => "port-not-allowed",
+            _ => "host-not-allowed",
+        };
+        Flow {
+            verdict,
+            source: "proxy".into(),
+            policy: policy.into(),
+            container_id: String::new(),
+            container_name: String::new(),
+            labels: BTreeMap::new(),
+            host: host.into(),
+            ip: String::new(),
+            port,
+            protocol: "connect".into(),
+            reason: reason.into(),
+            rule: rule.map(str::to_owned),
+            count: 1,
+            first_seen: at("2026-11-30T10:00:00Z"),
+            last_seen: at("2026-11-30T10:00:00Z"),
+        }
+    }
+
+    fn diff_of(flows: &[Flow], current: &Policy, name: &str) -> String {
+        let o = observe(flows, &Options::default());
+        diff(&suggest(&o), &o, current, name)
+    }
+
+    /// The entries of the policy in force that decided nothing in the window are listed as
+    /// removal candidates, compared by the rule the events named — a wildcard an exact entry
+    /// shadows too, and only flows decided under that policy count.
+    #[test]
+    fn entries_no_flow_named_are_removal_candidates() {
+        let current = policy(
+            r#"
+allow_hosts = ["api.github.com", "*.github.com", "crates.io", "pypi.org", { host = "git.example.com", ports = [22] }]
+allow_cidrs = [{ cidr = "10.0.0.0/24", ports = [5432] }]
+"#,
+        );
+        let mut flows = vec![
+            flow(
+                "ci",
+                "api.github.com",
+                443,
+                Verdict::Allow,
+                Some("allow_hosts api.github.com"),
+            ),
+            flow(
+                "ci",
+                "git.example.com",
+                22,
+                Verdict::Allow,
+                Some("allow_hosts git.example.com (ports 22)"),
+            ),
+            // A would-deny naming an entry (its port refused): the entry is in use.
+            flow(
+                "ci",
+                "pypi.org",
+                8443,
+                Verdict::WouldDeny,
+                Some("allow_hosts pypi.org"),
+            ),
+            flow("ci", "evil.example", 443, Verdict::WouldDeny, None),
+            // Another policy's entry of the same text says nothing about this one.
+            flow(
+                "web",
+                "crates.io",
+                443,
+                Verdict::Allow,
+                Some("allow_hosts crates.io"),
+            ),
+        ];
+        flows[1].last_seen = at("2026-11-30T11:30:00Z");
+        // Direct traffic: decided in the kernel, no rule, and that is no gap.
+        let mut direct = flow("ci", "", 5432, Verdict::Allow, None);
+        direct.source = "kernel".into();
+        direct.ip = "10.0.0.5".into();
+        flows.push(direct);
+        let d = diff_of(&flows, &current, "ci");
+        let l = lines(&d);
+        let head = l
+            .iter()
+            .position(|x| x.starts_with("# allow_hosts entries unused"))
+            .unwrap();
+        assert_eq!(
+            l[head],
+            "# allow_hosts entries unused in the observed window (2026-11-30T10:00:00Z .. \
+             2026-11-30T11:30:00Z): no flow of policy ci was decided by these; candidates for \
+             removal, left in the policy:",
+            "{d}"
+        );
+        assert_eq!(
+            l[head + 1..head + 4],
+            [
+                "#   allow_hosts *.github.com",
+                "#   allow_hosts crates.io",
+                "# allow_cidrs entries are decided in the kernel, whose events name no rule yet: \
+                 not listed as unused",
+            ],
+            "{d}"
+        );
+        // Never taken out: the candidates are comments, not '-' lines.
+        assert!(!l.iter().any(|x| x.starts_with("- allow_hosts")), "{d}");
+        // Every entry used: said so.
+        let all = policy("allow_hosts = [\"api.github.com\"]");
+        let d = diff_of(&flows, &all, "ci");
+        assert!(
+            d.contains("# allow_hosts entries unused in the observed window (2026-11-30T10:00:00Z .. 2026-11-30T11:30:00Z): none\n"),
+            "{d}"
+        );
+    }
+
+    /// Flows recorded before events named their rule, or no flow of the compared policy: the
+    /// list would be wrong, so it is said to be unknown instead.
+    #[test]
+    fn unused_entries_are_not_listed_when_the_rules_are_not_known() {
+        let current = policy("allow_hosts = [\"api.github.com\", \"crates.io\"]");
+        let flows = [
+            flow(
+                "ci",
+                "api.github.com",
+                443,
+                Verdict::Allow,
+                Some("allow_hosts api.github.com"),
+            ),
+            // An older agent's flow: allowed, no rule.
+            flow("ci", "crates.io", 443, Verdict::Allow, None),
+        ];
+        let d = diff_of(&flows, &current, "ci");
+        assert!(
+            d.contains(
+                "# allow_hosts entries unused in the observed window (2026-11-30T10:00:00Z .. \
+                 2026-11-30T10:00:00Z): not known (1 allowed flows of policy ci were recorded \
+                 before events named their rule)\n"
+            ),
+            "{d}"
+        );
+        assert!(!d.contains("#   allow_hosts"), "{d}");
+        // Compared with a policy none of the flows was decided under.
+        let d = diff_of(&flows[..1], &current, "prod");
+        assert!(
+            d.contains(
+                "# allow_hosts entries unused in the observed window: not known (no flow of the \
+                 selection was decided under policy prod)\n"
+            ),
+            "{d}"
+        );
+        assert!(!d.contains("#   allow_hosts"), "{d}");
+    }
+
+    /// A name refused on a port names the entry that matched it: the diff says that entry could
+    /// take the port, next to the `allow_ports` line.
+    #[test]
+    fn a_refused_port_names_the_entry_that_could_take_it() {
+        let current = policy(
+            r#"
+allow_hosts = [{ host = "git.example.com", ports = [22] }, "api.example.org"]
+allow_ports = [443]
+"#,
+        );
+        let git = "allow_hosts git.example.com (ports 22)";
+        let api = "allow_hosts api.example.org";
+        let flows = [
+            flow("ci", "git.example.com", 443, Verdict::Allow, Some(git)),
+            flow("ci", "git.example.com", 2222, Verdict::WouldDeny, Some(git)),
+            flow("ci", "api.example.org", 2222, Verdict::WouldDeny, Some(api)),
+            flow("ci", "api.example.org", 8443, Verdict::WouldDeny, Some(api)),
+            // Under another policy, or an entry the policy in force no longer has: no note.
+            flow(
+                "web",
+                "api.example.org",
+                9000,
+                Verdict::WouldDeny,
+                Some(api),
+            ),
+            flow(
+                "ci",
+                "old.example.org",
+                9443,
+                Verdict::WouldDeny,
+                Some("allow_hosts old.example.org"),
+            ),
+        ];
+        let d = diff_of(&flows, &current, "ci");
+        let l = lines(&d);
+        assert!(l.contains(&"  allow_ports 443"), "{d}");
+        assert!(
+            l.contains(
+                &"+ allow_ports 2222  # allow_hosts entry git.example.com (ports 22): add port \
+                  2222; allow_hosts entry api.example.org: add port 2222"
+            ),
+            "{d}"
+        );
+        assert!(
+            l.contains(&"+ allow_ports 8443  # allow_hosts entry api.example.org: add port 8443"),
+            "{d}"
+        );
+        assert!(l.contains(&"+ allow_ports 9000"), "{d}");
+        assert!(l.contains(&"+ allow_ports 9443"), "{d}");
     }
 }

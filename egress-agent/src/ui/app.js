@@ -109,7 +109,7 @@ function denialRow(ev, fresh) {
   let who = ev.container ? ev.container.name : ctx.exec || "-";
   if (ctx["k8s.container.name"]) who += " (" + ctx["k8s.container.name"] + ")";
   const t = (ev.time || "").replace("T", " ").replace(/\.\d+Z$/, "Z");
-  tr.append(el("td", t), el("td", who), el("td", ev.policy), el("td", dest), el("td", ev.verdict || "deny"), el("td", ev.reason));
+  tr.append(el("td", t), el("td", who), el("td", ev.policy), el("td", dest), el("td", ev.verdict || "deny"), el("td", ev.reason), el("td", ev.rule || "-"));
   return tr;
 }
 
