@@ -6,12 +6,14 @@
 //! - `events`: every denial and would-deny, one row each, with exactly the fields of a
 //!   [`DenialEvent`] (the context labels as a JSON object).
 //! - `flows`: every event (allowed ones too) aggregated by what it was — verdict, source, policy,
-//!   container, context labels (without the pid), host or address, port, protocol, reason, rule —
-//!   with a count and first/last seen. `suggest` reads these.
+//!   container, context labels (without the pid), host or address, port, protocol, reason —
+//!   with a count, first/last seen and the rule that decided it last. `suggest` reads these.
 //!
-//! Schema version 2 added `rule` (the rule of the policy that decided) to both; [`Store::open`]
-//! migrates a version-1 file in one transaction, [`Store::open_read_only`] reads one as it is
-//! (no rule).
+//! Schema version 2 added `rule` (the rule of the policy that decided) to both, as a column
+//! outside every key: [`Store::open`] migrates a version-1 file in one transaction (two `ALTER
+//! TABLE ... ADD COLUMN`), and a version-1 agent still draining after a hand-over to this one
+//! goes on writing the same tables unchanged (its rows have no rule). [`Store::open_read_only`]
+//! reads a version-1 file as it is (no rule).
 //!
 //! Durability: each batch is one transaction with `synchronous = FULL`, so a committed batch
 //! survives a crash of the agent (kill -9) and of the machine; an interrupted one is rolled back
@@ -85,16 +87,14 @@ CREATE TABLE IF NOT EXISTS events(
 );
 ";
 
-/// Made after the tables (and after a migration rebuilt `flows`).
+/// Made after the tables.
 const INDEXES: &str = "
 CREATE INDEX IF NOT EXISTS events_time ON events(time_us);
 CREATE INDEX IF NOT EXISTS flows_last ON flows(last_us);
 ";
 
-/// The `flows` table under `name` (the migration builds it under another name first).
-fn flows_table(name: &str) -> String {
-    format!(
-        "CREATE TABLE IF NOT EXISTS {name}(
+const FLOWS_TABLE: &str = "
+CREATE TABLE IF NOT EXISTS flows(
     id INTEGER PRIMARY KEY,
     verdict TEXT NOT NULL,
     source TEXT NOT NULL,
@@ -107,25 +107,13 @@ fn flows_table(name: &str) -> String {
     port INTEGER NOT NULL,
     protocol TEXT NOT NULL,
     reason TEXT NOT NULL,
-    rule TEXT NOT NULL DEFAULT '',
     count INTEGER NOT NULL,
     first_us INTEGER NOT NULL,
     last_us INTEGER NOT NULL,
+    rule TEXT NOT NULL DEFAULT '',
     UNIQUE(verdict, source, policy, container_id, container_name, labels, host, ip, port,
-           protocol, reason, rule)
-);"
-    )
-}
-
-/// Version 1 → 2: `events` gains `rule` (NULL in old rows); `flows` is rebuilt with `rule`
-/// (`''` in old rows) in its key, since SQLite can't change a UNIQUE constraint in place.
-const MIGRATE_FLOWS_V2: &str = "
-INSERT INTO flows_v2(id, verdict, source, policy, container_id, container_name, labels, host, ip,
-    port, protocol, reason, rule, count, first_us, last_us)
-SELECT id, verdict, source, policy, container_id, container_name, labels, host, ip, port,
-    protocol, reason, '', count, first_us, last_us FROM flows;
-DROP TABLE flows;
-ALTER TABLE flows_v2 RENAME TO flows;
+           protocol, reason)
+);
 ";
 
 /// Does `table` exist and have `column`?
@@ -146,9 +134,7 @@ fn migrate(conn: &Connection) -> Result<(), rusqlite::Error> {
         conn.execute_batch("ALTER TABLE events ADD COLUMN rule TEXT;")?;
     }
     if has_table(conn, "flows")? && !has_column(conn, "flows", "rule")? {
-        conn.execute_batch("DROP TABLE IF EXISTS flows_v2;")?;
-        conn.execute_batch(&flows_table("flows_v2"))?;
-        conn.execute_batch(MIGRATE_FLOWS_V2)?;
+        conn.execute_batch("ALTER TABLE flows ADD COLUMN rule TEXT NOT NULL DEFAULT '';")?;
     }
     Ok(())
 }
@@ -224,9 +210,6 @@ pub struct FlowKey {
     pub port: u16,
     pub protocol: String,
     pub reason: String,
-    /// The rule that decided ([`DenialEvent::rule`]); empty for none. A flow decided by another
-    /// rule (after a policy change) is another flow.
-    pub rule: String,
 }
 
 impl FlowKey {
@@ -252,17 +235,19 @@ impl FlowKey {
             port: ev.port,
             protocol: ev.protocol.clone(),
             reason: ev.reason.clone(),
-            rule: ev.rule.clone().unwrap_or_default(),
         }
     }
 }
 
-/// Count and first/last seen (µs) of one flow in a batch.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+/// Count and first/last seen (µs) of one flow in a batch, and the rule that decided it last
+/// ([`DenialEvent::rule`]; empty for none). The rule is not part of what a flow is: after a
+/// policy change the flow goes on, decided by the new rule.
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct FlowStats {
     pub count: u64,
     pub first_us: i64,
     pub last_us: i64,
+    pub rule: String,
 }
 
 /// Flows aggregated in memory before a write.
@@ -271,17 +256,22 @@ pub type FlowBatch = std::collections::HashMap<FlowKey, FlowStats>;
 /// Add one event to a batch of flows.
 pub fn add_flow(batch: &mut FlowBatch, ev: &DenialEvent) {
     let t = micros(ev.time);
+    let rule = || ev.rule.clone().unwrap_or_default();
     batch
         .entry(FlowKey::of(ev))
         .and_modify(|s| {
             s.count += 1;
             s.first_us = s.first_us.min(t);
-            s.last_us = s.last_us.max(t);
+            if t >= s.last_us {
+                s.last_us = t;
+                s.rule = rule();
+            }
         })
-        .or_insert(FlowStats {
+        .or_insert_with(|| FlowStats {
             count: 1,
             first_us: t,
             last_us: t,
+            rule: rule(),
         });
 }
 
@@ -432,7 +422,7 @@ impl Store {
             migrate(&tx)?;
         }
         tx.execute_batch(EVENTS_TABLE)?;
-        tx.execute_batch(&flows_table("flows"))?;
+        tx.execute_batch(FLOWS_TABLE)?;
         tx.execute_batch(INDEXES)?;
         tx.pragma_update(None, "user_version", SCHEMA_VERSION)?;
         tx.commit()
@@ -479,9 +469,10 @@ impl Store {
                     host, ip, port, protocol, reason, rule, count, first_us, last_us)
                  VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15)
                  ON CONFLICT(verdict, source, policy, container_id, container_name, labels, host,
-                    ip, port, protocol, reason, rule)
+                    ip, port, protocol, reason)
                  DO UPDATE SET count = count + excluded.count,
                     first_us = min(first_us, excluded.first_us),
+                    rule = CASE WHEN excluded.last_us >= last_us THEN excluded.rule ELSE rule END,
                     last_us = max(last_us, excluded.last_us)",
             )?;
             for (k, s) in flows {
@@ -497,7 +488,7 @@ impl Store {
                     k.port,
                     k.protocol,
                     k.reason,
-                    k.rule,
+                    s.rule,
                     i64::try_from(s.count).unwrap_or(i64::MAX),
                     s.first_us,
                     s.last_us,
@@ -681,46 +672,55 @@ mod tests {
         std::fs::remove_dir_all(path.parent().unwrap().parent().unwrap()).ok();
     }
 
-    /// A flow decided by another rule (the policy changed) is another flow; events keep theirs.
+    /// A flow decided by another rule (the policy changed) is the same flow, naming the newer
+    /// rule; events keep theirs.
     #[test]
-    fn the_rule_is_stored_and_part_of_a_flows_key() {
+    fn a_flow_keeps_the_rule_that_decided_it_last() {
         let path = temp_db("rule");
         let mut s = Store::open(&path).unwrap();
-        let mut batch = FlowBatch::new();
         let mut a = ev("api.github.com", 443, Verdict::Allow);
         a.rule = Some("allow_hosts api.github.com".into());
         let mut b = a.clone();
+        b.time += Duration::from_secs(1);
         b.rule = Some("allow_hosts *.github.com".into());
         let mut d = ev("api.github.com", 22, Verdict::WouldDeny);
         d.rule = Some("allow_hosts api.github.com".into());
-        for e in [&a, &a, &b, &d] {
+        // The newer event first: the batch still keeps the newer rule.
+        let mut batch = FlowBatch::new();
+        for e in [&b, &a, &d] {
             add_flow(&mut batch, e);
         }
-        assert_eq!(batch.len(), 3);
-        s.write(&[a, b, d], &batch).unwrap();
-        // Written again: the same three flows, counted up.
-        s.write(&[], &batch).unwrap();
-        let flows: Vec<(String, i64)> = s
+        assert_eq!(batch.len(), 2);
+        s.write(&[a.clone(), b, d], &batch).unwrap();
+        // An older batch written later does not take the rule back.
+        let mut older = FlowBatch::new();
+        add_flow(&mut older, &a);
+        s.write(&[], &older).unwrap();
+        let flows: Vec<(u16, String, i64)> = s
             .conn()
-            .prepare("SELECT rule, count FROM flows ORDER BY rule, count")
+            .prepare("SELECT port, rule, count FROM flows ORDER BY port")
             .unwrap()
-            .query_map([], |r| Ok((r.get(0)?, r.get(1)?)))
+            .query_map([], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)))
             .unwrap()
             .collect::<Result<_, _>>()
             .unwrap();
         assert_eq!(
             flows,
             [
-                ("allow_hosts *.github.com".to_owned(), 2),
-                ("allow_hosts api.github.com".to_owned(), 2),
-                ("allow_hosts api.github.com".to_owned(), 4),
+                (22, "allow_hosts api.github.com".to_owned(), 1),
+                (443, "allow_hosts *.github.com".to_owned(), 3),
             ]
         );
-        let rule: Option<String> = s
+        let rules: Vec<Option<String>> = s
             .conn()
-            .query_row("SELECT rule FROM events", [], |r| r.get(0))
+            .prepare("SELECT rule FROM events ORDER BY id")
+            .unwrap()
+            .query_map([], |r| r.get(0))
+            .unwrap()
+            .collect::<Result<_, _>>()
             .unwrap();
-        assert_eq!(rule.as_deref(), Some("allow_hosts api.github.com"));
+        // Only the would-deny is an event (allowed traffic is kept as flows).
+        assert_eq!(rules, [Some("allow_hosts api.github.com".to_owned())]);
         std::fs::remove_dir_all(path.parent().unwrap().parent().unwrap()).ok();
     }
 
@@ -763,6 +763,24 @@ mod tests {
         .unwrap();
     }
 
+    /// What a version-1 agent writes in one batch: an event and a flow upsert, in its words.
+    const V1_WRITES: &str = "
+        BEGIN;
+        INSERT INTO events(time_us, verdict, source, policy, container_id, container_name,
+            cgroup_id, context, host, ip, port, protocol, reason)
+        VALUES (3000, 'deny', 'proxy', 'ci', 'abc123', 'job', NULL, '{}', 'evil.example', NULL,
+            443, 'connect', 'host-not-allowed');
+        INSERT INTO flows(verdict, source, policy, container_id, container_name, labels,
+            host, ip, port, protocol, reason, count, first_us, last_us)
+        VALUES ('allow', 'proxy', 'ci', 'abc123', 'job', '{\"run\":\"42\"}', 'github.com', '',
+            443, 'connect', 'allowed', 1, 3000, 3000)
+        ON CONFLICT(verdict, source, policy, container_id, container_name, labels, host,
+            ip, port, protocol, reason)
+        DO UPDATE SET count = count + excluded.count,
+            first_us = min(first_us, excluded.first_us),
+            last_us = max(last_us, excluded.last_us);
+        COMMIT;";
+
     #[test]
     fn a_version_1_store_is_migrated_in_place() {
         use crate::store::query::EventFilter;
@@ -776,7 +794,6 @@ mod tests {
         assert_eq!(version, SCHEMA_VERSION);
         assert!(has_column(s.conn(), "events", "rule").unwrap());
         assert!(has_column(s.conn(), "flows", "rule").unwrap());
-        assert!(!has_table(s.conn(), "flows_v2").unwrap());
         let index: i64 = s
             .conn()
             .query_row(
@@ -795,21 +812,28 @@ mod tests {
         assert_eq!(flows.len(), 1);
         assert_eq!((flows[0].host.as_str(), flows[0].count), ("github.com", 5));
         assert_eq!(flows[0].rule, None);
-        // The old flow goes on counting under the new key (its rule empty), a named one is new.
-        let mut old = ev("github.com", 443, Verdict::Allow);
-        old.reason = "allowed".into();
-        old.context.remove("pid");
-        old.protocol = "connect".into();
-        let mut named = old.clone();
+        // The old flow goes on counting, and names its rule from now on.
+        let mut named = ev("github.com", 443, Verdict::Allow);
+        named.reason = "allowed".into();
+        named.context.remove("pid");
+        named.protocol = "connect".into();
         named.rule = Some("allow_hosts github.com".into());
         let mut batch = FlowBatch::new();
-        add_flow(&mut batch, &old);
         add_flow(&mut batch, &named);
         s.write(&[], &batch).unwrap();
         let flows = s.flows(&EventFilter::default()).unwrap();
         let counts: Vec<(u64, Option<&str>)> =
             flows.iter().map(|f| (f.count, f.rule.as_deref())).collect();
-        assert_eq!(counts, [(6, None), (1, Some("allow_hosts github.com"))]);
+        assert_eq!(counts, [(6, Some("allow_hosts github.com"))]);
+        // A version-1 agent still draining after a hand-over writes on, unchanged: its insert
+        // and upsert (without `rule`) match the migrated tables.
+        let old = Connection::open(&path).unwrap();
+        old.execute_batch(V1_WRITES).unwrap();
+        let flows = s.flows(&EventFilter::default()).unwrap();
+        let counts: Vec<(u64, Option<&str>)> =
+            flows.iter().map(|f| (f.count, f.rule.as_deref())).collect();
+        assert_eq!(counts, [(7, Some("allow_hosts github.com"))]);
+        assert_eq!(s.events(&EventFilter::default(), 0, 10).unwrap().len(), 2);
         drop(s);
         // Opening again changes nothing.
         Store::open(&path).unwrap();
