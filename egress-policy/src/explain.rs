@@ -71,7 +71,8 @@ impl Target {
 }
 
 /// The proxy's verdict, with the rule that decided as words (`rule`) and as data (`matched`,
-/// absent when no rule of the policy is behind a refusal): both from the decision itself.
+/// absent when no rule of the policy is behind a refusal; its `event_rule` is the text an event
+/// of this decision carries in its `rule`): all from the decision itself.
 fn decision(policy: &Policy, port: u16, d: Decision) -> Value {
     let mut v = match d {
         Decision::Allow(_) => json!({ "verdict": "allow" }),
@@ -81,6 +82,7 @@ fn decision(policy: &Policy, port: u16, d: Decision) -> Value {
     v["rule"] = json!(proxy_rule(policy, port, d));
     if let Some(rule) = d.rule() {
         v["matched"] = matched(policy, rule);
+        v["matched"]["event_rule"] = json!(rule.describe(policy));
     }
     v
 }
@@ -434,7 +436,8 @@ deny_cidrs = ["192.0.2.0/24"]
         assert_eq!(
             v["proxy"]["matched"],
             json!({ "list": "allow_hosts", "index": 1, "entry": "*.githubusercontent.com",
-                    "ports": [], "port_in": "allow_ports" }),
+                    "ports": [], "port_in": "allow_ports",
+                    "event_rule": "allow_hosts *.githubusercontent.com" }),
             "{v:#}"
         );
         let v = run("ci", "github.com:80");
@@ -497,7 +500,8 @@ deny_cidrs = ["192.0.2.0/24"]
         assert_eq!(v["proxy"]["reason"], "address-denied-by-policy", "{v:#}");
         assert_eq!(
             v["proxy"]["matched"],
-            json!({ "list": "deny_cidrs", "index": 0, "entry": "192.0.2.0/24" }),
+            json!({ "list": "deny_cidrs", "index": 0, "entry": "192.0.2.0/24",
+                    "event_rule": "deny_cidrs 192.0.2.0/24" }),
             "{v:#}"
         );
         let v = run("ci", "10.1.2.3:5432");
