@@ -8,9 +8,10 @@
 //! with the path and one line per edge. Between crates, cargo already refuses cycles
 //! (`egress-policy` can't name the agent at all).
 //!
-//! Two more layout rules read from the same graph and text (issue #37): the runtimes only feed
-//! the workload enforcer (no runtime module uses another's), and a production function longer
-//! than [`MAX_FN_LINES`] says why in a `// Long:` comment above it.
+//! Three more layout rules read from the same graph and text (issue #37): the runtimes only feed
+//! the workload enforcer (no runtime module uses another's); the proxy acts on its decisions in
+//! `proxy/act.rs` alone (no other proxy module builds or emits an event); and a production
+//! function longer than [`MAX_FN_LINES`] says why in a `// Long:` comment above it.
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
 
@@ -628,5 +629,42 @@ fn function_lengths_are_measured_from_code() {
         f,
         vec![("a".to_owned(), 0, 3), ("c".to_owned(), 5, 7)],
         "{code}"
+    );
+}
+
+/// What only `proxy/act.rs` does with a decision: build an event, reach the event sink, name a
+/// verdict, count the traffic as allowed (issue #37: one place acts on a decision).
+const ACTING: &[&str] = &["DenialEvent", ".events()", "Verdict::", ".allowed()"];
+
+/// The proxy acts on its decisions in one place: no other module of `proxy/` builds or emits an
+/// event or counts allowed traffic (production code; unit tests and the test harness may).
+#[test]
+fn the_proxy_acts_on_decisions_in_one_place() {
+    let proxy = Path::new(env!("CARGO_MANIFEST_DIR")).join("src/proxy");
+    let mut files = Vec::new();
+    rs_files(&proxy, &mut files);
+    assert!(
+        files.iter().any(|f| f.ends_with("act.rs")),
+        "no proxy/act.rs"
+    );
+    let mut found = Vec::new();
+    for f in files {
+        if f.ends_with("act.rs") || f.ends_with("run_tests.rs") {
+            continue;
+        }
+        let mut code = code_only(&std::fs::read_to_string(&f).expect("read"));
+        if let Some(t) = code.find("#[cfg(test)]") {
+            code.truncate(t);
+        }
+        for (n, line) in code.lines().enumerate() {
+            for what in ACTING.iter().filter(|w| line.contains(**w)) {
+                found.push(format!("{}:{}: {what}", f.display(), n + 1));
+            }
+        }
+    }
+    assert!(
+        found.is_empty(),
+        "acting on a decision outside proxy/act.rs (hand the decision to Shared::act):\n{}",
+        found.join("\n")
     );
 }

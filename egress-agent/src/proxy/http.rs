@@ -301,18 +301,8 @@ fn request_error(e: RequestError, state: &ConnState, protocol: &str) -> Response
         ),
         RequestError::Denied(reason) => {
             let name = &state.shared.name;
-            state
-                .shared
-                .ctx
-                .events()
-                .emit(crate::events::DenialEvent::proxy(
-                    name,
-                    None,
-                    None,
-                    0,
-                    protocol,
-                    reason.as_str(),
-                ));
+            // With the listener's identity, like every other refusal.
+            let reason = state.shared.refuse(&At::nowhere(protocol), reason);
             forbidden(reason, name)
         }
     }
