@@ -189,6 +189,7 @@ fn what_the_policy_refuses_reaches_nothing() {
     );
     let m = marker("refused");
     let ca = up.ca.ca_pem.display();
+    let endpoint = cfg.endpoint_port;
     let script = format!(
         r#"
 echo "sni: $(curl -sS -m 10 --cacert {ca} --resolve other.test:18443:127.0.0.1 https://other.test:18443/sni-{m} 2>&1)"
@@ -198,6 +199,7 @@ echo "iplit: $(curl -sS -m 10 http://{PUBLIC_A}:18080/iplit-{m} 2>&1)"
 echo "port: $(curl -sS -m 10 http://app.test:18081/port-{m} 2>&1)"
 echo "nov6: $(curl -6 -sS -m 10 --cacert {ca} https://app6.test:18443/nov6-{m} 2>&1)"
 echo "lying-dns: $(curl -sS -m 10 --cacert {ca} --resolve app.test:18443:127.0.0.2 https://app.test:18443/lying-{m} 2>&1)"
+echo "proxied-port: $(curl -sS -m 10 -x http://127.0.0.1:{endpoint} -o /dev/null -w '%{{http_code}}' http://app.test:9/proxied-{m} 2>&1)"
 python3 -c "import socket
 s=socket.socket(socket.AF_INET,socket.SOCK_DGRAM)
 try:
@@ -237,6 +239,15 @@ except OSError as e:
         !up.evil.saw(&m),
         "the lying address got a request: {:?}",
         up.evil.hits()
+    );
+    // Through the explicit listener (the proxy variables exec sets), a port the policy doesn't
+    // list: 403, and the event names the entry that matched the name.
+    assert!(out.contains("proxied-port: 403"), "{out}");
+    assert!(
+        out.lines().any(|l| l.contains("port-not-allowed")
+            && l.contains("app.test")
+            && l.contains("allow_hosts app.test")),
+        "no port-not-allowed event naming its rule:\n{out}"
     );
     // An IP literal on an allowed port: refused (no name), nothing at the address.
     assert!(!out.contains("iplit: upstream-ok"), "{out}");

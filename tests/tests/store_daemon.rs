@@ -139,6 +139,19 @@ fn audit_store_suggest_enforce_with_the_daemon() {
     assert_eq!(e["port"], 8080);
     assert_eq!(e["container"]["name"], "aud");
     assert_eq!(e["context"]["run"], "77");
+    // No entry matched the name: no rule behind it. The allowed request's flow names the entry
+    // that let it through (the rule travels from the proxy's decision into the store).
+    assert!(e.get("rule").is_none(), "{e}");
+    let flows = wait_stored(
+        &env,
+        &["--flows", "--policy", "watch", "--run", "77"],
+        |f| f["host"] == "allowed.test" && f["verdict"] == "allow",
+    );
+    let f = flows
+        .iter()
+        .find(|f| f["host"] == "allowed.test" && f["verdict"] == "allow")
+        .expect("flow");
+    assert_eq!(f["rule"], "allow_hosts allowed.test", "{f}");
     assert!(
         !serde_json::to_string(&evs)
             .expect("json")
