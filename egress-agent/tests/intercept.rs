@@ -346,6 +346,31 @@ async fn method_and_path_rules_hold(via: Via) {
         Some(format!("request_rules deny other.test:{p} /admin/**").as_str())
     );
     assert_eq!(h.wait_event("request-not-allowed").await.rule, None);
+    // The client reads the same in the refusal's body, in JSON when it asks.
+    let del = curl(
+        &h,
+        &[
+            "--http1.1",
+            "-X",
+            "DELETE",
+            "-H",
+            "Accept: application/json",
+            &h.url("rules.test", "/thing"),
+        ],
+    )
+    .await;
+    let body = del.text();
+    let json = body
+        .lines()
+        .find(|l| l.starts_with('{'))
+        .unwrap_or_else(|| panic!("{body}"));
+    let j: serde_json::Value = serde_json::from_str(json).unwrap();
+    assert_eq!(j["reason"], "request-denied-by-rule");
+    assert_eq!(j["host"], "rules.test");
+    assert_eq!(
+        j["rule"].as_str(),
+        Some(format!("request_rules deny rules.test:{p} DELETE /**").as_str())
+    );
     assert!(h.up.requests().is_empty(), "arrived: {:?}", h.up.requests());
     let ok = curl(&h, &["--http1.1", &h.url("rules.test", "/thing")]).await;
     assert!(ok.text().contains("ok HTTP/1.1"), "{}", ok.text());

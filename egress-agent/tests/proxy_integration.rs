@@ -938,3 +938,98 @@ async fn every_explicit_decision_names_its_rule() {
     expect("connect", Deny, "host-not-allowed", None).await;
     assert!(tap.rx.try_recv().is_err(), "one event per decision");
 }
+
+/// A refused client is told why in a body it can read (issue #41): text naming the policy, the
+/// destination, the reason and the rule, or JSON when its `Accept` asks — on a proxied request
+/// and on a `CONNECT`; `X-Egress-Deny` as before. Nothing the client sent is echoed.
+#[tokio::test]
+async fn refusals_say_why_in_text_or_json() {
+    let h = harness().await;
+    let json = |r: &Resp| -> serde_json::Value {
+        assert_eq!(r.header("content-type"), Some("application/json"), "{r:?}");
+        serde_json::from_slice(&r.body).unwrap()
+    };
+    // Proxied HTTP, a name no entry matches: text by default.
+    let r = exchange(
+        h.addr,
+        b"GET http://nowhere.test/x?secret=1 HTTP/1.1\r\nHost: nowhere.test\r\n\r\n",
+    )
+    .await;
+    assert_eq!((r.status, r.deny()), (403, Some("host-not-allowed")));
+    let text = r.text();
+    assert!(
+        text.starts_with("egress-agent: denied by policy test: host-not-allowed\n"),
+        "{text}"
+    );
+    assert!(text.contains("destination: nowhere.test:80\n"), "{text}");
+    assert!(
+        text.contains("egress-agent explain --policy test nowhere.test:80"),
+        "{text}"
+    );
+    assert!(
+        !text.contains("rule:") && !text.contains("secret"),
+        "{text}"
+    );
+    // The same in JSON.
+    let r = exchange(
+        h.addr,
+        b"GET http://nowhere.test/ HTTP/1.1\r\nHost: nowhere.test\r\nAccept: application/json\r\n\r\n",
+    )
+    .await;
+    let j = json(&r);
+    assert_eq!(
+        (
+            j["error"].as_str(),
+            j["reason"].as_str(),
+            j["policy"].as_str(),
+            j["host"].as_str(),
+            j["port"].as_u64()
+        ),
+        (
+            Some("egress-denied"),
+            Some("host-not-allowed"),
+            Some("test"),
+            Some("nowhere.test"),
+            Some(80)
+        )
+    );
+    assert!(j.get("rule").is_none(), "{j}");
+    // A port the matching entry doesn't allow: the rule is named.
+    let r = exchange(
+        h.addr,
+        b"GET http://allowed.test:9/ HTTP/1.1\r\nHost: allowed.test:9\r\nAccept: application/json\r\n\r\n",
+    )
+    .await;
+    assert_eq!(json(&r)["rule"], "allow_hosts allowed.test");
+    // CONNECT: text, or JSON when its head asks.
+    let r = exchange(h.addr, b"CONNECT allowed.test:9 HTTP/1.1\r\n\r\n").await;
+    assert_eq!((r.status, r.deny()), (403, Some("port-not-allowed")));
+    assert!(
+        r.text().contains("rule: allow_hosts allowed.test\n"),
+        "{}",
+        r.text()
+    );
+    let r = exchange(
+        h.addr,
+        b"CONNECT allowed.test:9 HTTP/1.1\r\nAccept: application/json\r\n\r\n",
+    )
+    .await;
+    let j = json(&r);
+    assert_eq!(
+        (j["reason"].as_str(), j["port"].as_u64()),
+        (Some("port-not-allowed"), Some(9))
+    );
+    // An allowed request asking for JSON gets the upstream's answer untouched: only the
+    // proxy's own refusals are shaped.
+    let r = exchange(
+        h.addr,
+        format!(
+            "GET http://allowed.test:{p}/ok HTTP/1.1\r\nHost: allowed.test:{p}\r\nAccept: application/json\r\n\r\n",
+            p = h.up.http.port()
+        )
+        .as_bytes(),
+    )
+    .await;
+    assert_eq!((r.status, r.deny()), (200, None), "{r:?}");
+    assert!(r.text().contains("line=GET /ok"), "{}", r.text());
+}

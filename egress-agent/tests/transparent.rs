@@ -707,6 +707,50 @@ async fn every_transparent_decision_names_its_rule() {
     assert_eq!(f.http_canary.conns.load(Ordering::SeqCst), 0);
 }
 
+/// A transparently redirected HTTP client that is refused reads why: text naming the policy,
+/// destination, reason and rule, or JSON when its `Accept` asks.
+#[tokio::test]
+async fn a_refused_transparent_request_says_why() {
+    let f = fixture().await;
+    let http = f.http.port();
+    f.going_to(9);
+    let c = curl("http://allowed.test:9/", f.transparent, None, &["-i"]).await;
+    assert!(c.stdout.starts_with("HTTP/1.1 403"), "{}", c.stdout);
+    assert!(
+        c.stdout.contains("X-Egress-Deny: port-not-allowed"),
+        "{}",
+        c.stdout
+    );
+    assert!(
+        c.stdout.contains("destination: allowed.test:9\n"),
+        "{}",
+        c.stdout
+    );
+    assert!(
+        c.stdout.contains("rule: allow_hosts allowed.test\n"),
+        "{}",
+        c.stdout
+    );
+    f.going_to(http);
+    let c = curl(
+        &format!("http://other.test:{http}/"),
+        f.transparent,
+        None,
+        &["-H", "Accept: application/json"],
+    )
+    .await;
+    let j: serde_json::Value = serde_json::from_str(&c.stdout).unwrap();
+    assert_eq!(
+        (
+            j["reason"].as_str(),
+            j["host"].as_str(),
+            j["policy"].as_str()
+        ),
+        (Some("host-not-allowed"), Some("other.test"), Some("test"))
+    );
+    assert_eq!(f.http_canary.conns.load(Ordering::SeqCst), 0);
+}
+
 /// ClientHello bytes rustls would send for `name` with `config`.
 fn client_hello(config: rustls::ClientConfig, name: &str) -> Vec<u8> {
     let name = rustls::pki_types::ServerName::try_from(name.to_owned()).unwrap();

@@ -826,6 +826,29 @@ mod tests {
         );
     }
 
+    /// Reason codes are an API (docs/policy.md "Reason codes"): every code `as_str` can give
+    /// is documented there.
+    #[test]
+    fn every_reason_code_is_documented() {
+        let doc = include_str!("../../docs/policy.md");
+        let src = include_str!("lib.rs");
+        let start = src.find("impl DenyReason {").unwrap();
+        let end = start + src[start..].find("\n}\n").unwrap();
+        let codes: Vec<&str> = src[start..end]
+            .lines()
+            .filter_map(|l| l.split("=> \"").nth(1)?.split('"').next())
+            .collect();
+        assert!(codes.len() >= 30, "{codes:?}");
+        let missing: Vec<&&str> = codes
+            .iter()
+            .filter(|c| !doc.contains(&format!("| `{c}` |")))
+            .collect();
+        assert!(
+            missing.is_empty(),
+            "not in docs/policy.md's reason codes: {missing:?}"
+        );
+    }
+
     #[test]
     fn a_name_is_decided_with_its_rule_and_the_audit() {
         let name = |s: &str| name::HostName::parse(s).unwrap();

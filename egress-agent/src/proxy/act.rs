@@ -19,6 +19,7 @@ use std::net::IpAddr;
 use std::sync::atomic::{AtomicBool, Ordering};
 
 use super::Shared;
+use super::denial::{Denial, RUN_LABEL};
 use super::request::Target;
 use crate::events::{ALLOWED_REASON, DenialEvent, Verdict};
 use egress_policy::name::Destination;
@@ -101,12 +102,12 @@ pub(crate) enum Stage {
 
 /// What to do next.
 #[must_use]
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) enum Act {
     /// Go on; `audited`: the policy refused it and audits (its would-deny is recorded).
     Go { audited: bool },
-    /// Refuse, for this reason (its denial is recorded).
-    Refuse(DenyReason),
+    /// Refuse (its denial is recorded); what the client is told.
+    Refuse(Denial),
 }
 
 impl Shared {
@@ -153,18 +154,27 @@ impl Shared {
     }
 
     /// [`Shared::act`] on a refusal: its denial event (with the rule that refused). Returns
-    /// the reason to answer with.
-    pub(crate) fn deny(&self, policy: &CompiledPolicy, at: &At<'_>, r: Refused) -> DenyReason {
+    /// what the client is told.
+    pub(crate) fn deny(&self, policy: &CompiledPolicy, at: &At<'_>, r: Refused) -> Denial {
         let rule = r.rule.map(|rule| policy.describe(rule));
-        self.event(at, r.reason.as_str(), Verdict::Deny, rule);
-        r.reason
+        self.event(at, r.reason.as_str(), Verdict::Deny, rule.clone());
+        self.denial(at, r.reason, rule)
     }
 
     /// A refusal that is no rule of the policy (request shape, TLS, admission, a missing
-    /// secret): its denial event. Returns `reason`.
-    pub(crate) fn refuse(&self, at: &At<'_>, reason: DenyReason) -> DenyReason {
+    /// secret): its denial event. Returns what the client is told.
+    pub(crate) fn refuse(&self, at: &At<'_>, reason: DenyReason) -> Denial {
         self.event(at, reason.as_str(), Verdict::Deny, None);
-        reason
+        self.denial(at, reason, None)
+    }
+
+    fn denial(&self, at: &At<'_>, reason: DenyReason, rule: Option<String>) -> Denial {
+        let run = self
+            .identity
+            .as_ref()
+            .and_then(|id| id.context.get(RUN_LABEL))
+            .map(String::as_str);
+        Denial::new(reason, &self.name, at.host, at.port, rule, run)
     }
 
     /// One event with this listener's identity (container, cgroup, context labels, the

@@ -30,6 +30,7 @@ use tokio::net::TcpStream;
 use tokio::sync::Mutex;
 
 use super::act::{Act, At, Stage, request_context};
+use super::denial::Denial;
 use super::prefixed::Prefixed;
 use super::request::{self, RequestError, Target};
 use super::{Refusal, Shared};
@@ -206,7 +207,11 @@ async fn run(
     let tunnel_of = state.clone();
     let service = hyper::service::service_fn(move |req| {
         let state = state.clone();
-        async move { Ok::<_, Infallible>(handle(req, &state).await) }
+        async move {
+            let accept = req.headers().get(header::ACCEPT).cloned();
+            let resp = handle(req, &state).await;
+            Ok::<_, Infallible>(super::denial::negotiated(resp, accept.as_ref()))
+        }
     });
     let conn = hyper::server::conn::http1::Builder::new()
         .timer(TokioTimer::new())
@@ -264,16 +269,10 @@ fn text(
     resp
 }
 
-fn forbidden(reason: DenyReason, policy: &str) -> Response<Body> {
-    text(
-        StatusCode::FORBIDDEN,
-        ("x-egress-deny", reason.as_str()),
-        format!(
-            "egress-agent: denied by policy {policy}: {}\n",
-            reason.as_str()
-        ),
-        false,
-    )
+/// A `403` for `d` ([`super::denial::forbidden`]; [`super::denial::negotiated`] answers it in
+/// JSON when the request asks).
+fn forbidden(d: Denial) -> Response<Body> {
+    super::denial::forbidden(d)
 }
 
 fn error(status: StatusCode, code: &'static str) -> Response<Body> {
@@ -285,9 +284,9 @@ fn error(status: StatusCode, code: &'static str) -> Response<Body> {
     )
 }
 
-fn refusal(r: Refusal, policy: &str) -> Response<Body> {
+fn refusal(r: Refusal) -> Response<Body> {
     match r {
-        Refusal::Denied(reason) => forbidden(reason, policy),
+        Refusal::Denied(d) => forbidden(d),
         Refusal::Upstream(code) => error(StatusCode::BAD_GATEWAY, code),
     }
 }
@@ -300,10 +299,8 @@ fn request_error(e: RequestError, state: &ConnState, protocol: &str) -> Response
             "header-too-large",
         ),
         RequestError::Denied(reason) => {
-            let name = &state.shared.name;
             // With the listener's identity, like every other refusal.
-            let reason = state.shared.refuse(&At::nowhere(protocol), reason);
-            forbidden(reason, name)
+            forbidden(state.shared.refuse(&At::nowhere(protocol), reason))
         }
     }
 }
@@ -477,7 +474,7 @@ async fn connect(
     let shared = &state.shared;
     let upstream = match shared.check_and_dial(&target, protocol).await {
         Ok(c) => c,
-        Err(r) => return refusal(r, &shared.name),
+        Err(r) => return refusal(r),
     };
     let on_upgrade = hyper::upgrade::on(req);
     let (shared, stop) = (shared.clone(), state.stop.clone());
@@ -526,7 +523,7 @@ fn refused_request(
     {
         let context = request_context(req.method().as_str(), uri.path());
         let at = At::target(target, protocol).context(&context);
-        return Some(forbidden(shared.deny(&policy, &at, refused), &shared.name));
+        return Some(forbidden(shared.deny(&policy, &at, refused)));
     }
     None
 }
@@ -556,12 +553,12 @@ async fn upstream_sender(
             let at = At::target(target, protocol);
             let decision = policy.decide_target(&target.dest, target.port);
             if let Decision::Deny(r) = decision {
-                return Err(forbidden(shared.deny(&policy, &at, r), &shared.name));
+                return Err(forbidden(shared.deny(&policy, &at, r)));
             }
             match sender.ready().await {
                 Ok(()) => match shared.act(&policy, &at, decision, Stage::Carried) {
                     Act::Go { .. } => Some(sender),
-                    Act::Refuse(reason) => return Err(forbidden(reason, &shared.name)),
+                    Act::Refuse(reason) => return Err(forbidden(reason)),
                 },
                 Err(_) => None,
             }
@@ -573,7 +570,7 @@ async fn upstream_sender(
         None => {
             let upstream = match shared.check_and_dial(target, protocol).await {
                 Ok(c) => c.stream,
-                Err(r) => return Err(refusal(r, &shared.name)),
+                Err(r) => return Err(refusal(r)),
             };
             match upstream_handshake(upstream, shared).await {
                 Some(s) => s,

@@ -45,6 +45,7 @@ use tokio_rustls::client::TlsStream;
 use tokio_util::task::TaskTracker;
 
 use super::act::{Act, At, Stage, request_context};
+use super::denial::Denial;
 use super::prefixed::Prefixed;
 use super::request::{self, Target};
 use super::scrub_body::{self, Report, ScrubBody, Scrubbed};
@@ -343,7 +344,11 @@ where
     let s = session.clone();
     let service = hyper::service::service_fn(move |req| {
         let s = s.clone();
-        async move { Ok::<_, Infallible>(handle(req, &s).await) }
+        async move {
+            let accept = req.headers().get(header::ACCEPT).cloned();
+            let resp = handle(req, &s).await;
+            Ok::<_, Infallible>(super::denial::negotiated(resp, accept.as_ref()))
+        }
     });
     match session.proto {
         Proto::H2 => Box::pin(
@@ -423,17 +428,15 @@ fn text(status: StatusCode, header: (&'static str, &'static str), body: String) 
     resp
 }
 
-fn forbidden(reason: DenyReason, policy: &str) -> Response<Body> {
-    text(
-        StatusCode::FORBIDDEN,
-        ("x-egress-deny", reason.as_str()),
-        format!("egress-agent: denied by policy {policy}: {reason}\n"),
-    )
+/// A `403` for `d` ([`super::denial::forbidden`]; [`super::denial::negotiated`] answers it in
+/// JSON when the request asks).
+fn forbidden(d: Denial) -> Response<Body> {
+    super::denial::forbidden(d)
 }
 
-fn refusal(r: Refusal, policy: &str) -> Response<Body> {
+fn refusal(r: Refusal) -> Response<Body> {
     match r {
-        Refusal::Denied(reason) => forbidden(reason, policy),
+        Refusal::Denied(d) => forbidden(d),
         Refusal::Upstream(code) => text(
             StatusCode::BAD_GATEWAY,
             ("x-egress-error", code),
@@ -508,7 +511,7 @@ async fn handle(mut req: Request<Incoming>, s: &Session) -> Response<Body> {
     };
     let mut resp = match s.send(upstream).await {
         Ok(r) => r,
-        Err(r) => return refusal(r, &shared.name),
+        Err(r) => return refusal(r),
     };
     let switching = resp.status() == StatusCode::SWITCHING_PROTOCOLS;
     if let (true, Some(client_up)) = (switching, client_upgrade) {
@@ -527,7 +530,7 @@ fn refused_target(s: &Session, policy: &CompiledPolicy) -> Option<Response<Body>
     let decision = policy.decide_target(&s.target.dest, s.target.port);
     match shared.act(policy, &at, decision, Stage::Checked) {
         Act::Go { .. } => None,
-        Act::Refuse(reason) => Some(forbidden(reason, &shared.name)),
+        Act::Refuse(reason) => Some(forbidden(reason)),
     }
 }
 
@@ -568,14 +571,11 @@ fn checked_request<'p>(
     if let Err(mismatch) = authority_ok(req, &s.target) {
         if mismatch {
             let context = request_context(req.method().as_str(), req.uri().path());
-            let _ = shared.refuse(
+            let denial = shared.refuse(
                 &At::target(&s.target, "https").context(&context),
                 DenyReason::HostHeaderMismatch,
             );
-            return Err(Box::new(forbidden(
-                DenyReason::HostHeaderMismatch,
-                &shared.name,
-            )));
+            return Err(Box::new(forbidden(denial)));
         }
         return Err(Box::new(bad_request()));
     }
@@ -602,16 +602,13 @@ fn checked_request<'p>(
             let [method, path] = request_context(req.method().as_str(), req.uri().path());
             let context = [method, path, ("unavailable", why)];
             let _ = shared.refuse(&At::target(&s.target, "https").context(&context), reason);
-            Err(Box::new(refusal(
-                Refusal::Upstream(reason.as_str()),
-                &shared.name,
-            )))
+            Err(Box::new(refusal(Refusal::Upstream(reason.as_str()))))
         }
         Err(refused) => {
             let context = request_context(req.method().as_str(), req.uri().path());
             let at = At::target(&s.target, "https").context(&context);
             let reason = shared.deny(policy, &at, refused);
-            Err(Box::new(forbidden(reason, &shared.name)))
+            Err(Box::new(forbidden(reason)))
         }
     }
 }
@@ -754,7 +751,7 @@ async fn client_response(
         Ok(Scrubbed::Passed(b)) => Response::from_parts(parts, Either::Left(Either::Left(b))),
         Ok(Scrubbed::Whole(bytes)) => Response::from_parts(parts, Either::Right(Full::new(bytes))),
         Ok(Scrubbed::Stream(b)) => Response::from_parts(parts, Either::Left(Either::Right(b))),
-        Err(reason) => refusal(Refusal::Upstream(reason.as_str()), &shared.name),
+        Err(reason) => refusal(Refusal::Upstream(reason.as_str())),
     }
 }
 

@@ -15,6 +15,7 @@ mod accept;
 mod act;
 pub mod admission;
 pub mod client;
+mod denial;
 pub mod dial;
 pub mod dns;
 pub mod framing;
@@ -56,6 +57,7 @@ use crate::config::{Config, ProxyConfig};
 use crate::events::EventSink;
 use crate::metrics::{Metrics, ProxyCounters};
 use act::{Act, At, Stage};
+use denial::Denial;
 use dial::DialError;
 use egress_policy::Policy;
 use egress_policy::{CompiledPolicy, Decision, DenyReason};
@@ -530,8 +532,8 @@ impl Shared {
         // (audited or not): never relayed untouched, never sent without its secret.
         if let Some(why) = self.interception_unavailable(&policy, target, protocol) {
             let context = [("unavailable", why.as_str())];
-            let reason = self.refuse(&at.context(&context), DenyReason::InterceptionUnavailable);
-            return Err(Refusal::Upstream(reason.as_str()));
+            let denial = self.refuse(&at.context(&context), DenyReason::InterceptionUnavailable);
+            return Err(Refusal::Upstream(denial.reason.as_str()));
         }
         let limits = self.ctx.limits();
         match dial::dial(&policy, self.ctx.resolver(), target, limits.connect_timeout).await {
@@ -546,7 +548,7 @@ impl Shared {
                 let act = self.act(&policy, &at.ip(ip), decision, Stage::Carried);
                 Ok(Checked {
                     stream: d.stream,
-                    audited: act == (Act::Go { audited: true }),
+                    audited: matches!(act, Act::Go { audited: true }),
                 })
             }
             Err(DialError::Denied { refused: r, ip }) => {
@@ -607,9 +609,10 @@ impl Shared {
 }
 
 /// Why a request was not forwarded.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 pub(crate) enum Refusal {
-    Denied(DenyReason),
+    /// Refused by the agent (recorded): what the client is told.
+    Denied(Denial),
     Upstream(&'static str),
 }
 
@@ -884,8 +887,13 @@ fn handle_connection(
                 }
                 Err(RequestError::Denied(reason)) => {
                     // With the listener's identity, like every other refusal.
-                    let _ = shared.refuse(&At::nowhere("http"), reason);
-                    refuse(&mut stream, &response::forbidden(reason, &shared.name)).await;
+                    let denial = shared.refuse(&At::nowhere("http"), reason);
+                    let accept = denial::accept_in_head(&buf);
+                    refuse(
+                        &mut stream,
+                        &denial::forbidden_bytes(&denial, accept.as_deref()),
+                    )
+                    .await;
                     return;
                 }
             }
@@ -894,11 +902,13 @@ fn handle_connection(
             (len, Request::Connect(target)) => {
                 // Bytes the client pipelined after the head; the head buffer itself is freed here.
                 let early = buf.split_off(len.min(buf.len()));
+                // A refusal answers in JSON when the head asks for it.
+                let json = denial::wants_json(denial::accept_in_head(&buf).as_deref());
                 drop(buf);
                 // Boxed inside: the check and dial, the `200`, the sniffing step and what follows
                 // it (the relay, interception, per-request HTTP) share one allocation sized for
                 // the largest of them, and this task keeps only what reads a head.
-                route::connect(stream, early, target, shared.clone(), stop).await;
+                route::connect(stream, early, target, json, shared.clone(), stop).await;
             }
             (_, Request::Http { .. }) => {
                 // hyper re-parses from the start and checks every request on the connection. Boxed
@@ -1082,6 +1092,7 @@ mod size_tests {
             client,
             Vec::new(),
             target,
+            false,
             proxy.shared.clone(),
             CancellationToken::new(),
         );

@@ -77,11 +77,11 @@ fn refused_now(shared: &Shared, target: &Target, addr: Option<IpAddr>) -> bool {
     let at = At::target(target, "tcp")
         .ip(addr)
         .context(&[("ended", "policy-reload")]);
-    let reason = shared.deny(&policy, &at, refused);
+    let denial = shared.deny(&policy, &at, refused);
     tracing::info!(
         policy = %shared.name,
         %target,
-        reason = reason.as_str(),
+        reason = denial.reason.as_str(),
         "connection closed: the reloaded policy refuses its target"
     );
     true

@@ -1,22 +1,6 @@
 //! Canned responses. Bodies are fixed strings plus the policy's name; nothing from the request is
 //! echoed back.
-use egress_policy::DenyReason;
-
 pub const CONNECT_OK: &[u8] = b"HTTP/1.1 200 Connection established\r\n\r\n";
-
-/// 403 with `X-Egress-Deny: <reason>`.
-pub fn forbidden(reason: DenyReason, policy: &str) -> Vec<u8> {
-    let body = format!(
-        "egress-agent: denied by policy {policy}: {}\n",
-        reason.as_str()
-    );
-    format!(
-        "HTTP/1.1 403 Forbidden\r\nX-Egress-Deny: {}\r\nContent-Type: text/plain\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
-        reason.as_str(),
-        body.len()
-    )
-    .into_bytes()
-}
 
 /// 400 / 431 / 502 / 503 with a short plain-text body and an `X-Egress-Error` code.
 pub fn error(status: u16, code: &str) -> Vec<u8> {

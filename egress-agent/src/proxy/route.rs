@@ -30,6 +30,7 @@ use tokio::net::TcpStream;
 use tokio_util::sync::CancellationToken;
 
 use super::act::At;
+use super::denial::{Denial, accept_in_head, forbidden_bytes};
 use super::prefixed::Prefixed;
 use super::request::Target;
 use super::sniff::{Kind, MAX_SNIFF_BYTES, Sniffed, Sniffer, TLS_ACCESS_DENIED};
@@ -51,6 +52,8 @@ pub(crate) struct Refused<'a> {
     pub(crate) context: Option<(&'static str, String)>,
     /// rustls' alert for a malformed hello (else `access_denied`).
     pub(crate) alert: &'a [u8],
+    /// The bytes the client sent (an HTTP request head: its `Accept` picks the 403's body).
+    pub(crate) head: &'a [u8],
 }
 
 impl Refused<'_> {
@@ -63,6 +66,7 @@ impl Refused<'_> {
             port,
             context: None,
             alert: &[],
+            head: &[],
         }
     }
 }
@@ -79,21 +83,22 @@ pub(crate) async fn deny(shared: &Shared, stream: &mut TcpStream, r: Refused<'_>
         context: context.as_ref().map_or(&[], |c| c.as_slice()),
         audit_once: None,
     };
-    let reason = shared.refuse(&at, r.reason);
-    answer(shared, stream, r.kind, reason, r.alert).await;
+    let denial = shared.refuse(&at, r.reason);
+    answer(stream, r.kind, &denial, r.alert, r.head).await;
 }
 
 /// The refusal a client sees (its event is recorded already): a TLS alert (`alert`, else
-/// `access_denied`), an HTTP 403, or just the close; then close.
+/// `access_denied`), an HTTP 403 (in JSON when the request `head` asks for it), or just the
+/// close; then close.
 pub(crate) async fn answer(
-    shared: &Shared,
     stream: &mut TcpStream,
     kind: Option<Kind>,
-    reason: DenyReason,
+    denial: &Denial,
     alert: &[u8],
+    head: &[u8],
 ) {
     let answer = match kind {
-        Some(Kind::Http) => response::forbidden(reason, &shared.name),
+        Some(Kind::Http) => forbidden_bytes(denial, accept_in_head(head).as_deref()),
         Some(Kind::Tls) if !alert.is_empty() => alert.to_vec(),
         Some(Kind::Tls) => TLS_ACCESS_DENIED.to_vec(),
         None => Vec::new(),
@@ -199,14 +204,16 @@ pub(crate) fn connect(
     mut client: TcpStream,
     mut early: Vec<u8>,
     target: Target,
+    json: bool,
     shared: Arc<Shared>,
     stop: CancellationToken,
 ) -> Pin<Box<dyn Future<Output = ()> + Send>> {
     Box::pin(async move {
         let upstream = match shared.check_and_dial(&target, "connect").await {
             Ok(s) => s,
-            Err(Refusal::Denied(reason)) => {
-                refuse(&mut client, &response::forbidden(reason, &shared.name)).await;
+            Err(Refusal::Denied(denial)) => {
+                let accept = json.then_some(&b"application/json"[..]);
+                refuse(&mut client, &forbidden_bytes(&denial, accept)).await;
                 return;
             }
             Err(Refusal::Upstream(code)) => {
@@ -303,6 +310,7 @@ async fn opening(
                     let r = Refused {
                         host: host_of(&seen),
                         context: Some(("connect_target", target.to_string())),
+                        head: buf,
                         ..Refused::new(Some(kind), reason, target.port)
                     };
                     deny(shared, client, r).await;
@@ -330,6 +338,7 @@ async fn opening(
                                 host,
                                 context: Some(("connect_target", target.to_string())),
                                 alert: &alert,
+                                head: buf,
                                 ..Refused::new(kind, reason, target.port)
                             };
                             deny(shared, client, r).await;

@@ -197,6 +197,7 @@ pub(crate) async fn response(
         report
             .shared
             .refuse(&at, DenyReason::ResponseEncodingRefused)
+            .reason
     })?;
     let decoded = !matches!(coding, Coding::Identity);
     let in_headers = scrub_headers(scrubber, &mut parts.headers);

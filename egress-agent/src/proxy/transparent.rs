@@ -86,6 +86,7 @@ pub(crate) async fn intercepted(
                     let r = Refused {
                         host,
                         alert: &alert,
+                        head: &buf,
                         ..Refused::new(kind, reason, orig.port())
                     };
                     deny(shared, &mut stream, orig, r).await;
@@ -113,6 +114,7 @@ pub(crate) async fn intercepted(
         // The policy was reloaded with `transparent = false` while the kernel still redirected.
         let r = Refused {
             host: route::host_of(&target),
+            head: &buf,
             ..Refused::new(Some(kind), DenyReason::TransparentOff, orig.port())
         };
         deny(shared, &mut stream, orig, r).await;
@@ -125,8 +127,8 @@ pub(crate) async fn intercepted(
         .await
     {
         Ok(s) => s,
-        Err(Refusal::Denied(reason)) => {
-            route::answer(shared, &mut stream, Some(kind), reason, &[]).await;
+        Err(Refusal::Denied(denial)) => {
+            route::answer(&mut stream, Some(kind), &denial, &[], &buf).await;
             return;
         }
         Err(Refusal::Upstream(code)) => {
