@@ -187,6 +187,11 @@ fn audit_store_suggest_enforce_with_the_daemon() {
         out.contains("403") && out.contains("host-not-allowed") && !out.contains("hello-upstream"),
         "enforce after reload: {out}"
     );
+    // The refusal's body tells the workload its run and the destination (issue #41).
+    assert!(
+        out.contains("run: 77") && out.contains("destination: denied.test:8080"),
+        "the 403's body: {out}"
+    );
     wait_stored(&env, &["--policy", "watch", "--verdict", "deny"], |e| {
         e["host"] == "denied.test"
     });
