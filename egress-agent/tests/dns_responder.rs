@@ -336,6 +336,16 @@ async fn denied_names_never_reach_the_upstream_resolver() {
             let d = dig(server, tcp, &name, rtype).await;
             assert_eq!(d.status, status, "{name} {rtype} tcp={tcp}: {}", d.raw);
             assert!(d.answer.is_empty(), "{}", d.raw);
+            // Each refusal says why in an Extended DNS Error (RFC 8914).
+            let ede = match status {
+                "NXDOMAIN" => {
+                    "EDE: 15 (Blocked): (egress-agent: denied by policy test: host-not-allowed)"
+                }
+                _ => {
+                    "EDE: 18 (Prohibited): (egress-agent: denied by policy test: dns-type-refused)"
+                }
+            };
+            assert!(d.raw.contains(ede), "{name} {rtype}: {}", d.raw);
             tries.push(name);
         }
         control(&f, tcp).await;
@@ -377,6 +387,11 @@ async fn names_whose_answer_holds_a_denied_address_are_refused_whole() {
     // 10.0.0.1: on the built-in deny list, outside resolve_private.
     let d = dig(f.udp, false, "private.test", "A").await;
     assert_eq!(d.status, "NXDOMAIN", "{}", d.raw);
+    assert!(
+        d.raw.contains("EDE: 15 (Blocked): (egress-agent: denied by policy test: address-denied (the built-in deny list (rfc1918)))"),
+        "{}",
+        d.raw
+    );
     // mixed.test: a public A and a loopback AAAA; asking for A alone is refused too.
     let d = dig(f.udp, false, "mixed.test", "A").await;
     assert_eq!(d.status, "NXDOMAIN", "{}", d.raw);
@@ -506,6 +521,11 @@ async fn deny_all_and_allow_all_get_no_responder_and_a_reload_to_deny_all_refuse
     f.handle.set(&Policy::deny_all());
     let d = dig(f.udp, false, "allowed.test", "A").await;
     assert_eq!(d.status, "REFUSED", "{}", d.raw);
+    assert!(
+        d.raw.contains("EDE: 18 (Prohibited): (egress-agent: denied by policy test: policy-deny-all (mode deny_all))"),
+        "{}",
+        d.raw
+    );
     let ev = f.events.recent(1).pop().unwrap();
     assert_eq!(ev.reason, "policy-deny-all");
     assert_eq!(ev.rule.as_deref(), Some("mode deny_all"));

@@ -80,7 +80,12 @@ fuzz_target!(|data: &[u8]| {
                 assert_eq!(HostName::parse(h.as_str()).as_ref(), Ok(h), "normalised");
             }
             assert_ne!(code, ResponseCode::NoError);
-            check(encode(&req, transport, &Reply::code(code)), id, max);
+            // A refusal carries its Extended DNS Error (longest text the responder sends).
+            let reply = match &denied {
+                Some(_) => Reply::refused(code, &"x".repeat(300)),
+                None => Reply::code(code),
+            };
+            check(encode(&req, transport, &reply), id, max);
         }
         Decision::Resolve {
             name,
@@ -117,9 +122,8 @@ fuzz_target!(|data: &[u8]| {
                 Planned::Answer { records, .. } => {
                     let reply = if fits(&req, transport, &records) {
                         Reply {
-                            code: ResponseCode::NoError,
                             records,
-                            truncated: false,
+                            ..Reply::code(ResponseCode::NoError)
                         }
                     } else {
                         assert_eq!(transport, Transport::Udp, "TCP takes any answer");

@@ -98,6 +98,20 @@ impl Denial {
         out
     }
 
+    /// One line, for where only a short text fits (a DNS answer's Extended DNS Error):
+    /// `egress-agent: denied by policy ci: port-not-allowed (allow_hosts api.github.com)`.
+    pub(crate) fn summary(&self) -> String {
+        let rule = self
+            .rule
+            .as_ref()
+            .map_or_else(String::new, |r| format!(" ({r})"));
+        format!(
+            "egress-agent: denied by policy {}: {}{rule}",
+            self.policy,
+            self.reason.as_str()
+        )
+    }
+
     /// The JSON body (one object, newline-terminated).
     pub(crate) fn json(&self) -> String {
         let mut s = serde_json::to_string(self).unwrap_or_else(|_| {

@@ -108,15 +108,17 @@ impl Core {
                 return Now::Drop;
             }
             Decision::Reply { code, denied } => {
-                if let Some(Denied { host, refused }) = denied {
+                let reply = if let Some(Denied { host, refused }) = denied {
                     let at = at(host.as_ref(), None);
-                    let _ = self.shared.deny(&policy, &at, refused);
+                    let denial = self.shared.deny(&policy, &at, refused);
                     self.count(DnsOutcome::Denied);
+                    Reply::refused(code, &denial.summary())
                 } else {
                     self.count(DnsOutcome::FormErr);
-                }
+                    Reply::code(code)
+                };
                 return self
-                    .encode(&request, transport, &Reply::code(code))
+                    .encode(&request, transport, &reply)
                     .map_or(Now::Drop, Now::Send);
             }
             Decision::Resolve {
@@ -126,14 +128,15 @@ impl Core {
                 decision,
             } => {
                 // An allowed name goes on (counted when answered); an audited one is reported.
-                if let Act::Refuse(_) =
+                if let Act::Refuse(denial) =
                     self.shared
                         .act(&policy, &at(Some(&name), None), decision, Stage::Checked)
                 {
                     // `decide` hands over no denial here; refused all the same if it did.
                     self.count(DnsOutcome::Denied);
+                    let reply = Reply::refused(ResponseCode::NXDomain, &denial.summary());
                     return self
-                        .encode(&request, transport, &Reply::code(ResponseCode::NXDomain))
+                        .encode(&request, transport, &reply)
                         .map_or(Now::Drop, Now::Send);
                 }
                 Pending {
@@ -224,9 +227,8 @@ impl Core {
                 });
                 self.count(DnsOutcome::Allowed);
                 Reply {
-                    code: ResponseCode::NoError,
                     records,
-                    truncated: false,
+                    ..Reply::code(ResponseCode::NoError)
                 }
             }
             Planned::NoData => {
@@ -238,11 +240,11 @@ impl Core {
                 Reply::code(ResponseCode::NXDomain)
             }
             Planned::Denied { refused, ip } => {
-                let _ = self
+                let denial = self
                     .shared
                     .deny(&pending.policy, &at(Some(name), Some(ip)), refused);
                 self.count(DnsOutcome::Denied);
-                Reply::code(ResponseCode::NXDomain)
+                Reply::refused(ResponseCode::NXDomain, &denial.summary())
             }
             Planned::Failed(why) => {
                 tracing::debug!(policy = %self.shared.name, %name, why, "dns: lookup failed");

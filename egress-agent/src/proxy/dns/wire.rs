@@ -10,6 +10,7 @@ use std::net::{IpAddr, SocketAddr};
 use hickory_server::net::xfer::Protocol;
 use hickory_server::proto::op::{Edns, Header, HeaderCounts, MessageType, Metadata, ResponseCode};
 use hickory_server::proto::rr::Record;
+use hickory_server::proto::rr::rdata::opt::EdnsOption;
 use hickory_server::proto::serialize::binary::{
     BinDecodable, BinDecoder, BinEncodable, BinEncoder,
 };
@@ -142,7 +143,19 @@ pub struct Reply {
     pub code: ResponseCode,
     pub records: Vec<Record>,
     pub truncated: bool,
+    /// An Extended DNS Error (RFC 8914) for a refusal: its INFO-CODE and EXTRA-TEXT. Sent only
+    /// to a client that sent EDNS.
+    pub ede: Option<(u16, String)>,
 }
+
+/// RFC 8914 INFO-CODE 15: the name is blocked by the operator's policy.
+pub const EDE_BLOCKED: u16 = 15;
+/// RFC 8914 INFO-CODE 18: the query is refused (a `deny_all` policy, a refused query type).
+pub const EDE_PROHIBITED: u16 = 18;
+/// EDNS option code of an Extended DNS Error.
+const EDNS_EDE: u16 = 15;
+/// Longest EXTRA-TEXT sent (a refusal answer stays far below any client's payload).
+const MAX_EDE_TEXT: usize = 200;
 
 impl Reply {
     /// No records, code `code`.
@@ -151,6 +164,24 @@ impl Reply {
             code,
             records: Vec::new(),
             truncated: false,
+            ede: None,
+        }
+    }
+
+    /// A refusal: no records, code `code`, an Extended DNS Error saying why (`text`, cut to
+    /// [`MAX_EDE_TEXT`] bytes on a character boundary).
+    pub fn refused(code: ResponseCode, text: &str) -> Reply {
+        let info = match code {
+            ResponseCode::Refused => EDE_PROHIBITED,
+            _ => EDE_BLOCKED,
+        };
+        let mut end = text.len().min(MAX_EDE_TEXT);
+        while !text.is_char_boundary(end) {
+            end -= 1;
+        }
+        Reply {
+            ede: Some((info, text[..end].to_owned())),
+            ..Reply::code(code)
         }
     }
 }
@@ -164,7 +195,12 @@ pub fn encode(request: &MessageRequest, transport: Transport, reply: &Reply) -> 
     meta.recursion_available = true;
     meta.response_code = reply.code;
     meta.truncation = reply.truncated;
-    let edns = response_edns(request);
+    let mut edns = response_edns(request);
+    if let (Some(e), Some((info, text))) = (edns.as_mut(), &reply.ede) {
+        let mut data = info.to_be_bytes().to_vec();
+        data.extend_from_slice(text.as_bytes());
+        e.options_mut().insert(EdnsOption::Unknown(EDNS_EDE, data));
+    }
     let max = budget(request, transport);
     let mut builder = MessageResponseBuilder::new(&request.queries, None);
     if let Some(e) = &edns {
@@ -190,4 +226,66 @@ pub fn encode(request: &MessageRequest, transport: Transport, reply: &Reply) -> 
         .emit(&mut BinEncoder::new(&mut out))
         .ok()
         .map(|()| out)
+}
+
+#[cfg(test)]
+#[expect(clippy::unwrap_used, reason = "test assertions")]
+mod tests {
+    use super::*;
+    use hickory_server::proto::op::{Message, Query};
+    use hickory_server::proto::rr::{Name, RecordType};
+
+    fn request(edns: bool) -> Request {
+        let mut m = Message::query();
+        m.add_query(Query::query(
+            Name::from_ascii("a.test.").unwrap(),
+            RecordType::A,
+        ));
+        if edns {
+            m.set_edns(Edns::new());
+        }
+        let src = "127.0.0.1:5353".parse().unwrap();
+        Request::from_bytes(m.to_vec().unwrap(), src, Protocol::Udp).unwrap()
+    }
+
+    fn ede(bytes: &[u8]) -> Option<(u16, String)> {
+        let m = Message::from_vec(bytes).unwrap();
+        m.edns?
+            .options()
+            .as_ref()
+            .iter()
+            .find_map(|(code, opt)| match (u16::from(*code), opt) {
+                (EDNS_EDE, EdnsOption::Unknown(_, data)) => Some((
+                    u16::from_be_bytes([data[0], data[1]]),
+                    String::from_utf8(data[2..].to_vec()).unwrap(),
+                )),
+                _ => None,
+            })
+    }
+
+    /// A refusal carries its Extended DNS Error to an EDNS client (its text cut on a character
+    /// boundary), and nothing extra to a client that sent no EDNS (RFC 6891: no OPT then).
+    #[test]
+    fn refusals_carry_an_extended_dns_error_to_edns_clients_only() {
+        let r = Reply::refused(
+            ResponseCode::NXDomain,
+            "denied by policy ci: host-not-allowed",
+        );
+        let out = encode(&request(true), Transport::Udp, &r).unwrap();
+        assert_eq!(
+            ede(&out),
+            Some((
+                EDE_BLOCKED,
+                "denied by policy ci: host-not-allowed".to_owned()
+            ))
+        );
+        let out = encode(&request(false), Transport::Udp, &r).unwrap();
+        assert!(Message::from_vec(&out).unwrap().edns.is_none());
+        let long = "é".repeat(150);
+        let r = Reply::refused(ResponseCode::Refused, &long);
+        let (info, text) = ede(&encode(&request(true), Transport::Udp, &r).unwrap()).unwrap();
+        assert_eq!(info, EDE_PROHIBITED);
+        assert_eq!(text.len(), MAX_EDE_TEXT);
+        assert!(long.starts_with(&text));
+    }
 }
