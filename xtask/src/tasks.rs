@@ -119,6 +119,24 @@ pub fn test(filter: Option<&str>) -> Result<()> {
     let mut unit = vec!["test"];
     unit.extend(UNIT_PACKAGES);
     cargo_with(&unit, &dev)?;
+    // The fuzz targets are their own workspace (cargo-fuzz builds them with nightly): checked
+    // here so an API change can't leave one behind. No eBPF objects needed for a check.
+    eprintln!("== fuzz targets compile (cargo check; running them: docs/development.md)");
+    let skip_bpf: &std::ffi::OsStr = "1".as_ref();
+    cargo_with(
+        &[
+            "check",
+            "--manifest-path",
+            "fuzz/Cargo.toml",
+            "--bins",
+            "--target-dir",
+            "target/fuzz-check",
+        ],
+        &[
+            ("CARGO_PROFILE_DEV_DEBUG", debug),
+            ("AYA_BUILD_SKIP", skip_bpf),
+        ],
+    )?;
     eprintln!("== privileged integration tests (egress-tests)");
     if !is_root() {
         eprintln!("skipping privileged integration tests: needs root (each test says so too)");

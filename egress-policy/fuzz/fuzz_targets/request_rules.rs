@@ -97,11 +97,14 @@ fuzz_target!(|data: &[u8]| {
         } else {
             RuleVerdict::NotAllowed
         };
-        assert_eq!(rules::decide(&rs, method, &norm), want);
+        assert_eq!(rules::decide(rs.iter().enumerate(), method, &norm), want);
         let deny = [
             rule(RuleAction::Deny, PathGlob::default()),
             rule(RuleAction::Allow, g),
         ];
-        assert_eq!(rules::decide(&deny, method, &norm), RuleVerdict::Denied);
+        assert_eq!(
+            rules::decide(deny.iter().enumerate(), method, &norm),
+            RuleVerdict::Denied(0)
+        );
     }
 });

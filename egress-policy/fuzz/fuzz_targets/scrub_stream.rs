@@ -16,7 +16,10 @@ use egress_policy::scrub::{ScrubSecret, ScrubStream, Scrubber};
 use libfuzzer_sys::fuzz_target;
 
 fn hex(b: &[u8]) -> Vec<u8> {
-    b.iter().map(|b| format!("{b:02x}")).collect::<String>().into_bytes()
+    b.iter()
+        .map(|b| format!("{b:02x}"))
+        .collect::<String>()
+        .into_bytes()
 }
 
 fn unhex(t: &[u8]) -> Vec<u8> {
@@ -126,7 +129,9 @@ fuzz_target!(|data: &[u8]| {
     let needle = match which {
         0 => secret.clone(),
         1 => hex(&secret),
-        2 => STANDARD.encode([&b"Bearer "[..], &secret].concat()).into_bytes(),
+        2 => STANDARD
+            .encode([&b"Bearer "[..], &secret].concat())
+            .into_bytes(),
         3 => URL_SAFE_NO_PAD
             .encode([&b"user:"[..], &secret].concat())
             .into_bytes(),
@@ -158,10 +163,19 @@ fuzz_target!(|data: &[u8]| {
         5 => unpercent(&run),
         _ => unjson(&run),
     };
-    assert!(!found_in(&decoded, &secret), "the secret survived (form {which})");
-    assert!(!found_in(&run, &needle), "the encoded secret survived (form {which})");
+    assert!(
+        !found_in(&decoded, &secret),
+        "the secret survived (form {which})"
+    );
+    assert!(
+        !found_in(&run, &needle),
+        "the encoded secret survived (form {which})"
+    );
 
-    let (i, j) = (*cut1 as usize * hay.len() / 256, *cut2 as usize * hay.len() / 256);
+    let (i, j) = (
+        *cut1 as usize * hay.len() / 256,
+        *cut2 as usize * hay.len() / 256,
+    );
     let (i, j) = (i.min(j), i.max(j));
     let mut stream = ScrubStream::new(sc.clone());
     let mut out = Vec::new();
