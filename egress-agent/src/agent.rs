@@ -379,7 +379,7 @@ mod tests {
 
     /// The workload the listener serves (a command's record: no runtime behind it).
     fn container() -> ContainerInfo {
-        ContainerInfo::command("exec:1".into(), "web".into(), "p")
+        ContainerInfo::command("exec:1".into(), "web".into(), "p", Default::default())
     }
 
     fn alive() -> usize {

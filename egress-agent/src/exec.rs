@@ -63,6 +63,9 @@ pub struct ExecOptions {
     pub user: Option<String>,
     /// `--rw`: extra writable paths for a root command (whose file system is read-only).
     pub writable: Vec<PathBuf>,
+    /// `--label KEY=VALUE`: context labels (`egress.run`, ...; checked by
+    /// [`crate::workload::labels::command_labels`]).
+    pub labels: Vec<String>,
     pub command: Vec<OsString>,
 }
 
@@ -131,6 +134,7 @@ pub fn run(opts: ExecOptions) -> anyhow::Result<i32> {
     if opts.command.is_empty() {
         bail!("exec: no command given (usage: egress-agent exec --policy P -- CMD ARGS...)");
     }
+    crate::workload::labels::command_labels(&opts.labels).map_err(|e| anyhow!("exec: {e}"))?;
     bpf::loader::require_root()?;
     let config = Config::load_or_default(opts.config.as_deref())?;
     let policy = config
@@ -470,10 +474,13 @@ async fn run_async(
     // 4. the workload enforcer every runtime uses: entry, listeners, directory record.
     let config = Arc::new(config);
     let directory = Directory::default();
+    let labels =
+        crate::workload::labels::command_labels(&opts.labels).map_err(|e| anyhow!("exec: {e}"))?;
     let workload = ContainerInfo::command(
         format!("exec:{}", std::process::id()),
         command_name(&opts.command),
         &opts.policy,
+        labels,
     );
     let mut enforcer = site::enforcer_on(
         &config,

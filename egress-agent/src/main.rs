@@ -78,6 +78,11 @@ enum Command {
         /// and /var/tmp; make PATH writable too (repeatable).
         #[arg(long = "rw", value_name = "PATH")]
         writable: Vec<PathBuf>,
+        /// A context label for the command's events, denials and store records, as on a Docker
+        /// container (repeatable): egress.run=ID, egress.repo=..., egress.agent=...,
+        /// egress.workspace=... (`--run` and `--label run=ID` filters find them).
+        #[arg(long = "label", value_name = "KEY=VALUE")]
+        labels: Vec<String>,
         /// The command and its arguments (after `--`).
         #[arg(last = true, required = true)]
         command: Vec<OsString>,
@@ -296,6 +301,7 @@ fn main() -> ExitCode {
             config,
             user,
             writable,
+            labels,
             command,
         } => {
             init_cli_tracing();
@@ -304,6 +310,7 @@ fn main() -> ExitCode {
                 config,
                 user,
                 writable,
+                labels,
                 command,
             })
             .map(|code| ExitCode::from(code.clamp(0, 255) as u8))

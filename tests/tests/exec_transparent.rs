@@ -419,6 +419,70 @@ fn dns_answers_open_direct_ports_for_their_ttl_only() {
     assert_enforcement_intact("after direct ports");
 }
 
+/// A run's identity under exec (`--label egress.run=…`, issue #41 item 4): the command's
+/// refusals tell it its run (the 403's body) and its events carry the labels, as a container's
+/// do; a label that isn't context is refused before anything runs.
+#[test]
+fn exec_labels_name_the_run_in_refusals_and_events() {
+    if !root_or_skip("exec labels") {
+        return;
+    }
+    let _g = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
+    let up = Upstreams::start();
+    let cfg = up.config(false, WEB_POLICY);
+    let m = marker("label");
+    let script = format!(
+        "curl -sS -m 10 -x http://127.0.0.1:{} http://nowhere.test:18080/{m}",
+        cfg.endpoint_port
+    );
+    let out = Command::new(egress_tests::agent::agent_bin())
+        .args(["exec", "--policy", "web", "--config"])
+        .arg(&cfg.path)
+        .args([
+            "--label",
+            "egress.run=4711",
+            "--label",
+            "egress.repo=org/app",
+        ])
+        .args(["--", "sh", "-c", &script])
+        .stdin(Stdio::null())
+        .output()
+        .expect("run egress-agent exec");
+    let (stdout, stderr) = (
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr),
+    );
+    assert!(
+        stdout.contains("egress-agent: denied by policy web: host-not-allowed")
+            && stdout.contains("destination: nowhere.test:18080")
+            && stdout.contains("run: 4711"),
+        "the 403's body:\n{stdout}\n{stderr}"
+    );
+    assert!(
+        stderr
+            .lines()
+            .any(|l| l.contains("host-not-allowed") && l.contains("4711") && l.contains("org/app")),
+        "no denial event with the run's labels:\n{stderr}"
+    );
+    // Not a context label: refused before the command runs.
+    let flag = up.dir.path().join(format!("ran-{m}"));
+    let out = Command::new(egress_tests::agent::agent_bin())
+        .args(["exec", "--policy", "web", "--config"])
+        .arg(&cfg.path)
+        .args(["--label", "egress.policy=allow_all", "--", "touch"])
+        .arg(&flag)
+        .stdin(Stdio::null())
+        .output()
+        .expect("run egress-agent exec");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{stderr}");
+    assert!(
+        stderr.contains("--label egress.policy: exec takes its policy from --policy"),
+        "{stderr}"
+    );
+    assert!(!flag.exists(), "the command ran");
+}
+
 #[test]
 fn an_auditing_policy_lets_everything_through_and_reports_it() {
     if !root_or_skip("exec audit") {

@@ -2,7 +2,7 @@
 //! under `exec`), whatever runtime reported it: each runtime fills a [`ContainerInfo`]
 //! (`docker::container` from `docker inspect`, `containerd::pod` from containerd's records,
 //! [`ContainerInfo::command`] for `exec`).
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::net::Ipv4Addr;
 
 /// One network endpoint as the runtime reports it.
@@ -57,14 +57,23 @@ impl ContainerInfo {
     /// command's. It runs in the host's network namespace (no host-layer rules: no interface of
     /// its own), nothing is published, and its environment is checked by `exec` itself (which
     /// refuses to start it rather than confining it).
-    pub fn command(id: String, name: String, policy: &str) -> ContainerInfo {
+    /// `labels`: the command's context labels (`exec --label`, checked by
+    /// [`crate::workload::labels::command_labels`]); its policy is `policy`.
+    pub fn command(
+        id: String,
+        name: String,
+        policy: &str,
+        labels: BTreeMap<String, String>,
+    ) -> ContainerInfo {
+        let mut labels: HashMap<String, String> = labels.into_iter().collect();
+        labels.insert(
+            crate::workload::labels::LABEL_POLICY.to_owned(),
+            policy.to_owned(),
+        );
         ContainerInfo {
             id,
             name,
-            labels: HashMap::from([(
-                crate::workload::labels::LABEL_POLICY.to_owned(),
-                policy.to_owned(),
-            )]),
+            labels,
             running: true,
             pid: None,
             cgroup_parent: String::new(),

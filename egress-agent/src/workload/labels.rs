@@ -273,6 +273,40 @@ fn named(
     }
 }
 
+/// `exec --label KEY=VALUE` items → the labels of the command's workload: context labels only
+/// (`egress.run`, `egress.repo`, `egress.agent`, `egress.workspace`; keys compared
+/// case-insensitively, each once). The policy comes from `--policy`, never from a label.
+pub fn command_labels(items: &[String]) -> Result<BTreeMap<String, String>, String> {
+    let mut out = BTreeMap::new();
+    for item in items {
+        let Some((key, value)) = item.split_once('=') else {
+            return Err(format!(
+                "--label {item:?}: expected KEY=VALUE (e.g. egress.run=4711)"
+            ));
+        };
+        let key = key.trim().to_ascii_lowercase();
+        if key == LABEL_POLICY || key == LABEL_ALLOW_HOSTS || key == LABEL_ALLOW_PORTS {
+            return Err(format!(
+                "--label {key}: exec takes its policy from --policy; labels only carry context ({})",
+                CONTEXT_LABELS.join(", ")
+            ));
+        }
+        if !CONTEXT_LABELS.contains(&key.as_str()) {
+            return Err(format!(
+                "--label {key}: not a context label; use one of {}",
+                CONTEXT_LABELS.join(", ")
+            ));
+        }
+        if value.is_empty() {
+            return Err(format!("--label {key}: empty value"));
+        }
+        if out.insert(key.clone(), value.to_owned()).is_some() {
+            return Err(format!("--label {key}: given twice"));
+        }
+    }
+    Ok(out)
+}
+
 fn context_of(egress: &BTreeMap<String, &str>) -> BTreeMap<String, String> {
     CONTEXT_LABELS
         .iter()
@@ -540,6 +574,48 @@ allow_cidrs = ["198.18.0.10/32"]
             &r(&[("egress.policy", "ci"), ("EGRESS.POLICY", "allow_all")]),
             "more than once",
         );
+    }
+
+    #[test]
+    fn exec_labels_carry_context_only() {
+        let ok = command_labels(&["egress.run=4711".into(), "Egress.Repo=org/app".into()])
+            .expect("valid");
+        assert_eq!(
+            ok,
+            BTreeMap::from([
+                ("egress.repo".to_owned(), "org/app".to_owned()),
+                ("egress.run".to_owned(), "4711".to_owned())
+            ])
+        );
+        for (bad, says) in [
+            ("egress.run", "KEY=VALUE"),
+            ("egress.policy=web", "--policy"),
+            ("egress.allow_hosts=a.test", "--policy"),
+            ("egress.runn=1", "not a context label"),
+            ("run=1", "not a context label"),
+            ("egress.run=", "empty value"),
+        ] {
+            let e = command_labels(&[bad.to_owned()]).expect_err("refused");
+            assert!(e.contains(says), "{bad}: {e}");
+        }
+        let twice =
+            command_labels(&["egress.run=1".into(), "EGRESS.RUN=2".into()]).expect_err("refused");
+        assert!(twice.contains("given twice"), "{twice}");
+        // What they become on the workload: the same context as a container's labels.
+        let info =
+            crate::workload::info::ContainerInfo::command("exec:1".into(), "sh".into(), "web", ok);
+        let config = Config::from_toml_str(
+            "[policies.web]\nallow_hosts = [\"a.test\"]",
+            std::path::Path::new("t.toml"),
+        )
+        .expect("valid");
+        let res = resolve(
+            info.labels.iter().map(|(k, v)| (k.as_str(), v.as_str())),
+            &config,
+        );
+        assert_eq!(res.context.get("run").map(String::as_str), Some("4711"));
+        assert_eq!(res.context.get("repo").map(String::as_str), Some("org/app"));
+        assert_eq!(res.name, "web");
     }
 
     #[test]
