@@ -202,44 +202,76 @@ impl Store {
 
     /// Flows matching `filter` (`since`: last seen at or after), in a stable order.
     pub fn flows(&self, filter: &EventFilter) -> Result<Vec<Flow>, StoreError> {
+        let rule = self.rule_column("''");
+        let order = format!(
+            "ORDER BY host, ip, port, protocol, verdict, policy, container_name, labels, source,
+                      reason, {rule}"
+        );
+        let mut out = Vec::new();
+        self.select_flows(filter, &order, |f| out.push(f))?;
+        Ok(out)
+    }
+
+    /// Every flow matching `filter`, handed to `each` as it is read, in no particular order and
+    /// none kept: for a reader of many flows (`replay` reads a whole store). The number read.
+    pub fn each_flow(
+        &self,
+        filter: &EventFilter,
+        each: impl FnMut(Flow),
+    ) -> Result<u64, StoreError> {
+        self.select_flows(filter, "", each)
+    }
+
+    fn select_flows(
+        &self,
+        filter: &EventFilter,
+        order: &str,
+        mut each: impl FnMut(Flow),
+    ) -> Result<u64, StoreError> {
         let (cond, params) = filter.sql("last_us", "labels");
         let rule = self.rule_column("''");
         let sql = format!(
             "SELECT verdict, source, policy, container_id, container_name, labels, host, ip, port,
                     protocol, reason, count, first_us, last_us, {rule}
-             FROM flows WHERE {cond}
-             ORDER BY host, ip, port, protocol, verdict, policy, container_name, labels, source,
-                      reason, {rule}"
+             FROM flows WHERE {cond} {order}"
         );
         let conn = self.conn();
         let mut stmt = conn.prepare(&sql).map_err(|e| self.err(e))?;
-        let rows = stmt
-            .query_map(rusqlite::params_from_iter(params), |r| {
-                let verdict: String = r.get(0)?;
-                let labels: String = r.get(5)?;
-                let count: i64 = r.get(11)?;
-                let rule: String = r.get(14)?;
-                Ok(Flow {
-                    verdict: verdict.parse().unwrap_or_default(),
-                    source: r.get(1)?,
-                    policy: r.get(2)?,
-                    container_id: r.get(3)?,
-                    container_name: r.get(4)?,
-                    labels: serde_json::from_str(&labels).unwrap_or_default(),
-                    host: r.get(6)?,
-                    ip: r.get(7)?,
-                    port: r.get(8)?,
-                    protocol: r.get(9)?,
-                    reason: r.get(10)?,
-                    rule: (!rule.is_empty()).then_some(rule),
-                    count: u64::try_from(count).unwrap_or(0),
-                    first_seen: from_micros(r.get(12)?),
-                    last_seen: from_micros(r.get(13)?),
-                })
-            })
+        let mut rows = stmt
+            .query(rusqlite::params_from_iter(params))
             .map_err(|e| self.err(e))?;
-        rows.collect::<Result<Vec<_>, _>>().map_err(|e| self.err(e))
+        let mut n = 0;
+        while let Some(r) = rows.next().map_err(|e| self.err(e))? {
+            each(flow_row(r).map_err(|e| self.err(e))?);
+            n += 1;
+        }
+        Ok(n)
     }
+}
+
+/// One row of [`Store::select_flows`]'s query.
+fn flow_row(r: &rusqlite::Row<'_>) -> Result<Flow, rusqlite::Error> {
+    let verdict: String = r.get(0)?;
+    let labels: String = r.get(5)?;
+    let count: i64 = r.get(11)?;
+    let rule: String = r.get(14)?;
+    Ok(Flow {
+        verdict: verdict.parse().unwrap_or_default(),
+        source: r.get(1)?,
+        policy: r.get(2)?,
+        container_id: r.get(3)?,
+        container_name: r.get(4)?,
+        labels: serde_json::from_str(&labels).unwrap_or_default(),
+        host: r.get(6)?,
+        ip: r.get(7)?,
+        port: r.get(8)?,
+        protocol: r.get(9)?,
+        reason: r.get(10)?,
+        rule: (!rule.is_empty()).then_some(rule),
+        count: u64::try_from(count).unwrap_or(0),
+        first_seen: from_micros(r.get(12)?),
+        last_seen: from_micros(r.get(13)?),
+    })
 }
 
 #[cfg(test)]
@@ -337,6 +369,14 @@ mod tests {
             let mut got = rules;
             got.sort();
             assert_eq!(got, want, "{f:?}");
+            // Streamed: the same flows, in no particular order.
+            let mut streamed = Vec::new();
+            let n = s.each_flow(f, |flow| streamed.push(flow)).unwrap();
+            assert_eq!(n as usize, flows.len());
+            streamed.sort_by_key(|f| (f.host.clone(), f.policy.clone(), f.verdict.as_str()));
+            let mut ordered = flows.clone();
+            ordered.sort_by_key(|f| (f.host.clone(), f.policy.clone(), f.verdict.as_str()));
+            assert_eq!(streamed, ordered, "{f:?}");
         }
         // Limit keeps the newest, oldest first; `after` skips what was seen.
         let last2 = s.events(&EventFilter::default(), 0, 2).unwrap();
