@@ -6,7 +6,7 @@
 use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
 
-use serde_json::{Value, json};
+use serde_json::Value;
 
 use super::{Bucket, Decided, Proposed, Recorded, Replayer, Report};
 use crate::config::{Config, ConfigError, Secrets};
@@ -164,8 +164,8 @@ pub fn replay_store(
     filter.policy = opts.against(proposed)?.map(str::to_owned);
     filter.verdict = None;
     let mut r = Replayer::new(proposed);
-    store.each_flow(&filter, |f| r.add(&f))?;
-    Ok(r.finish())
+    store.each_flow(&filter, |f| r.add(f))?;
+    Ok(r.finish(opts.limit))
 }
 
 /// What the report is about, beside the replay itself.
@@ -175,8 +175,6 @@ pub struct About {
     pub against: String,
     /// [`Selection::describe`].
     pub selection: String,
-    /// Destinations listed per bucket (0: all).
-    pub limit: usize,
 }
 
 impl About {
@@ -184,59 +182,51 @@ impl About {
         About {
             against: opts.against_text(proposed),
             selection: opts.selection.describe(),
-            limit: opts.limit,
         }
     }
 }
 
-/// The destinations listed: at most `limit` per bucket (0: all), and how many were left out
-/// per bucket.
-fn listed(report: &Report, limit: usize) -> (Vec<&super::Entry>, Vec<(Bucket, usize)>) {
-    let mut out = Vec::new();
-    let mut left = Vec::new();
-    for b in Bucket::ALL {
-        let all: Vec<&super::Entry> = report
-            .destinations
-            .iter()
-            .filter(|e| e.bucket == b)
-            .collect();
-        let n = if limit == 0 {
-            all.len()
-        } else {
-            limit.min(all.len())
-        };
-        if n < all.len() {
-            left.push((b, all.len() - n));
-        }
-        out.extend(all.into_iter().take(n));
-    }
-    (out, left)
+/// The JSON report: the report, and what it is about.
+#[derive(serde::Serialize)]
+struct JsonReport<'a> {
+    schema: u32,
+    policy: &'a str,
+    audit: bool,
+    against: &'a str,
+    selection: &'a str,
+    flows: u64,
+    events: u64,
+    #[serde(serialize_with = "super::ser_opt_time")]
+    first_seen: Option<std::time::SystemTime>,
+    #[serde(serialize_with = "super::ser_opt_time")]
+    last_seen: Option<std::time::SystemTime>,
+    totals: &'a super::Totals,
+    destinations: &'a [super::Entry],
+    /// Per bucket, the destinations the limit left out.
+    unlisted: &'a std::collections::BTreeMap<Bucket, usize>,
+    not_replayable: &'a [super::Unreplayed],
+    notes: &'a [String],
 }
 
 /// The report as JSON (schema [`SCHEMA`], `docs/api.yaml`'s `ReplayReport`).
 pub fn to_json(report: &Report, about: &About) -> Value {
-    let (listed, left) = listed(report, about.limit);
-    let unlisted: serde_json::Map<String, Value> = left
-        .iter()
-        .map(|(b, n)| (bucket_key(*b).to_owned(), json!(n)))
-        .collect();
-    let mut v = serde_json::to_value(report).unwrap_or(Value::Null);
-    v["schema"] = json!(SCHEMA);
-    v["against"] = json!(about.against);
-    v["selection"] = json!(about.selection);
-    v["destinations"] = serde_json::to_value(listed).unwrap_or(Value::Null);
-    v["unlisted"] = Value::Object(unlisted);
-    v
-}
-
-fn bucket_key(b: Bucket) -> &'static str {
-    match b {
-        Bucket::NewlyDenied => "newly_denied",
-        Bucket::NewlyAllowed => "newly_allowed",
-        Bucket::WouldDeny => "would_deny",
-        Bucket::UnchangedDenied => "unchanged_denied",
-        Bucket::UnchangedAllowed => "unchanged_allowed",
-    }
+    let view = JsonReport {
+        schema: SCHEMA,
+        policy: &report.policy,
+        audit: report.audit,
+        against: &about.against,
+        selection: &about.selection,
+        flows: report.flows,
+        events: report.events,
+        first_seen: report.first_seen,
+        last_seen: report.last_seen,
+        totals: &report.totals,
+        destinations: &report.destinations,
+        unlisted: &report.unlisted,
+        not_replayable: &report.not_replayable,
+        notes: &report.notes,
+    };
+    serde_json::to_value(view).unwrap_or(Value::Null)
 }
 
 fn plural(n: u64, one: &str) -> String {
@@ -339,7 +329,8 @@ pub fn to_text(report: &Report, about: &About) -> String {
         return out;
     }
     for b in Bucket::ALL {
-        let n = report.destinations.iter().filter(|e| e.bucket == b).count();
+        let listed = report.destinations.iter().filter(|e| e.bucket == b).count();
+        let n = listed + report.unlisted.get(&b).copied().unwrap_or(0);
         count_line(&mut out, b.title(), Some(n), report.totals.of(b));
     }
     count_line(
@@ -348,7 +339,7 @@ pub fn to_text(report: &Report, about: &About) -> String {
         None,
         report.totals.not_replayable,
     );
-    write_buckets(&mut out, report, about.limit);
+    write_buckets(&mut out, report);
     if !report.not_replayable.is_empty() {
         writeln!(out, "\nnot replayable:").ok();
         for u in &report.not_replayable {
@@ -373,10 +364,13 @@ pub fn to_text(report: &Report, about: &About) -> String {
     out
 }
 
-fn write_buckets(out: &mut String, report: &Report, limit: usize) {
-    let (listed, left) = listed(report, limit);
+fn write_buckets(out: &mut String, report: &Report) {
     for b in Bucket::ALL {
-        let entries: Vec<_> = listed.iter().filter(|e| e.bucket == b).collect();
+        let entries: Vec<_> = report
+            .destinations
+            .iter()
+            .filter(|e| e.bucket == b)
+            .collect();
         if entries.is_empty() {
             continue;
         }
@@ -414,7 +408,7 @@ fn write_buckets(out: &mut String, report: &Report, limit: usize) {
                 .collect();
             writeln!(out, "      e.g. {}", examples.join("; ")).ok();
         }
-        if let Some((_, n)) = left.iter().find(|(lb, _)| *lb == b) {
+        if let Some(n) = report.unlisted.get(&b) {
             writeln!(out, "  ... and {n} more (--limit 0 lists all)").ok();
         }
     }

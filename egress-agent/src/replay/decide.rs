@@ -20,11 +20,12 @@
 //! Everything else is not replayable, with why: refusals no rule of a policy decides (request
 //! shape, TLS, admission, interception, agent lifecycle, socket types), and what was not
 //! recorded (credential placeholders are in headers).
+use std::fmt::Write as _;
 use std::net::{IpAddr, SocketAddr};
 
-use super::{Decided, Proposed, Replayed, Unrecorded};
+use super::{Decided, Now, Proposed, Replayed, Unrecorded};
 use crate::events::{ALLOWED_REASON, Verdict};
-use crate::store::query::Flow;
+use crate::store::query::FlowRef;
 use egress_policy::kernel_eval::{self, KernelVerdict, Netns, Transport};
 use egress_policy::name::{Destination, HostName};
 use egress_policy::{CompiledPolicy, Decision, DenyReason};
@@ -91,39 +92,28 @@ fn proxy_unreplayable(reason: &str) -> &'static str {
     }
 }
 
-/// The source, the destination as people read it, and the proposed policy's decision.
-pub(super) fn flow(p: &Proposed, f: &Flow) -> (&'static str, String, Replayed) {
-    match f.source.as_str() {
-        "proxy" => {
-            let (dest, r) = proxy(p, f);
-            ("proxy", dest, r)
+/// The source and the proposed policy's decision; the destination as people read it is
+/// written into `dest` (a buffer the caller reuses: most flows are of a destination seen
+/// before).
+pub(super) fn flow(p: &Proposed, f: &FlowRef<'_>, dest: &mut String) -> (&'static str, Replayed) {
+    match f.source {
+        "proxy" => ("proxy", proxy(p, f, dest)),
+        "kernel" => ("kernel", kernel(p, f, dest)),
+        _ => {
+            dest.push_str(f.host);
+            (
+                "agent",
+                Replayed::NotReplayable(
+                    "an agent lifecycle event (a workload refused, its labels, the host layer): not traffic",
+                ),
+            )
         }
-        "kernel" => {
-            let (dest, r) = kernel(p, f);
-            ("kernel", dest, r)
-        }
-        _ => (
-            "agent",
-            f.host.clone(),
-            Replayed::NotReplayable(
-                "an agent lifecycle event (a workload refused, its labels, the host layer): not traffic",
-            ),
-        ),
     }
 }
 
-fn decided(p: &CompiledPolicy, d: Decision, unrecorded: Option<Unrecorded>) -> Replayed {
-    let (verdict, reason, rule) = match d {
-        Decision::Allow(rule) => (Verdict::Allow, None, Some(rule)),
-        Decision::Deny(r) => (Verdict::Deny, Some(r.reason.as_str()), r.rule),
-        Decision::WouldDeny(r) => (Verdict::WouldDeny, Some(r.reason.as_str()), r.rule),
-    };
+fn decided(d: Decision, unrecorded: Option<Unrecorded>) -> Replayed {
     Replayed::Decided {
-        decided: Decided {
-            verdict,
-            reason,
-            rule: rule.map(|r| p.describe(r)),
-        },
+        now: Now::Proxy(d),
         unrecorded,
     }
 }
@@ -144,57 +134,45 @@ fn then_dial(name: Decision, dial: Option<Decision>) -> Decision {
 /// The address a proxy flow's dial refused: a transparent connection names it in
 /// `denied_address` (its `ip` is the original destination, which the proxy never dials), the
 /// others in `ip`. Only refusals of an address carry one.
-fn dial_address(f: &Flow) -> Option<IpAddr> {
-    let of_address = is(&f.reason, &ADDRESS_REASONS)
+fn dial_address(f: &FlowRef<'_>) -> Option<IpAddr> {
+    let of_address = is(f.reason, &ADDRESS_REASONS)
         || (f.reason == DenyReason::PortNotAllowed.as_str()
-            && f.rule
-                .as_deref()
-                .is_some_and(|r| r.starts_with("allow_cidrs ")));
+            && f.rule.is_some_and(|r| r.starts_with("allow_cidrs ")));
     if f.verdict == Verdict::Allow || !of_address {
         return None;
     }
-    match f.labels.get("denied_address") {
-        Some(a) => a.parse().ok(),
-        None => f.ip.parse().ok(),
-    }
+    f.labels.get("denied_address").unwrap_or(f.ip).parse().ok()
 }
 
-fn proxy(p: &Proposed, f: &Flow) -> (String, Replayed) {
+fn proxy(p: &Proposed, f: &FlowRef<'_>, dest: &mut String) -> Replayed {
     let c = &p.compiled;
     let ip: Option<IpAddr> = f.ip.parse().ok();
-    let dest = match (f.host.as_str(), ip) {
-        ("", Some(ip)) => SocketAddr::new(ip, f.port).to_string(),
-        ("", None) => "-".to_owned(),
-        (h, _) => format!("{h}:{}", f.port),
-    };
+    match (f.host, ip) {
+        ("", Some(ip)) => write!(dest, "{}", SocketAddr::new(ip, f.port)),
+        ("", None) => write!(dest, "-"),
+        (h, _) if f.protocol == "dns" => write!(dest, "{h} (DNS)"),
+        (h, _) => write!(dest, "{h}:{}", f.port),
+    }
+    .ok();
     let passed = f.verdict == Verdict::Allow && f.reason == ALLOWED_REASON;
-    let request = is(&f.reason, &REQUEST_REASONS);
-    if !passed && !request && !is(&f.reason, &POLICY_REASONS) {
-        return (dest, Replayed::NotReplayable(proxy_unreplayable(&f.reason)));
+    let request = is(f.reason, &REQUEST_REASONS);
+    if !passed && !request && !is(f.reason, &POLICY_REASONS) {
+        return Replayed::NotReplayable(proxy_unreplayable(f.reason));
     }
     if f.protocol == "dns" {
-        return dns(c, f);
+        return dns(c, f, dest);
     }
     if f.port == 0 {
-        return (
-            dest,
-            Replayed::NotReplayable("no port: refused before a destination was named"),
-        );
+        return Replayed::NotReplayable("no port: refused before a destination was named");
     }
     if f.host.is_empty() {
         return match ip {
-            Some(ip) => (
-                dest,
-                decided(c, c.decide_target(&Destination::Ip(ip), f.port), None),
-            ),
-            None => (dest, Replayed::NotReplayable("no destination was recorded")),
+            Some(ip) => decided(c.decide_target(&Destination::Ip(ip), f.port), None),
+            None => Replayed::NotReplayable("no destination was recorded"),
         };
     }
-    let Ok(name) = HostName::parse(&f.host) else {
-        return (
-            dest,
-            Replayed::NotReplayable("not a host name the proxy accepts"),
-        );
+    let Ok(name) = HostName::parse(f.host) else {
+        return Replayed::NotReplayable("not a host name the proxy accepts");
     };
     let on_name = c.decide_target(&Destination::Name(name.clone()), f.port);
     if request {
@@ -203,31 +181,27 @@ fn proxy(p: &Proposed, f: &Flow) -> (String, Replayed) {
     let addr = dial_address(f);
     let dial = addr.map(|a| c.decide_addr(a, f.port, true));
     let d = then_dial(on_name, dial);
-    let dest = match addr {
-        Some(a) => format!("{dest} (address {a})"),
-        None => dest,
-    };
+    if let Some(a) = addr {
+        write!(dest, " (address {a})").ok();
+    }
     let unrecorded =
         (addr.is_none() && !matches!(d, Decision::Deny(_))).then_some(Unrecorded::Address);
-    (dest, decided(c, d, unrecorded))
+    decided(d, unrecorded)
 }
 
 /// A request the request rules refused: the connection's decision, then the rules on its
 /// method and path.
 fn request_flow(
     c: &CompiledPolicy,
-    f: &Flow,
+    f: &FlowRef<'_>,
     name: &HostName,
     on_name: Decision,
-    dest: String,
-) -> (String, Replayed) {
+    dest: &mut String,
+) -> Replayed {
     let (Some(method), Some(path)) = (f.labels.get("method"), f.labels.get("path")) else {
-        return (
-            dest,
-            Replayed::NotReplayable("a request refusal without its method and path"),
-        );
+        return Replayed::NotReplayable("a request refusal without its method and path");
     };
-    let dest = format!("{dest} {method} {path}");
+    write!(dest, " {method} {path}").ok();
     let d = match on_name {
         Decision::Deny(_) => on_name,
         _ => match c.l7().check_rules(name, f.port, method, path) {
@@ -235,54 +209,56 @@ fn request_flow(
             Err(refused) => Decision::Deny(refused),
         },
     };
-    (dest, decided(c, d, Some(Unrecorded::Headers)))
+    decided(d, Some(Unrecorded::Headers))
 }
 
 /// A DNS query: the name's decision as the responder takes it, then the answer's refused
 /// address (enforce-only, as the responder checks answers).
-fn dns(c: &CompiledPolicy, f: &Flow) -> (String, Replayed) {
-    let dest = format!("{} (DNS)", f.host);
-    let Ok(name) = HostName::parse(&f.host) else {
-        return (
-            dest,
-            Replayed::NotReplayable("not a host name the proxy accepts"),
-        );
+fn dns(c: &CompiledPolicy, f: &FlowRef<'_>, dest: &mut String) -> Replayed {
+    let Ok(name) = HostName::parse(f.host) else {
+        return Replayed::NotReplayable("not a host name the proxy accepts");
     };
     let (on_name, _) = c.decide_name(&name);
     let Ok(ip) = f.ip.parse::<IpAddr>() else {
-        return (dest, decided(c, on_name, None));
+        return decided(on_name, None);
     };
     let answer = c.classify_addr(ip, None, true).err().map(Decision::Deny);
-    let dest = format!("{} (DNS, answer {ip})", f.host);
-    (dest, decided(c, then_dial(on_name, answer), None))
+    dest.truncate(dest.len() - ")".len());
+    write!(dest, ", answer {ip})").ok();
+    decided(then_dial(on_name, answer), None)
 }
 
-fn kernel(p: &Proposed, f: &Flow) -> (String, Replayed) {
+fn kernel(p: &Proposed, f: &FlowRef<'_>, dest: &mut String) -> Replayed {
     let ip: Option<IpAddr> = f.ip.parse().ok();
-    let inbound = f.labels.get("direction").is_some_and(|d| d == "inbound");
-    let dest = match (ip, inbound) {
-        (Some(ip), true) => format!("inbound from {ip} to port {}/{}", f.port, f.protocol),
-        (Some(ip), false) => format!("{}/{}", SocketAddr::new(ip, f.port), f.protocol),
-        (None, _) => f.protocol.clone(),
-    };
-    let not = |why| (dest.clone(), Replayed::NotReplayable(why));
+    let inbound = f.labels.get("direction") == Some("inbound");
+    match (ip, inbound) {
+        (Some(ip), true) => write!(dest, "inbound from {ip} to port {}/{}", f.port, f.protocol),
+        (Some(ip), false) => write!(dest, "{}/{}", SocketAddr::new(ip, f.port), f.protocol),
+        (None, _) => write!(dest, "{}", f.protocol),
+    }
+    .ok();
     if f.protocol.starts_with("socket(") || f.reason == "kernel-socket-type-not-allowed" {
-        return not("a socket type the kernel programs refuse under every policy but allow_all");
+        return Replayed::NotReplayable(
+            "a socket type the kernel programs refuse under every policy but allow_all",
+        );
     }
     if f.reason == "kernel-no-policy-entry" || f.reason == "kernel-proxy-not-running" {
-        return not("the agent's state (no policy entry or no proxy listener for the cgroup)");
+        return Replayed::NotReplayable(
+            "the agent's state (no policy entry or no proxy listener for the cgroup)",
+        );
     }
-    let transport = match f.protocol.as_str() {
+    let transport = match f.protocol {
         "tcp" => Transport::Tcp,
         "udp" => Transport::Udp,
-        _ => return not("only TCP and UDP connections are decided by a policy"),
+        _ => {
+            return Replayed::NotReplayable("only TCP and UDP connections are decided by a policy");
+        }
     };
     let (Some(ip), true) = (ip, f.port != 0) else {
-        return not("no address or port was recorded");
+        return Replayed::NotReplayable("no address or port was recorded");
     };
-    let kp = match &p.kernel {
-        Ok(kp) => kp,
-        Err(_) => return not("the kernel programs can't load the proposed policy"),
+    let Ok(kp) = &p.kernel else {
+        return Replayed::NotReplayable("the kernel programs can't load the proposed policy");
     };
     let netns = if f.container_id.starts_with("exec:") {
         Netns::Host
@@ -296,14 +272,13 @@ fn kernel(p: &Proposed, f: &Flow) -> (String, Replayed) {
         let dst = SocketAddr::new(ip, f.port);
         (kernel_eval::connect(kp, dst, transport, netns), None)
     };
-    let r = match kernel_decided(verdict, &f.reason) {
+    match kernel_decided(verdict, f.reason) {
         Ok(decided) => Replayed::Decided {
-            decided,
+            now: Now::Kernel(decided),
             unrecorded,
         },
         Err(why) => Replayed::NotReplayable(why),
-    };
-    (dest, r)
+    }
 }
 
 /// The kernel's verdict as a decision. A server on the host's loopback is allowed for the same

@@ -4,25 +4,26 @@
 //! proposed policy audits), not replayable. What makes tightening a policy safe.
 //!
 //! Pure: flows and a [`Proposed`] policy in, a [`Report`] out. [`Replayer`] takes the flows one
-//! at a time (a whole store is never held in memory); [`decide`] decides one flow. Reading the
-//! store, the CLI's and the API's options and printing are [`command`]'s.
+//! at a time, as the store reads them (a whole store is never held in memory), and keeps one
+//! tally per destination ([`tally`]); [`decide`] decides one flow. Reading the store, the CLI's
+//! and the API's options and printing are [`command`]'s.
 //!
 //! A flow's recorded outcome *passed* when it was allowed or let through as a would-deny, and
 //! was *refused* when denied. The proposed outcome comes from [`decide`]; a proposed would-deny
 //! passes too, but is its own bucket ([`Bucket::WouldDeny`]), whatever was recorded.
 pub mod command;
 mod decide;
+mod tally;
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::BTreeMap;
 use std::time::SystemTime;
 
 use serde::Serialize;
 
 use crate::events::Verdict;
-use crate::store::query::Flow;
 use egress_policy::explain::ProxyEndpoint;
 use egress_policy::kernel::KernelPolicy;
-use egress_policy::{CompiledPolicy, Policy};
+use egress_policy::{CompiledPolicy, Decision, Policy};
 
 /// Examples kept per destination.
 pub const EXAMPLES: usize = 3;
@@ -74,13 +75,51 @@ pub struct Decided {
     pub rule: Option<String>,
 }
 
+/// A proposed decision as [`decide`] takes it: the proxy's own [`Decision`] (a `Copy` value:
+/// its rule is described once per distinct decision, not per flow), or the kernel's, in the
+/// kernel evaluation's words.
+#[must_use]
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub enum Now {
+    Proxy(Decision),
+    Kernel(Decided),
+}
+
+impl Now {
+    pub fn verdict(&self) -> Verdict {
+        match self {
+            Now::Proxy(Decision::Allow(_)) => Verdict::Allow,
+            Now::Proxy(Decision::WouldDeny(_)) => Verdict::WouldDeny,
+            Now::Proxy(Decision::Deny(_)) => Verdict::Deny,
+            Now::Kernel(d) => d.verdict,
+        }
+    }
+
+    /// The decision in the report's terms, its rule described as configured.
+    fn described(&self, p: &CompiledPolicy) -> Decided {
+        let (verdict, reason, rule) = match *self {
+            Now::Kernel(ref d) => return d.clone(),
+            Now::Proxy(Decision::Allow(rule)) => (Verdict::Allow, None, Some(rule)),
+            Now::Proxy(Decision::Deny(r)) => (Verdict::Deny, Some(r.reason.as_str()), r.rule),
+            Now::Proxy(Decision::WouldDeny(r)) => {
+                (Verdict::WouldDeny, Some(r.reason.as_str()), r.rule)
+            }
+        };
+        Decided {
+            verdict,
+            reason,
+            rule: rule.map(|r| p.describe(r)),
+        }
+    }
+}
+
 /// What replaying one flow gives.
 #[must_use]
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Replayed {
     /// Decided; `unrecorded`: what the decision could not see.
     Decided {
-        decided: Decided,
+        now: Now,
         unrecorded: Option<Unrecorded>,
     },
     /// Not a decision of a policy's rules, or not one that can be taken from what was
@@ -102,7 +141,7 @@ pub enum Unrecorded {
 }
 
 impl Unrecorded {
-    fn note(self, c: Count) -> String {
+    pub(super) fn note(self, c: Count) -> String {
         let (flows, events) = (c.flows, c.events);
         match self {
             Unrecorded::Address => format!(
@@ -173,7 +212,7 @@ pub struct Count {
 }
 
 impl Count {
-    fn add(&mut self, events: u64) {
+    pub(super) fn add(&mut self, events: u64) {
         self.flows += 1;
         self.events += events;
     }
@@ -201,7 +240,7 @@ impl Totals {
         }
     }
 
-    fn of_mut(&mut self, b: Bucket) -> &mut Count {
+    pub(super) fn of_mut(&mut self, b: Bucket) -> &mut Count {
         match b {
             Bucket::NewlyDenied => &mut self.newly_denied,
             Bucket::NewlyAllowed => &mut self.newly_allowed,
@@ -275,8 +314,11 @@ pub struct Report {
     #[serde(serialize_with = "ser_opt_time")]
     pub last_seen: Option<SystemTime>,
     pub totals: Totals,
-    /// Newly denied first, then by events (most first) and destination.
+    /// Newly denied first, then by events (most first) and destination; at most the `limit`
+    /// with the most events per bucket ([`Replayer::finish`]).
     pub destinations: Vec<Entry>,
+    /// Per bucket, the destinations the limit left out (none: not there).
+    pub unlisted: BTreeMap<Bucket, usize>,
     /// By events (most first).
     pub not_replayable: Vec<Unreplayed>,
     /// What the replay could not see, with the flows concerned.
@@ -294,193 +336,7 @@ fn ser_opt_time<S: serde::Serializer>(t: &Option<SystemTime>, s: S) -> Result<S:
     }
 }
 
-/// A destination's flows in one bucket, with one proposed decision.
-#[derive(Debug, Default)]
-struct Group {
-    count: Count,
-    was: Vec<Recorded>,
-    examples: Vec<Example>,
-}
-
-impl Group {
-    fn add(&mut self, f: &Flow) {
-        self.count.add(f.count);
-        let was = Recorded {
-            verdict: f.verdict,
-            reason: f.reason.clone(),
-            rule: f.rule.clone(),
-        };
-        if !self.was.contains(&was) {
-            self.was.push(was);
-        }
-        let container = (!f.container_name.is_empty()).then_some(f.container_name.as_str());
-        let run = f.labels.get("run").map(String::as_str);
-        let key = (f.last_seen, container, run);
-        // The most recent first; equal times by container and run, so the examples are the
-        // same whatever order the flows come in.
-        let newer =
-            self.examples.len() < EXAMPLES || self.examples.last().is_some_and(|e| key > e.key());
-        if newer && !self.examples.iter().any(|e| e.key() == key) {
-            let at = self.examples.partition_point(|e| e.key() > key);
-            self.examples.insert(
-                at,
-                Example {
-                    container: container.map(str::to_owned),
-                    run: run.map(str::to_owned),
-                    last_seen: f.last_seen,
-                },
-            );
-            self.examples.truncate(EXAMPLES);
-        }
-    }
-}
-
-impl Example {
-    fn key(&self) -> (SystemTime, Option<&str>, Option<&str>) {
-        (
-            self.last_seen,
-            self.container.as_deref(),
-            self.run.as_deref(),
-        )
-    }
-}
-
-type GroupKey = (Bucket, &'static str, String, Decided);
-
-/// Replays flows one at a time; [`Replayer::finish`] makes the report.
-#[derive(Debug)]
-pub struct Replayer<'a> {
-    proposed: &'a Proposed,
-    groups: HashMap<GroupKey, Group>,
-    unreplayed: HashMap<(String, String, &'static str), Count>,
-    unrecorded: BTreeMap<Unrecorded, Count>,
-    totals: Totals,
-    all: Count,
-    first: Option<SystemTime>,
-    last: Option<SystemTime>,
-}
-
-impl<'a> Replayer<'a> {
-    pub fn new(proposed: &'a Proposed) -> Replayer<'a> {
-        Replayer {
-            proposed,
-            groups: HashMap::new(),
-            unreplayed: HashMap::new(),
-            unrecorded: BTreeMap::new(),
-            totals: Totals::default(),
-            all: Count::default(),
-            first: None,
-            last: None,
-        }
-    }
-
-    /// Replay one flow.
-    pub fn add(&mut self, f: &Flow) {
-        self.all.add(f.count);
-        self.first = Some(self.first.map_or(f.first_seen, |t| t.min(f.first_seen)));
-        self.last = Some(self.last.map_or(f.last_seen, |t| t.max(f.last_seen)));
-        let (source, destination, replayed) = decide::flow(self.proposed, f);
-        match replayed {
-            Replayed::NotReplayable(why) => {
-                self.totals.not_replayable.add(f.count);
-                self.unreplayed
-                    .entry((f.source.clone(), f.reason.clone(), why))
-                    .or_default()
-                    .add(f.count);
-            }
-            Replayed::Decided {
-                decided,
-                unrecorded,
-            } => {
-                let bucket = Bucket::of(f.verdict, decided.verdict);
-                self.totals.of_mut(bucket).add(f.count);
-                if let Some(u) = unrecorded {
-                    self.unrecorded.entry(u).or_default().add(f.count);
-                }
-                self.groups
-                    .entry((bucket, source, destination, decided))
-                    .or_default()
-                    .add(f);
-            }
-        }
-    }
-
-    pub fn finish(self) -> Report {
-        let mut destinations: Vec<Entry> = self
-            .groups
-            .into_iter()
-            .map(|((bucket, source, destination, now), mut g)| {
-                g.was.sort_by(|a, b| {
-                    (a.verdict.as_str(), &a.reason, &a.rule).cmp(&(
-                        b.verdict.as_str(),
-                        &b.reason,
-                        &b.rule,
-                    ))
-                });
-                Entry {
-                    bucket,
-                    source,
-                    destination,
-                    flows: g.count.flows,
-                    events: g.count.events,
-                    was: g.was,
-                    now,
-                    examples: g.examples,
-                }
-            })
-            .collect();
-        destinations.sort_by(|a, b| {
-            (
-                a.bucket,
-                std::cmp::Reverse(a.events),
-                &a.destination,
-                &a.now.rule,
-            )
-                .cmp(&(
-                    b.bucket,
-                    std::cmp::Reverse(b.events),
-                    &b.destination,
-                    &b.now.rule,
-                ))
-        });
-        let mut not_replayable: Vec<Unreplayed> = self
-            .unreplayed
-            .into_iter()
-            .map(|((source, reason, why), c)| Unreplayed {
-                source,
-                reason,
-                why,
-                flows: c.flows,
-                events: c.events,
-            })
-            .collect();
-        not_replayable.sort_by(|a, b| {
-            (std::cmp::Reverse(a.events), &a.source, &a.reason, a.why).cmp(&(
-                std::cmp::Reverse(b.events),
-                &b.source,
-                &b.reason,
-                b.why,
-            ))
-        });
-        let notes = self
-            .unrecorded
-            .into_iter()
-            .map(|(l, c)| l.note(c))
-            .collect();
-        Report {
-            policy: self.proposed.name.clone(),
-            audit: self.proposed.audits(),
-            flows: self.all.flows,
-            events: self.all.events,
-            first_seen: self.first,
-            last_seen: self.last,
-            totals: self.totals,
-            destinations,
-            not_replayable,
-            notes,
-        }
-    }
-}
+pub use tally::Replayer;
 
 #[cfg(test)]
 mod tests;

@@ -12,6 +12,7 @@ use std::time::{Duration, UNIX_EPOCH};
 use super::command::{About, to_json, to_text};
 use super::*;
 use crate::config::Config;
+use crate::store::query::Flow;
 
 const EP: &str = "169.254.100.1:3128";
 
@@ -61,13 +62,21 @@ fn kernel(verdict: Verdict, ip: &str, port: u16, protocol: &str, reason: &str) -
     f
 }
 
-/// Replay `flows` under `proposed`.
+/// Replay `flows` under `proposed`, listing every destination.
 fn replay<'f>(flows: impl IntoIterator<Item = &'f Flow>, proposed: &Proposed) -> Report {
+    replay_listing(flows, proposed, 0)
+}
+
+fn replay_listing<'f>(
+    flows: impl IntoIterator<Item = &'f Flow>,
+    proposed: &Proposed,
+    limit: usize,
+) -> Report {
     let mut r = Replayer::new(proposed);
     for f in flows {
-        r.add(f);
+        r.add(&f.view());
     }
-    r.finish()
+    r.finish(limit)
 }
 
 /// The one decision of one flow: its bucket and what it now is.
@@ -645,11 +654,10 @@ fn the_text_puts_what_breaks_first_and_the_json_has_every_bucket() {
         proxy(Verdict::Deny, "pypi.org", 443, "host-not-allowed", None),
         proxy(Verdict::Deny, "github.com", 443, "tls-no-sni", None),
     ];
-    let r = replay(&flows, &p);
+    let r = replay_listing(&flows, &p, 1);
     let about = About {
         against: "p".into(),
         selection: "run=42".into(),
-        limit: 1,
     };
     let t = to_text(&r, &about);
     let denied = t.find("newly denied (what breaks a job):").unwrap();
