@@ -32,7 +32,10 @@ use tracing::{error, info, warn};
 
 use crate::{
     agent::Agent,
-    api::{ApiError, BoxFuture, Control, ExplainQuery, StoreQuery, backend, server::ApiServer},
+    api::{
+        ApiError, BoxFuture, Control, ExplainQuery, ReplayBody, StoreQuery, backend,
+        server::ApiServer,
+    },
     bpf, check,
     config::Config,
     docker,
@@ -363,6 +366,10 @@ impl Control for Daemon {
 
     fn suggest(&self, q: &StoreQuery) -> Result<String, ApiError> {
         backend::suggest(&self.config.load(), q)
+    }
+
+    fn replay(&self, body: ReplayBody) -> BoxFuture<'_, Result<Value, ApiError>> {
+        Box::pin(backend::replay(self.config.load_full(), body))
     }
 
     fn changes(&self, n: usize) -> Result<Vec<Value>, ApiError> {

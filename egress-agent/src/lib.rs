@@ -19,7 +19,8 @@
 //! - workloads holding real keys: [`exposure`] (their environment checked against the bound
 //!   secrets and the provider variables, for every runtime);
 //! - records: [`events`] (the sink), [`store`] (SQLite), [`export`] (OTLP, syslog), [`metrics`],
-//!   [`suggest`] (policies from observed traffic);
+//!   [`suggest`] (policies from observed traffic), `replay` (recorded traffic decided again
+//!   under a proposed policy);
 //! - management: [`config`] (the file and `policies.d`), [`manage`] (policy changes),
 //!   [`check`], [`doctor`], [`status`], [`cleanup`], [`notify`] (sd_notify);
 //! - surfaces: [`cli`] (commands that talk to a running agent), [`mcp`], [`ui`] (status page);
@@ -57,6 +58,7 @@ mod mountinfo;
 mod netif;
 pub mod nft;
 pub mod proxy;
+mod replay;
 pub mod sandbox;
 mod secrets;
 pub mod status;

@@ -142,6 +142,33 @@ enum Command {
         #[arg(long)]
         config: Option<PathBuf>,
     },
+    /// Replay the recorded flows against a proposed policy, with the decision code the proxy and
+    /// the kernel run: what it would newly allow, newly deny and leave unchanged, per destination.
+    /// Reads the event store; changes nothing.
+    Replay {
+        /// TOML file holding the proposed policy as a `[policies.NAME]` table (as in the
+        /// configuration file; a whole configuration file works too).
+        #[arg(long = "policy", value_name = "FILE")]
+        file: PathBuf,
+        /// Which policy of FILE, when it holds several.
+        #[arg(long)]
+        name: Option<String>,
+        /// Which flows: those recorded under this policy (default: the proposed policy's name),
+        /// or `any` for every flow of the selection.
+        #[arg(long, value_name = "POLICY")]
+        against: Option<String>,
+        #[command(flatten)]
+        scope: ScopeArgs,
+        /// Destinations listed per bucket (0: all).
+        #[arg(long, default_value_t = egress_agent::cli::events::REPLAY_LIMIT)]
+        limit: usize,
+        /// The report as JSON (schema in docs/api.yaml, ReplayReport).
+        #[arg(long)]
+        json: bool,
+        /// Configuration file (state_dir, proxy endpoint).
+        #[arg(long)]
+        config: Option<PathBuf>,
+    },
     /// Ask the daemon to re-read its configuration (a bad file is refused, the running policy stays).
     Reload {
         /// Control API socket.
@@ -242,18 +269,26 @@ enum Command {
 /// Which events: shared by `events` and `suggest`.
 #[derive(Debug, clap::Args)]
 struct SelectionArgs {
-    /// Only since then: a duration back from now (30m, 2h, 7d) or an RFC 3339 time.
-    #[arg(long)]
-    since: Option<String>,
-    /// Only this container (name, id, or id prefix).
-    #[arg(long)]
-    container: Option<String>,
+    #[command(flatten)]
+    scope: ScopeArgs,
     /// Only this policy.
     #[arg(long)]
     policy: Option<String>,
     /// Only this verdict: deny, would-deny, allow (allow: with --flows).
     #[arg(long)]
     verdict: Option<String>,
+}
+
+/// Which workloads and since when: shared by `events`, `suggest` and `replay` (whose `--policy`
+/// is the proposed policy's file).
+#[derive(Debug, clap::Args)]
+struct ScopeArgs {
+    /// Only since then: a duration back from now (30m, 2h, 7d) or an RFC 3339 time.
+    #[arg(long)]
+    since: Option<String>,
+    /// Only this container (name, id, or id prefix).
+    #[arg(long)]
+    container: Option<String>,
     /// Only this run (the `run` context label: Docker label `egress.run`).
     #[arg(long)]
     run: Option<String>,
@@ -268,17 +303,27 @@ struct SelectionArgs {
     pod: Option<String>,
 }
 
-impl From<SelectionArgs> for egress_agent::store::selection::Selection {
-    fn from(a: SelectionArgs) -> Self {
+impl From<ScopeArgs> for egress_agent::store::selection::Selection {
+    fn from(a: ScopeArgs) -> Self {
         egress_agent::store::selection::Selection {
             since: a.since,
             container: a.container,
-            policy: a.policy,
-            verdict: a.verdict,
+            policy: None,
+            verdict: None,
             run: a.run,
             labels: a.labels,
             namespace: a.namespace,
             pod: a.pod,
+        }
+    }
+}
+
+impl From<SelectionArgs> for egress_agent::store::selection::Selection {
+    fn from(a: SelectionArgs) -> Self {
+        egress_agent::store::selection::Selection {
+            policy: a.policy,
+            verdict: a.verdict,
+            ..a.scope.into()
         }
     }
 }
@@ -395,6 +440,30 @@ fn main() -> ExitCode {
                 include_denied,
                 diff,
                 name,
+                config,
+            })
+            .map(|text| {
+                print!("{text}");
+                ExitCode::SUCCESS
+            })
+        }
+        Command::Replay {
+            file,
+            name,
+            against,
+            scope,
+            limit,
+            json,
+            config,
+        } => {
+            init_cli_tracing();
+            egress_agent::cli::events::replay(&egress_agent::cli::events::ReplayArgs {
+                file,
+                name,
+                selection: scope.into(),
+                against,
+                limit,
+                json,
                 config,
             })
             .map(|text| {

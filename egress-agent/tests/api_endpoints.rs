@@ -391,6 +391,134 @@ async fn writes_validate_like_the_config_file_apply_and_are_recorded() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn replay_answers_the_report_and_refuses_bad_bodies_by_field() {
+    if !is_root() {
+        api_support::skip("needs root (the API serves root)");
+        return;
+    }
+    let s = serve("replay").await;
+    let cfg = s.dir.join("config.toml");
+    let before = std::fs::read_to_string(&cfg).expect("config");
+    let post = |body: &'static str| {
+        let sock = s.sock.clone();
+        async move {
+            call(
+                &sock,
+                Method::POST,
+                "/v1/replay",
+                Some(("application/json", body)),
+            )
+            .await
+        }
+    };
+    // The store's flows of policy ci: an allowed api.github.com, a denied evil.test.
+    let (st, v) = post(r#"{"name": "ci", "policy": {"allow_hosts": ["github.com"]}}"#).await;
+    assert_eq!(st, StatusCode::OK, "{v}");
+    assert_eq!(
+        (v["schema"].as_u64(), v["policy"].as_str()),
+        (Some(1), Some("ci")),
+        "{v}"
+    );
+    assert_eq!(v["against"], "ci");
+    assert_eq!(
+        (v["flows"].as_u64(), v["events"].as_u64()),
+        (Some(2), Some(2)),
+        "{v}"
+    );
+    for (bucket, flows) in [
+        ("newly_denied", 1),
+        ("newly_allowed", 0),
+        ("would_deny", 0),
+        ("unchanged_denied", 1),
+        ("unchanged_allowed", 0),
+        ("not_replayable", 0),
+    ] {
+        assert_eq!(v["totals"][bucket]["flows"], flows, "{bucket}: {v}");
+    }
+    let d = &v["destinations"][0];
+    assert_eq!(
+        (
+            d["bucket"].as_str(),
+            d["destination"].as_str(),
+            d["source"].as_str()
+        ),
+        (
+            Some("newly_denied"),
+            Some("api.github.com:443"),
+            Some("proxy")
+        ),
+        "{v}"
+    );
+    assert_eq!(d["was"][0]["verdict"], "allow");
+    assert_eq!(
+        (d["now"]["verdict"].as_str(), d["now"]["reason"].as_str()),
+        (Some("deny"), Some("host-not-allowed"))
+    );
+    assert_eq!(d["examples"][0]["container"], "web-1");
+    assert!(v["not_replayable"].as_array().is_some_and(Vec::is_empty));
+    assert!(v["unlisted"].is_object());
+    // `against`, a selection, and a looser policy.
+    let (st, v) = post(
+        r#"{"name": "web", "policy": {"allow_hosts": ["*.github.com", "evil.test"]}, "against": "ci", "container": "web-1", "since": "1d", "labels": {}, "limit": 0}"#,
+    )
+    .await;
+    assert_eq!(st, StatusCode::OK, "{v}");
+    assert_eq!(v["totals"]["newly_allowed"]["flows"], 1, "{v}");
+    assert_eq!(v["totals"]["unchanged_allowed"]["flows"], 1, "{v}");
+    let (_, v) = post(r#"{"name": "web", "policy": {"mode": "deny_all"}}"#).await;
+    assert_eq!(v["flows"], 0, "nothing recorded under web: {v}");
+    // Bad bodies: 400 naming the field; a policy the loader refuses: 422 as for PUT.
+    for (body, field) in [
+        (r#"{"name": "ci"}"#, "policy"),
+        (r#"{"policy": {}}"#, "name"),
+        (r#"{"name": "ci", "policy": {}, "bogus": 1}"#, "bogus"),
+        (r#"{"name": "ci", "policy": []}"#, "policy"),
+        (r#"{"name": "ci", "policy": {}, "limit": -1}"#, "limit"),
+        (
+            r#"{"name": "ci", "policy": {}, "since": "forever"}"#,
+            "since",
+        ),
+        (
+            r#"{"name": "ci", "policy": {}, "labels": {"no spaces": "x"}}"#,
+            "labels",
+        ),
+        (
+            r#"{"name": "ci", "policy": {}, "against": "a/b"}"#,
+            "against",
+        ),
+        ("not json", ""),
+    ] {
+        let (st, v) = post(body).await;
+        assert_eq!(
+            (st, v["field"].as_str()),
+            (StatusCode::BAD_REQUEST, Some(field)),
+            "{body}: {v}"
+        );
+        assert!(v["error"].as_str().is_some_and(|e| !e.is_empty()), "{v}");
+    }
+    let (st, v) =
+        post(r#"{"name": "ci", "policy": {"allow_hosts": ["ok.test", "*bad.test"]}}"#).await;
+    assert_eq!(
+        (st, v["field"].as_str()),
+        (
+            StatusCode::UNPROCESSABLE_ENTITY,
+            Some("policies.ci.allow_hosts[1]")
+        ),
+        "{v}"
+    );
+    let (st, v) = post(r#"{"name": "../etc", "policy": {}}"#).await;
+    assert_eq!(st, StatusCode::UNPROCESSABLE_ENTITY, "{v}");
+    // Nothing changed: the files, the change record.
+    assert_eq!(std::fs::read_to_string(&cfg).expect("config"), before);
+    assert!(!s.dir.join("policies.d").exists());
+    let (_, v) = call(&s.sock, Method::GET, "/v1/changes", None).await;
+    assert_eq!(v.as_array().map(Vec::len), Some(0), "{v}");
+    let (st, _) = call(&s.sock, Method::GET, "/v1/replay", None).await;
+    assert_eq!(st, StatusCode::METHOD_NOT_ALLOWED);
+    s.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_read_group_reads_others_are_refused_and_tcp_serves_get_only() {
     if !is_root() || Command::new("python3").arg("-V").output().is_err() {
         api_support::skip("needs root and python3 (clients of other users)");
@@ -405,11 +533,12 @@ async fn the_read_group_reads_others_are_refused_and_tcp_serves_get_only() {
     assert_eq!(mode, 0o660);
     // nobody:nogroup is in the read group (65534): GET yes, writes no.
     let sock = s.sock.clone();
-    let (get, put, del, other) = tokio::task::spawn_blocking(move || {
+    let (get, put, del, replay, other) = tokio::task::spawn_blocking(move || {
         (
             as_nobody(&sock, 65534, "GET", "/v1/policies"),
             as_nobody(&sock, 65534, "PUT", "/v1/policies/x"),
             as_nobody(&sock, 65534, "POST", "/v1/reload"),
+            as_nobody(&sock, 65534, "POST", "/v1/replay"),
             as_nobody(&sock, 4242, "GET", "/v1/policies"),
         )
     })
@@ -418,6 +547,8 @@ async fn the_read_group_reads_others_are_refused_and_tcp_serves_get_only() {
     assert!(get.starts_with("HTTP/1.1 200"), "{get}");
     assert!(put.starts_with("HTTP/1.1 403"), "{put}");
     assert!(del.starts_with("HTTP/1.1 403"), "{del}");
+    // Replay changes nothing, but every POST is refused to the read group (GET only).
+    assert!(replay.starts_with("HTTP/1.1 403"), "{replay}");
     // Not in the group: the socket's group mode refuses the connect itself.
     assert_eq!(other, "connect-error 13");
     assert!(
@@ -437,11 +568,12 @@ async fn the_read_group_reads_others_are_refused_and_tcp_serves_get_only() {
         }
         String::from_utf8_lossy(&c.output().expect("curl").stdout).into_owned()
     };
-    let (ok, rebinding, write, stranger) = tokio::task::spawn_blocking(move || {
+    let (ok, rebinding, write, replay, stranger) = tokio::task::spawn_blocking(move || {
         (
             curl(&[], None),
             curl(&["-H", "Host: evil.example:80"], None),
             curl(&["-X", "PUT", "--data", "x"], None),
+            curl(&["-X", "POST", "--data", "{}"], None),
             curl(&[], Some(65533)),
         )
     })
@@ -450,6 +582,8 @@ async fn the_read_group_reads_others_are_refused_and_tcp_serves_get_only() {
     assert_eq!(ok, "200");
     assert_eq!(rebinding, "403");
     assert_eq!(write, "403");
+    // api.ui_listen serves GET only, before any route: a POST (a replay is one) is refused.
+    assert_eq!(replay, "403");
     assert_eq!(stranger, "403");
     s.stop().await;
 }

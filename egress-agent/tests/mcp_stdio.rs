@@ -75,6 +75,7 @@ async fn an_mcp_client_lists_and_calls_the_tools() {
             "list_containers",
             "list_policies",
             "recent_denials",
+            "replay",
             "show_policy",
             "suggest"
         ],
@@ -129,6 +130,28 @@ async fn an_mcp_client_lists_and_calls_the_tools() {
         ok && t.contains("[policies.ci]") && t.contains("api.github.com"),
         "{t}"
     );
+    // Replay: the recorded traffic of ci against a tighter ci; nothing is written.
+    let (ok, t) = call(
+        &c,
+        "replay",
+        json!({ "name": "ci", "policy": { "allow_hosts": ["github.com"] } }),
+    )
+    .await;
+    assert!(ok, "{t}");
+    let v: Value = serde_json::from_str(&t).expect("json");
+    assert_eq!(v["totals"]["newly_denied"]["flows"], 1, "{t}");
+    assert_eq!(
+        v["destinations"][0]["destination"], "api.github.com:443",
+        "{t}"
+    );
+    let (ok, t) = call(
+        &c,
+        "replay",
+        json!({ "name": "ci", "policy": { "allow_hosts": ["*bad"] } }),
+    )
+    .await;
+    assert!(!ok && t.contains("policies.ci.allow_hosts[0]"), "{t}");
+    assert!(!s.dir.join("policies.d").exists());
     // A write tool is not there without --allow-writes.
     let r = c
         .call_tool(

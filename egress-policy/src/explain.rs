@@ -329,8 +329,9 @@ fn reason_of(v: &KernelVerdict) -> &'static str {
     }
 }
 
-/// The proxy endpoint(s), with a placeholder listener (the real one is per cgroup).
-fn endpoints(config: ProxyEndpoint) -> Endpoints {
+/// The proxy endpoint(s), with a placeholder listener (the real one is per cgroup): what
+/// [`KernelPolicy::compile`] needs to evaluate a policy without a cgroup (`explain`, `replay`).
+pub fn endpoints(config: ProxyEndpoint) -> Endpoints {
     let listener = |ep: SocketAddr| Some(SocketAddr::new(ep.ip(), 0));
     let (e4, e6) = match config.endpoint {
         SocketAddr::V4(_) => (Some(config.endpoint), config.endpoint_v6),

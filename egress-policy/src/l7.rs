@@ -159,28 +159,7 @@ impl L7Policy {
             }
         }
         if let Some(h) = host {
-            let mut of_host = self
-                .rules
-                .iter()
-                .enumerate()
-                .filter(|(_, r)| r.applies_to(h, port))
-                .peekable();
-            if of_host.peek().is_some() {
-                let path = rules::normalize_path(req.path)
-                    .map_err(|_| Refused::because(DenyReason::PathNotNormalized))?;
-                match rules::decide(of_host, req.method, &path) {
-                    RuleVerdict::Allowed => {}
-                    RuleVerdict::Denied(index) => {
-                        return Err(Refused {
-                            reason: DenyReason::RequestDeniedByRule,
-                            rule: Some(Rule::Request { index }),
-                        });
-                    }
-                    RuleVerdict::NotAllowed => {
-                        return Err(Refused::because(DenyReason::RequestNotAllowed));
-                    }
-                }
-            }
+            self.check_rules(h, port, req.method, req.path)?;
         }
         let Some(b) = own else {
             return Ok(Forward::AsIs);
@@ -190,6 +169,37 @@ impl L7Policy {
             Injection::Unchanged => Ok(Forward::AsIs),
             Injection::MissingPlaceholder => Err(Refused::because(DenyReason::PlaceholderMissing)),
             Injection::Unavailable => Err(Refused::because(DenyReason::InterceptionUnavailable)),
+        }
+    }
+
+    /// Step 2 of [`L7Policy::check`] alone: the request rules of `host:port` on a request's
+    /// method and path (without the query). `Ok` when the host:port has no rules. `replay`
+    /// decides recorded requests with it (their headers are not recorded).
+    pub fn check_rules(
+        &self,
+        host: &HostName,
+        port: u16,
+        method: &str,
+        path: &str,
+    ) -> Result<(), Refused> {
+        let mut of_host = self
+            .rules
+            .iter()
+            .enumerate()
+            .filter(|(_, r)| r.applies_to(host, port))
+            .peekable();
+        if of_host.peek().is_none() {
+            return Ok(());
+        }
+        let path = rules::normalize_path(path)
+            .map_err(|_| Refused::because(DenyReason::PathNotNormalized))?;
+        match rules::decide(of_host, method, &path) {
+            RuleVerdict::Allowed => Ok(()),
+            RuleVerdict::Denied(index) => Err(Refused {
+                reason: DenyReason::RequestDeniedByRule,
+                rule: Some(Rule::Request { index }),
+            }),
+            RuleVerdict::NotAllowed => Err(Refused::because(DenyReason::RequestNotAllowed)),
         }
     }
 }
@@ -386,5 +396,39 @@ source = { file = "/nonexistent" }
             l.check(&r, 443, true, &view("GET", "/public?x=1", &empty)),
             Ok(Forward::AsIs)
         ));
+    }
+
+    /// The rules alone (what `replay` has of a recorded request: no headers) decide as `check`
+    /// does, and a host:port without rules passes.
+    #[test]
+    fn the_rules_alone_decide_as_check_does() {
+        let l = l7();
+        let empty = HeaderMap::new();
+        for (host, method, path) in [
+            ("a.rules.test", "GET", "/admin/keys"),
+            ("a.rules.test", "GET", "/public"),
+            ("a.rules.test", "GET", "/x/../admin"),
+            ("other.test", "DELETE", "/anything"),
+        ] {
+            let Destination::Name(name) = dest(host) else {
+                panic!("a name")
+            };
+            let by_check = l
+                .check(&dest(host), 443, false, &view(method, path, &empty))
+                .map(|_| ());
+            assert_eq!(
+                l.check_rules(&name, 443, method, path),
+                by_check,
+                "{host} {path}"
+            );
+        }
+        let Destination::Name(api) = dest("api.test") else {
+            panic!("a name")
+        };
+        assert_eq!(
+            l.check_rules(&api, 443, "GET", "/v1/messages"),
+            Err(Refused::because(DenyReason::RequestNotAllowed))
+        );
+        assert_eq!(l.check_rules(&api, 8443, "GET", "/v1/messages"), Ok(()));
     }
 }

@@ -58,7 +58,7 @@ pub use model::{
 use name::Destination;
 
 /// Why a request was denied. `as_str` is the machine-readable reason (`X-Egress-Deny`, events).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum DenyReason {
     PolicyDenyAll,
     HostNotAllowed,
@@ -236,7 +236,7 @@ impl From<name::NameError> for DenyReason {
 /// `explain`, `suggest` and the API report what the enforcement points decided, rather than
 /// working it out again). `Copy`, allocation-free: taken per connection.
 #[must_use]
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Decision {
     /// Allowed by this rule.
     Allow(Rule),
@@ -266,7 +266,7 @@ impl Decision {
 }
 
 /// A refusal: why, and the rule of the policy that refused or fell short, when there is one.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct Refused {
     pub reason: DenyReason,
     /// - [`Rule::DenyAll`] for `policy-deny-all`;
@@ -295,7 +295,7 @@ impl Refused {
 }
 
 /// Which list a name's port was found in.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum PortList {
     /// `allow_ports` (for every `allow_hosts` entry).
     AllowPorts,
@@ -306,7 +306,7 @@ pub enum PortList {
 /// A rule of a [`Policy`]: an index into one of its lists (the [`Policy`] the
 /// [`CompiledPolicy`] was built from), or the mode, or the built-in deny list. `Copy`: naming it
 /// costs nothing on the hot path; [`Rule::describe`] writes it out.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Rule {
     /// `mode = "allow_all"`: any name and port, and IP literals on no deny list.
     AllowAll,

@@ -260,7 +260,7 @@ pub fn bench(quick: bool) -> Result<()> {
     // The second proxy-bench run gives every proxy the same half CPU, so tunnels/s compares the
     // proxies rather than the client's ceiling on this machine's two cores.
     // The fourth: TLS interception (credential injection) vs squid ssl-bump and mitmproxy.
-    let runs: [(&str, &[&str]); 8] = [
+    let runs: [(&str, &[&str]); 9] = [
         ("connect-bench", &[]),
         ("proxy-bench", &[]),
         // 200 content-checked tunnels at once through the kernel relay (#34): mismatches and
@@ -270,6 +270,8 @@ pub fn bench(quick: bool) -> Result<()> {
         ("proxy-bench", &["--intercept"]),
         // Event store ingest, and allowed tunnels/s with and without a flood of refusals.
         ("store-bench", &[]),
+        // `egress-agent replay` of 1M stored events (target: 2 s), in 20k flows and in 1M.
+        ("replay-bench", &[]),
         // The agent's DNS responder vs dnsmasq; transparent tunnels vs explicit CONNECT.
         ("dns-bench", &[]),
         ("transparent-bench", &[]),

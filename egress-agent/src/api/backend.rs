@@ -7,7 +7,7 @@ use std::time::SystemTime;
 
 use serde_json::{Value, json};
 
-use super::{ApiError, ExplainQuery, StoreQuery};
+use super::{ApiError, ExplainQuery, ReplayBody, StoreQuery};
 use crate::config::Config;
 use crate::manage::{self, Change, ChangeLog, Who};
 use crate::store::{Store, changes::ChangeRecord};
@@ -280,6 +280,74 @@ pub fn suggest(config: &Config, q: &StoreQuery) -> Result<String, ApiError> {
         config: None,
     };
     crate::suggest::command::suggest_from(&flows, config, &opts).map_err(|e| ApiError::new(400, e))
+}
+
+/// Where a replayed policy's errors say it came from.
+const REPLAY_ORIGIN: &str = "<request body>";
+
+/// `POST /v1/replay`: the store's flows of the body's selection decided again under its policy;
+/// the report as `egress-agent replay --json` prints it. Reads the store off the runtime's
+/// threads (a large store takes a second or two); changes nothing.
+pub async fn replay(config: std::sync::Arc<Config>, body: ReplayBody) -> Result<Value, ApiError> {
+    match tokio::task::spawn_blocking(move || replay_now(&config, body)).await {
+        Ok(answer) => answer,
+        Err(e) => Err(ApiError::new(500, format!("replay: {e}"))),
+    }
+}
+
+fn replay_now(config: &Config, body: ReplayBody) -> Result<Value, ApiError> {
+    use crate::replay::command::{self as cmd, ReplayError};
+    let origin = Path::new(REPLAY_ORIGIN);
+    let text = manage::json_to_toml(&Value::Object(body.policy))
+        .map_err(|m| ApiError::field(400, "policy", format!("request body: policy: {m}")))?;
+    // Loaded as the policies.d file `PUT /v1/policies/{name}` would write: a 422 names the field
+    // exactly as the configuration's loader does.
+    let file = crate::config::policies_dir::PolicyFile {
+        name: body.name.clone(),
+        path: origin.to_owned(),
+        text,
+    };
+    let loaded = Config::load_parts_with(origin, "", vec![file], crate::config::Secrets::Skip)
+        .map_err(|e| ApiError::from(manage::ManageError::Invalid(e)))?;
+    let policy = loaded
+        .policies
+        .get(&body.name)
+        .ok_or_else(|| ApiError::new(500, "replay: the policy did not load"))?;
+    let proposed =
+        crate::replay::Proposed::new(&body.name, policy, config.proxy.explain_endpoint());
+    let opts = cmd::ReplayOptions {
+        selection: crate::store::selection::Selection {
+            since: body.since,
+            container: body.container,
+            run: body.run,
+            labels: body
+                .labels
+                .iter()
+                .map(|(k, v)| format!("{k}={v}"))
+                .collect(),
+            namespace: body.namespace,
+            pod: body.pod,
+            ..Default::default()
+        },
+        against: body.against,
+        limit: body.limit.unwrap_or(cmd::DEFAULT_LIMIT),
+    };
+    let store = open_store(config)?;
+    let report = cmd::replay_store(&store, &proposed, &opts).map_err(|e| match e {
+        // `--since "x": ...` names the command's flag: the body's field has the same name.
+        ReplayError::Selection(m) => {
+            let flag = m
+                .trim_start_matches("--")
+                .split([' ', ':'])
+                .next()
+                .unwrap_or("");
+            let field = if flag == "label" { "labels" } else { flag };
+            ApiError::field(400, field, m.replacen("--", "", 1))
+        }
+        ReplayError::Against(_) => ApiError::field(400, "against", e),
+        other => ApiError::new(500, other),
+    })?;
+    Ok(cmd::to_json(&report, &cmd::About::new(&proposed, &opts)))
 }
 
 pub fn changes(config: &Config, n: usize) -> Result<Vec<Value>, ApiError> {

@@ -18,6 +18,7 @@
 //! | GET    | `/v1/explain`            | `?policy=P` or `?container=C`, `&target=HOST[:PORT]`   |
 //! | GET    | `/v1/denials`            | recent denials from the event store (selection)        |
 //! | GET    | `/v1/suggest`            | a suggested allowlist for a selection                  |
+//! | POST   | `/v1/replay`             | recorded flows decided again under a proposed policy (changes nothing) |
 //! | GET    | `/v1/changes`            | the policy changes made through the API, with the uid  |
 //! | GET    | `/v1/doctor`             | the doctor's probes                                    |
 //! | GET    | `/v1/events?n=N`         | the N most recent denial events (default 100)          |
@@ -64,6 +65,13 @@ impl ApiError {
             body: serde_json::json!({ "error": message.to_string() }),
         }
     }
+    /// An error about one field of a request (`{"error", "field"}`).
+    pub fn field(status: u16, field: &str, message: impl std::fmt::Display) -> Self {
+        ApiError {
+            status,
+            body: serde_json::json!({ "error": message.to_string(), "field": field }),
+        }
+    }
     pub fn unavailable(what: &str) -> Self {
         ApiError::new(501, format!("{what} is not available here"))
     }
@@ -97,6 +105,51 @@ pub struct StoreQuery {
     pub n: usize,
     pub include_denied: bool,
     pub name: Option<String>,
+}
+
+/// `POST /v1/replay`'s body: the proposed policy (its fields, as `PUT /v1/policies/{name}` takes
+/// them, under `name`) and which recorded flows (the `replay` command's flags).
+#[derive(Debug, Clone, Default, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ReplayBody {
+    pub name: String,
+    pub policy: serde_json::Map<String, Value>,
+    #[serde(default)]
+    pub since: Option<String>,
+    #[serde(default)]
+    pub container: Option<String>,
+    #[serde(default)]
+    pub run: Option<String>,
+    /// `NAME` or `NAMESPACE/NAME`.
+    #[serde(default)]
+    pub pod: Option<String>,
+    #[serde(default)]
+    pub namespace: Option<String>,
+    /// Context labels that must match.
+    #[serde(default)]
+    pub labels: std::collections::BTreeMap<String, String>,
+    /// The flows recorded under this policy (default `name`), or `any`.
+    #[serde(default)]
+    pub against: Option<String>,
+    /// Destinations listed per bucket (default 20; 0: all).
+    #[serde(default)]
+    pub limit: Option<usize>,
+}
+
+impl ReplayBody {
+    /// Parse a request body; a malformed one is a 400 naming the field (`field`).
+    pub fn parse(text: &str) -> Result<ReplayBody, ApiError> {
+        let de = &mut serde_json::Deserializer::from_str(text);
+        serde_path_to_error::deserialize(de).map_err(|e| {
+            let inner = e.inner().to_string();
+            // Unknown and missing fields are errors of the object itself: their name is quoted.
+            let field = match e.path().to_string() {
+                p if p != "." => p,
+                _ => inner.split('`').nth(1).unwrap_or("").to_owned(),
+            };
+            ApiError::field(400, &field, format!("request body: {inner}"))
+        })
+    }
 }
 
 /// What the daemon exposes to the API. Answers are JSON values so the API layer stays a thin
@@ -143,6 +196,11 @@ pub trait Control: Send + Sync + 'static {
     /// The suggested policy (TOML) for the selection.
     fn suggest(&self, _q: &StoreQuery) -> Result<String, ApiError> {
         Err(ApiError::unavailable("suggest"))
+    }
+    /// Recorded flows decided again under a proposed policy: the report (JSON). Changes
+    /// nothing.
+    fn replay(&self, _body: ReplayBody) -> BoxFuture<'_, Result<Value, ApiError>> {
+        Box::pin(async { Err(ApiError::unavailable("replay")) })
     }
     /// The newest `n` recorded policy changes, oldest first.
     fn changes(&self, _n: usize) -> Result<Vec<Value>, ApiError> {

@@ -11,7 +11,7 @@ use tokio_stream::{StreamExt, wrappers::ReceiverStream};
 use tracing::warn;
 
 use super::peer::{Access, Peer};
-use super::{ApiError, Control, ExplainQuery, StoreQuery};
+use super::{ApiError, Control, ExplainQuery, ReplayBody, StoreQuery};
 use crate::manage::{Body as ChangeBody, Change, Who};
 
 pub type Body = BoxBody<Bytes, Infallible>;
@@ -34,6 +34,7 @@ pub const ENDPOINTS: &[(&str, &str)] = &[
     ("GET", "/v1/explain"),
     ("GET", "/v1/denials"),
     ("GET", "/v1/suggest"),
+    ("POST", "/v1/replay"),
     ("GET", "/v1/changes"),
     ("GET", "/v1/doctor"),
     ("GET", "/v1/events"),
@@ -236,6 +237,7 @@ pub async fn route(
                 .and_then(|q| control.suggest(&q))
                 .map(|t| json!({ "toml": t })),
         ),
+        (&Method::POST, ["v1", "replay"]) => replay(req, control).await,
         (&Method::GET, ["v1", "changes"]) => answer(
             store_query(query)
                 .and_then(|q| control.changes(q.n))
@@ -254,7 +256,8 @@ pub async fn route(
             [
                 "v1",
                 "status" | "containers" | "policies" | "events" | "reload" | "restart" | "defaults"
-                | "export" | "import" | "explain" | "denials" | "suggest" | "changes" | "doctor",
+                | "export" | "import" | "explain" | "denials" | "suggest" | "replay" | "changes"
+                | "doctor",
             ],
         )
         | (_, ["v1", "policies", _])
@@ -371,6 +374,18 @@ async fn set_defaults(
         unlabeled: d.unlabeled,
     };
     answer(control.change(change, who, flag(query, "dry_run")).await)
+}
+
+/// `POST /v1/replay`: the report, or 400 naming the body's field that is wrong.
+async fn replay(req: Request<Incoming>, control: &dyn Control) -> Response<Body> {
+    let body = match read_body(req).await {
+        Ok((_, text)) => ReplayBody::parse(&text),
+        Err(e) => Err(e),
+    };
+    match body {
+        Ok(b) => answer(control.replay(b).await),
+        Err(e) => api_error(e),
+    }
 }
 
 /// `GET /v1/events/sse`: denials as server-sent events, for the status page.

@@ -1,4 +1,5 @@
-//! The command-line views of the store: `egress-agent events` and `egress-agent suggest`.
+//! The command-line views of the store: `egress-agent events`, `egress-agent suggest` and
+//! `egress-agent replay`.
 //!
 //! `events` asks the running daemon (control API) for `-n` and `--follow` as before; with a
 //! selection (`--since`, `--container`, `--policy`, `--verdict`, `--run`, `--label`) or `--flows`,
@@ -13,6 +14,7 @@ use hyper::Method;
 
 use crate::config::Config;
 use crate::events::DenialEvent;
+use crate::replay::command::{self as replay_cmd, About, ReplayOptions};
 use crate::store::Store;
 use crate::store::query::{EventFilter, Flow};
 use crate::store::selection::Selection;
@@ -206,6 +208,49 @@ pub fn suggest(opts: &SuggestOptions) -> Result<String> {
     let filter = opts.selection.filter()?;
     let flows = store.flows(&filter)?;
     suggest_from(&flows, &config, opts)
+}
+
+/// Destinations `replay` lists per bucket by default.
+pub const REPLAY_LIMIT: usize = replay_cmd::DEFAULT_LIMIT;
+
+/// Options of `egress-agent replay`.
+#[derive(Debug, Clone)]
+pub struct ReplayArgs {
+    /// The TOML file with the proposed policy (`[policies.NAME]` tables).
+    pub file: PathBuf,
+    /// Which table of `file` (needed when it holds several).
+    pub name: Option<String>,
+    /// Which flows: the workloads and time (its `policy` and `verdict` are not used).
+    pub selection: Selection,
+    /// The flows recorded under this policy; default the proposed one's name; `any`: all.
+    pub against: Option<String>,
+    /// Destinations listed per bucket (0: all).
+    pub limit: usize,
+    pub json: bool,
+    /// Configuration file (`agent.state_dir`, the proxy endpoint).
+    pub config: Option<PathBuf>,
+}
+
+/// `egress-agent replay`: the report for the proposed policy, as text or JSON.
+pub fn replay(args: &ReplayArgs) -> Result<String> {
+    let (name, policy) = replay_cmd::policy_from_file(&args.file, args.name.as_deref())?;
+    let config = Config::load_or_default(args.config.as_deref())?;
+    let store = replay_cmd::open_store(&config.agent.store_path())?;
+    let proposed = crate::replay::Proposed::new(&name, &policy, config.proxy.explain_endpoint());
+    let opts = ReplayOptions {
+        selection: args.selection.clone(),
+        against: args.against.clone(),
+        limit: args.limit,
+    };
+    let report = replay_cmd::replay_store(&store, &proposed, &opts)?;
+    let about = About::new(&proposed, &opts);
+    Ok(if args.json {
+        let mut text = serde_json::to_string_pretty(&replay_cmd::to_json(&report, &about))?;
+        text.push('\n');
+        text
+    } else {
+        replay_cmd::to_text(&report, &about)
+    })
 }
 
 #[cfg(test)]

@@ -572,6 +572,9 @@ impl Config {
     /// Load the secrets the policies' credential bindings name (see `policy::credentials`): the
     /// one place that decides what a secret that can't be loaded does ([`Secrets`]).
     fn resolve_secrets(&mut self, mode: Secrets) -> Result<(), ValidationError> {
+        if mode == Secrets::Skip {
+            return Ok(());
+        }
         for (name, policy) in &mut self.policies {
             let failed = egress_policy::credentials::resolve(
                 &mut policy.credentials,
@@ -581,7 +584,7 @@ impl Config {
             match (mode, failed.into_iter().next()) {
                 (Secrets::Strict, Some(first)) => return Err(first),
                 // Each binding keeps why ([`Config::unavailable_bindings`]) and refuses its host.
-                (Secrets::Lenient, _) | (_, None) => {}
+                (Secrets::Lenient | Secrets::Skip, _) | (_, None) => {}
             }
         }
         Ok(())
@@ -620,6 +623,10 @@ pub enum Secrets {
     /// (`interception-unavailable`) and everything else is served. A later load that can read
     /// the secret restores it.
     Lenient,
+    /// A policy that only decides on recorded traffic (`replay`: nothing is sent, no request is
+    /// ever given a secret): bindings are validated like the others, no secret is read, and none
+    /// is reported missing.
+    Skip,
 }
 
 /// A credential binding a lenient load kept without its secret ([`Config::unavailable_bindings`]).

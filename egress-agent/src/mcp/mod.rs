@@ -3,7 +3,8 @@
 //! rules apply to it (run it as root, or as a member of `api.read_group` for the read tools).
 //!
 //! Tools: `list_policies`, `show_policy`, `explain`, `list_containers`, `recent_denials` (from
-//! the event store), `suggest`. Write tools — `set_policy`, `delete_policy`, `set_defaults` —
+//! the event store), `suggest`, `replay` (a proposed policy against the recorded traffic; it
+//! changes nothing, but is a `POST`, so the API serves it to root only). Write tools — `set_policy`, `delete_policy`, `set_defaults` —
 //! exist only when the server is started with `--allow-writes`; without it they are not listed
 //! and a call to them is refused.
 use std::path::PathBuf;
@@ -98,6 +99,33 @@ pub struct SuggestArg {
     /// Name of the suggested policy.
     #[serde(default)]
     pub name: Option<String>,
+}
+
+#[derive(Debug, Deserialize, schemars::JsonSchema)]
+pub struct ReplayArg {
+    /// The proposed policy's name: the traffic recorded under it is replayed (see `against`).
+    pub name: String,
+    /// The proposed policy's fields as a JSON object (`{"allow_hosts": ["github.com"]}`), as
+    /// set_policy takes them.
+    pub policy: serde_json::Map<String, Value>,
+    /// Replay the traffic recorded under this policy instead, or `any` for all of it.
+    #[serde(default)]
+    pub against: Option<String>,
+    /// Only since then: 30m, 2h, 7d, or an RFC 3339 time.
+    #[serde(default)]
+    pub since: Option<String>,
+    /// Only this container (name or id prefix).
+    #[serde(default)]
+    pub container: Option<String>,
+    /// Only this run (the `run` label).
+    #[serde(default)]
+    pub run: Option<String>,
+    /// Only this Kubernetes pod: NAME or NAMESPACE/NAME.
+    #[serde(default)]
+    pub pod: Option<String>,
+    /// Destinations listed per bucket (default 20; 0: all).
+    #[serde(default)]
+    pub limit: Option<usize>,
 }
 
 #[derive(Debug, Deserialize, schemars::JsonSchema)]
@@ -300,6 +328,31 @@ impl EgressMcp {
     }
 
     #[tool(
+        description = "Before changing a policy: replay the traffic the event store recorded against a proposed policy (the proxy's and the kernel's own decision code) and see what it would newly deny, newly allow and leave unchanged, per destination, with the rule before and after. Changes nothing."
+    )]
+    async fn replay(&self, Parameters(a): Parameters<ReplayArg>) -> CallToolResult {
+        let body = json!({
+            "name": a.name,
+            "policy": a.policy,
+            "against": a.against,
+            "since": a.since,
+            "container": a.container,
+            "run": a.run,
+            "pod": a.pod,
+            "limit": a.limit,
+        });
+        self.call(
+            Method::POST,
+            "/v1/replay",
+            Some((
+                "application/json",
+                serde_json::to_vec(&body).unwrap_or_default(),
+            )),
+        )
+        .await
+    }
+
+    #[tool(
         description = "Create or replace a policy (in policies.d), validated exactly like the config file and applied like a reload. Only with --allow-writes."
     )]
     async fn set_policy(&self, Parameters(a): Parameters<SetPolicyArg>) -> CallToolResult {
@@ -367,7 +420,7 @@ impl ServerHandler for EgressMcp {
         ServerConfig::new(ServerCapabilities::builder().enable_tools().build())
             .with_server_info(Implementation::new("egress-agent", env!("CARGO_PKG_VERSION")))
             .with_instructions(format!(
-                "egress-agent confines containers' network egress by policy. Use explain to see why a destination is allowed or refused, recent_denials and suggest to build an allowlist. {writes}"
+                "egress-agent confines containers' network egress by policy. Use explain to see why a destination is allowed or refused, recent_denials and suggest to build an allowlist, replay to see what a changed policy would break before saving it. {writes}"
             ))
     }
 }

@@ -202,50 +202,240 @@ impl Store {
 
     /// Flows matching `filter` (`since`: last seen at or after), in a stable order.
     pub fn flows(&self, filter: &EventFilter) -> Result<Vec<Flow>, StoreError> {
+        let rule = self.rule_column("''");
+        let order = format!(
+            "ORDER BY host, ip, port, protocol, verdict, policy, container_name, labels, source,
+                      reason, {rule}"
+        );
+        let mut out = Vec::new();
+        self.select_flows(filter, &order, |f| out.push(f.to_flow()))?;
+        Ok(out)
+    }
+
+    /// Every flow matching `filter`, handed to `each` as it is read — borrowing the row, in no
+    /// particular order, none kept: for a reader of many flows (`replay` reads a whole store
+    /// without an allocation per column). The number read.
+    pub fn each_flow(
+        &self,
+        filter: &EventFilter,
+        each: impl FnMut(&FlowRef<'_>),
+    ) -> Result<u64, StoreError> {
+        self.select_flows(filter, "", each)
+    }
+
+    fn select_flows(
+        &self,
+        filter: &EventFilter,
+        order: &str,
+        mut each: impl FnMut(&FlowRef<'_>),
+    ) -> Result<u64, StoreError> {
         let (cond, params) = filter.sql("last_us", "labels");
         let rule = self.rule_column("''");
         let sql = format!(
             "SELECT verdict, source, policy, container_id, container_name, labels, host, ip, port,
                     protocol, reason, count, first_us, last_us, {rule}
-             FROM flows WHERE {cond}
-             ORDER BY host, ip, port, protocol, verdict, policy, container_name, labels, source,
-                      reason, {rule}"
+             FROM flows WHERE {cond} {order}"
         );
         let conn = self.conn();
         let mut stmt = conn.prepare(&sql).map_err(|e| self.err(e))?;
-        let rows = stmt
-            .query_map(rusqlite::params_from_iter(params), |r| {
-                let verdict: String = r.get(0)?;
-                let labels: String = r.get(5)?;
-                let count: i64 = r.get(11)?;
-                let rule: String = r.get(14)?;
-                Ok(Flow {
-                    verdict: verdict.parse().unwrap_or_default(),
-                    source: r.get(1)?,
-                    policy: r.get(2)?,
-                    container_id: r.get(3)?,
-                    container_name: r.get(4)?,
-                    labels: serde_json::from_str(&labels).unwrap_or_default(),
-                    host: r.get(6)?,
-                    ip: r.get(7)?,
-                    port: r.get(8)?,
-                    protocol: r.get(9)?,
-                    reason: r.get(10)?,
-                    rule: (!rule.is_empty()).then_some(rule),
-                    count: u64::try_from(count).unwrap_or(0),
-                    first_seen: from_micros(r.get(12)?),
-                    last_seen: from_micros(r.get(13)?),
-                })
-            })
+        let mut rows = stmt
+            .query(rusqlite::params_from_iter(params))
             .map_err(|e| self.err(e))?;
-        rows.collect::<Result<Vec<_>, _>>().map_err(|e| self.err(e))
+        let mut n = 0;
+        while let Some(r) = rows.next().map_err(|e| self.err(e))? {
+            each(&flow_row(r).map_err(|e| self.err(e))?);
+            n += 1;
+        }
+        Ok(n)
     }
+}
+
+/// A flow as [`Store::each_flow`] reads it, borrowing the row's text; [`Flow::view`] gives the
+/// same view of an owned flow, [`FlowRef::to_flow`] an owned copy.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct FlowRef<'a> {
+    pub verdict: Verdict,
+    pub source: &'a str,
+    pub policy: &'a str,
+    pub container_id: &'a str,
+    pub container_name: &'a str,
+    pub labels: Labels<'a>,
+    pub host: &'a str,
+    pub ip: &'a str,
+    pub port: u16,
+    pub protocol: &'a str,
+    pub reason: &'a str,
+    pub rule: Option<&'a str>,
+    pub count: u64,
+    pub first_seen: SystemTime,
+    pub last_seen: SystemTime,
+}
+
+/// A flow's context labels.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Labels<'a> {
+    /// A row's `labels` as the store writes them — a compact JSON object of strings — when it
+    /// holds no escape: a key is then `"key":"` right after `{` or `,` (no string can hold a
+    /// `"`), and its value runs to the next `"`. Read in place, nothing parsed or allocated.
+    Plain(&'a str),
+    /// A row's `labels` with escapes, parsed.
+    Owned(BTreeMap<String, String>),
+    /// An owned [`Flow`]'s.
+    Of(&'a BTreeMap<String, String>),
+}
+
+impl<'a> Labels<'a> {
+    /// The labels of a row's `labels` text.
+    pub fn of_text(text: &'a str) -> Labels<'a> {
+        if text.contains('\\') {
+            Labels::Owned(serde_json::from_str(text).unwrap_or_default())
+        } else {
+            Labels::Plain(text)
+        }
+    }
+
+    pub fn get(&self, key: &str) -> Option<&str> {
+        match self {
+            Labels::Plain(text) => plain_get(text, key),
+            Labels::Owned(m) => m.get(key).map(String::as_str),
+            Labels::Of(m) => m.get(key).map(String::as_str),
+        }
+    }
+
+    fn to_map(&self) -> BTreeMap<String, String> {
+        match self {
+            Labels::Plain(text) => serde_json::from_str(text).unwrap_or_default(),
+            Labels::Owned(m) => m.clone(),
+            Labels::Of(m) => (*m).clone(),
+        }
+    }
+}
+
+/// `key`'s value in a [`Labels::Plain`] text.
+fn plain_get<'t>(text: &'t str, key: &str) -> Option<&'t str> {
+    if key.is_empty() {
+        return None;
+    }
+    let mut from = 0;
+    while let Some(at) = text.get(from..)?.find(key).map(|i| from + i) {
+        // On to the next character (a match starts on a character boundary).
+        from = at + text[at..].chars().next().map_or(1, char::len_utf8);
+        let (before, after) = (&text[..at], &text[at + key.len()..]);
+        if !(before.ends_with("{\"") || before.ends_with(",\"")) {
+            continue;
+        }
+        let Some(value) = after.strip_prefix("\":\"") else {
+            continue;
+        };
+        return value.find('"').map(|end| &value[..end]);
+    }
+    None
+}
+
+impl Flow {
+    /// This flow as [`Store::each_flow`] hands flows over.
+    pub fn view(&self) -> FlowRef<'_> {
+        FlowRef {
+            verdict: self.verdict,
+            source: &self.source,
+            policy: &self.policy,
+            container_id: &self.container_id,
+            container_name: &self.container_name,
+            labels: Labels::Of(&self.labels),
+            host: &self.host,
+            ip: &self.ip,
+            port: self.port,
+            protocol: &self.protocol,
+            reason: &self.reason,
+            rule: self.rule.as_deref(),
+            count: self.count,
+            first_seen: self.first_seen,
+            last_seen: self.last_seen,
+        }
+    }
+}
+
+impl FlowRef<'_> {
+    pub fn to_flow(&self) -> Flow {
+        Flow {
+            verdict: self.verdict,
+            source: self.source.to_owned(),
+            policy: self.policy.to_owned(),
+            container_id: self.container_id.to_owned(),
+            container_name: self.container_name.to_owned(),
+            labels: self.labels.to_map(),
+            host: self.host.to_owned(),
+            ip: self.ip.to_owned(),
+            port: self.port,
+            protocol: self.protocol.to_owned(),
+            reason: self.reason.to_owned(),
+            rule: self.rule.map(str::to_owned),
+            count: self.count,
+            first_seen: self.first_seen,
+            last_seen: self.last_seen,
+        }
+    }
+}
+
+/// One row of [`Store::select_flows`]'s query.
+fn flow_row<'r>(r: &'r rusqlite::Row<'_>) -> Result<FlowRef<'r>, rusqlite::Error> {
+    let text = |i: usize| -> Result<&'r str, rusqlite::Error> {
+        r.get_ref(i)?.as_str().map_err(|e| {
+            rusqlite::Error::FromSqlConversionFailure(i, rusqlite::types::Type::Text, Box::new(e))
+        })
+    };
+    let labels = Labels::of_text(text(5)?);
+    let count: i64 = r.get(11)?;
+    let rule = text(14)?;
+    Ok(FlowRef {
+        verdict: text(0)?.parse().unwrap_or_default(),
+        source: text(1)?,
+        policy: text(2)?,
+        container_id: text(3)?,
+        container_name: text(4)?,
+        labels,
+        host: text(6)?,
+        ip: text(7)?,
+        port: r.get(8)?,
+        protocol: text(9)?,
+        reason: text(10)?,
+        rule: (!rule.is_empty()).then_some(rule),
+        count: u64::try_from(count).unwrap_or(0),
+        first_seen: from_micros(r.get(12)?),
+        last_seen: from_micros(r.get(13)?),
+    })
 }
 
 #[cfg(test)]
 #[expect(clippy::unwrap_used, reason = "test assertions")]
 mod tests {
     use super::*;
+
+    /// A row's labels read in place answer as the parsed JSON does, escapes or not.
+    #[test]
+    fn labels_read_in_place_are_the_parsed_ones() {
+        let maps: [&[(&str, &str)]; 5] = [
+            &[],
+            &[("run", "42")],
+            &[("comm", "curl"), ("hook", "connect4"), ("run", "7")],
+            &[("a", "run"), ("brun", "x"), ("run", ""), ("xrun", "y")],
+            &[("path", "/a\"b"), ("run", "r\\1"), ("é", "ü")],
+        ];
+        for m in maps {
+            let map: BTreeMap<String, String> =
+                m.iter().map(|(k, v)| ((*k).into(), (*v).into())).collect();
+            let text = serde_json::to_string(&map).unwrap();
+            let labels = Labels::of_text(&text);
+            for key in ["run", "a", "brun", "path", "hook", "missing", "é", "\"", ""] {
+                assert_eq!(
+                    labels.get(key),
+                    map.get(key).map(String::as_str),
+                    "{text} {key}"
+                );
+            }
+            assert_eq!(labels.to_map(), map);
+        }
+    }
     use crate::store::tests::temp_db;
     use crate::store::{FlowBatch, add_flow};
     use std::time::Duration;
@@ -337,6 +527,16 @@ mod tests {
             let mut got = rules;
             got.sort();
             assert_eq!(got, want, "{f:?}");
+            // Streamed: the same flows, in no particular order.
+            let mut streamed = Vec::new();
+            let n = s
+                .each_flow(f, |flow| streamed.push(flow.to_flow()))
+                .unwrap();
+            assert_eq!(n as usize, flows.len());
+            streamed.sort_by_key(|f| (f.host.clone(), f.policy.clone(), f.verdict.as_str()));
+            let mut ordered = flows.clone();
+            ordered.sort_by_key(|f| (f.host.clone(), f.policy.clone(), f.verdict.as_str()));
+            assert_eq!(streamed, ordered, "{f:?}");
         }
         // Limit keeps the newest, oldest first; `after` skips what was seen.
         let last2 = s.events(&EventFilter::default(), 0, 2).unwrap();

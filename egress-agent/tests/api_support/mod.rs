@@ -7,7 +7,8 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 
 use egress_agent::api::{
-    self, ApiError, BoxFuture, Control, ExplainQuery, StoreQuery, backend, server::ApiServer,
+    self, ApiError, BoxFuture, Control, ExplainQuery, ReplayBody, StoreQuery, backend,
+    server::ApiServer,
 };
 use egress_agent::config::Config;
 use egress_agent::events::{ContainerRef, DenialEvent, Verdict};
@@ -124,6 +125,9 @@ impl Control for Fake {
     }
     fn suggest(&self, q: &StoreQuery) -> Result<String, ApiError> {
         backend::suggest(&self.config(), q)
+    }
+    fn replay(&self, body: ReplayBody) -> BoxFuture<'_, Result<Value, ApiError>> {
+        Box::pin(backend::replay(self.config(), body))
     }
     fn changes(&self, n: usize) -> Result<Vec<Value>, ApiError> {
         let all = self.log.0.lock().unwrap_or_else(|p| p.into_inner()).clone();
