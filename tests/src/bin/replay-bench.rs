@@ -13,7 +13,8 @@
 //! Each is replayed by the real command, `egress-agent replay --policy P --config C --json`
 //! (reading the store read-only, deciding every flow under a proposed policy that drops a
 //! wildcard, grouping, and the JSON report), `--runs` times (3; 1 with `--quick`): wall time
-//! (median), events/s, the ratio to the 2 s target (≤ 1 meets it) and the command's peak RSS
+//! (median), events/s, the ratio to the 2 s target (≤ 1 meets it), the command's CPU time
+//! (user + system, median: what other work on the machine disturbs least) and its peak RSS
 //! (VmHWM, polled). The report's event count is checked against the store's.
 //!
 //! Usage: `replay-bench [--quick] [--runs N] [--agent PATH]` (default: `egress-agent` next to
@@ -278,9 +279,19 @@ fn hwm(pid: u32) -> Option<u64> {
         .ok()
 }
 
-/// One `egress-agent replay --json`: its wall time, peak RSS (KiB) and the report's events.
-fn replay_once(agent: &Path, dir: &Path) -> Result<(Duration, u64, u64)> {
+/// The CPU time of this process's waited-for children (`cutime` + `cstime`), in clock ticks.
+fn children_ticks() -> Option<u64> {
+    let stat = std::fs::read_to_string("/proc/self/stat").ok()?;
+    let rest = &stat[stat.rfind(')')? + 2..];
+    let f: Vec<&str> = rest.split_whitespace().collect();
+    Some(f.get(13)?.parse::<u64>().ok()? + f.get(14)?.parse::<u64>().ok()?)
+}
+
+/// One `egress-agent replay --json`: its wall time, CPU time, peak RSS (KiB) and the report's
+/// events.
+fn replay_once(agent: &Path, dir: &Path) -> Result<(Duration, Duration, u64, u64)> {
     let out = dir.join("report.json");
+    let ticks = children_ticks().unwrap_or(0);
     let t0 = Instant::now();
     let mut child = Command::new(agent)
         .args(["replay", "--json", "--policy"])
@@ -299,11 +310,13 @@ fn replay_once(agent: &Path, dir: &Path) -> Result<(Duration, u64, u64)> {
         std::thread::sleep(Duration::from_millis(5));
     };
     let wall = t0.elapsed();
+    // Clock ticks are 10 ms.
+    let cpu = Duration::from_millis(children_ticks().unwrap_or(0).saturating_sub(ticks) * 10);
     if !status.success() {
         bail!("egress-agent replay: {status}");
     }
     let v: serde_json::Value = serde_json::from_slice(&std::fs::read(&out)?)?;
-    Ok((wall, peak, v["events"].as_u64().unwrap_or(0)))
+    Ok((wall, cpu, peak, v["events"].as_u64().unwrap_or(0)))
 }
 
 /// A case's directory: its configuration, the proposed policy, and the store built.
@@ -343,8 +356,8 @@ fn main() -> Result<()> {
         o.runs
     );
     println!(
-        "{:<36} {:>9} {:>9} {:>9} {:>10} {:>11} {:>9} {:>8}",
-        "store", "flows", "events", "build s", "replay s", "events/s", "vs 2 s", "RSS MiB"
+        "{:<36} {:>9} {:>9} {:>9} {:>10} {:>11} {:>9} {:>7} {:>8}",
+        "store", "flows", "events", "build s", "replay s", "events/s", "vs 2 s", "CPU s", "RSS MiB"
     );
     for (label, flows, distinct) in [
         (
@@ -356,20 +369,22 @@ fn main() -> Result<()> {
     ] {
         let case = dir.join(if distinct { "distinct" } else { "flows" });
         let (written, built) = prepare(&case, flows, events, distinct)?;
-        let (mut walls, mut peak) = (Vec::new(), 0);
+        let (mut walls, mut cpus, mut peak) = (Vec::new(), Vec::new(), 0);
         for _ in 0..o.runs {
-            let (wall, rss, seen) = replay_once(&o.agent, &case)?;
+            let (wall, cpu, rss, seen) = replay_once(&o.agent, &case)?;
             if seen != events {
                 bail!("{label}: the report counts {seen} events, the store holds {events}");
             }
             walls.push(wall.as_secs_f64());
+            cpus.push(cpu.as_secs_f64());
             peak = peak.max(rss);
         }
         let wall = median(&mut walls).unwrap_or(0.0);
+        let cpu = median(&mut cpus).unwrap_or(0.0);
         // Scaled to the target's size when --quick replays fewer events.
         let at_target = wall * TARGET_EVENTS as f64 / events as f64;
         println!(
-            "{:<36} {:>9} {:>9} {:>9.1} {:>10.3} {:>11.0} {:>9.2} {:>8.1}",
+            "{:<36} {:>9} {:>9} {:>9.1} {:>10.3} {:>11.0} {:>9.2} {:>7.2} {:>8.1}",
             label,
             written,
             events,
@@ -377,6 +392,7 @@ fn main() -> Result<()> {
             wall,
             events as f64 / wall.max(1e-9),
             at_target / TARGET.as_secs_f64(),
+            cpu,
             peak as f64 / 1024.0
         );
         std::fs::remove_dir_all(&case).ok();
