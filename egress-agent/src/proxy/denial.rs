@@ -123,15 +123,6 @@ impl Denial {
         s.push('\n');
         s
     }
-
-    /// `(content type, body)` for a client whose `Accept` is `accept`.
-    pub(crate) fn body(&self, accept: Option<&[u8]>) -> (&'static str, String) {
-        if wants_json(accept) {
-            ("application/json", self.json())
-        } else {
-            ("text/plain; charset=utf-8", self.text())
-        }
-    }
 }
 
 /// Does an `Accept` header value ask for JSON (`application/json` or a `+json` type, not
@@ -153,16 +144,19 @@ pub(crate) fn wants_json(accept: Option<&[u8]>) -> bool {
     })
 }
 
-/// The `Accept` value of a raw HTTP/1 request head (the bytes a transparent or `CONNECT`
-/// connection sent), if it has one.
-pub(crate) fn accept_in_head(head: &[u8]) -> Option<Vec<u8>> {
+/// Does a raw HTTP/1 request head (the bytes a transparent or `CONNECT` connection sent) ask
+/// for JSON in its `Accept` ([`wants_json`])?
+pub(crate) fn head_wants_json(head: &[u8]) -> bool {
     let mut headers = [httparse::EMPTY_HEADER; 64];
     let mut req = httparse::Request::new(&mut headers);
-    req.parse(head).ok()?;
-    req.headers
+    if req.parse(head).is_err() {
+        return false;
+    }
+    let accept = req
+        .headers
         .iter()
-        .find(|h| h.name.eq_ignore_ascii_case("accept"))
-        .map(|h| h.value.to_vec())
+        .find(|h| h.name.eq_ignore_ascii_case("accept"));
+    wants_json(accept.map(|h| h.value))
 }
 
 /// A `403` for `d`: `X-Egress-Deny`, the text body, and `d` itself in the response's
@@ -201,9 +195,14 @@ pub(crate) fn negotiated<L>(
 }
 
 /// A raw HTTP/1.1 `403` for `d` (the paths that answer before hyper: a `CONNECT`, a transparent
-/// connection's first request), in JSON when `accept` asks for it; the connection closes.
-pub(crate) fn forbidden_bytes(d: &Denial, accept: Option<&[u8]>) -> Vec<u8> {
-    let (ty, body) = d.body(accept);
+/// connection's first request), in JSON when `json` ([`head_wants_json`]); the connection
+/// closes.
+pub(crate) fn forbidden_bytes(d: &Denial, json: bool) -> Vec<u8> {
+    let (ty, body) = if json {
+        ("application/json", d.json())
+    } else {
+        ("text/plain; charset=utf-8", d.text())
+    };
     format!(
         "HTTP/1.1 403 Forbidden\r\nX-Egress-Deny: {}\r\nContent-Type: {ty}\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
         d.reason.as_str(),
@@ -273,11 +272,11 @@ mod tests {
             assert_eq!(wants_json(accept.map(str::as_bytes)), json, "{accept:?}");
         }
         let head = b"GET / HTTP/1.1\r\nHost: a.test\r\nAccept: application/json\r\n\r\n";
-        assert_eq!(
-            accept_in_head(head).as_deref(),
-            Some(&b"application/json"[..])
-        );
-        assert_eq!(accept_in_head(b"GET / HTTP/1.1\r\nHost: a\r\n\r\n"), None);
-        assert_eq!(accept_in_head(b"\x16\x03\x01garbage"), None);
+        assert!(head_wants_json(head));
+        assert!(!head_wants_json(
+            b"GET / HTTP/1.1\r\nHost: a.test\r\nAccept: text/html\r\n\r\n"
+        ));
+        assert!(!head_wants_json(b"GET / HTTP/1.1\r\nHost: a\r\n\r\n"));
+        assert!(!head_wants_json(b"\x16\x03\x01garbage"));
     }
 }

@@ -888,12 +888,8 @@ fn handle_connection(
                 Err(RequestError::Denied(reason)) => {
                     // With the listener's identity, like every other refusal.
                     let denial = shared.refuse(&At::nowhere("http"), reason);
-                    let accept = denial::accept_in_head(&buf);
-                    refuse(
-                        &mut stream,
-                        &denial::forbidden_bytes(&denial, accept.as_deref()),
-                    )
-                    .await;
+                    let json = denial::head_wants_json(&buf);
+                    refuse(&mut stream, &denial::forbidden_bytes(&denial, json)).await;
                     return;
                 }
             }
@@ -903,7 +899,7 @@ fn handle_connection(
                 // Bytes the client pipelined after the head; the head buffer itself is freed here.
                 let early = buf.split_off(len.min(buf.len()));
                 // A refusal answers in JSON when the head asks for it.
-                let json = denial::wants_json(denial::accept_in_head(&buf).as_deref());
+                let json = denial::head_wants_json(&buf);
                 drop(buf);
                 // Boxed inside: the check and dial, the `200`, the sniffing step and what follows
                 // it (the relay, interception, per-request HTTP) share one allocation sized for

@@ -30,7 +30,7 @@ use tokio::net::TcpStream;
 use tokio_util::sync::CancellationToken;
 
 use super::act::At;
-use super::denial::{Denial, accept_in_head, forbidden_bytes};
+use super::denial::{Denial, forbidden_bytes, head_wants_json};
 use super::prefixed::Prefixed;
 use super::request::Target;
 use super::sniff::{Kind, MAX_SNIFF_BYTES, Sniffed, Sniffer, TLS_ACCESS_DENIED};
@@ -98,7 +98,7 @@ pub(crate) async fn answer(
     head: &[u8],
 ) {
     let answer = match kind {
-        Some(Kind::Http) => forbidden_bytes(denial, accept_in_head(head).as_deref()),
+        Some(Kind::Http) => forbidden_bytes(denial, head_wants_json(head)),
         Some(Kind::Tls) if !alert.is_empty() => alert.to_vec(),
         Some(Kind::Tls) => TLS_ACCESS_DENIED.to_vec(),
         None => Vec::new(),
@@ -212,8 +212,7 @@ pub(crate) fn connect(
         let upstream = match shared.check_and_dial(&target, "connect").await {
             Ok(s) => s,
             Err(Refusal::Denied(denial)) => {
-                let accept = json.then_some(&b"application/json"[..]);
-                refuse(&mut client, &forbidden_bytes(&denial, accept)).await;
+                refuse(&mut client, &forbidden_bytes(&denial, json)).await;
                 return;
             }
             Err(Refusal::Upstream(code)) => {
