@@ -581,7 +581,7 @@ async fn bind_api(
     let api = ApiServer::bind_handed(&opts.api_socket, sockets)
         .await?
         .refusing_roots(docker_root.ok().into_iter().chain(kubelet_root(config)));
-    Ok(crate::api::server::with_config(api, &config.api).await?)
+    Ok(crate::api::server::with_config(api, &config.api, &config.agent.state_dir).await?)
 }
 
 /// Take the sockets a previous agent left: those the service manager kept (a crash and its

@@ -236,6 +236,8 @@ enum Command {
         #[arg(long)]
         config: Option<PathBuf>,
     },
+    /// The console's login tokens (api.ui_listen): make, rotate, revoke, list.
+    Console(egress_agent::cli::console::ConsoleArgs),
     /// Manage policies through the daemon: list, show, set, delete, defaults, export, import.
     Policy(egress_agent::cli::manage::PolicyArgs),
     /// Which policy applies to a destination and why: what the proxy and the kernel would do.
@@ -510,6 +512,10 @@ fn main() -> ExitCode {
         Command::Ca { config } => {
             init_cli_tracing();
             print_ca(config.as_deref()).map(|()| ExitCode::SUCCESS)
+        }
+        Command::Console(args) => {
+            init_cli_tracing();
+            egress_agent::cli::console::run(&args).map(|()| ExitCode::SUCCESS)
         }
         Command::Wire { policy, config } => {
             init_cli_tracing();

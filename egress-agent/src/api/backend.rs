@@ -407,18 +407,20 @@ pub struct StoreChangeLog {
 }
 
 impl ChangeLog for StoreChangeLog {
-    fn record(&self, who: &Who, change: &Change, files: &[PathBuf], result: &str) {
-        tracing::info!(uid = who.uid, pid = ?who.pid, action = change.action(),
-            target = %change.target(), result, "policy change");
+    fn record(&self, who: &Who, change: &Change, files: &[PathBuf], diff: &str, result: &str) {
+        tracing::info!(uid = who.uid, pid = ?who.pid, identity = ?who.identity,
+            action = change.action(), target = %change.target(), result, "policy change");
         let Some(db) = &self.db else { return };
         let rec = ChangeRecord {
             id: 0,
             time: SystemTime::now(),
             uid: who.uid,
             pid: who.pid,
+            identity: who.identity.clone(),
             action: change.action().to_owned(),
             target: change.target(),
             files: files.iter().map(|f| f.display().to_string()).collect(),
+            diff: diff.to_owned(),
             result: result.to_owned(),
         };
         if let Err(e) = Store::open(db).and_then(|s| s.record_change(&rec)) {

@@ -5,6 +5,9 @@
 //!
 //! | method | path                     | answer                                                 |
 //! |--------|--------------------------|--------------------------------------------------------|
+//! | GET    | `/v1/session`            | who the caller is to the API (uid, or console operator) |
+//! | POST   | `/v1/session`            | console login with a token: a session cookie + CSRF token |
+//! | DELETE | `/v1/session`            | console logout                                         |
 //! | GET    | `/v1/status`             | what is loaded and pinned, listeners, counts           |
 //! | GET    | `/v1/containers`         | enforced containers/cgroups with their policy, badge and counters |
 //! | GET    | `/v1/policies`           | the effective policies                                 |
@@ -31,14 +34,17 @@
 //! Access (see [`peer`]): the socket file is mode 0600 root (0660 with the `api.read_group`
 //! group), and every connection's peer credentials are checked again: root gets everything, a
 //! member of `api.read_group` the GET endpoints, a confined process nothing, whatever its uid.
-//! The optional loopback TCP address (`api.ui_listen`) serves the GET endpoints and the page
-//! only, to the same peers (found by their socket), and only with a loopback `Host` header.
+//! The optional TCP address (`api.ui_listen`) is the console: the same endpoints behind their
+//! own authentication ([`console`]: tokens, sessions, CSRF), refused to confined processes.
 
 pub mod backend;
 pub mod client;
+pub mod console;
 pub mod peer;
 pub mod routes;
 pub mod server;
+pub mod session;
+pub mod tokens;
 
 use std::{future::Future, pin::Pin};
 

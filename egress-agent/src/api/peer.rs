@@ -5,7 +5,8 @@
 //!   credential's, or the peer is refused: the pid was reused).
 //! - Loopback TCP (the status page's optional address): the client socket is found in
 //!   `/proc/net/tcp{,6}` by its address pair (uid, inode), its process by the inode among
-//!   `/proc/<pid>/fd`, then the same checks. Not found → refused.
+//!   `/proc/<pid>/fd`, then the same checks. Not found: a remote client (`remote`), which gets
+//!   only what a console token gives it ([`super::console`]).
 //!
 //! Access: root outside every enforcement root gets everything; a member of `api.read_group`
 //! (outside them) gets the GET endpoints; everybody else, and every confined process whatever
@@ -22,6 +23,9 @@ pub struct Peer {
     pub groups: Vec<u32>,
     /// In an enforcement root — or its cgroup could not be read (refused as well).
     pub confined: bool,
+    /// A TCP client the agent could not attribute to a process of its network namespace: a
+    /// remote host (when `api.ui_listen` is not loopback). It gets what a token gives it.
+    pub remote: bool,
 }
 
 /// What a peer may do.
@@ -55,7 +59,7 @@ impl Peer {
         match tcp_owner(local, remote) {
             Some((uid, pid)) => Peer::of_process(uid, None, pid, roots),
             None => Peer {
-                confined: true,
+                remote: true,
                 ..Peer::default()
             },
         }
@@ -101,6 +105,7 @@ impl Peer {
             pid: Some(pid),
             groups,
             confined: confined || !still_same,
+            remote: false,
         }
     }
 
@@ -232,6 +237,7 @@ mod tests {
             pid: Some(1),
             groups: vec![0],
             confined: false,
+            remote: false,
         };
         assert_eq!(root.access(None), Access::Full);
         let confined_root = Peer {
@@ -244,6 +250,7 @@ mod tests {
             pid: Some(2),
             groups: vec![1000, 4242],
             confined: false,
+            remote: false,
         };
         assert_eq!(member.access(Some(4242)), Access::ReadOnly);
         assert!(matches!(member.access(None), Access::Refused(_)));

@@ -10,7 +10,9 @@ use serde_json::{Value, json};
 use tokio_stream::{StreamExt, wrappers::ReceiverStream};
 use tracing::warn;
 
+use super::console::{Grant, Refusal};
 use super::peer::{Access, Peer};
+use super::session::{LoginRefused, Sessions};
 use super::{ApiError, Control, ExplainQuery, ReplayBody, StoreQuery};
 use crate::manage::{Body as ChangeBody, Change, Who};
 
@@ -21,6 +23,9 @@ pub type Body = BoxBody<Bytes, Infallible>;
 pub const ENDPOINTS: &[(&str, &str)] = &[
     ("GET", "/"),
     ("GET", "/ui/{file}"),
+    ("GET", "/v1/session"),
+    ("POST", "/v1/session"),
+    ("DELETE", "/v1/session"),
     ("GET", "/v1/status"),
     ("GET", "/v1/containers"),
     ("GET", "/v1/policies"),
@@ -50,7 +55,7 @@ pub const MAX_BODY: usize = 1 << 20;
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Transport {
     Unix,
-    /// The loopback TCP address: GET only, loopback `Host` only.
+    /// `api.ui_listen` (the address it arrived on): see [`super::console`].
     Tcp(std::net::SocketAddr),
 }
 
@@ -121,21 +126,6 @@ fn store_query(query: Option<&str>) -> Result<StoreQuery, ApiError> {
     })
 }
 
-/// The `Host` header of a TCP request must name the loopback address it arrived on: a page of
-/// another site that resolves its name to 127.0.0.1 (DNS rebinding) is refused.
-fn loopback_host(req: &Request<Incoming>, local: std::net::SocketAddr) -> bool {
-    let Some(host) = req.headers().get("host").and_then(|h| h.to_str().ok()) else {
-        return false;
-    };
-    let port = local.port();
-    let ok = [
-        format!("{}:{port}", local.ip()),
-        format!("[{}]:{port}", local.ip()),
-        format!("localhost:{port}"),
-    ];
-    ok.iter().any(|o| o.eq_ignore_ascii_case(host))
-}
-
 async fn read_body(req: Request<Incoming>) -> Result<(Option<String>, String), ApiError> {
     let ct = req
         .headers()
@@ -152,20 +142,22 @@ async fn read_body(req: Request<Incoming>) -> Result<(Option<String>, String), A
     Ok((ct, text))
 }
 
-/// Route one request from `peer`.
+/// Route one request from `peer` (`sessions`: the console's, for the TCP address).
 pub async fn route(
     req: Request<Incoming>,
     peer: &Peer,
     read_gid: Option<u32>,
-    transport: Transport,
+    (transport, sessions): (Transport, Option<&Sessions>),
     control: &dyn Control,
 ) -> Response<Body> {
-    if let Some(refusal) = refusal(&req, peer, read_gid, transport) {
-        return refusal;
-    }
+    let grant = match admit(&req, peer, read_gid, transport, sessions) {
+        Ok(g) => g,
+        Err(refusal) => return *refusal,
+    };
     let who = Who {
         uid: peer.uid.unwrap_or(u32::MAX),
         pid: peer.pid,
+        identity: grant.identity.clone(),
     };
     let query = req.uri().query().map(str::to_owned);
     let query = query.as_deref();
@@ -175,6 +167,7 @@ pub async fn route(
     match (&method, segments.as_slice()) {
         (&Method::GET, [""]) => to_status_page(),
         (&Method::GET, ["ui", file]) => ui_asset(file),
+        (_, ["v1", "session"]) => session(req, &grant, peer, transport, sessions).await,
         (&Method::GET, ["v1", "status"]) => json_response(StatusCode::OK, &control.status()),
         (&Method::GET, ["v1", "containers"]) => {
             json_response(StatusCode::OK, &control.containers())
@@ -267,38 +260,173 @@ pub async fn route(
     }
 }
 
-/// Who may ask what: the refusal for a client the API does not serve, a TCP client naming
-/// another host, or a write from a read-only client; `None` to go on.
-fn refusal(
+/// Who may ask what, before any work: on the unix socket by the peer's uid, on the TCP
+/// address by [`super::console::admit`]; a write without the right to write is refused.
+fn admit(
     req: &Request<Incoming>,
     peer: &Peer,
     read_gid: Option<u32>,
     transport: Transport,
-) -> Option<Response<Body>> {
+    sessions: Option<&Sessions>,
+) -> Result<Grant, Refusal> {
     let path = req.uri().path();
-    let access = peer.access(read_gid);
-    if let Access::Refused(why) = access {
-        warn!(peer_uid = ?peer.uid, peer_pid = ?peer.pid, path, why, "control API refused a client");
-        return Some(error(StatusCode::FORBIDDEN, why));
-    }
-    let read_only = access == Access::ReadOnly || matches!(transport, Transport::Tcp(_));
-    if let Transport::Tcp(local) = transport
-        && !loopback_host(req, local)
-    {
-        return Some(error(
+    let grant = match (transport, sessions) {
+        (Transport::Tcp(local), Some(sessions)) => {
+            super::console::admit(req, peer, read_gid, local, sessions)
+        }
+        (Transport::Tcp(_), None) => Err(Box::new(error(
             StatusCode::FORBIDDEN,
-            "the Host header must be the loopback address this listens on",
-        ));
-    }
-    if read_only && !matches!(*req.method(), Method::GET | Method::HEAD) {
-        let why = if access == Access::ReadOnly {
+            "the console has no tokens file configured",
+        ))),
+        (Transport::Unix, _) => {
+            let access = peer.access(read_gid);
+            Grant::of_access(access).ok_or_else(|| {
+                let why = match access {
+                    Access::Refused(why) => why,
+                    _ => "refused",
+                };
+                Box::new(error(StatusCode::FORBIDDEN, why))
+            })
+        }
+    };
+    let grant = match grant {
+        Ok(g) => g,
+        Err(refusal) => {
+            warn!(peer_uid = ?peer.uid, peer_pid = ?peer.pid, remote = peer.remote, path,
+                status = %refusal.status(), "control API refused a request");
+            return Err(refusal);
+        }
+    };
+    let read = matches!(*req.method(), Method::GET | Method::HEAD);
+    // The login and logout are writes of their own kind (checked by `console::admit`).
+    let session_call = path == "/v1/session";
+    if !read && !grant.write && !session_call {
+        let why = if transport == Transport::Unix {
             "read-only access (api.read_group): GET only"
         } else {
-            "the TCP address serves GET only; changes go through the unix socket"
+            "log in to change anything (a session and its CSRF token, or a bearer token)"
         };
-        return Some(error(StatusCode::FORBIDDEN, why));
+        return Err(Box::new(error(StatusCode::FORBIDDEN, why)));
     }
-    None
+    Ok(grant)
+}
+
+/// `/v1/session`: who the caller is to the API (GET), a console login (POST) or logout
+/// (DELETE). Sessions exist on the TCP address only; on the unix socket the peer's uid is the
+/// identity.
+async fn session(
+    req: Request<Incoming>,
+    grant: &Grant,
+    peer: &Peer,
+    transport: Transport,
+    sessions: Option<&Sessions>,
+) -> Response<Body> {
+    let method = req.method().clone();
+    let Some(sessions) = sessions.filter(|_| matches!(transport, Transport::Tcp(_))) else {
+        return match method {
+            Method::GET => json_response(
+                StatusCode::OK,
+                &json!({ "via": "peer", "uid": peer.uid, "write": grant.write }),
+            ),
+            _ => error(
+                StatusCode::BAD_REQUEST,
+                "the control socket knows its clients by uid; sessions are for api.ui_listen",
+            ),
+        };
+    };
+    match method {
+        Method::GET => match (&grant.session, &grant.identity) {
+            (Some(s), _) => json_response(
+                StatusCode::OK,
+                &json!({ "via": "session", "name": s.name, "csrf": s.csrf, "write": true }),
+            ),
+            (None, Some(id)) => json_response(
+                StatusCode::OK,
+                &json!({ "via": "token", "name": id, "write": grant.write }),
+            ),
+            (None, None) => json_response(
+                StatusCode::UNAUTHORIZED,
+                &json!({
+                    "error": "not logged in",
+                    "tokens": sessions.tokens().any(),
+                    "read": !peer.remote && Grant::of_access(peer.access(None)).is_some(),
+                }),
+            ),
+        },
+        Method::POST => login(req, sessions).await,
+        Method::DELETE => match &grant.session {
+            Some(_) => {
+                if let Some(c) = super::session::cookie_value(
+                    req.headers()
+                        .get_all("cookie")
+                        .iter()
+                        .filter_map(|h| h.to_str().ok()),
+                ) {
+                    sessions.logout(c);
+                }
+                let mut r = json_response(StatusCode::OK, &json!({ "logged_out": true }));
+                if let Ok(v) = hyper::header::HeaderValue::from_str(&super::session::clear_cookie())
+                {
+                    r.headers_mut().insert("set-cookie", v);
+                }
+                r
+            }
+            None => error(StatusCode::BAD_REQUEST, "no session to end"),
+        },
+        _ => error(StatusCode::METHOD_NOT_ALLOWED, "method not allowed"),
+    }
+}
+
+/// `POST /v1/session` with `{"token": "..."}`: a session cookie and its CSRF token.
+async fn login(req: Request<Incoming>, sessions: &Sessions) -> Response<Body> {
+    let text = match read_body(req).await {
+        Ok((_, t)) => t,
+        Err(e) => return api_error(e),
+    };
+    #[derive(serde::Deserialize)]
+    #[serde(deny_unknown_fields)]
+    struct Body {
+        token: String,
+    }
+    let body: Body = match serde_json::from_str(&text) {
+        Ok(b) => b,
+        Err(e) => {
+            return error(
+                StatusCode::BAD_REQUEST,
+                &format!("request body: {e} (a JSON object with token)"),
+            );
+        }
+    };
+    match sessions.login(&body.token) {
+        Ok(l) => {
+            tracing::info!(name = %l.session.name, "console login");
+            let mut r = json_response(
+                StatusCode::OK,
+                &json!({ "name": l.session.name, "csrf": l.session.csrf }),
+            );
+            if let Ok(v) =
+                hyper::header::HeaderValue::from_str(&super::session::set_cookie(&l.cookie))
+            {
+                r.headers_mut().insert("set-cookie", v);
+            }
+            r
+        }
+        Err(LoginRefused::Wrong) => {
+            warn!("console login refused: not a console token");
+            error(
+                StatusCode::UNAUTHORIZED,
+                "not a console token (`egress-agent console token NAME --rotate` as root on the host gives a new one)",
+            )
+        }
+        Err(LoginRefused::TooMany) => error(
+            StatusCode::TOO_MANY_REQUESTS,
+            "too many wrong tokens in the last minute: wait, then try again",
+        ),
+        Err(LoginRefused::Unavailable) => error(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "the system's random source failed",
+        ),
+    }
 }
 
 /// `GET /`: the status page.

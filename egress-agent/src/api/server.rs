@@ -1,5 +1,5 @@
-//! Serves the control API on a root-only unix socket (and, optionally, the status page and GET
-//! endpoints on a loopback TCP address). Routing and access are in [`super::routes`] and
+//! Serves the control API on a root-only unix socket (and, optionally, the console — the page
+//! and the API behind its own authentication — on a TCP address). Routing and access are in [`super::routes`] and
 //! [`super::peer`].
 
 use std::{
@@ -20,6 +20,8 @@ use tracing::{debug, info, warn};
 use super::Control;
 use super::peer::Peer;
 use super::routes::{self, Transport};
+use super::session::Sessions;
+use super::tokens::Tokens;
 
 /// The control socket's hand-over key.
 const API_KEY: &str = "api";
@@ -48,8 +50,10 @@ pub struct ApiServer {
     refused_roots: Vec<PathBuf>,
     /// `api.read_group`: its members get the GET endpoints.
     read_gid: Option<u32>,
-    /// `api.ui_listen`: the status page and GET endpoints on loopback TCP.
+    /// `api.ui_listen`: the console (the page and the API, see [`super::console`]) on TCP.
     tcp: Option<TcpListener>,
+    /// The console's sessions and the tokens file they are made from.
+    sessions: Option<Arc<Sessions>>,
     /// The daemon's sockets (taken from a previous agent, offered to a successor), with the
     /// registrations of this server's.
     sockets: Option<Arc<crate::handover::Sockets>>,
@@ -87,6 +91,7 @@ impl ApiServer {
             refused_roots: crate::exec::exec_root().into_iter().collect(),
             read_gid: None,
             tcp: None,
+            sessions: None,
             sockets: None,
             held: Vec::new(),
         }
@@ -145,16 +150,15 @@ impl ApiServer {
         Ok(self)
     }
 
-    /// Also serve the status page and the GET endpoints on `addr` (loopback only).
-    pub async fn ui_listen(mut self, addr: SocketAddr) -> Result<Self, BindError> {
+    /// Also serve the console on `addr`: the page, reads for root and the read group of this
+    /// host, everything for a session made with a token of `tokens` (`console.tokens`).
+    pub async fn ui_listen(mut self, addr: SocketAddr, tokens: &Path) -> Result<Self, BindError> {
         let err = |source| BindError::Io {
             path: PathBuf::from(addr.to_string()),
             source,
         };
         if !addr.ip().is_loopback() {
-            return Err(err(io::Error::other(
-                "the status page listens on loopback only",
-            )));
+            warn!(address = %addr, "the console is served over plain HTTP on a non-loopback address: its token and session cookie cross the network in clear text; prefer a loopback address reached through an SSH tunnel");
         }
         let l = match self.sockets.clone() {
             Some(sockets) => {
@@ -170,8 +174,9 @@ impl ApiServer {
             }
             None => TcpListener::bind(addr).await.map_err(err)?,
         };
-        info!(address = %addr, "status page listening");
+        info!(address = %addr, tokens = %tokens.display(), "console listening");
         self.tcp = Some(l);
+        self.sessions = Some(Arc::new(Sessions::new(Tokens::new(tokens.to_owned()))));
         Ok(self)
     }
 
@@ -185,6 +190,7 @@ impl ApiServer {
         let roots = Arc::new(self.refused_roots);
         let read_gid = self.read_gid;
         let tcp = self.tcp;
+        let sessions = self.sessions.clone();
         let handed_over = self.sockets.clone().unwrap_or_default();
         let mut conns = tokio::task::JoinSet::new();
         loop {
@@ -222,14 +228,17 @@ impl ApiServer {
                 },
             };
             let control = control.clone();
+            let sessions = sessions.clone();
             conns.spawn(async move {
                 let peer = Arc::new(peer);
                 let service = service_fn(move |req| {
                     let control = control.clone();
                     let peer = peer.clone();
+                    let sessions = sessions.clone();
                     async move {
+                        let on = (transport, sessions.as_deref());
                         Ok::<_, Infallible>(
-                            routes::route(req, &peer, read_gid, transport, control.as_ref()).await,
+                            routes::route(req, &peer, read_gid, on, control.as_ref()).await,
                         )
                     }
                 });
@@ -266,10 +275,11 @@ async fn accept_tcp(l: Option<&TcpListener>) -> io::Result<(TcpStream, SocketAdd
 }
 
 /// Apply `[api]`: the read-only group (resolved now: an unknown group fails the start) and the
-/// status page's loopback address.
+/// console's address, with its tokens in `state_dir`.
 pub async fn with_config(
     server: ApiServer,
     api: &crate::config::ApiConfig,
+    state_dir: &Path,
 ) -> Result<ApiServer, BindError> {
     let mut server = server;
     if let Some(name) = &api.read_group {
@@ -291,7 +301,9 @@ pub async fn with_config(
         server = server.read_group(gid)?;
     }
     if let Some(addr) = api.ui_listen {
-        server = server.ui_listen(addr).await?;
+        server = server
+            .ui_listen(addr, &state_dir.join(super::tokens::FILE))
+            .await?;
     }
     Ok(server)
 }

@@ -109,8 +109,11 @@ pub struct ApiConfig {
     /// read-only endpoints (GET) and the status page; everything else stays root-only. The
     /// socket is then group-owned by it, mode 0660. Default none: root only.
     pub read_group: Option<String>,
-    /// Also serve the status page and the GET endpoints on this loopback TCP address, behind the
-    /// same access rules (the peer's process is looked up by its socket). Default none.
+    /// Serve the console on this TCP address: the status page and the API. Reads need no login
+    /// from root and `read_group` members of this host (found by their socket); anything else —
+    /// every write, a remote client — needs a token from `egress-agent console token NAME`
+    /// (a session in the browser, or `Authorization: Bearer`). Confined processes get nothing.
+    /// A loopback address is the safe choice (plain HTTP). Default none.
     pub ui_listen: Option<SocketAddr>,
 }
 

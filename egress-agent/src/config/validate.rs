@@ -105,11 +105,11 @@ impl Config {
         }
         self.export.validate()?;
         if let Some(a) = self.api.ui_listen
-            && (!a.ip().is_loopback() || a.port() == 0)
+            && a.port() == 0
         {
             return Err(verr(
                 "api.ui_listen",
-                "must be a loopback address with a port (127.0.0.1:PORT or [::1]:PORT)",
+                "must have a port (127.0.0.1:PORT, [::1]:PORT, or another address of the host)",
             ));
         }
         if let Some(g) = &self.api.read_group

@@ -88,6 +88,10 @@ impl Body {
 pub struct Who {
     pub uid: u32,
     pub pid: Option<u32>,
+    /// The console's authenticated operator (`console:NAME` for a browser session, `token:NAME`
+    /// for a bearer token); `None` on the unix socket, where the uid is the identity.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub identity: Option<String>,
 }
 
 /// Why a change was not made. [`ManageError::status`] is its HTTP status.
@@ -234,7 +238,8 @@ pub struct FileOp {
 pub struct Plan {
     pub ops: Vec<FileOp>,
     pub config: Config,
-    /// Import only: the dry run's diff (empty otherwise).
+    /// What the change does, for a person: an import's summary per policy, otherwise a line
+    /// diff of each file it writes or removes.
     pub diff: String,
 }
 
@@ -351,7 +356,42 @@ pub fn plan(
     // Where it can't write, that is the answer, whatever the files hold (a broken ConfigMap).
     writable::check(&ops)?;
     let config = next.load()?;
+    if diff.is_empty() {
+        diff = files_diff(&ops);
+    }
     Ok(Plan { ops, config, diff })
+}
+
+/// A line diff of each file the change writes (`--- a/PATH`, `+++ b/PATH`, then `-`/`+`/` `
+/// lines; a new file against `/dev/null`, a removed one to it).
+fn files_diff(ops: &[FileOp]) -> String {
+    let mut out = String::new();
+    for op in ops {
+        let path = op.path.display();
+        let (a, b) = (op.before.as_deref(), op.after.as_deref());
+        out.push_str(&match a {
+            Some(_) => format!("--- a/{path}\n"),
+            None => "--- /dev/null\n".to_owned(),
+        });
+        out.push_str(&match b {
+            Some(_) => format!("+++ b/{path}\n"),
+            None => "+++ /dev/null\n".to_owned(),
+        });
+        let d = similar::TextDiff::from_lines(a.unwrap_or(""), b.unwrap_or(""));
+        for change in d.iter_all_changes() {
+            let sign = match change.tag() {
+                similar::ChangeTag::Delete => '-',
+                similar::ChangeTag::Insert => '+',
+                similar::ChangeTag::Equal => ' ',
+            };
+            out.push(sign);
+            out.push_str(change.value());
+            if !change.value().ends_with('\n') {
+                out.push('\n');
+            }
+        }
+    }
+    out
 }
 
 /// The file operations that turn `from` into `to`.
@@ -419,7 +459,8 @@ fn write_op(path: &Path, text: Option<&str>) -> std::io::Result<()> {
 
 /// Where changes are recorded (the event store's `changes` table in the daemon).
 pub trait ChangeLog: Send + Sync {
-    fn record(&self, who: &Who, change: &Change, files: &[PathBuf], result: &str);
+    /// `diff`: what the change does ([`Plan::diff`]); `result`: `applied` or `refused: …`.
+    fn record(&self, who: &Who, change: &Change, files: &[PathBuf], diff: &str, result: &str);
 }
 
 /// Validate, write, reload; restore the files if the reload is refused. `reload` is the
@@ -452,9 +493,9 @@ where
     commit(&plan.ops)?;
     match reload().await {
         Ok(_) => {
-            log.record(who, change, &files, "applied");
-            tracing::info!(uid = who.uid, action = change.action(), target = %change.target(),
-                "policy change applied");
+            log.record(who, change, &files, &plan.diff, "applied");
+            tracing::info!(uid = who.uid, identity = ?who.identity, action = change.action(),
+                target = %change.target(), "policy change applied");
             Ok(json!({
                 "changed": true,
                 "files": files,
@@ -464,7 +505,7 @@ where
         }
         Err(e) => {
             rollback(&plan.ops);
-            log.record(who, change, &files, &format!("refused: {e}"));
+            log.record(who, change, &files, &plan.diff, &format!("refused: {e}"));
             Err(ManageError::Refused(format!(
                 "the change was refused, the running policy stays in force: {e}"
             )))

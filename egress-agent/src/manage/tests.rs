@@ -7,7 +7,7 @@ use std::sync::Mutex;
 struct Recorder(Mutex<Vec<(u32, String, String)>>);
 
 impl ChangeLog for Recorder {
-    fn record(&self, who: &Who, change: &Change, _files: &[PathBuf], result: &str) {
+    fn record(&self, who: &Who, change: &Change, _files: &[PathBuf], _diff: &str, result: &str) {
         self.0
             .lock()
             .unwrap()
@@ -44,6 +44,7 @@ fn who() -> Who {
     Who {
         uid: 0,
         pid: Some(1),
+        identity: None,
     }
 }
 

@@ -27,13 +27,13 @@ pub struct Fake {
 pub struct Recorder(Mutex<Vec<Value>>);
 
 impl ChangeLog for Recorder {
-    fn record(&self, who: &Who, change: &Change, files: &[PathBuf], result: &str) {
+    fn record(&self, who: &Who, change: &Change, files: &[PathBuf], diff: &str, result: &str) {
         self.0
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .push(json!({
-                "uid": who.uid, "action": change.action(), "target": change.target(),
-                "files": files, "result": result,
+                "uid": who.uid, "identity": who.identity, "action": change.action(),
+                "target": change.target(), "files": files, "diff": diff, "result": result,
             }));
     }
 }
@@ -247,7 +247,10 @@ pub async fn serve(tag: &str) -> Served {
         .expect("bind")
         .read_group(65534)
         .expect("read group")
-        .ui_listen("127.0.0.1:0".parse().expect("addr"))
+        .ui_listen(
+            "127.0.0.1:0".parse().expect("addr"),
+            &state.join(egress_agent::api::tokens::FILE),
+        )
         .await
         .expect("tcp");
     let tcp = server.ui_addr().expect("tcp addr");
