@@ -117,6 +117,8 @@ struct Daemon {
     /// `POST /v1/restart`: asks the main loop to start a successor (as SIGUSR2); the answer is
     /// its pid or why not.
     restart_tx: mpsc::Sender<RestartReply>,
+    /// The runtimes' workloads by cgroup: where each one's policy came from.
+    directory: workload::Directory,
 }
 
 impl Daemon {
@@ -265,7 +267,14 @@ impl Control for Daemon {
     }
 
     fn containers(&self) -> Value {
-        backend::containers(&self.config.load())
+        let mut rows = backend::containers(&self.config.load());
+        for row in rows.as_array_mut().into_iter().flatten() {
+            let entry = row["cgroup_id"].as_u64().and_then(|id| self.directory.get(id));
+            if let Some(e) = entry {
+                row["source"] = json!(e.source);
+            }
+        }
+        rows
     }
 
     fn policies(&self) -> Value {
@@ -468,6 +477,18 @@ pub async fn run(opts: RunOptions) -> Result<()> {
         });
     }
 
+    // The agent's own services are no workload's destination, whatever its allow_cidrs say: the
+    // host layer drops enforced containers' packets to their ports (the kernel policy already
+    // refuses them unless allow_cidrs cover the address; the console refuses confined peers it
+    // can attribute).
+    opts.host.tables.agent_services(
+        config
+            .api
+            .ui_listen
+            .iter()
+            .chain(opts.metrics.iter())
+            .map(SocketAddr::port),
+    );
     let mut runtimes = match start_runtimes(&opts, &config, &events, &metrics, &mut agent) {
         Ok(r) => r,
         Err(e) => {
@@ -510,6 +531,7 @@ pub async fn run(opts: RunOptions) -> Result<()> {
         metrics,
         previous,
         restart_tx,
+        directory: opts.host.directory.clone(),
     });
     let control = daemon.clone();
     agent.spawn("api", |stop| api.run(control, stop.cancelled_owned()));

@@ -49,6 +49,25 @@ impl Browser {
         v
     }
 
+    /// The value of a JavaScript expression evaluated in the page (a promise is awaited).
+    pub fn eval(&mut self, js: &str) -> Value {
+        let arg = serde_json::to_string(js).expect("a JSON string");
+        self.ask(&format!("eval {arg}"))["value"].clone()
+    }
+
+    /// Poll `js` until it is true.
+    pub fn wait_true(&mut self, what: &str, js: &str) {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while self.eval(js) != Value::Bool(true) {
+            assert!(
+                Instant::now() < deadline,
+                "the page never showed {what}:\n{}",
+                self.dom()
+            );
+            std::thread::sleep(Duration::from_millis(200));
+        }
+    }
+
     pub fn dom(&mut self) -> String {
         self.ask("dom")["html"]
             .as_str()

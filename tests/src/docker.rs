@@ -429,6 +429,14 @@ impl Drop for Canary {
     }
 }
 
+/// A shell command for a container: a GET of `http://HOST:PORT/` through the proxy endpoint;
+/// prints the whole answer (status line, `X-Egress-Deny`, body).
+pub fn proxied_get(host: &str, port: u16) -> String {
+    format!(
+        "(printf 'GET http://{host}:{port}/ HTTP/1.1\\r\\nHost: {host}:{port}\\r\\nConnection: close\\r\\n\\r\\n'; sleep 1) | nc -w 5 169.254.100.1 3128"
+    )
+}
+
 /// The policies every [`Env`] starts with: `web` (allowed.test:8080 via allow_cidrs to the
 /// upstream) and `canary` (the canary's address).
 pub fn default_policies() -> String {
@@ -754,6 +762,18 @@ nameservers = []
             std::thread::sleep(Duration::from_millis(100));
         }
         false
+    }
+
+    /// Start a long-running container with `labels` on the test network and wait until it is
+    /// enforced (from `create` and from `start`).
+    pub fn run_labelled(&self, name: &str, labels: &[&str]) {
+        let args: Vec<&str> = labels.iter().flat_map(|l| ["--label", l]).collect();
+        self.start_ok(name, &args, &["sleep", "600"]);
+        assert!(
+            self.wait_enforced(name, 2),
+            "{name} never enforced:\n{}",
+            self.log()
+        );
     }
 
     /// Wait until the agent logged "container enforced" for `name` `n` times in total.

@@ -3,6 +3,7 @@
 // Then commands on stdin, one a line; each answer is one JSON line on stdout:
 //   dom                  -> {"html": "<html>…"}          (the rendered DOM, after scripts)
 //   shot PATH            -> {"ok": true}                  (a PNG screenshot of the page)
+//   eval JSON-STRING     -> {"value": …}                  (an expression in the page, awaited)
 //   quit
 "use strict";
 const { spawn } = require("child_process");
@@ -70,11 +71,17 @@ async function main() {
   }
   const rl = readline.createInterface({ input: process.stdin });
   for await (const line of rl) {
-    const [cmd, arg] = line.trim().split(/\s+/, 2);
+    const t = line.trim();
+    const sp = t.indexOf(" ");
+    const [cmd, arg] = sp < 0 ? [t, ""] : [t.slice(0, sp), t.slice(sp + 1)];
     try {
       if (cmd === "dom") {
         const r = await send("Runtime.evaluate", { expression: "document.documentElement.outerHTML", returnByValue: true }, sessionId);
         process.stdout.write(JSON.stringify({ html: r.result.value }) + "\n");
+      } else if (cmd === "eval") {
+        const r = await send("Runtime.evaluate", { expression: JSON.parse(arg), awaitPromise: true, returnByValue: true }, sessionId);
+        if (r.exceptionDetails) throw new Error(JSON.stringify(r.exceptionDetails).slice(0, 1000));
+        process.stdout.write(JSON.stringify({ value: r.result.value === undefined ? null : r.result.value }) + "\n");
       } else if (cmd === "shot") {
         const r = await send("Page.captureScreenshot", { format: "png", captureBeyondViewport: true }, sessionId);
         fs.writeFileSync(arg, Buffer.from(r.data, "base64"));

@@ -11,32 +11,13 @@ use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use egress_tests::docker::{Env, IMAGE, NETWORK, SERIAL, UPSTREAM_IP, require_root};
+use egress_tests::docker::{Env, IMAGE, NETWORK, SERIAL, UPSTREAM_IP, proxied_get, require_root};
 use nix::sys::signal::Signal;
 
 const DIRECT: &str = "nc -w 2 198.18.0.1 9000 </dev/null && echo DIRECT-OK || echo DIRECT-FAIL";
 
 fn lock() -> std::sync::MutexGuard<'static, ()> {
     SERIAL.lock().unwrap_or_else(|p| p.into_inner())
-}
-
-/// A GET through the proxy endpoint; prints the whole answer (status line, `X-Egress-Deny`, body).
-fn get(host: &str, port: u16) -> String {
-    format!(
-        "(printf 'GET http://{host}:{port}/ HTTP/1.1\\r\\nHost: {host}:{port}\\r\\nConnection: close\\r\\n\\r\\n'; sleep 1) | nc -w 5 169.254.100.1 3128"
-    )
-}
-
-/// Start a long-running labelled container on the test network and wait until it is enforced
-/// (from `create` and from `start`).
-fn run_labelled(env: &Env, name: &str, labels: &[&str]) {
-    let args: Vec<&str> = labels.iter().flat_map(|l| ["--label", l]).collect();
-    env.start_ok(name, &args, &["sleep", "600"]);
-    assert!(
-        env.wait_enforced(name, 2),
-        "{name} never enforced:\n{}",
-        env.log()
-    );
 }
 
 /// `web` with other host/port lists (allow_cidrs: the upstream, as in the default config).
@@ -116,12 +97,12 @@ fn assert_web_enforced(env: &Env, name: &str, what: &str) {
         before,
         "{what}: a direct connection arrived at the canary"
     );
-    let out = env.exec_out(name, &get("allowed.test", 8080));
+    let out = env.exec_out(name, &proxied_get("allowed.test", 8080));
     assert!(
         out.contains("hello-upstream"),
         "{what}: allowed request through the proxy: {out}"
     );
-    let out = env.exec_out(name, &get("denied.test", 8080));
+    let out = env.exec_out(name, &proxied_get("denied.test", 8080));
     assert!(
         out.contains("403") && out.contains("host-not-allowed") && !out.contains("hello-upstream"),
         "{what}: denied.test must stay refused: {out}"
@@ -143,7 +124,7 @@ fn broken_config_is_refused_and_the_old_policy_stays() {
     }
     let _g = lock();
     let env = Env::new(&[]);
-    run_labelled(&env, "keep", &["egress.policy=web", "egress.repo=org/keep"]);
+    env.run_labelled("keep", &["egress.policy=web", "egress.repo=org/keep"]);
     assert_web_enforced(&env, "keep", "before any reload");
     let path = env.config_path().display().to_string();
 
@@ -254,8 +235,8 @@ fn reload_narrows_and_widens_running_containers() {
     }
     let _g = lock();
     let env = Env::new(&[]);
-    run_labelled(&env, "rl", &["egress.policy=web"]);
-    run_labelled(&env, "cn", &["egress.policy=canary"]);
+    env.run_labelled("rl", &["egress.policy=web"]);
+    env.run_labelled("cn", &["egress.policy=canary"]);
 
     // Before: web = allowed.test:8080; canary = direct to 198.18.0.1.
     assert_web_enforced(&env, "rl", "initial");
@@ -265,12 +246,12 @@ fn reload_narrows_and_widens_running_containers() {
     env.write_config(&env.config_text(&web_policy(&["allowed.test", "denied.test"], &[8080])));
     let (ok, out) = cli_reload(&env);
     assert!(ok, "widening reload refused: {out}");
-    let out = env.exec_out("rl", &get("denied.test", 8080));
+    let out = env.exec_out("rl", &proxied_get("denied.test", 8080));
     assert!(
         out.contains("hello-upstream"),
         "widened: denied.test must now pass: {out}"
     );
-    let out = env.exec_out("rl", &get("allowed.test", 8080));
+    let out = env.exec_out("rl", &proxied_get("allowed.test", 8080));
     assert!(
         out.contains("hello-upstream"),
         "widened: allowed.test: {out}"
@@ -283,12 +264,12 @@ fn reload_narrows_and_widens_running_containers() {
         verdict.iter().any(|l| l.contains("configuration reloaded")),
         "narrowing reload refused: {verdict:?}"
     );
-    let out = env.exec_out("rl", &get("allowed.test", 8080));
+    let out = env.exec_out("rl", &proxied_get("allowed.test", 8080));
     assert!(
         out.contains("403") && out.contains("host-not-allowed") && !out.contains("hello-upstream"),
         "narrowed: allowed.test must be refused now: {out}"
     );
-    let out = env.exec_out("rl", &get("denied.test", 8080));
+    let out = env.exec_out("rl", &proxied_get("denied.test", 8080));
     assert!(
         out.contains("hello-upstream"),
         "narrowed: denied.test still allowed: {out}"
@@ -298,7 +279,7 @@ fn reload_narrows_and_widens_running_containers() {
     env.write_config(&env.config_text(&web_policy(&["allowed.test"], &[443])));
     let (ok, out) = cli_reload(&env);
     assert!(ok, "port reload refused: {out}");
-    let out = env.exec_out("rl", &get("allowed.test", 8080));
+    let out = env.exec_out("rl", &proxied_get("allowed.test", 8080));
     assert!(
         out.contains("403") && out.contains("port-not-allowed") && !out.contains("hello-upstream"),
         "allow_ports narrowed: {out}"
@@ -561,16 +542,16 @@ fn configmap_policies_are_watched_and_read_only() {
     );
 
     // The ConfigMap's policy, read through ..data at start.
-    run_labelled(&env, "cmc", &["egress.policy=cm"]);
+    env.run_labelled("cmc", &["egress.policy=cm"]);
     let allowed = |what: &str, host: &str| {
-        let out = env.exec_out("cmc", &get(host, 8080));
+        let out = env.exec_out("cmc", &proxied_get(host, 8080));
         assert!(
             out.contains("hello-upstream"),
             "{what}: {host} must pass: {out}"
         );
     };
     let refused = |what: &str, host: &str| {
-        let out = env.exec_out("cmc", &get(host, 8080));
+        let out = env.exec_out("cmc", &proxied_get(host, 8080));
         assert!(
             out.contains("403")
                 && out.contains("host-not-allowed")

@@ -12,29 +12,13 @@
 use std::process::Command;
 
 use egress_tests::browser::{Browser, container_row, row};
-use egress_tests::docker::{Env, SERIAL, UPSTREAM_IP, require_root};
+use egress_tests::docker::{Env, SERIAL, UPSTREAM_IP, proxied_get, require_root};
 use serde_json::Value;
 
 const UI: &str = "127.0.0.1:18181";
 
 fn lock() -> std::sync::MutexGuard<'static, ()> {
     SERIAL.lock().unwrap_or_else(|p| p.into_inner())
-}
-
-fn get(host: &str, port: u16) -> String {
-    format!(
-        "(printf 'GET http://{host}:{port}/ HTTP/1.1\\r\\nHost: {host}:{port}\\r\\nConnection: close\\r\\n\\r\\n'; sleep 1) | nc -w 5 169.254.100.1 3128"
-    )
-}
-
-fn run_labelled(env: &Env, name: &str, labels: &[&str]) {
-    let args: Vec<&str> = labels.iter().flat_map(|l| ["--label", l]).collect();
-    env.start_ok(name, &args, &["sleep", "600"]);
-    assert!(
-        env.wait_enforced(name, 2),
-        "{name} never enforced:\n{}",
-        env.log()
-    );
 }
 
 /// `curl --unix-socket` against the daemon; (status, body).
@@ -76,9 +60,9 @@ fn policies_through_the_api_and_the_status_page() {
     env.kill_agent();
     env.start_agent();
 
-    run_labelled(&env, "web-1", &["egress.policy=web"]);
-    run_labelled(&env, "locked-1", &["egress.policy=deny_all"]);
-    run_labelled(&env, "watch-1", &["egress.policy=audit"]);
+    env.run_labelled("web-1", &["egress.policy=web"]);
+    env.run_labelled("locked-1", &["egress.policy=deny_all"]);
+    env.run_labelled("watch-1", &["egress.policy=audit"]);
     env.start_ok("plain-1", &[], &["sleep", "600"]);
     assert!(
         env.wait_enforced("plain-1", 2),
@@ -140,7 +124,7 @@ fn policies_through_the_api_and_the_status_page() {
         .dom()
         .matches("class=\"fresh\" data-reason=\"host-not-allowed\"")
         .count();
-    let out = env.exec_out("web-1", &get("denied.test", 8080));
+    let out = env.exec_out("web-1", &proxied_get("denied.test", 8080));
     assert!(
         out.contains("403") && out.contains("host-not-allowed"),
         "{out}"
@@ -171,7 +155,7 @@ fn policies_through_the_api_and_the_status_page() {
     assert_eq!(code, 422, "{body}");
     let v: Value = serde_json::from_str(&body).expect("json");
     assert_eq!(v["field"], "policies.web.allow_hosts[1]", "{body}");
-    let out = env.exec_out("web-1", &get("denied.test", 8080));
+    let out = env.exec_out("web-1", &proxied_get("denied.test", 8080));
     assert!(
         out.contains("host-not-allowed"),
         "unchanged after a 422: {out}"
@@ -192,7 +176,7 @@ fn policies_through_the_api_and_the_status_page() {
         std::fs::read_to_string(dir.join("web.toml")).expect("web.toml"),
         good
     );
-    let out = env.exec_out("web-1", &get("denied.test", 8080));
+    let out = env.exec_out("web-1", &proxied_get("denied.test", 8080));
     assert!(
         out.contains("hello-upstream"),
         "allowed after the change: {out}"

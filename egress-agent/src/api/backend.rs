@@ -30,6 +30,7 @@ pub fn containers(config: &Config) -> Value {
             let (kind, container) = match owner.and_then(|o| o.split_once(':')) {
                 Some(("docker", name)) => (Some("docker"), Some(name)),
                 Some(("pod", name)) => (Some("pod"), Some(name)),
+                Some(("exec", _)) => (Some("exec"), owner),
                 _ => (None, None),
             };
             let badge = match (c.policy.as_deref().and_then(|p| config.policy(p)), c.mode) {

@@ -15,11 +15,42 @@
 //! - The login (`POST /v1/session`) is same-origin only too.
 //!
 //! Every change made this way is recorded with the token's name ([`Grant::identity`]).
+use std::sync::atomic::{AtomicU64, Ordering};
+
 use hyper::{Method, Request, StatusCode, body::Incoming};
 
 use super::peer::{Access, Peer};
 use super::routes::{Body, error};
 use super::session::{CSRF_HEADER, Session, Sessions, cookie_value};
+use super::tokens::Tokens;
+
+/// The console's state: its sessions, and how many connections its address accepted (in
+/// `GET /v1/status`, so a test — or an operator — can see that nothing reached it).
+pub struct Console {
+    pub sessions: Sessions,
+    accepted: AtomicU64,
+}
+
+impl Console {
+    pub fn new(tokens: Tokens) -> Console {
+        Console {
+            sessions: Sessions::new(tokens),
+            accepted: AtomicU64::new(0),
+        }
+    }
+
+    pub fn accepted(&self) {
+        self.accepted.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// `console` in `GET /v1/status`.
+    pub fn status(&self) -> serde_json::Value {
+        serde_json::json!({
+            "connections": self.accepted.load(Ordering::Relaxed),
+            "tokens": self.sessions.tokens().any(),
+        })
+    }
+}
 
 /// What a request may do.
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -10,7 +10,7 @@ use serde_json::{Value, json};
 use tokio_stream::{StreamExt, wrappers::ReceiverStream};
 use tracing::warn;
 
-use super::console::{Grant, Refusal};
+use super::console::{Console, Grant, Refusal};
 use super::peer::{Access, Peer};
 use super::session::{LoginRefused, Sessions};
 use super::{ApiError, Control, ExplainQuery, ReplayBody, StoreQuery};
@@ -142,14 +142,15 @@ async fn read_body(req: Request<Incoming>) -> Result<(Option<String>, String), A
     Ok((ct, text))
 }
 
-/// Route one request from `peer` (`sessions`: the console's, for the TCP address).
+/// Route one request from `peer` (`console`: when `api.ui_listen` is served).
 pub async fn route(
     req: Request<Incoming>,
     peer: &Peer,
     read_gid: Option<u32>,
-    (transport, sessions): (Transport, Option<&Sessions>),
+    (transport, console): (Transport, Option<&Console>),
     control: &dyn Control,
 ) -> Response<Body> {
+    let sessions = console.map(|c| &c.sessions);
     let grant = match admit(&req, peer, read_gid, transport, sessions) {
         Ok(g) => g,
         Err(refusal) => return *refusal,
@@ -168,7 +169,13 @@ pub async fn route(
         (&Method::GET, [""]) => to_status_page(),
         (&Method::GET, ["ui", file]) => ui_asset(file),
         (_, ["v1", "session"]) => session(req, &grant, peer, transport, sessions).await,
-        (&Method::GET, ["v1", "status"]) => json_response(StatusCode::OK, &control.status()),
+        (&Method::GET, ["v1", "status"]) => {
+            let mut status = control.status();
+            if let (Some(c), Some(obj)) = (console, status.as_object_mut()) {
+                obj.insert("console".to_owned(), c.status());
+            }
+            json_response(StatusCode::OK, &status)
+        }
         (&Method::GET, ["v1", "containers"]) => {
             json_response(StatusCode::OK, &control.containers())
         }

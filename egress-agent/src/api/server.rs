@@ -18,9 +18,9 @@ use tokio::net::{TcpListener, TcpStream, UnixListener, UnixStream};
 use tracing::{debug, info, warn};
 
 use super::Control;
+use super::console::Console;
 use super::peer::Peer;
 use super::routes::{self, Transport};
-use super::session::Sessions;
 use super::tokens::Tokens;
 
 /// The control socket's hand-over key.
@@ -52,8 +52,8 @@ pub struct ApiServer {
     read_gid: Option<u32>,
     /// `api.ui_listen`: the console (the page and the API, see [`super::console`]) on TCP.
     tcp: Option<TcpListener>,
-    /// The console's sessions and the tokens file they are made from.
-    sessions: Option<Arc<Sessions>>,
+    /// The console's sessions (and the tokens file they are made from).
+    console: Option<Arc<Console>>,
     /// The daemon's sockets (taken from a previous agent, offered to a successor), with the
     /// registrations of this server's.
     sockets: Option<Arc<crate::handover::Sockets>>,
@@ -91,7 +91,7 @@ impl ApiServer {
             refused_roots: crate::exec::exec_root().into_iter().collect(),
             read_gid: None,
             tcp: None,
-            sessions: None,
+            console: None,
             sockets: None,
             held: Vec::new(),
         }
@@ -176,7 +176,7 @@ impl ApiServer {
         };
         info!(address = %addr, tokens = %tokens.display(), "console listening");
         self.tcp = Some(l);
-        self.sessions = Some(Arc::new(Sessions::new(Tokens::new(tokens.to_owned()))));
+        self.console = Some(Arc::new(Console::new(Tokens::new(tokens.to_owned()))));
         Ok(self)
     }
 
@@ -190,7 +190,7 @@ impl ApiServer {
         let roots = Arc::new(self.refused_roots);
         let read_gid = self.read_gid;
         let tcp = self.tcp;
-        let sessions = self.sessions.clone();
+        let console = self.console.clone();
         let handed_over = self.sockets.clone().unwrap_or_default();
         let mut conns = tokio::task::JoinSet::new();
         loop {
@@ -210,6 +210,9 @@ impl ApiServer {
                 },
                 accepted = accept_tcp(tcp.as_ref()) => match accepted {
                     Ok((stream, remote)) => {
+                        if let Some(c) = &console {
+                            c.accepted();
+                        }
                         let Ok(local) = stream.local_addr() else { continue };
                         let roots = roots.clone();
                         // The /proc lookups block: off the runtime's threads. A failed lookup
@@ -228,15 +231,15 @@ impl ApiServer {
                 },
             };
             let control = control.clone();
-            let sessions = sessions.clone();
+            let console = console.clone();
             conns.spawn(async move {
                 let peer = Arc::new(peer);
                 let service = service_fn(move |req| {
                     let control = control.clone();
                     let peer = peer.clone();
-                    let sessions = sessions.clone();
+                    let console = console.clone();
                     async move {
-                        let on = (transport, sessions.as_deref());
+                        let on = (transport, console.as_deref());
                         Ok::<_, Infallible>(
                             routes::route(req, &peer, read_gid, on, control.as_ref()).await,
                         )

@@ -142,9 +142,9 @@ pub fn cookie_value<'a>(headers: impl Iterator<Item = &'a str>) -> Option<&'a st
     headers
         .flat_map(|h| h.split(';'))
         .filter_map(|c| c.trim().split_once('='))
-        .find(|(k, _)| *k == COOKIE)
-        .map(|(_, v)| v.trim())
-        .filter(|v| !v.is_empty())
+        .map(|(k, v)| (k, v.trim()))
+        .find(|(k, v)| *k == COOKIE && !v.is_empty())
+        .map(|(_, v)| v)
 }
 
 /// `Set-Cookie` for a new session, and the one that clears it.

@@ -15,7 +15,8 @@
 //!   containers, each only on its own policy's listener port — not from the LAN, not from
 //!   unlabelled containers; (b) forwarded traffic from an enforced container goes only to its
 //!   `allow_cidrs` (replies of inbound connections, e.g. published ports, pass as established);
-//!   (c) an enforced container reaches no other host port.
+//!   (c) an enforced container reaches no other host port; (d) nor, whatever its `allow_cidrs`
+//!   say, the agent's own services (the console on `api.ui_listen`, metrics).
 //!
 //! **The guard (unclassified ports).** Until the agent has handled a container's `start`, its
 //! frames must get nowhere — the kernel can't refuse `socket(AF_PACKET)` where BPF-LSM does not
@@ -146,6 +147,9 @@ pub struct Ruleset {
     /// Bridges of Docker's bridge networks (`docker0`, `br-<id>`, custom names). A frame entering
     /// one of them from a port (veth) that belongs to no classified container is dropped.
     pub guarded_bridges: BTreeSet<String>,
+    /// TCP ports of the agent's own services on this host (the console, metrics): no enforced
+    /// container reaches them, whatever its `allow_cidrs` say (they come before (b)).
+    pub agent_ports: BTreeSet<u16>,
 }
 
 impl Ruleset {
@@ -155,6 +159,7 @@ impl Ruleset {
             containers: BTreeMap::new(),
             unrestricted: BTreeMap::new(),
             guarded_bridges: BTreeSet::new(),
+            agent_ports: BTreeSet::new(),
         }
     }
 
@@ -359,6 +364,17 @@ impl Ruleset {
                         }
                     }
                     r.add_expr(&nft_expr!(verdict accept));
+                    batch.add(&r, MsgType::Add);
+                }
+                // (d) the agent's own services (console, metrics) on any address of the host:
+                // never, before allow_cidrs could let it through.
+                for port in &self.agent_ports {
+                    let mut r = rule(&i_in, &short)?;
+                    from(&mut r);
+                    l4(&mut r, IPPROTO_TCP);
+                    r.add_expr(&nft_expr!(payload tcp dport));
+                    r.add_expr(&nft_expr!(cmp == port.to_be()));
+                    drop_(&mut r);
                     batch.add(&r, MsgType::Add);
                 }
                 // (b) allow_cidrs, forwarded or local; direct ports to the addresses in their set.

@@ -1,15 +1,37 @@
-// egress-agent status page: read-only views of the control API's GET endpoints, and live
-// denials from /v1/events/sse. Text only (textContent), never markup from the API.
+// egress-agent console: views of the control API's GET endpoints, live denials from
+// /v1/events/sse, and — once signed in — changes: every one previewed as a diff (the API's
+// dry run, validated by the agent's own loader) before it is applied, with the session's CSRF
+// token on every write. Text only (textContent), never markup from the API.
 "use strict";
 
 const MAX_DENIALS = 50;
 let policies = {};
+let defaults = null;
+let containers = [];
+let who = null; // GET /v1/session: {via, name, csrf, write} or null
+let pending = null; // the change on show: {dry, apply, method, body, replay}
+let editing = null; // the policy in the editor: {name, base}
 
 function el(tag, text, cls) {
   const e = document.createElement(tag);
   if (text !== undefined && text !== null) e.textContent = String(text);
   if (cls) e.className = cls;
   return e;
+}
+
+function button(text, onclick, cls) {
+  const b = el("button", text, cls);
+  b.type = "button";
+  b.addEventListener("click", onclick);
+  return b;
+}
+
+function $(id) {
+  return document.getElementById(id);
+}
+
+function canWrite() {
+  return !!(who && who.write);
 }
 
 function badge(name) {
@@ -24,14 +46,421 @@ async function get(path) {
   return r.json();
 }
 
+// A write: JSON (or `type`: a bundle's own text) in, JSON out, the session's CSRF token in
+// its header.
+async function send(method, path, body, type) {
+  const headers = { accept: "application/json" };
+  if (body !== undefined) headers["content-type"] = type || "application/json";
+  if (who && who.csrf) headers["x-egress-csrf"] = who.csrf;
+  const init = { method, headers };
+  if (body !== undefined) init.body = typeof body === "string" ? body : JSON.stringify(body);
+  const r = await fetch(path, init);
+  let v = null;
+  try {
+    v = await r.json();
+  } catch (_) { /* no body */ }
+  return { ok: r.ok, status: r.status, body: v || {} };
+}
+
 function badgeOf(p) {
   if (!p) return "allowlist";
   if (p.mode === "allow_all" || p.mode === "deny_all") return p.mode;
   return p.enforce === "audit" ? "audit" : "allowlist";
 }
 
+// ---- who is looking: sign in, sign out ----
+
+async function loadSession() {
+  let v = {};
+  let ok = false;
+  try {
+    const r = await fetch("/v1/session", { headers: { accept: "application/json" } });
+    ok = r.ok;
+    v = await r.json();
+  } catch (_) { /* shown below */ }
+  who = ok ? v : null;
+  document.body.classList.toggle("can-write", canWrite());
+  renderAuth(ok ? null : v);
+}
+
+function renderAuth(refusal) {
+  const box = $("auth");
+  box.replaceChildren();
+  if (who && who.via === "session") {
+    box.append(el("span", "signed in as "), el("b", who.name));
+    box.dataset.auth = "session";
+    box.append(button("Sign out", signOut));
+    return;
+  }
+  if (who) {
+    box.dataset.auth = who.via;
+    box.append(el("span", who.write ? "root on the control socket" : "read-only", "muted"));
+    return;
+  }
+  box.dataset.auth = "none";
+  const input = el("input");
+  input.type = "password";
+  input.id = "token";
+  input.placeholder = "console token";
+  input.autocomplete = "off";
+  input.addEventListener("keydown", (e) => {
+    if (e.key === "Enter") signIn();
+  });
+  box.append(input, button("Sign in", signIn));
+  const note = el("span", "", "muted");
+  note.id = "auth-note";
+  if (refusal && refusal.tokens === false) {
+    note.textContent = "no console token exists yet: run `egress-agent console token NAME` as root on the host";
+  } else if (refusal && refusal.read === false) {
+    note.textContent = "sign in to see this host";
+  } else {
+    note.textContent = "sign in to change policies";
+  }
+  box.append(note);
+}
+
+async function signIn() {
+  const token = $("token").value.trim();
+  const r = await send("POST", "/v1/session", { token });
+  if (!r.ok) {
+    $("auth-note").textContent = r.body.error || "sign-in refused (" + r.status + ")";
+    $("auth-note").className = "error";
+    return;
+  }
+  await loadSession();
+  await refresh();
+}
+
+async function signOut() {
+  await send("DELETE", "/v1/session");
+  await loadSession();
+  await refresh();
+}
+
+// ---- the change panel: a diff before anything is written ----
+
+// Show `title`'s dry run (`dry`), and apply it (`apply`) on request. `replay`: the proposed
+// policy `{name, policy}` when the change is a policy's, for "Replay recorded traffic";
+// `type`: the body's content type when it is text (an import).
+async function propose(title, method, dry, apply, body, replay, type) {
+  pending = { method, apply, body, replay, type };
+  const panel = $("change");
+  panel.hidden = false;
+  $("change-title").textContent = title;
+  $("change-note").textContent = "Nothing is written until you apply it. Checking…";
+  $("change-diff").textContent = "";
+  $("change-error").hidden = true;
+  $("change-done").hidden = true;
+  $("change-replay").hidden = true;
+  $("change-replay").replaceChildren();
+  $("change-apply").disabled = true;
+  $("change-replay-run").hidden = !replay;
+  clearFieldErrors();
+  const r = await send(method, dry, body, type);
+  if (!r.ok) {
+    showError(r);
+    $("change-note").textContent = "The agent refused this change; nothing was written.";
+    return;
+  }
+  const diff = r.body.diff || "";
+  $("change-diff").textContent = diff || "(no change)";
+  $("change-note").textContent = r.body.changed === false || !diff
+    ? "This changes nothing."
+    : "The change, as the files will be written (" + (r.body.files || []).join(", ") + "):";
+  $("change-apply").disabled = !diff;
+  panel.scrollIntoView({ block: "start" });
+}
+
+function showError(r) {
+  const e = $("change-error");
+  e.hidden = false;
+  e.dataset.status = String(r.status);
+  const field = r.body.field || "";
+  e.textContent = (r.body.error || "refused (" + r.status + ")");
+  // Next to the editor's field it names (`policies.NAME.allow_hosts[1]` → allow_hosts).
+  const key = field.replace(/^policies\.[^.]+\.?/, "").replace(/[[.].*$/, "");
+  const slot = document.querySelector('.field-error[data-field="' + (key || "name") + '"]');
+  if (slot && !$("editor").hidden) slot.textContent = r.body.error || "";
+}
+
+function clearFieldErrors() {
+  for (const p of document.querySelectorAll(".field-error")) p.textContent = "";
+}
+
+async function applyPending() {
+  if (!pending) return;
+  $("change-apply").disabled = true;
+  const r = await send(pending.method, pending.apply, pending.body, pending.type);
+  if (!r.ok) {
+    showError(r);
+    return;
+  }
+  pending = null;
+  for (const id of ["set-default", "set-unlabeled"]) delete $(id).dataset.dirty;
+  $("change-done").hidden = false;
+  $("change-done").textContent = "Applied: the agent reloaded with it.";
+  $("change-note").textContent = "";
+  $("editor").hidden = true;
+  await refresh();
+}
+
+async function replayPending() {
+  if (!pending || !pending.replay) return;
+  const box = $("change-replay");
+  box.hidden = false;
+  box.replaceChildren(el("p", "replaying the recorded flows…", "muted"));
+  const r = await send("POST", "/v1/replay", pending.replay);
+  box.replaceChildren();
+  if (!r.ok) {
+    box.append(el("p", r.body.error || "replay refused (" + r.status + ")", "error"));
+    return;
+  }
+  const rep = r.body;
+  box.append(el("p", "Recorded under " + (pending.replay.name) + ": " + rep.flows + " flows, " + rep.events + " events."));
+  const t = el("table");
+  t.id = "replay-totals";
+  for (const [bucket, c] of Object.entries(rep.totals || {})) {
+    const tr = el("tr");
+    tr.dataset.bucket = bucket;
+    tr.append(el("td", bucket.replace(/_/g, " ")), el("td", c.flows, "num"), el("td", c.events, "num"));
+    t.append(tr);
+  }
+  box.append(t);
+  const list = el("ul");
+  for (const d of (rep.destinations || []).slice(0, 12)) {
+    list.append(el("li", d.bucket.replace(/_/g, " ") + ": " + (d.host || d.ip || "?") + ":" + d.port + " (" + d.events + " events)"));
+  }
+  box.append(list);
+}
+
+// ---- runtime settings: the global default and the unlabeled policy ----
+
+function renderSettings() {
+  if (!defaults) return;
+  for (const [id, key] of [["set-default", "default_policy"], ["set-unlabeled", "unlabeled"]]) {
+    const s = $(id);
+    const keep = s.value;
+    s.replaceChildren();
+    for (const name of Object.keys(policies)) {
+      const o = el("option", name);
+      o.value = name;
+      s.append(o);
+    }
+    // A choice not yet saved survives the periodic refresh.
+    s.value = s.dataset.dirty && keep ? keep : defaults[key];
+    s.disabled = !canWrite();
+  }
+  $("settings-source").textContent = "Written to " + defaults.file + " (comments and layout kept).";
+}
+
+function settingsChosen() {
+  for (const id of ["set-default", "set-unlabeled"]) $(id).dataset.dirty = "1";
+}
+
+function saveSettings() {
+  const body = { default_policy: $("set-default").value, unlabeled: $("set-unlabeled").value };
+  propose("Runtime settings", "PUT", "/v1/defaults?dry_run=1", "/v1/defaults", body, null);
+}
+
+// ---- policies: list, editor ----
+
+function hostsText(list) {
+  return (list || []).map((h) => (typeof h === "string" ? h : h.host + (h.ports && h.ports.length ? " " + h.ports.join(",") : ""))).join("\n");
+}
+
+function cidrsText(list) {
+  return (list || []).map((c) => (typeof c === "string" ? c : c.cidr + (c.ports && c.ports.length ? " " + c.ports.join(",") : ""))).join("\n");
+}
+
+// `HOST` or `HOST PORT,PORT` per line → the policy's entries (`key`: host or cidr).
+function entries(text, key) {
+  const out = [];
+  for (const line of text.split("\n")) {
+    const [what, ports] = line.trim().split(/\s+/, 2);
+    if (!what) continue;
+    if (!ports) {
+      out.push(what);
+      continue;
+    }
+    const e = {};
+    e[key] = what;
+    e.ports = ports.split(",").map((p) => Number(p.trim()));
+    out.push(e);
+  }
+  return out;
+}
+
+function usersOf(name) {
+  return containers.filter((c) => c.policy === name).map((c) => c.container || c.owner || String(c.cgroup_id));
+}
+
+function renderPolicies(all) {
+  const body = document.querySelector("#policies tbody");
+  body.replaceChildren();
+  for (const [name, p] of Object.entries(all)) {
+    const tr = el("tr");
+    tr.dataset.policy = name;
+    const td = el("td");
+    td.append(badge(badgeOf(p)));
+    const roles = [];
+    if (defaults && defaults.default_policy === name) roles.push("default");
+    if (defaults && defaults.unlabeled === name) roles.push("unlabeled");
+    const hosts = (p.allow_hosts || []).map((h) => (typeof h === "string" ? h : h.host)).slice(0, 6);
+    const cidrs = (p.allow_cidrs || []).map((c) => (typeof c === "string" ? c : c.cidr)).slice(0, 4);
+    const allows = p.mode === "allowlist" || !p.mode ? hosts.concat(cidrs).join(", ") || "nothing" : "";
+    const actions = el("td");
+    if (canWrite()) {
+      actions.append(
+        button("Edit", () => openEditor(name, false)),
+        button("Duplicate", () => openEditor(name, true)),
+        button("Delete", () => propose("Delete policy " + name, "DELETE",
+          "/v1/policies/" + encodeURIComponent(name) + "?dry_run=1", "/v1/policies/" + encodeURIComponent(name), undefined, null)),
+      );
+    }
+    tr.append(el("td", name), td, el("td", roles.join(", ")), el("td", allows), el("td", usersOf(name).join(", ")), actions);
+    body.append(tr);
+  }
+}
+
+async function openEditor(name, duplicate) {
+  let base = {};
+  if (name) {
+    try {
+      base = (await get("/v1/policies/" + encodeURIComponent(name))).policy || {};
+    } catch (_) {
+      base = policies[name] || {};
+    }
+  }
+  editing = { name: duplicate ? "" : name, base };
+  $("editor").hidden = false;
+  $("editor-title").textContent = !name ? "New policy" : duplicate ? "Duplicate of " + name : "Policy " + name;
+  $("ed-name").value = duplicate ? name + "-copy" : name || "";
+  $("ed-name").disabled = !!name && !duplicate;
+  $("ed-mode").value = base.mode || "allowlist";
+  $("ed-enforce").value = base.enforce || "enforce";
+  $("ed-hosts").value = hostsText(base.allow_hosts);
+  $("ed-cidrs").value = cidrsText(base.allow_cidrs);
+  $("ed-ports").value = (base.allow_ports || [80, 443]).join(", ");
+  const other = Object.assign({}, base);
+  for (const k of ["mode", "enforce", "allow_hosts", "allow_cidrs", "allow_ports"]) delete other[k];
+  $("ed-other").textContent = Object.keys(other).length ? JSON.stringify(other, null, 2) : "(none)";
+  clearFieldErrors();
+  $("editor").scrollIntoView({ block: "start" });
+}
+
+function editorBody() {
+  const body = Object.assign({}, editing ? editing.base : {});
+  body.mode = $("ed-mode").value;
+  if ($("ed-enforce").value === "audit") body.enforce = "audit";
+  else delete body.enforce;
+  body.allow_hosts = entries($("ed-hosts").value, "host");
+  body.allow_cidrs = entries($("ed-cidrs").value, "cidr");
+  body.allow_ports = $("ed-ports").value.split(",").map((p) => p.trim()).filter((p) => p).map(Number);
+  return body;
+}
+
+function previewEditor() {
+  const name = $("ed-name").value.trim();
+  const body = editorBody();
+  const path = "/v1/policies/" + encodeURIComponent(name);
+  propose("Policy " + name, "PUT", path + "?dry_run=1", path, body, { name, policy: body });
+}
+
+// ---- denials: each one can become a rule ----
+
+function denialText(ev) {
+  const ctx = ev.context || {};
+  return [ev.container ? ev.container.name : "", ev.policy, ev.host, ev.ip, ev.port, ev.reason, ev.rule,
+    Object.entries(ctx).map(([k, v]) => k + "=" + v).join(" ")].join(" ").toLowerCase();
+}
+
+// Allow this denial's destination for the policy that refused it: its host (with the port
+// when the policy does not allow that port everywhere), or its address as a /32 or /128.
+async function allowDenial(ev) {
+  const name = ev.policy;
+  let base = {};
+  try {
+    base = (await get("/v1/policies/" + encodeURIComponent(name))).policy || {};
+  } catch (e) {
+    $("change").hidden = false;
+    $("change-title").textContent = "Allow " + (ev.host || ev.ip);
+    $("change-note").textContent = "";
+    $("change-diff").textContent = "";
+    $("change-error").hidden = false;
+    $("change-error").textContent = "policy " + name + " could not be read: " + e.message;
+    $("change-apply").disabled = true;
+    return;
+  }
+  const body = Object.assign({}, base);
+  const port = Number(ev.port);
+  const ports = base.allow_ports || [80, 443];
+  let what;
+  if (ev.host) {
+    body.allow_hosts = (base.allow_hosts || []).slice();
+    body.allow_hosts.push(ports.includes(port) ? ev.host : { host: ev.host, ports: [port] });
+    what = ev.host + ":" + port;
+  } else {
+    const cidr = ev.ip.includes(":") ? ev.ip + "/128" : ev.ip + "/32";
+    body.allow_cidrs = (base.allow_cidrs || []).slice();
+    body.allow_cidrs.push({ cidr, ports: [port] });
+    what = cidr + " port " + port;
+  }
+  const path = "/v1/policies/" + encodeURIComponent(name);
+  propose("Allow " + what + " for policy " + name, "PUT", path + "?dry_run=1", path, body, { name, policy: body });
+}
+
+function denialRow(ev, fresh) {
+  const tr = el("tr", null, fresh ? "fresh" : "");
+  tr.dataset.reason = ev.reason || "";
+  const dest = (ev.host || ev.ip || "?") + ":" + ev.port;
+  tr.dataset.destination = dest;
+  tr.dataset.text = denialText(ev);
+  const ctx = ev.context || {};
+  // A pod's events name it `namespace/pod`, and the container when the kernel knew it.
+  let name = ev.container ? ev.container.name : ctx.exec || "-";
+  if (ctx["k8s.container.name"]) name += " (" + ctx["k8s.container.name"] + ")";
+  const t = (ev.time || "").replace("T", " ").replace(/\.\d+Z$/, "Z");
+  const action = el("td");
+  // Only a policy the agent has by name can take a rule (not an inline label policy).
+  if (canWrite() && ev.policy && policies[ev.policy] && ev.verdict !== "allow") {
+    action.append(button("Allow", () => allowDenial(ev), "allow"));
+  }
+  tr.append(el("td", t), el("td", name), el("td", ev.policy), el("td", dest), el("td", ev.verdict || "deny"), el("td", ev.reason), el("td", ev.rule || "-"), action);
+  return tr;
+}
+
+let recent = [];
+
+function addDenial(ev, fresh) {
+  recent.unshift({ ev, fresh });
+  recent = recent.slice(0, MAX_DENIALS);
+  const body = document.querySelector("#denials tbody");
+  const tr = denialRow(ev, fresh);
+  tr.hidden = !matchesFilter(tr);
+  body.prepend(tr);
+  while (body.children.length > MAX_DENIALS) body.lastElementChild.remove();
+  $("denials-empty").hidden = true;
+}
+
+function renderDenials() {
+  const body = document.querySelector("#denials tbody");
+  body.replaceChildren();
+  for (const { ev, fresh } of recent) {
+    const tr = denialRow(ev, fresh);
+    tr.hidden = !matchesFilter(tr);
+    body.append(tr);
+  }
+}
+
+function matchesFilter(tr) {
+  const f = $("denials-filter").value.trim().toLowerCase();
+  return !f || f.split(/\s+/).every((w) => tr.dataset.text.includes(w));
+}
+
+// ---- the rest: summary, containers, changes, doctor ----
+
 function renderSummary(s) {
-  const box = document.getElementById("summary");
+  const box = $("summary");
   box.replaceChildren();
   const items = [
     ["version", s.version],
@@ -64,7 +493,7 @@ function renderSummary(s) {
 function renderContainers(list) {
   const body = document.querySelector("#containers tbody");
   body.replaceChildren();
-  // Docker containers and Kubernetes pods (`kind`: docker | pod; a pod is `namespace/name`).
+  // Docker containers, Kubernetes pods (`namespace/name`) and exec commands (`exec:PID`).
   const rows = (Array.isArray(list) ? list : []).filter((c) => c.container);
   for (const c of rows) {
     const name = c.container;
@@ -72,59 +501,42 @@ function renderContainers(list) {
     tr.dataset.container = name;
     tr.dataset.kind = c.kind || "";
     const badgeName = c.badge || badgeOf(policies[c.policy]);
-    tr.append(el("td", name), el("td", c.kind === "pod" ? "pod" : "container"), el("td", c.policy || "-"));
+    const kind = c.kind === "pod" || c.kind === "exec" ? c.kind : "container";
+    const policy = el("td", c.policy || "-");
+    // Where its policy came from: label, annotation, default, namespace default, unlabeled…
+    if (c.source) policy.append(el("span", " (" + c.source + ")", "muted"));
+    tr.append(el("td", name), el("td", kind), policy);
     const td = el("td");
     td.append(badge(badgeName));
     tr.append(td, el("td", c.allowed, "num"), el("td", c.denied, "num"), el("td", c.proxied, "num"));
     body.append(tr);
   }
-  document.getElementById("containers-empty").hidden = rows.length > 0;
+  $("containers-empty").hidden = rows.length > 0;
 }
 
-function renderPolicies(all, defaults) {
-  const body = document.querySelector("#policies tbody");
+function renderChanges(list) {
+  const body = document.querySelector("#changes tbody");
   body.replaceChildren();
-  for (const [name, p] of Object.entries(all)) {
+  for (const c of (Array.isArray(list) ? list : []).slice().reverse()) {
     const tr = el("tr");
-    tr.dataset.policy = name;
-    const td = el("td");
-    td.append(badge(badgeOf(p)));
-    const roles = [];
-    if (defaults && defaults.default_policy === name) roles.push("default");
-    if (defaults && defaults.unlabeled === name) roles.push("unlabeled");
-    const hosts = (p.allow_hosts || []).map((h) => (typeof h === "string" ? h : h.host)).slice(0, 6);
-    const cidrs = (p.allow_cidrs || []).map((c) => (typeof c === "string" ? c : c.cidr)).slice(0, 4);
-    const allows = p.mode === "allowlist" ? hosts.concat(cidrs).join(", ") || "nothing" : "";
-    tr.append(el("td", name), td, el("td", roles.join(", ")), el("td", allows));
+    tr.dataset.change = String(c.id);
+    const whoText = c.identity || "uid " + c.uid;
+    const diff = el("td");
+    if (c.diff) {
+      const d = el("details");
+      d.append(el("summary", "diff"), el("pre", c.diff, "diff"));
+      diff.append(d);
+    }
+    tr.append(el("td", (c.time || "").replace("T", " ").replace(/\.\d+Z$/, "Z")), el("td", whoText), el("td", c.action), el("td", c.target), el("td", c.result), diff);
     body.append(tr);
   }
-}
-
-function denialRow(ev, fresh) {
-  const tr = el("tr", null, fresh ? "fresh" : "");
-  tr.dataset.reason = ev.reason || "";
-  const dest = (ev.host || ev.ip || "?") + ":" + ev.port;
-  const ctx = ev.context || {};
-  // A pod's events name it `namespace/pod`, and the container when the kernel knew it.
-  let who = ev.container ? ev.container.name : ctx.exec || "-";
-  if (ctx["k8s.container.name"]) who += " (" + ctx["k8s.container.name"] + ")";
-  const t = (ev.time || "").replace("T", " ").replace(/\.\d+Z$/, "Z");
-  tr.append(el("td", t), el("td", who), el("td", ev.policy), el("td", dest), el("td", ev.verdict || "deny"), el("td", ev.reason), el("td", ev.rule || "-"));
-  return tr;
-}
-
-function addDenial(ev, fresh) {
-  const body = document.querySelector("#denials tbody");
-  body.prepend(denialRow(ev, fresh));
-  while (body.children.length > MAX_DENIALS) body.lastElementChild.remove();
-  document.getElementById("denials-empty").hidden = true;
 }
 
 let proxyCheck = null;
 
 // Whether the proxy is up: the doctor's `proxy.listening` probe.
 function renderProxyState() {
-  const p = document.getElementById("proxy-state");
+  const p = $("proxy-state");
   if (!p || !proxyCheck) return;
   const up = proxyCheck.status === "pass";
   p.textContent = up ? "proxy up" : "proxy " + proxyCheck.status + ": " + proxyCheck.summary;
@@ -146,18 +558,37 @@ function renderDoctor(checks) {
 
 async function refresh() {
   try {
-    const [status, pols, defaults] = await Promise.all([get("/v1/status"), get("/v1/policies"), get("/v1/defaults").catch(() => null)]);
+    const [status, pols, defs] = await Promise.all([get("/v1/status"), get("/v1/policies"), get("/v1/defaults").catch(() => null)]);
     policies = pols;
+    defaults = defs;
+    containers = await get("/v1/containers");
     renderSummary(status);
-    renderPolicies(pols, defaults);
-    renderContainers(await get("/v1/containers"));
+    renderPolicies(pols);
+    renderContainers(containers);
+    renderSettings();
+    renderDenials();
+    get("/v1/changes?n=20").then(renderChanges).catch(() => {});
   } catch (e) {
-    document.getElementById("summary").textContent = "the daemon did not answer: " + e.message;
+    $("summary").textContent = who || !e.message.endsWith("401")
+      ? "the daemon did not answer: " + e.message
+      : "sign in to see this host";
   }
 }
 
+async function importFile() {
+  const f = $("import-file").files[0];
+  if (!f) return;
+  const text = await f.text();
+  const prune = $("import-prune").checked;
+  const type = f.name.endsWith(".json") ? "application/json" : "application/toml";
+  $("import-file").value = "";
+  // The import's dry run is the plain POST; `apply=1` writes.
+  propose("Import " + f.name, "POST", "/v1/import" + (prune ? "?prune=1" : ""),
+    "/v1/import?apply=1" + (prune ? "&prune=1" : ""), text, null, type);
+}
+
 function live() {
-  const badgeEl = document.getElementById("live");
+  const badgeEl = $("live");
   const src = new EventSource("/v1/events/sse");
   src.onopen = () => { badgeEl.className = "live-on"; };
   src.onerror = () => { badgeEl.className = "live-off"; };
@@ -171,6 +602,20 @@ function live() {
 }
 
 async function start() {
+  $("change-apply").addEventListener("click", applyPending);
+  $("change-replay-run").addEventListener("click", replayPending);
+  $("change-cancel").addEventListener("click", () => { pending = null; $("change").hidden = true; });
+  $("set-save").addEventListener("click", saveSettings);
+  $("set-default").addEventListener("change", settingsChosen);
+  $("set-unlabeled").addEventListener("change", settingsChosen);
+  $("policy-new").addEventListener("click", () => openEditor(null, false));
+  $("ed-preview").addEventListener("click", previewEditor);
+  $("ed-close").addEventListener("click", () => { $("editor").hidden = true; });
+  $("denials-filter").addEventListener("input", () => {
+    for (const tr of document.querySelectorAll("#denials tbody tr")) tr.hidden = !matchesFilter(tr);
+  });
+  $("import-file").addEventListener("change", importFile);
+  await loadSession();
   await refresh();
   try {
     for (const ev of await get("/v1/events?n=" + MAX_DENIALS)) addDenial(ev, false);

@@ -29,6 +29,9 @@ struct DirInner {
 pub struct DirEntry {
     pub container: ContainerRef,
     pub policy: String,
+    /// Where the policy came from: `label`, `annotation`, `default`, `namespace default`,
+    /// `unlabeled`, `inline`, `exec --policy`, `fail-closed` (the console shows it).
+    pub source: String,
     pub context: BTreeMap<String, String>,
 }
 
@@ -144,6 +147,7 @@ mod tests {
 
     fn entry(name: &str) -> DirEntry {
         DirEntry {
+            source: "label".to_owned(),
             container: ContainerRef {
                 id: format!("{name}-id"),
                 name: name.to_owned(),

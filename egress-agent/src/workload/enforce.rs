@@ -200,7 +200,7 @@ impl Enforcer {
         self.entries.write_self(id)?;
         self.entries.record(
             id,
-            egress_policy::ALLOW_ALL,
+            (egress_policy::ALLOW_ALL, "the agent itself".to_owned()),
             ContainerRef {
                 id: format!("pid:{}", std::process::id()),
                 name: "egress-agent".to_owned(),
@@ -512,7 +512,7 @@ impl Enforcer {
             "container enforced");
         self.entries.record(
             id,
-            &written_name,
+            (&written_name, source_of(info, &resolved.source)),
             container_ref(info),
             resolved.context.clone(),
         );
@@ -851,5 +851,17 @@ fn container_ref(info: &ContainerInfo) -> ContainerRef {
     ContainerRef {
         id: info.id.clone(),
         name: info.name.clone(),
+    }
+}
+
+/// Where a workload's policy came from, as the console shows it: a pod's policy label is an
+/// annotation, a command's is `exec --policy`.
+fn source_of(info: &ContainerInfo, source: &crate::workload::labels::Source) -> String {
+    use crate::workload::labels::Source;
+    match source {
+        Source::Named if info.pod.is_some() => "annotation".to_owned(),
+        Source::Named if info.id.starts_with("exec:") => "exec --policy".to_owned(),
+        Source::Invalid(_) => "invalid labels (deny_all)".to_owned(),
+        other => other.to_string(),
     }
 }

@@ -174,7 +174,7 @@ impl Entries {
     pub fn record(
         &mut self,
         cgroup_id: u64,
-        policy: &str,
+        (policy, source): (&str, String),
         container: ContainerRef,
         context: std::collections::BTreeMap<String, String>,
     ) {
@@ -195,6 +195,7 @@ impl Entries {
             DirEntry {
                 container,
                 policy: policy.to_owned(),
+                source,
                 context,
             },
         );
@@ -207,7 +208,12 @@ impl Entries {
         container: ContainerRef,
         context: std::collections::BTreeMap<String, String>,
     ) {
-        self.record(cgroup_id, DENY_ALL, container, context);
+        self.record(
+            cgroup_id,
+            (DENY_ALL, "fail-closed".to_owned()),
+            container,
+            context,
+        );
     }
 
     /// Remove the entries of cgroups that no longer exist (anywhere in the hierarchy).

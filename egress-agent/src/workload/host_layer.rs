@@ -34,11 +34,20 @@ pub trait RulesetWriter: Send + Sync + 'static {
 pub struct HostTables {
     direct: Arc<nft::DirectSets>,
     parts: std::sync::Mutex<BTreeMap<&'static str, nft::Ruleset>>,
+    /// [`nft::Ruleset::agent_ports`], set by the daemon before any runtime writes.
+    agent_ports: std::sync::Mutex<std::collections::BTreeSet<u16>>,
 }
 
 impl HostTables {
     pub fn new() -> HostTables {
         HostTables::default()
+    }
+
+    /// The TCP ports of the agent's own services (console, metrics): every write drops enforced
+    /// workloads' packets to them ([`nft::Ruleset::agent_ports`]).
+    pub fn agent_services(&self, ports: impl IntoIterator<Item = u16>) {
+        let mut p = self.agent_ports.lock().unwrap_or_else(|p| p.into_inner());
+        p.extend(ports);
     }
 
     /// The direct-port sets every runtime's DNS answers fill.
@@ -60,7 +69,12 @@ impl HostTables {
         // One writer at a time: the union must not interleave with another runtime's write.
         let mut parts = self.parts.lock().unwrap_or_else(|p| p.into_inner());
         let previous = parts.insert(runtime, part.clone());
-        let merged = merge(part.proxy_ip, parts.values());
+        let mut merged = merge(part.proxy_ip, parts.values());
+        merged.agent_ports = self
+            .agent_ports
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone();
         let written = merged.apply(&self.direct);
         if written.is_err() {
             match previous {

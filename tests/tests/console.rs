@@ -1,0 +1,344 @@
+//! The operator console (#35) in headless Chromium against the real daemon with a real
+//! container, root only. The console listens on the Docker network's gateway address — a
+//! non-loopback address an operator chose — and:
+//! - a confined container reaches nothing there: not with its own policy (the kernel refuses),
+//!   not with a policy whose `allow_cidrs` covers that address (the host layer drops it); the
+//!   console's connection counter does not move;
+//! - the page asks for a token (made by `egress-agent console token`); a write without a login,
+//!   and one with the session but without its CSRF token, are refused from the page itself;
+//! - a denial of the running container becomes a rule from the page: the diff is shown before
+//!   anything is written, the replay of the recorded traffic counts the denials the store holds,
+//!   applying it lets the container through, and the change is recorded with the operator;
+//! - the policy editor refuses a bad host next to its field (nothing written), creates a policy,
+//!   the global default is changed from the settings form, an edit turns the container's badge
+//!   to `audit`, and a bad import is refused naming its field.
+//!
+//! With `EGRESS_CONSOLE_SCREENSHOTS=DIR` it saves a screenshot of each screen there
+//! (docs/console-*.png).
+use std::process::Command;
+use std::time::Duration;
+
+use egress_tests::browser::{Browser, container_row};
+use egress_tests::docker::{Env, GATEWAY, SERIAL, UPSTREAM_IP, proxied_get, require_root};
+use serde_json::Value;
+
+const UI_PORT: u16 = 18182;
+
+fn lock() -> std::sync::MutexGuard<'static, ()> {
+    SERIAL.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// `curl --unix-socket` against the daemon: the body, parsed.
+fn api(env: &Env, path: &str) -> Value {
+    let out = Command::new("curl")
+        .args(["-s", "--unix-socket"])
+        .arg(env.api_socket())
+        .arg(format!("http://egress-agent{path}"))
+        .output()
+        .expect("curl");
+    serde_json::from_slice(&out.stdout).unwrap_or(Value::Null)
+}
+
+fn connections(env: &Env) -> u64 {
+    api(env, "/v1/status")["console"]["connections"]
+        .as_u64()
+        .expect("console.connections in /v1/status")
+}
+
+fn shot(b: &mut Browser, name: &str) {
+    if let Ok(dir) = std::env::var("EGRESS_CONSOLE_SCREENSHOTS") {
+        let path = format!("{dir}/console-{name}.png");
+        b.ask(&format!("shot {path}"));
+        eprintln!("screenshot: {path}");
+    }
+}
+
+/// Click the element `selector` names.
+fn click(b: &mut Browser, selector: &str) {
+    let js = format!(
+        "(() => {{ const e = document.querySelector({selector:?}); if (!e) throw new Error('no ' + {selector:?}); e.click(); return true; }})()"
+    );
+    b.eval(&js);
+}
+
+fn set_value(b: &mut Browser, id: &str, value: &str) {
+    b.eval(&format!(
+        "(() => {{ const e = document.getElementById({id:?}); e.value = {value:?}; e.dispatchEvent(new Event('input')); return true; }})()"
+    ));
+}
+
+fn text_of(b: &mut Browser, id: &str) -> String {
+    b.eval(&format!("document.getElementById({id:?}).textContent"))
+        .as_str()
+        .unwrap_or_default()
+        .to_owned()
+}
+
+#[test]
+fn the_console_turns_a_denial_into_a_rule_after_login() {
+    if !require_root() {
+        return;
+    }
+    if Command::new("chromium").arg("--version").output().is_err() {
+        panic!("chromium is not installed (cargo xtask setup installs it)");
+    }
+    let _l = lock();
+    let mut env = Env::new(&[]);
+    let ui = format!("{GATEWAY}:{UI_PORT}");
+    let dir = env.dir.join("policies.d");
+    std::fs::create_dir_all(&dir).expect("policies.d");
+    std::fs::write(
+        dir.join("web.toml"),
+        format!("allow_hosts = [\"allowed.test\"]\nallow_ports = [8080]\nallow_cidrs = [\"{UPSTREAM_IP}/32\"]\n"),
+    )
+    .expect("web.toml");
+    env.write_config(&env.config_text(&format!(
+        "[policies.canary]\nallow_cidrs = [\"{GATEWAY}/32\"]\n[api]\nui_listen = \"{ui}\"\n"
+    )));
+    env.kill_agent();
+    env.start_agent();
+    assert!(
+        env.log().contains("plain HTTP on a non-loopback address"),
+        "the non-loopback console is warned about:\n{}",
+        env.log()
+    );
+
+    // A token, made as an operator would.
+    let o = Command::new(env.agent_bin())
+        .args(["console", "token", "ops", "--config"])
+        .arg(env.config_path())
+        .output()
+        .expect("console token");
+    let token = String::from_utf8_lossy(&o.stdout).trim().to_owned();
+    assert!(
+        o.status.success() && token.starts_with("egc_"),
+        "{token} {}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+
+    env.run_labelled("web-1", &["egress.policy=web"]);
+    env.run_labelled("cidr-1", &["egress.policy=canary"]);
+
+    // Confined containers get nothing at the console's address, whatever their policy allows.
+    let before = connections(&env);
+    for name in ["web-1", "cidr-1"] {
+        let out = env.exec_out(
+            name,
+            &format!(
+                "(printf 'GET /v1/status HTTP/1.1\\r\\nHost: {ui}\\r\\n\\r\\n'; sleep 1) | nc -w 3 {GATEWAY} {UI_PORT}; echo rc=$?"
+            ),
+        );
+        assert!(
+            !out.contains("HTTP/1.1"),
+            "{name} reached the console: {out}"
+        );
+    }
+    assert_eq!(
+        connections(&env),
+        before,
+        "a confined container's connection arrived at the console"
+    );
+
+    // Two denials the store will hold.
+    for _ in 0..2 {
+        let out = env.exec_out("web-1", &proxied_get("denied.test", 8080));
+        assert!(out.contains("host-not-allowed"), "{out}");
+    }
+    let stored = |env: &Env| {
+        api(env, "/v1/denials?policy=web")
+            .as_array()
+            .map(|a| a.iter().filter(|e| e["host"] == "denied.test").count())
+            .unwrap_or(0)
+    };
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    while stored(&env) < 2 {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the store never held the two denials"
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
+
+    let profile = env.dir.join("chromium-console");
+    let mut b = Browser::open(&env.d.netns.path(), &format!("http://{ui}/ui/"), profile);
+    b.wait_true(
+        "the sign-in form",
+        "document.getElementById('auth').dataset.auth === 'none'",
+    );
+    shot(&mut b, "signin");
+    // A write from the page without a login: refused.
+    let put = "fetch('/v1/policies/web', {method: 'PUT', headers: {'content-type': 'application/json'}, body: JSON.stringify({allow_hosts: ['x.test']})}).then(r => r.status)";
+    assert_eq!(b.eval(put), Value::from(401));
+    // A wrong token: refused, and the form says so.
+    set_value(&mut b, "token", "egc_wrong");
+    click(&mut b, "#auth button");
+    b.wait_true(
+        "the refused sign-in",
+        "document.getElementById('auth-note').className === 'error'",
+    );
+    set_value(&mut b, "token", &token);
+    click(&mut b, "#auth button");
+    b.wait_true(
+        "signed in",
+        "document.getElementById('auth').dataset.auth === 'session'",
+    );
+    // Each workload with its policy and where that came from.
+    let dom = b.wait_dom("web-1 with its policy's source", |d| {
+        container_row(d, "web-1").is_some_and(|r| r.contains("(label)"))
+    });
+    assert!(
+        container_row(&dom, "cidr-1").is_some_and(|r| r.contains("canary")),
+        "{dom}"
+    );
+    // The session's cookie alone does not make a write: the CSRF token is missing.
+    assert_eq!(b.eval(put), Value::from(403));
+    assert!(!dir.join("x.toml").exists());
+
+    // From denial to rule: the diff first, the replay, then apply.
+    b.wait_true(
+        "an Allow action on the denial",
+        "!!document.querySelector('tr[data-destination=\"denied.test:8080\"] button.allow')",
+    );
+    click(
+        &mut b,
+        "tr[data-destination=\"denied.test:8080\"] button.allow",
+    );
+    b.wait_true(
+        "the diff",
+        "document.getElementById('change-diff').textContent.includes('denied.test')",
+    );
+    let diff = text_of(&mut b, "change-diff");
+    assert!(
+        diff.lines()
+            .any(|l| l.starts_with('+') && l.contains("denied.test")),
+        "{diff}"
+    );
+    assert!(
+        std::fs::read_to_string(dir.join("web.toml"))
+            .expect("web.toml")
+            .contains("allowed.test")
+            && !std::fs::read_to_string(dir.join("web.toml"))
+                .expect("web.toml")
+                .contains("denied.test"),
+        "nothing is written before Apply"
+    );
+    click(&mut b, "#change-replay-run");
+    b.wait_true(
+        "the replay's totals",
+        "!!document.querySelector('#replay-totals tr[data-bucket=\"newly_allowed\"]')",
+    );
+    let newly = b.eval(
+        "Number(document.querySelector('#replay-totals tr[data-bucket=\"newly_allowed\"]').children[2].textContent)",
+    );
+    assert_eq!(
+        newly,
+        Value::from(stored(&env) as u64),
+        "the replay counts the denials the store holds"
+    );
+    shot(&mut b, "denial-to-rule");
+    click(&mut b, "#change-apply");
+    b.wait_true("applied", "!document.getElementById('change-done').hidden");
+    let out = env.exec_out("web-1", &proxied_get("denied.test", 8080));
+    assert!(out.contains("hello-upstream"), "allowed after Apply: {out}");
+    let changes = api(&env, "/v1/changes");
+    let last = changes
+        .as_array()
+        .and_then(|a| a.last())
+        .cloned()
+        .unwrap_or_default();
+    assert_eq!(last["identity"], "console:ops", "{changes}");
+    assert!(
+        last["diff"].as_str().unwrap_or("").contains("denied.test"),
+        "{last}"
+    );
+    b.wait_true(
+        "the change in the page's list",
+        "document.getElementById('changes').textContent.includes('console:ops')",
+    );
+
+    // The editor: a bad host is refused next to its field, nothing written; then a policy.
+    click(&mut b, "#policy-new");
+    set_value(&mut b, "ed-name", "tight");
+    set_value(&mut b, "ed-hosts", "allowed.test\n*bad*host");
+    set_value(&mut b, "ed-ports", "8080");
+    click(&mut b, "#ed-preview");
+    b.wait_true(
+        "the field's error",
+        "document.querySelector('.field-error[data-field=\"allow_hosts\"]').textContent.length > 0",
+    );
+    shot(&mut b, "editor-error");
+    assert!(
+        !dir.join("tight.toml").exists(),
+        "a refused policy wrote nothing"
+    );
+    set_value(&mut b, "ed-hosts", "allowed.test\nmirror.test 8443");
+    click(&mut b, "#ed-preview");
+    b.wait_true(
+        "the new policy's diff",
+        "document.getElementById('change-diff').textContent.includes('mirror.test')",
+    );
+    click(&mut b, "#change-apply");
+    b.wait_true(
+        "the new policy in the list",
+        "!!document.querySelector('tr[data-policy=\"tight\"]')",
+    );
+    let written = std::fs::read_to_string(dir.join("tight.toml")).expect("tight.toml");
+    assert!(
+        written.contains("mirror.test") && written.contains("8443"),
+        "{written}"
+    );
+
+    // The global default, from the settings form.
+    b.eval("(() => { const s = document.getElementById('set-default'); s.value = 'tight'; s.dispatchEvent(new Event('change')); return true; })()");
+    click(&mut b, "#set-save");
+    b.wait_true(
+        "the defaults' diff",
+        "document.getElementById('change-diff').textContent.includes('tight')",
+    );
+    click(&mut b, "#change-apply");
+    b.wait_true(
+        "tight as the default",
+        "document.querySelector('tr[data-policy=\"tight\"]').children[2].textContent.includes('default')",
+    );
+    assert_eq!(api(&env, "/v1/defaults")["default_policy"], "tight");
+
+    // An edit changes the running container's badge.
+    b.wait_true(
+        "web's Edit button",
+        "!!document.querySelector('tr[data-policy=\"web\"] button')",
+    );
+    click(&mut b, "tr[data-policy=\"web\"] button");
+    b.wait_true(
+        "the editor on web",
+        "document.getElementById('ed-name').value === 'web'",
+    );
+    b.eval("(() => { document.getElementById('ed-enforce').value = 'audit'; return true; })()");
+    click(&mut b, "#ed-preview");
+    b.wait_true(
+        "the audit diff",
+        "document.getElementById('change-diff').textContent.includes('audit')",
+    );
+    click(&mut b, "#change-apply");
+    let dom = b.wait_dom("web-1 in audit", |d| {
+        container_row(d, "web-1").is_some_and(|r| r.contains("data-badge=\"audit\""))
+    });
+    assert!(dom.contains("data-badge=\"audit\""));
+
+    // A bad import is refused, naming the field; nothing changes.
+    let policies_before = api(&env, "/v1/policies");
+    b.eval(
+        "(() => { const dt = new DataTransfer(); dt.items.add(new File(['[policies.imp]\\nallow_hosts = [\"a.test\", \"*x*\"]\\n'], 'bad.toml')); const i = document.getElementById('import-file'); i.files = dt.files; i.dispatchEvent(new Event('change')); return true; })()",
+    );
+    b.wait_true(
+        "the import's refusal",
+        "!document.getElementById('change-error').hidden && document.getElementById('change-error').textContent.includes('allow_hosts')",
+    );
+    shot(&mut b, "import-refused");
+    assert_eq!(
+        api(&env, "/v1/policies"),
+        policies_before,
+        "nothing changed"
+    );
+    assert!(!dir.join("imp.toml").exists());
+    drop(b);
+}
