@@ -26,6 +26,15 @@ const GOLDEN: &[&str] = &[
     "containerd.pod_annotations",
     "proxy.interception",
     "workloads.secrets",
+    "host.ssh_password_auth",
+    "host.ssh_root_login",
+    "host.fail2ban",
+    "host.tailscale",
+    "host.firewalld",
+    "host.ufw",
+    "docker.seccomp",
+    "docker.userns",
+    "docker.rootless",
 ];
 
 #[test]
@@ -33,22 +42,26 @@ fn probe_ids_are_the_golden_list() {
     assert_eq!(PROBE_IDS, GOLDEN);
 }
 
-#[test]
-fn json_has_the_documented_shape() {
-    // A host with nothing: every file missing, no tools, no Docker, no netlink.
+/// A host with nothing: every file missing, no tools, no Docker, no netlink.
+fn empty_host_report() -> doctor::Report {
     let root = std::env::temp_dir().join("egress-doctor-schema-nonexistent");
     let opts = Options {
         paths: HostPaths::under(&root, "0.0.0"),
         pin_dir: root.join("bpf/egress-agent"),
         docker_socket: root.join("docker.sock"),
         docker_daemon_json: root.join("daemon.json"),
+        sshd_config: root.join("sshd_config"),
         tool_path: Some("".into()),
         netlink: false,
         deadline: Duration::from_secs(5),
         ..Options::default()
     };
-    let report = doctor::run(opts);
-    let v: serde_json::Value = serde_json::from_str(&report.to_json()).expect("valid JSON");
+    doctor::run(opts)
+}
+
+/// The stable array: one object per probe, in GOLDEN order, with exactly the documented fields.
+#[track_caller]
+fn assert_stable_array(v: &serde_json::Value) {
     let arr = v.as_array().expect("top level is an array");
     assert_eq!(arr.len(), GOLDEN.len());
     for (obj, id) in arr.iter().zip(GOLDEN) {
@@ -66,4 +79,11 @@ fn json_has_the_documented_shape() {
             assert!(o["fix"].is_string(), "{obj}");
         }
     }
+}
+
+#[test]
+fn json_has_the_documented_shape() {
+    let report = empty_host_report();
+    let v: serde_json::Value = serde_json::from_str(&report.to_json()).expect("valid JSON");
+    assert_stable_array(&v);
 }
