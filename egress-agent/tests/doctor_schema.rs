@@ -86,4 +86,41 @@ fn json_has_the_documented_shape() {
     let report = empty_host_report();
     let v: serde_json::Value = serde_json::from_str(&report.to_json()).expect("valid JSON");
     assert_stable_array(&v);
+    assert_eq!(report.to_json_with(None), report.to_json());
+}
+
+#[test]
+fn json_with_a_baseline_wraps_the_same_array() {
+    let report = empty_host_report();
+    let verdict = doctor::baseline::get("minimal")
+        .expect("minimal baseline")
+        .judge(&report);
+    let v: serde_json::Value =
+        serde_json::from_str(&report.to_json_with(Some(&verdict))).expect("valid JSON");
+    let o = v.as_object().expect("top level is an object");
+    let mut keys: Vec<&str> = o.keys().map(String::as_str).collect();
+    keys.sort_unstable();
+    assert_eq!(keys, ["baseline", "checks"]);
+    assert_stable_array(&o["checks"]);
+    let plain: serde_json::Value = serde_json::from_str(&report.to_json()).expect("valid JSON");
+    assert_eq!(o["checks"], plain);
+
+    let b = o["baseline"].as_object().expect("baseline is an object");
+    let mut keys: Vec<&str> = b.keys().map(String::as_str).collect();
+    keys.sort_unstable();
+    assert_eq!(keys, ["met", "missing", "name", "required"]);
+    assert_eq!(b["name"], "minimal");
+    // Nothing is there: the baseline is missed, each miss an {id, status}.
+    assert_eq!(b["met"], false);
+    assert!(b["required"].as_u64().is_some_and(|n| n > 0));
+    let missing = b["missing"].as_array().expect("missing is an array");
+    assert!(!missing.is_empty());
+    for m in missing {
+        let m = m.as_object().expect("a miss is an object");
+        let mut keys: Vec<&str> = m.keys().map(String::as_str).collect();
+        keys.sort_unstable();
+        assert_eq!(keys, ["id", "status"]);
+        assert!(GOLDEN.contains(&m["id"].as_str().expect("id")));
+        assert_ne!(m["status"], "pass");
+    }
 }

@@ -19,6 +19,8 @@
 //! - `sshd_config` + `ssh`: sshd's effective configuration and the SSH probes.
 //! - `perimeter`: fail2ban, firewalld and ufw through their clients.
 //! - `tailscale`: Tailscale up, and SSH reachable only over it.
+//! - `baseline`: the `--baseline` tables (which probes must pass) and their verdict.
+//! - `view`: the text report (gaps only or all, the summary line).
 //!
 //! # JSON output (stable)
 //! `egress-agent doctor --json` prints one JSON array, one object per probe, in the order of
@@ -31,8 +33,17 @@
 //! - `summary` (string): one line, what was found.
 //! - `fix` (string or null): one line, what to do; `null` when the status is `pass`.
 //!
-//! The exit status is non-zero ([`Report::exit_code`]) if any probe failed.
+//! With `--baseline <name>` the document is an object instead, the array unchanged under `checks`:
+//! ```json
+//! {"baseline": {"name": "standard", "met": false, "required": 14,
+//!               "missing": [{"id": "host.fail2ban", "status": "skip"}]},
+//!  "checks": [{"id": "kernel.cgroup2", "status": "pass", "summary": "...", "fix": null}]}
+//! ```
+//!
+//! The exit status is non-zero ([`Report::exit_code`]) if any probe failed (`--exit-zero`: always 0);
+//! a missed baseline does not change it.
 
+pub mod baseline;
 mod containerd;
 mod docker;
 mod docker_security;
@@ -47,6 +58,7 @@ mod ssh;
 mod sshd_config;
 mod tailscale;
 mod tool;
+mod view;
 pub mod workloads;
 
 use std::ffi::OsString;
@@ -62,6 +74,7 @@ use tokio::sync::OnceCell;
 use tokio::task::JoinSet;
 
 pub use host::HostPaths;
+pub use view::TextView;
 
 /// Outcome of one probe.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Serialize)]
@@ -116,38 +129,25 @@ impl Report {
         s
     }
 
-    /// Human-readable output: one line per probe, the fix indented below it, then a tally.
-    pub fn to_text(&self) -> String {
-        let mut out = String::new();
-        for c in &self.checks {
-            out.push_str(&format!(
-                "[{:<4}] {:<24} {}\n",
-                c.status.as_str(),
-                c.id,
-                c.summary
-            ));
-            if let Some(fix) = &c.fix {
-                out.push_str(&format!("       {:<24} fix: {}\n", "", fix));
-            }
-        }
-        let count = |s| self.checks.iter().filter(|c| c.status == s).count();
-        out.push_str(&format!(
-            "{} pass, {} warn, {} fail, {} skip\n",
-            count(Status::Pass),
-            count(Status::Warn),
-            count(Status::Fail),
-            count(Status::Skip)
-        ));
-        out
+    /// The JSON document with a baseline verdict: `{"baseline": <verdict>, "checks": <the
+    /// stable array>}` (see the module docs); without a verdict, [`Report::to_json`].
+    pub fn to_json_with(&self, verdict: Option<&baseline::Verdict>) -> String {
+        let Some(verdict) = verdict else {
+            return self.to_json();
+        };
+        let doc = serde_json::json!({ "baseline": verdict, "checks": self.checks });
+        let mut s = serde_json::to_string_pretty(&doc).unwrap_or_else(|_| "{}".into());
+        s.push('\n');
+        s
     }
 
-    /// Print the report to stdout (`json` selects the stable JSON form).
-    pub fn print(&self, json: bool) {
-        if json {
-            print!("{}", self.to_json());
-        } else {
-            print!("{}", self.to_text());
-        }
+    /// Human-readable output: one line per probe, the fix indented below it, then a tally
+    /// (every probe, no baseline; see [`Report::render_text`] for the other views).
+    pub fn to_text(&self) -> String {
+        self.render_text(&TextView {
+            all: true,
+            ..TextView::default()
+        })
     }
 }
 
