@@ -459,8 +459,7 @@ pub async fn run(opts: RunOptions) -> Result<()> {
     report_unavailable(&config, None, &events);
     if let Some(addr) = opts.metrics {
         let (listener, held) =
-            metrics::bind_handed(addr, opts.metrics_allow_non_loopback, &sockets)
-                .with_context(|| format!("metrics listener on {addr}"))?;
+            metrics::bind_handed(addr, opts.metrics_allow_non_loopback, &sockets)?;
         let m = metrics.clone();
         agent.spawn("metrics", |stop| async move {
             metrics::serve(listener, m, stop.cancelled_owned()).await;

@@ -37,6 +37,9 @@ pub enum BindError {
         #[source]
         source: io::Error,
     },
+    /// The cause is the source (printed after `: ` by `{:#}`), not repeated in the message.
+    #[error("cannot serve the status page on {0} (api.ui_listen)")]
+    Ui(SocketAddr, #[source] io::Error),
 }
 
 /// A bound control socket; [`ApiServer::run`] serves it until `shutdown` resolves.
@@ -147,10 +150,7 @@ impl ApiServer {
 
     /// Also serve the status page and the GET endpoints on `addr` (loopback only).
     pub async fn ui_listen(mut self, addr: SocketAddr) -> Result<Self, BindError> {
-        let err = |source| BindError::Io {
-            path: PathBuf::from(addr.to_string()),
-            source,
-        };
+        let err = |source| BindError::Ui(addr, source);
         if !addr.ip().is_loopback() {
             return Err(err(io::Error::other(
                 "the status page listens on loopback only",
@@ -294,4 +294,32 @@ pub async fn with_config(
         server = server.ui_listen(addr).await?;
     }
     Ok(server)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The text `run` prints when the status page's port is taken (docs/troubleshooting.md
+    /// quotes it).
+    #[tokio::test]
+    async fn a_taken_status_page_port_says_so_once() {
+        let dir = std::env::temp_dir().join(format!("egress-api-ui-{}", std::process::id()));
+        std::fs::remove_dir_all(&dir).ok();
+        let taken = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+        let addr = taken.local_addr().expect("addr");
+        let server = ApiServer::bind(&dir.join("api.sock"))
+            .await
+            .expect("api socket");
+        let Err(e) = server.ui_listen(addr).await else {
+            panic!("port in use")
+        };
+        assert_eq!(
+            format!("{:#}", anyhow::Error::from(e)),
+            format!(
+                "cannot serve the status page on {addr} (api.ui_listen): Address already in use (os error 98)"
+            )
+        );
+        std::fs::remove_dir_all(&dir).ok();
+    }
 }
