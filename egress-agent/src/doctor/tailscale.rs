@@ -39,11 +39,18 @@ fn listen_addresses(cfg: &SshdConfig) -> Vec<String> {
     }
 }
 
-/// Verdict from `tailscale status --json` and sshd's configuration (`None`: no sshd). Pure, for tests.
-pub(super) fn tailscale_verdict(
-    status: Result<String, ToolError>,
-    sshd: Option<&SshdConfig>,
-) -> Outcome {
+/// What the Tailscale probe knows of sshd.
+#[derive(Clone, Copy, Debug)]
+pub(super) enum Sshd<'a> {
+    /// No SSH server on this host.
+    Absent,
+    /// There is one, but its configuration could not be read (why).
+    Unreadable(&'a str),
+    Config(&'a SshdConfig),
+}
+
+/// Verdict from `tailscale status --json` and sshd's configuration. Pure, for tests.
+pub(super) fn tailscale_verdict(status: Result<String, ToolError>, sshd: Sshd<'_>) -> Outcome {
     const UP: &str = "tailscale up (and systemctl enable --now tailscaled)";
     let text = match status {
         Ok(t) => t,
@@ -81,8 +88,20 @@ pub(super) fn tailscale_verdict(
         .map(|a| a.iter().filter_map(|i| i.as_str()?.parse().ok()).collect())
         .unwrap_or_default();
     let shown: Vec<String> = ips.iter().map(IpAddr::to_string).collect();
-    let Some(cfg) = sshd else {
-        return Outcome::pass(format!("tailscale up ({}); no sshd", shown.join(", ")));
+    let cfg = match sshd {
+        Sshd::Config(cfg) => cfg,
+        Sshd::Absent => {
+            return Outcome::pass(format!("tailscale up ({}); no sshd", shown.join(", ")));
+        }
+        Sshd::Unreadable(why) => {
+            return Outcome::warn(
+                format!(
+                    "tailscale up ({}), but sshd's listen addresses are unknown: {why}",
+                    shown.join(", ")
+                ),
+                "run doctor as root",
+            );
+        }
     };
     let outside: Vec<String> = listen_addresses(cfg)
         .into_iter()
@@ -107,21 +126,12 @@ pub(super) fn tailscale_verdict(
 pub(super) async fn tailscale(ctx: Arc<Ctx>) -> Outcome {
     let status = tool::run(&ctx, "tailscale", &["status", "--json"]).await;
     if matches!(status, Err(ToolError::NotFound(_))) {
-        return tailscale_verdict(status, None);
+        return tailscale_verdict(status, Sshd::Absent);
     }
     match ssh::view(&ctx).await {
-        SshdView::Found(cfg) => tailscale_verdict(status, Some(&cfg)),
-        SshdView::Absent(_) => tailscale_verdict(status, None),
-        SshdView::Unreadable(why) => match tailscale_verdict(status, None) {
-            o if o.status == super::Status::Pass => Outcome::warn(
-                format!(
-                    "{}, but sshd's configuration could not be read: {why}",
-                    o.summary.trim_end_matches("; no sshd")
-                ),
-                "run doctor as root",
-            ),
-            o => o,
-        },
+        SshdView::Found(cfg) => tailscale_verdict(status, Sshd::Config(&cfg)),
+        SshdView::Absent(_) => tailscale_verdict(status, Sshd::Absent),
+        SshdView::Unreadable(why) => tailscale_verdict(status, Sshd::Unreadable(&why)),
     }
 }
 
@@ -140,5 +150,17 @@ mod tests {
             Some([100, 64, 1, 2].into())
         );
         assert_eq!(listen_ip("ssh.example.com:22"), None);
+    }
+
+    #[test]
+    fn unknown_listen_addresses_are_a_gap() {
+        let up = r#"{"BackendState":"Running","Self":{"TailscaleIPs":["100.64.0.7"]}}"#;
+        let v = tailscale_verdict(Ok(up.into()), Sshd::Unreadable("permission denied"));
+        assert_eq!(v.status, super::super::Status::Warn);
+        assert!(
+            v.summary.contains("100.64.0.7") && v.summary.contains("permission denied"),
+            "{}",
+            v.summary
+        );
     }
 }
