@@ -269,7 +269,9 @@ impl Control for Daemon {
     fn containers(&self) -> Value {
         let mut rows = backend::containers(&self.config.load());
         for row in rows.as_array_mut().into_iter().flatten() {
-            let entry = row["cgroup_id"].as_u64().and_then(|id| self.directory.get(id));
+            let entry = row["cgroup_id"]
+                .as_u64()
+                .and_then(|id| self.directory.get(id));
             if let Some(e) = entry {
                 row["source"] = json!(e.source);
             }
@@ -468,8 +470,7 @@ pub async fn run(opts: RunOptions) -> Result<()> {
     report_unavailable(&config, None, &events);
     if let Some(addr) = opts.metrics {
         let (listener, held) =
-            metrics::bind_handed(addr, opts.metrics_allow_non_loopback, &sockets)
-                .with_context(|| format!("metrics listener on {addr}"))?;
+            metrics::bind_handed(addr, opts.metrics_allow_non_loopback, &sockets)?;
         let m = metrics.clone();
         agent.spawn("metrics", |stop| async move {
             metrics::serve(listener, m, stop.cancelled_owned()).await;

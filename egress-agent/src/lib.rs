@@ -52,6 +52,7 @@ pub mod exec;
 pub mod export;
 mod exposure;
 pub mod handover;
+mod host_tool;
 pub mod manage;
 pub mod mcp;
 mod mountinfo;

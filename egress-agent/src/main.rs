@@ -204,12 +204,23 @@ enum Command {
         /// Configuration file (pin directory, proxy endpoint, credential bindings).
         #[arg(long)]
         config: Option<PathBuf>,
-        /// Stable JSON output.
+        /// Stable JSON output (every probe; with --baseline, an object holding the verdict and
+        /// the array).
         #[arg(long)]
         json: bool,
         /// Control API socket (the daemon's view of interception, when it answers).
         #[arg(long, default_value = api::DEFAULT_SOCKET)]
         api_socket: PathBuf,
+        /// Print passing probes too (by default only the gaps: warn, fail and skip).
+        #[arg(long)]
+        all: bool,
+        /// Judge the report against a baseline (which probes must pass): the summary line says
+        /// met or missed, in colour on a terminal, and lists the probes it misses.
+        #[arg(long, value_parser = clap::builder::PossibleValuesParser::new(egress_agent::doctor::baseline::NAMES))]
+        baseline: Option<String>,
+        /// Always exit 0 (informational use); otherwise 1 if any probe failed.
+        #[arg(long)]
+        exit_zero: bool,
     },
     /// Uninstall: remove the pinned programs and maps, the nftables tables, the proxy interface and
     /// the agent's cgroups. Stopping the agent does not do this, on purpose.
@@ -541,6 +552,9 @@ fn main() -> ExitCode {
             config,
             json,
             api_socket,
+            all,
+            baseline,
+            exit_zero,
         } => {
             init_cli_tracing();
             let mut opts = match egress_agent::config::Config::load_or_default(config.as_deref()) {
@@ -562,9 +576,7 @@ fn main() -> ExitCode {
             opts.workload_secrets = status
                 .as_ref()
                 .and_then(egress_agent::doctor::workloads::WorkloadSecretsView::from_status);
-            let report = egress_agent::doctor::run(opts);
-            report.print(json);
-            Ok(ExitCode::from(report.exit_code().clamp(0, 255) as u8))
+            doctor_report(opts, json, all, baseline.as_deref(), exit_zero)
         }
         Command::Cleanup { config } => {
             init_cli_tracing();
@@ -600,6 +612,40 @@ fn main() -> ExitCode {
 
 fn exit_code(code: i32) -> ExitCode {
     ExitCode::from(code.clamp(0, 255) as u8)
+}
+
+/// Run the doctor, print its report (JSON, or the gaps / every probe as text) with the baseline's
+/// verdict, and choose the exit status: 1 if a probe failed, unless `exit_zero`.
+fn doctor_report(
+    opts: egress_agent::doctor::Options,
+    json: bool,
+    all: bool,
+    baseline: Option<&str>,
+    exit_zero: bool,
+) -> anyhow::Result<ExitCode> {
+    use std::io::IsTerminal;
+    let baseline = baseline
+        .map(egress_agent::doctor::baseline::get)
+        .transpose()?;
+    let report = egress_agent::doctor::run(opts);
+    let verdict = baseline.map(|b| b.judge(&report));
+    if json {
+        print!("{}", report.to_json_with(verdict.as_ref()));
+    } else {
+        let color = std::io::stdout().is_terminal() && std::env::var_os("NO_COLOR").is_none();
+        print!(
+            "{}",
+            report.render_text(&egress_agent::doctor::TextView {
+                all,
+                baseline: verdict.as_ref(),
+                color,
+            })
+        );
+    }
+    if exit_zero {
+        return Ok(ExitCode::SUCCESS);
+    }
+    Ok(ExitCode::from(report.exit_code().clamp(0, 255) as u8))
 }
 
 /// The daemon's `GET /v1/status`, if one answers on `api_socket`.

@@ -5,7 +5,8 @@
 //! is routed to the host from any bridge network (containers' default route) and never collides
 //! with a Docker subnet. The interface is a `dummy`; kernels built without the dummy driver (this
 //! CI's) get an empty `bridge` instead, which behaves the same for a local address. Created with
-//! `ip` (iproute2) because it is a one-time setup step; removed by `egress-agent cleanup`.
+//! `ip` (iproute2, run by absolute path: [`crate::host_tool`]) because it is a one-time setup
+//! step; removed by `egress-agent cleanup`.
 use std::net::Ipv4Addr;
 use std::process::Command;
 
@@ -15,14 +16,21 @@ pub const IFNAME: &str = "egress0";
 pub enum NetifError {
     #[error("`ip {args}` failed: {message}")]
     Ip { args: String, message: String },
+    #[error("{0}: iproute2's `ip` is needed to create {IFNAME}")]
+    NoIp(#[from] crate::host_tool::NotFound),
     #[error(
         "proxy endpoint {0} can't be served on {IFNAME}: use a non-loopback IPv4 address (default 169.254.100.1)"
     )]
     BadAddress(Ipv4Addr),
 }
 
+/// `ip` by absolute path.
+fn ip_command() -> Result<Command, NetifError> {
+    Ok(Command::new(crate::host_tool::find("ip")?))
+}
+
 fn ip(args: &[&str]) -> Result<(), NetifError> {
-    let out = Command::new("ip")
+    let out = ip_command()?
         .args(args)
         .output()
         .map_err(|e| NetifError::Ip {
@@ -40,10 +48,11 @@ fn ip(args: &[&str]) -> Result<(), NetifError> {
 }
 
 fn exists() -> bool {
-    Command::new("ip")
-        .args(["link", "show", "dev", IFNAME])
-        .output()
-        .is_ok_and(|o| o.status.success())
+    ip_command().is_ok_and(|mut c| {
+        c.args(["link", "show", "dev", IFNAME])
+            .output()
+            .is_ok_and(|o| o.status.success())
+    })
 }
 
 /// Make sure `egress0` exists, is up and holds `addr/32` (idempotent).

@@ -44,6 +44,7 @@ fn options(root: &Root) -> Options {
         pin_dir: root.path("bpf/egress-agent"),
         docker_socket: root.path("docker.sock"),
         docker_daemon_json: root.path("etc/docker/daemon.json"),
+        sshd_config: root.path("etc/ssh/sshd_config"),
         tool_path: Some("".into()),
         netlink: false,
         probe_timeout: Duration::from_secs(2),
@@ -156,7 +157,7 @@ fn docker_routes() -> Vec<(&'static str, String)> {
     let a = "a".repeat(64);
     let b = "b".repeat(64);
     vec![
-        ("/info", r#"{"ServerVersion":"27.3.1","CgroupDriver":"cgroupfs","CgroupVersion":"2","ContainersRunning":2}"#.into()),
+        ("/info", r#"{"ServerVersion":"27.3.1","CgroupDriver":"cgroupfs","CgroupVersion":"2","ContainersRunning":2,"SecurityOptions":["name=apparmor","name=seccomp,profile=builtin","name=cgroupns"]}"#.into()),
         ("/containers/json", format!(r#"[{{"Id":"{a}"}},{{"Id":"{b}"}},{{"Id":"../../etc"}}]"#)),
         (
             Box::leak(format!("/containers/{a}/json").into_boxed_str()),
@@ -164,7 +165,7 @@ fn docker_routes() -> Vec<(&'static str, String)> {
         ),
         (
             Box::leak(format!("/containers/{b}/json").into_boxed_str()),
-            format!(r#"{{"Id":"{b}","Name":"/build","HostConfig":{{"Privileged":false,"CapAdd":null,"CapDrop":["NET_RAW"]}}}}"#),
+            format!(r#"{{"Id":"{b}","Name":"/build","HostConfig":{{"Privileged":false,"CapAdd":null,"CapDrop":["NET_RAW"],"SecurityOpt":["seccomp=unconfined"]}}}}"#),
         ),
     ]
 }
@@ -248,6 +249,14 @@ async fn good_host_statuses() {
                 "can't read the firewall",
             ),
             ("host.ip_forward", Status::Pass, "disabled"),
+            (
+                "docker.seccomp",
+                Status::Warn,
+                "profile builtin), but 1 running container(s) have seccomp=unconfined: build",
+            ),
+            ("docker.userns", Status::Warn, "no user namespace remapping"),
+            ("docker.rootless", Status::Pass, "rootful"),
+            ("host.ssh_password_auth", Status::Skip, "no sshd"),
         ],
     );
     assert_eq!(r.exit_code(), 0);
@@ -295,6 +304,9 @@ async fn weak_host_statuses() {
             ("proxy.listening", Status::Fail, "are not listening"),
             ("docker.reachable", Status::Skip, "no Docker socket"),
             ("docker.privileged", Status::Skip, "Docker not reachable"),
+            ("docker.seccomp", Status::Skip, "Docker not reachable"),
+            ("docker.userns", Status::Skip, "Docker not reachable"),
+            ("docker.rootless", Status::Skip, "Docker not reachable"),
             ("host.ip_forward", Status::Warn, "forward policy unknown"),
         ],
     );

@@ -32,7 +32,8 @@ const AGENT_PATH: &str = "/usr/local/bin/egress-agent";
 /// The configuration file the image's default command reads (the DaemonSet mounts it there).
 pub const CONFIG_PATH: &str = "/etc/egress-agent/config.toml";
 const PATH_ENV: &str = "PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin";
-/// Programs the agent runs (`Command::new`): egress-agent/src/netif.rs, docker/netinfo.rs.
+/// Programs the agent runs (by absolute path on PATH, egress-agent/src/host_tool.rs):
+/// egress-agent/src/netif.rs, workload/netinfo.rs.
 const TOOLS: &[&str] = &["ip"];
 /// Where `TOOLS` are looked for on this host, in order; they are put at the same path.
 const TOOL_DIRS: &[&str] = &["/usr/sbin", "/usr/bin", "/sbin", "/bin"];

@@ -39,6 +39,9 @@ pub enum BindError {
         #[source]
         source: io::Error,
     },
+    /// The cause is the source (printed after `: ` by `{:#}`), not repeated in the message.
+    #[error("cannot serve the console on {0} (api.ui_listen)")]
+    Ui(SocketAddr, #[source] io::Error),
 }
 
 /// A bound control socket; [`ApiServer::run`] serves it until `shutdown` resolves.
@@ -153,10 +156,7 @@ impl ApiServer {
     /// Also serve the console on `addr`: the page, reads for root and the read group of this
     /// host, everything for a session made with a token of `tokens` (`console.tokens`).
     pub async fn ui_listen(mut self, addr: SocketAddr, tokens: &Path) -> Result<Self, BindError> {
-        let err = |source| BindError::Io {
-            path: PathBuf::from(addr.to_string()),
-            source,
-        };
+        let err = |source| BindError::Ui(addr, source);
         if !addr.ip().is_loopback() {
             warn!(address = %addr, "the console is served over plain HTTP on a non-loopback address: its token and session cookie cross the network in clear text; prefer a loopback address reached through an SSH tunnel");
         }
@@ -309,4 +309,32 @@ pub async fn with_config(
             .await?;
     }
     Ok(server)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The text `run` prints when the status page's port is taken (docs/troubleshooting.md
+    /// quotes it).
+    #[tokio::test]
+    async fn a_taken_console_port_says_so_once() {
+        let dir = std::env::temp_dir().join(format!("egress-api-ui-{}", std::process::id()));
+        std::fs::remove_dir_all(&dir).ok();
+        let taken = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+        let addr = taken.local_addr().expect("addr");
+        let server = ApiServer::bind(&dir.join("api.sock"))
+            .await
+            .expect("api socket");
+        let Err(e) = server.ui_listen(addr, &dir.join("console.tokens")).await else {
+            panic!("port in use")
+        };
+        assert_eq!(
+            format!("{:#}", anyhow::Error::from(e)),
+            format!(
+                "cannot serve the console on {addr} (api.ui_listen): Address already in use (os error 98)"
+            )
+        );
+        std::fs::remove_dir_all(&dir).ok();
+    }
 }

@@ -15,6 +15,7 @@
 pub mod file;
 pub mod trust;
 
+use std::os::unix::fs::OpenOptionsExt as _;
 use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
 
@@ -91,10 +92,12 @@ impl AgentCa {
     pub fn load_or_create(state_dir: &Path) -> Result<AgentCa, CaError> {
         file::ensure_private_dir(state_dir)?;
         let lock_path = state_dir.join(LOCK_FILE);
+        // 0600 whatever the umask (an empty file; only its flock matters).
         let lock = std::fs::OpenOptions::new()
             .create(true)
             .truncate(false)
             .write(true)
+            .mode(0o600)
             .open(&lock_path)
             .map_err(|source| FileError::Io {
                 path: lock_path.clone(),
@@ -332,6 +335,41 @@ mod tests {
         let (chain, _) = ca.issue_leaf("api.test").unwrap();
         assert_eq!(chain.len(), 2);
         assert_eq!(&chain[1], ca.cert_der());
+        std::fs::remove_dir_all(&dir).ok();
+    }
+
+    /// The CA's files in the state directory and their modes, as docs/operations.md's "State
+    /// directory" table lists them (whatever the umask: the test process's is usually 0022).
+    #[test]
+    fn state_dir_files_have_the_documented_modes() {
+        use std::os::unix::fs::PermissionsExt as _;
+        let dir = std::env::temp_dir().join(format!("egress-ca-modes-{}", std::process::id()));
+        std::fs::remove_dir_all(&dir).ok();
+        AgentCa::load_or_create(&dir).unwrap();
+        let mode = |p: &Path| std::fs::metadata(p).unwrap().permissions().mode() & 0o777;
+        assert_eq!(mode(&dir), 0o700);
+        let mut found: Vec<(String, u32)> = std::fs::read_dir(&dir)
+            .unwrap()
+            .flatten()
+            .map(|e| {
+                (
+                    e.file_name().to_string_lossy().into_owned(),
+                    mode(&e.path()),
+                )
+            })
+            .collect();
+        found.sort();
+        let expected = [
+            (BUNDLE_FILE, 0o644),
+            (KEY_FILE, 0o600),
+            (LOCK_FILE, 0o600),
+            (CERT_FILE, 0o644),
+        ];
+        let expected: Vec<(String, u32)> = expected
+            .iter()
+            .map(|(n, m)| ((*n).to_owned(), *m))
+            .collect();
+        assert_eq!(found, expected);
         std::fs::remove_dir_all(&dir).ok();
     }
 }

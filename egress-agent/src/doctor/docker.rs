@@ -81,7 +81,7 @@ async fn get(ctx: &Ctx, path: &str) -> Result<Value, DockerError> {
         .unwrap_or_else(|_| Err(DockerError::Timeout(path.to_owned(), t)))
 }
 
-async fn info(ctx: &Arc<Ctx>) -> Result<Value, DockerError> {
+pub(super) async fn info(ctx: &Arc<Ctx>) -> Result<Value, DockerError> {
     ctx.docker_info
         .get_or_init(|| get(ctx, "/info"))
         .await
@@ -101,6 +101,8 @@ pub struct ContainerSummary {
     pub pid_host: bool,
     /// Host paths bind-mounted into the container.
     pub mount_sources: Vec<String>,
+    /// `HostConfig.SecurityOpt` has `seccomp=unconfined` (or the old `seccomp:unconfined`).
+    pub seccomp_unconfined: bool,
 }
 
 fn norm_caps(v: &Value) -> Vec<String> {
@@ -146,6 +148,12 @@ pub(super) fn parse_inspect(v: &Value) -> ContainerSummary {
                     .collect()
             })
             .unwrap_or_default(),
+        seccomp_unconfined: hc["SecurityOpt"].as_array().is_some_and(|a| {
+            a.iter().filter_map(Value::as_str).any(|o| {
+                let o = o.trim().to_ascii_lowercase();
+                o == "seccomp=unconfined" || o == "seccomp:unconfined"
+            })
+        }),
     }
 }
 
@@ -182,7 +190,7 @@ pub(super) fn unconfinable(c: &ContainerSummary) -> Vec<String> {
     why
 }
 
-async fn containers(ctx: &Arc<Ctx>) -> Result<Vec<ContainerSummary>, DockerError> {
+pub(super) async fn containers(ctx: &Arc<Ctx>) -> Result<Vec<ContainerSummary>, DockerError> {
     ctx.docker_containers
         .get_or_init(|| async {
             let list = get(ctx, "/containers/json").await?;
@@ -227,7 +235,7 @@ async fn containers(ctx: &Arc<Ctx>) -> Result<Vec<ContainerSummary>, DockerError
         .clone()
 }
 
-fn unreachable_outcome(e: &DockerError) -> Outcome {
+pub(super) fn unreachable_outcome(e: &DockerError) -> Outcome {
     match e {
         DockerError::NoSocket(_) => Outcome::skip(
             format!("{e} (Docker not installed or not running)"),
@@ -299,7 +307,7 @@ fn keeps_net_raw(c: &ContainerSummary, defaults_have_it: bool) -> bool {
 }
 
 /// Names, at most five, then `+N more`.
-fn names(list: &[&ContainerSummary]) -> String {
+pub(super) fn names(list: &[&ContainerSummary]) -> String {
     let mut s: Vec<String> = list
         .iter()
         .take(5)

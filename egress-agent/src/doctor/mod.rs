@@ -15,6 +15,12 @@
 //! - `docker`: a minimal Docker Engine API client and the Docker probes.
 //! - `netfilter`: an nf_tables netlink dump (and legacy iptables) for the agent's table, the firewall
 //!   default policies and IP forwarding.
+//! - `docker_security`: Docker's seccomp, user namespace and rootless settings.
+//! - `sshd_config` + `ssh`: sshd's effective configuration and the SSH probes.
+//! - `perimeter`: fail2ban, firewalld and ufw through their clients.
+//! - `tailscale`: Tailscale up, and SSH reachable only over it.
+//! - `baseline`: the `--baseline` tables (which probes must pass) and their verdict.
+//! - `view`: the text report (gaps only or all, the summary line).
 //!
 //! # JSON output (stable)
 //! `egress-agent doctor --json` prints one JSON array, one object per probe, in the order of
@@ -27,17 +33,32 @@
 //! - `summary` (string): one line, what was found.
 //! - `fix` (string or null): one line, what to do; `null` when the status is `pass`.
 //!
-//! The exit status is non-zero ([`Report::exit_code`]) if any probe failed.
+//! With `--baseline <name>` the document is an object instead, the array unchanged under `checks`:
+//! ```json
+//! {"baseline": {"name": "standard", "met": false, "required": 14,
+//!               "missing": [{"id": "host.fail2ban", "status": "skip"}]},
+//!  "checks": [{"id": "kernel.cgroup2", "status": "pass", "summary": "...", "fix": null}]}
+//! ```
+//!
+//! The exit status is non-zero ([`Report::exit_code`]) if any probe failed (`--exit-zero`: always 0);
+//! a missed baseline does not change it.
 
+pub mod baseline;
 mod containerd;
 mod docker;
+mod docker_security;
 mod host;
 pub mod interception;
 mod kernel;
 mod netfilter;
+mod perimeter;
 mod pins;
 mod proxy;
+mod ssh;
+mod sshd_config;
+mod tailscale;
 mod tool;
+mod view;
 pub mod workloads;
 
 use std::ffi::OsString;
@@ -53,6 +74,7 @@ use tokio::sync::OnceCell;
 use tokio::task::JoinSet;
 
 pub use host::HostPaths;
+pub use view::TextView;
 
 /// Outcome of one probe.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Serialize)]
@@ -107,38 +129,25 @@ impl Report {
         s
     }
 
-    /// Human-readable output: one line per probe, the fix indented below it, then a tally.
-    pub fn to_text(&self) -> String {
-        let mut out = String::new();
-        for c in &self.checks {
-            out.push_str(&format!(
-                "[{:<4}] {:<24} {}\n",
-                c.status.as_str(),
-                c.id,
-                c.summary
-            ));
-            if let Some(fix) = &c.fix {
-                out.push_str(&format!("       {:<24} fix: {}\n", "", fix));
-            }
-        }
-        let count = |s| self.checks.iter().filter(|c| c.status == s).count();
-        out.push_str(&format!(
-            "{} pass, {} warn, {} fail, {} skip\n",
-            count(Status::Pass),
-            count(Status::Warn),
-            count(Status::Fail),
-            count(Status::Skip)
-        ));
-        out
+    /// The JSON document with a baseline verdict: `{"baseline": <verdict>, "checks": <the
+    /// stable array>}` (see the module docs); without a verdict, [`Report::to_json`].
+    pub fn to_json_with(&self, verdict: Option<&baseline::Verdict>) -> String {
+        let Some(verdict) = verdict else {
+            return self.to_json();
+        };
+        let doc = serde_json::json!({ "baseline": verdict, "checks": self.checks });
+        let mut s = serde_json::to_string_pretty(&doc).unwrap_or_else(|_| "{}".into());
+        s.push('\n');
+        s
     }
 
-    /// Print the report to stdout (`json` selects the stable JSON form).
-    pub fn print(&self, json: bool) {
-        if json {
-            print!("{}", self.to_json());
-        } else {
-            print!("{}", self.to_text());
-        }
+    /// Human-readable output: one line per probe, the fix indented below it, then a tally
+    /// (every probe, no baseline; see [`Report::render_text`] for the other views).
+    pub fn to_text(&self) -> String {
+        self.render_text(&TextView {
+            all: true,
+            ..TextView::default()
+        })
     }
 }
 
@@ -164,8 +173,11 @@ pub struct Options {
     pub docker_daemon_json: PathBuf,
     /// Name of the agent's nftables tables (one `inet`, one `bridge`; see `nft/`).
     pub nft_table: String,
-    /// `PATH` used to find external tools (`iptables-legacy`); `None`: this process's `PATH`.
+    /// `PATH` used to find external tools (`iptables-legacy`, `sshd`, `fail2ban-client`,
+    /// `tailscale`, `firewall-cmd`, `ufw`); `None`: this process's `PATH`.
     pub tool_path: Option<OsString>,
+    /// sshd's main configuration file (relative `Include`s are read under its directory).
+    pub sshd_config: PathBuf,
     /// Query nf_tables over netlink (needs CAP_NET_ADMIN; `false` makes those probes `skip`).
     pub netlink: bool,
     /// containerd's configuration, read when the agent confines pods (`[kubernetes]`); `None`:
@@ -201,6 +213,7 @@ impl Default for Options {
             docker_daemon_json: PathBuf::from("/etc/docker/daemon.json"),
             nft_table: "egress_agent".into(),
             tool_path: None,
+            sshd_config: PathBuf::from("/etc/ssh/sshd_config"),
             netlink: true,
             containerd_config: None,
             interception: None,
@@ -246,6 +259,15 @@ pub const PROBE_IDS: &[&str] = &[
     "containerd.pod_annotations",
     "proxy.interception",
     "workloads.secrets",
+    "host.ssh_password_auth",
+    "host.ssh_root_login",
+    "host.fail2ban",
+    "host.tailscale",
+    "host.firewalld",
+    "host.ufw",
+    "docker.seccomp",
+    "docker.userns",
+    "docker.rootless",
 ];
 
 /// What a probe returns; the runner adds the id.
@@ -294,6 +316,7 @@ struct Ctx {
     pub docker_containers: OnceCell<Result<Vec<docker::ContainerSummary>, docker::DockerError>>,
     pub firewall: OnceCell<netfilter::Snapshot>,
     pub kernel_config: OnceCell<Option<host::KernelConfig>>,
+    pub sshd: OnceCell<ssh::SshdView>,
 }
 
 impl Ctx {
@@ -305,6 +328,7 @@ impl Ctx {
             docker_containers: OnceCell::new(),
             firewall: OnceCell::new(),
             kernel_config: OnceCell::new(),
+            sshd: OnceCell::new(),
         }
     }
 }
@@ -334,6 +358,15 @@ fn probe_fn(id: &str) -> Option<ProbeFn> {
         "containerd.pod_annotations" => |c| Box::pin(containerd::pod_annotations(c)),
         "proxy.interception" => |c| Box::pin(interception::interception(c)),
         "workloads.secrets" => |c| Box::pin(workloads::workload_secrets(c)),
+        "host.ssh_password_auth" => |c| Box::pin(ssh::password_auth(c)),
+        "host.ssh_root_login" => |c| Box::pin(ssh::root_login(c)),
+        "host.fail2ban" => |c| Box::pin(perimeter::fail2ban(c)),
+        "host.tailscale" => |c| Box::pin(tailscale::tailscale(c)),
+        "host.firewalld" => |c| Box::pin(perimeter::firewalld(c)),
+        "host.ufw" => |c| Box::pin(perimeter::ufw(c)),
+        "docker.seccomp" => |c| Box::pin(docker_security::seccomp(c)),
+        "docker.userns" => |c| Box::pin(docker_security::userns(c)),
+        "docker.rootless" => |c| Box::pin(docker_security::rootless(c)),
         _ => return None,
     })
 }
@@ -341,13 +374,24 @@ fn probe_fn(id: &str) -> Option<ProbeFn> {
 /// Run every probe concurrently and collect the report. Never takes longer than about
 /// `opts.deadline`; probes that have not answered by then are reported as `skip`.
 pub async fn run_async(opts: Options) -> Report {
+    run_only_async(opts, PROBE_IDS).await
+}
+
+/// [`run_async`] for the probes `ids` (ids that are not in [`PROBE_IDS`] are left out), in
+/// [`PROBE_IDS`] order. For tests and callers that need a few answers.
+pub async fn run_only_async(opts: Options, ids: &[&str]) -> Report {
     let per_probe = opts.probe_timeout;
     let deadline = tokio::time::Instant::now() + opts.deadline;
     let ctx = Arc::new(Ctx::new(opts));
+    let selected: Vec<&'static str> = PROBE_IDS
+        .iter()
+        .copied()
+        .filter(|id| ids.contains(id))
+        .collect();
 
-    let mut results: Vec<Option<Outcome>> = vec![None; PROBE_IDS.len()];
+    let mut results: Vec<Option<Outcome>> = vec![None; selected.len()];
     let mut set = JoinSet::new();
-    for (i, id) in PROBE_IDS.iter().enumerate() {
+    for (i, id) in selected.iter().enumerate() {
         let Some(f) = probe_fn(id) else { continue };
         let fut = f(Arc::clone(&ctx));
         set.spawn(async move {
@@ -373,7 +417,7 @@ pub async fn run_async(opts: Options) -> Report {
         }
     }
 
-    let checks = PROBE_IDS
+    let checks = selected
         .iter()
         .zip(results)
         .map(|(id, out)| {
@@ -399,6 +443,11 @@ pub async fn run_async(opts: Options) -> Report {
 ///
 /// Call [`run_async`] instead from inside a tokio runtime.
 pub fn run(opts: Options) -> Report {
+    run_only(opts, PROBE_IDS)
+}
+
+/// [`run`] for the probes `ids` only (see [`run_only_async`]).
+pub fn run_only(opts: Options, ids: &[&str]) -> Report {
     let rt = match tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .max_blocking_threads(8)
@@ -410,6 +459,7 @@ pub fn run(opts: Options) -> Report {
             return Report {
                 checks: PROBE_IDS
                     .iter()
+                    .filter(|id| ids.contains(id))
                     .map(|id| Check {
                         id,
                         status: Status::Skip,
@@ -420,7 +470,7 @@ pub fn run(opts: Options) -> Report {
             };
         }
     };
-    let report = rt.block_on(run_async(opts));
+    let report = rt.block_on(run_only_async(opts, ids));
     rt.shutdown_background();
     report
 }

@@ -20,15 +20,11 @@ pub(super) enum ToolError {
 
 /// Look `name` up on the configured PATH (never a relative PATH entry).
 pub(super) fn find(ctx: &Ctx, name: &str) -> Option<PathBuf> {
-    let path = ctx
-        .opts
-        .tool_path
-        .clone()
-        .or_else(|| std::env::var_os("PATH"))?;
-    std::env::split_paths(&path)
-        .filter(|d| d.is_absolute())
-        .map(|d| d.join(name))
-        .find(|p| std::fs::metadata(p).is_ok_and(|m| m.is_file()))
+    let path = match &ctx.opts.tool_path {
+        Some(p) => p.clone(),
+        None => std::env::var_os("PATH")?,
+    };
+    crate::host_tool::find_on(&path, name)
 }
 
 /// Run `name args...` with stdin closed, a minimal environment, and the probe timeout (minus a margin).

@@ -64,7 +64,8 @@ pub enum MetricsError {
         "metrics address {0} is not a loopback address; metrics are served on loopback only unless explicitly allowed"
     )]
     NotLoopback(SocketAddr),
-    #[error("cannot listen for metrics on {0}: {1}")]
+    /// The cause is the source (printed after `: ` by `{:#}`), not repeated in the message.
+    #[error("cannot listen for metrics on {0} (--metrics-listen)")]
     Bind(SocketAddr, #[source] std::io::Error),
     #[error("encoding metrics failed")]
     Encode(#[from] std::fmt::Error),
@@ -842,6 +843,20 @@ mod tests {
                 "missing {line:?} in\n{text}"
             );
         }
+    }
+
+    /// The text `run` prints when the metrics port is taken (docs/troubleshooting.md quotes it).
+    #[tokio::test]
+    async fn a_port_in_use_says_so_once() {
+        let taken = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+        let addr = taken.local_addr().expect("addr");
+        let e = bind(addr, false).await.expect_err("port in use");
+        assert_eq!(
+            format!("{:#}", anyhow::Error::from(e)),
+            format!(
+                "cannot listen for metrics on {addr} (--metrics-listen): Address already in use (os error 98)"
+            )
+        );
     }
 
     #[tokio::test]

@@ -188,6 +188,66 @@ mod tests {
         std::fs::remove_dir_all(&dir).ok();
     }
 
+    /// Child mode of the next test: a process whose `CREDENTIALS_DIRECTORY` was set by its
+    /// parent (this process's environment is never changed while other tests run).
+    #[test]
+    fn credential_child() {
+        let Some(mode) = std::env::var_os("EGRESS_CREDENTIAL_CHILD") else {
+            return;
+        };
+        let api = load(&SecretSource::Credential("api".into()));
+        if mode == "unset" {
+            assert!(
+                matches!(api, Err(SecretError::NoCredentialsDirectory(ref n)) if n == "api"),
+                "{api:?}"
+            );
+            return;
+        }
+        assert_eq!(api.unwrap().expose(), b"sk-cred-123");
+        let e = load(&SecretSource::Credential("missing".into())).unwrap_err();
+        assert!(matches!(e, SecretError::File { .. }), "{e}");
+        assert!(e.to_string().contains("missing"), "{e}");
+        assert!(matches!(
+            load(&SecretSource::Credential("empty".into())),
+            Err(SecretError::Empty(ref l)) if l == "credential empty"
+        ));
+    }
+
+    /// `{ credential = "name" }` reads `$CREDENTIALS_DIRECTORY/name` like a file (one newline
+    /// dropped, empty refused), and without the variable says so, naming the credential.
+    #[test]
+    fn credential_source_reads_the_credentials_directory() {
+        let dir = std::env::temp_dir().join(format!("egress-creds-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        std::fs::write(dir.join("api"), "sk-cred-123\n").unwrap();
+        std::fs::write(dir.join("empty"), "").unwrap();
+        let child = |mode: &str| {
+            let mut cmd = std::process::Command::new(std::env::current_exe().unwrap());
+            cmd.args([
+                "--exact",
+                "secrets::tests::credential_child",
+                "--test-threads=1",
+                "--nocapture",
+            ])
+            .env("EGRESS_CREDENTIAL_CHILD", mode);
+            if mode == "unset" {
+                cmd.env_remove("CREDENTIALS_DIRECTORY");
+            } else {
+                cmd.env("CREDENTIALS_DIRECTORY", &dir);
+            }
+            let out = cmd.output().unwrap();
+            let stdout = String::from_utf8_lossy(&out.stdout);
+            assert!(
+                out.status.success() && stdout.contains("1 passed"),
+                "child {mode}: {stdout}\n{}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+        };
+        child("set");
+        child("unset");
+        std::fs::remove_dir_all(&dir).ok();
+    }
+
     #[test]
     fn credential_names_are_one_component() {
         for bad in ["", ".", "..", "a/b", "../etc/shadow"] {

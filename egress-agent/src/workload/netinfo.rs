@@ -68,7 +68,8 @@ impl Link {
 }
 
 fn ip_links() -> Result<Vec<Link>, NetInfoError> {
-    let out = Command::new("ip")
+    let exe = crate::host_tool::find("ip").map_err(|e| NetInfoError::Ip(e.to_string()))?;
+    let out = Command::new(exe)
         .args(["-j", "addr", "show"])
         .output()
         .map_err(|e| NetInfoError::Ip(e.to_string()))?;
