@@ -447,6 +447,21 @@ fn watch_policies(agent: &mut Agent, daemon: &Arc<Daemon>) {
 }
 
 /// Runs the daemon until SIGINT/SIGTERM.
+/// The agent's own services are no workload's destination, whatever its allow_cidrs say: the
+/// host layer drops enforced containers' packets to their ports (the kernel policy already
+/// refuses them unless allow_cidrs cover the address; the console refuses confined peers it can
+/// attribute).
+fn reserve_agent_ports(opts: &RunOptions, config: &Config) {
+    opts.host.tables.agent_services(
+        config
+            .api
+            .ui_listen
+            .iter()
+            .chain(opts.metrics.iter())
+            .map(SocketAddr::port),
+    );
+}
+
 pub async fn run(opts: RunOptions) -> Result<()> {
     bpf::loader::require_root()?;
     // What SIGUSR2 starts: the file this binary was started from, as it is then (an upgrade
@@ -478,18 +493,7 @@ pub async fn run(opts: RunOptions) -> Result<()> {
         });
     }
 
-    // The agent's own services are no workload's destination, whatever its allow_cidrs say: the
-    // host layer drops enforced containers' packets to their ports (the kernel policy already
-    // refuses them unless allow_cidrs cover the address; the console refuses confined peers it
-    // can attribute).
-    opts.host.tables.agent_services(
-        config
-            .api
-            .ui_listen
-            .iter()
-            .chain(opts.metrics.iter())
-            .map(SocketAddr::port),
-    );
+    reserve_agent_ports(&opts, &config);
     let mut runtimes = match start_runtimes(&opts, &config, &events, &metrics, &mut agent) {
         Ok(r) => r,
         Err(e) => {

@@ -350,8 +350,7 @@ fn control_api_is_root_only_and_reports_containers_and_events() {
     );
 
     // A labelled container with context labels: a direct attempt is denied by the kernel.
-    run_labelled(
-        &env,
+    env.run_labelled(
         "ctx-1",
         &[
             "egress.policy=web",

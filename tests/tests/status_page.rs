@@ -136,10 +136,6 @@ fn policies_through_the_api_and_the_status_page() {
     });
     assert!(dom.contains("denied.test:8080"), "{dom}");
     assert!(dom.contains("class=\"live-on\""), "the live badge: {dom}");
-    if let Ok(shot) = std::env::var("EGRESS_STATUS_SCREENSHOT") {
-        b.ask(&format!("shot {shot}"));
-        eprintln!("screenshot: {shot}");
-    }
     drop(b);
 
     // The API: a bad policy is refused with the config's own field and reason; nothing changes.

@@ -169,13 +169,7 @@ pub async fn route(
         (&Method::GET, [""]) => to_status_page(),
         (&Method::GET, ["ui", file]) => ui_asset(file),
         (_, ["v1", "session"]) => session(req, &grant, peer, transport, sessions).await,
-        (&Method::GET, ["v1", "status"]) => {
-            let mut status = control.status();
-            if let (Some(c), Some(obj)) = (console, status.as_object_mut()) {
-                obj.insert("console".to_owned(), c.status());
-            }
-            json_response(StatusCode::OK, &status)
-        }
+        (&Method::GET, ["v1", "status"]) => status(control, console),
         (&Method::GET, ["v1", "containers"]) => {
             json_response(StatusCode::OK, &control.containers())
         }
@@ -434,6 +428,15 @@ async fn login(req: Request<Incoming>, sessions: &Sessions) -> Response<Body> {
             "the system's random source failed",
         ),
     }
+}
+
+/// `GET /v1/status`: the daemon's, with the console's own counters when it is served.
+fn status(control: &dyn Control, console: Option<&Console>) -> Response<Body> {
+    let mut status = control.status();
+    if let (Some(c), Some(obj)) = (console, status.as_object_mut()) {
+        obj.insert("console".to_owned(), c.status());
+    }
+    json_response(StatusCode::OK, &status)
 }
 
 /// `GET /`: the status page.

@@ -164,7 +164,7 @@ async function propose(title, method, dry, apply, body, replay, type) {
   }
   const diff = r.body.diff || "";
   $("change-diff").textContent = diff || "(no change)";
-  $("change-note").textContent = r.body.changed === false || !diff
+  $("change-note").textContent = !diff
     ? "This changes nothing."
     : "The change, as the files will be written (" + (r.body.files || []).join(", ") + "):";
   $("change-apply").disabled = !diff;
@@ -228,7 +228,9 @@ async function replayPending() {
   box.append(t);
   const list = el("ul");
   for (const d of (rep.destinations || []).slice(0, 12)) {
-    list.append(el("li", d.bucket.replace(/_/g, " ") + ": " + (d.host || d.ip || "?") + ":" + d.port + " (" + d.events + " events)"));
+    const li = el("li", d.bucket.replace(/_/g, " ") + ": " + d.destination + " (" + d.flows + " flows, " + d.events + " events)");
+    li.dataset.bucket = d.bucket;
+    list.append(li);
   }
   box.append(list);
 }
@@ -348,6 +350,20 @@ async function openEditor(name, duplicate) {
   $("editor").scrollIntoView({ block: "start" });
 }
 
+// A policy's fields without those at their default (empty lists, published ports allowed, mode
+// allowlist), so a file written from the page says what the policy does and its diff shows
+// what changed.
+function trimmed(p) {
+  const out = {};
+  for (const [k, v] of Object.entries(p)) {
+    if (Array.isArray(v) && v.length === 0 && k !== "allow_hosts") continue;
+    if (k === "allow_published_ports" && v === true) continue;
+    if (k === "mode" && v === "allowlist") continue;
+    out[k] = v;
+  }
+  return out;
+}
+
 function editorBody() {
   const body = Object.assign({}, editing ? editing.base : {});
   body.mode = $("ed-mode").value;
@@ -356,7 +372,7 @@ function editorBody() {
   body.allow_hosts = entries($("ed-hosts").value, "host");
   body.allow_cidrs = entries($("ed-cidrs").value, "cidr");
   body.allow_ports = $("ed-ports").value.split(",").map((p) => p.trim()).filter((p) => p).map(Number);
-  return body;
+  return trimmed(body);
 }
 
 function previewEditor() {
@@ -391,7 +407,9 @@ async function allowDenial(ev) {
     $("change-apply").disabled = true;
     return;
   }
-  const body = Object.assign({}, base);
+  const body = trimmed(base);
+  // Allowing something in a deny_all policy makes it an allowlist of that.
+  if (body.mode === "deny_all") delete body.mode;
   const port = Number(ev.port);
   const ports = base.allow_ports || [80, 443];
   let what;
