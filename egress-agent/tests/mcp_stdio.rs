@@ -72,6 +72,7 @@ async fn an_mcp_client_lists_and_calls_the_tools() {
         names,
         [
             "explain",
+            "list_changes",
             "list_containers",
             "list_policies",
             "recent_denials",
@@ -174,7 +175,7 @@ async fn an_mcp_client_lists_and_calls_the_tools() {
         .into_iter()
         .map(|t| t.name.to_string())
         .collect();
-    for w in ["set_policy", "delete_policy", "set_defaults"] {
+    for w in egress_agent::mcp::WRITE_TOOLS {
         assert!(
             names.iter().any(|n| n == w),
             "{w} with --allow-writes: {names:?}"
@@ -204,6 +205,44 @@ async fn an_mcp_client_lists_and_calls_the_tools() {
     assert!(
         !ok && t.contains("agent.default_policy"),
         "the default can't go: {t}"
+    );
+    // Import: the diff first (nothing written), a bad bundle named by field, then applied.
+    let bundle = "[policies.imported]\nallow_hosts = [\"pypi.org\"]\n";
+    let (ok, t) = call(&c, "import_bundle", json!({ "toml": bundle })).await;
+    assert!(ok && t.contains("+ policy imported"), "{t}");
+    assert!(!s.dir.join("policies.d/imported.toml").exists());
+    let (ok, t) = call(
+        &c,
+        "import_bundle",
+        json!({ "toml": "[policies.imported]\nallow_hosts = [\"*x*\"]\n", "apply": true }),
+    )
+    .await;
+    assert!(!ok && t.contains("policies.imported.allow_hosts[0]"), "{t}");
+    assert!(!s.dir.join("policies.d/imported.toml").exists());
+    let (ok, t) = call(
+        &c,
+        "import_bundle",
+        json!({ "toml": bundle, "apply": true }),
+    )
+    .await;
+    assert!(ok, "{t}");
+    assert!(s.dir.join("policies.d/imported.toml").exists());
+    // Every change, with who made it and its diff.
+    let (ok, t) = call(&c, "list_changes", json!({})).await;
+    assert!(ok, "{t}");
+    let v: Value = serde_json::from_str(&t).expect("json");
+    let actions: Vec<&str> = v
+        .as_array()
+        .map(|a| a.iter().filter_map(|c| c["action"].as_str()).collect())
+        .unwrap_or_default();
+    assert!(
+        actions.contains(&"import") && actions.contains(&"set-policy"),
+        "{t}"
+    );
+    assert!(
+        v.as_array()
+            .is_some_and(|a| a.iter().all(|c| c["uid"] == 0 && c.get("diff").is_some())),
+        "{t}"
     );
     c.cancel().await.ok();
     s.stop().await;

@@ -4,7 +4,9 @@
 //!
 //! Tools: `list_policies`, `show_policy`, `explain`, `list_containers`, `recent_denials` (from
 //! the event store), `suggest`, `replay` (a proposed policy against the recorded traffic; it
-//! changes nothing, but is a `POST`, so the API serves it to root only). Write tools — `set_policy`, `delete_policy`, `set_defaults` —
+//! changes nothing, but is a `POST`, so the API serves it to root only), `list_changes` (who
+//! changed what, with the diff). Write tools — `set_policy`, `delete_policy`, `set_defaults`,
+//! `import_bundle` (its diff unless `apply`) —
 //! exist only when the server is started with `--allow-writes`; without it they are not listed
 //! and a call to them is refused.
 use std::path::PathBuf;
@@ -27,13 +29,19 @@ pub struct McpArgs {
     /// Control API socket.
     #[arg(long, default_value = api::DEFAULT_SOCKET)]
     pub api_socket: PathBuf,
-    /// Offer the write tools (set_policy, delete_policy, set_defaults). Off by default.
+    /// Offer the write tools (set_policy, delete_policy, set_defaults, import_bundle). Off by
+    /// default.
     #[arg(long)]
     pub allow_writes: bool,
 }
 
 /// The write tools' names.
-pub const WRITE_TOOLS: [&str; 3] = ["set_policy", "delete_policy", "set_defaults"];
+pub const WRITE_TOOLS: [&str; 4] = [
+    "set_policy",
+    "delete_policy",
+    "set_defaults",
+    "import_bundle",
+];
 
 #[derive(Debug, Clone)]
 pub struct EgressMcp {
@@ -157,6 +165,25 @@ pub struct DefaultsArg {
     /// agent.unlabeled: the policy of containers without egress labels.
     #[serde(default)]
     pub unlabeled: Option<String>,
+}
+
+#[derive(Debug, Deserialize, schemars::JsonSchema)]
+pub struct ImportArg {
+    /// The bundle: TOML as `egress-agent policy export` prints it (`[agent]`, `[policies.NAME]`).
+    pub toml: String,
+    /// Write it; without this only its diff is answered (nothing written).
+    #[serde(default)]
+    pub apply: bool,
+    /// Also remove the policies.d policies the bundle does not name.
+    #[serde(default)]
+    pub prune: bool,
+}
+
+#[derive(Debug, Deserialize, schemars::JsonSchema)]
+pub struct ChangesArg {
+    /// How many (the newest; default 100).
+    #[serde(default)]
+    pub n: Option<usize>,
 }
 
 fn text(v: &Value) -> CallToolResult {
@@ -390,6 +417,40 @@ impl EgressMcp {
     }
 
     #[tool(
+        description = "The policy changes made through the control API, the console and this server: when, who (uid, and the console operator), what, the diff, applied or refused."
+    )]
+    async fn list_changes(&self, Parameters(a): Parameters<ChangesArg>) -> CallToolResult {
+        self.call(
+            Method::GET,
+            &format!("/v1/changes?n={}", a.n.unwrap_or(100)),
+            None,
+        )
+        .await
+    }
+
+    #[tool(
+        description = "Import a bundle of policies and defaults (TOML, as export prints it): answers the diff; with apply, writes it and reloads. Only with --allow-writes."
+    )]
+    async fn import_bundle(&self, Parameters(a): Parameters<ImportArg>) -> CallToolResult {
+        if let Some(refused) = self.writes_allowed() {
+            return refused;
+        }
+        let mut q = Vec::new();
+        if a.apply {
+            q.push("apply=1");
+        }
+        if a.prune {
+            q.push("prune=1");
+        }
+        self.call(
+            Method::POST,
+            &format!("/v1/import?{}", q.join("&")),
+            Some(("application/toml", a.toml.into_bytes())),
+        )
+        .await
+    }
+
+    #[tool(
         description = "Set agent.default_policy and/or agent.unlabeled. Only with --allow-writes."
     )]
     async fn set_defaults(&self, Parameters(a): Parameters<DefaultsArg>) -> CallToolResult {
@@ -413,7 +474,7 @@ impl EgressMcp {
 impl ServerHandler for EgressMcp {
     fn get_info(&self) -> ServerConfig {
         let writes = if self.allow_writes {
-            "Write tools are on: set_policy, delete_policy, set_defaults change this host's policies."
+            "Write tools are on: set_policy, delete_policy, set_defaults, import_bundle change this host's policies."
         } else {
             "Read-only: the write tools are off (egress-agent mcp --allow-writes)."
         };
