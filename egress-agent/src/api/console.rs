@@ -189,7 +189,10 @@ pub fn admit(
                 "a write must come from the console's own page (Origin)",
             );
         }
-        if header(req, CSRF_HEADER).is_none_or(|t| !t.as_bytes().eq(s.csrf.as_bytes())) {
+        let csrf_ok = header(req, CSRF_HEADER).is_some_and(|t| {
+            super::tokens::same(&super::tokens::digest(t), &super::tokens::digest(&s.csrf))
+        });
+        if !csrf_ok {
             return refuse(
                 StatusCode::FORBIDDEN,
                 "a write must carry the session's CSRF token in X-Egress-CSRF",

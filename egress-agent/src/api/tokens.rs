@@ -6,7 +6,7 @@
 //! ends at its next request ([`super::session`]).
 use std::collections::BTreeMap;
 use std::io::Write;
-use std::os::unix::fs::{MetadataExt, OpenOptionsExt, PermissionsExt};
+use std::os::unix::fs::{DirBuilderExt, MetadataExt, OpenOptionsExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 use std::sync::Mutex;
 
@@ -157,7 +157,12 @@ fn write(path: &Path, entries: &BTreeMap<String, Digest>) -> Result<(), TokenErr
         text.push_str(&format!("{name} {}\n", hex(d)));
     }
     if let Some(dir) = path.parent() {
-        std::fs::create_dir_all(dir).map_err(io_err(path))?;
+        // The state directory, as the agent makes it (0700), if this runs first.
+        std::fs::DirBuilder::new()
+            .recursive(true)
+            .mode(0o700)
+            .create(dir)
+            .map_err(io_err(path))?;
     }
     let tmp = path.with_extension("tokens.tmp");
     {
