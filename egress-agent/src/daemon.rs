@@ -274,6 +274,9 @@ impl Control for Daemon {
                 .and_then(|id| self.directory.get(id));
             if let Some(e) = entry {
                 row["source"] = json!(e.source);
+                // Its context labels (egress.run, egress.repo, a pod's namespace and name):
+                // what the console's filter finds a run's workloads by.
+                row["context"] = json!(e.context);
             }
         }
         rows

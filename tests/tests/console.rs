@@ -8,7 +8,8 @@
 //!   and one with the session but without its CSRF token, are refused from the page itself;
 //! - a denial of the running container becomes a rule from the page: the diff is shown before
 //!   anything is written, the replay of the recorded traffic counts the denials the store holds,
-//!   applying it lets the container through, and the change is recorded with the operator;
+//!   applying it lets the container through, and the change is recorded with the operator; a
+//!   tighter policy replayed from the editor counts as newly denied what the store recorded;
 //! - the policy editor refuses a bad host next to its field (nothing written), creates a policy,
 //!   the global default is changed from the settings form, an edit turns the container's badge
 //!   to `audit`, and a bad import is refused naming its field.
@@ -32,6 +33,24 @@ fn lock() -> std::sync::MutexGuard<'static, ()> {
 fn api(env: &Env, path: &str) -> Value {
     let out = Command::new("curl")
         .args(["-s", "--unix-socket"])
+        .arg(env.api_socket())
+        .arg(format!("http://egress-agent{path}"))
+        .output()
+        .expect("curl");
+    serde_json::from_slice(&out.stdout).unwrap_or(Value::Null)
+}
+
+/// `POST` a JSON body through `curl --unix-socket`: the answer, parsed.
+fn api_post(env: &Env, path: &str, body: &Value) -> Value {
+    let out = Command::new("curl")
+        .args([
+            "-s",
+            "-H",
+            "content-type: application/json",
+            "--data-binary",
+        ])
+        .arg(body.to_string())
+        .arg("--unix-socket")
         .arg(env.api_socket())
         .arg(format!("http://egress-agent{path}"))
         .output()
@@ -116,7 +135,7 @@ fn the_console_turns_a_denial_into_a_rule_after_login() {
         String::from_utf8_lossy(&o.stderr)
     );
 
-    env.run_labelled("web-1", &["egress.policy=web"]);
+    env.run_labelled("web-1", &["egress.policy=web", "egress.run=run-77"]);
     env.run_labelled("cidr-1", &["egress.policy=canary"]);
 
     // Confined containers get nothing at the console's address, whatever their policy allows.
@@ -139,7 +158,11 @@ fn the_console_turns_a_denial_into_a_rule_after_login() {
         "a confined container's connection arrived at the console"
     );
 
-    // Two denials the store will hold.
+    // Two allowed requests and two denials the store will hold.
+    for _ in 0..2 {
+        let out = env.exec_out("web-1", &proxied_get("allowed.test", 8080));
+        assert!(out.contains("hello-upstream"), "{out}");
+    }
     for _ in 0..2 {
         let out = env.exec_out("web-1", &proxied_get("denied.test", 8080));
         assert!(out.contains("host-not-allowed"), "{out}");
@@ -190,6 +213,13 @@ fn the_console_turns_a_denial_into_a_rule_after_login() {
         container_row(&dom, "cidr-1").is_some_and(|r| r.contains("canary")),
         "{dom}"
     );
+    // The filter finds a run's workloads and denials by its id, in every list.
+    set_value(&mut b, "filter", "run-77");
+    b.wait_true(
+        "only run-77's workload and denials",
+        "(() => { const v = [...document.querySelectorAll('#containers tbody tr, #denials tbody tr')].filter(r => !r.hidden).map(r => r.dataset.container || r.dataset.destination); return v.includes('web-1') && v.includes('denied.test:8080') && !v.includes('cidr-1'); })()",
+    );
+    set_value(&mut b, "filter", "");
     // The session's cookie alone does not make a write: the CSRF token is missing.
     assert_eq!(b.eval(put), Value::from(403));
     assert!(!dir.join("x.toml").exists());
@@ -254,6 +284,52 @@ fn the_console_turns_a_denial_into_a_rule_after_login() {
     b.wait_true(
         "the change in the page's list",
         "document.getElementById('changes').textContent.includes('console:ops')",
+    );
+
+    // A tighter web (without allowed.test), replayed from the editor before saving: its
+    // newly denied count is what the store recorded as allowed to allowed.test.
+    click(&mut b, "tr[data-policy=\"web\"] button");
+    b.wait_true(
+        "the editor on web",
+        "document.getElementById('ed-name').value === 'web'",
+    );
+    set_value(&mut b, "ed-hosts", "denied.test");
+    let tighter = serde_json::json!({
+        "name": "web",
+        "policy": { "allow_hosts": ["denied.test"], "allow_ports": [8080],
+                    "allow_cidrs": [format!("{UPSTREAM_IP}/32")] },
+    });
+    let from_store =
+        api_post(&env, "/v1/replay", &tighter)["totals"]["newly_denied"]["events"].clone();
+    assert_eq!(
+        from_store,
+        Value::from(2u64),
+        "the store's two allowed requests"
+    );
+    click(&mut b, "#ed-preview");
+    b.wait_true(
+        "the tighter diff",
+        "document.getElementById('change-diff').textContent.includes('-allow_hosts')",
+    );
+    click(&mut b, "#change-replay-run");
+    b.wait_true(
+        "the tighter replay",
+        "!!document.querySelector('#replay-totals tr[data-bucket=\"newly_denied\"]')",
+    );
+    let newly_denied = b.eval(
+        "Number(document.querySelector('#replay-totals tr[data-bucket=\"newly_denied\"]').children[2].textContent)",
+    );
+    assert_eq!(
+        newly_denied, from_store,
+        "the page's replay and the store agree"
+    );
+    click(&mut b, "#change-cancel");
+    click(&mut b, "#ed-close");
+    assert!(
+        std::fs::read_to_string(dir.join("web.toml"))
+            .expect("web.toml")
+            .contains("allowed.test"),
+        "a replay writes nothing"
     );
 
     // The editor: a bad host is refused next to its field, nothing written; then a policy.

@@ -470,9 +470,17 @@ function renderDenials() {
   }
 }
 
+// The header's filter, over every list (workloads, denials, changes): each word must appear in
+// the row's text, context labels included (`run=pr-1842`, `k8s.namespace.name=ci`, …).
 function matchesFilter(tr) {
-  const f = $("denials-filter").value.trim().toLowerCase();
-  return !f || f.split(/\s+/).every((w) => tr.dataset.text.includes(w));
+  const f = $("filter").value.trim().toLowerCase();
+  return !f || f.split(/\s+/).every((w) => (tr.dataset.text || "").includes(w));
+}
+
+function applyFilter() {
+  for (const tr of document.querySelectorAll("#containers tbody tr, #denials tbody tr, #changes tbody tr")) {
+    tr.hidden = !matchesFilter(tr);
+  }
 }
 
 // ---- the rest: summary, containers, changes, doctor ----
@@ -524,6 +532,8 @@ function renderContainers(list) {
     // Where its policy came from: label, annotation, default, namespace default, unlabeled…
     if (c.source) policy.append(el("span", " (" + c.source + ")", "muted"));
     tr.append(el("td", name), el("td", kind), policy);
+    tr.dataset.text = [name, kind, c.policy, c.source, Object.entries(c.context || {}).map(([k, v]) => k + "=" + v).join(" ")].join(" ").toLowerCase();
+    tr.hidden = !matchesFilter(tr);
     const td = el("td");
     td.append(badge(badgeName));
     tr.append(td, el("td", c.allowed, "num"), el("td", c.denied, "num"), el("td", c.proxied, "num"));
@@ -546,6 +556,8 @@ function renderChanges(list) {
       diff.append(d);
     }
     tr.append(el("td", (c.time || "").replace("T", " ").replace(/\.\d+Z$/, "Z")), el("td", whoText), el("td", c.action), el("td", c.target), el("td", c.result), diff);
+    tr.dataset.text = [whoText, c.action, c.target, c.result].join(" ").toLowerCase();
+    tr.hidden = !matchesFilter(tr);
     body.append(tr);
   }
 }
@@ -629,9 +641,7 @@ async function start() {
   $("policy-new").addEventListener("click", () => openEditor(null, false));
   $("ed-preview").addEventListener("click", previewEditor);
   $("ed-close").addEventListener("click", () => { $("editor").hidden = true; });
-  $("denials-filter").addEventListener("input", () => {
-    for (const tr of document.querySelectorAll("#denials tbody tr")) tr.hidden = !matchesFilter(tr);
-  });
+  $("filter").addEventListener("input", applyFilter);
   $("import-file").addEventListener("change", importFile);
   await loadSession();
   await refresh();
