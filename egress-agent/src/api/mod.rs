@@ -114,27 +114,36 @@ pub struct StoreQuery {
 }
 
 /// `POST /v1/replay`'s body: the proposed policy (its fields, as `PUT /v1/policies/{name}` takes
-/// them, under `name`) and which recorded flows (the `replay` command's flags).
-#[derive(Debug, Clone, Default, serde::Deserialize)]
+/// them, under `name`) and which recorded flows (the `replay` command's flags). The MCP tool
+/// `replay` takes the same object as its arguments (the doc comments are its schema).
+#[derive(Debug, Clone, Default, serde::Deserialize, serde::Serialize, schemars::JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct ReplayBody {
+    /// The proposed policy's name: the traffic recorded under it is replayed (see `against`).
     pub name: String,
+    /// The proposed policy's fields as a JSON object (`{"allow_hosts": ["github.com"]}`), as
+    /// `PUT /v1/policies/{name}` (and MCP's set_policy) take them.
     pub policy: serde_json::Map<String, Value>,
+    /// Only since then: 30m, 2h, 7d, or an RFC 3339 time.
     #[serde(default)]
     pub since: Option<String>,
+    /// Only this container (name or id prefix).
     #[serde(default)]
     pub container: Option<String>,
+    /// Only this run (the `run` label).
     #[serde(default)]
     pub run: Option<String>,
-    /// `NAME` or `NAMESPACE/NAME`.
+    /// Only this Kubernetes pod: `NAME` or `NAMESPACE/NAME`.
     #[serde(default)]
     pub pod: Option<String>,
+    /// Only this Kubernetes namespace.
     #[serde(default)]
     pub namespace: Option<String>,
     /// Context labels that must match.
     #[serde(default)]
     pub labels: std::collections::BTreeMap<String, String>,
-    /// The flows recorded under this policy (default `name`), or `any`.
+    /// Replay the traffic recorded under this policy instead (default `name`), or `any` for all
+    /// of it.
     #[serde(default)]
     pub against: Option<String>,
     /// Destinations listed per bucket (default 20; 0: all).

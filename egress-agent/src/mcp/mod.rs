@@ -110,33 +110,6 @@ pub struct SuggestArg {
 }
 
 #[derive(Debug, Deserialize, schemars::JsonSchema)]
-pub struct ReplayArg {
-    /// The proposed policy's name: the traffic recorded under it is replayed (see `against`).
-    pub name: String,
-    /// The proposed policy's fields as a JSON object (`{"allow_hosts": ["github.com"]}`), as
-    /// set_policy takes them.
-    pub policy: serde_json::Map<String, Value>,
-    /// Replay the traffic recorded under this policy instead, or `any` for all of it.
-    #[serde(default)]
-    pub against: Option<String>,
-    /// Only since then: 30m, 2h, 7d, or an RFC 3339 time.
-    #[serde(default)]
-    pub since: Option<String>,
-    /// Only this container (name or id prefix).
-    #[serde(default)]
-    pub container: Option<String>,
-    /// Only this run (the `run` label).
-    #[serde(default)]
-    pub run: Option<String>,
-    /// Only this Kubernetes pod: NAME or NAMESPACE/NAME.
-    #[serde(default)]
-    pub pod: Option<String>,
-    /// Destinations listed per bucket (default 20; 0: all).
-    #[serde(default)]
-    pub limit: Option<usize>,
-}
-
-#[derive(Debug, Deserialize, schemars::JsonSchema)]
 pub struct SetPolicyArg {
     /// The policy's name.
     pub name: String,
@@ -357,23 +330,13 @@ impl EgressMcp {
     #[tool(
         description = "Before changing a policy: replay the traffic the event store recorded against a proposed policy (the proxy's and the kernel's own decision code) and see what it would newly deny, newly allow and leave unchanged, per destination, with the rule before and after. Changes nothing."
     )]
-    async fn replay(&self, Parameters(a): Parameters<ReplayArg>) -> CallToolResult {
-        let body = json!({
-            "name": a.name,
-            "policy": a.policy,
-            "against": a.against,
-            "since": a.since,
-            "container": a.container,
-            "run": a.run,
-            "pod": a.pod,
-            "limit": a.limit,
-        });
+    async fn replay(&self, Parameters(a): Parameters<api::ReplayBody>) -> CallToolResult {
         self.call(
             Method::POST,
             "/v1/replay",
             Some((
                 "application/json",
-                serde_json::to_vec(&body).unwrap_or_default(),
+                serde_json::to_vec(&a).unwrap_or_default(),
             )),
         )
         .await
