@@ -1,57 +1,14 @@
 //! Doctor against constructed hosts (no root needed): statuses on fixture files, a fake Docker
 //! Engine API on a unix socket, real loopback listeners; and termination when what a probe needs is
 //! missing or hangs.
+mod fixture_root;
+use fixture_root::Root;
+
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-use egress_agent::doctor::{self, Check, HostPaths, Options, Report, Status};
+use egress_agent::doctor::{self, Check, HostPaths, Report, Status};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
-
-/// A fresh fixture directory, removed on drop.
-struct Root(PathBuf);
-
-impl Root {
-    fn new(tag: &str) -> Root {
-        let p = std::env::temp_dir().join(format!("egress-doctor-{tag}-{}", std::process::id()));
-        std::fs::remove_dir_all(&p).ok();
-        std::fs::create_dir_all(&p).expect("create fixture root");
-        Root(p)
-    }
-    fn write(&self, rel: &str, content: &str) -> &Self {
-        let p = self.0.join(rel);
-        std::fs::create_dir_all(p.parent().expect("parent")).expect("mkdir");
-        std::fs::write(&p, content).expect("write fixture");
-        self
-    }
-    fn mkdir(&self, rel: &str) -> &Self {
-        std::fs::create_dir_all(self.0.join(rel)).expect("mkdir");
-        self
-    }
-    fn path(&self, rel: &str) -> PathBuf {
-        self.0.join(rel)
-    }
-}
-
-impl Drop for Root {
-    fn drop(&mut self) {
-        std::fs::remove_dir_all(&self.0).ok();
-    }
-}
-
-fn options(root: &Root) -> Options {
-    Options {
-        paths: HostPaths::under(&root.0, "9.9.9"),
-        pin_dir: root.path("bpf/egress-agent"),
-        docker_socket: root.path("docker.sock"),
-        docker_daemon_json: root.path("etc/docker/daemon.json"),
-        sshd_config: root.path("etc/ssh/sshd_config"),
-        tool_path: Some("".into()),
-        netlink: false,
-        probe_timeout: Duration::from_secs(2),
-        deadline: Duration::from_secs(5),
-        ..Options::default()
-    }
-}
 
 fn get<'a>(r: &'a Report, id: &str) -> &'a Check {
     r.checks
@@ -185,7 +142,7 @@ fn proc_net_tcp_listening(addr: std::net::SocketAddr) -> String {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn good_host_statuses() {
-    let root = Root::new("good");
+    let root = Root::new("doctor-good");
     good_host(&root);
     fake_docker(&root.path("docker.sock"), docker_routes(), false).await;
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
@@ -195,7 +152,7 @@ async fn good_host_statuses() {
     // The daemon's listeners are judged by their LISTEN state in its namespace, never connected
     // to (a connection would be a listener-foreign-peer denial): the fixture's /proc/net/tcp.
     root.write("proc/net/tcp", &proc_net_tcp_listening(addr));
-    let mut opts = options(&root);
+    let mut opts = root.options();
     opts.proxy_listeners = vec![addr];
 
     let r = doctor::run_async(opts).await;
@@ -264,7 +221,7 @@ async fn good_host_statuses() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn weak_host_statuses() {
-    let root = Root::new("weak");
+    let root = Root::new("doctor-weak");
     root.write("proc/self/mountinfo", "22 1 0:21 / /sys rw - sysfs sysfs rw\n31 22 0:27 / /sys/fs/cgroup/cpu rw - cgroup cgroup rw,cpu\n")
         .write("proc/cmdline", "ro quiet lsm=yama,apparmor\n")
         .write("boot/config-9.9.9", "CONFIG_BPF_SYSCALL=y\nCONFIG_BPF_LSM=y\nCONFIG_LSM=\"yama,apparmor\"\n# CONFIG_CGROUP_BPF is not set\n")
@@ -281,7 +238,7 @@ async fn weak_host_statuses() {
     // Listening elsewhere only: another port of the same address.
     let elsewhere = std::net::SocketAddr::new(closed.ip(), closed.port().wrapping_add(1));
     root.write("proc/net/tcp", &proc_net_tcp_listening(elsewhere));
-    let mut opts = options(&root);
+    let mut opts = root.options();
     opts.proxy_listeners = vec![closed];
 
     let r = doctor::run_async(opts).await;
@@ -321,8 +278,8 @@ async fn weak_host_statuses() {
 
 #[test]
 fn terminates_quickly_when_everything_is_missing() {
-    let root = Root::new("missing");
-    let mut opts = options(&root);
+    let root = Root::new("doctor-missing");
+    let mut opts = root.options();
     opts.paths = HostPaths::under(&root.path("does-not-exist"), "");
     opts.pin_dir = root.path("nope/egress-agent");
     opts.netlink = true; // would be skipped for want of nf_tables evidence, never hang
@@ -350,11 +307,11 @@ fn terminates_quickly_when_everything_is_missing() {
 
 #[test]
 fn a_hung_docker_daemon_is_a_timely_fail() {
-    let root = Root::new("hung");
+    let root = Root::new("doctor-hung");
     good_host(&root);
     let rt = tokio::runtime::Runtime::new().expect("runtime");
     rt.block_on(fake_docker(&root.path("docker.sock"), Vec::new(), true));
-    let mut opts = options(&root);
+    let mut opts = root.options();
     opts.probe_timeout = Duration::from_millis(800);
     let start = Instant::now();
     let r = doctor::run(opts);
@@ -369,12 +326,12 @@ fn a_hung_docker_daemon_is_a_timely_fail() {
 fn a_hung_file_read_does_not_hang_the_doctor() {
     // A FIFO with no writer blocks open(2) forever: the probes reading it must still give an answer
     // in time, and the run must return (the stuck thread is left behind).
-    let root = Root::new("fifo");
+    let root = Root::new("doctor-fifo");
     good_host(&root);
     let fifo = root.path("proc/self/mountinfo");
     std::fs::remove_file(&fifo).expect("rm");
     nix::unistd::mkfifo(&fifo, nix::sys::stat::Mode::from_bits_truncate(0o600)).expect("mkfifo");
-    let mut opts = options(&root);
+    let mut opts = root.options();
     opts.probe_timeout = Duration::from_millis(500);
     opts.deadline = Duration::from_secs(2);
     let start = Instant::now();
@@ -399,7 +356,7 @@ fn fake_tool(dir: &Path, name: &str, body: &str) {
 
 #[test]
 fn legacy_iptables_policies_through_the_tool() {
-    let root = Root::new("legacy");
+    let root = Root::new("doctor-legacy");
     good_host(&root);
     root.write("proc/net/ip_tables_names", "nat\nfilter\n")
         .write("proc/net/ip6_tables_names", "filter\n");
@@ -415,7 +372,7 @@ fn legacy_iptables_policies_through_the_tool() {
         "ip6tables-legacy",
         "echo '-P INPUT ACCEPT'; echo '-P FORWARD DROP'",
     );
-    let mut opts = options(&root);
+    let mut opts = root.options();
     opts.tool_path = Some(bin.into_os_string());
     let r = doctor::run(opts);
     println!("{}", r.to_text());
@@ -435,12 +392,12 @@ fn legacy_iptables_policies_through_the_tool() {
 
 #[test]
 fn a_hung_tool_is_killed_in_time() {
-    let root = Root::new("hungtool");
+    let root = Root::new("doctor-hungtool");
     good_host(&root);
     root.write("proc/net/ip_tables_names", "filter\n");
     let bin = root.path("bin");
     fake_tool(&bin, "iptables-legacy", "exec sleep 60");
-    let mut opts = options(&root);
+    let mut opts = root.options();
     opts.tool_path = Some(bin.into_os_string());
     opts.probe_timeout = Duration::from_millis(600);
     let start = Instant::now();
@@ -471,7 +428,7 @@ fn listener_child() {
 #[test]
 fn discovers_the_agents_listeners_through_proc() {
     use std::io::BufRead;
-    let root = Root::new("discover");
+    let root = Root::new("doctor-discover");
     let exe = root.path("egress-agent");
     std::fs::copy(std::env::current_exe().expect("exe"), &exe).expect("copy test binary");
     let mut child = std::process::Command::new(&exe)
@@ -491,7 +448,7 @@ fn discovers_the_agents_listeners_through_proc() {
         .map_while(Result::ok)
         .find_map(|l| l.split("PORT=").nth(1).map(|p| p.trim().to_owned()))
         .expect("child port");
-    let mut opts = options(&root);
+    let mut opts = root.options();
     opts.paths.proc_dir = PathBuf::from("/proc");
     let r = doctor::run(opts);
     child.kill().ok();

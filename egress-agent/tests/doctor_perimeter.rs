@@ -1,73 +1,33 @@
 //! Perimeter probes against constructed hosts (no root needed): sshd_config fixtures with `Include`
 //! and `Match`, and fake `sshd`, `fail2ban-client`, `tailscale`, `firewall-cmd` and `ufw` scripts on
 //! the probe context's PATH. Each probe's pass, gap (fail or warn) and skip.
-use std::path::PathBuf;
+mod fixture_root;
+use fixture_root::Root;
+
 use std::sync::Mutex;
 use std::time::Duration;
 
-use egress_agent::doctor::{self, HostPaths, Options, Report, Status};
+use egress_agent::doctor::{self, Options, Report, Status};
 
 /// Scripts are written then executed: one test at a time, so no other test's fork holds a script
 /// open for writing while it is exec'd (ETXTBSY).
 static SERIAL: Mutex<()> = Mutex::new(());
 
-/// A fresh fixture directory, removed on drop.
-struct Root(PathBuf);
-
-impl Root {
-    fn new(tag: &str) -> Root {
-        let p = std::env::temp_dir().join(format!(
-            "egress-doctor-perimeter-{tag}-{}",
-            std::process::id()
-        ));
-        std::fs::remove_dir_all(&p).ok();
-        std::fs::create_dir_all(&p).expect("create fixture root");
-        Root(p)
-    }
-    fn write(&self, rel: &str, content: &str) -> &Self {
-        let p = self.0.join(rel);
-        std::fs::create_dir_all(p.parent().expect("parent")).expect("mkdir");
-        std::fs::write(&p, content).expect("write fixture");
-        self
-    }
-    /// An executable shell script `bin/<name>`.
-    fn tool(&self, name: &str, body: &str) -> &Self {
-        use std::os::unix::fs::PermissionsExt;
-        self.write(&format!("bin/{name}"), &format!("#!/bin/sh\n{body}\n"));
-        let p = self.0.join("bin").join(name);
-        std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o755)).expect("chmod");
-        self
-    }
-    fn path(&self, rel: &str) -> PathBuf {
-        self.0.join(rel)
-    }
-    fn options(&self) -> Options {
-        std::fs::create_dir_all(self.path("bin")).expect("mkdir bin");
-        Options {
-            paths: HostPaths::under(&self.0, "9.9.9"),
-            pin_dir: self.path("bpf/egress-agent"),
-            docker_socket: self.path("docker.sock"),
-            docker_daemon_json: self.path("etc/docker/daemon.json"),
-            sshd_config: self.path("etc/ssh/sshd_config"),
-            tool_path: Some(self.path("bin").into_os_string()),
-            netlink: false,
-            probe_timeout: Duration::from_secs(2),
-            deadline: Duration::from_secs(5),
-            ..Options::default()
-        }
-    }
-    /// Run the probes `ids` on this host.
-    fn run(&self, ids: &[&str]) -> Report {
-        let r = doctor::run_only(self.options(), ids);
-        print!("{}", r.to_text());
-        r
+/// The doctor's options for the host rooted at `root`, with its `bin/` (the fake tools) as the
+/// PATH.
+fn options(root: &Root) -> Options {
+    std::fs::create_dir_all(root.path("bin")).expect("mkdir bin");
+    Options {
+        tool_path: Some(root.path("bin").into_os_string()),
+        ..root.options()
     }
 }
 
-impl Drop for Root {
-    fn drop(&mut self) {
-        std::fs::remove_dir_all(&self.0).ok();
-    }
+/// Run the probes `ids` on the host rooted at `root`.
+fn run(root: &Root, ids: &[&str]) -> Report {
+    let r = doctor::run_only(options(root), ids);
+    print!("{}", r.to_text());
+    r
 }
 
 #[track_caller]
@@ -99,7 +59,7 @@ fn lock() -> std::sync::MutexGuard<'static, ()> {
 #[test]
 fn ssh_hardened_through_includes_and_matches() {
     let _g = lock();
-    let root = Root::new("ssh-good");
+    let root = Root::new("doctor-perimeter-ssh-good");
     // Ubuntu's layout: the drop-ins first, so their values win over the main file's.
     root.write(
         "etc/ssh/sshd_config",
@@ -120,7 +80,7 @@ fn ssh_hardened_through_includes_and_matches() {
         "etc/ssh/sshd_config.d/20-old.conf.bak",
         "PasswordAuthentication yes\n",
     );
-    let r = root.run(SSH);
+    let r = run(&root, SSH);
     expect(
         &r,
         "host.ssh_password_auth",
@@ -139,7 +99,7 @@ fn ssh_hardened_through_includes_and_matches() {
 #[test]
 fn ssh_cloud_init_drop_in_turns_passwords_on() {
     let _g = lock();
-    let root = Root::new("ssh-bad");
+    let root = Root::new("doctor-perimeter-ssh-bad");
     root.write(
         "etc/ssh/sshd_config",
         "Include /NONEXISTENT/*.conf\nInclude sshd_config.d/*.conf\nPasswordAuthentication no\n",
@@ -148,7 +108,7 @@ fn ssh_cloud_init_drop_in_turns_passwords_on() {
         "etc/ssh/sshd_config.d/50-cloud-init.conf",
         "PasswordAuthentication yes\nPermitRootLogin yes\n",
     );
-    let r = root.run(SSH);
+    let r = run(&root, SSH);
     expect(
         &r,
         "host.ssh_password_auth",
@@ -172,7 +132,7 @@ fn ssh_cloud_init_drop_in_turns_passwords_on() {
 #[test]
 fn ssh_match_blocks_are_gaps() {
     let _g = lock();
-    let root = Root::new("ssh-match");
+    let root = Root::new("doctor-perimeter-ssh-match");
     root.write(
         "etc/ssh/sshd_config",
         "PasswordAuthentication no\nKbdInteractiveAuthentication no\nPermitRootLogin no\n\
@@ -181,7 +141,7 @@ fn ssh_match_blocks_are_gaps() {
     )
     // Included inside a Match block: its settings belong to that block.
     .write("etc/ssh/match.d/lan.conf", "PasswordAuthentication yes\n");
-    let r = root.run(SSH);
+    let r = run(&root, SSH);
     expect(
         &r,
         "host.ssh_password_auth",
@@ -195,9 +155,9 @@ fn ssh_match_blocks_are_gaps() {
 fn ssh_defaults_and_sshd_dump() {
     let _g = lock();
     // An empty config: sshd's defaults (passwords on, root by key).
-    let root = Root::new("ssh-defaults");
+    let root = Root::new("doctor-perimeter-ssh-defaults");
     root.write("etc/ssh/sshd_config", "# nothing\n");
-    let r = root.run(SSH);
+    let r = run(&root, SSH);
     expect(&r, "host.ssh_password_auth", Status::Fail, "sshd's default");
     expect(
         &r,
@@ -207,7 +167,7 @@ fn ssh_defaults_and_sshd_dump() {
     );
 
     // `sshd -T -f <config>` where it runs wins over the files for global values.
-    let root = Root::new("ssh-dump");
+    let root = Root::new("doctor-perimeter-ssh-dump");
     let cfg = root.path("etc/ssh/sshd_config");
     root.write("etc/ssh/sshd_config", "PasswordAuthentication yes\n")
         .tool(
@@ -219,7 +179,7 @@ fn ssh_defaults_and_sshd_dump() {
                 cfg.display()
             ),
         );
-    let r = root.run(SSH);
+    let r = run(&root, SSH);
     expect(&r, "host.ssh_password_auth", Status::Pass, "(from sshd -T)");
     expect(
         &r,
@@ -232,8 +192,8 @@ fn ssh_defaults_and_sshd_dump() {
 #[test]
 fn ssh_absent_is_skip() {
     let _g = lock();
-    let root = Root::new("ssh-none");
-    let r = root.run(SSH);
+    let root = Root::new("doctor-perimeter-ssh-none");
+    let r = run(&root, SSH);
     expect(&r, "host.ssh_password_auth", Status::Skip, "no sshd");
     expect(&r, "host.ssh_root_login", Status::Skip, "no sshd");
 }
@@ -242,15 +202,15 @@ fn ssh_absent_is_skip() {
 fn fail2ban_states() {
     let _g = lock();
     let id = ["host.fail2ban"];
-    let root = Root::new("f2b");
-    expect(&root.run(&id), id[0], Status::Skip, "not installed");
+    let root = Root::new("doctor-perimeter-f2b");
+    expect(&run(&root, &id), id[0], Status::Skip, "not installed");
 
     root.tool(
         "fail2ban-client",
         "[ \"$1\" = status ] || exit 2\nprintf 'Status\\n|- Number of jail:\\t2\\n`- Jail list:\\tsshd, recidive\\n'",
     );
     expect(
-        &root.run(&id),
+        &run(&root, &id),
         id[0],
         Status::Pass,
         "2 jail(s): sshd, recidive",
@@ -260,27 +220,27 @@ fn fail2ban_states() {
         "fail2ban-client",
         "printf 'Status\\n|- Number of jail:\\t0\\n`- Jail list:\\t\\n'",
     );
-    expect(&root.run(&id), id[0], Status::Warn, "no jail");
+    expect(&run(&root, &id), id[0], Status::Warn, "no jail");
 
     root.tool(
         "fail2ban-client",
         "echo 'ERROR   Failed to access socket path: /var/run/fail2ban/fail2ban.sock. Is fail2ban running?' >&2; exit 255",
     );
-    expect(&root.run(&id), id[0], Status::Fail, "not running");
+    expect(&run(&root, &id), id[0], Status::Fail, "not running");
 
     root.tool(
         "fail2ban-client",
         "echo 'ERROR   Permission denied to socket: /var/run/fail2ban/fail2ban.sock, (you must be root)' >&2; exit 255",
     );
-    expect(&root.run(&id), id[0], Status::Skip, "Permission denied");
+    expect(&run(&root, &id), id[0], Status::Skip, "Permission denied");
 }
 
 #[test]
 fn tailscale_states() {
     let _g = lock();
     let id = ["host.tailscale"];
-    let root = Root::new("ts");
-    expect(&root.run(&id), id[0], Status::Skip, "not installed");
+    let root = Root::new("doctor-perimeter-ts");
+    expect(&run(&root, &id), id[0], Status::Skip, "not installed");
 
     let up = r#"{"BackendState":"Running","Self":{"TailscaleIPs":["100.101.102.103","fd7a:115c:a1e0::1"]}}"#;
     root.tool(
@@ -288,14 +248,14 @@ fn tailscale_states() {
         &format!("[ \"$1 $2\" = 'status --json' ] || exit 2\necho '{up}'"),
     );
     // No sshd: nothing else to reach.
-    expect(&root.run(&id), id[0], Status::Pass, "no sshd");
+    expect(&run(&root, &id), id[0], Status::Pass, "no sshd");
 
     root.write(
         "etc/ssh/sshd_config",
         "ListenAddress 100.101.102.103:22\nListenAddress [fd7a:115c:a1e0::1]:22\nListenAddress 127.0.0.1\n",
     );
     expect(
-        &root.run(&id),
+        &run(&root, &id),
         id[0],
         Status::Pass,
         "sshd listens only on the tailnet",
@@ -304,7 +264,7 @@ fn tailscale_states() {
     // sshd's default: every address.
     root.write("etc/ssh/sshd_config", "PasswordAuthentication no\n");
     expect(
-        &root.run(&id),
+        &run(&root, &id),
         id[0],
         Status::Warn,
         "sshd also listens on 0.0.0.0, ::",
@@ -315,7 +275,7 @@ fn tailscale_states() {
         r#"echo '{"BackendState":"NeedsLogin","Self":{}}'"#,
     );
     expect(
-        &root.run(&id),
+        &run(&root, &id),
         id[0],
         Status::Warn,
         "not up (state NeedsLogin)",
@@ -326,7 +286,7 @@ fn tailscale_states() {
         "echo 'failed to connect to local tailscaled; it doesn'\\''t appear to be running' >&2; exit 1",
     );
     expect(
-        &root.run(&id),
+        &run(&root, &id),
         id[0],
         Status::Warn,
         "tailscaled did not answer",
@@ -337,53 +297,58 @@ fn tailscale_states() {
 fn firewalld_states() {
     let _g = lock();
     let id = ["host.firewalld"];
-    let root = Root::new("firewalld");
-    expect(&root.run(&id), id[0], Status::Skip, "not installed");
+    let root = Root::new("doctor-perimeter-firewalld");
+    expect(&run(&root, &id), id[0], Status::Skip, "not installed");
 
     root.tool(
         "firewall-cmd",
         "[ \"$1\" = --state ] || exit 2\necho running",
     );
-    expect(&root.run(&id), id[0], Status::Pass, "firewalld running");
+    expect(&run(&root, &id), id[0], Status::Pass, "firewalld running");
 
     // What firewall-cmd does when the daemon is stopped.
     root.tool("firewall-cmd", "echo 'not running' >&2; exit 252");
-    expect(&root.run(&id), id[0], Status::Warn, "not running");
+    expect(&run(&root, &id), id[0], Status::Warn, "not running");
 
     // "not running" is not "running", whatever the exit status.
     root.tool("firewall-cmd", "echo 'not running'");
-    expect(&root.run(&id), id[0], Status::Warn, "state \"not running\"");
+    expect(
+        &run(&root, &id),
+        id[0],
+        Status::Warn,
+        "state \"not running\"",
+    );
 }
 
 #[test]
 fn ufw_states() {
     let _g = lock();
     let id = ["host.ufw"];
-    let root = Root::new("ufw");
-    expect(&root.run(&id), id[0], Status::Skip, "not installed");
+    let root = Root::new("doctor-perimeter-ufw");
+    expect(&run(&root, &id), id[0], Status::Skip, "not installed");
 
     root.tool(
         "ufw",
         "[ \"$1\" = status ] || exit 2\nprintf 'Status: active\\n\\nTo Action From\\n22/tcp ALLOW Anywhere\\n'",
     );
-    expect(&root.run(&id), id[0], Status::Pass, "ufw active");
+    expect(&run(&root, &id), id[0], Status::Pass, "ufw active");
 
     root.tool("ufw", "echo 'Status: inactive'");
-    expect(&root.run(&id), id[0], Status::Warn, "status inactive");
+    expect(&run(&root, &id), id[0], Status::Warn, "status inactive");
 
     root.tool(
         "ufw",
         "echo 'ERROR: You need to be root to run this script' >&2; exit 1",
     );
-    expect(&root.run(&id), id[0], Status::Skip, "need to be root");
+    expect(&run(&root, &id), id[0], Status::Skip, "need to be root");
 }
 
 #[test]
 fn a_hung_client_is_a_timely_warn() {
     let _g = lock();
-    let root = Root::new("hung");
+    let root = Root::new("doctor-perimeter-hung");
     root.tool("fail2ban-client", "exec sleep 60");
-    let mut opts = root.options();
+    let mut opts = options(&root);
     opts.probe_timeout = Duration::from_millis(600);
     let start = std::time::Instant::now();
     let r = doctor::run_only(opts, &["host.fail2ban"]);

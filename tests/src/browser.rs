@@ -7,6 +7,14 @@ use std::time::{Duration, Instant};
 
 use serde_json::Value;
 
+/// The browser tests need Debian's chromium (`cargo xtask setup` installs it): fail loudly
+/// without it rather than skip.
+pub fn require_chromium() {
+    if Command::new("chromium").arg("--version").output().is_err() {
+        panic!("chromium is not installed (cargo xtask setup installs it)");
+    }
+}
+
 pub struct Browser {
     child: Child,
     stdin: ChildStdin,

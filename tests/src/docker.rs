@@ -764,6 +764,39 @@ nameservers = []
         false
     }
 
+    /// A request to the daemon's control API by `curl --unix-socket` (a real client):
+    /// (status, body). `body`: (content type, text).
+    pub fn api_call(&self, method: &str, path: &str, body: Option<(&str, &str)>) -> (u16, String) {
+        let mut c = Command::new("curl");
+        c.args(["-s", "-w", "\n%{http_code}", "--unix-socket"])
+            .arg(self.api_socket())
+            .args(["-X", method]);
+        if let Some((ct, b)) = body {
+            c.args(["-H", &format!("content-type: {ct}"), "--data-binary", b]);
+        }
+        c.arg(format!("http://egress-agent{path}"));
+        let out = String::from_utf8_lossy(&c.output().expect("curl").stdout).into_owned();
+        let (body, code) = out.rsplit_once('\n').unwrap_or(("", "0"));
+        (code.trim().parse().unwrap_or(0), body.to_owned())
+    }
+
+    /// Restart the daemon with `web` (allowed.test:8080, the upstream's address) in
+    /// `policies.d` — where the API and the console write — and `extra` TOML after the other
+    /// policies (e.g. `[api]`). Returns the `policies.d` directory.
+    pub fn restart_with_managed_web(&mut self, extra: &str) -> PathBuf {
+        let dir = self.dir.join("policies.d");
+        std::fs::create_dir_all(&dir).expect("policies.d");
+        std::fs::write(
+            dir.join("web.toml"),
+            format!("allow_hosts = [\"allowed.test\"]\nallow_ports = [8080]\nallow_cidrs = [\"{UPSTREAM_IP}/32\"]\n"),
+        )
+        .expect("web.toml");
+        self.write_config(&self.config_text(extra));
+        self.kill_agent();
+        self.start_agent();
+        dir
+    }
+
     /// Start a long-running container with `labels` on the test network and wait until it is
     /// enforced (from `create` and from `start`).
     pub fn run_labelled(&self, name: &str, labels: &[&str]) {

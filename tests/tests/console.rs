@@ -29,33 +29,19 @@ fn lock() -> std::sync::MutexGuard<'static, ()> {
     SERIAL.lock().unwrap_or_else(|p| p.into_inner())
 }
 
-/// `curl --unix-socket` against the daemon: the body, parsed.
+/// A GET of the daemon's control API: the body, parsed.
 fn api(env: &Env, path: &str) -> Value {
-    let out = Command::new("curl")
-        .args(["-s", "--unix-socket"])
-        .arg(env.api_socket())
-        .arg(format!("http://egress-agent{path}"))
-        .output()
-        .expect("curl");
-    serde_json::from_slice(&out.stdout).unwrap_or(Value::Null)
+    serde_json::from_str(&env.api_call("GET", path, None).1).unwrap_or(Value::Null)
 }
 
-/// `POST` a JSON body through `curl --unix-socket`: the answer, parsed.
+/// A POST of a JSON body to the daemon's control API: the answer, parsed.
 fn api_post(env: &Env, path: &str, body: &Value) -> Value {
-    let out = Command::new("curl")
-        .args([
-            "-s",
-            "-H",
-            "content-type: application/json",
-            "--data-binary",
-        ])
-        .arg(body.to_string())
-        .arg("--unix-socket")
-        .arg(env.api_socket())
-        .arg(format!("http://egress-agent{path}"))
-        .output()
-        .expect("curl");
-    serde_json::from_slice(&out.stdout).unwrap_or(Value::Null)
+    let body = body.to_string();
+    serde_json::from_str(
+        &env.api_call("POST", path, Some(("application/json", &body)))
+            .1,
+    )
+    .unwrap_or(Value::Null)
 }
 
 fn connections(env: &Env) -> u64 {
@@ -98,24 +84,13 @@ fn the_console_turns_a_denial_into_a_rule_after_login() {
     if !require_root() {
         return;
     }
-    if Command::new("chromium").arg("--version").output().is_err() {
-        panic!("chromium is not installed (cargo xtask setup installs it)");
-    }
+    egress_tests::browser::require_chromium();
     let _l = lock();
     let mut env = Env::new(&[]);
     let ui = format!("{GATEWAY}:{UI_PORT}");
-    let dir = env.dir.join("policies.d");
-    std::fs::create_dir_all(&dir).expect("policies.d");
-    std::fs::write(
-        dir.join("web.toml"),
-        format!("allow_hosts = [\"allowed.test\"]\nallow_ports = [8080]\nallow_cidrs = [\"{UPSTREAM_IP}/32\"]\n"),
-    )
-    .expect("web.toml");
-    env.write_config(&env.config_text(&format!(
+    let dir = env.restart_with_managed_web(&format!(
         "[policies.canary]\nallow_cidrs = [\"{GATEWAY}/32\"]\n[api]\nui_listen = \"{ui}\"\n"
-    )));
-    env.kill_agent();
-    env.start_agent();
+    ));
     assert!(
         env.log().contains("plain HTTP on a non-loopback address"),
         "the non-loopback console is warned about:\n{}",

@@ -9,7 +9,6 @@
 //!   (allowlist, deny_all, audit, allow_all), the doctor's probes as the daemon sees itself
 //!   (`proxy.listening`, `docker.reachable` pass) and a denial appearing live (SSE). With
 //!   `EGRESS_STATUS_SCREENSHOT=PATH` it also saves a screenshot there (docs/status-page.png).
-use std::process::Command;
 
 use egress_tests::browser::{Browser, container_row, row};
 use egress_tests::docker::{Env, SERIAL, UPSTREAM_IP, proxied_get, require_root};
@@ -21,44 +20,18 @@ fn lock() -> std::sync::MutexGuard<'static, ()> {
     SERIAL.lock().unwrap_or_else(|p| p.into_inner())
 }
 
-/// `curl --unix-socket` against the daemon; (status, body).
-fn curl(env: &Env, method: &str, path: &str, body: Option<(&str, &str)>) -> (u16, String) {
-    let mut c = Command::new("curl");
-    c.args(["-s", "-w", "\n%{http_code}", "--unix-socket"])
-        .arg(env.api_socket())
-        .args(["-X", method]);
-    if let Some((ct, b)) = body {
-        c.args(["-H", &format!("content-type: {ct}"), "--data-binary", b]);
-    }
-    c.arg(format!("http://egress-agent{path}"));
-    let out = String::from_utf8_lossy(&c.output().expect("curl").stdout).into_owned();
-    let (body, code) = out.rsplit_once('\n').unwrap_or(("", "0"));
-    (code.trim().parse().unwrap_or(0), body.to_owned())
-}
-
 #[test]
 fn policies_through_the_api_and_the_status_page() {
     if !require_root() {
         return;
     }
-    if Command::new("chromium").arg("--version").output().is_err() {
-        panic!("chromium is not installed (cargo xtask setup installs it)");
-    }
+    egress_tests::browser::require_chromium();
     let _l = lock();
     let mut env = Env::new(&[]);
     // `web` lives in policies.d (loaded after the main file); the page listens on loopback.
-    let dir = env.dir.join("policies.d");
-    std::fs::create_dir_all(&dir).expect("policies.d");
-    std::fs::write(
-        dir.join("web.toml"),
-        format!("allow_hosts = [\"allowed.test\"]\nallow_ports = [8080]\nallow_cidrs = [\"{UPSTREAM_IP}/32\"]\n"),
-    )
-    .expect("web.toml");
-    env.write_config(&env.config_text(&format!(
+    let dir = env.restart_with_managed_web(&format!(
         "[policies.canary]\nallow_cidrs = [\"198.18.0.1/32\"]\n[api]\nui_listen = \"{UI}\"\n"
-    )));
-    env.kill_agent();
-    env.start_agent();
+    ));
 
     env.run_labelled("web-1", &["egress.policy=web"]);
     env.run_labelled("locked-1", &["egress.policy=deny_all"]);
@@ -139,8 +112,7 @@ fn policies_through_the_api_and_the_status_page() {
     drop(b);
 
     // The API: a bad policy is refused with the config's own field and reason; nothing changes.
-    let (code, body) = curl(
-        &env,
+    let (code, body) = env.api_call(
         "PUT",
         "/v1/policies/web",
         Some((
@@ -161,12 +133,7 @@ fn policies_through_the_api_and_the_status_page() {
     let good = format!(
         "allow_hosts = [\"allowed.test\", \"denied.test\"]\nallow_ports = [8080]\nallow_cidrs = [\"{UPSTREAM_IP}/32\"]\n"
     );
-    let (code, body) = curl(
-        &env,
-        "PUT",
-        "/v1/policies/web",
-        Some(("application/toml", &good)),
-    );
+    let (code, body) = env.api_call("PUT", "/v1/policies/web", Some(("application/toml", &good)));
     assert_eq!(code, 200, "{body}");
     assert_eq!(
         std::fs::read_to_string(dir.join("web.toml")).expect("web.toml"),
@@ -179,17 +146,16 @@ fn policies_through_the_api_and_the_status_page() {
     );
 
     // Deleting a policy in use is refused; the defaults can be set; every change is recorded.
-    let (code, body) = curl(&env, "DELETE", "/v1/policies/web", None);
+    let (code, body) = env.api_call("DELETE", "/v1/policies/web", None);
     assert_eq!(code, 409, "{body}");
     assert!(body.contains("docker:web-1"), "{body}");
-    let (code, body) = curl(
-        &env,
+    let (code, body) = env.api_call(
         "PUT",
         "/v1/defaults",
         Some(("application/json", "{\"default_policy\": \"audit\"}")),
     );
     assert_eq!(code, 200, "{body}");
-    let (_, body) = curl(&env, "GET", "/v1/changes", None);
+    let (_, body) = env.api_call("GET", "/v1/changes", None);
     let rows: Value = serde_json::from_str(&body).expect("changes");
     let rows = rows.as_array().expect("rows");
     assert_eq!(rows.len(), 2, "{body}");
