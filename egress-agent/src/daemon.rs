@@ -1133,7 +1133,7 @@ mod tests {
             eprintln!("skipping: needs root (daemon start error)");
             return;
         }
-        let dir = std::env::temp_dir().join(format!("egress-daemon-start-{}", std::process::id()));
+        let dir = crate::test_dir::fresh("daemon-start");
         std::fs::create_dir_all(&dir).expect("dir");
         let config = dir.join("config.toml");
         std::fs::write(&config, "[proxy]\nendpoint = \"127.0.0.1:3128\"\n").expect("config");

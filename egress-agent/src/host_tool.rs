@@ -48,7 +48,7 @@ mod tests {
 
     #[test]
     fn only_absolute_entries_are_searched() {
-        let dir = std::env::temp_dir().join(format!("egress-host-tool-{}", std::process::id()));
+        let dir = crate::test_dir::fresh("host-tool");
         std::fs::create_dir_all(dir.join("bin")).expect("mkdir");
         std::fs::write(dir.join("bin/tool"), "").expect("write");
         // A relative entry that would find it from the right working directory is skipped.

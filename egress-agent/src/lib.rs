@@ -66,5 +66,7 @@ pub mod status;
 pub mod store;
 pub mod suggest;
 mod tasks;
+#[cfg(test)]
+mod test_dir;
 mod ui;
 mod workload;

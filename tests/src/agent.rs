@@ -110,6 +110,8 @@ impl TestConfig {
             std::process::id(),
             crate::marker("cfg")
         ));
+        // A kept /tmp may hold a directory of this name from a run that had the same pid.
+        std::fs::remove_dir_all(&dir).ok();
         std::fs::create_dir_all(&dir).expect("temp dir");
         // A port nothing listens on: the endpoint is only ever rewritten, never bound.
         let endpoint_port = std::net::TcpListener::bind("127.0.0.1:0")

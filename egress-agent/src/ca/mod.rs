@@ -328,7 +328,7 @@ mod tests {
 
     #[test]
     fn bundle_ends_with_the_agent_ca() {
-        let dir = std::env::temp_dir().join(format!("egress-ca-unit-{}", std::process::id()));
+        let dir = crate::test_dir::fresh("ca-unit");
         let ca = AgentCa::load_or_create(&dir).unwrap();
         let b = ca.client_bundle_pem();
         assert!(b.ends_with(ca.cert_pem()) || b.ends_with(&format!("{}\n", ca.cert_pem())));

@@ -235,7 +235,7 @@ mod tests {
 
     #[test]
     fn the_bundle_keeps_every_caller_ca_once_and_ends_with_the_agents() {
-        let dir = std::env::temp_dir().join(format!("egress-trust-{}", std::process::id()));
+        let dir = crate::test_dir::fresh("trust");
         std::fs::create_dir_all(&dir).unwrap();
         let (corp_pem, corp_der) = cert("corp.test");
         let (node_pem, node_der) = cert("node.test");

@@ -55,16 +55,7 @@ pub fn update(dir: &Path, ts: &str, files: &[(&str, &str)]) -> io::Result<()> {
 /// A fresh private directory for one test.
 #[cfg(test)]
 pub(crate) fn tempdir(tag: &str) -> PathBuf {
-    use std::sync::atomic::{AtomicU32, Ordering};
-    static SEQ: AtomicU32 = AtomicU32::new(0);
-    let d = std::env::temp_dir().join(format!(
-        "egress-config-{tag}-{}-{}",
-        std::process::id(),
-        SEQ.fetch_add(1, Ordering::Relaxed)
-    ));
-    std::fs::create_dir_all(&d).expect("tempdir");
-    std::fs::set_permissions(&d, std::fs::Permissions::from_mode(0o700)).expect("chmod");
-    d
+    crate::test_dir::fresh(&format!("config-{tag}"))
 }
 
 /// A fresh directory holding `policies.d` as a ConfigMap volume with `files` (its first

@@ -1162,7 +1162,7 @@ transparent = false
     /// a later load that can read the secret restores it. Validation errors stay errors in both.
     #[test]
     fn lenient_load_keeps_unloadable_bindings_and_names_them() {
-        let dir = std::env::temp_dir().join(format!("egress-lenient-{}", std::process::id()));
+        let dir = crate::test_dir::fresh("lenient");
         std::fs::create_dir_all(&dir).unwrap();
         let key = dir.join("key");
         let good = dir.join("good");

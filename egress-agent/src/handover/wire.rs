@@ -401,7 +401,7 @@ mod tests {
     /// mode, and a successor that connects gets what was offered.
     #[test]
     fn the_listener_creates_its_directory_and_serves_one_connection() {
-        let dir = std::env::temp_dir().join(format!("egress-handover-{}", std::process::id()));
+        let dir = crate::test_dir::fresh("handover");
         let path = dir.join("state").join("handover.sock");
         let l = Listener::bind(&path).unwrap();
         use std::os::unix::fs::PermissionsExt as _;

@@ -76,14 +76,7 @@ mod tests {
     use std::path::PathBuf;
 
     pub(crate) fn tempdir(tag: &str) -> PathBuf {
-        let d = std::env::temp_dir().join(format!(
-            "egress-manage-{tag}-{}-{}",
-            std::process::id(),
-            SEQ.fetch_add(1, Ordering::Relaxed)
-        ));
-        std::fs::create_dir_all(&d).unwrap();
-        std::fs::set_permissions(&d, std::fs::Permissions::from_mode(0o700)).unwrap();
-        d
+        crate::test_dir::fresh(&format!("manage-{tag}"))
     }
 
     #[test]

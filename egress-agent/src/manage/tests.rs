@@ -16,22 +16,9 @@ impl ChangeLog for Recorder {
 }
 
 fn setup(main: &str) -> PathBuf {
-    let d = std::env::temp_dir().join(format!(
-        "egress-manage-t-{}-{}",
-        std::process::id(),
-        rand_suffix()
-    ));
-    std::fs::create_dir_all(&d).unwrap();
-    std::fs::set_permissions(&d, std::fs::Permissions::from_mode(0o700)).unwrap();
-    let p = d.join("config.toml");
+    let p = crate::test_dir::fresh("manage-t").join("config.toml");
     std::fs::write(&p, main).unwrap();
     p
-}
-
-fn rand_suffix() -> u64 {
-    use std::sync::atomic::{AtomicU64, Ordering};
-    static N: AtomicU64 = AtomicU64::new(0);
-    N.fetch_add(1, Ordering::Relaxed)
 }
 
 const MAIN: &str = "# operator's file\n[agent]\ndefault_policy = \"deny_all\"\n\n[policies.handmade]\nallow_hosts = [\"example.com\"]\n";

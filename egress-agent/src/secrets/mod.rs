@@ -167,7 +167,7 @@ mod tests {
 
     #[test]
     fn file_source_drops_one_newline_and_rejects_empty_and_control_bytes() {
-        let dir = std::env::temp_dir().join(format!("egress-secret-{}", std::process::id()));
+        let dir = crate::test_dir::fresh("secret");
         std::fs::create_dir_all(&dir).unwrap();
         let f = dir.join("k");
         std::fs::write(&f, "sk-123\n").unwrap();
@@ -217,7 +217,7 @@ mod tests {
     /// dropped, empty refused), and without the variable says so, naming the credential.
     #[test]
     fn credential_source_reads_the_credentials_directory() {
-        let dir = std::env::temp_dir().join(format!("egress-creds-{}", std::process::id()));
+        let dir = crate::test_dir::fresh("creds");
         std::fs::create_dir_all(&dir).unwrap();
         std::fs::write(dir.join("api"), "sk-cred-123\n").unwrap();
         std::fs::write(dir.join("empty"), "").unwrap();

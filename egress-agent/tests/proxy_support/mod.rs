@@ -129,6 +129,8 @@ pub fn temp_dir() -> TempDir {
         std::process::id(),
         N.fetch_add(1, Ordering::Relaxed)
     ));
+    // A kept /tmp may hold a directory of this name from a run that had the same pid.
+    std::fs::remove_dir_all(&d).ok();
     std::fs::create_dir_all(&d).unwrap();
     TempDir(d)
 }
