@@ -72,8 +72,25 @@ async fn read_endpoints_answer_with_what_the_daemon_has() {
     );
     let (st, _) = call(&s.sock, Method::GET, "/v1/policies/nope", None).await;
     assert_eq!(st, StatusCode::NOT_FOUND);
+    // A main-file and a built-in policy say up front why the console can't change them.
+    assert!(
+        v["read_only"]
+            .as_str()
+            .is_some_and(|r| r.contains("built in")),
+        "{v}"
+    );
     let (_, v) = call(&s.sock, Method::GET, "/v1/defaults", None).await;
     assert_eq!(v["default_policy"], "deny_all");
+    let editable = &v["editable"];
+    assert!(editable["settings"]["read_only"].is_null(), "{v}");
+    assert_eq!(editable["new_policies"]["source"], "policies.d", "{v}");
+    assert_eq!(editable["policies"]["ci"]["source"], "config", "{v}");
+    assert!(
+        editable["policies"]["ci"]["read_only"]
+            .as_str()
+            .is_some_and(|r| r.contains("defined in")),
+        "{v}"
+    );
     let (_, v) = call(&s.sock, Method::GET, "/v1/export", None).await;
     assert!(
         v["policies"]["ci"].is_object() && v["agent"]["unlabeled"] == "allow_all",
@@ -133,6 +150,14 @@ async fn read_endpoints_answer_with_what_the_daemon_has() {
     assert!(
         t.contains("[policies.ci2]") && t.contains("api.github.com"),
         "{t}"
+    );
+    // The same suggestion as fields a PUT takes (the console makes a new policy from them).
+    assert_eq!(v["policy"]["mode"], "allowlist", "{v}");
+    assert!(
+        v["policy"]["allow_hosts"]
+            .as_array()
+            .is_some_and(|h| h.iter().any(|h| h == "api.github.com")),
+        "{v}"
     );
     let (st, v) = call(&s.sock, Method::GET, "/v1/changes", None).await;
     assert_eq!((st, v.as_array().map(Vec::len)), (StatusCode::OK, Some(0)));

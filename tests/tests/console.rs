@@ -188,6 +188,26 @@ fn the_console_turns_a_denial_into_a_rule_after_login() {
         container_row(&dom, "cidr-1").is_some_and(|r| r.contains("canary")),
         "{dom}"
     );
+    // What the console can't change says so up front (the main file's policy, a built-in),
+    // with no Edit or Delete; the main file's offers its export to paste there.
+    b.wait_true(
+        "canary and allow_all marked read-only",
+        "['canary', 'allow_all'].every(n => { const r = document.querySelector('tr[data-policy=\"' + n + '\"]'); return r && r.querySelector('.ro') && ![...r.querySelectorAll('button')].some(x => x.textContent === 'Edit' || x.textContent === 'Delete'); })",
+    );
+    assert_eq!(
+        b.eval(
+            "document.querySelector('tr[data-policy=\"canary\"] .ro').title.includes('defined in')"
+        ),
+        Value::from(true)
+    );
+    assert_eq!(
+        b.eval("!!document.querySelector('tr[data-policy=\"canary\"] a[href=\"/v1/export?format=toml\"]')"),
+        Value::from(true)
+    );
+    assert_eq!(
+        b.eval("[...document.querySelectorAll('tr[data-policy=\"web\"] button')].map(x => x.textContent).join(',')"),
+        Value::from("Edit,Delete,Duplicate")
+    );
     // The filter finds a run's workloads and denials by its id, in every list.
     set_value(&mut b, "filter", "run-77");
     b.wait_true(
@@ -260,6 +280,8 @@ fn the_console_turns_a_denial_into_a_rule_after_login() {
         "the change in the page's list",
         "document.getElementById('changes').textContent.includes('console:ops')",
     );
+    allow_a_group(&mut b, &env, &dir);
+    new_policy_from_a_run(&mut b, &env, &dir);
 
     // A tighter web (without allowed.test), replayed from the editor before saving: its
     // newly denied count is what the store recorded as allowed to allowed.test.
@@ -392,4 +414,109 @@ fn the_console_turns_a_denial_into_a_rule_after_login() {
     );
     assert!(!dir.join("imp.toml").exists());
     drop(b);
+}
+
+/// Several denials, selected, become one change: both hosts in one diff and one file.
+fn allow_a_group(b: &mut Browser, env: &Env, dir: &std::path::Path) {
+    for host in ["g1.test", "g2.test"] {
+        let out = env.exec_out("web-1", &proxied_get(host, 8080));
+        assert!(out.contains("host-not-allowed"), "{out}");
+    }
+    // They arrive live (the page loaded before they happened).
+    b.wait_true(
+        "the two live denials with their boxes",
+        "['g1.test', 'g2.test'].every(h => document.querySelector('tr.fresh[data-destination=\"' + h + ':8080\"] input.pick'))",
+    );
+    click(b, "tr[data-destination=\"g1.test:8080\"] input.pick");
+    click(b, "tr[data-destination=\"g2.test:8080\"] input.pick");
+    b.wait_true(
+        "the group action",
+        "document.getElementById('denials-allow-selected').textContent === 'Allow 2 selected' && !document.getElementById('denials-allow-selected').hidden",
+    );
+    click(b, "#denials-allow-selected");
+    b.wait_true(
+        "one diff with both",
+        "(() => { const d = document.getElementById('change-diff').textContent; return d.includes('g1.test') && d.includes('g2.test'); })()",
+    );
+    click(b, "#change-apply");
+    b.wait_true("applied", "!document.getElementById('change-done').hidden");
+    let web = std::fs::read_to_string(dir.join("web.toml")).expect("web.toml");
+    assert!(
+        web.contains("g1.test") && web.contains("g2.test") && web.contains("denied.test"),
+        "{web}"
+    );
+    for host in ["g1.test", "g2.test"] {
+        let out = env.exec_out("web-1", &proxied_get(host, 8080));
+        assert!(
+            !out.contains("host-not-allowed"),
+            "{host} still refused: {out}"
+        );
+    }
+}
+
+/// A denial of run-77 becomes a new policy made from what run-77 did (allowed and refused),
+/// reviewed in the editor, replayed against run-77's recorded traffic (the same numbers as the
+/// API's replay), and saved; the page says how a workload comes to use it.
+fn new_policy_from_a_run(b: &mut Browser, env: &Env, dir: &std::path::Path) {
+    click(
+        b,
+        "tr[data-destination=\"denied.test:8080\"] button.suggest",
+    );
+    b.wait_true(
+        "the editor with run-77's suggestion",
+        "document.getElementById('ed-name').value === 'from-run-77' && document.getElementById('ed-hosts').value.includes('allowed.test')",
+    );
+    assert!(
+        text_of(b, "editor-title").contains("run run-77"),
+        "{}",
+        text_of(b, "editor-title")
+    );
+    let hosts = b
+        .eval("document.getElementById('ed-hosts').value")
+        .as_str()
+        .unwrap_or_default()
+        .to_owned();
+    assert!(
+        hosts.contains("denied.test"),
+        "the refused host is in the suggestion: {hosts}"
+    );
+    click(b, "#ed-preview");
+    b.wait_true(
+        "the new policy's diff",
+        "document.getElementById('change-diff').textContent.includes('from-run-77')",
+    );
+    assert!(
+        !dir.join("from-run-77.toml").exists(),
+        "nothing is written before Apply"
+    );
+    let body = b.eval("JSON.stringify(pending.replay)");
+    let body: Value = serde_json::from_str(body.as_str().unwrap_or("{}")).expect("replay body");
+    assert_eq!(
+        (body["run"].as_str(), body["against"].as_str()),
+        (Some("run-77"), Some("any")),
+        "{body}"
+    );
+    let from_api = api_post(env, "/v1/replay", &body)["totals"]["newly_allowed"]["events"].clone();
+    click(b, "#change-replay-run");
+    b.wait_true(
+        "the run's replay",
+        "!!document.querySelector('#replay-totals tr[data-bucket=\"newly_allowed\"]')",
+    );
+    let newly = b.eval(
+        "Number(document.querySelector('#replay-totals tr[data-bucket=\"newly_allowed\"]').children[2].textContent)",
+    );
+    assert_eq!(newly, from_api, "the page's replay and the API's agree");
+    assert!(
+        newly.as_u64().unwrap_or(0) >= 2,
+        "run-77's refusals under web would be allowed: {newly}"
+    );
+    click(b, "#change-apply");
+    b.wait_true("applied", "!document.getElementById('change-done').hidden");
+    assert!(
+        text_of(b, "change-done").contains("egress.policy=from-run-77"),
+        "{}",
+        text_of(b, "change-done")
+    );
+    let written = std::fs::read_to_string(dir.join("from-run-77.toml")).expect("from-run-77.toml");
+    assert!(written.contains("allowed.test"), "{written}");
 }

@@ -67,6 +67,8 @@ pub fn defaults(config_path: &Path, config: &Config) -> Value {
         "unlabeled": config.agent.unlabeled,
         "file": config_path.display().to_string(),
         "policies_dir": manage::dir::policies_dir(config_path).display().to_string(),
+        // What the console may change, and why not where it can't.
+        "editable": manage::sources::read(config_path, config),
     })
 }
 
@@ -281,6 +283,18 @@ pub fn suggest(config: &Config, q: &StoreQuery) -> Result<String, ApiError> {
         config: None,
     };
     crate::suggest::command::suggest_from(&flows, config, &opts).map_err(|e| ApiError::new(400, e))
+}
+
+/// The fields of the one policy a `suggest` answer renders (`[policies.NAME]` …) as JSON, as
+/// `PUT /v1/policies/{name}` takes them: the console makes a new policy from them. `None` if the
+/// text holds no single policy (the `--diff` form).
+pub fn suggested_fields(rendered: &str) -> Option<Value> {
+    let table: toml::Table = toml::from_str(rendered).ok()?;
+    let policies = table.get("policies")?.as_table()?;
+    match policies.values().collect::<Vec<_>>().as_slice() {
+        [one] => serde_json::to_value(one).ok(),
+        _ => None,
+    }
 }
 
 /// Where a replayed policy's errors say it came from.

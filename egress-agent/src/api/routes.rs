@@ -229,7 +229,7 @@ pub async fn route(
         (&Method::GET, ["v1", "suggest"]) => answer(
             store_query(query)
                 .and_then(|q| control.suggest(&q))
-                .map(|t| json!({ "toml": t })),
+                .map(|t| json!({ "policy": super::backend::suggested_fields(&t), "toml": t })),
         ),
         (&Method::POST, ["v1", "replay"]) => replay(req, control).await,
         (&Method::GET, ["v1", "changes"]) => answer(

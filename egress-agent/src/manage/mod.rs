@@ -17,6 +17,7 @@
 pub mod bundle;
 pub mod defaults;
 pub mod dir;
+pub mod sources;
 pub mod writable;
 
 use std::collections::BTreeMap;
@@ -533,19 +534,14 @@ pub fn dry_run(
 /// A policy as the API shows it: where it is defined, and its effective fields.
 pub fn describe(config_path: &Path, config: &Config, name: &str) -> Option<Value> {
     let policy = config.policy(name)?;
-    let parts = Parts::read(config_path).ok();
-    let source = parts.as_ref().and_then(|p| p.source_of(name));
-    let file = match source {
-        Some("policies.d") => parts
-            .as_ref()
-            .map(|p| dir::policy_path(&p.dir, name).display().to_string()),
-        Some("config") => Some(config_path.display().to_string()),
-        _ => None,
-    };
+    let editable = sources::read(config_path, config).policies.remove(name);
+    let (source, file, read_only) =
+        editable.map_or(("unknown", None, None), |e| (e.source, e.file, e.read_only));
     Some(json!({
         "name": name,
-        "source": source.unwrap_or("unknown"),
+        "source": source,
         "file": file,
+        "read_only": read_only,
         "badge": policy.badge(),
         "default": config.agent.default_policy == name,
         "unlabeled": config.agent.unlabeled == name,

@@ -17,7 +17,7 @@ pub fn check(ops: &[FileOp]) -> Result<(), ManageError> {
     dirs.iter().try_for_each(|d| check_dir(d))
 }
 
-fn check_dir(dir: &Path) -> Result<(), ManageError> {
+pub(super) fn check_dir(dir: &Path) -> Result<(), ManageError> {
     if kubernetes_managed(dir) {
         return Err(ManageError::ReadOnly(format!(
             "{} is managed by Kubernetes (a ConfigMap volume) and read-only: its policies can't \

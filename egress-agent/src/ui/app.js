@@ -62,6 +62,25 @@ async function send(method, path, body, type) {
   return { ok: r.ok, status: r.status, body: v || {} };
 }
 
+// Why the API can't change a policy (built-in, the main file's, a ConfigMap), from
+// /v1/defaults' `editable`; null when it can.
+function readOnly(name) {
+  const e = defaults && defaults.editable && defaults.editable.policies[name];
+  return e ? e.read_only : null;
+}
+
+function newPoliciesReadOnly() {
+  return defaults && defaults.editable ? defaults.editable.new_policies.read_only : null;
+}
+
+// The reason as a small marker (its text on hover and for screen readers).
+function readOnlyMark(why) {
+  const m = el("span", "read-only", "ro");
+  m.title = why;
+  m.setAttribute("aria-label", "read-only: " + why);
+  return m;
+}
+
 function badgeOf(p) {
   if (!p) return "allowlist";
   if (p.mode === "allow_all" || p.mode === "deny_all") return p.mode;
@@ -195,10 +214,12 @@ async function applyPending() {
     showError(r);
     return;
   }
+  const after = pending.after || "";
   pending = null;
   for (const id of ["set-default", "set-unlabeled"]) delete $(id).dataset.dirty;
+  for (const { ev } of recent) delete ev._selected;
   $("change-done").hidden = false;
-  $("change-done").textContent = "Applied: the agent reloaded with it.";
+  $("change-done").textContent = "Applied: the agent reloaded with it. " + after;
   $("change-note").textContent = "";
   $("editor").hidden = true;
   await refresh();
@@ -250,9 +271,31 @@ function renderSettings() {
     }
     // A choice not yet saved survives the periodic refresh.
     s.value = s.dataset.dirty && keep ? keep : defaults[key];
-    s.disabled = !canWrite();
+    s.disabled = !canWrite() || !!settingsReadOnly();
   }
-  $("settings-source").textContent = "Written to " + defaults.file + " (comments and layout kept).";
+  const why = settingsReadOnly();
+  $("set-save").hidden = !!why;
+  const src = $("settings-source");
+  src.replaceChildren();
+  if (why) {
+    // Said up front, with the text to paste where the settings come from.
+    src.className = "ro-note";
+    src.append(el("span", "Read-only here: " + why + " "), exportLink("Export the configuration to paste into its source"));
+  } else {
+    src.className = "muted";
+    src.textContent = "Written to " + defaults.file + " (comments and layout kept).";
+  }
+}
+
+function settingsReadOnly() {
+  return defaults && defaults.editable ? defaults.editable.settings.read_only : null;
+}
+
+function exportLink(text) {
+  const a = el("a", text);
+  a.href = "/v1/export?format=toml";
+  a.download = "egress-policies.toml";
+  return a;
 }
 
 function settingsChosen() {
@@ -299,6 +342,11 @@ function usersOf(name) {
 function renderPolicies(all) {
   const body = document.querySelector("#policies tbody");
   body.replaceChildren();
+  // Where new policies would be written, when the API can't: said before anyone edits.
+  const dirWhy = newPoliciesReadOnly();
+  $("policy-new").hidden = !!dirWhy;
+  $("policies-note").hidden = !dirWhy;
+  $("policies-note").textContent = dirWhy ? "Read-only here: " + dirWhy : "";
   for (const [name, p] of Object.entries(all)) {
     const tr = el("tr");
     tr.dataset.policy = name;
@@ -311,33 +359,41 @@ function renderPolicies(all) {
     const cidrs = (p.allow_cidrs || []).map((c) => (typeof c === "string" ? c : c.cidr)).slice(0, 4);
     const allows = p.mode === "allowlist" || !p.mode ? hosts.concat(cidrs).join(", ") || "nothing" : "";
     const actions = el("td");
-    if (canWrite()) {
+    const why = readOnly(name);
+    tr.dataset.readOnly = why ? "1" : "";
+    if (why) actions.append(readOnlyMark(why));
+    if (canWrite() && !why) {
       actions.append(
         button("Edit", () => openEditor(name, false)),
-        button("Duplicate", () => openEditor(name, true)),
         button("Delete", () => propose("Delete policy " + name, "DELETE",
           "/v1/policies/" + encodeURIComponent(name) + "?dry_run=1", "/v1/policies/" + encodeURIComponent(name), undefined, null)),
       );
     }
+    if (canWrite() && !newPoliciesReadOnly()) actions.append(button("Duplicate", () => openEditor(name, true)));
+    // A policy in the main file: its text to paste there.
+    if (why && defaults.editable.policies[name].source === "config") actions.append(exportLink("export"));
     tr.append(el("td", name), td, el("td", roles.join(", ")), el("td", allows), el("td", usersOf(name).join(", ")), actions);
     body.append(tr);
   }
 }
 
-async function openEditor(name, duplicate) {
-  let base = {};
-  if (name) {
+// `scope`: for a policy made from a suggestion, the recorded traffic its replay decides again
+// (`{run}`, `{container}` or `{pod}`; any policy's).
+async function openEditor(name, duplicate, suggested, scope) {
+  let base = suggested || {};
+  if (name && !suggested) {
     try {
       base = (await get("/v1/policies/" + encodeURIComponent(name))).policy || {};
     } catch (_) {
       base = policies[name] || {};
     }
   }
-  editing = { name: duplicate ? "" : name, base };
+  editing = { name: duplicate || suggested ? "" : name, base, scope: scope || null };
   $("editor").hidden = false;
-  $("editor-title").textContent = !name ? "New policy" : duplicate ? "Duplicate of " + name : "Policy " + name;
+  $("editor-title").textContent = suggested ? "New policy from what " + describeScope(scope) + " did"
+    : !name ? "New policy" : duplicate ? "Duplicate of " + name : "Policy " + name;
   $("ed-name").value = duplicate ? name + "-copy" : name || "";
-  $("ed-name").disabled = !!name && !duplicate;
+  $("ed-name").disabled = !!name && !duplicate && !suggested;
   $("ed-mode").value = base.mode || "allowlist";
   $("ed-enforce").value = base.enforce || "enforce";
   $("ed-hosts").value = hostsText(base.allow_hosts);
@@ -379,7 +435,21 @@ function previewEditor() {
   const name = $("ed-name").value.trim();
   const body = editorBody();
   const path = "/v1/policies/" + encodeURIComponent(name);
-  propose("Policy " + name, "PUT", path + "?dry_run=1", path, body, { name, policy: body });
+  // A policy made from a run's suggestion is replayed against that run's traffic.
+  const replay = Object.assign({ name, policy: body }, editing && editing.scope ? editing.scope : {});
+  if (editing && editing.scope) replay.against = "any";
+  propose("Policy " + name, "PUT", path + "?dry_run=1", path, body, replay);
+  if (editing && editing.scope) {
+    pending.after = "A new policy applies to nothing until a workload names it: start the next run with the label egress.policy=" + name + ".";
+  }
+}
+
+function describeScope(scope) {
+  if (!scope) return "this workload";
+  if (scope.run) return "run " + scope.run;
+  if (scope.pod) return "pod " + scope.pod;
+  if (scope.container) return "container " + scope.container;
+  return "policy " + scope.policy;
 }
 
 // ---- denials: each one can become a rule ----
@@ -390,41 +460,103 @@ function denialText(ev) {
     Object.entries(ctx).map(([k, v]) => k + "=" + v).join(" ")].join(" ").toLowerCase();
 }
 
-// Allow this denial's destination for the policy that refused it: its host (with the port
-// when the policy does not allow that port everywhere), or its address as a /32 or /128.
-async function allowDenial(ev) {
-  const name = ev.policy;
+// Allow these denials' destinations (all refused under one policy) in that policy, in one
+// change: each host (with its port when the policy does not allow that port everywhere), or
+// address as a /32 or /128.
+async function allowDenials(evs) {
+  const names = [...new Set(evs.map((ev) => ev.policy))];
+  if (names.length !== 1) {
+    refuseInPanel("Allow " + evs.length + " denials", "the selected denials were refused under " + names.join(", ") +
+      ": select denials of one policy (each policy is one change)");
+    return;
+  }
+  const name = names[0];
   let base = {};
   try {
     base = (await get("/v1/policies/" + encodeURIComponent(name))).policy || {};
   } catch (e) {
-    $("change").hidden = false;
-    $("change-title").textContent = "Allow " + (ev.host || ev.ip);
-    $("change-note").textContent = "";
-    $("change-diff").textContent = "";
-    $("change-error").hidden = false;
-    $("change-error").textContent = "policy " + name + " could not be read: " + e.message;
-    $("change-apply").disabled = true;
+    refuseInPanel("Allow for " + name, "policy " + name + " could not be read: " + e.message);
     return;
   }
   const body = trimmed(base);
   // Allowing something in a deny_all policy makes it an allowlist of that.
   if (body.mode === "deny_all") delete body.mode;
-  const port = Number(ev.port);
   const ports = base.allow_ports || [80, 443];
-  let what;
-  if (ev.host) {
-    body.allow_hosts = (base.allow_hosts || []).slice();
-    body.allow_hosts.push(ports.includes(port) ? ev.host : { host: ev.host, ports: [port] });
-    what = ev.host + ":" + port;
-  } else {
-    const cidr = ev.ip.includes(":") ? ev.ip + "/128" : ev.ip + "/32";
-    body.allow_cidrs = (base.allow_cidrs || []).slice();
-    body.allow_cidrs.push({ cidr, ports: [port] });
-    what = cidr + " port " + port;
+  body.allow_hosts = (base.allow_hosts || []).slice();
+  body.allow_cidrs = (base.allow_cidrs || []).slice();
+  const whats = [];
+  const seen = new Set();
+  for (const ev of evs) {
+    const port = Number(ev.port);
+    const key = (ev.host || ev.ip) + ":" + port;
+    if (seen.has(key)) continue;
+    seen.add(key);
+    if (ev.host) {
+      body.allow_hosts.push(ports.includes(port) ? ev.host : { host: ev.host, ports: [port] });
+      whats.push(ev.host + ":" + port);
+    } else {
+      const cidr = ev.ip.includes(":") ? ev.ip + "/128" : ev.ip + "/32";
+      body.allow_cidrs.push({ cidr, ports: [port] });
+      whats.push(cidr + " port " + port);
+    }
   }
   const path = "/v1/policies/" + encodeURIComponent(name);
-  propose("Allow " + what + " for policy " + name, "PUT", path + "?dry_run=1", path, body, { name, policy: body });
+  propose("Allow " + whats.join(", ") + " for policy " + name, "PUT", path + "?dry_run=1", path, trimmed(body), { name, policy: trimmed(body) });
+}
+
+function refuseInPanel(title, text) {
+  $("change").hidden = false;
+  $("change-title").textContent = title;
+  $("change-note").textContent = "";
+  $("change-diff").textContent = "";
+  $("change-error").hidden = false;
+  $("change-error").textContent = text;
+  $("change-apply").disabled = true;
+  $("change-replay-run").hidden = true;
+  $("change").scrollIntoView({ block: "start" });
+}
+
+// What a denial's workload is, as a store selection: its run, else its pod, else its container.
+function scopeOf(ev) {
+  const ctx = ev.context || {};
+  if (ctx.run) return { run: ctx.run };
+  if (ctx["k8s.pod.name"]) return { pod: (ctx["k8s.namespace.name"] ? ctx["k8s.namespace.name"] + "/" : "") + ctx["k8s.pod.name"] };
+  if (ev.container && ev.container.name) return { container: ev.container.name };
+  return null;
+}
+
+// A new policy made from the suggestion for this denial's run (or pod, or container): what it
+// did, allowed and refused, as an allowlist, opened in the editor to review, replay and save.
+async function suggestFor(ev) {
+  const scope = scopeOf(ev);
+  if (!scope) return;
+  const label = Object.values(scope)[0];
+  const name = ("from-" + label).toLowerCase().replace(/[^a-z0-9_-]+/g, "-").replace(/^-+|-+$/g, "").slice(0, 60);
+  const q = new URLSearchParams(scope);
+  q.set("include_denied", "1");
+  q.set("name", name);
+  let r;
+  try {
+    r = await get("/v1/suggest?" + q.toString());
+  } catch (e) {
+    refuseInPanel("New policy from " + describeScope(scope), "the suggestion could not be made: " + e.message);
+    return;
+  }
+  if (!r.policy) {
+    refuseInPanel("New policy from " + describeScope(scope), "nothing was recorded for " + describeScope(scope));
+    return;
+  }
+  await openEditor(name, false, r.policy, scope);
+}
+
+function selectedDenials() {
+  return recent.filter(({ ev }) => ev._selected).map(({ ev }) => ev);
+}
+
+function renderSelection() {
+  const n = selectedDenials().length;
+  $("denials-allow-selected").hidden = !canWrite() || n === 0;
+  $("denials-allow-selected").textContent = "Allow " + n + " selected";
 }
 
 function denialRow(ev, fresh) {
@@ -439,11 +571,28 @@ function denialRow(ev, fresh) {
   if (ctx["k8s.container.name"]) name += " (" + ctx["k8s.container.name"] + ")";
   const t = (ev.time || "").replace("T", " ").replace(/\.\d+Z$/, "Z");
   const action = el("td");
-  // Only a policy the agent has by name can take a rule (not an inline label policy).
-  if (canWrite() && ev.policy && policies[ev.policy] && ev.verdict !== "allow") {
-    action.append(button("Allow", () => allowDenial(ev), "allow"));
+  const pick = el("td");
+  // Only a policy the agent has by name can take a rule (not an inline label policy), and
+  // only one the API may write.
+  const why = ev.policy && policies[ev.policy] ? readOnly(ev.policy) : "no policy of that name to add to";
+  if (canWrite() && ev.policy && ev.verdict !== "allow") {
+    if (why) {
+      action.append(readOnlyMark(why));
+    } else {
+      action.append(button("Allow", () => allowDenials([ev]), "allow"));
+      const box = el("input");
+      box.type = "checkbox";
+      box.className = "pick";
+      box.checked = !!ev._selected;
+      box.title = "select for one change allowing several";
+      box.addEventListener("change", () => { ev._selected = box.checked; renderSelection(); });
+      pick.append(box);
+    }
+    if (scopeOf(ev) && !newPoliciesReadOnly()) {
+      action.append(button("New policy…", () => suggestFor(ev), "suggest"));
+    }
   }
-  tr.append(el("td", t), el("td", name), el("td", ev.policy), el("td", dest), el("td", ev.verdict || "deny"), el("td", ev.reason), el("td", ev.rule || "-"), action);
+  tr.append(pick, el("td", t), el("td", name), el("td", ev.policy), el("td", dest), el("td", ev.verdict || "deny"), el("td", ev.reason), el("td", ev.rule || "-"), action);
   return tr;
 }
 
@@ -468,6 +617,7 @@ function renderDenials() {
     tr.hidden = !matchesFilter(tr);
     body.append(tr);
   }
+  renderSelection();
 }
 
 // The header's filter, over every list (workloads, denials, changes): each word must appear in
@@ -639,6 +789,7 @@ async function start() {
   $("set-default").addEventListener("change", settingsChosen);
   $("set-unlabeled").addEventListener("change", settingsChosen);
   $("policy-new").addEventListener("click", () => openEditor(null, false));
+  $("denials-allow-selected").addEventListener("click", () => allowDenials(selectedDenials()));
   $("ed-preview").addEventListener("click", previewEditor);
   $("ed-close").addEventListener("click", () => { $("editor").hidden = true; });
   $("filter").addEventListener("input", applyFilter);
