@@ -119,6 +119,8 @@ struct Daemon {
     restart_tx: mpsc::Sender<RestartReply>,
     /// The runtimes' workloads by cgroup: where each one's policy came from.
     directory: workload::Directory,
+    /// Workloads' access requests (`egress.internal`) and the operator's decisions.
+    asks: Arc<crate::asks::Asks>,
 }
 
 impl Daemon {
@@ -403,6 +405,32 @@ impl Control for Daemon {
         })
     }
 
+    fn requests(&self, pending_only: bool) -> Result<Value, ApiError> {
+        Ok(serde_json::to_value(self.asks.list(pending_only)).unwrap_or(Value::Null))
+    }
+
+    fn decide(
+        &self,
+        id: u64,
+        decision: crate::asks::Decision,
+        who: Who,
+    ) -> BoxFuture<'_, Result<Value, ApiError>> {
+        Box::pin(async move {
+            let config_path = self.config_path.clone();
+            let config = self.config.load_full();
+            backend::decide(
+                &self.asks,
+                id,
+                decision,
+                who,
+                |change, who| self.change(change, who, false),
+                &config_path,
+                &config,
+            )
+            .await
+        })
+    }
+
     fn restart(&self) -> BoxFuture<'_, Result<Value, ApiError>> {
         Box::pin(async move {
             let (tx, rx) = oneshot::channel();
@@ -465,7 +493,13 @@ fn reserve_agent_ports(opts: &RunOptions, config: &Config) {
     );
 }
 
-pub async fn run(opts: RunOptions) -> Result<()> {
+pub async fn run(mut opts: RunOptions) -> Result<()> {
+    // Workloads' access requests, decided through this daemon's API.
+    let asks = opts
+        .host
+        .asks
+        .get_or_insert_with(crate::asks::Asks::new)
+        .clone();
     bpf::loader::require_root()?;
     // What SIGUSR2 starts: the file this binary was started from, as it is then (an upgrade
     // installs the new build there first).
@@ -540,6 +574,7 @@ pub async fn run(opts: RunOptions) -> Result<()> {
         previous,
         restart_tx,
         directory: opts.host.directory.clone(),
+        asks,
     });
     let control = daemon.clone();
     agent.spawn("api", |stop| api.run(control, stop.cancelled_owned()));

@@ -33,6 +33,7 @@
 #![deny(unsafe_code)]
 mod agent;
 pub mod api;
+pub mod asks;
 pub mod doctor;
 pub mod metrics;
 mod notify;

@@ -251,6 +251,9 @@ enum Command {
     Console(egress_agent::cli::console::ConsoleArgs),
     /// Manage policies through the daemon: list, show, set, delete, defaults, export, import.
     Policy(egress_agent::cli::manage::PolicyArgs),
+    /// Workloads' access requests (asked from inside at http://egress.internal/): list,
+    /// approve for one run or into the policy, deny with a reason.
+    Requests(egress_agent::cli::requests::RequestsArgs),
     /// Which policy applies to a destination and why: what the proxy and the kernel would do.
     Explain(egress_agent::cli::manage::ExplainArgs),
     /// An MCP server on stdio (for AI assistants): policies, explain, containers, denials,
@@ -508,6 +511,10 @@ fn main() -> ExitCode {
         Command::Policy(args) => {
             init_cli_tracing();
             egress_agent::cli::manage::policy(args).map(|()| ExitCode::SUCCESS)
+        }
+        Command::Requests(args) => {
+            init_cli_tracing();
+            egress_agent::cli::requests::run(args).map(|()| ExitCode::SUCCESS)
         }
         Command::Explain(args) => {
             init_cli_tracing();

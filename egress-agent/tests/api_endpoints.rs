@@ -673,3 +673,155 @@ async fn every_listed_endpoint_is_routed() {
     }
     s.stop().await;
 }
+
+/// Where a filed request's run grant would go, for the API's side of the loop.
+struct NoListener;
+
+impl egress_agent::asks::GrantTarget for NoListener {
+    fn grant(
+        &self,
+        _: u64,
+        _: &egress_policy::name::HostName,
+        _: u16,
+        _: Option<std::time::Duration>,
+    ) {
+    }
+}
+
+/// `GET /v1/requests` lists what workloads asked; `approve` with scope `policy` is a change
+/// like `PUT /v1/policies/{name}` (diff, recorded with who); a bad decision body is refused by
+/// field; `deny` carries its reason; a decided request can't be decided again.
+#[tokio::test]
+async fn access_requests_are_listed_and_decided_through_the_change_path() {
+    if !is_root() {
+        api_support::skip("needs root (the API serves root)");
+        return;
+    }
+    let s = serve("asks").await;
+    let (st, _) = call(
+        &s.sock,
+        Method::PUT,
+        "/v1/policies/web",
+        Some(("application/json", r#"{"allow_hosts": ["github.com"]}"#)),
+    )
+    .await;
+    assert_eq!(st, StatusCode::OK);
+    let target: std::sync::Arc<dyn egress_agent::asks::GrantTarget> =
+        std::sync::Arc::new(NoListener);
+    let file = |host: &str| {
+        s.asks
+            .file(
+                egress_agent::asks::Requester {
+                    listener: 7,
+                    policy: "web".into(),
+                    workload: "web-1".into(),
+                    run: Some("pr-9".into()),
+                    target: std::sync::Arc::downgrade(&target),
+                },
+                serde_json::from_value(
+                    serde_json::json!({ "host": host, "port": 443, "reason": "docs build" }),
+                )
+                .expect("a request body"),
+                std::time::SystemTime::now(),
+            )
+            .expect("filed")
+            .id
+    };
+    let (a, b) = (file("docs.rs"), file("pastebin.test"));
+    let (st, v) = call(&s.sock, Method::GET, "/v1/requests?pending=1", None).await;
+    assert_eq!(st, StatusCode::OK);
+    assert_eq!(v.as_array().map(Vec::len), Some(2), "{v}");
+    assert_eq!(
+        (
+            v[0]["host"].as_str(),
+            v[0]["run"].as_str(),
+            v[0]["state"].as_str()
+        ),
+        (Some("docs.rs"), Some("pr-9"), Some("pending")),
+        "{v}"
+    );
+    for (body, field) in [
+        ("{}", "scope"),
+        (r#"{"scope": "policy", "ttl": "1h"}"#, "ttl"),
+        (r#"{"scope": "forever"}"#, "request body"),
+    ] {
+        let (st, v) = call(
+            &s.sock,
+            Method::POST,
+            &format!("/v1/requests/{a}/approve"),
+            Some(("application/json", body)),
+        )
+        .await;
+        assert_eq!(st, StatusCode::BAD_REQUEST, "{body}: {v}");
+        assert!(
+            v["error"].as_str().unwrap_or("").starts_with(field),
+            "{body}: {v}"
+        );
+    }
+    let (st, v) = call(
+        &s.sock,
+        Method::POST,
+        &format!("/v1/requests/{a}/approve"),
+        Some(("application/json", r#"{"scope": "policy"}"#)),
+    )
+    .await;
+    assert_eq!(st, StatusCode::OK, "{v}");
+    assert_eq!(
+        (
+            v["request"]["state"].as_str(),
+            v["request"]["scope"].as_str()
+        ),
+        (Some("approved"), Some("policy")),
+        "{v}"
+    );
+    assert!(
+        v["change"]["diff"]
+            .as_str()
+            .unwrap_or("")
+            .lines()
+            .any(|l| l.starts_with('+') && l.contains("docs.rs")),
+        "{v}"
+    );
+    let written = std::fs::read_to_string(s.dir.join("policies.d/web.toml")).expect("web.toml");
+    assert!(written.contains("docs.rs"), "{written}");
+    let (_, changes) = call(&s.sock, Method::GET, "/v1/changes", None).await;
+    assert!(
+        changes.as_array().and_then(|c| c.last()).is_some_and(
+            |c| c["target"] == "web" && c["diff"].as_str().unwrap_or("").contains("docs.rs")
+        ),
+        "{changes}"
+    );
+    let (st, _) = call(
+        &s.sock,
+        Method::POST,
+        &format!("/v1/requests/{a}/deny"),
+        Some(("application/json", r#"{"reason": "late"}"#)),
+    )
+    .await;
+    assert_eq!(st, StatusCode::CONFLICT, "decided already");
+    let (st, v) = call(
+        &s.sock,
+        Method::POST,
+        &format!("/v1/requests/{b}/deny"),
+        Some(("application/json", r#"{"reason": "no paste sites"}"#)),
+    )
+    .await;
+    assert_eq!(st, StatusCode::OK, "{v}");
+    assert_eq!(
+        (
+            v["request"]["state"].as_str(),
+            v["request"]["reason"].as_str()
+        ),
+        (Some("denied"), Some("no paste sites")),
+        "{v}"
+    );
+    let (st, _) = call(
+        &s.sock,
+        Method::POST,
+        "/v1/requests/999/deny",
+        Some(("application/json", r#"{"reason": "x"}"#)),
+    )
+    .await;
+    assert_eq!(st, StatusCode::NOT_FOUND);
+    s.stop().await;
+}

@@ -751,6 +751,48 @@ async fn a_refused_transparent_request_says_why() {
     assert_eq!(f.http_canary.conns.load(Ordering::SeqCst), 0);
 }
 
+/// A plain request whose Host is `egress.internal`, redirected here from whatever address the
+/// client's resolver gave it: the agent answers (the workload's own policy), nothing is dialled,
+/// and a second request on the connection naming another host is answered by the agent too.
+#[tokio::test]
+async fn egress_internal_is_answered_by_the_agent_and_nothing_is_dialled() {
+    let f = fixture().await;
+    let http = f.http.port();
+    f.going_to(http);
+    let before = f.events.total();
+    let c = curl(
+        &format!("http://egress.internal:{http}/v1/self"),
+        f.transparent,
+        None,
+        &[],
+    )
+    .await;
+    assert_eq!(c.code, 0, "{}", c.stderr);
+    let j: serde_json::Value = serde_json::from_str(&c.stdout).unwrap();
+    assert_eq!(
+        (j["policy"].as_str(), j["takes_requests"].as_bool()),
+        (Some("test"), Some(false)),
+        "{j}"
+    );
+    // Filing needs an operator; this proxy has none, and says so.
+    let c = curl(
+        &format!("http://egress.internal:{http}/v1/requests"),
+        f.transparent,
+        None,
+        &[
+            "-i",
+            "-H",
+            "content-type: application/json",
+            "--data",
+            r#"{"host":"other.test","port":443,"reason":"x"}"#,
+        ],
+    )
+    .await;
+    assert!(c.stdout.starts_with("HTTP/1.1 503"), "{}", c.stdout);
+    assert_eq!(f.http_canary.conns.load(Ordering::SeqCst), 0);
+    assert_eq!(f.events.total(), before, "{:?}", f.events.recent(3));
+}
+
 /// ClientHello bytes rustls would send for `name` with `config`.
 fn client_hello(config: rustls::ClientConfig, name: &str) -> Vec<u8> {
     let name = rustls::pki_types::ServerName::try_from(name.to_owned()).unwrap();

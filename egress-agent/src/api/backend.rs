@@ -443,3 +443,94 @@ impl ChangeLog for StoreChangeLog {
         }
     }
 }
+
+/// Decide access request `id` as `who` ([`crate::asks`]): a run grant goes to the listener that
+/// asked; a policy approval is the change `PUT /v1/policies/{name}` would make with the host
+/// added (made through `change`: validated, written, reloaded, recorded with who and the diff),
+/// recorded on the request only once it applied; a denial carries its reason back.
+pub async fn decide<'a, F, Fut>(
+    asks: &crate::asks::Asks,
+    id: u64,
+    decision: crate::asks::Decision,
+    who: manage::Who,
+    change: F,
+    config_path: &Path,
+    config: &Config,
+) -> Result<Value, ApiError>
+where
+    F: FnOnce(manage::Change, manage::Who) -> Fut,
+    Fut: std::future::Future<Output = Result<Value, ApiError>> + 'a,
+{
+    use crate::asks::{Decision, Outcome, Scope};
+    let by = who
+        .identity
+        .clone()
+        .unwrap_or_else(|| format!("uid {}", who.uid));
+    let view = match decision {
+        Decision::Deny { reason } => asks.decide(id, Outcome::Denied { by, reason })?,
+        Decision::Approve {
+            scope: Scope::Run,
+            ttl,
+        } => asks.approve_run(id, &by, ttl)?,
+        Decision::Approve {
+            scope: Scope::Policy,
+            ..
+        } => {
+            let v = asks.pending(id)?;
+            let c = grant_change(config_path, config, &v.policy, &v.host, v.port)?;
+            let applied = change(c, who).await?;
+            let view = asks.decide(
+                id,
+                Outcome::Approved {
+                    scope: Scope::Policy,
+                    by,
+                    until: None,
+                },
+            )?;
+            return Ok(json!({ "request": view, "change": applied }));
+        }
+    };
+    Ok(json!({ "request": view }))
+}
+
+/// The change that adds `host:port` to policy `name`: its host alone when the policy allows
+/// that port everywhere, else `{ host, ports = [port] }`.
+fn grant_change(
+    config_path: &Path,
+    config: &Config,
+    name: &str,
+    host: &str,
+    port: u16,
+) -> Result<manage::Change, ApiError> {
+    let described = manage::describe(config_path, config, name)
+        .ok_or_else(|| ApiError::new(409, format!("policy {name:?} no longer exists")))?;
+    if let Some(why) = described["read_only"].as_str() {
+        return Err(ApiError::new(
+            409,
+            format!("scope policy: {why}; approve with scope run, or change the source"),
+        ));
+    }
+    let mut body = described["policy"].as_object().cloned().unwrap_or_default();
+    if body.get("mode").and_then(Value::as_str) == Some("deny_all") {
+        body.remove("mode");
+    }
+    let everywhere = body
+        .get("allow_ports")
+        .and_then(Value::as_array)
+        .is_some_and(|p| p.iter().any(|p| p.as_u64() == Some(u64::from(port))));
+    let entry = if everywhere {
+        json!(host)
+    } else {
+        json!({ "host": host, "ports": [port] })
+    };
+    match body.get_mut("allow_hosts").and_then(Value::as_array_mut) {
+        Some(list) => list.push(entry),
+        None => {
+            body.insert("allow_hosts".to_owned(), json!([entry]));
+        }
+    }
+    Ok(manage::Change::SetPolicy {
+        name: name.to_owned(),
+        body: manage::Body::Json(Value::Object(body).to_string()),
+    })
+}

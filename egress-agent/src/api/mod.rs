@@ -83,6 +83,12 @@ impl ApiError {
     }
 }
 
+impl From<crate::asks::AskError> for ApiError {
+    fn from(e: crate::asks::AskError) -> Self {
+        ApiError::new(e.status(), e)
+    }
+}
+
 impl From<crate::manage::ManageError> for ApiError {
     fn from(e: crate::manage::ManageError) -> Self {
         ApiError {
@@ -224,6 +230,20 @@ pub trait Control: Send + Sync + 'static {
     /// The doctor's report (JSON).
     fn doctor(&self) -> BoxFuture<'_, Value> {
         Box::pin(async { serde_json::json!({ "error": "not available" }) })
+    }
+    /// Workloads' access requests kept (`pending_only`: those waiting), oldest first.
+    fn requests(&self, _pending_only: bool) -> Result<Value, ApiError> {
+        Err(ApiError::unavailable("access requests"))
+    }
+    /// Decide request `id` as `who`: a run grant, a policy change (through [`Control::change`]'s
+    /// path), or a denial with its reason; the waiting workload gets it.
+    fn decide(
+        &self,
+        _id: u64,
+        _decision: crate::asks::Decision,
+        _who: crate::manage::Who,
+    ) -> BoxFuture<'_, Result<Value, ApiError>> {
+        Box::pin(async { Err(ApiError::unavailable("access requests")) })
     }
     /// Start a new agent from the installed binary that takes this one's sockets (as SIGUSR2
     /// does): `{"pid", "new_pid"}` once it runs; it takes over when it is ready.

@@ -46,6 +46,9 @@ pub const ENDPOINTS: &[(&str, &str)] = &[
     ("GET", "/v1/events/sse"),
     ("POST", "/v1/reload"),
     ("POST", "/v1/restart"),
+    ("GET", "/v1/requests"),
+    ("POST", "/v1/requests/{id}/approve"),
+    ("POST", "/v1/requests/{id}/deny"),
 ];
 
 /// Largest request body (a policy, a bundle).
@@ -245,15 +248,33 @@ pub async fn route(
             Err(msg) => error(StatusCode::UNPROCESSABLE_ENTITY, &msg),
         },
         (&Method::POST, ["v1", "restart"]) => answer(control.restart().await),
+        (&Method::GET, ["v1", "requests"]) => answer(control.requests(flag(query, "pending"))),
+        (&Method::POST, ["v1", "requests", id, action @ ("approve" | "deny")]) => {
+            let Ok(id) = id.parse::<u64>() else {
+                return error(StatusCode::NOT_FOUND, "no such request");
+            };
+            let approve = *action == "approve";
+            let decision = match read_body(req).await {
+                Ok((_, text)) => {
+                    crate::asks::Decision::parse(approve, &text).map_err(ApiError::from)
+                }
+                Err(e) => Err(e),
+            };
+            match decision {
+                Ok(d) => answer(control.decide(id, d, who).await),
+                Err(e) => api_error(e),
+            }
+        }
         (
             _,
             [
                 "v1",
                 "status" | "containers" | "policies" | "events" | "reload" | "restart" | "defaults"
                 | "export" | "import" | "explain" | "denials" | "suggest" | "replay" | "changes"
-                | "doctor",
+                | "doctor" | "requests",
             ],
         )
+        | (_, ["v1", "requests", _, "approve" | "deny"])
         | (_, ["v1", "policies", _])
         | (_, ["v1", "events", "sse"])
         | (_, ["ui", _]) => error(StatusCode::METHOD_NOT_ALLOWED, "method not allowed"),

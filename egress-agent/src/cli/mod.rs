@@ -5,4 +5,5 @@
 pub mod console;
 pub mod events;
 pub mod manage;
+pub mod requests;
 pub mod wire;

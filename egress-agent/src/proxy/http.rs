@@ -99,8 +99,11 @@ impl AsyncWrite for Counted {
 
 /// Which requests a client connection may carry.
 enum Route {
-    /// The explicit proxy: absolute-form requests to any host, each checked on its own.
+    /// The explicit proxy: absolute-form requests to any host, each checked on its own
+    /// (`egress.internal` answered by the agent: [`super::self_service`]).
     Forward,
+    /// A transparent connection whose Host is `egress.internal`: every request is the agent's.
+    Agent,
     /// A connection to one checked target (transparent HTTP, plain HTTP inside a `CONNECT`
     /// tunnel): origin-form requests whose Host, when present, names that target.
     Fixed(Target),
@@ -399,6 +402,7 @@ async fn handle(mut req: Request<Incoming>, state: &ConnState) -> Response<Body>
     let target = match &state.route {
         Route::Forward => target_of(&req),
         Route::Fixed(t) => fixed_target_of(&req, t),
+        Route::Agent => return self_answer(req, shared).await,
     };
     let target = match target {
         Ok(t) => t,
@@ -412,6 +416,13 @@ async fn handle(mut req: Request<Incoming>, state: &ConnState) -> Response<Body>
     }
     if req.method() == Method::CONNECT {
         return connect(&mut req, state, target, protocol).await;
+    }
+    // The agent's own name: answered here, never checked against the policy or dialled.
+    if let (Route::Forward, egress_policy::name::Destination::Name(n)) =
+        (&state.route, &target.dest)
+        && super::self_service::is_self(n.as_str())
+    {
+        return self_answer(req, shared).await;
     }
 
     if let Some(refused) = refused_request(&req, shared, &target, protocol) {
@@ -461,6 +472,31 @@ async fn handle(mut req: Request<Incoming>, state: &ConnState) -> Response<Body>
     let (mut parts, body) = resp.into_parts();
     strip_hop_by_hop(&mut parts.headers);
     Response::from_parts(parts, Either::Left(body))
+}
+
+async fn self_answer(req: Request<Incoming>, shared: &Arc<Shared>) -> Response<Body> {
+    super::self_service::answer(req, shared)
+        .await
+        .map(Either::Right)
+}
+
+/// Serve a transparent connection whose first request names `egress.internal` (`prefix`: the
+/// bytes already read): each request on it is answered by the agent, none leaves the host.
+pub(crate) async fn serve_agent(
+    stream: TcpStream,
+    prefix: Vec<u8>,
+    shared: Arc<Shared>,
+    stop: CancellationToken,
+) {
+    let shutdown = stop.clone().cancelled_owned();
+    let state = ConnState {
+        shared,
+        route: Route::Agent,
+        upstream: Mutex::new(None),
+        tunnel: std::sync::Mutex::new(None),
+        stop,
+    };
+    run(stream, prefix, state, shutdown).await;
 }
 
 /// `CONNECT`: checked and dialled, then the client's socket, recovered from hyper once the

@@ -19,6 +19,7 @@ mod denial;
 pub mod dial;
 pub mod dns;
 pub mod framing;
+mod grants;
 pub mod hooks;
 pub mod http;
 pub mod intercept;
@@ -32,6 +33,7 @@ pub mod resolve;
 pub mod response;
 mod route;
 pub mod scrub_body;
+pub mod self_service;
 pub mod sniff;
 pub mod splice;
 pub mod tls;
@@ -147,6 +149,9 @@ pub struct ProxyContext {
     /// The process's sockets: what a workload's listener takes from a previous agent, offers
     /// a successor, and the hand-over's stop-accepting and drain.
     sockets: Arc<crate::handover::Sockets>,
+    /// Where workloads' access requests go (`egress.internal`), when an operator can decide
+    /// them (the daemon's; standalone `exec` has none).
+    asks: Option<Arc<crate::asks::Asks>>,
 }
 
 impl std::fmt::Debug for ProxyContext {
@@ -267,6 +272,7 @@ impl ProxyContext {
                 health: tls::InterceptHealth::default(),
             }),
             metrics: None,
+            asks: None,
             interception: None,
             admit_any: false,
             kernel_relay: None,
@@ -334,6 +340,16 @@ impl ProxyContext {
         self
     }
 
+    /// Take workloads' access requests into `asks` ([`self_service`]).
+    pub fn with_asks(mut self, asks: Arc<crate::asks::Asks>) -> ProxyContext {
+        self.asks = Some(asks);
+        self
+    }
+
+    pub fn asks(&self) -> Option<&Arc<crate::asks::Asks>> {
+        self.asks.as_ref()
+    }
+
     pub fn metrics(&self) -> Option<&Arc<Metrics>> {
         self.metrics.as_ref()
     }
@@ -366,11 +382,15 @@ pub struct PolicyHandle {
 }
 
 impl PolicyHandle {
+    /// The listener's policy is now `policy` (with the run grants it holds, [`grants`]).
     pub fn set(&self, policy: &Policy) {
-        self.shared
-            .policy
-            .store(Arc::new(CompiledPolicy::new(policy)));
-        self.shared.policy_changed.send_replace(());
+        self.shared.set_base(policy);
+    }
+
+    /// The listener as a [`GrantTarget`](crate::asks::GrantTarget) (tests approve through it).
+    pub fn grant_target(&self) -> std::sync::Weak<dyn crate::asks::GrantTarget> {
+        let me: Arc<dyn crate::asks::GrantTarget> = self.shared.clone();
+        Arc::downgrade(&me)
     }
 }
 
@@ -414,6 +434,13 @@ pub(crate) struct Shared {
     /// sockets' loops and theirs, hyper's connection drivers, upgraded relays.
     /// [`PolicyProxy::run`] waits for them once it stopped them.
     pub(crate) tasks: TaskTracker,
+    /// Unique per listener (and its IPv6 sibling) for the process's lifetime: whose access
+    /// requests are whose.
+    pub(crate) listener_id: u64,
+    /// The configured policy and this listener's run grants; `policy` is their union.
+    pub(crate) overlay: std::sync::Mutex<grants::Overlay>,
+    /// Itself, for a grant's expiry.
+    pub(crate) me: std::sync::Weak<Shared>,
 }
 
 impl Shared {
@@ -661,7 +688,7 @@ impl PolicyProxy {
         let local = listener.local_addr()?;
         let counters = ctx.metrics().map(|m| m.proxy_counters(&policy_name));
         let conns = Arc::new(Semaphore::new(ctx.limits().max_connections_per_listener));
-        let shared = Arc::new(Shared {
+        let shared = Arc::new_cyclic(|me| Shared {
             conns,
             name: Arc::from(policy_name),
             identity,
@@ -670,6 +697,9 @@ impl PolicyProxy {
             counters,
             policy_changed: tokio::sync::watch::channel(()).0,
             tasks: TaskTracker::new(),
+            listener_id: grants::next_listener_id(),
+            overlay: std::sync::Mutex::new(grants::Overlay::new(policy.clone())),
+            me: me.clone(),
         });
         let intercept = match shared.ctx.interception.clone() {
             Some(hooks) => {

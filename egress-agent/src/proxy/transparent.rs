@@ -110,6 +110,13 @@ pub(crate) async fn intercepted(
             Ok(Ok(_)) => {}
         }
     };
+    // `egress.internal` over plain HTTP: the agent answers (no policy check, nothing dialled).
+    if kind == Kind::Http
+        && route::host_of(&target).is_some_and(|h| super::self_service::is_self(&h))
+    {
+        super::http::serve_agent(stream, buf, shared.clone(), stop).await;
+        return;
+    }
     if !shared.policy.load().transparent() {
         // The policy was reloaded with `transparent = false` while the kernel still redirected.
         let r = Refused {

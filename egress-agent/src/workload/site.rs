@@ -38,6 +38,9 @@ pub struct HostOptions {
     /// The workloads holding a real key, kept by every runtime's enforcer (what `status` shows;
     /// shared likewise).
     pub holders: crate::exposure::Holders,
+    /// Workloads' access requests (`egress.internal`): the daemon's, decided through its API;
+    /// `None` (standalone `exec`) answers that nobody can decide them.
+    pub asks: Option<Arc<crate::asks::Asks>>,
 }
 
 impl Default for HostOptions {
@@ -50,6 +53,7 @@ impl Default for HostOptions {
             sockets: crate::handover::Sockets::new(),
             intercept: crate::proxy::tls::InterceptHealth::default(),
             holders: crate::exposure::Holders::default(),
+            asks: None,
         }
     }
 }
@@ -243,6 +247,9 @@ pub fn enforcer_on(
         .with_sockets(site.host.sockets);
     if let Some(m) = metrics {
         ctx = ctx.with_metrics(m.clone());
+    }
+    if let Some(a) = &site.host.asks {
+        ctx = ctx.with_asks(a.clone());
     }
     let settings = Settings {
         root: site.root,

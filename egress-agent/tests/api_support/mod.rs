@@ -21,6 +21,7 @@ pub struct Fake {
     path: PathBuf,
     config: Mutex<Arc<Config>>,
     log: Recorder,
+    asks: Arc<egress_agent::asks::Asks>,
 }
 
 #[derive(Default)]
@@ -138,6 +139,29 @@ impl Control for Fake {
             json!([{ "id": "proxy.listening", "status": "pass", "summary": "ok", "fix": null }])
         })
     }
+    fn requests(&self, pending_only: bool) -> Result<Value, ApiError> {
+        Ok(serde_json::to_value(self.asks.list(pending_only)).unwrap_or(Value::Null))
+    }
+    fn decide(
+        &self,
+        id: u64,
+        decision: egress_agent::asks::Decision,
+        who: Who,
+    ) -> BoxFuture<'_, Result<Value, ApiError>> {
+        Box::pin(async move {
+            let config = self.config();
+            backend::decide(
+                &self.asks,
+                id,
+                decision,
+                who,
+                |change, who| self.change(change, who, false),
+                &self.path,
+                &config,
+            )
+            .await
+        })
+    }
 }
 
 pub fn sample_events() -> Vec<DenialEvent> {
@@ -188,6 +212,8 @@ pub fn skip(why: &str) {
 }
 
 pub struct Served {
+    /// The fake daemon's access requests (a test files them as a workload would).
+    pub asks: Arc<egress_agent::asks::Asks>,
     pub dir: PathBuf,
     pub sock: PathBuf,
     pub tcp: std::net::SocketAddr,
@@ -236,10 +262,12 @@ pub async fn serve(tag: &str) -> Served {
             .collect();
         store.write(&denials, &flows).expect("write store");
     }
+    let asks = egress_agent::asks::Asks::new();
     let fake = Arc::new(Fake {
         path: cfg,
         config: Mutex::new(Arc::new(config)),
         log: Recorder::default(),
+        asks: asks.clone(),
     });
     let sock = dir.join("api.sock");
     let server = ApiServer::bind(&sock)
@@ -259,6 +287,7 @@ pub async fn serve(tag: &str) -> Served {
         rx.await.ok();
     }));
     Served {
+        asks,
         dir,
         sock,
         tcp,

@@ -140,6 +140,7 @@ pub const HOSTS: &str = "\
 127.0.0.1 allowed.test api.wild.test deep.api.wild.test wild.test other.test
 127.0.0.2 rebind.test
 169.254.169.254 metadata.test
+169.254.169.254 meta2.test
 10.0.0.1 private.test
 127.0.0.1 mixed.test
 10.1.2.3 mixed.test

@@ -1,0 +1,475 @@
+//! Access requests a confined workload files from inside (issue #41, "asking for access"), and
+//! the operator's decisions on them.
+//!
+//! A workload asks through its own listener (`POST http://egress.internal/v1/requests`,
+//! [`crate::proxy::self_service`]): who asks is the listener that accepted the connection — the
+//! kernel chose it from the cgroup — never a field of the body. A request changes nothing by
+//! itself: it waits for an operator (API, CLI, MCP, console). Approved with scope `run`, the
+//! host:port is added to that one listener's policy (an overlay, [`GrantTarget`]) for the
+//! listener's lifetime or the TTL, whichever ends first; with scope `policy` it is written to
+//! the policy through the change path every write takes (the daemon does that, then records the
+//! outcome here). The decision and its reason go back to the request, where the workload's
+//! long-poll (`GET /v1/requests/{id}?wait=S`) picks it up.
+//!
+//! Bounds, per listener: at most [`MAX_PENDING`] waiting, at most [`MAX_PER_WINDOW`] filed per
+//! [`WINDOW`] (then 429), the same host:port asked again while pending is the same request; in
+//! all, at most [`MAX_TOTAL_PENDING`] waiting and [`MAX_KEPT`] kept. A grant only adds a name to
+//! `allow_hosts`: every check after the name — private and metadata addresses refused at dial
+//! time, request rules — still holds.
+mod limits;
+
+use std::collections::{BTreeMap, VecDeque};
+use std::sync::{Arc, Mutex, PoisonError, Weak};
+use std::time::{Duration, SystemTime};
+
+use egress_policy::name::HostName;
+use serde::{Deserialize, Serialize};
+use tokio::sync::watch;
+
+pub use limits::{MAX_KEPT, MAX_PENDING, MAX_PER_WINDOW, MAX_REASON, MAX_TOTAL_PENDING, WINDOW};
+
+/// Where a `run` grant goes: the listener that filed the request.
+pub trait GrantTarget: Send + Sync {
+    /// Add `host:port` to this listener's policy for `ttl` (or its lifetime), as grant `id`.
+    fn grant(&self, id: u64, host: &HostName, port: u16, ttl: Option<Duration>);
+}
+
+/// Who asked: the listener's identity, as the kernel chose it.
+#[derive(Clone)]
+pub struct Requester {
+    /// Unique per listener for this agent's lifetime: only the same listener reads its requests.
+    pub listener: u64,
+    /// The policy the listener serves.
+    pub policy: String,
+    /// The container, pod or command, for people.
+    pub workload: String,
+    /// The `run` context label, when the workload has one.
+    pub run: Option<String>,
+    /// Where a `run` grant goes (gone when the workload ended).
+    pub target: Weak<dyn GrantTarget>,
+}
+
+impl std::fmt::Debug for Requester {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Requester")
+            .field("listener", &self.listener)
+            .field("policy", &self.policy)
+            .field("workload", &self.workload)
+            .field("run", &self.run)
+            .finish_non_exhaustive()
+    }
+}
+
+/// What a workload asks for (the body of `POST /v1/requests`).
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct Wanted {
+    pub host: String,
+    pub port: u16,
+    /// For the operator to read (at most [`MAX_REASON`] bytes).
+    pub reason: String,
+    /// Optional: the methods it needs (shown to the operator; a grant covers the host:port).
+    #[serde(default)]
+    pub methods: Vec<String>,
+    /// Optional: the paths it needs (shown to the operator).
+    #[serde(default)]
+    pub paths: Vec<String>,
+}
+
+/// How far an approval reaches.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Scope {
+    /// This workload alone, while it runs (or for the TTL).
+    Run,
+    /// Written to the policy: every workload under it, from now on.
+    Policy,
+}
+
+/// An operator's decision on a request (`POST /v1/requests/{id}/approve|deny`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Decision {
+    Approve {
+        scope: Scope,
+        /// A `run` grant's lifetime (else the workload's).
+        ttl: Option<Duration>,
+    },
+    Deny {
+        reason: String,
+    },
+}
+
+impl Decision {
+    /// From the API's body (`{"scope", "ttl"}` to approve, `{"reason"}` to deny).
+    pub fn parse(approve: bool, body: &str) -> Result<Decision, AskError> {
+        #[derive(Deserialize, Default)]
+        #[serde(deny_unknown_fields)]
+        struct Approve {
+            scope: Option<Scope>,
+            ttl: Option<String>,
+        }
+        #[derive(Deserialize)]
+        #[serde(deny_unknown_fields)]
+        struct Deny {
+            reason: String,
+        }
+        let body = if body.trim().is_empty() { "{}" } else { body };
+        if approve {
+            let a: Approve = serde_json::from_str(body).map_err(|e| {
+                AskError::Invalid(format!("request body: {e} (expected {{\"scope\": \"run\"|\"policy\", \"ttl\"?: \"2h\"}})"))
+            })?;
+            let scope = a.scope.ok_or_else(|| {
+                AskError::Invalid(
+                    "scope: run (this workload, while it runs) or policy (written to its policy)"
+                        .to_owned(),
+                )
+            })?;
+            let ttl = match a.ttl {
+                None => None,
+                Some(_) if scope == Scope::Policy => {
+                    return Err(AskError::Invalid(
+                        "ttl: only a run grant ends by itself; a policy change stays until changed"
+                            .to_owned(),
+                    ));
+                }
+                Some(t) => Some(
+                    humantime::parse_duration(&t)
+                        .map_err(|e| AskError::Invalid(format!("ttl: {e} (e.g. 30m, 2h)")))?,
+                ),
+            };
+            Ok(Decision::Approve { scope, ttl })
+        } else {
+            let d: Deny = serde_json::from_str(body).map_err(|e| {
+                AskError::Invalid(format!(
+                    "request body: {e} (expected {{\"reason\": \"…\"}}: the workload reads it)"
+                ))
+            })?;
+            let reason = d.reason.trim().to_owned();
+            if reason.is_empty() || reason.len() > MAX_REASON {
+                return Err(AskError::Invalid(format!(
+                    "reason: 1-{MAX_REASON} bytes (the workload reads it)"
+                )));
+            }
+            Ok(Decision::Deny { reason })
+        }
+    }
+}
+
+/// Where a request stands.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[serde(tag = "state", rename_all = "snake_case")]
+pub enum Outcome {
+    Pending,
+    Approved {
+        scope: Scope,
+        by: String,
+        /// A `run` grant's end (RFC 3339), if it has a TTL.
+        #[serde(skip_serializing_if = "Option::is_none")]
+        until: Option<String>,
+    },
+    Denied {
+        by: String,
+        reason: String,
+    },
+}
+
+/// One request as the API shows it.
+#[derive(Debug, Clone, Serialize)]
+pub struct View {
+    pub id: u64,
+    pub time: String,
+    pub policy: String,
+    pub workload: String,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub run: Option<String>,
+    pub host: String,
+    pub port: u16,
+    pub reason: String,
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub methods: Vec<String>,
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub paths: Vec<String>,
+    #[serde(flatten)]
+    pub outcome: Outcome,
+}
+
+/// Why a request was not taken or a decision not made: each maps to an HTTP status.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum AskError {
+    #[error("{0}")]
+    Invalid(String),
+    #[error("{0}")]
+    TooMany(String),
+    #[error("{0}")]
+    Full(String),
+    #[error("no request {0}")]
+    NotFound(u64),
+    #[error("request {0} was decided already")]
+    Decided(u64),
+    #[error("the workload that filed request {0} has ended: a run grant has nothing to go to")]
+    Gone(u64),
+}
+
+impl AskError {
+    pub fn status(&self) -> u16 {
+        match self {
+            AskError::Invalid(_) => 400,
+            AskError::TooMany(_) => 429,
+            AskError::Full(_) => 503,
+            AskError::NotFound(_) => 404,
+            AskError::Decided(_) | AskError::Gone(_) => 409,
+        }
+    }
+}
+
+struct Ask {
+    id: u64,
+    time: SystemTime,
+    who: Requester,
+    host: HostName,
+    port: u16,
+    reason: String,
+    methods: Vec<String>,
+    paths: Vec<String>,
+    outcome: watch::Sender<Outcome>,
+}
+
+impl Ask {
+    fn view(&self) -> View {
+        View {
+            id: self.id,
+            time: humantime::format_rfc3339_millis(self.time).to_string(),
+            policy: self.who.policy.clone(),
+            workload: self.who.workload.clone(),
+            run: self.who.run.clone(),
+            host: self.host.as_str().to_owned(),
+            port: self.port,
+            reason: self.reason.clone(),
+            methods: self.methods.clone(),
+            paths: self.paths.clone(),
+            outcome: self.outcome.borrow().clone(),
+        }
+    }
+
+    fn pending(&self) -> bool {
+        *self.outcome.borrow() == Outcome::Pending
+    }
+}
+
+#[derive(Default)]
+struct State {
+    next: u64,
+    /// Oldest first; decided ones are dropped first when [`MAX_KEPT`] is reached.
+    asks: VecDeque<Ask>,
+    /// Per listener: when its recent requests were filed (for [`MAX_PER_WINDOW`]).
+    filed: BTreeMap<u64, VecDeque<SystemTime>>,
+}
+
+/// The agent's access requests (one per agent, shared by its listeners and the API).
+#[derive(Default)]
+pub struct Asks {
+    state: Mutex<State>,
+    /// Announces every new request and decision (the console's live list).
+    changed: watch::Sender<u64>,
+}
+
+/// A request taken: its id and whether it was already waiting (the same host:port asked again).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Filed {
+    pub id: u64,
+    pub existing: bool,
+}
+
+impl std::fmt::Debug for Asks {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Asks")
+            .field("kept", &self.lock().asks.len())
+            .finish_non_exhaustive()
+    }
+}
+
+impl Asks {
+    pub fn new() -> Arc<Asks> {
+        Arc::new(Asks::default())
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// File `wanted` for `who`, at `now`.
+    pub fn file(&self, who: Requester, wanted: Wanted, now: SystemTime) -> Result<Filed, AskError> {
+        let checked = limits::check(&wanted)?;
+        let mut s = self.lock();
+        if let Some(a) = s.asks.iter().find(|a| {
+            a.who.listener == who.listener
+                && a.host == checked.host
+                && a.port == wanted.port
+                && a.pending()
+        }) {
+            return Ok(Filed {
+                id: a.id,
+                existing: true,
+            });
+        }
+        let mine = s
+            .asks
+            .iter()
+            .filter(|a| a.who.listener == who.listener && a.pending())
+            .count();
+        if mine >= MAX_PENDING {
+            return Err(AskError::TooMany(format!(
+                "{mine} requests of this workload wait for a decision already (at most \
+                 {MAX_PENDING}): wait for them (GET /v1/requests/ID?wait=60)"
+            )));
+        }
+        let window = s.filed.entry(who.listener).or_default();
+        while window
+            .front()
+            .is_some_and(|t| now.duration_since(*t).unwrap_or_default() > WINDOW)
+        {
+            window.pop_front();
+        }
+        if window.len() >= MAX_PER_WINDOW {
+            return Err(AskError::TooMany(format!(
+                "this workload filed {MAX_PER_WINDOW} requests in the last {} minutes: wait \
+                 for the operator",
+                WINDOW.as_secs() / 60
+            )));
+        }
+        if s.asks.iter().filter(|a| a.pending()).count() >= MAX_TOTAL_PENDING {
+            return Err(AskError::Full(format!(
+                "{MAX_TOTAL_PENDING} requests wait for a decision on this host: try again later"
+            )));
+        }
+        s.filed.entry(who.listener).or_default().push_back(now);
+        s.next += 1;
+        let id = s.next;
+        if s.asks.len() >= MAX_KEPT
+            && let Some(i) = s.asks.iter().position(|a| !a.pending())
+        {
+            s.asks.remove(i);
+        }
+        s.asks.push_back(Ask {
+            id,
+            time: now,
+            who,
+            host: checked.host,
+            port: wanted.port,
+            reason: checked.reason,
+            methods: checked.methods,
+            paths: checked.paths,
+            outcome: watch::channel(Outcome::Pending).0,
+        });
+        drop(s);
+        self.changed.send_modify(|n| *n += 1);
+        Ok(Filed {
+            id,
+            existing: false,
+        })
+    }
+
+    /// Request `id` as the listener `listener` may see it (`None`: not its own, or none).
+    pub fn own(&self, id: u64, listener: u64) -> Option<View> {
+        let s = self.lock();
+        s.asks
+            .iter()
+            .find(|a| a.id == id && a.who.listener == listener)
+            .map(Ask::view)
+    }
+
+    /// Wait until request `id` (of `listener`) is decided or `wait` has passed: its view then.
+    pub async fn wait(&self, id: u64, listener: u64, wait: Duration) -> Option<View> {
+        let mut rx = {
+            let s = self.lock();
+            let a = s
+                .asks
+                .iter()
+                .find(|a| a.id == id && a.who.listener == listener)?;
+            a.outcome.subscribe()
+        };
+        tokio::time::timeout(wait, rx.wait_for(|o| *o != Outcome::Pending))
+            .await
+            .ok();
+        self.own(id, listener)
+    }
+
+    /// Every request kept, oldest first (`pending_only`: the waiting ones).
+    pub fn list(&self, pending_only: bool) -> Vec<View> {
+        self.lock()
+            .asks
+            .iter()
+            .filter(|a| !pending_only || a.pending())
+            .map(Ask::view)
+            .collect()
+    }
+
+    /// One request, for the operator.
+    pub fn get(&self, id: u64) -> Option<View> {
+        self.lock().asks.iter().find(|a| a.id == id).map(Ask::view)
+    }
+
+    /// Approve request `id` for its workload alone: the grant goes to the listener that filed it.
+    pub fn approve_run(&self, id: u64, by: &str, ttl: Option<Duration>) -> Result<View, AskError> {
+        let s = self.lock();
+        let a = s
+            .asks
+            .iter()
+            .find(|a| a.id == id)
+            .ok_or(AskError::NotFound(id))?;
+        if !a.pending() {
+            return Err(AskError::Decided(id));
+        }
+        let target = a.who.target.upgrade().ok_or(AskError::Gone(id))?;
+        target.grant(id, &a.host, a.port, ttl);
+        let until =
+            ttl.map(|t| humantime::format_rfc3339_seconds(SystemTime::now() + t).to_string());
+        a.outcome.send_replace(Outcome::Approved {
+            scope: Scope::Run,
+            by: by.to_owned(),
+            until,
+        });
+        let v = a.view();
+        drop(s);
+        self.changed.send_modify(|n| *n += 1);
+        Ok(v)
+    }
+
+    /// Record a decision made elsewhere (a `policy` approval, written by the change path first;
+    /// a denial with its reason).
+    pub fn decide(&self, id: u64, outcome: Outcome) -> Result<View, AskError> {
+        let s = self.lock();
+        let a = s
+            .asks
+            .iter()
+            .find(|a| a.id == id)
+            .ok_or(AskError::NotFound(id))?;
+        if !a.pending() {
+            return Err(AskError::Decided(id));
+        }
+        a.outcome.send_replace(outcome);
+        let v = a.view();
+        drop(s);
+        self.changed.send_modify(|n| *n += 1);
+        Ok(v)
+    }
+
+    /// Whether request `id` waits for a decision, and what it asks for (a `policy` approval
+    /// builds its change from it).
+    pub fn pending(&self, id: u64) -> Result<View, AskError> {
+        let v = self.get(id).ok_or(AskError::NotFound(id))?;
+        match v.outcome {
+            Outcome::Pending => Ok(v),
+            _ => Err(AskError::Decided(id)),
+        }
+    }
+
+    /// Announces new requests and decisions.
+    pub fn subscribe(&self) -> watch::Receiver<u64> {
+        self.changed.subscribe()
+    }
+}
+
+#[cfg(test)]
+#[expect(clippy::unwrap_used, reason = "test assertions")]
+mod tests;
