@@ -414,6 +414,7 @@ impl Control for Daemon {
         id: u64,
         decision: crate::asks::Decision,
         who: Who,
+        dry_run: bool,
     ) -> BoxFuture<'_, Result<Value, ApiError>> {
         Box::pin(async move {
             let config_path = self.config_path.clone();
@@ -423,9 +424,10 @@ impl Control for Daemon {
                 id,
                 decision,
                 who,
-                |change, who| self.change(change, who, false),
+                |change, who| self.change(change, who, dry_run),
                 &config_path,
                 &config,
+                dry_run,
             )
             .await
         })

@@ -758,6 +758,28 @@ async fn access_requests_are_listed_and_decided_through_the_change_path() {
             "{body}: {v}"
         );
     }
+    // The dry run: the diff the approval would apply, nothing written or decided.
+    let (st, v) = call(
+        &s.sock,
+        Method::POST,
+        &format!("/v1/requests/{a}/approve?dry_run=1"),
+        Some(("application/json", r#"{"scope": "policy"}"#)),
+    )
+    .await;
+    assert_eq!(st, StatusCode::OK, "{v}");
+    assert!(
+        v["diff"].as_str().unwrap_or("").contains("docs.rs") && v["dry_run"] == true,
+        "{v}"
+    );
+    assert!(
+        !std::fs::read_to_string(s.dir.join("policies.d/web.toml"))
+            .unwrap_or_default()
+            .contains("docs.rs")
+    );
+    assert_eq!(
+        s.asks.get(a).map(|v| v.outcome),
+        Some(egress_agent::asks::Outcome::Pending)
+    );
     let (st, v) = call(
         &s.sock,
         Method::POST,

@@ -75,6 +75,7 @@ async fn an_mcp_client_lists_and_calls_the_tools() {
             "list_changes",
             "list_containers",
             "list_policies",
+            "list_requests",
             "recent_denials",
             "replay",
             "show_policy",
@@ -227,6 +228,56 @@ async fn an_mcp_client_lists_and_calls_the_tools() {
     .await;
     assert!(ok, "{t}");
     assert!(s.dir.join("policies.d/imported.toml").exists());
+    // An access request a workload filed, denied from here with a reason.
+    let target: std::sync::Arc<dyn egress_agent::asks::GrantTarget> =
+        std::sync::Arc::new(NoListener);
+    let id = s
+        .asks
+        .file(
+            egress_agent::asks::Requester {
+                listener: 1,
+                policy: "ci".into(),
+                workload: "web-1".into(),
+                run: None,
+                target: std::sync::Arc::downgrade(&target),
+            },
+            serde_json::from_value(
+                json!({ "host": "paste.test", "port": 443, "reason": "share logs" }),
+            )
+            .expect("request"),
+            std::time::SystemTime::now(),
+        )
+        .expect("filed")
+        .id;
+    let (ok, t) = call(&c, "list_requests", json!({ "pending": true })).await;
+    assert!(
+        ok && t.contains("paste.test") && t.contains("share logs"),
+        "{t}"
+    );
+    let (ok, t) = call(
+        &c,
+        "decide_request",
+        json!({ "id": id, "decision": "approve" }),
+    )
+    .await;
+    assert!(
+        !ok && t.contains("scope"),
+        "an approval names its scope: {t}"
+    );
+    let (ok, t) = call(
+        &c,
+        "decide_request",
+        json!({ "id": id, "decision": "deny", "reason": "no paste sites" }),
+    )
+    .await;
+    assert!(ok && t.contains("\"denied\""), "{t}");
+    assert_eq!(
+        s.asks.get(id).map(|v| v.outcome),
+        Some(egress_agent::asks::Outcome::Denied {
+            by: "uid 0".into(),
+            reason: "no paste sites".into()
+        })
+    );
     // Every change, with who made it and its diff.
     let (ok, t) = call(&c, "list_changes", json!({})).await;
     assert!(ok, "{t}");
@@ -388,4 +439,18 @@ async fn the_policy_and_explain_commands_drive_the_api() {
         "{out}"
     );
     s.stop().await;
+}
+
+/// A request's run grant target (the MCP test denies; nothing is granted).
+struct NoListener;
+
+impl egress_agent::asks::GrantTarget for NoListener {
+    fn grant(
+        &self,
+        _: u64,
+        _: &egress_policy::name::HostName,
+        _: u16,
+        _: Option<std::time::Duration>,
+    ) {
+    }
 }

@@ -282,6 +282,7 @@ fn the_console_turns_a_denial_into_a_rule_after_login() {
     );
     allow_a_group(&mut b, &env, &dir);
     new_policy_from_a_run(&mut b, &env, &dir);
+    requests_decided_from_the_page(&mut b, &env, &dir);
 
     // A tighter web (without allowed.test), replayed from the editor before saving: its
     // newly denied count is what the store recorded as allowed to allowed.test.
@@ -519,4 +520,78 @@ fn new_policy_from_a_run(b: &mut Browser, env: &Env, dir: &std::path::Path) {
     );
     let written = std::fs::read_to_string(dir.join("from-run-77.toml")).expect("from-run-77.toml");
     assert!(written.contains("allowed.test"), "{written}");
+}
+
+/// `POST http://egress.internal/v1/requests` from a container, through its proxy.
+fn ask_from(env: &Env, container: &str, host: &str) {
+    let body = format!(r#"{{"host": "{host}", "port": 8080, "reason": "the docs build needs it"}}"#);
+    let out = env.exec_out(
+        container,
+        &format!(
+            "(printf 'POST http://egress.internal/v1/requests HTTP/1.1\\r\\nHost: egress.internal\\r\\nContent-Type: application/json\\r\\nContent-Length: {}\\r\\nConnection: close\\r\\n\\r\\n{body}'; sleep 1) | nc -w 5 169.254.100.1 3128",
+            body.len()
+        ),
+    );
+    assert!(out.starts_with("HTTP/1.1 202"), "{out}");
+}
+
+/// A workload's access requests in the page: approving one into its policy shows the diff
+/// first and writes it on Apply (recorded as the operator's); denying one sends the reason.
+fn requests_decided_from_the_page(b: &mut Browser, env: &Env, dir: &std::path::Path) {
+    ask_from(env, "web-1", "asked.test");
+    b.wait_true(
+        "the pending request with its actions",
+        "!!document.querySelector('#requests tr[data-state=\"pending\"] button.allow-policy')",
+    );
+    click(b, "#requests tr[data-state=\"pending\"] button.allow-policy");
+    b.wait_true(
+        "the approval's diff",
+        "document.getElementById('change-diff').textContent.includes('asked.test')",
+    );
+    assert!(
+        !std::fs::read_to_string(dir.join("web.toml"))
+            .expect("web.toml")
+            .contains("asked.test"),
+        "nothing is written before Apply"
+    );
+    shot(b, "request-approval");
+    click(b, "#change-apply");
+    b.wait_true("applied", "!document.getElementById('change-done').hidden");
+    assert!(
+        std::fs::read_to_string(dir.join("web.toml"))
+            .expect("web.toml")
+            .contains("asked.test")
+    );
+    let listed = api(env, "/v1/requests");
+    let first = listed.as_array().and_then(|a| a.first()).cloned().unwrap_or_default();
+    assert_eq!(
+        (first["state"].as_str(), first["scope"].as_str(), first["by"].as_str(), first["workload"].as_str()),
+        (Some("approved"), Some("policy"), Some("console:ops"), Some("web-1")),
+        "{listed}"
+    );
+
+    ask_from(env, "web-1", "asked2.test");
+    b.wait_true(
+        "the second request",
+        "!!document.querySelector('#requests tr[data-state=\"pending\"] button.deny')",
+    );
+    set_value_in(b, "#requests tr[data-state=\"pending\"] input.deny-reason", "use the mirror");
+    click(b, "#requests tr[data-state=\"pending\"] button.deny");
+    b.wait_true(
+        "the denial in the list",
+        "!!document.querySelector('#requests tr[data-state=\"denied\"]')",
+    );
+    let listed = api(env, "/v1/requests");
+    let second = listed.as_array().and_then(|a| a.get(1)).cloned().unwrap_or_default();
+    assert_eq!(
+        (second["state"].as_str(), second["reason"].as_str()),
+        (Some("denied"), Some("use the mirror")),
+        "{listed}"
+    );
+}
+
+fn set_value_in(b: &mut Browser, selector: &str, value: &str) {
+    b.eval(&format!(
+        "(() => {{ const e = document.querySelector({selector:?}); e.value = {value:?}; return true; }})()"
+    ));
 }

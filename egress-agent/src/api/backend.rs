@@ -448,6 +448,12 @@ impl ChangeLog for StoreChangeLog {
 /// asked; a policy approval is the change `PUT /v1/policies/{name}` would make with the host
 /// added (made through `change`: validated, written, reloaded, recorded with who and the diff),
 /// recorded on the request only once it applied; a denial carries its reason back.
+/// `dry_run`: decide nothing; answer what an approval would do (a policy approval's diff, made
+/// by `change` as a dry run — the console shows it before anyone applies).
+#[expect(
+    clippy::too_many_arguments,
+    reason = "one call per Control implementation"
+)]
 pub async fn decide<'a, F, Fut>(
     asks: &crate::asks::Asks,
     id: u64,
@@ -456,6 +462,7 @@ pub async fn decide<'a, F, Fut>(
     change: F,
     config_path: &Path,
     config: &Config,
+    dry_run: bool,
 ) -> Result<Value, ApiError>
 where
     F: FnOnce(manage::Change, manage::Who) -> Fut,
@@ -466,6 +473,27 @@ where
         .identity
         .clone()
         .unwrap_or_else(|| format!("uid {}", who.uid));
+    if dry_run {
+        let v = asks.pending(id)?;
+        return match decision {
+            Decision::Approve {
+                scope: Scope::Policy,
+                ..
+            } => {
+                let c = grant_change(config_path, config, &v.policy, &v.host, v.port)?;
+                change(c, who).await
+            }
+            Decision::Approve { .. } => Ok(json!({
+                "dry_run": true,
+                "would_change": true,
+                "grant": format!("{}:{} for {} alone, while it runs", v.host, v.port, v.workload),
+                "diff": "",
+            })),
+            Decision::Deny { .. } => {
+                Ok(json!({ "dry_run": true, "would_change": false, "diff": "" }))
+            }
+        };
+    }
     let view = match decision {
         Decision::Deny { reason } => asks.decide(id, Outcome::Denied { by, reason })?,
         Decision::Approve {

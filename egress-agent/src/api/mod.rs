@@ -242,6 +242,7 @@ pub trait Control: Send + Sync + 'static {
         _id: u64,
         _decision: crate::asks::Decision,
         _who: crate::manage::Who,
+        _dry_run: bool,
     ) -> BoxFuture<'_, Result<Value, ApiError>> {
         Box::pin(async { Err(ApiError::unavailable("access requests")) })
     }

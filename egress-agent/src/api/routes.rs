@@ -261,7 +261,7 @@ pub async fn route(
                 Err(e) => Err(e),
             };
             match decision {
-                Ok(d) => answer(control.decide(id, d, who).await),
+                Ok(d) => answer(control.decide(id, d, who, flag(query, "dry_run")).await),
                 Err(e) => api_error(e),
             }
         }

@@ -36,11 +36,12 @@ pub struct McpArgs {
 }
 
 /// The write tools' names.
-pub const WRITE_TOOLS: [&str; 4] = [
+pub const WRITE_TOOLS: [&str; 5] = [
     "set_policy",
     "delete_policy",
     "set_defaults",
     "import_bundle",
+    "decide_request",
 ];
 
 #[derive(Debug, Clone)]
@@ -150,6 +151,32 @@ pub struct ImportArg {
     /// Also remove the policies.d policies the bundle does not name.
     #[serde(default)]
     pub prune: bool,
+}
+
+#[derive(Debug, Deserialize, schemars::JsonSchema)]
+pub struct RequestsArg {
+    /// Only the requests waiting for a decision.
+    #[serde(default)]
+    pub pending: bool,
+}
+
+#[derive(Debug, Deserialize, schemars::JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct DecideArg {
+    /// The request's id (list_requests).
+    pub id: u64,
+    /// `approve` or `deny`.
+    pub decision: String,
+    /// To approve: `run` (the workload that asked, until it ends or the TTL) or `policy`
+    /// (written to its policy: a change with its diff).
+    #[serde(default)]
+    pub scope: Option<String>,
+    /// A run grant's lifetime (30m, 2h).
+    #[serde(default)]
+    pub ttl: Option<String>,
+    /// To deny: why (the workload reads it).
+    #[serde(default)]
+    pub reason: Option<String>,
 }
 
 #[derive(Debug, Deserialize, schemars::JsonSchema)]
@@ -392,6 +419,49 @@ impl EgressMcp {
     }
 
     #[tool(
+        description = "Access requests workloads filed from inside (http://egress.internal/v1/requests): who (the workload, its policy and run, as the kernel identified it), what host:port, why, and the decision."
+    )]
+    async fn list_requests(&self, Parameters(a): Parameters<RequestsArg>) -> CallToolResult {
+        let path = if a.pending {
+            "/v1/requests?pending=1"
+        } else {
+            "/v1/requests"
+        };
+        self.call(Method::GET, path, None).await
+    }
+
+    #[tool(
+        description = "Decide an access request: approve it for the workload that asked (scope run, optional ttl) or into its policy (scope policy: a change with its diff), or deny it with a reason the workload reads. Only with --allow-writes."
+    )]
+    async fn decide_request(&self, Parameters(a): Parameters<DecideArg>) -> CallToolResult {
+        if let Some(refused) = self.writes_allowed() {
+            return refused;
+        }
+        let (action, body) = match a.decision.as_str() {
+            "approve" => ("approve", json!({ "scope": a.scope, "ttl": a.ttl })),
+            "deny" => ("deny", json!({ "reason": a.reason })),
+            other => return failure(format!("decision {other:?}: approve or deny")),
+        };
+        // Absent fields are left out (the API refuses a null scope as missing, by name).
+        let body: serde_json::Map<String, Value> = body
+            .as_object()
+            .into_iter()
+            .flatten()
+            .filter(|(_, v)| !v.is_null())
+            .map(|(k, v)| (k.clone(), v.clone()))
+            .collect();
+        self.call(
+            Method::POST,
+            &format!("/v1/requests/{}/{action}", a.id),
+            Some((
+                "application/json",
+                serde_json::to_vec(&body).unwrap_or_default(),
+            )),
+        )
+        .await
+    }
+
+    #[tool(
         description = "Import a bundle of policies and defaults (TOML, as export prints it): answers the diff; with apply, writes it and reloads. Only with --allow-writes."
     )]
     async fn import_bundle(&self, Parameters(a): Parameters<ImportArg>) -> CallToolResult {
@@ -437,7 +507,7 @@ impl EgressMcp {
 impl ServerHandler for EgressMcp {
     fn get_info(&self) -> ServerConfig {
         let writes = if self.allow_writes {
-            "Write tools are on: set_policy, delete_policy, set_defaults, import_bundle change this host's policies."
+            "Write tools are on: set_policy, delete_policy, set_defaults, import_bundle change this host's policies; decide_request answers workloads' access requests."
         } else {
             "Read-only: the write tools are off (egress-agent mcp --allow-writes)."
         };

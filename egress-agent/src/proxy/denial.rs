@@ -61,9 +61,10 @@ impl Denial {
         };
         let help = format!(
             "This is the network policy of this workload, not a network failure: retrying, \
-             another address or another proxy is refused the same way. To change it, ask the \
-             operator of this host; they can see why with: egress-agent explain --policy \
-             {policy}{target}"
+             another address or another proxy is refused the same way. To ask for access: \
+             POST http://egress.internal/v1/requests {{\"host\", \"port\", \"reason\"}} \
+             through this proxy, then GET the request for the operator's answer. The operator \
+             sees why with: egress-agent explain --policy {policy}{target}"
         );
         Denial {
             error: "egress-denied",

@@ -183,10 +183,12 @@ async function propose(title, method, dry, apply, body, replay, type) {
   }
   const diff = r.body.diff || "";
   $("change-diff").textContent = diff || "(no change)";
-  $("change-note").textContent = !diff
-    ? "This changes nothing."
-    : "The change, as the files will be written (" + (r.body.files || []).join(", ") + "):";
-  $("change-apply").disabled = !diff;
+  $("change-note").textContent = r.body.grant
+    ? "No file changes: grants " + r.body.grant + "."
+    : !diff
+      ? "This changes nothing."
+      : "The change, as the files will be written (" + (r.body.files || []).join(", ") + "):";
+  $("change-apply").disabled = !diff && !r.body.grant;
   panel.scrollIntoView({ block: "start" });
 }
 
@@ -628,9 +630,56 @@ function matchesFilter(tr) {
 }
 
 function applyFilter() {
-  for (const tr of document.querySelectorAll("#containers tbody tr, #denials tbody tr, #changes tbody tr")) {
+  for (const tr of document.querySelectorAll("#containers tbody tr, #denials tbody tr, #changes tbody tr, #requests tbody tr")) {
     tr.hidden = !matchesFilter(tr);
   }
+}
+
+// ---- access requests: what workloads asked for, decided here ----
+
+function renderRequests(list) {
+  const body = document.querySelector("#requests tbody");
+  body.replaceChildren();
+  const rows = Array.isArray(list) ? list.slice().reverse() : [];
+  for (const q of rows) {
+    const tr = el("tr", null, q.state === "pending" ? "fresh" : "");
+    tr.dataset.request = String(q.id);
+    tr.dataset.state = q.state;
+    const wants = q.host + ":" + q.port;
+    const who = q.workload + (q.run ? " (run " + q.run + ")" : "");
+    let state = q.state;
+    if (q.scope) state += " (" + q.scope + ")";
+    if (q.reason && q.state === "denied") state += ": " + q.reason;
+    const reason = q.state === "denied" ? "" : q.reason;
+    const actions = el("td");
+    if (canWrite() && q.state === "pending") {
+      const path = "/v1/requests/" + q.id + "/approve";
+      actions.append(
+        button("Allow for this run", () => propose("Allow " + wants + " for " + who + " alone", "POST", path + "?dry_run=1", path, { scope: "run" }, null), "allow-run"),
+      );
+      if (!readOnly(q.policy)) {
+        actions.append(button("Allow in policy " + q.policy, () => propose("Allow " + wants + " in policy " + q.policy, "POST", path + "?dry_run=1", path, { scope: "policy" }, null), "allow-policy"));
+      }
+      const why = el("input");
+      why.className = "deny-reason";
+      why.placeholder = "reason (the workload reads it)";
+      actions.append(why, button("Deny", () => denyRequest(q.id, why.value), "deny"));
+    }
+    tr.append(el("td", q.id), el("td", (q.time || "").replace("T", " ").replace(/\.\d+Z$/, "Z")), el("td", who), el("td", q.policy), el("td", wants), el("td", reason), el("td", state), actions);
+    tr.dataset.text = [who, q.policy, wants, q.reason, q.state].join(" ").toLowerCase();
+    tr.hidden = !matchesFilter(tr);
+    body.append(tr);
+  }
+  $("requests-empty").hidden = rows.length > 0;
+}
+
+async function denyRequest(id, reason) {
+  const r = await send("POST", "/v1/requests/" + id + "/deny", { reason: reason.trim() });
+  if (!r.ok) {
+    refuseInPanel("Deny request " + id, r.body.error || "refused (" + r.status + ")");
+    return;
+  }
+  await refresh();
 }
 
 // ---- the rest: summary, containers, changes, doctor ----
@@ -748,6 +797,7 @@ async function refresh() {
     renderSettings();
     renderDenials();
     get("/v1/changes?n=20").then(renderChanges).catch(() => {});
+    get("/v1/requests").then(renderRequests).catch(() => { $("requests-section").hidden = true; });
   } catch (e) {
     $("summary").textContent = who || !e.message.endsWith("401")
       ? "the daemon did not answer: " + e.message

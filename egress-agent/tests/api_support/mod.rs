@@ -147,6 +147,7 @@ impl Control for Fake {
         id: u64,
         decision: egress_agent::asks::Decision,
         who: Who,
+        dry_run: bool,
     ) -> BoxFuture<'_, Result<Value, ApiError>> {
         Box::pin(async move {
             let config = self.config();
@@ -155,9 +156,10 @@ impl Control for Fake {
                 id,
                 decision,
                 who,
-                |change, who| self.change(change, who, false),
+                |change, who| self.change(change, who, dry_run),
                 &self.path,
                 &config,
+                dry_run,
             )
             .await
         })
