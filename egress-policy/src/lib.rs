@@ -40,6 +40,7 @@ pub mod l7;
 pub mod matcher;
 pub mod model;
 pub mod name;
+pub mod presets;
 pub mod rules;
 pub mod scrub;
 pub mod secret;

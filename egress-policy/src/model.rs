@@ -12,6 +12,7 @@ use serde::{Deserialize, Deserializer, Serialize};
 
 use super::credentials::CredentialBinding;
 use super::matcher::HostPattern;
+use super::presets::PresetName;
 use super::rules::RequestRule;
 pub use super::validation::{ValidationError, verr};
 
@@ -60,16 +61,23 @@ fn default_ports() -> Vec<u16> {
     vec![443]
 }
 
+/// A policy. Read through [`Policy`]'s `Deserialize`, which expands `presets` into
+/// `allow_hosts` (see [`super::presets`]); written back, `allow_hosts` holds only the policy's own
+/// entries and `presets` keeps the names.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
+#[serde(deny_unknown_fields, remote = "Self")]
 pub struct Policy {
     /// Default `allowlist`.
     #[serde(default)]
     pub mode: Mode,
+    /// Built-in presets (`["github", "python"]`) whose hosts are added to `allow_hosts` when the
+    /// policy is read, each entry marked with its preset ([`HostEntry::preset`]). Default none.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub presets: Vec<PresetName>,
     /// Exact names and `*.suffix` wildcards (strictly below the suffix: `*.x` does not match `x`),
     /// each a string or `{ host = "github.com", ports = [22] }` (ports of its own, see
-    /// [`HostEntry`]).
-    #[serde(default)]
+    /// [`HostEntry`]). Once read, also the entries of `presets` (after the policy's own).
+    #[serde(default, serialize_with = "own_hosts")]
     pub allow_hosts: Vec<HostEntry>,
     /// Ports allowed for `allow_hosts`. Default `[443]`.
     #[serde(default = "default_ports")]
@@ -121,6 +129,26 @@ fn default_true() -> bool {
     true
 }
 
+/// `allow_hosts` as written: the policy's own entries, not those its presets added.
+fn own_hosts<S: serde::Serializer>(hosts: &[HostEntry], s: S) -> Result<S::Ok, S::Error> {
+    s.collect_seq(hosts.iter().filter(|h| h.preset.is_none()))
+}
+
+impl<'de> Deserialize<'de> for Policy {
+    /// The fields, then the one expansion of `presets` into `allow_hosts`.
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let mut policy = Policy::deserialize(d)?;
+        super::presets::expand(&mut policy.allow_hosts, &policy.presets);
+        Ok(policy)
+    }
+}
+
+impl Serialize for Policy {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        Policy::serialize(self, s)
+    }
+}
+
 impl Policy {
     pub fn allow_all() -> Policy {
         Policy {
@@ -131,6 +159,7 @@ impl Policy {
     pub fn deny_all() -> Policy {
         Policy {
             mode: Mode::DenyAll,
+            presets: Vec::new(),
             allow_hosts: Vec::new(),
             allow_ports: default_ports(),
             allow_cidrs: Vec::new(),
@@ -180,6 +209,19 @@ impl Policy {
         self.mode == Mode::Allowlist
     }
 
+    /// Sets `presets` and expands them into `allow_hosts` (for policies built in code, e.g. from
+    /// labels; a policy read from a file or a body is expanded as it is read).
+    pub fn with_presets(mut self, presets: Vec<PresetName>) -> Policy {
+        self.presets = presets;
+        super::presets::expand(&mut self.allow_hosts, &self.presets);
+        self
+    }
+
+    /// The policy's own `allow_hosts` entries (what it says itself, without its presets').
+    pub fn own_hosts(&self) -> impl Iterator<Item = &HostEntry> {
+        self.allow_hosts.iter().filter(|h| h.preset.is_none())
+    }
+
     /// The ports of `{ host, ports }` entries (sorted, deduplicated): direct TCP to the addresses
     /// the agent's DNS answers for those names. Empty unless the policy answers DNS.
     pub fn direct_ports(&self) -> Vec<u16> {
@@ -212,6 +254,9 @@ pub struct HostEntry {
     pub pattern: HostPattern,
     /// Sorted, deduplicated; empty for a plain string entry.
     pub ports: Vec<u16>,
+    /// The preset this entry came from (`None`: the policy's own). Never written back: a policy
+    /// serializes its own entries and its `presets`.
+    pub preset: Option<PresetName>,
 }
 
 impl From<HostPattern> for HostEntry {
@@ -219,17 +264,22 @@ impl From<HostPattern> for HostEntry {
         HostEntry {
             pattern,
             ports: Vec::new(),
+            preset: None,
         }
     }
 }
 
 impl fmt::Display for HostEntry {
-    /// The pattern alone for a plain entry; `pattern (ports 22, 2222)` otherwise.
+    /// The pattern alone for a plain entry; `pattern (ports 22, 2222)` otherwise; `(preset
+    /// github)` after an entry a preset added.
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(f, "{}", self.pattern)?;
         if !self.ports.is_empty() {
             let ports: Vec<String> = self.ports.iter().map(u16::to_string).collect();
             write!(f, " (ports {})", ports.join(", "))?;
+        }
+        if let Some(p) = &self.preset {
+            write!(f, " (preset {p})")?;
         }
         Ok(())
     }
@@ -288,7 +338,11 @@ impl<'de> Deserialize<'de> for HostEntry {
                         "at most {MAX_ENTRY_PORTS} ports per allow_hosts entry"
                     )));
                 }
-                Ok(HostEntry { pattern, ports })
+                Ok(HostEntry {
+                    pattern,
+                    ports,
+                    preset: None,
+                })
             }
         }
         d.deserialize_any(V)
@@ -379,6 +433,18 @@ impl Policy {
     /// Checks one policy; `base` is its dotted path for error messages.
     // Long: independent checks, a few lines each, in the order of the policy's fields.
     pub fn validate(&self, base: &str) -> Result<(), ValidationError> {
+        for (i, name) in self.presets.iter().enumerate() {
+            let field = format!("{base}.presets[{i}]");
+            if self.mode != Mode::Allowlist {
+                return Err(verr(
+                    field,
+                    "presets add allow_hosts: they need mode = \"allowlist\"",
+                ));
+            }
+            if self.presets[..i].contains(name) {
+                return Err(verr(field, format!("preset {name:?} is listed twice")));
+            }
+        }
         for (i, port) in self.allow_ports.iter().enumerate() {
             if *port == 0 {
                 return Err(verr(
