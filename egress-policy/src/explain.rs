@@ -531,8 +531,7 @@ deny_cidrs = ["192.0.2.0/24"]
         let v = run("agent", "api.anthropic.com:443");
         assert_eq!(v["proxy"]["matched"]["preset"], "anthropic", "{v:#}");
         assert_eq!(
-            v["proxy"]["matched"]["event_rule"],
-            "allow_hosts api.anthropic.com (preset anthropic)",
+            v["proxy"]["matched"]["event_rule"], "allow_hosts api.anthropic.com (preset anthropic)",
             "{v:#}"
         );
         let own = run("agent", "example.com:443");

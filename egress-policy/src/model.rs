@@ -442,7 +442,10 @@ impl Policy {
                 ));
             }
             if self.presets[..i].contains(name) {
-                return Err(verr(field, format!("preset {name:?} is listed twice")));
+                return Err(verr(
+                    field,
+                    format!("preset {:?} is listed twice", name.as_str()),
+                ));
             }
         }
         for (i, port) in self.allow_ports.iter().enumerate() {

@@ -185,6 +185,35 @@ pub fn expand(hosts: &mut Vec<HostEntry>, presets: &[PresetName]) {
     }
 }
 
+impl Preset {
+    /// What `egress-agent presets` and `GET /v1/presets` show of it: name, description, host
+    /// count, date checked, sources.
+    pub fn summary(&self) -> serde_json::Value {
+        serde_json::json!({
+            "name": self.name,
+            "description": self.description,
+            "hosts": self.hosts.len(),
+            "checked": self.checked,
+            "sources": self.sources,
+        })
+    }
+}
+
+/// Per preset a policy names, every host of the preset in the `allow_hosts` forms:
+/// `{"github": ["api.github.com", {"host": "github.com", "ports": [22]}, ...]}` (empty object
+/// for a policy without presets). What the CLI, the API and MCP show beside a policy.
+pub fn expansion(policy: &super::Policy) -> serde_json::Value {
+    let mut out = serde_json::Map::new();
+    for name in &policy.presets {
+        let hosts = name
+            .preset()
+            .map(|p| serde_json::to_value(&p.hosts).unwrap_or_default())
+            .unwrap_or_default();
+        out.insert(name.to_string(), hosts);
+    }
+    serde_json::Value::Object(out)
+}
+
 /// What changed in one preset between two data files.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub struct PresetChange {
@@ -239,7 +268,7 @@ pub fn diff(old: &Presets, new: &Presets) -> Vec<PresetChange> {
 pub fn markdown(presets: &Presets) -> String {
     let mut out = String::new();
     for p in presets.iter() {
-        out.push_str(&format!("#### `{}`\n\n{}.\n\n", p.name, p.description));
+        out.push_str(&format!("### `{}`\n\n{}.\n\n", p.name, p.description));
         for h in &p.hosts {
             out.push_str(&format!("- `{}`", h.pattern));
             if !h.ports.is_empty() {
@@ -351,7 +380,10 @@ mod tests {
             PresetName::parse("containers").unwrap(),
         ];
         expand(&mut hosts, &names);
-        assert_eq!(hosts[0], own, "the policy's own entry stays first, unmarked");
+        assert_eq!(
+            hosts[0], own,
+            "the policy's own entry stays first, unmarked"
+        );
         let api = hosts
             .iter()
             .filter(|h| h.pattern.to_string() == "api.github.com")
@@ -361,7 +393,10 @@ mod tests {
             .iter()
             .find(|h| h.pattern.to_string() == "ghcr.io")
             .unwrap();
-        assert_eq!(ghcr.preset.as_ref().map(PresetName::as_str), Some("containers"));
+        assert_eq!(
+            ghcr.preset.as_ref().map(PresetName::as_str),
+            Some("containers")
+        );
         let pkg = hosts
             .iter()
             .filter(|h| h.pattern.to_string() == "pkg-containers.githubusercontent.com")
@@ -459,7 +494,10 @@ mod tests {
             p.check_target(&crate::name::Destination::parse("gitlab.com").unwrap(), 443),
             Err(crate::DenyReason::HostNotAllowed)
         );
-        assert_eq!(p.check_target(&d, 80), Err(crate::DenyReason::PortNotAllowed));
+        assert_eq!(
+            p.check_target(&d, 80),
+            Err(crate::DenyReason::PortNotAllowed)
+        );
         let (decision, _) = p.decide_name(&name("api.github.com"));
         assert_eq!(
             p.describe(decision.rule().unwrap()),
