@@ -32,6 +32,7 @@ pub const ENDPOINTS: &[(&str, &str)] = &[
     ("GET", "/v1/policies/{name}"),
     ("PUT", "/v1/policies/{name}"),
     ("DELETE", "/v1/policies/{name}"),
+    ("GET", "/v1/presets"),
     ("GET", "/v1/defaults"),
     ("PUT", "/v1/defaults"),
     ("GET", "/v1/export"),
@@ -197,6 +198,9 @@ pub async fn route(
             };
             answer(control.change(change, who, flag(query, "dry_run")).await)
         }
+        (&Method::GET, ["v1", "presets"]) => {
+            json_response(StatusCode::OK, &super::backend::presets())
+        }
         (&Method::GET, ["v1", "defaults"]) => answer(control.defaults()),
         (&Method::PUT, ["v1", "defaults"]) => set_defaults(req, who, query, control).await,
         (&Method::GET, ["v1", "export"]) => export(query, control),
@@ -249,9 +253,9 @@ pub async fn route(
             _,
             [
                 "v1",
-                "status" | "containers" | "policies" | "events" | "reload" | "restart" | "defaults"
-                | "export" | "import" | "explain" | "denials" | "suggest" | "replay" | "changes"
-                | "doctor",
+                "status" | "containers" | "policies" | "presets" | "events" | "reload" | "restart"
+                | "defaults" | "export" | "import" | "explain" | "denials" | "suggest" | "replay"
+                | "changes" | "doctor",
             ],
         )
         | (_, ["v1", "policies", _])

@@ -2,13 +2,12 @@
 //! the docs' generated list of them. Reads the embedded data only: no daemon. (What a newer data
 //! file changed is `check --presets-from`, in `check`.)
 use std::fmt::Write as _;
-use std::path::Path;
 
 use anyhow::{Result, anyhow};
 use clap::{Args, Subcommand};
 use serde_json::Value;
 
-use egress_policy::presets::{self, Preset, Presets};
+use egress_policy::presets::{Preset, Presets};
 
 #[derive(Debug, Args)]
 pub struct PresetsArgs {
@@ -97,6 +96,10 @@ fn show_text(p: &Preset) -> String {
 #[cfg(test)]
 #[expect(clippy::unwrap_used, reason = "test assertions")]
 mod tests {
+    use std::path::Path;
+
+    use egress_policy::presets;
+
     use super::*;
 
     /// docs/policy.md carries the generated list between these markers.
