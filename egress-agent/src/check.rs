@@ -75,7 +75,7 @@ pub fn why(source: &labels::Source) -> String {
         }
         labels::Source::Named => "egress.policy label".to_owned(),
         labels::Source::Inline => {
-            "inline egress.allow_hosts / egress.allow_ports labels".to_owned()
+            "inline egress.allow_hosts / egress.allow_ports / egress.presets labels".to_owned()
         }
         labels::Source::Invalid(reason) => {
             format!("labels refused, confined as deny_all: {reason}")
