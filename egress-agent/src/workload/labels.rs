@@ -819,7 +819,7 @@ allow_hosts = ["api.example.com"]
         let plain = r(&[("egress.allow_hosts", "a.com")]);
         let plus = r(&[("egress.allow_hosts", "a.com"), ("egress.presets", "go")]);
         assert_ne!(plain.name, plus.name);
-        assert_eq!(plain.name, inline("a.com", None, None).unwrap().0);
+        assert_eq!(plain.name, inline("a.com", None, None).expect("valid").0);
         assert_denied(
             &r(&[("egress.presets", "gitlab")]),
             "unknown preset \"gitlab\"",
