@@ -11,8 +11,8 @@ use serde::de::{self, MapAccess, Visitor};
 use serde::{Deserialize, Deserializer, Serialize};
 
 use super::credentials::CredentialBinding;
+pub use super::host_entry::{HostEntry, MAX_ENTRY_PORTS, PresetName};
 use super::matcher::HostPattern;
-use super::presets::PresetName;
 use super::rules::RequestRule;
 pub use super::validation::{ValidationError, verr};
 
@@ -62,7 +62,7 @@ fn default_ports() -> Vec<u16> {
 }
 
 /// A policy. Read through [`Policy`]'s `Deserialize`, which expands `presets` into
-/// `allow_hosts` (see [`super::presets`]); written back, `allow_hosts` holds only the policy's own
+/// `allow_hosts` (see `presets`, where its `Deserialize` is); written back, `allow_hosts` holds only the policy's own
 /// entries and `presets` keeps the names.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, remote = "Self")]
@@ -134,21 +134,6 @@ fn own_hosts<S: serde::Serializer>(hosts: &[HostEntry], s: S) -> Result<S::Ok, S
     s.collect_seq(hosts.iter().filter(|h| h.preset.is_none()))
 }
 
-impl<'de> Deserialize<'de> for Policy {
-    /// The fields, then the one expansion of `presets` into `allow_hosts`.
-    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        let mut policy = Policy::deserialize(d)?;
-        super::presets::expand(&mut policy.allow_hosts, &policy.presets);
-        Ok(policy)
-    }
-}
-
-impl Serialize for Policy {
-    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
-        Policy::serialize(self, s)
-    }
-}
-
 impl Policy {
     pub fn allow_all() -> Policy {
         Policy {
@@ -209,14 +194,6 @@ impl Policy {
         self.mode == Mode::Allowlist
     }
 
-    /// Sets `presets` and expands them into `allow_hosts` (for policies built in code, e.g. from
-    /// labels; a policy read from a file or a body is expanded as it is read).
-    pub fn with_presets(mut self, presets: Vec<PresetName>) -> Policy {
-        self.presets = presets;
-        super::presets::expand(&mut self.allow_hosts, &self.presets);
-        self
-    }
-
     /// The policy's own `allow_hosts` entries (what it says itself, without its presets').
     pub fn own_hosts(&self) -> impl Iterator<Item = &HostEntry> {
         self.allow_hosts.iter().filter(|h| h.preset.is_none())
@@ -236,116 +213,6 @@ impl Policy {
         ports.sort_unstable();
         ports.dedup();
         ports
-    }
-}
-
-/// Most ports one `allow_hosts` entry may carry (the kernel's per-rule bound for CIDR rules).
-pub const MAX_ENTRY_PORTS: usize = 30;
-
-/// One `allow_hosts` entry: `"github.com"` or `{ host = "github.com", ports = [22] }`.
-///
-/// An entry's own `ports` allow that name on those ports in addition to `allow_ports`: through
-/// the proxy (CONNECT) like any allowed port, and **directly** (plain TCP, any protocol) to the
-/// addresses the agent's DNS responder answered for the name to that cgroup, until the answer's
-/// TTL runs out (the kernel keeps those addresses; see docs/architecture.md). Addresses that are
-/// allowed only through `resolve_private` are never opened directly.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct HostEntry {
-    pub pattern: HostPattern,
-    /// Sorted, deduplicated; empty for a plain string entry.
-    pub ports: Vec<u16>,
-    /// The preset this entry came from (`None`: the policy's own). Never written back: a policy
-    /// serializes its own entries and its `presets`.
-    pub preset: Option<PresetName>,
-}
-
-impl From<HostPattern> for HostEntry {
-    fn from(pattern: HostPattern) -> Self {
-        HostEntry {
-            pattern,
-            ports: Vec::new(),
-            preset: None,
-        }
-    }
-}
-
-impl fmt::Display for HostEntry {
-    /// The pattern alone for a plain entry; `pattern (ports 22, 2222)` otherwise; `(preset
-    /// github)` after an entry a preset added.
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{}", self.pattern)?;
-        if !self.ports.is_empty() {
-            let ports: Vec<String> = self.ports.iter().map(u16::to_string).collect();
-            write!(f, " (ports {})", ports.join(", "))?;
-        }
-        if let Some(p) = &self.preset {
-            write!(f, " (preset {p})")?;
-        }
-        Ok(())
-    }
-}
-
-impl Serialize for HostEntry {
-    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
-        use serde::ser::SerializeStruct;
-        if self.ports.is_empty() {
-            return s.collect_str(&self.pattern);
-        }
-        let mut st = s.serialize_struct("HostEntry", 2)?;
-        st.serialize_field("host", &self.pattern.to_string())?;
-        st.serialize_field("ports", &self.ports)?;
-        st.end()
-    }
-}
-
-impl<'de> Deserialize<'de> for HostEntry {
-    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        struct V;
-        impl<'de> Visitor<'de> for V {
-            type Value = HostEntry;
-            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-                f.write_str("a host pattern or { host = \"...\", ports = [...] }")
-            }
-            fn visit_str<E: de::Error>(self, s: &str) -> Result<HostEntry, E> {
-                Ok(HostPattern::parse(s).map_err(E::custom)?.into())
-            }
-            fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<HostEntry, A::Error> {
-                let mut host: Option<String> = None;
-                let mut ports: Option<Vec<u16>> = None;
-                while let Some(key) = map.next_key::<String>()? {
-                    match key.as_str() {
-                        "host" if host.is_none() => host = Some(map.next_value()?),
-                        "ports" if ports.is_none() => ports = Some(map.next_value()?),
-                        "host" | "ports" => return Err(de::Error::duplicate_field("host/ports")),
-                        other => return Err(de::Error::unknown_field(other, &["host", "ports"])),
-                    }
-                }
-                let host = host.ok_or_else(|| de::Error::missing_field("host"))?;
-                let pattern = HostPattern::parse(&host).map_err(de::Error::custom)?;
-                let mut ports = ports.ok_or_else(|| de::Error::missing_field("ports"))?;
-                if ports.contains(&0) {
-                    return Err(de::Error::custom("port 0 is not a port"));
-                }
-                ports.sort_unstable();
-                ports.dedup();
-                if ports.is_empty() {
-                    return Err(de::Error::custom(
-                        "ports = [] gives nothing: write the entry as a plain string",
-                    ));
-                }
-                if ports.len() > MAX_ENTRY_PORTS {
-                    return Err(de::Error::custom(format!(
-                        "at most {MAX_ENTRY_PORTS} ports per allow_hosts entry"
-                    )));
-                }
-                Ok(HostEntry {
-                    pattern,
-                    ports,
-                    preset: None,
-                })
-            }
-        }
-        d.deserialize_any(V)
     }
 }
 

@@ -10,12 +10,13 @@
 //! preset. A policy written back (export, the API) keeps `presets = [...]` and only its own
 //! entries: the expansion is never flattened into it.
 use std::collections::BTreeSet;
-use std::fmt;
 use std::sync::{Arc, LazyLock};
 
 use serde::{Deserialize, Deserializer, Serialize};
 
-use super::model::HostEntry;
+use super::host_entry::HostEntry;
+pub use super::host_entry::PresetName;
+use super::model::Policy;
 
 /// The reviewed data file, as shipped.
 pub const DATA: &str = include_str!("../presets.toml");
@@ -113,11 +114,6 @@ impl Presets {
     }
 }
 
-/// A preset name in a policy: one of the built-in presets (checked when read, so an unknown
-/// name is an error located at its `presets[i]`).
-#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub struct PresetName(Arc<str>);
-
 impl PresetName {
     /// A built-in preset's name, or an error naming the known ones.
     pub fn parse(s: &str) -> Result<PresetName, String> {
@@ -131,25 +127,9 @@ impl PresetName {
         }
     }
 
-    pub fn as_str(&self) -> &str {
-        &self.0
-    }
-
     /// The built-in preset it names.
     pub fn preset(&self) -> Option<&'static Preset> {
-        Presets::builtin().get(&self.0)
-    }
-}
-
-impl fmt::Display for PresetName {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(&self.0)
-    }
-}
-
-impl Serialize for PresetName {
-    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
-        s.serialize_str(&self.0)
+        Presets::builtin().get(self.as_str())
     }
 }
 
@@ -157,6 +137,31 @@ impl<'de> Deserialize<'de> for PresetName {
     fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
         let s = String::deserialize(d)?;
         PresetName::parse(&s).map_err(serde::de::Error::custom)
+    }
+}
+
+impl<'de> Deserialize<'de> for Policy {
+    /// The fields, then the one expansion of `presets` into `allow_hosts`.
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let mut policy = Policy::deserialize(d)?;
+        expand(&mut policy.allow_hosts, &policy.presets);
+        Ok(policy)
+    }
+}
+
+impl Serialize for Policy {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        Policy::serialize(self, s)
+    }
+}
+
+impl Policy {
+    /// Sets `presets` and expands them into `allow_hosts` (for policies built in code, e.g. from
+    /// labels; a policy read from a file or a body is expanded as it is read).
+    pub fn with_presets(mut self, presets: Vec<PresetName>) -> Policy {
+        self.presets = presets;
+        expand(&mut self.allow_hosts, &self.presets);
+        self
     }
 }
 

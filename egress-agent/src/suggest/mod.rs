@@ -445,21 +445,7 @@ pub fn diff(s: &Suggestion, o: &Observed, current: &Policy, current_name: &str) 
             .get(n)
             .is_some_and(|ports| ports.iter().all(|p| allowed_on(n, *p)))
     };
-    for p in &s.presets {
-        let mark = if current.presets.iter().any(|c| c.as_str() == p.name) {
-            ' '
-        } else {
-            '+'
-        };
-        let covers: Vec<&str> = p.covers.iter().map(String::as_str).collect();
-        writeln!(
-            out,
-            "{mark} presets {}  # {}",
-            q(&p.name),
-            covers.join(", ")
-        )
-        .ok();
-    }
+    preset_lines(&mut out, s, current);
     for h in &s.hosts {
         let mark = if h.covers.iter().all(|n| allowed(n)) {
             ' '
@@ -467,11 +453,6 @@ pub fn diff(s: &Suggestion, o: &Observed, current: &Policy, current_name: &str) 
             '+'
         };
         writeln!(out, "{mark} allow_hosts {}", q(&h.pattern)).ok();
-    }
-    for p in &current.presets {
-        if !s.presets.iter().any(|x| x.name == p.as_str()) {
-            writeln!(out, "- presets {}  # not proposed", q(p.as_str())).ok();
-        }
     }
     for p in current.own_hosts().map(|e| &e.pattern) {
         let one = HostMatcher::new(std::iter::once(p));
@@ -553,6 +534,31 @@ pub fn diff(s: &Suggestion, o: &Observed, current: &Policy, current_name: &str) 
         .ok();
     }
     out
+}
+
+/// `diff`'s preset lines: `+ presets "NAME"` for a proposed preset the policy lacks (with the
+/// names it covers), `  ` for one it has, `- presets "NAME"` for one of its own not proposed.
+fn preset_lines(out: &mut String, s: &Suggestion, current: &Policy) {
+    for p in &s.presets {
+        let mark = if current.presets.iter().any(|c| c.as_str() == p.name) {
+            ' '
+        } else {
+            '+'
+        };
+        let covers: Vec<&str> = p.covers.iter().map(String::as_str).collect();
+        writeln!(
+            out,
+            "{mark} presets {}  # {}",
+            q(&p.name),
+            covers.join(", ")
+        )
+        .ok();
+    }
+    for p in &current.presets {
+        if !s.presets.iter().any(|x| x.name == p.as_str()) {
+            writeln!(out, "- presets {}  # not proposed", q(p.as_str())).ok();
+        }
+    }
 }
 
 /// The description of each `allow_hosts` entry of `policy`, as events name it.
