@@ -524,4 +524,18 @@ mod tests {
         assert_eq!(e.field, "policies.p.presets[0]");
         assert!(e.message.contains("allowlist"), "{e}");
     }
+
+    #[test]
+    fn a_credential_may_bind_a_host_its_policy_has_from_a_preset() {
+        let p = crate::testing::policy(
+            "presets = [\"anthropic\"]\n[[credentials]]\nhost = \"api.anthropic.com\"\nheader = \"x-api-key\"\nsource = { env = \"ANTHROPIC_API_KEY\" }\n",
+        );
+        assert_eq!(p.credentials.len(), 1);
+        let outside: crate::Policy = toml::from_str(
+            "presets = [\"openai\"]\n[[credentials]]\nhost = \"api.anthropic.com\"\nheader = \"x-api-key\"\nsource = { env = \"K\" }\n",
+        )
+        .unwrap();
+        let e = outside.validate("policies.p").unwrap_err();
+        assert!(e.field.starts_with("policies.p.credentials[0]"), "{e}");
+    }
 }
