@@ -191,8 +191,8 @@ pub fn expand(hosts: &mut Vec<HostEntry>, presets: &[PresetName]) {
 }
 
 impl Preset {
-    /// What `egress-agent presets` and `GET /v1/presets` show of it: name, description, host
-    /// count, date checked, sources.
+    /// What `egress-agent presets --json` shows of it: name, description, host count, date
+    /// checked, sources (`presets show` and `GET /v1/presets` give the whole preset).
     pub fn summary(&self) -> serde_json::Value {
         serde_json::json!({
             "name": self.name,
