@@ -195,8 +195,6 @@ fn print_change(v: &Value) {
     }
 }
 
-/// Runs `egress-agent policy ...`.
-// Long: one arm per `policy` subcommand, each asking the API and printing its answer.
 /// `policy show`'s note under the TOML: every host each preset of the policy adds, as comments
 /// (nothing when it names none).
 fn preset_comment(preset_hosts: &Value) -> String {
@@ -232,6 +230,8 @@ fn preset_comment(preset_hosts: &Value) -> String {
     out
 }
 
+/// Runs `egress-agent policy ...`.
+// Long: one arm per `policy` subcommand, each asking the API and printing its answer.
 pub fn policy(args: PolicyArgs) -> Result<()> {
     let socket = args.api_socket.clone();
     runtime()?.block_on(async move {
