@@ -13,13 +13,54 @@ pub fn effective_policies(config: &Config) -> Value {
     let mut out = serde_json::Map::new();
     for name in config.policy_names() {
         if let Some(p) = config.policy(name) {
-            out.insert(
-                name.to_owned(),
-                serde_json::to_value(p).unwrap_or(Value::Null),
-            );
+            out.insert(name.to_owned(), policy_json(p));
         }
     }
     Value::Object(out)
+}
+
+/// A policy as `check` and `GET /v1/policies` show it: its fields as written (`presets` by
+/// name, `allow_hosts` its own entries), and for a policy with presets `preset_hosts`, every host
+/// each preset adds.
+pub fn policy_json(p: &egress_policy::Policy) -> Value {
+    let mut v = serde_json::to_value(p).unwrap_or(Value::Null);
+    if !p.presets.is_empty() {
+        v["preset_hosts"] = egress_policy::presets::expansion(p);
+    }
+    v
+}
+
+/// What the built-in presets changed since the data file at `path` (an older `presets.toml`),
+/// with the policies of `config` that name each changed preset: `check --presets-from`.
+pub fn changes_since(path: &Path, config: &Config) -> Result<Value> {
+    let text = std::fs::read_to_string(path)
+        .with_context(|| format!("reading presets data {}", path.display()))?;
+    let old = egress_policy::presets::Presets::parse(&text)
+        .with_context(|| path.display().to_string())?;
+    let changes: Vec<Value> =
+        egress_policy::presets::diff(&old, egress_policy::presets::Presets::builtin())
+            .iter()
+            .map(|c| change_json(c, config))
+            .collect();
+    Ok(json!({ "from": path.display().to_string(), "changes": changes }))
+}
+
+fn change_json(c: &egress_policy::presets::PresetChange, config: &Config) -> Value {
+    let used_by: Vec<&str> = config
+        .policy_names()
+        .filter(|n| {
+            config
+                .policy(n)
+                .is_some_and(|p| p.presets.iter().any(|x| x.as_str() == c.name))
+        })
+        .collect();
+    json!({
+        "preset": c.name,
+        "kind": c.kind,
+        "added": c.added,
+        "removed": c.removed,
+        "used_by": used_by,
+    })
 }
 
 /// Why a workload got its policy, in words (`explain`, `check --container`).
@@ -34,7 +75,7 @@ pub fn why(source: &labels::Source) -> String {
         }
         labels::Source::Named => "egress.policy label".to_owned(),
         labels::Source::Inline => {
-            "inline egress.allow_hosts / egress.allow_ports labels".to_owned()
+            "inline egress.allow_hosts / egress.allow_ports / egress.presets labels".to_owned()
         }
         labels::Source::Invalid(reason) => {
             format!("labels refused, confined as deny_all: {reason}")
@@ -52,7 +93,7 @@ pub fn explain_labels<'a>(
     json!({
         "policy": r.name,
         "why": why,
-        "effective": serde_json::to_value(r.policy.as_ref()).unwrap_or(Value::Null),
+        "effective": policy_json(r.policy.as_ref()),
         "context": r.context,
     })
 }
@@ -60,9 +101,15 @@ pub fn explain_labels<'a>(
 /// Runs `check`. Prints JSON; errors (the config's own, with file/line/field) go to the caller.
 /// Strict: a credential binding whose secret can't be loaded is an error naming its field
 /// (serving would keep the rest running and refuse that binding's host).
-pub async fn run(config_path: &Path, container: Option<&str>, docker_socket: &str) -> Result<()> {
+/// `presets_from`: an older presets data file; the output then says what each preset changed.
+pub async fn run(
+    config_path: &Path,
+    container: Option<&str>,
+    docker_socket: &str,
+    presets_from: Option<&Path>,
+) -> Result<()> {
     let config = Config::load_with(config_path, crate::config::Secrets::Strict)?;
-    let out = match container {
+    let mut out = match container {
         None => json!({
             "config": config_path.display().to_string(),
             "valid": true,
@@ -92,6 +139,9 @@ pub async fn run(config_path: &Path, container: Option<&str>, docker_socket: &st
             v
         }
     };
+    if let Some(path) = presets_from {
+        out["presets_changed"] = changes_since(path, &config)?;
+    }
     println!("{}", serde_json::to_string_pretty(&out)?);
     Ok(())
 }
@@ -138,6 +188,40 @@ mod tests {
                 .as_str()
                 .is_some_and(|p| p.starts_with("inline:")),
             "{inline}"
+        );
+    }
+
+    #[test]
+    fn changes_since_an_older_file_name_the_policies_using_them() {
+        let dir = crate::test_dir::fresh("presets-from");
+        let old = egress_policy::presets::DATA
+            .replace("  \"sum.golang.org\",\n", "  \"gone.golang.test\",\n");
+        assert_ne!(old, egress_policy::presets::DATA);
+        let path = dir.join("old.toml");
+        std::fs::write(&path, old).expect("write");
+        let config = Config::from_toml_str(
+            "[policies.build]\npresets = [\"go\"]\n[policies.web]\nallow_hosts = [\"a.test\"]\n",
+            Path::new("test.toml"),
+        )
+        .expect("valid config");
+        let v = changes_since(&path, &config).expect("changes");
+        assert_eq!(
+            v["changes"],
+            json!([{ "preset": "go", "kind": "changed", "added": ["sum.golang.org"],
+                     "removed": ["gone.golang.test"], "used_by": ["build"] }])
+        );
+        std::fs::remove_dir_all(&dir).ok();
+        let build = effective_policies(&config)["build"].clone();
+        assert_eq!(build["presets"], json!(["go"]));
+        assert_eq!(build["allow_hosts"], json!([]), "not flattened: {build}");
+        assert_eq!(
+            build["preset_hosts"],
+            json!({ "go": ["proxy.golang.org", "sum.golang.org"] })
+        );
+        assert!(
+            effective_policies(&config)["web"]
+                .get("preset_hosts")
+                .is_none()
         );
     }
 }

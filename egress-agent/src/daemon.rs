@@ -496,12 +496,8 @@ fn reserve_agent_ports(opts: &RunOptions, config: &Config) {
 }
 
 pub async fn run(mut opts: RunOptions) -> Result<()> {
-    // Workloads' access requests, decided through this daemon's API.
-    let asks = opts
-        .host
-        .asks
-        .get_or_insert_with(crate::asks::Asks::new)
-        .clone();
+    // Workloads' access requests: filed through every runtime's proxies, decided here.
+    let asks = Arc::clone(opts.host.asks.get_or_insert_with(crate::asks::Asks::new));
     bpf::loader::require_root()?;
     // What SIGUSR2 starts: the file this binary was started from, as it is then (an upgrade
     // installs the new build there first).
@@ -602,23 +598,47 @@ pub async fn run(mut opts: RunOptions) -> Result<()> {
         End::Stop(result) => stop(agent, &handover_path, result).await,
         End::HandedOver(successor) => {
             let config = daemon.config.load_full();
-            let stop_asked = drain(
+            let stay = opts.stay_after_handover;
+            handed_over(
                 agent,
                 &sockets,
                 successor,
                 &config,
-                (&mut signals.term, &mut signals.int),
+                &mut signals,
+                spawned,
+                stay,
             )
             .await;
-            reap(spawned);
-            if opts.stay_after_handover && !stop_asked {
-                info!("handed over and drained; waiting for SIGTERM (--stay-after-handover)");
-                tokio::select! {
-                    _ = signals.term.recv() => {}
-                    _ = signals.int.recv() => {}
-                }
-            }
             Ok(())
+        }
+    }
+}
+
+/// After a hand-over: drain what this agent still carries, reap the successor's spawn record,
+/// and with `--stay-after-handover` wait for SIGTERM (unless one came already).
+async fn handed_over(
+    agent: Agent,
+    sockets: &Arc<handover::Sockets>,
+    successor: handover::Successor,
+    config: &Config,
+    signals: &mut Signals,
+    spawned: Option<std::process::Child>,
+    stay: bool,
+) {
+    let stop_asked = drain(
+        agent,
+        sockets,
+        successor,
+        config,
+        (&mut signals.term, &mut signals.int),
+    )
+    .await;
+    reap(spawned);
+    if stay && !stop_asked {
+        info!("handed over and drained; waiting for SIGTERM (--stay-after-handover)");
+        tokio::select! {
+            _ = signals.term.recv() => {}
+            _ = signals.int.recv() => {}
         }
     }
 }

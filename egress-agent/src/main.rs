@@ -197,7 +197,14 @@ enum Command {
         /// Docker API socket (for --container).
         #[arg(long, default_value = "unix:///var/run/docker.sock")]
         docker_socket: String,
+        /// An older presets data file (egress-policy/presets.toml of another version): also
+        /// print, per preset, the hosts this version adds and removes, and the policies using it.
+        #[arg(long)]
+        presets_from: Option<PathBuf>,
     },
+    /// The built-in presets (`presets = ["github"]` in a policy): list them, or `show NAME` for
+    /// every host of one.
+    Presets(egress_agent::cli::presets::PresetsArgs),
     /// Survey the host: kernel features, pins, proxy, Docker, firewall, interception. Changes
     /// nothing.
     Doctor {
@@ -543,6 +550,7 @@ fn main() -> ExitCode {
             config,
             container,
             docker_socket,
+            presets_from,
         } => {
             init_cli_tracing();
             runtime()
@@ -551,9 +559,14 @@ fn main() -> ExitCode {
                         &config,
                         container.as_deref(),
                         &docker_socket,
+                        presets_from.as_deref(),
                     ))
                 })
                 .map(|()| ExitCode::SUCCESS)
+        }
+        Command::Presets(args) => {
+            init_cli_tracing();
+            egress_agent::cli::presets::run(&args).map(|()| ExitCode::SUCCESS)
         }
         Command::Doctor {
             config,

@@ -153,12 +153,8 @@ async fn read_endpoints_answer_with_what_the_daemon_has() {
     );
     // The same suggestion as fields a PUT takes (the console makes a new policy from them).
     assert_eq!(v["policy"]["mode"], "allowlist", "{v}");
-    assert!(
-        v["policy"]["allow_hosts"]
-            .as_array()
-            .is_some_and(|h| h.iter().any(|h| h == "api.github.com")),
-        "{v}"
-    );
+    // api.github.com alone is proposed as the github preset (the TOML says what it covers).
+    assert_eq!(v["policy"]["presets"], serde_json::json!(["github"]), "{v}");
     let (st, v) = call(&s.sock, Method::GET, "/v1/changes", None).await;
     assert_eq!((st, v.as_array().map(Vec::len)), (StatusCode::OK, Some(0)));
     let (_, v) = call(&s.sock, Method::GET, "/v1/doctor", None).await;
@@ -613,6 +609,118 @@ async fn the_read_group_reads_others_are_refused_and_tcp_serves_get_only() {
     assert_eq!(replay, "401");
     // Another user gets the page (its login form), not the API behind it (api_console.rs).
     assert_eq!(stranger, "200");
+    s.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn presets_are_listed_and_a_policy_naming_them_shows_every_host() {
+    if !is_root() {
+        api_support::skip("needs root (the API serves root)");
+        return;
+    }
+    let s = serve("presets").await;
+    let (st, v) = call(&s.sock, Method::GET, "/v1/presets", None).await;
+    assert_eq!(st, StatusCode::OK, "{v}");
+    let github = v
+        .as_array()
+        .and_then(|a| a.iter().find(|p| p["name"] == "github"))
+        .expect("the github preset");
+    let hosts = github["hosts"].as_array().expect("hosts");
+    assert!(
+        hosts.contains(&serde_json::json!("api.github.com")),
+        "{github}"
+    );
+    assert!(
+        hosts.contains(&serde_json::json!({ "host": "github.com", "ports": [22] })),
+        "{github}"
+    );
+    assert!(
+        github["checked"].is_string() && github["sources"][0].is_string(),
+        "{github}"
+    );
+    // An unknown preset is refused like any bad field: named, with the known ones.
+    let (st, v) = call(
+        &s.sock,
+        Method::PUT,
+        "/v1/policies/agent",
+        Some(("application/json", r#"{"presets": ["github", "gitlab"]}"#)),
+    )
+    .await;
+    assert_eq!(
+        (st, v["field"].as_str()),
+        (
+            StatusCode::UNPROCESSABLE_ENTITY,
+            Some("policies.agent.presets[1]")
+        ),
+        "{v}"
+    );
+    let message = v["message"].as_str().unwrap_or("");
+    assert!(
+        message.contains("unknown preset \"gitlab\"") && message.contains("github, "),
+        "{v}"
+    );
+    let (st, v) = call(
+        &s.sock,
+        Method::PUT,
+        "/v1/policies/agent",
+        Some((
+            "application/json",
+            r#"{"presets": ["anthropic"], "allow_hosts": ["docs.rs"]}"#,
+        )),
+    )
+    .await;
+    assert_eq!(st, StatusCode::OK, "{v}");
+    let written = std::fs::read_to_string(s.dir.join("policies.d/agent.toml")).expect("written");
+    assert!(
+        written.contains("presets = [\"anthropic\"]") && !written.contains("api.anthropic.com"),
+        "the file names the preset, never its hosts: {written}"
+    );
+    let (_, v) = call(&s.sock, Method::GET, "/v1/policies/agent", None).await;
+    assert_eq!(
+        v["policy"]["presets"],
+        serde_json::json!(["anthropic"]),
+        "{v}"
+    );
+    assert_eq!(
+        v["policy"]["allow_hosts"],
+        serde_json::json!(["docs.rs"]),
+        "{v}"
+    );
+    assert!(
+        v["preset_hosts"]["anthropic"]
+            .as_array()
+            .is_some_and(|h| h.contains(&serde_json::json!("api.anthropic.com"))),
+        "{v}"
+    );
+    let (_, v) = call(&s.sock, Method::GET, "/v1/policies", None).await;
+    assert!(v["agent"]["preset_hosts"]["anthropic"].is_array(), "{v}");
+    let (_, v) = call(&s.sock, Method::GET, "/v1/export", None).await;
+    assert_eq!(
+        (
+            &v["policies"]["agent"]["presets"],
+            &v["policies"]["agent"]["allow_hosts"]
+        ),
+        (
+            &serde_json::json!(["anthropic"]),
+            &serde_json::json!(["docs.rs"])
+        ),
+        "export keeps presets unflattened: {v}"
+    );
+    let (_, v) = call(
+        &s.sock,
+        Method::GET,
+        "/v1/explain?policy=agent&target=api.anthropic.com:443",
+        None,
+    )
+    .await;
+    assert_eq!(v["proxy"]["verdict"], "allow", "{v}");
+    assert_eq!(v["proxy"]["matched"]["preset"], "anthropic", "{v}");
+    assert!(
+        v["proxy"]["rule"].as_str().is_some_and(
+            |r| r.starts_with("allow_hosts api.anthropic.com (preset anthropic) on port 443")
+        ),
+        "{v}"
+    );
     s.stop().await;
 }
 

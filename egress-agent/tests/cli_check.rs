@@ -86,3 +86,73 @@ fn a_binding_whose_secret_cannot_load_fails_check() {
     );
     assert!(out.stdout.is_empty());
 }
+
+fn run(args: &[&str]) -> std::process::Output {
+    Command::new(env!("CARGO_BIN_EXE_egress-agent"))
+        .args(args)
+        .output()
+        .expect("run egress-agent")
+}
+
+#[test]
+fn presets_lists_them_and_show_prints_every_host() {
+    let out = run(&["presets"]);
+    assert!(out.status.success());
+    let text = String::from_utf8_lossy(&out.stdout);
+    for name in ["github", "anthropic", "openai", "python", "certificates"] {
+        assert!(
+            text.lines()
+                .any(|l| l.starts_with(name) && l.contains("hosts")),
+            "{name} in {text}"
+        );
+    }
+    let out = run(&["presets", "show", "github", "--json"]);
+    assert!(out.status.success());
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("json");
+    assert_eq!(v["name"], "github");
+    assert!(
+        v["hosts"].as_array().is_some_and(
+            |h| h.contains(&serde_json::json!({ "host": "ssh.github.com", "ports": [443] }))
+        ),
+        "{v}"
+    );
+    let out = run(&["presets", "show", "gitlab"]);
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("no preset named \"gitlab\"") && err.contains("github"),
+        "{err}"
+    );
+}
+
+#[test]
+fn a_policy_with_presets_is_shown_unflattened_and_an_unknown_one_is_located() {
+    let out = check("[policies.agent]\npresets = [\"openai\"]\nallow_hosts = [\"docs.rs\"]\n");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("json");
+    let agent = &v["policies"]["agent"];
+    assert_eq!(agent["presets"], serde_json::json!(["openai"]), "{agent}");
+    assert_eq!(
+        agent["allow_hosts"],
+        serde_json::json!(["docs.rs"]),
+        "{agent}"
+    );
+    assert!(
+        agent["preset_hosts"]["openai"]
+            .as_array()
+            .is_some_and(|h| h.contains(&serde_json::json!("api.openai.com"))),
+        "{agent}"
+    );
+    let out = check("[policies.agent]\npresets = [\"openai\", \"gitlab\"]\n");
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("config.toml:2:")
+            && err.contains("policies.agent.presets[1]: unknown preset \"gitlab\""),
+        "{err}"
+    );
+}

@@ -92,6 +92,9 @@ impl Upstream {
                 "--address=/nx.test/",
                 "--address=/control.test/140.82.112.9",
                 "--address=/exfil.test/140.82.112.10",
+                // Names of presets (the `github` and `openai` presets' hosts).
+                "--address=/github.com/140.82.112.7",
+                "--address=/openai.com/140.82.112.8",
             ])
             .stdin(Stdio::null())
             .stdout(Stdio::null())
@@ -173,6 +176,11 @@ struct Fixture {
 }
 
 async fn fixture() -> Fixture {
+    fixture_with("").await
+}
+
+/// [`fixture`] with more lines in the test policy.
+async fn fixture_with(policy_extra: &str) -> Fixture {
     let dir = temp_dir();
     let up = Upstream::start(&dir);
     let hosts = dir.join("hosts");
@@ -189,6 +197,7 @@ attempts = 1
 allow_hosts = ["allowed.test", "www.test", {{ host = "ssh.test", ports = [22] }}, "private.test",
                "mixed.test", "reg.test", "*.nx.test", "*.control.test"]
 resolve_private = ["10.1.0.0/16"]
+{policy_extra}
 "#,
         up = up.addr,
         hosts = hosts.display()
@@ -455,6 +464,32 @@ async fn entry_ports_are_reported_with_the_answered_addresses() {
         .parse()
         .unwrap();
     assert_eq!(Duration::from_secs(ttl), h.ttl);
+}
+
+/// A preset's entries are answered like the policy's own, with their own ports for the kernel
+/// (`github`'s `{ host = "github.com", ports = [22] }`: git over SSH); a host of a preset the
+/// policy does not name is NXDOMAIN and never reaches the upstream.
+#[tokio::test]
+async fn a_preset_s_names_are_answered_with_their_entry_ports() {
+    let f = fixture_with("presets = [\"github\"]").await;
+    let d = dig(f.udp, false, "github.com", "A").await;
+    assert_eq!(d.status, "NOERROR", "{}", d.raw);
+    let heard = f.heard.0.lock().unwrap().clone();
+    assert_eq!(heard.len(), 1);
+    let ip: IpAddr = "140.82.112.7".parse().unwrap();
+    assert_eq!(
+        (
+            heard[0].name.as_str(),
+            heard[0].addrs.clone(),
+            heard[0].direct_ports.clone()
+        ),
+        ("github.com", vec![ip], vec![22])
+    );
+    let d = dig(f.udp, false, "api.github.com", "A").await;
+    assert_eq!(d.status, "NOERROR", "{}", d.raw);
+    let d = dig(f.udp, false, "api.openai.com", "A").await;
+    assert_eq!(d.status, "NXDOMAIN", "{}", d.raw);
+    assert!(!f.up.queried().contains("openai.com"), "{}", f.up.queried());
 }
 
 /// Send `pkt`, return the reply if one comes within 300 ms.

@@ -75,6 +75,7 @@ async fn an_mcp_client_lists_and_calls_the_tools() {
             "list_changes",
             "list_containers",
             "list_policies",
+            "list_presets",
             "list_requests",
             "recent_denials",
             "replay",
@@ -122,6 +123,20 @@ async fn an_mcp_client_lists_and_calls_the_tools() {
     );
     let (ok, t) = call(&c, "show_policy", json!({ "name": "ci" })).await;
     assert!(ok && t.contains("\"source\": \"config\""), "{t}");
+    let (ok, t) = call(&c, "list_presets", json!({})).await;
+    assert!(ok, "{t}");
+    let presets: Value = serde_json::from_str(&t).expect("json");
+    let python = presets
+        .as_array()
+        .and_then(|a| a.iter().find(|p| p["name"] == "python"))
+        .cloned()
+        .unwrap_or_default();
+    assert!(
+        python["hosts"]
+            .as_array()
+            .is_some_and(|h| h.contains(&json!("files.pythonhosted.org"))),
+        "{t}"
+    );
     let (ok, t) = call(&c, "recent_denials", json!({ "container": "web-1" })).await;
     assert!(
         ok && t.contains("host-not-allowed") && t.contains("evil.test"),

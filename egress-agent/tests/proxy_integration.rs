@@ -1033,3 +1033,30 @@ async fn refusals_say_why_in_text_or_json() {
     assert_eq!((r.status, r.deny()), (200, None), "{r:?}");
     assert!(r.text().contains("line=GET /ok"), "{}", r.text());
 }
+
+#[tokio::test]
+async fn a_preset_s_host_is_allowed_and_a_host_of_another_preset_is_not() {
+    let h = harness_with(
+        "header_timeout_ms = 2000",
+        "presets = [\"anthropic\"]",
+        "test",
+    )
+    .await;
+    let p = h.up.echo.port();
+    let (r, mut s) = connect(h.addr, &format!("api.anthropic.com:{p}")).await;
+    assert_eq!(r.status, 200);
+    echo_roundtrip(&mut s, b"through a preset's entry").await;
+    // Resolves to the same upstream, but no preset of this policy names it.
+    let (r, mut s) = connect(h.addr, &format!("api.openai.com:{p}")).await;
+    assert_eq!((r.status, r.deny()), (403, Some("host-not-allowed")));
+    assert_closed(&mut s, T).await;
+    let ev = h.events.recent(10);
+    assert_eq!(ev.len(), 1, "{ev:?}");
+    assert_eq!(ev[0].host.as_deref(), Some("api.openai.com"));
+    // Plain HTTP (absolute form) on the same entry.
+    let mut s = TcpStream::connect(h.addr).await.unwrap();
+    let authority = format!("api.anthropic.com:{}", h.up.http.port());
+    let r = get(&mut s, &authority, "/preset").await;
+    assert_eq!(r.status, 200, "{}", r.text());
+    assert!(r.text().contains("line=GET /preset"), "{}", r.text());
+}

@@ -205,12 +205,29 @@ async fn ws_server() -> SocketAddr {
 const HOSTS: &str = "\
 127.0.0.1 allowed.test other.test public.test
 127.0.0.2 rebind.test
+127.0.0.1 api.anthropic.com api.openai.com
 ";
 
 async fn fixture() -> Fx {
+    fixture_with("").await
+}
+
+/// [`fixture`] with more lines in the test policy.
+async fn fixture_with(policy_extra: &str) -> Fx {
     let dir = temp_dir();
     let (tls_l, tls_c) = pair().await;
-    let tls = tls_upstream(&dir, tls_l, &["allowed.test", "other.test", "public.test"]).await;
+    let tls = tls_upstream(
+        &dir,
+        tls_l,
+        &[
+            "allowed.test",
+            "other.test",
+            "public.test",
+            "api.anthropic.com",
+            "api.openai.com",
+        ],
+    )
+    .await;
     let tls_canary = recorder(tls_c).await;
     // The HTTP upstream: proxy_support's (describes what it received); its canary on 127.0.0.2.
     let http = http_server().await;
@@ -233,6 +250,7 @@ hosts_file = "{hosts}"
 allow_hosts = ["allowed.test", "rebind.test"]
 allow_ports = [{t}, {h}, {r}, {w}]
 resolve_private = ["127.0.0.1/32"]
+{policy_extra}
 "#,
         w = ws.port(),
         hosts = hosts.display(),
@@ -326,6 +344,54 @@ async fn curl(url: &str, via: SocketAddr, ca: Option<&Path>, extra: &[&str]) -> 
         stdout: String::from_utf8_lossy(&out.stdout).into_owned(),
         stderr: String::from_utf8_lossy(&out.stderr).into_owned(),
     }
+}
+
+/// A preset's host is an allow_hosts entry like any other on the transparent path: TLS decided
+/// on its SNI, plain HTTP on its Host; a host of a preset the policy does not name is refused.
+#[tokio::test]
+async fn a_preset_s_host_passes_the_transparent_listener_and_another_s_does_not() {
+    let f = fixture_with("presets = [\"anthropic\"]").await;
+    let p = f.tls.addr.port();
+    f.going_to(p);
+    let url = format!("https://api.anthropic.com:{p}/v1/messages");
+    let c = curl(&url, f.transparent, Some(&f.tls.ca_pem), &[]).await;
+    assert_eq!(c.code, 0, "{}", c.stderr);
+    assert_eq!(
+        c.stdout,
+        "tls-upstream sni=api.anthropic.com path=/v1/messages\n"
+    );
+    assert_eq!(f.events.total(), 0);
+    let c = curl(
+        &format!("https://api.openai.com:{p}/v1/responses"),
+        f.transparent,
+        Some(&f.tls.ca_pem),
+        &[],
+    )
+    .await;
+    assert_ne!(c.code, 0, "{}", c.stdout);
+    let ev = f.event(0);
+    assert_eq!(
+        (ev.host.as_deref(), ev.reason.as_str()),
+        (Some("api.openai.com"), "host-not-allowed")
+    );
+    assert_eq!(
+        f.tls.conns.load(Ordering::SeqCst),
+        1,
+        "only the allowed one arrived"
+    );
+    let h = f.http.port();
+    f.going_to(h);
+    let c = curl(
+        &format!("http://api.anthropic.com:{h}/preset"),
+        f.transparent,
+        None,
+        &[],
+    )
+    .await;
+    assert_eq!(c.code, 0, "{}", c.stderr);
+    assert!(c.stdout.contains("line=GET /preset\n"), "{}", c.stdout);
+    assert_eq!(f.tls_canary.conns.load(Ordering::SeqCst), 0);
+    assert_eq!(f.http_canary.conns.load(Ordering::SeqCst), 0);
 }
 
 #[tokio::test]

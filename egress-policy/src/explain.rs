@@ -101,6 +101,8 @@ fn matched(policy: &Policy, rule: Rule) -> Value {
                 "index": index,
                 "entry": e.map(|e| e.pattern.to_string()),
                 "ports": e.map(|e| e.ports.clone()),
+                // The preset the entry came from (null: the policy's own).
+                "preset": e.and_then(|e| e.preset.as_ref()).map(|p| p.as_str()),
                 "port_in": port.map(|p| match p {
                     PortList::AllowPorts => "allow_ports",
                     PortList::Entry => "entry",
@@ -375,6 +377,7 @@ deny_cidrs = ["192.0.2.0/24"]
 "#
             }
             "watch" => "allow_hosts = [\"github.com\"]\nenforce = \"audit\"",
+            "agent" => "presets = [\"anthropic\"]\nallow_hosts = [\"example.com\"]",
             other => panic!("no test policy {other}"),
         })
     }
@@ -437,7 +440,7 @@ deny_cidrs = ["192.0.2.0/24"]
         assert_eq!(
             v["proxy"]["matched"],
             json!({ "list": "allow_hosts", "index": 1, "entry": "*.githubusercontent.com",
-                    "ports": [], "port_in": "allow_ports",
+                    "ports": [], "port_in": "allow_ports", "preset": null,
                     "event_rule": "allow_hosts *.githubusercontent.com" }),
             "{v:#}"
         );
@@ -521,5 +524,17 @@ deny_cidrs = ["192.0.2.0/24"]
         assert_eq!(v["proxy"]["reason"], "numeric-ip-form", "{v:#}");
         let v = run("allow_all", "10.0.0.1:22");
         assert_eq!(v["kernel"]["direct_tcp"]["verdict"], "allow", "{v:#}");
+    }
+
+    #[test]
+    fn a_preset_entry_is_named_with_its_preset() {
+        let v = run("agent", "api.anthropic.com:443");
+        assert_eq!(v["proxy"]["matched"]["preset"], "anthropic", "{v:#}");
+        assert_eq!(
+            v["proxy"]["matched"]["event_rule"], "allow_hosts api.anthropic.com (preset anthropic)",
+            "{v:#}"
+        );
+        let own = run("agent", "example.com:443");
+        assert_eq!(own["proxy"]["matched"]["preset"], Value::Null, "{own:#}");
     }
 }

@@ -1,6 +1,7 @@
 //! egress-policy: the policy model of egress-agent and every decision taken on it, with no I/O
 //! (no tokio, aya, sockets, files or environment: cargo keeps it so, since nothing above it is a
-//! dependency). Modules: [`model`] (the policy file's schema and validation), [`name`] and
+//! dependency). Modules: [`model`] (the policy file's schema and validation), [`host_entry`] (an
+//! `allow_hosts` entry), [`presets`] (the built-in presets and their expansion), [`name`] and
 //! [`matcher`] (hostnames), [`addr`] (the address deny list), [`rules`] and [`l7`] (request
 //! rules), [`credentials`] and [`secret`] (bindings and the secret type; loading is the agent's),
 //! [`scrub`] (response scrubbing), [`kernel`] (the entry the kernel programs read) and
@@ -34,12 +35,14 @@ pub mod addr;
 pub mod credentials;
 pub mod explain;
 pub mod exposure;
+pub mod host_entry;
 pub mod kernel;
 pub mod kernel_eval;
 pub mod l7;
 pub mod matcher;
 pub mod model;
 pub mod name;
+pub mod presets;
 pub mod rules;
 pub mod scrub;
 pub mod secret;

@@ -11,6 +11,7 @@ use serde::de::{self, MapAccess, Visitor};
 use serde::{Deserialize, Deserializer, Serialize};
 
 use super::credentials::CredentialBinding;
+pub use super::host_entry::{HostEntry, MAX_ENTRY_PORTS, PresetName};
 use super::matcher::HostPattern;
 use super::rules::RequestRule;
 pub use super::validation::{ValidationError, verr};
@@ -60,16 +61,23 @@ fn default_ports() -> Vec<u16> {
     vec![443]
 }
 
+/// A policy. Read through [`Policy`]'s `Deserialize`, which expands `presets` into
+/// `allow_hosts` (see `presets`, where its `Deserialize` is); written back, `allow_hosts` holds only the policy's own
+/// entries and `presets` keeps the names.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
+#[serde(deny_unknown_fields, remote = "Self")]
 pub struct Policy {
     /// Default `allowlist`.
     #[serde(default)]
     pub mode: Mode,
+    /// Built-in presets (`["github", "python"]`) whose hosts are added to `allow_hosts` when the
+    /// policy is read, each entry marked with its preset ([`HostEntry::preset`]). Default none.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub presets: Vec<PresetName>,
     /// Exact names and `*.suffix` wildcards (strictly below the suffix: `*.x` does not match `x`),
     /// each a string or `{ host = "github.com", ports = [22] }` (ports of its own, see
-    /// [`HostEntry`]).
-    #[serde(default)]
+    /// [`HostEntry`]). Once read, also the entries of `presets` (after the policy's own).
+    #[serde(default, serialize_with = "own_hosts")]
     pub allow_hosts: Vec<HostEntry>,
     /// Ports allowed for `allow_hosts`. Default `[443]`.
     #[serde(default = "default_ports")]
@@ -121,6 +129,11 @@ fn default_true() -> bool {
     true
 }
 
+/// `allow_hosts` as written: the policy's own entries, not those its presets added.
+fn own_hosts<S: serde::Serializer>(hosts: &[HostEntry], s: S) -> Result<S::Ok, S::Error> {
+    s.collect_seq(hosts.iter().filter(|h| h.preset.is_none()))
+}
+
 impl Policy {
     pub fn allow_all() -> Policy {
         Policy {
@@ -131,6 +144,7 @@ impl Policy {
     pub fn deny_all() -> Policy {
         Policy {
             mode: Mode::DenyAll,
+            presets: Vec::new(),
             allow_hosts: Vec::new(),
             allow_ports: default_ports(),
             allow_cidrs: Vec::new(),
@@ -180,6 +194,11 @@ impl Policy {
         self.mode == Mode::Allowlist
     }
 
+    /// The policy's own `allow_hosts` entries (what it says itself, without its presets').
+    pub fn own_hosts(&self) -> impl Iterator<Item = &HostEntry> {
+        self.allow_hosts.iter().filter(|h| h.preset.is_none())
+    }
+
     /// The ports of `{ host, ports }` entries (sorted, deduplicated): direct TCP to the addresses
     /// the agent's DNS answers for those names. Empty unless the policy answers DNS.
     pub fn direct_ports(&self) -> Vec<u16> {
@@ -194,104 +213,6 @@ impl Policy {
         ports.sort_unstable();
         ports.dedup();
         ports
-    }
-}
-
-/// Most ports one `allow_hosts` entry may carry (the kernel's per-rule bound for CIDR rules).
-pub const MAX_ENTRY_PORTS: usize = 30;
-
-/// One `allow_hosts` entry: `"github.com"` or `{ host = "github.com", ports = [22] }`.
-///
-/// An entry's own `ports` allow that name on those ports in addition to `allow_ports`: through
-/// the proxy (CONNECT) like any allowed port, and **directly** (plain TCP, any protocol) to the
-/// addresses the agent's DNS responder answered for the name to that cgroup, until the answer's
-/// TTL runs out (the kernel keeps those addresses; see docs/architecture.md). Addresses that are
-/// allowed only through `resolve_private` are never opened directly.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct HostEntry {
-    pub pattern: HostPattern,
-    /// Sorted, deduplicated; empty for a plain string entry.
-    pub ports: Vec<u16>,
-}
-
-impl From<HostPattern> for HostEntry {
-    fn from(pattern: HostPattern) -> Self {
-        HostEntry {
-            pattern,
-            ports: Vec::new(),
-        }
-    }
-}
-
-impl fmt::Display for HostEntry {
-    /// The pattern alone for a plain entry; `pattern (ports 22, 2222)` otherwise.
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{}", self.pattern)?;
-        if !self.ports.is_empty() {
-            let ports: Vec<String> = self.ports.iter().map(u16::to_string).collect();
-            write!(f, " (ports {})", ports.join(", "))?;
-        }
-        Ok(())
-    }
-}
-
-impl Serialize for HostEntry {
-    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
-        use serde::ser::SerializeStruct;
-        if self.ports.is_empty() {
-            return s.collect_str(&self.pattern);
-        }
-        let mut st = s.serialize_struct("HostEntry", 2)?;
-        st.serialize_field("host", &self.pattern.to_string())?;
-        st.serialize_field("ports", &self.ports)?;
-        st.end()
-    }
-}
-
-impl<'de> Deserialize<'de> for HostEntry {
-    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        struct V;
-        impl<'de> Visitor<'de> for V {
-            type Value = HostEntry;
-            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-                f.write_str("a host pattern or { host = \"...\", ports = [...] }")
-            }
-            fn visit_str<E: de::Error>(self, s: &str) -> Result<HostEntry, E> {
-                Ok(HostPattern::parse(s).map_err(E::custom)?.into())
-            }
-            fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<HostEntry, A::Error> {
-                let mut host: Option<String> = None;
-                let mut ports: Option<Vec<u16>> = None;
-                while let Some(key) = map.next_key::<String>()? {
-                    match key.as_str() {
-                        "host" if host.is_none() => host = Some(map.next_value()?),
-                        "ports" if ports.is_none() => ports = Some(map.next_value()?),
-                        "host" | "ports" => return Err(de::Error::duplicate_field("host/ports")),
-                        other => return Err(de::Error::unknown_field(other, &["host", "ports"])),
-                    }
-                }
-                let host = host.ok_or_else(|| de::Error::missing_field("host"))?;
-                let pattern = HostPattern::parse(&host).map_err(de::Error::custom)?;
-                let mut ports = ports.ok_or_else(|| de::Error::missing_field("ports"))?;
-                if ports.contains(&0) {
-                    return Err(de::Error::custom("port 0 is not a port"));
-                }
-                ports.sort_unstable();
-                ports.dedup();
-                if ports.is_empty() {
-                    return Err(de::Error::custom(
-                        "ports = [] gives nothing: write the entry as a plain string",
-                    ));
-                }
-                if ports.len() > MAX_ENTRY_PORTS {
-                    return Err(de::Error::custom(format!(
-                        "at most {MAX_ENTRY_PORTS} ports per allow_hosts entry"
-                    )));
-                }
-                Ok(HostEntry { pattern, ports })
-            }
-        }
-        d.deserialize_any(V)
     }
 }
 
@@ -379,6 +300,21 @@ impl Policy {
     /// Checks one policy; `base` is its dotted path for error messages.
     // Long: independent checks, a few lines each, in the order of the policy's fields.
     pub fn validate(&self, base: &str) -> Result<(), ValidationError> {
+        for (i, name) in self.presets.iter().enumerate() {
+            let field = format!("{base}.presets[{i}]");
+            if self.mode != Mode::Allowlist {
+                return Err(verr(
+                    field,
+                    "presets add allow_hosts: they need mode = \"allowlist\"",
+                ));
+            }
+            if self.presets[..i].contains(name) {
+                return Err(verr(
+                    field,
+                    format!("preset {:?} is listed twice", name.as_str()),
+                ));
+            }
+        }
         for (i, port) in self.allow_ports.iter().enumerate() {
             if *port == 0 {
                 return Err(verr(

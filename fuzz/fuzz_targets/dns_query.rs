@@ -32,6 +32,7 @@ static POLICY: LazyLock<CompiledPolicy> = LazyLock::new(|| {
         HostEntry {
             pattern: HostPattern::parse("*.wild.test").unwrap(),
             ports: vec![22],
+            preset: None,
         },
     ];
     CompiledPolicy::new(&p)

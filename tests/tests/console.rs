@@ -524,7 +524,8 @@ fn new_policy_from_a_run(b: &mut Browser, env: &Env, dir: &std::path::Path) {
 
 /// `POST http://egress.internal/v1/requests` from a container, through its proxy.
 fn ask_from(env: &Env, container: &str, host: &str) {
-    let body = format!(r#"{{"host": "{host}", "port": 8080, "reason": "the docs build needs it"}}"#);
+    let body =
+        format!(r#"{{"host": "{host}", "port": 8080, "reason": "the docs build needs it"}}"#);
     let out = env.exec_out(
         container,
         &format!(
@@ -543,7 +544,10 @@ fn requests_decided_from_the_page(b: &mut Browser, env: &Env, dir: &std::path::P
         "the pending request with its actions",
         "!!document.querySelector('#requests tr[data-state=\"pending\"] button.allow-policy')",
     );
-    click(b, "#requests tr[data-state=\"pending\"] button.allow-policy");
+    click(
+        b,
+        "#requests tr[data-state=\"pending\"] button.allow-policy",
+    );
     b.wait_true(
         "the approval's diff",
         "document.getElementById('change-diff').textContent.includes('asked.test')",
@@ -563,10 +567,24 @@ fn requests_decided_from_the_page(b: &mut Browser, env: &Env, dir: &std::path::P
             .contains("asked.test")
     );
     let listed = api(env, "/v1/requests");
-    let first = listed.as_array().and_then(|a| a.first()).cloned().unwrap_or_default();
+    let first = listed
+        .as_array()
+        .and_then(|a| a.first())
+        .cloned()
+        .unwrap_or_default();
     assert_eq!(
-        (first["state"].as_str(), first["scope"].as_str(), first["by"].as_str(), first["workload"].as_str()),
-        (Some("approved"), Some("policy"), Some("console:ops"), Some("web-1")),
+        (
+            first["state"].as_str(),
+            first["scope"].as_str(),
+            first["by"].as_str(),
+            first["workload"].as_str()
+        ),
+        (
+            Some("approved"),
+            Some("policy"),
+            Some("console:ops"),
+            Some("web-1")
+        ),
         "{listed}"
     );
 
@@ -575,14 +593,22 @@ fn requests_decided_from_the_page(b: &mut Browser, env: &Env, dir: &std::path::P
         "the second request",
         "!!document.querySelector('#requests tr[data-state=\"pending\"] button.deny')",
     );
-    set_value_in(b, "#requests tr[data-state=\"pending\"] input.deny-reason", "use the mirror");
+    set_value_in(
+        b,
+        "#requests tr[data-state=\"pending\"] input.deny-reason",
+        "use the mirror",
+    );
     click(b, "#requests tr[data-state=\"pending\"] button.deny");
     b.wait_true(
         "the denial in the list",
         "!!document.querySelector('#requests tr[data-state=\"denied\"]')",
     );
     let listed = api(env, "/v1/requests");
-    let second = listed.as_array().and_then(|a| a.get(1)).cloned().unwrap_or_default();
+    let second = listed
+        .as_array()
+        .and_then(|a| a.get(1))
+        .cloned()
+        .unwrap_or_default();
     assert_eq!(
         (second["state"].as_str(), second["reason"].as_str()),
         (Some("denied"), Some("use the mirror")),

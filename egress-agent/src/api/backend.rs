@@ -48,6 +48,14 @@ pub fn containers(config: &Config) -> Value {
     Value::Array(rows)
 }
 
+/// `GET /v1/presets`: every built-in preset with all its hosts (in the `allow_hosts` forms), its
+/// description, sources and the date it was checked. The data is built in: no daemon state.
+pub fn presets() -> Value {
+    let all: Vec<&egress_policy::presets::Preset> =
+        egress_policy::presets::Presets::builtin().iter().collect();
+    serde_json::to_value(all).unwrap_or(Value::Null)
+}
+
 /// Policy name → the containers running under it.
 pub fn in_use(config: &Config) -> BTreeMap<String, Vec<String>> {
     let mut out: BTreeMap<String, Vec<String>> = BTreeMap::new();

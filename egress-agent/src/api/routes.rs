@@ -32,6 +32,7 @@ pub const ENDPOINTS: &[(&str, &str)] = &[
     ("GET", "/v1/policies/{name}"),
     ("PUT", "/v1/policies/{name}"),
     ("DELETE", "/v1/policies/{name}"),
+    ("GET", "/v1/presets"),
     ("GET", "/v1/defaults"),
     ("PUT", "/v1/defaults"),
     ("GET", "/v1/export"),
@@ -182,16 +183,7 @@ pub async fn route(
             None => error(StatusCode::NOT_FOUND, &format!("no policy named {name:?}")),
         },
         (&Method::PUT, ["v1", "policies", name]) => {
-            let name = (*name).to_owned();
-            let (ct, text) = match read_body(req).await {
-                Ok(b) => b,
-                Err(e) => return api_error(e),
-            };
-            let change = Change::SetPolicy {
-                name,
-                body: ChangeBody::from_content_type(ct.as_deref(), text),
-            };
-            answer(control.change(change, who, flag(query, "dry_run")).await)
+            set_policy(req, name, who, query, control).await
         }
         (&Method::DELETE, ["v1", "policies", name]) => {
             let change = Change::DeletePolicy {
@@ -199,6 +191,9 @@ pub async fn route(
                 force: flag(query, "force"),
             };
             answer(control.change(change, who, flag(query, "dry_run")).await)
+        }
+        (&Method::GET, ["v1", "presets"]) => {
+            json_response(StatusCode::OK, &super::backend::presets())
         }
         (&Method::GET, ["v1", "defaults"]) => answer(control.defaults()),
         (&Method::PUT, ["v1", "defaults"]) => set_defaults(req, who, query, control).await,
@@ -250,28 +245,15 @@ pub async fn route(
         (&Method::POST, ["v1", "restart"]) => answer(control.restart().await),
         (&Method::GET, ["v1", "requests"]) => answer(control.requests(flag(query, "pending"))),
         (&Method::POST, ["v1", "requests", id, action @ ("approve" | "deny")]) => {
-            let Ok(id) = id.parse::<u64>() else {
-                return error(StatusCode::NOT_FOUND, "no such request");
-            };
-            let approve = *action == "approve";
-            let decision = match read_body(req).await {
-                Ok((_, text)) => {
-                    crate::asks::Decision::parse(approve, &text).map_err(ApiError::from)
-                }
-                Err(e) => Err(e),
-            };
-            match decision {
-                Ok(d) => answer(control.decide(id, d, who, flag(query, "dry_run")).await),
-                Err(e) => api_error(e),
-            }
+            decide(req, id, *action == "approve", who, query, control).await
         }
         (
             _,
             [
                 "v1",
-                "status" | "containers" | "policies" | "events" | "reload" | "restart" | "defaults"
-                | "export" | "import" | "explain" | "denials" | "suggest" | "replay" | "changes"
-                | "doctor" | "requests",
+                "status" | "containers" | "policies" | "presets" | "events" | "reload" | "restart"
+                | "defaults" | "export" | "import" | "explain" | "denials" | "suggest" | "replay"
+                | "changes" | "doctor" | "requests",
             ],
         )
         | (_, ["v1", "requests", _, "approve" | "deny"])
@@ -499,6 +481,47 @@ fn ui_asset(file: &str) -> Response<Body> {
             r
         }
         None => error(StatusCode::NOT_FOUND, "no such file"),
+    }
+}
+
+/// `PUT /v1/policies/{name}`: the body (TOML or JSON by its content type) as the policy.
+async fn set_policy(
+    req: Request<Incoming>,
+    name: &str,
+    who: Who,
+    query: Option<&str>,
+    control: &dyn Control,
+) -> Response<Body> {
+    let (ct, text) = match read_body(req).await {
+        Ok(b) => b,
+        Err(e) => return api_error(e),
+    };
+    let change = Change::SetPolicy {
+        name: name.to_owned(),
+        body: ChangeBody::from_content_type(ct.as_deref(), text),
+    };
+    answer(control.change(change, who, flag(query, "dry_run")).await)
+}
+
+/// `POST /v1/requests/{id}/approve|deny`: a workload's access request decided as `who`.
+async fn decide(
+    req: Request<Incoming>,
+    id: &str,
+    approve: bool,
+    who: Who,
+    query: Option<&str>,
+    control: &dyn Control,
+) -> Response<Body> {
+    let Ok(id) = id.parse::<u64>() else {
+        return error(StatusCode::NOT_FOUND, "no such request");
+    };
+    let decision = match read_body(req).await {
+        Ok((_, text)) => crate::asks::Decision::parse(approve, &text).map_err(ApiError::from),
+        Err(e) => Err(e),
+    };
+    match decision {
+        Ok(d) => answer(control.decide(id, d, who, flag(query, "dry_run")).await),
+        Err(e) => api_error(e),
     }
 }
 

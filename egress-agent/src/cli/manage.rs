@@ -195,6 +195,41 @@ fn print_change(v: &Value) {
     }
 }
 
+/// `policy show`'s note under the TOML: every host each preset of the policy adds, as comments
+/// (nothing when it names none).
+fn preset_comment(preset_hosts: &Value) -> String {
+    let Some(presets) = preset_hosts.as_object().filter(|o| !o.is_empty()) else {
+        return String::new();
+    };
+    let mut out = String::from(
+        "# presets add these allow_hosts entries (a name: allow_ports; ports: those too):\n",
+    );
+    for (name, hosts) in presets {
+        let shown: Vec<String> = hosts
+            .as_array()
+            .map(Vec::as_slice)
+            .unwrap_or_default()
+            .iter()
+            .map(|h| match (h.as_str(), h["host"].as_str()) {
+                (Some(name), _) => name.to_owned(),
+                (None, Some(host)) => {
+                    let ports: Vec<String> = h["ports"]
+                        .as_array()
+                        .map(Vec::as_slice)
+                        .unwrap_or_default()
+                        .iter()
+                        .map(Value::to_string)
+                        .collect();
+                    format!("{host} (ports {})", ports.join(", "))
+                }
+                (None, None) => h.to_string(),
+            })
+            .collect();
+        out.push_str(&format!("#   {name}: {}\n", shown.join(", ")));
+    }
+    out
+}
+
 /// Runs `egress-agent policy ...`.
 // Long: one arm per `policy` subcommand, each asking the API and printing its answer.
 pub fn policy(args: PolicyArgs) -> Result<()> {
@@ -258,6 +293,7 @@ pub fn policy(args: PolicyArgs) -> Result<()> {
                             .unwrap_or_default()
                     );
                     print!("{}", d["toml"].as_str().unwrap_or_default());
+                    print!("{}", preset_comment(&d["preset_hosts"]));
                 }
                 Ok(())
             }
@@ -478,4 +514,25 @@ pub fn explain(args: ExplainArgs) -> Result<()> {
         print!("{}", render_explanation(&v));
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use serde_json::json;
+
+    #[test]
+    fn policy_show_notes_every_host_of_its_presets() {
+        assert_eq!(super::preset_comment(&json!({})), "");
+        assert_eq!(super::preset_comment(&serde_json::Value::Null), "");
+        let note = super::preset_comment(&json!({
+            "github": ["api.github.com", { "host": "github.com", "ports": [22] }],
+            "go": ["proxy.golang.org"],
+        }));
+        assert_eq!(
+            note,
+            "# presets add these allow_hosts entries (a name: allow_ports; ports: those too):\n\
+             #   github: api.github.com, github.com (ports 22)\n\
+             #   go: proxy.golang.org\n"
+        );
+    }
 }

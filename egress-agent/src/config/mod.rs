@@ -1237,6 +1237,44 @@ source = {{ file = "{good}" }}
     }
 
     #[test]
+    fn presets_expand_and_their_errors_are_located() {
+        let c = parse("[policies.ci]\npresets = [\"rust\"]\nallow_hosts = [\"a.test\"]\n").unwrap();
+        let ci = c.policy("ci").unwrap();
+        assert_eq!(ci.own_hosts().count(), 1);
+        assert!(
+            ci.allow_hosts
+                .iter()
+                .any(|h| h.to_string() == "index.crates.io (preset rust)"),
+            "{:?}",
+            ci.allow_hosts
+        );
+        let e = err("[policies.ci]\npresets = [\n  \"github\",\n  \"gitlab\",\n]\n");
+        assert!(
+            e.starts_with("/etc/egress-agent/test.toml:4:3: policies.ci.presets[1]: unknown preset \"gitlab\"; the presets are: github, "),
+            "{e}"
+        );
+        let e = err("[policies.ci]\npresets = [\"go\", \"go\"]\n");
+        assert!(
+            e.starts_with("/etc/egress-agent/test.toml:2:")
+                && e.contains("policies.ci.presets[1]: preset \"go\" is listed twice"),
+            "{e}"
+        );
+        let file = policies_dir::PolicyFile {
+            name: "web".to_owned(),
+            path: PathBuf::from("/etc/egress-agent/policies.d/web.toml"),
+            text: "allow_hosts = [\"a.test\"]\npresets = [\"pyhton\"]\n".to_owned(),
+        };
+        let e = Config::load_parts(Path::new("/etc/egress-agent/config.toml"), "", vec![file])
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.starts_with("/etc/egress-agent/policies.d/web.toml:2:")
+                && e.contains("policies.web.presets[0]: unknown preset \"pyhton\""),
+            "{e}"
+        );
+    }
+
+    #[test]
     fn enforce_audit_only_on_allowlists_with_location() {
         let c =
             parse("[policies.w]\nenforce = \"audit\"\nallow_hosts = [\"a.example\"]\n").unwrap();

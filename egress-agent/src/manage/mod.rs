@@ -546,6 +546,8 @@ pub fn describe(config_path: &Path, config: &Config, name: &str) -> Option<Value
         "default": config.agent.default_policy == name,
         "unlabeled": config.agent.unlabeled == name,
         "policy": serde_json::to_value(policy).unwrap_or(Value::Null),
+        // Every host each of its presets adds (`{}` without presets); `policy` keeps the names.
+        "preset_hosts": egress_policy::presets::expansion(policy),
         "toml": toml::to_string(policy).unwrap_or_default(),
     }))
 }

@@ -2,7 +2,7 @@
 //! for AI assistants. Every tool is a client of the daemon's control API, so the API's access
 //! rules apply to it (run it as root, or as a member of `api.read_group` for the read tools).
 //!
-//! Tools: `list_policies`, `show_policy`, `explain`, `list_containers`, `recent_denials` (from
+//! Tools: `list_policies`, `show_policy`, `list_presets`, `explain`, `list_containers`, `recent_denials` (from
 //! the event store), `suggest`, `replay` (a proposed policy against the recorded traffic; it
 //! changes nothing, but is a `POST`, so the API serves it to root only), `list_changes` (who
 //! changed what, with the diff). Write tools — `set_policy`, `delete_policy`, `set_defaults`,
@@ -274,6 +274,13 @@ impl EgressMcp {
         } else {
             CallToolResult::success(content)
         }
+    }
+
+    #[tool(
+        description = "List the built-in presets a policy can name (presets = [\"github\", \"python\"]): each with its description, every host it adds to allow_hosts (a plain name on the policy's allow_ports, {host, ports} also on its own ports), its sources and the date it was checked."
+    )]
+    async fn list_presets(&self) -> CallToolResult {
+        self.call(Method::GET, "/v1/presets", None).await
     }
 
     #[tool(

@@ -16,6 +16,11 @@
 //!   the policy in force decided nothing in the window (listed as removal candidates, in
 //!   comments), and which entry a `port-not-allowed` name matched (the port can go on that
 //!   entry rather than in `allow_ports`).
+//! - **Presets**: a built-in preset is proposed (`presets = ["github"]`) when its entries match
+//!   at least [`PRESET_MIN_NAMES`] of the observed names, or every observed name (the workload's
+//!   names are a subset of the preset's); the names it matches then leave `allow_hosts`. A
+//!   comment says what each proposed preset covers and how many more entries it allows, since a
+//!   preset allows more than was observed (`egress-agent presets show NAME` lists them).
 //! - Not suggested (a comment counts them): request-shape refusals (userinfo, numeric IP forms,
 //!   Host mismatch), socket types the kernel never allows, connections to the proxy endpoint,
 //!   and agent lifecycle events.
@@ -199,9 +204,55 @@ pub fn observe(flows: &[Flow], opts: &Options) -> Observed {
     o
 }
 
+/// Observed names a preset must match to be proposed, unless it matches every observed name.
+pub const PRESET_MIN_NAMES: usize = 2;
+
+/// A proposed preset and the observed names it covers.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PresetFit {
+    pub name: String,
+    pub covers: BTreeSet<String>,
+    /// Entries of the preset that matched no observed name.
+    pub unused_entries: usize,
+}
+
+/// The presets to propose for `names` (see the module's rule), in the data file's order.
+fn fit_presets(names: &BTreeMap<String, BTreeSet<u16>>) -> Vec<PresetFit> {
+    let parsed: Vec<(&String, HostName)> = names
+        .keys()
+        .filter_map(|n| HostName::parse(n).ok().map(|h| (n, h)))
+        .collect();
+    let mut out = Vec::new();
+    for preset in egress_policy::presets::Presets::builtin().iter() {
+        let mut covers = BTreeSet::new();
+        let mut used = 0;
+        for entry in &preset.hosts {
+            let one = HostMatcher::new(std::iter::once(&entry.pattern));
+            let matched: Vec<&String> = parsed
+                .iter()
+                .filter(|(_, h)| one.matches(h))
+                .map(|(n, _)| *n)
+                .collect();
+            used += usize::from(!matched.is_empty());
+            covers.extend(matched.into_iter().cloned());
+        }
+        let all = !names.is_empty() && covers.len() == names.len();
+        if covers.len() >= PRESET_MIN_NAMES || (all && !covers.is_empty()) {
+            out.push(PresetFit {
+                name: preset.name.clone(),
+                covers,
+                unused_entries: preset.hosts.len() - used,
+            });
+        }
+    }
+    out
+}
+
 /// The suggested policy.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Suggestion {
+    /// Proposed presets; the names they cover are not in `hosts`.
+    pub presets: Vec<PresetFit>,
     pub hosts: Vec<HostEntry>,
     pub ports: BTreeSet<u16>,
     /// Host networks (/32, /128) and their ports.
@@ -215,7 +266,13 @@ pub struct Suggestion {
 }
 
 pub fn suggest(o: &Observed) -> Suggestion {
-    let names: BTreeSet<String> = o.names.keys().cloned().collect();
+    let presets = fit_presets(&o.names);
+    let names: BTreeSet<String> = o
+        .names
+        .keys()
+        .filter(|n| !presets.iter().any(|p| p.covers.contains(*n)))
+        .cloned()
+        .collect();
     let hosts = group::group(&names);
     let ports: BTreeSet<u16> = o.names.values().flatten().copied().collect();
     let uniform = o.names.values().all(|p| *p == ports);
@@ -234,6 +291,7 @@ pub fn suggest(o: &Observed) -> Suggestion {
         .map(|(ip, p)| (IpNet::from(*ip), p.clone()))
         .collect();
     Suggestion {
+        presets,
         hosts,
         ports,
         cidrs,
@@ -259,8 +317,26 @@ pub fn render(s: &Suggestion, name: &str, header: &[String]) -> String {
     }
     writeln!(out, "[policies.{name}]").ok();
     writeln!(out, "mode = \"allowlist\"").ok();
-    if s.hosts.is_empty() {
+    if !s.presets.is_empty() {
+        for p in &s.presets {
+            let covers: Vec<&str> = p.covers.iter().map(String::as_str).collect();
+            writeln!(
+                out,
+                "# preset {} covers {}; it allows {} more entries (egress-agent presets show {})",
+                p.name,
+                covers.join(", "),
+                p.unused_entries,
+                p.name
+            )
+            .ok();
+        }
+        let names: Vec<String> = s.presets.iter().map(|p| q(&p.name)).collect();
+        writeln!(out, "presets = [{}]", names.join(", ")).ok();
+    }
+    if s.hosts.is_empty() && s.presets.is_empty() {
         writeln!(out, "allow_hosts = []").ok();
+    } else if s.hosts.is_empty() {
+        writeln!(out, "allow_ports = [{}]", port_list(&s.ports)).ok();
     } else {
         writeln!(out, "allow_hosts = [").ok();
         for h in &s.hosts {
@@ -369,6 +445,7 @@ pub fn diff(s: &Suggestion, o: &Observed, current: &Policy, current_name: &str) 
             .get(n)
             .is_some_and(|ports| ports.iter().all(|p| allowed_on(n, *p)))
     };
+    preset_lines(&mut out, s, current);
     for h in &s.hosts {
         let mark = if h.covers.iter().all(|n| allowed(n)) {
             ' '
@@ -377,7 +454,7 @@ pub fn diff(s: &Suggestion, o: &Observed, current: &Policy, current_name: &str) 
         };
         writeln!(out, "{mark} allow_hosts {}", q(&h.pattern)).ok();
     }
-    for p in current.allow_hosts.iter().map(|e| &e.pattern) {
+    for p in current.own_hosts().map(|e| &e.pattern) {
         let one = HostMatcher::new(std::iter::once(p));
         let used = o
             .names
@@ -393,7 +470,7 @@ pub fn diff(s: &Suggestion, o: &Observed, current: &Policy, current_name: &str) 
         }
     }
     unused_hosts(&mut out, o, current, current_name);
-    if !s.hosts.is_empty() {
+    if !s.hosts.is_empty() || !s.presets.is_empty() {
         for p in &s.ports {
             // Listed, or not needed: every name seen on it is allowed there already (by its
             // entry's own ports).
@@ -459,6 +536,31 @@ pub fn diff(s: &Suggestion, o: &Observed, current: &Policy, current_name: &str) 
     out
 }
 
+/// `diff`'s preset lines: `+ presets "NAME"` for a proposed preset the policy lacks (with the
+/// names it covers), `  ` for one it has, `- presets "NAME"` for one of its own not proposed.
+fn preset_lines(out: &mut String, s: &Suggestion, current: &Policy) {
+    for p in &s.presets {
+        let mark = if current.presets.iter().any(|c| c.as_str() == p.name) {
+            ' '
+        } else {
+            '+'
+        };
+        let covers: Vec<&str> = p.covers.iter().map(String::as_str).collect();
+        writeln!(
+            out,
+            "{mark} presets {}  # {}",
+            q(&p.name),
+            covers.join(", ")
+        )
+        .ok();
+    }
+    for p in &current.presets {
+        if !s.presets.iter().any(|x| x.name == p.as_str()) {
+            writeln!(out, "- presets {}  # not proposed", q(p.as_str())).ok();
+        }
+    }
+}
+
 /// The description of each `allow_hosts` entry of `policy`, as events name it.
 fn host_rules(policy: &Policy) -> impl Iterator<Item = (String, &egress_policy::model::HostEntry)> {
     policy.allow_hosts.iter().enumerate().map(|(index, e)| {
@@ -505,7 +607,9 @@ fn unused_hosts(out: &mut String, o: &Observed, current: &Policy, name: &str) {
         .ok();
         return;
     }
+    // A preset's entries are the preset's: only the policy's own are candidates.
     let unused: Vec<String> = host_rules(current)
+        .filter(|(_, e)| e.preset.is_none())
         .map(|(rule, _)| rule)
         .filter(|rule| !u.named.contains(rule))
         .collect();
@@ -555,6 +659,7 @@ fn entry_ports_note(o: &Observed, current: &Policy, name: &str, port: u16) -> St
 #[expect(clippy::unwrap_used, reason = "test assertions")]
 mod tests {
     use super::*;
+    use crate::config::Config;
 
     fn policy(toml: &str) -> Policy {
         let p: Policy = toml::from_str(toml).unwrap();
@@ -827,5 +932,53 @@ allow_ports = [443]
         );
         assert!(l.contains(&"+ allow_ports 9000"), "{d}");
         assert!(l.contains(&"+ allow_ports 9443"), "{d}");
+    }
+
+    #[test]
+    fn a_preset_is_proposed_for_two_of_its_names_or_all_the_names_observed() {
+        let s = suggest(&observed(
+            &[
+                ("api.github.com", &[443]),
+                ("codeload.github.com", &[443]),
+                ("pypi.org", &[443]),
+                ("example.org", &[443]),
+            ],
+            &[],
+        ));
+        let names: Vec<&str> = s.presets.iter().map(|p| p.name.as_str()).collect();
+        assert_eq!(
+            names,
+            ["github"],
+            "pypi.org alone of several names: no python"
+        );
+        let hosts: Vec<&str> = s.hosts.iter().map(|h| h.pattern.as_str()).collect();
+        assert_eq!(hosts, ["example.org", "pypi.org"]);
+        let text = render(&s, "w", &[]);
+        assert!(text.contains("presets = [\"github\"]\n"), "{text}");
+        assert!(
+            text.contains("# preset github covers api.github.com, codeload.github.com; it allows"),
+            "{text}"
+        );
+        let back: Config = Config::from_toml_str(&text, std::path::Path::new("s.toml")).unwrap();
+        let w = CompiledPolicy::new(back.policy("w").unwrap());
+        for n in [
+            "api.github.com",
+            "codeload.github.com",
+            "pypi.org",
+            "example.org",
+        ] {
+            let d = Destination::parse(n).unwrap();
+            assert_eq!(w.check_target(&d, 443), Ok(()), "{n}");
+        }
+        // Every observed name inside one preset: proposed even for one name; no hosts left,
+        // allow_ports still said.
+        let only = suggest(&observed(&[("api.anthropic.com", &[443])], &[]));
+        assert_eq!(only.presets.len(), 1);
+        assert!(only.hosts.is_empty());
+        let text = render(&only, "w", &[]);
+        assert!(
+            text.contains("presets = [\"anthropic\"]\nallow_ports = [443]\n"),
+            "{text}"
+        );
     }
 }

@@ -8,6 +8,7 @@
 //! | no `egress.*` label                                  | `agent.unlabeled` (default `allow_all`)  |
 //! | `egress.policy=<name>`                               | that named policy (or built-in)          |
 //! | `egress.allow_hosts=a.com,*.b.com` [`egress.allow_ports=443,80`] | an inline allowlist (ports default `[443]`) |
+//! | `egress.presets=github,python` (with or without `egress.allow_hosts`) | an inline allowlist with those presets |
 //! | only context labels (`egress.agent`, ...)            | `agent.default_policy` (default `deny_all`) |
 //! | anything invalid (unknown policy, malformed list, conflicting or unknown `egress.*` keys) | `deny_all` + a reason |
 //!
@@ -19,11 +20,14 @@ use std::sync::Arc;
 
 use crate::config::Config;
 use egress_policy::matcher::HostPattern;
+use egress_policy::presets::PresetName;
 use egress_policy::{self as policy, Mode, Policy};
 
 pub const LABEL_POLICY: &str = "egress.policy";
 pub const LABEL_ALLOW_HOSTS: &str = "egress.allow_hosts";
 pub const LABEL_ALLOW_PORTS: &str = "egress.allow_ports";
+/// Built-in presets of an inline allowlist (`github,python`), expanded like a policy's `presets`.
+pub const LABEL_PRESETS: &str = "egress.presets";
 /// Context labels: copied (without the `egress.` prefix) into every event of the container.
 pub const CONTEXT_LABELS: [&str; 4] = [
     "egress.agent",
@@ -95,18 +99,22 @@ pub enum LabelError {
     EmptyPolicy,
     #[error("labels egress.policy and egress.allow_hosts conflict: use one or the other")]
     PolicyAndInline,
+    #[error("labels egress.policy and egress.presets conflict: name the presets in the policy")]
+    PolicyAndPresets,
     #[error("label egress.allow_ports without egress.allow_hosts")]
     PortsWithoutHosts,
     #[error("label {0:?} given more than once (differing only in case)")]
     Duplicate(String),
     #[error(
-        "unknown label {0:?}: known egress labels are egress.policy, egress.allow_hosts, egress.allow_ports, egress.agent, egress.workspace, egress.repo, egress.run"
+        "unknown label {0:?}: known egress labels are egress.policy, egress.allow_hosts, egress.allow_ports, egress.presets, egress.agent, egress.workspace, egress.repo, egress.run"
     )]
     UnknownLabel(String),
     #[error("malformed egress.allow_hosts: {0}")]
     Hosts(String),
     #[error("malformed egress.allow_ports: {0}")]
     Ports(String),
+    #[error("malformed egress.presets: {0}")]
+    Presets(String),
     #[error("inline policy is invalid: {0}")]
     Inline(String),
 }
@@ -161,6 +169,7 @@ where
         let known = k == LABEL_POLICY
             || k == LABEL_ALLOW_HOSTS
             || k == LABEL_ALLOW_PORTS
+            || k == LABEL_PRESETS
             || CONTEXT_LABELS.contains(&k.as_str());
         if !known {
             return invalid(LabelError::UnknownLabel(k.clone()), context);
@@ -169,6 +178,15 @@ where
     let policy = egress.get(LABEL_POLICY).copied();
     let hosts = egress.get(LABEL_ALLOW_HOSTS).copied();
     let ports = egress.get(LABEL_ALLOW_PORTS).copied();
+    let presets = egress.get(LABEL_PRESETS).copied();
+    if policy.is_some() && presets.is_some() {
+        return invalid(LabelError::PolicyAndPresets, context);
+    }
+    // Presets alone make an inline allowlist as hosts do.
+    let hosts = match (hosts, presets) {
+        (None, Some(_)) => Some(""),
+        (h, _) => h,
+    };
     match (policy, hosts, ports) {
         (Some(_), Some(_), _) => invalid(LabelError::PolicyAndInline, context),
         (Some(_), None, Some(_)) | (None, None, Some(_)) => {
@@ -184,7 +202,7 @@ where
             }
             named(name, config, Source::Named, context)
         }
-        (None, Some(hosts), ports) => match inline(hosts, ports) {
+        (None, Some(hosts), ports) => match inline(hosts, ports, presets) {
             Ok((name, policy)) => Resolved {
                 name,
                 policy: Arc::new(policy),
@@ -322,10 +340,19 @@ fn context_of(egress: &BTreeMap<String, &str>) -> BTreeMap<String, String> {
 }
 
 /// Parse an inline allowlist. The name is a stable hash of the canonical lists, so identical
-/// labels share one proxy identity and a restarted agent recomputes the same name.
-fn inline(hosts: &str, ports: Option<&str>) -> Result<(String, Policy), LabelError> {
+/// labels share one proxy identity and a restarted agent recomputes the same name. `hosts` is
+/// empty (not absent) when only `egress.presets` was given.
+fn inline(
+    hosts: &str,
+    ports: Option<&str>,
+    presets: Option<&str>,
+) -> Result<(String, Policy), LabelError> {
+    let presets = inline_presets(presets)?;
     let mut patterns: Vec<HostPattern> = Vec::new();
     for item in hosts.split(',') {
+        if hosts.is_empty() && !presets.is_empty() {
+            break;
+        }
         let item = item.trim();
         if item.is_empty() {
             return Err(LabelError::Hosts(format!("empty entry in {hosts:?}")));
@@ -363,13 +390,20 @@ fn inline(hosts: &str, ports: Option<&str>) -> Result<(String, Policy), LabelErr
     canon.sort();
     let mut sorted_ports = ports.clone();
     sorted_ports.sort_unstable();
-    let key = format!("{}|{:?}", canon.join(","), sorted_ports);
+    let mut key = format!("{}|{:?}", canon.join(","), sorted_ports);
+    if !presets.is_empty() {
+        // Only then: the names of lists without presets stay what they were.
+        let mut names: Vec<&str> = presets.iter().map(|p| p.as_str()).collect();
+        names.sort_unstable();
+        key.push_str(&format!("|presets:{}", names.join(",")));
+    }
     let policy = Policy {
         mode: Mode::Allowlist,
         allow_hosts: patterns.into_iter().map(Into::into).collect(),
         allow_ports: ports,
         ..Policy::deny_all()
-    };
+    }
+    .with_presets(presets);
     policy
         .validate("egress.allow_hosts")
         .map_err(|e| LabelError::Inline(e.to_string()))?;
@@ -377,6 +411,25 @@ fn inline(hosts: &str, ports: Option<&str>) -> Result<(String, Policy), LabelErr
         format!("{INLINE_PREFIX}{:016x}", fnv1a64(key.as_bytes())),
         policy,
     ))
+}
+
+/// The presets of `egress.presets` (comma-separated, each once), or none.
+fn inline_presets(list: Option<&str>) -> Result<Vec<PresetName>, LabelError> {
+    let Some(list) = list else {
+        return Ok(Vec::new());
+    };
+    let mut out: Vec<PresetName> = Vec::new();
+    for item in list.split(',') {
+        let item = item.trim();
+        if item.is_empty() {
+            return Err(LabelError::Presets(format!("empty entry in {list:?}")));
+        }
+        let p = PresetName::parse(item).map_err(LabelError::Presets)?;
+        if !out.contains(&p) {
+            out.push(p);
+        }
+    }
+    Ok(out)
 }
 
 fn fnv1a64(bytes: &[u8]) -> u64 {
@@ -737,5 +790,44 @@ allow_hosts = ["api.example.com"]
             assert!(why.contains(says), "{annotations:?}: {why}");
             assert!(!why.contains("label"), "{annotations:?}: {why}");
         }
+    }
+
+    #[test]
+    fn presets_make_an_inline_allowlist_alone_or_with_hosts() {
+        let res = r(&[("egress.presets", "github, python,github")]);
+        assert_eq!(res.source, Source::Inline);
+        let p = &res.policy;
+        let names: Vec<&str> = p.presets.iter().map(|n| n.as_str()).collect();
+        assert_eq!(names, ["github", "python"]);
+        assert_eq!(p.own_hosts().count(), 0);
+        assert!(
+            p.allow_hosts
+                .iter()
+                .any(|h| h.to_string() == "pypi.org (preset python)"),
+            "{:?}",
+            p.allow_hosts
+        );
+        let with_hosts = r(&[
+            ("egress.allow_hosts", "a.com"),
+            ("egress.presets", "python"),
+            ("egress.allow_ports", "443,8443"),
+        ]);
+        assert_eq!(with_hosts.policy.own_hosts().count(), 1);
+        assert_eq!(with_hosts.policy.allow_ports, vec![443, 8443]);
+        assert_ne!(with_hosts.name, res.name);
+        // The name of a list without presets is what it always was.
+        let plain = r(&[("egress.allow_hosts", "a.com")]);
+        let plus = r(&[("egress.allow_hosts", "a.com"), ("egress.presets", "go")]);
+        assert_ne!(plain.name, plus.name);
+        assert_eq!(plain.name, inline("a.com", None, None).expect("valid").0);
+        assert_denied(
+            &r(&[("egress.presets", "gitlab")]),
+            "unknown preset \"gitlab\"",
+        );
+        assert_denied(&r(&[("egress.presets", "go,,rust")]), "empty entry");
+        assert_denied(
+            &r(&[("egress.policy", "ci"), ("egress.presets", "go")]),
+            "egress.policy and egress.presets conflict",
+        );
     }
 }

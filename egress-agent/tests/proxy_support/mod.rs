@@ -136,6 +136,8 @@ pub fn temp_dir() -> TempDir {
 }
 
 /// Names the tests resolve, all on loopback or special addresses; nothing reaches a real resolver.
+/// Two preset hosts (`anthropic`, `openai`) are here so a policy's `presets` can be tried on the
+/// loopback upstreams.
 pub const HOSTS: &str = "\
 127.0.0.1 allowed.test api.wild.test deep.api.wild.test wild.test other.test
 127.0.0.2 rebind.test
@@ -145,6 +147,7 @@ pub const HOSTS: &str = "\
 127.0.0.1 mixed.test
 10.1.2.3 mixed.test
 ::1 v6loop.test
+127.0.0.1 api.anthropic.com api.openai.com
 ";
 
 pub struct Harness {

@@ -1,0 +1,143 @@
+//! One `allow_hosts` entry ([`HostEntry`]) and the name of the preset an entry came from
+//! ([`PresetName`]). Below both `model` (a policy's entries) and `presets` (a preset's), so
+//! neither depends on the other for them; a [`PresetName`] is checked against the built-in
+//! presets when it is read (its `Deserialize` is in `presets`).
+use std::fmt;
+use std::sync::Arc;
+
+use serde::de::{self, MapAccess, Visitor};
+use serde::{Deserialize, Deserializer, Serialize};
+
+use super::matcher::HostPattern;
+
+/// A preset's name in a policy. Read, it is one of the built-in presets (see `presets`).
+#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct PresetName(pub(crate) Arc<str>);
+
+impl PresetName {
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+}
+
+impl fmt::Display for PresetName {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl Serialize for PresetName {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(&self.0)
+    }
+}
+
+/// Most ports one `allow_hosts` entry may carry (the kernel's per-rule bound for CIDR rules).
+pub const MAX_ENTRY_PORTS: usize = 30;
+
+/// One `allow_hosts` entry: `"github.com"` or `{ host = "github.com", ports = [22] }`.
+///
+/// An entry's own `ports` allow that name on those ports in addition to `allow_ports`: through
+/// the proxy (CONNECT) like any allowed port, and **directly** (plain TCP, any protocol) to the
+/// addresses the agent's DNS responder answered for the name to that cgroup, until the answer's
+/// TTL runs out (the kernel keeps those addresses; see docs/architecture.md). Addresses that are
+/// allowed only through `resolve_private` are never opened directly.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct HostEntry {
+    pub pattern: HostPattern,
+    /// Sorted, deduplicated; empty for a plain string entry.
+    pub ports: Vec<u16>,
+    /// The preset this entry came from (`None`: the policy's own). Never written back: a policy
+    /// serializes its own entries and its `presets`.
+    pub preset: Option<PresetName>,
+}
+
+impl From<HostPattern> for HostEntry {
+    fn from(pattern: HostPattern) -> Self {
+        HostEntry {
+            pattern,
+            ports: Vec::new(),
+            preset: None,
+        }
+    }
+}
+
+impl fmt::Display for HostEntry {
+    /// The pattern alone for a plain entry; `pattern (ports 22, 2222)` otherwise; `(preset
+    /// github)` after an entry a preset added.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}", self.pattern)?;
+        if !self.ports.is_empty() {
+            let ports: Vec<String> = self.ports.iter().map(u16::to_string).collect();
+            write!(f, " (ports {})", ports.join(", "))?;
+        }
+        if let Some(p) = &self.preset {
+            write!(f, " (preset {p})")?;
+        }
+        Ok(())
+    }
+}
+
+impl Serialize for HostEntry {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        use serde::ser::SerializeStruct;
+        if self.ports.is_empty() {
+            return s.collect_str(&self.pattern);
+        }
+        let mut st = s.serialize_struct("HostEntry", 2)?;
+        st.serialize_field("host", &self.pattern.to_string())?;
+        st.serialize_field("ports", &self.ports)?;
+        st.end()
+    }
+}
+
+impl<'de> Deserialize<'de> for HostEntry {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct V;
+        impl<'de> Visitor<'de> for V {
+            type Value = HostEntry;
+            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str("a host pattern or { host = \"...\", ports = [...] }")
+            }
+            fn visit_str<E: de::Error>(self, s: &str) -> Result<HostEntry, E> {
+                Ok(HostPattern::parse(s).map_err(E::custom)?.into())
+            }
+            fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<HostEntry, A::Error> {
+                let mut host: Option<String> = None;
+                let mut ports: Option<Vec<u16>> = None;
+                while let Some(key) = map.next_key::<String>()? {
+                    match key.as_str() {
+                        "host" if host.is_none() => host = Some(map.next_value()?),
+                        "ports" if ports.is_none() => ports = Some(map.next_value()?),
+                        "host" | "ports" => return Err(de::Error::duplicate_field("host/ports")),
+                        other => return Err(de::Error::unknown_field(other, &["host", "ports"])),
+                    }
+                }
+                let host = host.ok_or_else(|| de::Error::missing_field("host"))?;
+                let pattern = HostPattern::parse(&host).map_err(de::Error::custom)?;
+                let mut ports = ports.ok_or_else(|| de::Error::missing_field("ports"))?;
+                if ports.contains(&0) {
+                    return Err(de::Error::custom("port 0 is not a port"));
+                }
+                ports.sort_unstable();
+                ports.dedup();
+                if ports.is_empty() {
+                    return Err(de::Error::custom(
+                        "ports = [] gives nothing: write the entry as a plain string",
+                    ));
+                }
+                if ports.len() > MAX_ENTRY_PORTS {
+                    return Err(de::Error::custom(format!(
+                        "at most {MAX_ENTRY_PORTS} ports per allow_hosts entry"
+                    )));
+                }
+                Ok(HostEntry {
+                    pattern,
+                    ports,
+                    preset: None,
+                })
+            }
+        }
+        d.deserialize_any(V)
+    }
+}
