@@ -912,6 +912,17 @@ async fn access_requests_are_listed_and_decided_through_the_change_path() {
             .any(|l| l.starts_with('+') && l.contains("docs.rs")),
         "{v}"
     );
+    // The one host added, nothing else rewritten.
+    let diff = v["change"]["diff"].as_str().unwrap_or("");
+    let changed: Vec<&str> = diff
+        .lines()
+        .filter(|l| {
+            (l.starts_with('+') || l.starts_with('-'))
+                && !l.starts_with("+++")
+                && !l.starts_with("---")
+        })
+        .collect();
+    assert_eq!(changed.len(), 2, "{diff}");
     let written = std::fs::read_to_string(s.dir.join("policies.d/web.toml")).expect("web.toml");
     assert!(written.contains("docs.rs"), "{written}");
     let (_, changes) = call(&s.sock, Method::GET, "/v1/changes", None).await;

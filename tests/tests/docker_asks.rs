@@ -58,7 +58,8 @@ fn a_container_asks_and_a_run_grant_opens_only_it_for_its_lifetime() {
     }
     let _l = lock();
     let mut env = Env::new(&[]);
-    env.restart_with_managed_web("");
+    // `web` in policies.d (a policy approval writes it); the main file keeps only the canary.
+    env.restart_with_managed_web("[policies.canary]\nallow_cidrs = [\"198.18.0.1/32\"]\n");
     env.run_labelled("ask-1", &["egress.policy=web", "egress.run=run-5"]);
     env.run_labelled("ask-2", &["egress.policy=web"]);
 

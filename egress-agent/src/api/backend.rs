@@ -550,6 +550,16 @@ fn grant_change(
     if body.get("mode").and_then(Value::as_str) == Some("deny_all") {
         body.remove("mode");
     }
+    // The fields at their defaults are left out, so the file says what the policy does and the
+    // diff shows the one host added (as the console writes policies).
+    body.retain(|k, v| match (k.as_str(), v) {
+        ("allow_hosts", _) => true,
+        ("allow_ports", Value::Array(a)) => a.as_slice() != [json!(443)],
+        (_, Value::Array(a)) => !a.is_empty(),
+        ("allow_published_ports", Value::Bool(true)) => false,
+        ("mode", Value::String(m)) => m != "allowlist",
+        _ => true,
+    });
     let everywhere = body
         .get("allow_ports")
         .and_then(Value::as_array)
