@@ -437,6 +437,15 @@ pub fn proxied_get(host: &str, port: u16) -> String {
     )
 }
 
+/// A shell command: `METHOD http://egress.internal/PATH` through the container's proxy, with a
+/// JSON `body` (empty for none); prints the whole answer.
+pub fn egress_internal(method: &str, path: &str, body: &str) -> String {
+    format!(
+        "(printf '{method} http://egress.internal{path} HTTP/1.1\\r\\nHost: egress.internal\\r\\nContent-Type: application/json\\r\\nContent-Length: {}\\r\\nConnection: close\\r\\n\\r\\n{body}'; sleep 1) | nc -w 5 169.254.100.1 3128",
+        body.len()
+    )
+}
+
 /// The policies every [`Env`] starts with: `web` (allowed.test:8080 via allow_cidrs to the
 /// upstream) and `canary` (the canary's address).
 pub fn default_policies() -> String {

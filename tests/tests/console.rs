@@ -528,10 +528,7 @@ fn ask_from(env: &Env, container: &str, host: &str) {
         format!(r#"{{"host": "{host}", "port": 8080, "reason": "the docs build needs it"}}"#);
     let out = env.exec_out(
         container,
-        &format!(
-            "(printf 'POST http://egress.internal/v1/requests HTTP/1.1\\r\\nHost: egress.internal\\r\\nContent-Type: application/json\\r\\nContent-Length: {}\\r\\nConnection: close\\r\\n\\r\\n{body}'; sleep 1) | nc -w 5 169.254.100.1 3128",
-            body.len()
-        ),
+        &egress_tests::docker::egress_internal("POST", "/v1/requests", &body),
     );
     assert!(out.starts_with("HTTP/1.1 202"), "{out}");
 }

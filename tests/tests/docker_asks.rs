@@ -8,19 +8,11 @@
 //! refused again (the grant went with the workload). `--scope policy` writes the policy (a
 //! change with its diff in `/v1/changes`) and lets the second container through; a denial's
 //! reason reaches the workload's long-poll.
-use egress_tests::docker::{Env, SERIAL, proxied_get, require_root};
+use egress_tests::docker::{Env, SERIAL, egress_internal as internal, proxied_get, require_root};
 use serde_json::Value;
 
 fn lock() -> std::sync::MutexGuard<'static, ()> {
     SERIAL.lock().unwrap_or_else(|p| p.into_inner())
-}
-
-/// `METHOD http://egress.internal/PATH` through the container's proxy, with a JSON body.
-fn internal(method: &str, path: &str, body: &str) -> String {
-    format!(
-        "(printf '{method} http://egress.internal{path} HTTP/1.1\\r\\nHost: egress.internal\\r\\nContent-Type: application/json\\r\\nContent-Length: {}\\r\\nConnection: close\\r\\n\\r\\n{body}'; sleep 1) | nc -w 5 169.254.100.1 3128",
-        body.len()
-    )
 }
 
 /// The JSON body of an HTTP answer `nc` printed.
