@@ -171,7 +171,15 @@ async fn poll(id: u64, query: Option<&str>, shared: &Arc<Shared>) -> Response<Fu
     let wait = query
         .and_then(|q| form_urlencoded::parse(q.as_bytes()).find(|(k, _)| k == "wait"))
         .and_then(|(_, v)| v.parse::<u64>().ok())
-        .map_or(Duration::ZERO, |s| Duration::from_secs(s).min(MAX_WAIT));
+        .map_or(Duration::ZERO, |s| Duration::from_secs(s).min(MAX_WAIT))
+        // Answered before the connection's idle timeout would cut it (`proxy.idle_timeout_ms`).
+        .min(
+            shared
+                .ctx
+                .limits()
+                .idle_timeout
+                .saturating_sub(Duration::from_secs(1)),
+        );
     match asks.wait(id, shared.listener_id, wait).await {
         Some(v) => json_answer(
             StatusCode::OK,
