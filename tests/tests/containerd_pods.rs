@@ -141,6 +141,42 @@ fn pods_are_confined_per_pod_through_containerd() {
         !canary.saw(&format!("FIRST-A-{pid}")),
         "the denied first instruction arrived"
     );
+    // 2b. The pod reads its policy and asks for a host at egress.internal through its proxy;
+    //     the daemon holds the request under the pod's name, as its listener identifies it.
+    let ask = r#"{"host": "other.test", "port": 8443, "reason": "the pod test asks"}"#;
+    let (code, logs) = run(
+        &c,
+        &a,
+        "ask",
+        &format!(
+            "{}; {}",
+            egress_tests::docker::egress_internal("GET", "/v1/self", ""),
+            egress_tests::docker::egress_internal("POST", "/v1/requests", ask)
+        ),
+    );
+    let out = output(code, &logs);
+    assert!(
+        out.contains(r#""policy":"web""#),
+        "the pod's own policy: {out}"
+    );
+    assert!(out.contains("HTTP/1.1 202"), "the request is taken: {out}");
+    let listed = agent.cli(&["requests", "--json"]);
+    let listed: serde_json::Value = serde_json::from_slice(&listed.stdout).unwrap_or_default();
+    let first = &listed[0];
+    assert_eq!(
+        (
+            first["host"].as_str(),
+            first["policy"].as_str(),
+            first["state"].as_str()
+        ),
+        (Some("other.test"), Some("web"), Some("pending")),
+        "{listed}"
+    );
+    let workload = first["workload"].as_str().unwrap_or_default();
+    assert!(
+        out.contains(&format!(r#""workload":"{workload}""#)) && !workload.is_empty(),
+        "the same workload in /v1/self and the operator's list: {workload} / {out}"
+    );
     assert!(
         agent.wait_event(
             |e| e["host"] == "denied.test"
