@@ -183,6 +183,7 @@ impl Daemon {
                 .await
                 .map_err(|_| "the enforcement task stopped during the reload".to_owned())??;
         }
+        self.asks.set_auto(new.requests.auto_approved());
         let old = self.config.swap(new.clone());
         report_unavailable(&new, Some(&old), &self.events);
         Ok(Some(json!({
@@ -558,6 +559,7 @@ pub async fn run(mut opts: RunOptions) -> Result<()> {
 
     let (restart_tx, mut restart_rx) = mpsc::channel(1);
     let daemon = Arc::new(Daemon {
+        asks: asks.configured(config.requests.auto_approved()),
         config_path: opts.config.clone(),
         config: ArcSwap::new(config),
         events,
@@ -572,7 +574,6 @@ pub async fn run(mut opts: RunOptions) -> Result<()> {
         previous,
         restart_tx,
         directory: opts.host.directory.clone(),
-        asks,
     });
     let control = daemon.clone();
     agent.spawn("api", |stop| api.run(control, stop.cancelled_owned()));

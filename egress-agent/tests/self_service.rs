@@ -368,3 +368,40 @@ async fn without_an_operator_the_workload_is_told_so() {
     assert_eq!(r.status, 503);
     assert!(r.text().contains("no access requests"), "{}", r.text());
 }
+
+#[tokio::test]
+async fn an_auto_approved_host_is_answered_approved_and_lets_the_workload_through() {
+    let up = upstreams().await;
+    let asks = Asks::new().configured(vec![
+        serde_json::from_value(json!({ "host": "other.test", "ports": [up.http.port()] })).unwrap(),
+    ]);
+    let a = listener(&up, Some(&asks)).await;
+    let port = up.http.port();
+    let r = call(
+        &a,
+        "POST",
+        "http://egress.internal/v1/requests",
+        Some(&ask("other.test", port)),
+    )
+    .await;
+    assert_eq!(
+        (r.status, json_of(&r)["state"].as_str()),
+        (202, Some("approved")),
+        "{}",
+        r.text()
+    );
+    let mut s = TcpStream::connect(a.addr).await.unwrap();
+    assert_eq!(
+        get(&mut s, &format!("other.test:{port}"), "/").await.status,
+        200
+    );
+    // Another host still waits.
+    let r = call(
+        &a,
+        "POST",
+        "http://egress.internal/v1/requests",
+        Some(&ask("wild.test", port)),
+    )
+    .await;
+    assert_eq!(json_of(&r)["state"], "pending");
+}

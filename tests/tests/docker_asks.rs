@@ -51,7 +51,7 @@ fn a_container_asks_and_a_run_grant_opens_only_it_for_its_lifetime() {
     let _l = lock();
     let mut env = Env::new(&[]);
     // `web` in policies.d (a policy approval writes it); the main file keeps only the canary.
-    env.restart_with_managed_web("[policies.canary]\nallow_cidrs = [\"198.18.0.1/32\"]\n");
+    env.restart_with_managed_web(CANARY);
     env.run_labelled("ask-1", &["egress.policy=web", "egress.run=run-5"]);
     env.run_labelled("ask-2", &["egress.policy=web"]);
 
@@ -163,4 +163,17 @@ fn a_container_asks_and_a_run_grant_opens_only_it_for_its_lifetime() {
             "{c} after the policy change: {out}"
         );
     }
+    // `[requests]` auto-approval, applied by a reload: answered approved at once, for the run.
+    env.write_config(&env.config_text(&format!(
+        "{CANARY}[requests]\nauto_approve_hosts = [{{ host = \"tls.test\", ports = [8080] }}]\n"
+    )));
+    cli_ok(&env, &["reload"]);
+    let body = r#"{"host": "tls.test", "port": 8080, "reason": "auto"}"#;
+    let out = env.exec_out("ask-2", &internal("POST", "/v1/requests", body));
+    assert_eq!(body_of(&out)["state"], "approved", "{out}");
+    let listed = cli_ok(&env, &["requests", "--json"]);
+    assert!(listed.contains("auto-approve ([requests])"), "{listed}");
 }
+
+/// The main file's policies in this test (`web` lives in policies.d).
+const CANARY: &str = "[policies.canary]\nallow_cidrs = [\"198.18.0.1/32\"]\n";

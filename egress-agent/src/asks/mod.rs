@@ -269,16 +269,23 @@ struct State {
 #[derive(Default)]
 pub struct Asks {
     state: Mutex<State>,
+    /// `[requests]`' auto-approved hosts (presets expanded); empty: every request waits.
+    auto: Mutex<Vec<egress_policy::HostEntry>>,
     /// Announces every new request and decision (the console's live list).
     changed: watch::Sender<u64>,
 }
 
-/// A request taken: its id and whether it was already waiting (the same host:port asked again).
+/// A request taken: its id, whether it was already waiting (the same host:port asked again),
+/// and whether `[requests]` approved it at once.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Filed {
     pub id: u64,
     pub existing: bool,
+    pub auto_approved: bool,
 }
+
+/// Who an automatic approval is recorded as.
+pub const AUTO: &str = "auto-approve ([requests])";
 
 impl std::fmt::Debug for Asks {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -310,6 +317,7 @@ impl Asks {
             return Ok(Filed {
                 id: a.id,
                 existing: true,
+                auto_approved: false,
             });
         }
         let mine = s
@@ -343,6 +351,7 @@ impl Asks {
             )));
         }
         s.filed.entry(who.listener).or_default().push_back(now);
+        let host_port = (checked.host.clone(), wanted.port);
         s.next += 1;
         let id = s.next;
         if s.asks.len() >= MAX_KEPT
@@ -363,10 +372,43 @@ impl Asks {
         });
         drop(s);
         self.changed.send_modify(|n| *n += 1);
+        let auto_approved = self.auto_approves(host_port.0.as_str(), host_port.1)
+            && self.approve_run(id, AUTO, None).is_ok();
         Ok(Filed {
             id,
             existing: false,
+            auto_approved,
         })
+    }
+
+    /// Itself with `[requests]`' auto-approved hosts (the daemon's start).
+    pub fn configured(self: Arc<Self>, entries: Vec<egress_policy::HostEntry>) -> Arc<Self> {
+        self.set_auto(entries);
+        self
+    }
+
+    /// `[requests]`' auto-approved hosts from now on (a reload).
+    pub fn set_auto(&self, entries: Vec<egress_policy::HostEntry>) {
+        *self.auto.lock().unwrap_or_else(PoisonError::into_inner) = entries;
+    }
+
+    /// Does `[requests]` approve `host:port` at once? An entry without ports means 443.
+    fn auto_approves(&self, host: &str, port: u16) -> bool {
+        let Ok(name) = HostName::parse(host) else {
+            return false;
+        };
+        self.auto
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .iter()
+            .any(|e| {
+                e.pattern.matches(&name)
+                    && if e.ports.is_empty() {
+                        port == 443
+                    } else {
+                        e.ports.contains(&port)
+                    }
+            })
     }
 
     /// Request `id` as the listener `listener` may see it (`None`: not its own, or none).

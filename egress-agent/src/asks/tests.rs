@@ -241,3 +241,61 @@ fn floods_are_capped_per_listener_and_bad_fields_are_refused_by_name() {
         assert!(e.to_string().starts_with(field), "{field}: {e}");
     }
 }
+
+#[test]
+fn requests_for_auto_approved_hosts_are_approved_for_the_run_at_once_and_no_others() {
+    let asks = Asks::new();
+    let t = Arc::new(Target::default());
+    let cfg: crate::config::RequestsConfig = toml::from_str(
+        "auto_approve_hosts = [\"*.pythonhosted.org\", { host = \"mirror.test\", ports = [8080] }]\nauto_approve_presets = [\"python\"]\n",
+    )
+    .unwrap();
+    let asks = asks.configured(cfg.auto_approved());
+    let now = SystemTime::now();
+    let f = asks
+        .file(who(1, &t), wanted("files.pythonhosted.org", 443), now)
+        .unwrap();
+    assert!(f.auto_approved);
+    assert!(matches!(
+        asks.get(f.id).unwrap().outcome,
+        Outcome::Approved { scope: Scope::Run, ref by, until: None } if by == AUTO
+    ));
+    // From the preset (pypi.org), and the entry's own port.
+    assert!(
+        asks.file(who(1, &t), wanted("pypi.org", 443), now)
+            .unwrap()
+            .auto_approved
+    );
+    assert!(
+        asks.file(who(1, &t), wanted("mirror.test", 8080), now)
+            .unwrap()
+            .auto_approved
+    );
+    assert_eq!(
+        t.0.lock().unwrap().len(),
+        3,
+        "each went to the listener that asked"
+    );
+    // Another port of a plain entry, another port of a ports entry, another host: they wait.
+    for (host, port) in [
+        ("pypi.org", 80),
+        ("mirror.test", 443),
+        ("pastebin.test", 443),
+    ] {
+        let f = asks.file(who(1, &t), wanted(host, port), now).unwrap();
+        assert!(!f.auto_approved, "{host}:{port}");
+        assert_eq!(asks.get(f.id).unwrap().outcome, Outcome::Pending);
+    }
+    // A reload without the list: nothing more is approved at once.
+    asks.set_auto(Vec::new());
+    assert!(
+        !asks
+            .file(who(2, &t), wanted("pypi.org", 443), now)
+            .unwrap()
+            .auto_approved
+    );
+    // An unknown preset is an error naming the known ones.
+    let e = toml::from_str::<crate::config::RequestsConfig>("auto_approve_presets = [\"pypy\"]\n")
+        .unwrap_err();
+    assert!(e.to_string().contains("unknown preset"), "{e}");
+}

@@ -59,6 +59,9 @@ pub struct Config {
     /// The control API's access and the status page (`[api]`).
     #[serde(default)]
     pub api: ApiConfig,
+    /// Workloads' access requests (`[requests]`).
+    #[serde(default)]
+    pub requests: RequestsConfig,
     /// Kubernetes pods through containerd (`[kubernetes]`): present = the containerd runtime runs.
     #[serde(default)]
     pub kubernetes: Option<KubernetesConfig>,
@@ -97,6 +100,30 @@ impl Default for KubernetesConfig {
             cgroup_root: "/kubepods".to_owned(),
             namespace_defaults: BTreeMap::new(),
         }
+    }
+}
+
+/// `[requests]`: workloads' access requests (`http://egress.internal/v1/requests`). By default
+/// every request waits for an operator; the operator may have requests for some hosts approved
+/// at once — for the asking workload's run alone (scope run), recorded as approved by
+/// `auto-approve`. Applied on a reload.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(default, deny_unknown_fields)]
+pub struct RequestsConfig {
+    /// Hosts as in `allow_hosts`: a name or `*.suffix` alone means port 443,
+    /// `{ host = "...", ports = [...] }` those ports. Default none.
+    pub auto_approve_hosts: Vec<egress_policy::HostEntry>,
+    /// Presets whose hosts are auto-approved likewise (`egress-agent presets show NAME`).
+    /// Default none.
+    pub auto_approve_presets: Vec<egress_policy::model::PresetName>,
+}
+
+impl RequestsConfig {
+    /// Every auto-approved entry, presets expanded.
+    pub fn auto_approved(&self) -> Vec<egress_policy::HostEntry> {
+        let mut hosts = self.auto_approve_hosts.clone();
+        egress_policy::presets::expand(&mut hosts, &self.auto_approve_presets);
+        hosts
     }
 }
 

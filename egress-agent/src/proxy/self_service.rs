@@ -154,7 +154,8 @@ async fn file(req: Request<Incoming>, shared: &Arc<Shared>) -> Response<Full<Byt
                 StatusCode::ACCEPTED,
                 &json!({
                     "id": f.id,
-                    "state": "pending",
+                    // `[requests]` approved it at once (for this workload's run), or it waits.
+                    "state": if f.auto_approved { "approved" } else { "pending" },
                     "existing": f.existing,
                     "poll": format!("http://{NAME}/v1/requests/{}?wait=60", f.id),
                 }),
