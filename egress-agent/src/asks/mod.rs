@@ -331,14 +331,14 @@ impl Asks {
                  {MAX_PENDING}): wait for them (GET /v1/requests/ID?wait=60)"
             )));
         }
-        let window = s.filed.entry(who.listener).or_default();
-        while window
-            .front()
-            .is_some_and(|t| now.duration_since(*t).unwrap_or_default() > WINDOW)
-        {
-            window.pop_front();
-        }
-        if window.len() >= MAX_PER_WINDOW {
+        // Only what was filed within the window counts; listeners with nothing left in it (most
+        // of them ended) are forgotten, so the map stays as small as the recent askers.
+        let recent = |t: &SystemTime| now.duration_since(*t).unwrap_or_default() <= WINDOW;
+        s.filed.retain(|_, w| {
+            w.retain(recent);
+            !w.is_empty()
+        });
+        if s.filed.get(&who.listener).map_or(0, VecDeque::len) >= MAX_PER_WINDOW {
             return Err(AskError::TooMany(format!(
                 "this workload filed {MAX_PER_WINDOW} requests in the last {} minutes: wait \
                  for the operator",
@@ -351,7 +351,7 @@ impl Asks {
             )));
         }
         s.filed.entry(who.listener).or_default().push_back(now);
-        let host_port = (checked.host.clone(), wanted.port);
+        let host = checked.host;
         s.next += 1;
         let id = s.next;
         if s.asks.len() >= MAX_KEPT
@@ -363,7 +363,7 @@ impl Asks {
             id,
             time: now,
             who,
-            host: checked.host,
+            host: host.clone(),
             port: wanted.port,
             reason: checked.reason,
             methods: checked.methods,
@@ -372,8 +372,8 @@ impl Asks {
         });
         drop(s);
         self.changed.send_modify(|n| *n += 1);
-        let auto_approved = self.auto_approves(host_port.0.as_str(), host_port.1)
-            && self.approve_run(id, AUTO, None).is_ok();
+        let auto_approved =
+            self.auto_approves(&host, wanted.port) && self.approve_run(id, AUTO, None).is_ok();
         Ok(Filed {
             id,
             existing: false,
@@ -393,16 +393,13 @@ impl Asks {
     }
 
     /// Does `[requests]` approve `host:port` at once? An entry without ports means 443.
-    fn auto_approves(&self, host: &str, port: u16) -> bool {
-        let Ok(name) = HostName::parse(host) else {
-            return false;
-        };
+    fn auto_approves(&self, name: &HostName, port: u16) -> bool {
         self.auto
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
             .iter()
             .any(|e| {
-                e.pattern.matches(&name)
+                e.pattern.matches(name)
                     && if e.ports.is_empty() {
                         port == 443
                     } else {

@@ -183,6 +183,8 @@ fn floods_are_capped_per_listener_and_bad_fields_are_refused_by_name() {
         now + WINDOW + Duration::from_secs(1),
     )
     .unwrap();
+    // Listeners with nothing filed within the window are forgotten (listener 2 asked at `now`).
+    assert_eq!(asks.lock().filed.keys().copied().collect::<Vec<_>>(), vec![1]);
 
     for (w, field) in [
         (
