@@ -287,6 +287,20 @@ pub struct Filed {
 /// Who an automatic approval is recorded as.
 pub const AUTO: &str = "auto-approve ([requests])";
 
+/// Request `id`, if it still waits for a decision.
+fn waiting(s: &State, id: u64) -> Result<&Ask, AskError> {
+    let a = s
+        .asks
+        .iter()
+        .find(|a| a.id == id)
+        .ok_or(AskError::NotFound(id))?;
+    if a.pending() {
+        Ok(a)
+    } else {
+        Err(AskError::Decided(id))
+    }
+}
+
 impl std::fmt::Debug for Asks {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Asks")
@@ -451,14 +465,7 @@ impl Asks {
     /// Approve request `id` for its workload alone: the grant goes to the listener that filed it.
     pub fn approve_run(&self, id: u64, by: &str, ttl: Option<Duration>) -> Result<View, AskError> {
         let s = self.lock();
-        let a = s
-            .asks
-            .iter()
-            .find(|a| a.id == id)
-            .ok_or(AskError::NotFound(id))?;
-        if !a.pending() {
-            return Err(AskError::Decided(id));
-        }
+        let a = waiting(&s, id)?;
         let target = a.who.target.upgrade().ok_or(AskError::Gone(id))?;
         target.grant(id, &a.host, a.port, ttl);
         let until =
@@ -478,14 +485,7 @@ impl Asks {
     /// a denial with its reason).
     pub fn decide(&self, id: u64, outcome: Outcome) -> Result<View, AskError> {
         let s = self.lock();
-        let a = s
-            .asks
-            .iter()
-            .find(|a| a.id == id)
-            .ok_or(AskError::NotFound(id))?;
-        if !a.pending() {
-            return Err(AskError::Decided(id));
-        }
+        let a = waiting(&s, id)?;
         a.outcome.send_replace(outcome);
         let v = a.view();
         drop(s);

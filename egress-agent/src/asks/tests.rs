@@ -184,7 +184,10 @@ fn floods_are_capped_per_listener_and_bad_fields_are_refused_by_name() {
     )
     .unwrap();
     // Listeners with nothing filed within the window are forgotten (listener 2 asked at `now`).
-    assert_eq!(asks.lock().filed.keys().copied().collect::<Vec<_>>(), vec![1]);
+    assert_eq!(
+        asks.lock().filed.keys().copied().collect::<Vec<_>>(),
+        vec![1]
+    );
 
     for (w, field) in [
         (

@@ -137,10 +137,21 @@ pub(crate) async fn serve(
     shared: Arc<Shared>,
     stop: CancellationToken,
 ) {
+    serve_route(stream, prefix, shared, stop, Route::Forward).await;
+}
+
+/// A client connection whose requests `route` allows, nothing dialled yet.
+async fn serve_route(
+    stream: TcpStream,
+    prefix: Vec<u8>,
+    shared: Arc<Shared>,
+    stop: CancellationToken,
+    route: Route,
+) {
     let shutdown = stop.clone().cancelled_owned();
     let state = ConnState {
         shared,
-        route: Route::Forward,
+        route,
         upstream: Mutex::new(None),
         tunnel: std::sync::Mutex::new(None),
         stop,
@@ -488,15 +499,7 @@ pub(crate) async fn serve_agent(
     shared: Arc<Shared>,
     stop: CancellationToken,
 ) {
-    let shutdown = stop.clone().cancelled_owned();
-    let state = ConnState {
-        shared,
-        route: Route::Agent,
-        upstream: Mutex::new(None),
-        tunnel: std::sync::Mutex::new(None),
-        stop,
-    };
-    run(stream, prefix, state, shutdown).await;
+    serve_route(stream, prefix, shared, stop, Route::Agent).await;
 }
 
 /// `CONNECT`: checked and dialled, then the client's socket, recovered from hyper once the
