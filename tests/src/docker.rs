@@ -472,6 +472,11 @@ pub struct Env {
     /// A command the daemon is started through (it ends by exec'ing its arguments), e.g. a
     /// shell that plays the service manager passing descriptors; used once, then cleared.
     pub agent_prefix: Vec<String>,
+    /// The `--docker-socket` the daemon is given instead of the dockerd's own (a test's fault
+    /// socket in front of it: [`crate::docker_fault`]).
+    pub docker_socket: Option<String>,
+    /// Extra arguments of `egress-agent run` (e.g. `--metrics-listen`), kept for every start.
+    pub agent_args: Vec<String>,
     pub d: Dockerd,
 }
 
@@ -517,6 +522,8 @@ impl Env {
             agent_bin,
             agent_env: Vec::new(),
             agent_prefix: Vec::new(),
+            docker_socket: None,
+            agent_args: Vec::new(),
             d,
         };
         env.start_agent();
@@ -617,10 +624,14 @@ nameservers = []
             .arg("run")
             .arg("--config")
             .arg(self.config_path())
-            .args(["--docker-socket", &self.d.host])
+            .args([
+                "--docker-socket",
+                self.docker_socket.as_deref().unwrap_or(&self.d.host),
+            ])
             .args(["--cgroup-parent", &format!("/{}", self.d.cgroup_parent)])
             .arg("--api-socket")
             .arg(self.api_socket())
+            .args(&self.agent_args)
             .env("RUST_LOG", "info,egress_agent=debug")
             .envs(self.agent_env.iter().map(|(k, v)| (k, v)))
             .stdin(Stdio::null())

@@ -13,6 +13,7 @@
 //! - [`batch`]: the probe's batch mode (many socket operations per confined process).
 //! - [`containerd`], [`cri`]: a private containerd (CRI, runc, CNI bridge) in its own network
 //!   namespace, and the kubelet's CRI calls to run pods in it.
+//! - [`docker_fault`]: a Docker API socket that can refuse container inspects (fail-closed tests).
 //! - [`agent`]: locating the built `egress-agent` / `egress-probe` binaries, running the probe
 //!   inside or outside `egress-agent exec`, test config files, attached-program counts.
 pub mod agent;
@@ -141,3 +142,4 @@ pub fn marker(case: &str) -> String {
     )
 }
 pub mod docker;
+pub mod docker_fault;

@@ -480,8 +480,10 @@ impl Enforcer {
             match self.listener_for(info, id, &plan, &resolved).await {
                 Ok(l) => Some(l),
                 Err(e) => {
-                    // No listener: the kernel refuses the endpoint (listener None); still enforced.
+                    // No listener: the kernel refuses the endpoint (listener None); the entry
+                    // is still written, so the workload stays confined. A reload binds again.
                     tracing::error!(error = %e, "cannot start the container's proxy listener");
+                    self.event(info, &resolved, Some(id), &format!("listener-failed: {e}"));
                     None
                 }
             }
