@@ -391,6 +391,57 @@ async fn denied_names_never_reach_the_upstream_resolver() {
 }
 
 #[tokio::test]
+async fn the_agents_own_name_is_answered_with_the_endpoint_and_never_forwarded() {
+    // `egress.internal` is not in the policy: the responder answers it itself with the proxy
+    // endpoint's address (where the kernel sends port 80 to the transparent listener), A only;
+    // nothing is asked upstream, nothing is reported to the answer sink (no direct allowance),
+    // no event.
+    let f = fixture().await;
+    let endpoint = match f.config.proxy.endpoint {
+        SocketAddr::V4(e) => e.ip().to_string(),
+        SocketAddr::V6(_) => panic!("the test config's endpoint is IPv4"),
+    };
+    for tcp in [false, true] {
+        let server = if tcp { f.tcp } else { f.udp };
+        for name in ["egress.internal", "Egress.Internal."] {
+            let d = dig(server, tcp, name, "A").await;
+            assert_eq!(d.status, "NOERROR", "{}", d.raw);
+            assert_eq!(d.answer.len(), 1, "{}", d.raw);
+            assert!(
+                d.answer[0].ends_with(&format!("IN A {endpoint}")),
+                "{}",
+                d.raw
+            );
+        }
+        let d = dig(server, tcp, "egress.internal", "AAAA").await;
+        assert_eq!(d.status, "NOERROR", "{}", d.raw);
+        assert!(d.answer.is_empty(), "{}", d.raw);
+        // Other types of it are refused like any name's; a name under it is no agent name.
+        let d = dig(server, tcp, "egress.internal", "TXT").await;
+        assert_eq!(d.status, "REFUSED", "{}", d.raw);
+        let d = dig(server, tcp, "x.egress.internal", "A").await;
+        assert_eq!(d.status, "NXDOMAIN", "{}", d.raw);
+        control(&f, tcp).await;
+    }
+    let upstream = f.up.queried();
+    assert!(!upstream.contains("egress.internal"), "{upstream}");
+    let heard = f.heard.0.lock().unwrap().clone();
+    assert!(
+        heard.iter().all(|h| !h.name.contains("egress.internal")),
+        "{heard:?}"
+    );
+    // Only the refusals (TXT, the name under it) are events.
+    let ev = f.events.recent(100);
+    assert!(
+        ev.iter()
+            .all(|e| e.reason == "dns-type-refused"
+                || e.host.as_deref() == Some("x.egress.internal")),
+        "{ev:?}"
+    );
+    assert_eq!(ev.len(), 4, "{ev:?}");
+}
+
+#[tokio::test]
 async fn names_whose_answer_holds_a_denied_address_are_refused_whole() {
     let f = fixture().await;
     // 10.0.0.1: on the built-in deny list, outside resolve_private.

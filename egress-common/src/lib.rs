@@ -188,6 +188,11 @@ pub const POLICY_FLAG_TRANSPARENT: u32 = 4;
 /// `PolicyEntry::flags`: UDP and TCP to port 53 at any address go to the DNS listeners.
 pub const POLICY_FLAG_DNS: u32 = 8;
 
+/// TCP to the proxy endpoint's own address on this port goes to the cgroup's transparent
+/// listener (when it has one), whatever `allow_ports` says: `http://egress.internal/`, the name
+/// the agent's DNS answers with the endpoint's address, is served there by the Host header.
+pub const AGENT_HTTP_PORT: u16 = 80;
+
 /// `Event::flags`: a would-deny — the
 /// kernel allowed it because the policy audits.
 pub const EVENT_FLAG_AUDIT: u16 = 1;

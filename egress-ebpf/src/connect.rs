@@ -203,7 +203,7 @@ fn try_connect4(ctx: &SockAddrContext) -> Result<i32, i32> {
     if tcp && direct4(cg, addr, port) {
         return Ok(allow_direct(p, cg, HOOK_CONNECT4, &dst(proto)));
     }
-    if tcp && let Some((a, pt)) = transparent4(p, port) {
+    if tcp && let Some((a, pt)) = transparent4(p, addr, port) {
         return Ok(redirect_to(ctx, cg, orig4(addr), port_be, to(a, pt)));
     }
     Ok(refuse(p, cg, HOOK_CONNECT4, reason, &dst(proto), true))
@@ -287,7 +287,7 @@ fn try_connect6(ctx: &SockAddrContext) -> Result<i32, i32> {
         if tcp && direct4(cg, v4, port) {
             return Ok(allow_direct(p, cg, HOOK_CONNECT6, &dst(proto)));
         }
-        if tcp && let Some((a, pt)) = transparent4(p, port) {
+        if tcp && let Some((a, pt)) = transparent4(p, v4, port) {
             return Ok(redirect_to(ctx, cg, orig4(v4), port_be, to4(a, pt)));
         }
         return Ok(refuse(p, cg, HOOK_CONNECT6, reason, &dst(proto), true));
@@ -332,7 +332,7 @@ fn try_connect6(ctx: &SockAddrContext) -> Result<i32, i32> {
     if tcp && direct6(cg, addr, port) {
         return Ok(allow_direct(p, cg, HOOK_CONNECT6, &dst(proto)));
     }
-    if tcp && let Some((a, pt)) = transparent6(p, port) {
+    if tcp && let Some((a, pt)) = transparent6(p, &addr, port) {
         return Ok(redirect_to(ctx, cg, orig6(addr), port_be, to6(a, pt)));
     }
     Ok(refuse(p, cg, HOOK_CONNECT6, reason, &dst(proto), true))

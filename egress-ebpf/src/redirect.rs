@@ -15,8 +15,8 @@ use crate::maps::{DIRECT4, DIRECT6, ORIG_BY_COOKIE};
 use crate::{AF_INET, AF_INET6};
 use aya_ebpf::helpers::generated::bpf_ktime_get_ns;
 use egress_common::{
-    Direct4Key, Direct6Key, MAX_RULE_PORTS, MODE_ALLOWLIST, OrigDst, POLICY_FLAG_DNS,
-    POLICY_FLAG_TRANSPARENT, PolicyEntry,
+    AGENT_HTTP_PORT, Direct4Key, Direct6Key, MAX_RULE_PORTS, MODE_ALLOWLIST, OrigDst,
+    POLICY_FLAG_DNS, POLICY_FLAG_TRANSPARENT, PolicyEntry,
 };
 
 pub(crate) const DNS_PORT: u16 = 53;
@@ -77,24 +77,29 @@ fn redirected_port(p: &PolicyEntry, port: u16) -> bool {
     false
 }
 
-/// The transparent listener (v4) for TCP to `port`, if the policy intercepts it.
+/// The transparent listener (v4) for TCP to `addr:port` (network-order address, host-order
+/// port), if the policy intercepts it: a port of `redirect_ports`, or the endpoint's own
+/// address on [`AGENT_HTTP_PORT`] (`http://egress.internal/`, which the agent's DNS answers
+/// with the endpoint's address).
 #[inline(always)]
-pub(crate) fn transparent4(p: &PolicyEntry, port: u16) -> Option<(u32, u16)> {
+pub(crate) fn transparent4(p: &PolicyEntry, addr: u32, port: u16) -> Option<(u32, u16)> {
     (p.mode == MODE_ALLOWLIST
         && p.flags & POLICY_FLAG_TRANSPARENT != 0
         && p.transparent4_port != 0
-        && redirected_port(p, port))
-    .then_some((p.transparent4_addr, p.transparent4_port))
+        && (redirected_port(p, port)
+            || (port == AGENT_HTTP_PORT && p.endpoint4_port != 0 && addr == p.endpoint4_addr)))
+        .then_some((p.transparent4_addr, p.transparent4_port))
 }
 
 /// [`transparent4`] for IPv6.
 #[inline(always)]
-pub(crate) fn transparent6(p: &PolicyEntry, port: u16) -> Option<([u32; 4], u16)> {
+pub(crate) fn transparent6(p: &PolicyEntry, addr: &[u32; 4], port: u16) -> Option<([u32; 4], u16)> {
     (p.mode == MODE_ALLOWLIST
         && p.flags & POLICY_FLAG_TRANSPARENT != 0
         && p.transparent6_port != 0
-        && redirected_port(p, port))
-    .then_some((p.transparent6_addr, p.transparent6_port))
+        && (redirected_port(p, port)
+            || (port == AGENT_HTTP_PORT && p.endpoint6_port != 0 && *addr == p.endpoint6_addr)))
+        .then_some((p.transparent6_addr, p.transparent6_port))
 }
 
 /// Remember where the socket `cookie` was going (IPv4 `addr[0]`, network order; port host order).

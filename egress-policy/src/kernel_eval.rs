@@ -22,7 +22,8 @@
 //! 7. (TCP to an address the agent's DNS answered for a name with this port: allowed until the
 //!    answer's TTL ends — run-time state, not evaluated here);
 //! 8. TCP to a port of `allow_ports` of a transparent policy → the transparent listener (the proxy
-//!    then decides on the SNI / Host);
+//!    then decides on the SNI / Host); so is TCP to the endpoint's own address on port 80, where
+//!    `http://egress.internal/` leads (the agent's DNS answers the name with that address);
 //! 9. anything else: `kernel-destination-not-allowed` — or, for an auditing policy, let through
 //!    and reported as a would-deny.
 //!
@@ -33,8 +34,9 @@
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 
 use egress_common::{
-    CIDR_ALLOW, CIDR_DENY, CidrRule, MODE_ALLOW_ALL, MODE_ALLOWLIST, PROTO_BIT_TCP, PROTO_BIT_UDP,
-    REASON_DENY_CIDR, REASON_HOST_LOOPBACK, REASON_INBOUND, REASON_NO_LISTENER, REASON_NOT_ALLOWED,
+    AGENT_HTTP_PORT, CIDR_ALLOW, CIDR_DENY, CidrRule, MODE_ALLOW_ALL, MODE_ALLOWLIST,
+    PROTO_BIT_TCP, PROTO_BIT_UDP, REASON_DENY_CIDR, REASON_HOST_LOOPBACK, REASON_INBOUND,
+    REASON_NO_LISTENER, REASON_NOT_ALLOWED,
 };
 use ipnet::IpNet;
 use serde::Serialize;
@@ -234,11 +236,24 @@ pub fn connect(
             };
         }
     }
-    let transparent =
-        (transport == Transport::Tcp && kp.transparent && kp.redirect_ports.contains(&port))
-            .then_some(intercept.transparent)
-            .flatten();
-    refused(kp, port, transparent, checked(kp, ip, port, bit, netns))
+    let endpoint = match ip {
+        IpAddr::V4(_) => kp.endpoint4,
+        IpAddr::V6(_) => kp.endpoint6,
+    };
+    // `http://egress.internal/`: the agent's DNS answers the name with the endpoint's address.
+    let agent_name = port == AGENT_HTTP_PORT && endpoint.is_some_and(|e| e.ip() == ip);
+    let transparent = (transport == Transport::Tcp
+        && kp.mode == MODE_ALLOWLIST
+        && kp.transparent
+        && (kp.redirect_ports.contains(&port) || agent_name))
+        .then_some(intercept.transparent)
+        .flatten();
+    let why = if kp.redirect_ports.contains(&port) {
+        format!("allow_ports {port}")
+    } else {
+        format!("the agent's own address on port {AGENT_HTTP_PORT} (http://egress.internal/)")
+    };
+    refused(kp, &why, transparent, checked(kp, ip, port, bit, netns))
 }
 
 /// What `connect4/6` and `sendmsg4/6` do after `check` refused (steps 7–9 above): the
@@ -246,14 +261,14 @@ pub fn connect(
 /// verdict refuses only other trees' servers, so its `otherwise` goes the same way.
 fn refused(
     kp: &KernelPolicy,
-    port: u16,
+    why: &str,
     transparent: Option<SocketAddr>,
     verdict: KernelVerdict,
 ) -> KernelVerdict {
     match verdict {
         KernelVerdict::Deny { .. } if let Some(t) = transparent => KernelVerdict::Redirect {
             rule: format!(
-                "allow_ports {port}: rewritten to this cgroup's transparent listener {t} (the proxy decides on the TLS SNI or HTTP Host, and dials that name's own addresses)"
+                "{why}: rewritten to this cgroup's transparent listener {t} (the proxy decides on the TLS SNI or HTTP Host, and dials that name's own addresses)"
             ),
         },
         KernelVerdict::Deny { reason, rule } if kp.audit => {
@@ -261,7 +276,7 @@ fn refused(
         }
         KernelVerdict::SameTreeOnly { rule, otherwise } => KernelVerdict::SameTreeOnly {
             rule,
-            otherwise: Box::new(refused(kp, port, transparent, *otherwise)),
+            otherwise: Box::new(refused(kp, why, transparent, *otherwise)),
         },
         v => v,
     }
@@ -328,14 +343,7 @@ pub fn inbound(kp: &KernelPolicy, peer: IpAddr, local_port: u16, netns: Netns) -
         };
     }
     // `inbound.rs` refuses through `refuse`: an auditing policy lets the peer in, reported.
-    let refused = |rule: &str| {
-        refused(
-            kp,
-            local_port,
-            None,
-            KernelVerdict::deny(REASON_INBOUND, rule),
-        )
-    };
+    let refused = |rule: &str| refused(kp, "", None, KernelVerdict::deny(REASON_INBOUND, rule));
     if ip.is_loopback() {
         return match netns {
             Netns::Own => KernelVerdict::Allow {
@@ -591,6 +599,51 @@ mod tests {
                 "kernel-destination-not-allowed"
             );
         }
+    }
+
+    #[test]
+    fn the_agents_own_name_on_port_80_goes_to_the_transparent_listener() {
+        // http://egress.internal/ resolves to the endpoint's address: port 80 there goes to the
+        // transparent listener even when 80 is not in allow_ports; nothing else of that address
+        // opens, and a policy without transparent interception gets no such redirect.
+        let k = kp("allow_hosts = [\"github.com\"]\nallow_ports = [443]", &[]);
+        let v = connect(&k, sa("169.254.100.1:80"), Transport::Tcp, Netns::Own);
+        assert!(redirected(&v, "40002"), "{v:?}");
+        assert!(matches!(&v, KernelVerdict::Redirect { rule } if rule.contains("egress.internal")));
+        for (dst, t) in [
+            ("169.254.100.1:81", Transport::Tcp),
+            ("169.254.100.1:80", Transport::Udp),
+            ("169.254.100.2:80", Transport::Tcp),
+        ] {
+            assert_eq!(
+                reason(&connect(&k, sa(dst), t, Netns::Own)),
+                "kernel-destination-not-allowed",
+                "{dst} {t:?}"
+            );
+        }
+        let off = kp(
+            "allow_hosts = [\"github.com\"]\nallow_ports = [443]\ntransparent = false",
+            &[],
+        );
+        assert_eq!(
+            reason(&connect(
+                &off,
+                sa("169.254.100.1:80"),
+                Transport::Tcp,
+                Netns::Own
+            )),
+            "kernel-destination-not-allowed"
+        );
+        let d = kp("mode = \"deny_all\"", &[]);
+        assert_eq!(
+            reason(&connect(
+                &d,
+                sa("169.254.100.1:80"),
+                Transport::Tcp,
+                Netns::Own
+            )),
+            "kernel-destination-not-allowed"
+        );
     }
 
     #[test]

@@ -74,6 +74,13 @@ fuzz_target!(|data: &[u8]| {
     let max = budget(&req, transport);
     match decide(&POLICY, &req) {
         Decision::Drop => {}
+        Decision::Agent { record_type } => {
+            // Only the agent's own name, and only a type the responder answers.
+            assert!(matches!(record_type, RecordType::A | RecordType::AAAA));
+            assert!(req.queries.queries().iter().all(|q| {
+                q.name().to_ascii().trim_end_matches('.').eq_ignore_ascii_case("egress.internal")
+            }));
+        }
         Decision::Reply { code, denied } => {
             if let Some(d) = &denied
                 && let Some(h) = &d.host

@@ -7,7 +7,9 @@
 //! under the same policy is still refused, and a new container in the first one's place is
 //! refused again (the grant went with the workload). `--scope policy` writes the policy (a
 //! change with its diff in `/v1/changes`) and lets the second container through; a denial's
-//! reason reaches the workload's long-poll.
+//! reason reaches the workload's long-poll. Without the proxy, `http://egress.internal/`
+//! resolves through the agent's DNS and reaches the container's own listener (kernel redirect
+//! of the endpoint's port 80).
 use egress_tests::docker::{Env, SERIAL, egress_internal as internal, proxied_get, require_root};
 use serde_json::Value;
 
@@ -65,6 +67,29 @@ fn a_container_asks_and_a_run_grant_opens_only_it_for_its_lifetime() {
         ),
         (Some("web"), Some("run-5"), Some("ask-1")),
         "{me}"
+    );
+    // Without the proxy: the name resolves through the agent's DNS to the endpoint, and the
+    // kernel sends port 80 there to the container's transparent listener (port 80 is not in
+    // the policy's allow_ports). Each container is answered as itself; a host process in the
+    // agent's namespace reaches nothing there.
+    for (container, name) in [("ask-1", "ask-1"), ("ask-2", "ask-2")] {
+        let out = env.exec_out(
+            container,
+            "unset http_proxy; wget -q -O- http://egress.internal/v1/self",
+        );
+        let me: Value = serde_json::from_str(out.trim()).unwrap_or(Value::Null);
+        assert_eq!(
+            (me["policy"].as_str(), me["workload"].as_str()),
+            (Some("web"), Some(name)),
+            "{out}"
+        );
+    }
+    let host = env.d.netns.sh(
+        "(printf 'GET /v1/self HTTP/1.1\\r\\nHost: egress.internal\\r\\n\\r\\n'; sleep 1) | nc -w 2 169.254.100.1 80; echo rc=$?",
+    );
+    assert!(
+        !host.contains("HTTP/1."),
+        "a host process was answered: {host}"
     );
     let out = env.exec_out("ask-1", &proxied_get("denied.test", 8080));
     assert!(out.contains("host-not-allowed"), "{out}");

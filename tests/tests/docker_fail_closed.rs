@@ -108,9 +108,9 @@ fn a_listener_that_cannot_bind_leaves_the_container_confined_and_says_so() {
 
     // Ports free again: a reload binds the listener.
     assert!(
-        env.d.netns.sh_ok(&format!(
-            "sysctl -w net.ipv4.ip_local_port_range='{range}'"
-        )),
+        env.d
+            .netns
+            .sh_ok(&format!("sysctl -w net.ipv4.ip_local_port_range='{range}'")),
         "cannot restore the port range"
     );
     drop(held);
@@ -158,7 +158,11 @@ fn a_failed_docker_inspect_leaves_the_container_confined_and_is_counted() {
     let errors = reconcile_errors(&env, METRICS);
 
     fault.set_failing(true);
-    env.start_ok("blind", &["--label", "egress.policy=web"], &["sleep", "600"]);
+    env.start_ok(
+        "blind",
+        &["--label", "egress.policy=web"],
+        &["sleep", "600"],
+    );
     let deadline = Instant::now() + Duration::from_secs(20);
     while (fault.refused() < 2 || reconcile_errors(&env, METRICS) < errors + 2)
         && Instant::now() < deadline

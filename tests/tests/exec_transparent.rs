@@ -148,9 +148,18 @@ echo "curl-tls6: $(curl -6 -sS -m 10 --cacert {ca} https://app6.test:18443/curl6
 echo "python: $(python3 -c "import urllib.request,ssl; c=ssl.create_default_context(cafile='{ca}'); print(urllib.request.urlopen('https://app.test:18443/py-{m}', context=c, timeout=10).read().decode().strip())")"
 echo "node: $(NODE_EXTRA_CA_CERTS={ca} node -e "fetch('https://app.test:18443/node-{m}').then(r=>r.text()).then(t=>process.stdout.write(t.trim())).catch(e=>{{console.error(String(e.cause||e));process.exit(1)}})")"
 echo "wget: $(busybox wget -q -O - http://app.test:18080/wget-{m})"
+echo "self: $(curl -sS -m 10 http://egress.internal/v1/self)"
 "#
     );
     let out = run_confined(&cfg, "web", &script);
+    // The agent's own name, without a proxy: its DNS answers the endpoint (127.0.0.1 here), the
+    // kernel sends port 80 there to the command's transparent listener, the Host routes it.
+    let me = out
+        .lines()
+        .find_map(|l| l.strip_prefix("self: "))
+        .and_then(|j| serde_json::from_str::<serde_json::Value>(j).ok())
+        .unwrap_or(serde_json::Value::Null);
+    assert_eq!(me["policy"].as_str(), Some("web"), "{out}");
     for (line, tag, server, path) in [
         ("curl-tls:", "tls", &up.tls, "curl-"),
         ("curl-http:", "http", &up.http, "curlhttp-"),

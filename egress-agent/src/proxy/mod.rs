@@ -131,6 +131,9 @@ struct CtxInner {
     interceptor: std::sync::OnceLock<Arc<tls::Interceptor>>,
     /// Why setting the interceptor up failed last, if it did (what `status` shows).
     health: tls::InterceptHealth,
+    /// The proxy endpoint's IPv4 address (`proxy.endpoint`): what the DNS responder answers for
+    /// `egress.internal` (the kernel sends port 80 there to the transparent listener).
+    agent_v4: Option<std::net::Ipv4Addr>,
 }
 
 /// What every listener shares: resolver, event sink, limits, the connection bound, and optionally
@@ -195,6 +198,10 @@ impl ProxyContext {
         if let Some(inner) = Arc::get_mut(&mut ctx.inner) {
             inner.intercept = Some(settings);
             inner.health = health;
+            inner.agent_v4 = match config.proxy.endpoint {
+                std::net::SocketAddr::V4(e) => Some(*e.ip()),
+                std::net::SocketAddr::V6(_) => None,
+            };
         }
         if needed {
             ctx.interceptor();
@@ -270,6 +277,7 @@ impl ProxyContext {
                 intercept: None,
                 interceptor: std::sync::OnceLock::new(),
                 health: tls::InterceptHealth::default(),
+                agent_v4: None,
             }),
             metrics: None,
             asks: None,
@@ -364,6 +372,12 @@ impl ProxyContext {
 
     pub fn resolver(&self) -> &DnsResolver {
         &self.inner.resolver
+    }
+
+    /// The address `egress.internal` resolves to for a workload (the endpoint's IPv4), if the
+    /// endpoint is IPv4.
+    pub fn agent_v4(&self) -> Option<std::net::Ipv4Addr> {
+        self.inner.agent_v4
     }
 
     /// Client connections currently open (all listeners).

@@ -18,6 +18,9 @@ pub enum Decision {
     },
     /// Send nothing (a response packet: never answered, against reflection loops).
     Drop,
+    /// The agent's own name (`egress.internal`): answered by the agent with its endpoint's
+    /// address, under any policy, never resolved upstream and never an event.
+    Agent { record_type: RecordType },
     /// The name is allowed: resolve it (both families) and answer `record_type` after the address
     /// check. `direct_ports`: the ports its `allow_hosts` entries carry. `decision`: the policy's
     /// on the name, `Allow` or — the policy audits and would refuse it — `WouldDeny` (answered
@@ -82,6 +85,11 @@ pub fn decide(policy: &CompiledPolicy, request: &MessageRequest) -> Decision {
         Ok(n) => n,
         Err(reason) => return reply(ResponseCode::NXDomain, None, Some(reason)),
     };
+    if name.as_str() == crate::proxy::self_service::NAME {
+        return Decision::Agent {
+            record_type: query.query_type(),
+        };
+    }
     // The policy's decision on the name, audit applied as at every enforcement point: an
     // audited refusal is resolved and reported as a would-deny.
     let record_type = query.query_type();

@@ -15,7 +15,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use hickory_server::proto::op::ResponseCode;
-use hickory_server::proto::rr::RecordType;
+use hickory_server::proto::rr::{RData, Record, RecordType};
 use hickory_server::server::Request;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
@@ -29,6 +29,9 @@ use crate::proxy::act::{Act, At, Stage};
 use crate::proxy::resolve::NameRecords;
 use egress_policy::CompiledPolicy;
 use egress_policy::name::HostName;
+
+/// TTL of the `egress.internal` answer (seconds).
+const AGENT_NAME_TTL: u32 = 60;
 
 pub(crate) struct Core {
     pub(crate) shared: Arc<Shared>,
@@ -107,6 +110,12 @@ impl Core {
                 self.dropped(DnsDrop::Response);
                 return Now::Drop;
             }
+            Decision::Agent { record_type } => {
+                let reply = self.agent_name(&request, record_type);
+                return self
+                    .encode(&request, transport, &reply)
+                    .map_or(Now::Drop, Now::Send);
+            }
             Decision::Reply { code, denied } => {
                 let reply = if let Some(Denied { host, refused }) = denied {
                     let at = at(host.as_ref(), None);
@@ -154,6 +163,34 @@ impl Core {
                     .map_or(Now::Drop, Now::Send)
             }
             None => Now::Miss(Miss { request, pending }),
+        }
+    }
+
+    /// `egress.internal`: the endpoint's IPv4 address for `A` (no `AAAA`: the name leads to the
+    /// IPv4 endpoint only). Never reported to the answer sink — it opens nothing directly: the
+    /// kernel sends port 80 there to the transparent listener, which serves the name by Host.
+    fn agent_name(&self, request: &Request, record_type: RecordType) -> Reply {
+        let owner = request
+            .queries
+            .queries()
+            .first()
+            .map(|q| hickory_server::proto::rr::Name::from(q.name().clone()));
+        match (record_type, self.shared.ctx.agent_v4(), owner) {
+            (RecordType::A, Some(ip), Some(owner)) => {
+                self.count(DnsOutcome::Allowed);
+                Reply {
+                    records: vec![Record::from_rdata(
+                        owner,
+                        AGENT_NAME_TTL,
+                        RData::A(ip.into()),
+                    )],
+                    ..Reply::code(ResponseCode::NoError)
+                }
+            }
+            _ => {
+                self.count(DnsOutcome::Empty);
+                Reply::code(ResponseCode::NoError)
+            }
         }
     }
 
