@@ -17,6 +17,7 @@
 //! `allow_hosts`: every check after the name — private and metadata addresses refused at dial
 //! time, request rules — still holds.
 mod limits;
+pub mod webhook;
 
 use std::collections::{BTreeMap, VecDeque};
 use std::sync::{Arc, Mutex, PoisonError, Weak};
