@@ -509,6 +509,21 @@ fn configure_webhook(webhook: &crate::asks::webhook::Webhook, config: &Config) {
     }
 }
 
+/// The task announcing new access requests (`[requests] webhook`), started before the runtimes
+/// so a request filed as soon as a proxy serves is announced.
+fn start_webhook(
+    agent: &mut Agent,
+    config: &Config,
+    asks: &Arc<crate::asks::Asks>,
+    metrics: &Arc<Metrics>,
+) -> Arc<crate::asks::webhook::Webhook> {
+    let webhook = crate::asks::webhook::Webhook::new(Some(metrics.clone()));
+    configure_webhook(&webhook, config);
+    let (w, a) = (webhook.clone(), asks.clone());
+    agent.spawn("webhook", |stop| w.run(a, stop.cancelled_owned()));
+    webhook
+}
+
 pub async fn run(mut opts: RunOptions) -> Result<()> {
     // Workloads' access requests: filed through every runtime's proxies, decided here.
     let asks = Arc::clone(opts.host.asks.get_or_insert_with(crate::asks::Asks::new));
@@ -542,12 +557,7 @@ pub async fn run(mut opts: RunOptions) -> Result<()> {
         });
     }
 
-    // Before the runtimes: a request filed as soon as a proxy serves is announced.
-    let webhook = crate::asks::webhook::Webhook::new(Some(metrics.clone()));
-    configure_webhook(&webhook, &config);
-    let (w, a) = (webhook.clone(), asks.clone());
-    agent.spawn("webhook", |stop| w.run(a, stop.cancelled_owned()));
-
+    let webhook = start_webhook(&mut agent, &config, &asks, &metrics);
     reserve_agent_ports(&opts, &config);
     let mut runtimes = match start_runtimes(&opts, &config, &events, &metrics, &mut agent) {
         Ok(r) => r,
