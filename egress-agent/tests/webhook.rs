@@ -93,7 +93,7 @@ fn webhook_errors(m: &Metrics) -> u64 {
 }
 
 async fn eventually(what: &str, mut done: impl FnMut() -> bool) {
-    let until = Instant::now() + Duration::from_secs(10);
+    let until = Instant::now() + Duration::from_secs(15);
     while !done() {
         assert!(Instant::now() < until, "timed out waiting for {what}");
         tokio::time::sleep(Duration::from_millis(20)).await;
@@ -191,7 +191,7 @@ async fn a_receiver_that_never_answers_delays_nothing_and_is_counted() {
     let ca = TestCa::new();
     let (rx, dir) = receiver(&ca).await;
     let url = format!("https://localhost:{}/hang", rx.addr.port());
-    let cfg = config(&dir, &url, &ca, 400);
+    let cfg = config(&dir, &url, &ca, 2000);
     let asks = Asks::new();
     let (_w, metrics, _stop) = notifier(&asks, &cfg);
     let (h, port) = listener(&asks).await;
@@ -203,12 +203,12 @@ async fn a_receiver_that_never_answers_delays_nothing_and_is_counted() {
     let (status, _, took2) = file(&h, "two.test", port, "second").await;
     assert_eq!(status, 202);
     assert!(
-        took < Duration::from_millis(300) && took2 < Duration::from_millis(300),
+        took < Duration::from_secs(1) && took2 < Duration::from_secs(1),
         "filing waited for the webhook: {took:?}, {took2:?}"
     );
     eventually("two timeouts counted", || webhook_errors(&metrics) == 2).await;
     assert_eq!(rx.requests().len(), 2, "each tried once, never retried");
-    tokio::time::sleep(Duration::from_millis(600)).await;
+    tokio::time::sleep(Duration::from_millis(500)).await;
     assert_eq!((rx.requests().len(), webhook_errors(&metrics)), (2, 2));
 }
 
