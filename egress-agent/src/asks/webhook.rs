@@ -96,19 +96,14 @@ impl Webhook {
         &self,
         cfg: Option<&WebhookConfig>,
     ) -> Result<bool, egress_policy::ValidationError> {
-        let target = match cfg {
-            None => None,
-            Some(c) => match c.resolve("requests.webhook").and_then(target) {
-                Ok(t) => Some(Arc::new(t)),
-                Err(e) => {
-                    *self.target.lock().unwrap_or_else(PoisonError::into_inner) = None;
-                    return Err(e);
-                }
-            },
+        let next = cfg.map(|c| c.resolve("requests.webhook").and_then(target));
+        let (now, result) = match next {
+            None => (None, Ok(false)),
+            Some(Ok(t)) => (Some(Arc::new(t)), Ok(true)),
+            Some(Err(e)) => (None, Err(e)),
         };
-        let on = target.is_some();
-        *self.target.lock().unwrap_or_else(PoisonError::into_inner) = target;
-        Ok(on)
+        *self.target.lock().unwrap_or_else(PoisonError::into_inner) = now;
+        result
     }
 
     /// Follow `asks` and deliver, until `stop`.

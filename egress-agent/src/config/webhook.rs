@@ -398,4 +398,20 @@ mod tests {
         assert_eq!(e.field, "requests.webhook.ca_file");
         std::fs::remove_dir_all(&dir).ok();
     }
+
+    /// `egress-agent check` (strict) reads the URL's file and fails naming the field; serving
+    /// (lenient) loads the configuration and leaves the reading to the notifier.
+    #[test]
+    fn check_reads_the_url_serving_does_not_fail_on_it() {
+        let toml = "[requests.webhook]\nurl = { file = \"/nonexistent/egress-webhook-url\" }\n";
+        let origin = Path::new("/etc/egress-agent/config.toml");
+        let e = Config::from_toml_str_with(toml, origin, crate::config::Secrets::Strict)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("requests.webhook.url") && e.contains("egress-webhook-url"),
+            "{e}"
+        );
+        assert!(Config::from_toml_str(toml, origin).is_ok());
+    }
 }
