@@ -121,6 +121,8 @@ struct Daemon {
     directory: workload::Directory,
     /// Workloads' access requests (`egress.internal`) and the operator's decisions.
     asks: Arc<crate::asks::Asks>,
+    /// Announces new requests to `[requests] webhook`.
+    webhook: Arc<crate::asks::webhook::Webhook>,
 }
 
 impl Daemon {
@@ -184,6 +186,7 @@ impl Daemon {
                 .map_err(|_| "the enforcement task stopped during the reload".to_owned())??;
         }
         self.asks.set_auto(new.requests.auto_approved());
+        configure_webhook(&self.webhook, &new);
         let old = self.config.swap(new.clone());
         report_unavailable(&new, Some(&old), &self.events);
         Ok(Some(json!({
@@ -496,6 +499,31 @@ fn reserve_agent_ports(opts: &RunOptions, config: &Config) {
     );
 }
 
+/// `[requests] webhook` from `config` on (a start, a reload): a URL that can't be read or a CA
+/// file that can't be used leaves notifications off, said in the log (never the URL).
+fn configure_webhook(webhook: &crate::asks::webhook::Webhook, config: &Config) {
+    match webhook.configure(config.requests.webhook.as_ref()) {
+        Ok(true) => info!("new access requests are announced to [requests] webhook"),
+        Ok(false) => {}
+        Err(e) => warn!(error = %e, "access requests are not announced: the webhook is unusable"),
+    }
+}
+
+/// The task announcing new access requests (`[requests] webhook`), started before the runtimes
+/// so a request filed as soon as a proxy serves is announced.
+fn start_webhook(
+    agent: &mut Agent,
+    config: &Config,
+    asks: &Arc<crate::asks::Asks>,
+    metrics: &Arc<Metrics>,
+) -> Arc<crate::asks::webhook::Webhook> {
+    let webhook = crate::asks::webhook::Webhook::new(Some(metrics.clone()));
+    configure_webhook(&webhook, config);
+    let (w, a) = (webhook.clone(), asks.clone());
+    agent.spawn("webhook", |stop| w.run(a, stop.cancelled_owned()));
+    webhook
+}
+
 pub async fn run(mut opts: RunOptions) -> Result<()> {
     // Workloads' access requests: filed through every runtime's proxies, decided here.
     let asks = Arc::clone(opts.host.asks.get_or_insert_with(crate::asks::Asks::new));
@@ -529,6 +557,7 @@ pub async fn run(mut opts: RunOptions) -> Result<()> {
         });
     }
 
+    let webhook = start_webhook(&mut agent, &config, &asks, &metrics);
     reserve_agent_ports(&opts, &config);
     let mut runtimes = match start_runtimes(&opts, &config, &events, &metrics, &mut agent) {
         Ok(r) => r,
@@ -560,6 +589,7 @@ pub async fn run(mut opts: RunOptions) -> Result<()> {
     let (restart_tx, mut restart_rx) = mpsc::channel(1);
     let daemon = Arc::new(Daemon {
         asks: asks.configured(config.requests.auto_approved()),
+        webhook,
         config_path: opts.config.clone(),
         config: ArcSwap::new(config),
         events,

@@ -17,6 +17,7 @@
 //! `allow_hosts`: every check after the name — private and metadata addresses refused at dial
 //! time, request rules — still holds.
 mod limits;
+pub mod webhook;
 
 use std::collections::{BTreeMap, VecDeque};
 use std::sync::{Arc, Mutex, PoisonError, Weak};
@@ -301,6 +302,21 @@ fn waiting(s: &State, id: u64) -> Result<&Ask, AskError> {
     }
 }
 
+/// Approve waiting request `id` for its workload alone (the registry's lock held): the grant
+/// goes to the listener that filed it.
+fn approve_locked(s: &State, id: u64, by: &str, ttl: Option<Duration>) -> Result<View, AskError> {
+    let a = waiting(s, id)?;
+    let target = a.who.target.upgrade().ok_or(AskError::Gone(id))?;
+    target.grant(id, &a.host, a.port, ttl);
+    let until = ttl.map(|t| humantime::format_rfc3339_seconds(SystemTime::now() + t).to_string());
+    a.outcome.send_replace(Outcome::Approved {
+        scope: Scope::Run,
+        by: by.to_owned(),
+        until,
+    });
+    Ok(a.view())
+}
+
 impl std::fmt::Debug for Asks {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Asks")
@@ -384,10 +400,12 @@ impl Asks {
             paths: checked.paths,
             outcome: watch::channel(Outcome::Pending).0,
         });
+        // Approved at once under the same lock: no reader (the list, the webhook) ever sees an
+        // auto-approved request waiting.
+        let auto_approved =
+            self.auto_approves(&host, wanted.port) && approve_locked(&s, id, AUTO, None).is_ok();
         drop(s);
         self.changed.send_modify(|n| *n += 1);
-        let auto_approved =
-            self.auto_approves(&host, wanted.port) && self.approve_run(id, AUTO, None).is_ok();
         Ok(Filed {
             id,
             existing: false,
@@ -465,17 +483,7 @@ impl Asks {
     /// Approve request `id` for its workload alone: the grant goes to the listener that filed it.
     pub fn approve_run(&self, id: u64, by: &str, ttl: Option<Duration>) -> Result<View, AskError> {
         let s = self.lock();
-        let a = waiting(&s, id)?;
-        let target = a.who.target.upgrade().ok_or(AskError::Gone(id))?;
-        target.grant(id, &a.host, a.port, ttl);
-        let until =
-            ttl.map(|t| humantime::format_rfc3339_seconds(SystemTime::now() + t).to_string());
-        a.outcome.send_replace(Outcome::Approved {
-            scope: Scope::Run,
-            by: by.to_owned(),
-            until,
-        });
-        let v = a.view();
+        let v = approve_locked(&s, id, by, ttl)?;
         drop(s);
         self.changed.send_modify(|n| *n += 1);
         Ok(v)

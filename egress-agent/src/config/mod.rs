@@ -22,6 +22,7 @@ mod locate;
 pub mod policies_dir;
 mod validate;
 pub mod watch;
+pub mod webhook;
 
 pub(crate) use locate::{Sources, parse_located};
 use locate::{line_col, span_of_path};
@@ -116,6 +117,10 @@ pub struct RequestsConfig {
     /// Presets whose hosts are auto-approved likewise (`egress-agent presets show NAME`).
     /// Default none.
     pub auto_approve_presets: Vec<egress_policy::model::PresetName>,
+    /// Announce each new request waiting for a decision to a chat tool's incoming webhook
+    /// (Slack, Mattermost, Rocket.Chat, Discord's `/slack` URL, ...). Default none.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub webhook: Option<webhook::WebhookConfig>,
 }
 
 impl RequestsConfig {
@@ -604,6 +609,13 @@ impl Config {
     fn resolve_secrets(&mut self, mode: Secrets) -> Result<(), ValidationError> {
         if mode == Secrets::Skip {
             return Ok(());
+        }
+        // The webhook's URL (a secret too): `check` reads and checks it; serving reads it when
+        // the notifier is configured, and a failure there leaves notifications off (logged).
+        if mode == Secrets::Strict
+            && let Some(w) = &self.requests.webhook
+        {
+            w.resolve("requests.webhook")?;
         }
         for (name, policy) in &mut self.policies {
             let failed = egress_policy::credentials::resolve(

@@ -104,6 +104,9 @@ impl Config {
             return Err(verr("store.queue", "must be between 16 and 4194304"));
         }
         self.export.validate()?;
+        if let Some(w) = &self.requests.webhook {
+            w.validate("requests.webhook")?;
+        }
         if let Some(a) = self.api.ui_listen
             && a.port() == 0
         {

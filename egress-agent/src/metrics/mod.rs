@@ -22,7 +22,8 @@
 //!   `store` the event store's queue full, `export` an exporter's queue full).
 //! - `store_bytes`: the event store's size on disk (database + WAL); `store_write_errors_total`:
 //!   failed store transactions (their events are lost).
-//! - `export_errors_total{sink}`: events a syslog or OTLP exporter could not deliver.
+//! - `export_errors_total{sink}`: events a syslog or OTLP exporter could not deliver; `webhook`:
+//!   access request announcements `[requests] webhook` could not deliver.
 //! - `reconcile_errors_total`: Docker watcher sessions that failed (Docker unreachable, reconcile
 //!   failed, event stream lost); each is followed by a reconnect with backoff.
 //! - `dns_answers_total{policy, outcome}`: answers the DNS responder sent ([`DnsOutcome`]:
@@ -377,7 +378,7 @@ impl Metrics {
         );
         registry.register(
             "export_errors",
-            "Events an exporter could not deliver, by sink (syslog, otlp)",
+            "Events an exporter could not deliver, by sink (syslog, otlp, webhook)",
             export_errors.clone(),
         );
         registry.register(
@@ -504,7 +505,7 @@ impl Metrics {
         self.store_write_errors.inc();
     }
 
-    /// `n` events an exporter (`sink` = `syslog` | `otlp`) could not deliver.
+    /// `n` events an exporter (`sink` = `syslog` | `otlp` | `webhook`) could not deliver.
     pub fn export_errors(&self, sink: &'static str, n: u64) {
         self.export_errors
             .get_or_create(&SinkLabels { sink })

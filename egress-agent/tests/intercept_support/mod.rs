@@ -24,7 +24,7 @@ use tokio::net::TcpListener;
 use tokio::sync::{Notify, oneshot};
 
 #[path = "../proxy_support/mod.rs"]
-mod proxy_support;
+pub mod proxy_support;
 pub use proxy_support::{T, TempDir, temp_dir};
 
 /// The real secret (what only the upstream may see) and the placeholder the client holds.
@@ -209,6 +209,8 @@ pub struct Received {
     pub version: String,
     pub headers: Vec<(String, String)>,
     pub body_len: usize,
+    /// The body as received (decoded from the framing).
+    pub body: Vec<u8>,
 }
 
 impl Received {
@@ -310,26 +312,29 @@ async fn upstream_service(
         let ws_key = req.headers().get("sec-websocket-key").cloned();
         let is_ws = path == "/ws" || path == "/ws-reflect";
         let on_upgrade = is_ws.then(|| hyper::upgrade::on(&mut req));
-        let body_len = if is_ws {
-            0
-        } else {
-            let mut n = 0usize;
+        let mut received = Vec::new();
+        if !is_ws {
             let mut body = req.into_body();
             while let Some(f) = body.frame().await {
                 match f {
-                    Ok(f) => n += f.data_ref().map_or(0, |d| d.len()),
+                    Ok(f) => received.extend_from_slice(f.data_ref().map_or(&[][..], |d| d)),
                     Err(_) => break,
                 }
             }
-            n
-        };
+        }
+        let body_len = received.len();
         seen.lock().unwrap().push(Received {
             method,
             target,
             version: version.clone(),
             headers,
             body_len,
+            body: received,
         });
+        if path == "/hang" {
+            // Recorded, never answered (a receiver that hangs).
+            std::future::pending::<()>().await;
+        }
         let full = |s: String| Full::new(Bytes::from(s)).boxed();
         let resp = match path.as_str() {
             "/sse" => {
