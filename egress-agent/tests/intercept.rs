@@ -705,7 +705,173 @@ async fn ca_is_kept_across_restarts_and_the_key_is_0600() {
     let _ = Duration::ZERO;
 }
 
+/// A read-only host (`{ host, access = "read-only" }`), h1 and h2: reads and git's fetch reach
+/// the upstream; writes, git push and a WebSocket upgrade are refused with
+/// `request-not-allowed` and never arrive (checked by what the upstream received).
+async fn read_only_hosts_take_reads_and_git_fetch_only(via: Via) {
+    let h = harness_via(via).await;
+    let deny = |o: &Out| {
+        o.text()
+            .lines()
+            .find_map(|l| l.strip_prefix("x-egress-deny: "))
+            .map(|s| s.trim().to_owned())
+    };
+    let url = |path: &str| h.url("ro.test", path);
+    let allowed: Vec<Vec<String>> = vec![
+        vec!["--http1.1".into(), url("/acme/api")],
+        vec![
+            "--http2".into(),
+            url("/acme/api.git/info/refs?service=git-upload-pack"),
+        ],
+        vec!["--http1.1".into(), "-I".into(), url("/readme")],
+        vec![
+            "--http2".into(),
+            "-X".into(),
+            "POST".into(),
+            "--data-binary".into(),
+            "0032want".into(),
+            url("/acme/api.git/git-upload-pack"),
+        ],
+    ];
+    for args in &allowed {
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        let o = curl(&h, &args).await;
+        assert_eq!(deny(&o), None, "{args:?}: {}", o.text());
+        assert!(o.text().contains(" 200"), "{args:?}: {}", o.text());
+    }
+    for (version, method, path) in [
+        ("--http1.1", "POST", "/acme/api.git/git-receive-pack"),
+        ("--http2", "POST", "/acme/api.git/git-receive-pack"),
+        ("--http2", "PUT", "/repos/acme/api/contents/a"),
+        ("--http1.1", "DELETE", "/repos/acme/api"),
+        ("--http2", "PATCH", "/repos/acme/api/issues/1"),
+        ("--http1.1", "POST", "/repos/acme/api/issues"),
+    ] {
+        let o = curl(
+            &h,
+            &[
+                version,
+                "-X",
+                method,
+                "--data-binary",
+                "secret-data",
+                &url(path),
+            ],
+        )
+        .await;
+        assert_eq!(
+            deny(&o).as_deref(),
+            Some("request-not-allowed"),
+            "{method} {path}: {}",
+            o.text()
+        );
+    }
+    let ev = h.wait_event("request-not-allowed").await;
+    assert_eq!(ev.host.as_deref(), Some("ro.test"));
+    // A protocol switch is a channel to write on: refused before anything is sent.
+    let host = format!("ro.test:{}", h.port());
+    let got = raw_h1(
+        &h,
+        "ro.test",
+        format!(
+            "GET /socket HTTP/1.1\r\nHost: {host}\r\nUpgrade: websocket\r\nConnection: Upgrade\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 13\r\n\r\n"
+        )
+        .as_bytes(),
+    )
+    .await;
+    assert!(got.contains("request-not-allowed"), "{got}");
+    let seen: Vec<(String, String)> =
+        h.up.requests()
+            .into_iter()
+            .map(|r| (r.method, r.target))
+            .collect();
+    assert_eq!(
+        seen,
+        vec![
+            ("GET".to_owned(), "/acme/api".to_owned()),
+            (
+                "GET".to_owned(),
+                "/acme/api.git/info/refs?service=git-upload-pack".to_owned()
+            ),
+            ("HEAD".to_owned(), "/readme".to_owned()),
+            (
+                "POST".to_owned(),
+                "/acme/api.git/git-upload-pack".to_owned()
+            ),
+        ],
+        "only the reads arrived"
+    );
+    assert!(
+        h.up.requests()
+            .iter()
+            .all(|r| !contains(&r.body, b"secret-data")),
+        "a refused body arrived"
+    );
+}
+
+/// `repos` on a read-only host, h1 and h2: a push and API writes to the named repository
+/// arrive; the same to another repository, a gist and GraphQL are refused and never arrive.
+async fn repos_let_writes_reach_the_named_repositories_only(via: Via) {
+    let h = harness_policy("repos = [\"acme/api\"]", "", true, via).await;
+    let deny = |o: &Out| {
+        o.text()
+            .lines()
+            .find_map(|l| l.strip_prefix("x-egress-deny: "))
+            .map(|s| s.trim().to_owned())
+    };
+    let url = |path: &str| h.url("ro.test", path);
+    let post = |version: &'static str, path: &str| {
+        vec![
+            version.to_owned(),
+            "-X".to_owned(),
+            "POST".to_owned(),
+            "--data-binary".to_owned(),
+            "pushed-data".to_owned(),
+            url(path),
+        ]
+    };
+    let allowed = [
+        post("--http1.1", "/acme/api.git/git-receive-pack"),
+        post("--http2", "/acme/api/git-receive-pack"),
+        post("--http2", "/repos/acme/api/issues"),
+    ];
+    for args in &allowed {
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        let o = curl(&h, &args).await;
+        assert_eq!(deny(&o), None, "{args:?}: {}", o.text());
+        assert!(o.text().contains(" 200"), "{args:?}: {}", o.text());
+    }
+    for args in [
+        post("--http1.1", "/acme/other.git/git-receive-pack"),
+        post("--http2", "/evil/api.git/git-receive-pack"),
+        post("--http1.1", "/repos/acme/other/issues"),
+        post("--http2", "/gists"),
+        post("--http2", "/graphql"),
+    ] {
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        let o = curl(&h, &args).await;
+        assert_eq!(
+            deny(&o).as_deref(),
+            Some("request-not-allowed"),
+            "{args:?}: {}",
+            o.text()
+        );
+    }
+    let seen: Vec<String> = h.up.requests().into_iter().map(|r| r.target).collect();
+    assert_eq!(
+        seen,
+        vec![
+            "/acme/api.git/git-receive-pack",
+            "/acme/api/git-receive-pack",
+            "/repos/acme/api/issues"
+        ],
+        "only the named repository's writes arrived"
+    );
+}
+
 both_ways!(
+    repos_let_writes_reach_the_named_repositories_only,
+    read_only_hosts_take_reads_and_git_fetch_only,
     curl_http1_and_h2_get_the_secret_injected,
     audit_lets_requests_to_an_unlisted_intercepted_host_through,
     python_urllib_gets_the_secret_injected,

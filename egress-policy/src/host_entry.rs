@@ -32,6 +32,25 @@ impl Serialize for PresetName {
     }
 }
 
+/// What an `allow_hosts` entry lets a workload do with its host.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Access {
+    /// Every request the policy's other rules allow.
+    #[default]
+    Full,
+    /// Reads only: `GET`, `HEAD`, `OPTIONS`, and git's fetch (`POST …/git-upload-pack`);
+    /// nothing else, no protocol switch (WebSocket). Enforced by the request rules under TLS
+    /// interception on every path (see `l7`).
+    ReadOnly,
+}
+
+impl Access {
+    pub fn is_read_only(self) -> bool {
+        self == Access::ReadOnly
+    }
+}
+
 /// Most ports one `allow_hosts` entry may carry (the kernel's per-rule bound for CIDR rules).
 pub const MAX_ENTRY_PORTS: usize = 30;
 
@@ -50,6 +69,8 @@ pub struct HostEntry {
     /// The preset this entry came from (`None`: the policy's own). Never written back: a policy
     /// serializes its own entries and its `presets`.
     pub preset: Option<PresetName>,
+    /// `{ host = "...", access = "read-only" }`, or an entry of a preset in `read_only_presets`.
+    pub access: Access,
 }
 
 impl From<HostPattern> for HostEntry {
@@ -58,6 +79,7 @@ impl From<HostPattern> for HostEntry {
             pattern,
             ports: Vec::new(),
             preset: None,
+            access: Access::Full,
         }
     }
 }
@@ -71,6 +93,9 @@ impl fmt::Display for HostEntry {
             let ports: Vec<String> = self.ports.iter().map(u16::to_string).collect();
             write!(f, " (ports {})", ports.join(", "))?;
         }
+        if self.access.is_read_only() {
+            write!(f, " (read-only)")?;
+        }
         if let Some(p) = &self.preset {
             write!(f, " (preset {p})")?;
         }
@@ -81,12 +106,17 @@ impl fmt::Display for HostEntry {
 impl Serialize for HostEntry {
     fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
         use serde::ser::SerializeStruct;
-        if self.ports.is_empty() {
+        if self.ports.is_empty() && !self.access.is_read_only() {
             return s.collect_str(&self.pattern);
         }
-        let mut st = s.serialize_struct("HostEntry", 2)?;
+        let mut st = s.serialize_struct("HostEntry", 3)?;
         st.serialize_field("host", &self.pattern.to_string())?;
-        st.serialize_field("ports", &self.ports)?;
+        if !self.ports.is_empty() {
+            st.serialize_field("ports", &self.ports)?;
+        }
+        if self.access.is_read_only() {
+            st.serialize_field("access", &self.access)?;
+        }
         st.end()
     }
 }
@@ -97,7 +127,9 @@ impl<'de> Deserialize<'de> for HostEntry {
         impl<'de> Visitor<'de> for V {
             type Value = HostEntry;
             fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-                f.write_str("a host pattern or { host = \"...\", ports = [...] }")
+                f.write_str(
+                    "a host pattern or { host = \"...\", ports = [...] } or { host = \"...\", access = \"read-only\" }",
+                )
             }
             fn visit_str<E: de::Error>(self, s: &str) -> Result<HostEntry, E> {
                 Ok(HostPattern::parse(s).map_err(E::custom)?.into())
@@ -105,16 +137,37 @@ impl<'de> Deserialize<'de> for HostEntry {
             fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<HostEntry, A::Error> {
                 let mut host: Option<String> = None;
                 let mut ports: Option<Vec<u16>> = None;
+                let mut access: Option<Access> = None;
                 while let Some(key) = map.next_key::<String>()? {
                     match key.as_str() {
                         "host" if host.is_none() => host = Some(map.next_value()?),
                         "ports" if ports.is_none() => ports = Some(map.next_value()?),
-                        "host" | "ports" => return Err(de::Error::duplicate_field("host/ports")),
-                        other => return Err(de::Error::unknown_field(other, &["host", "ports"])),
+                        "access" if access.is_none() => access = Some(map.next_value()?),
+                        "host" | "ports" | "access" => {
+                            return Err(de::Error::duplicate_field("host/ports/access"));
+                        }
+                        other => {
+                            return Err(de::Error::unknown_field(
+                                other,
+                                &["host", "ports", "access"],
+                            ));
+                        }
                     }
                 }
                 let host = host.ok_or_else(|| de::Error::missing_field("host"))?;
                 let pattern = HostPattern::parse(&host).map_err(de::Error::custom)?;
+                let access = access.unwrap_or_default();
+                if access.is_read_only() {
+                    if ports.is_some() {
+                        return Err(de::Error::custom(
+                            "a read-only entry can't carry its own ports: they open direct connections no proxy reads (list the host alone; allow_ports gives the ports)",
+                        ));
+                    }
+                    return Ok(HostEntry {
+                        access,
+                        ..HostEntry::from(pattern)
+                    });
+                }
                 let mut ports = ports.ok_or_else(|| de::Error::missing_field("ports"))?;
                 if ports.contains(&0) {
                     return Err(de::Error::custom("port 0 is not a port"));
@@ -135,6 +188,7 @@ impl<'de> Deserialize<'de> for HostEntry {
                     pattern,
                     ports,
                     preset: None,
+                    access,
                 })
             }
         }

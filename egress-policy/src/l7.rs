@@ -10,6 +10,11 @@
 //!   2. request rules of the host:port: the path must be in normal form
 //!      (`path-not-normalized`), then the first matching rule decides (`request-denied-by-rule`,
 //!      `request-not-allowed`);
+//!   Read-only `allow_hosts` entries ([`crate::model::Access::ReadOnly`]) add rules of their
+//!   own after the policy's, on each of `allow_ports`: allow `GET`, `HEAD`, `OPTIONS` on every
+//!   path and `POST` on `/**/git-upload-pack` (git's fetch); any other request to a name such an
+//!   entry matches is `request-not-allowed` — but for writes to the policy's `repos`
+//!   ([`crate::forge`]) — and so is a protocol switch (WebSocket) there;
 //!   3. the binding of the host:port (intercepted only): secret not loaded →
 //!      `interception-unavailable` (the agent refuses such a host:port before it dials, see
 //!      [`L7Policy::unavailable`]; this is the same refusal for a request already inside);
@@ -28,7 +33,10 @@ use super::{DenyReason, Refused, Rule};
 #[derive(Debug, Clone, Default)]
 pub struct L7Policy {
     bindings: Vec<CompiledBinding>,
+    /// The policy's `request_rules`, then the rules of its read-only entries.
     rules: Vec<RequestRule>,
+    /// The read-only entries' names, on which ports.
+    read_only: Vec<(crate::matcher::HostPattern, Vec<u16>)>,
     /// Every loaded secret of the policy's bindings with its placeholder, for the responses of
     /// every intercepted host (an upstream may echo another binding's secret it was sent
     /// earlier); `None` without bindings.
@@ -86,9 +94,20 @@ impl L7Policy {
         let scrubber = Some(Scrubber::new(&secrets))
             .filter(|s| !s.is_empty())
             .map(std::sync::Arc::new);
+        let read_only: Vec<_> = p
+            .allow_hosts
+            .iter()
+            .filter(|h| h.access.is_read_only())
+            .map(|h| (h.pattern.clone(), p.allow_ports.clone()))
+            .collect();
+        let mut rules = p.request_rules.clone();
+        rules.extend(read_only.iter().flat_map(|(host, ports)| {
+            read_only_rules(host, ports).chain(crate::forge::write_rules(host, ports, &p.repos))
+        }));
         L7Policy {
             bindings: p.credentials.iter().map(CompiledBinding::new).collect(),
-            rules: p.request_rules.clone(),
+            rules,
+            read_only,
             scrubber,
         }
     }
@@ -108,6 +127,13 @@ impl L7Policy {
             return false;
         };
         self.binding(host, port).is_some() || self.rules.iter().any(|r| r.applies_to(host, port))
+    }
+
+    /// Does a read-only entry match `host` on `port`?
+    pub fn read_only(&self, host: &HostName, port: u16) -> bool {
+        self.read_only
+            .iter()
+            .any(|(p, ports)| ports.contains(&port) && p.matches(host))
     }
 
     fn binding(&self, host: &HostName, port: u16) -> Option<&CompiledBinding> {
@@ -160,6 +186,10 @@ impl L7Policy {
         }
         if let Some(h) = host {
             self.check_rules(h, port, req.method, req.path)?;
+            // A protocol switch writes as much as it likes: never on a read-only name.
+            if req.headers.contains_key(http::header::UPGRADE) && self.read_only(h, port) {
+                return Err(Refused::because(DenyReason::RequestNotAllowed));
+            }
         }
         let Some(b) = own else {
             return Ok(Forward::AsIs);
@@ -202,6 +232,31 @@ impl L7Policy {
             RuleVerdict::NotAllowed => Err(Refused::because(DenyReason::RequestNotAllowed)),
         }
     }
+}
+
+/// The rules of a read-only entry for `host` on `ports`: reads, and git's fetch.
+fn read_only_rules(
+    host: &crate::matcher::HostPattern,
+    ports: &[u16],
+) -> impl Iterator<Item = RequestRule> {
+    // (A glob that did not parse would leave its rule out: fewer allows, never more.)
+    let rule = |port: u16, methods: &[&str], path: &str| {
+        Some(RequestRule {
+            host: host.clone(),
+            port,
+            action: rules::RuleAction::Allow,
+            methods: methods.iter().map(|m| (*m).to_owned()).collect(),
+            path: rules::PathGlob::parse(path).ok()?,
+        })
+    };
+    ports.iter().flat_map(move |&port| {
+        [
+            rule(port, &["GET", "HEAD", "OPTIONS"], "/**"),
+            rule(port, &["POST"], "/**/git-upload-pack"),
+        ]
+        .into_iter()
+        .flatten()
+    })
 }
 
 /// Does the request line or any header value carry `needle` (raw, or percent-decoded in the
@@ -267,6 +322,160 @@ path = "/admin/**"
             query,
             headers: h,
         }
+    }
+
+    /// A read-only entry: reads and git fetch on every `allow_ports` port, under interception;
+    /// writes, git push and protocol switches refused; the policy's own rules first; a full
+    /// entry for the same name does not widen it; other names untouched.
+    #[test]
+    fn read_only_entries_take_reads_and_git_fetch_only() {
+        let p = crate::testing::policy(
+            r#"
+allow_hosts = [{ host = "*.forge.test", access = "read-only" }, "api.forge.test", "free.test"]
+allow_ports = [443, 80]
+[[request_rules]]
+host = "*.forge.test"
+action = "deny"
+path = "/secret/**"
+"#,
+        );
+        let l = L7Policy::new(&p);
+        let h = HeaderMap::new();
+        let check = |host: &str, port: u16, method: &str, path: &str| {
+            l.check(&dest(host), port, true, &view(method, path, &h))
+                .map(|_| ())
+                .map_err(|r| r.reason.as_str())
+        };
+        for port in [443, 80] {
+            assert!(l.intercepts(&dest("git.forge.test"), port));
+            for (method, path) in [
+                ("GET", "/acme/api"),
+                ("HEAD", "/"),
+                ("OPTIONS", "/x"),
+                ("GET", "/acme/api.git/info/refs"),
+                ("POST", "/acme/api.git/git-upload-pack"),
+                ("POST", "/acme/api/git-upload-pack"),
+            ] {
+                assert_eq!(
+                    check("git.forge.test", port, method, path),
+                    Ok(()),
+                    "{method} {path}"
+                );
+            }
+            for (method, path) in [
+                ("POST", "/acme/api.git/git-receive-pack"),
+                ("POST", "/repos/acme/api/issues"),
+                ("PUT", "/x"),
+                ("PATCH", "/x"),
+                ("DELETE", "/x"),
+                ("POST", "/git-upload-pack/../git-receive-pack"),
+            ] {
+                assert!(
+                    check("git.forge.test", port, method, path).is_err(),
+                    "{method} {path}"
+                );
+            }
+            // A full entry for a name the read-only one matches does not widen it.
+            assert_eq!(
+                check("api.forge.test", port, "POST", "/graphql"),
+                Err("request-not-allowed")
+            );
+        }
+        assert_eq!(
+            check("git.forge.test", 443, "POST", "/x"),
+            Err("request-not-allowed")
+        );
+        // The policy's own rules come first.
+        assert_eq!(
+            check("git.forge.test", 443, "GET", "/secret/a"),
+            Err("request-denied-by-rule")
+        );
+        // A protocol switch is a write channel.
+        let mut ws = HeaderMap::new();
+        ws.insert("upgrade", HeaderValue::from_static("websocket"));
+        assert_eq!(
+            l.check(
+                &dest("git.forge.test"),
+                443,
+                true,
+                &view("GET", "/socket", &ws)
+            )
+            .map(|_| ())
+            .map_err(|r| r.reason.as_str()),
+            Err("request-not-allowed")
+        );
+        // Other names and ports: not intercepted, anything goes.
+        assert!(!l.intercepts(&dest("free.test"), 443));
+        assert!(!l.intercepts(&dest("git.forge.test"), 22));
+        assert_eq!(check("free.test", 443, "POST", "/x"), Ok(()));
+        assert!(p.intercepts_some_host());
+    }
+
+    /// `repos`: writes to those repositories on the read-only names (git push, REST, uploads),
+    /// nothing else written; reads everywhere as before.
+    #[test]
+    fn repos_open_writes_to_those_repositories_only() {
+        let p = crate::testing::policy(
+            r#"
+presets = ["github"]
+repos = ["acme/api", "tools/*"]
+"#,
+        );
+        p.validate("policies.p").unwrap();
+        // `repos` alone makes the forge preset read-only (no read_only_presets needed).
+        assert!(
+            p.allow_hosts
+                .iter()
+                .filter(|h| h.preset.is_some())
+                .all(|h| h.access.is_read_only())
+        );
+        let l = L7Policy::new(&p);
+        let h = HeaderMap::new();
+        let check = |host: &str, method: &str, path: &str| {
+            l.check(&dest(host), 443, true, &view(method, path, &h))
+                .map(|_| ())
+                .map_err(|r| r.reason.as_str())
+        };
+        for (host, method, path) in [
+            ("github.com", "POST", "/acme/api.git/git-receive-pack"),
+            ("github.com", "POST", "/acme/api/git-receive-pack"),
+            ("github.com", "POST", "/tools/lint.git/git-receive-pack"),
+            ("github.com", "POST", "/acme/api.git/info/lfs/objects/batch"),
+            ("api.github.com", "POST", "/repos/acme/api/issues"),
+            ("api.github.com", "PATCH", "/repos/tools/x/pulls/3"),
+            (
+                "uploads.github.com",
+                "POST",
+                "/repos/acme/api/releases/1/assets",
+            ),
+            ("api.github.com", "GET", "/repos/other/repo"),
+            ("github.com", "POST", "/other/repo.git/git-upload-pack"),
+        ] {
+            assert_eq!(check(host, method, path), Ok(()), "{host} {method} {path}");
+        }
+        for (host, method, path) in [
+            ("github.com", "POST", "/acme/other.git/git-receive-pack"),
+            ("github.com", "POST", "/acme/api2.git/git-receive-pack"),
+            ("github.com", "POST", "/acme/api.git.evil/git-receive-pack"),
+            ("api.github.com", "POST", "/repos/acme/other/issues"),
+            ("api.github.com", "DELETE", "/repos/evil/api"),
+            ("api.github.com", "POST", "/gists"),
+            ("api.github.com", "POST", "/user/repos"),
+            ("api.github.com", "POST", "/graphql"),
+            ("api.github.com", "POST", "/repos/acme/api/../other/issues"),
+            ("api.github.com", "POST", "/repos/acme%2fapi/issues"),
+        ] {
+            assert!(check(host, method, path).is_err(), "{host} {method} {path}");
+        }
+        let bad =
+            toml::from_str::<crate::Policy>("allow_hosts = [\"a.test\"]\nrepos = [\"acme/api\"]")
+                .unwrap()
+                .validate("policies.p")
+                .unwrap_err();
+        assert_eq!(bad.field, "policies.p.repos");
+        assert!(bad.message.contains("read-only"), "{bad}");
+        let e = toml::from_str::<crate::Policy>("repos = [\"*/api\"]").unwrap_err();
+        assert!(e.message().contains("owner can't be a wildcard"), "{e}");
     }
 
     /// A binding without its secret makes its host:port unavailable (and only that one); a

@@ -35,6 +35,7 @@ pub mod addr;
 pub mod credentials;
 pub mod explain;
 pub mod exposure;
+pub mod forge;
 pub mod host_entry;
 pub mod kernel;
 pub mod kernel_eval;

@@ -11,7 +11,7 @@ use serde::de::{self, MapAccess, Visitor};
 use serde::{Deserialize, Deserializer, Serialize};
 
 use super::credentials::CredentialBinding;
-pub use super::host_entry::{HostEntry, MAX_ENTRY_PORTS, PresetName};
+pub use super::host_entry::{Access, HostEntry, MAX_ENTRY_PORTS, PresetName};
 use super::matcher::HostPattern;
 use super::rules::RequestRule;
 pub use super::validation::{ValidationError, verr};
@@ -74,6 +74,16 @@ pub struct Policy {
     /// policy is read, each entry marked with its preset ([`HostEntry::preset`]). Default none.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub presets: Vec<PresetName>,
+    /// Presets of `presets` whose hosts are read-only ([`HostEntry::access`]): reads and git
+    /// fetch only, under TLS interception. Their entries lose ports of their own (git over
+    /// SSH): no proxy reads those connections. Default none.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub read_only_presets: Vec<PresetName>,
+    /// Repositories (`"acme/api"`, `"acme/*"`) the policy's read-only hosts take writes to: git
+    /// push, the REST API, uploads (see `forge`). Makes the forge presets of `presets` read-only
+    /// (`forge::FORGE_PRESETS`); needs read-only entries. Default none.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub repos: Vec<crate::forge::RepoPattern>,
     /// Exact names and `*.suffix` wildcards (strictly below the suffix: `*.x` does not match `x`),
     /// each a string or `{ host = "github.com", ports = [22] }` (ports of its own, see
     /// [`HostEntry`]). Once read, also the entries of `presets` (after the policy's own).
@@ -145,6 +155,8 @@ impl Policy {
         Policy {
             mode: Mode::DenyAll,
             presets: Vec::new(),
+            read_only_presets: Vec::new(),
+            repos: Vec::new(),
             allow_hosts: Vec::new(),
             allow_ports: default_ports(),
             allow_cidrs: Vec::new(),
@@ -192,6 +204,14 @@ impl Policy {
     /// kernel and `deny_all` gets no DNS at all.
     pub fn answers_dns(&self) -> bool {
         self.mode == Mode::Allowlist
+    }
+
+    /// Does any host of this policy need TLS interception: a credential binding, request rules,
+    /// or a read-only entry?
+    pub fn intercepts_some_host(&self) -> bool {
+        !self.credentials.is_empty()
+            || !self.request_rules.is_empty()
+            || self.allow_hosts.iter().any(|h| h.access.is_read_only())
     }
 
     /// The policy's own `allow_hosts` entries (what it says itself, without its presets').
@@ -312,6 +332,38 @@ impl Policy {
                 return Err(verr(
                     field,
                     format!("preset {:?} is listed twice", name.as_str()),
+                ));
+            }
+        }
+        for (i, name) in self.read_only_presets.iter().enumerate() {
+            let field = format!("{base}.read_only_presets[{i}]");
+            if !self.presets.contains(name) {
+                return Err(verr(
+                    field,
+                    format!(
+                        "preset {:?} is not in presets: add it there too (read_only_presets narrows presets the policy uses)",
+                        name.as_str()
+                    ),
+                ));
+            }
+            if self.read_only_presets[..i].contains(name) {
+                return Err(verr(
+                    field,
+                    format!("preset {:?} is listed twice", name.as_str()),
+                ));
+            }
+        }
+        if !self.repos.is_empty() && !self.allow_hosts.iter().any(|h| h.access.is_read_only()) {
+            return Err(verr(
+                format!("{base}.repos"),
+                "repos lets read-only hosts take writes to those repositories, and this policy has none: add presets = [\"github\"] (a forge preset is read-only with repos), read_only_presets, or { host = \"...\", access = \"read-only\" } entries",
+            ));
+        }
+        for (i, repo) in self.repos.iter().enumerate() {
+            if self.repos[..i].contains(repo) {
+                return Err(verr(
+                    format!("{base}.repos[{i}]"),
+                    format!("{repo} is listed twice"),
                 ));
             }
         }

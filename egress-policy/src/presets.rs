@@ -14,8 +14,8 @@ use std::sync::{Arc, LazyLock};
 
 use serde::{Deserialize, Deserializer, Serialize};
 
-use super::host_entry::HostEntry;
 pub use super::host_entry::PresetName;
+use super::host_entry::{Access, HostEntry};
 use super::model::Policy;
 
 /// The reviewed data file, as shipped.
@@ -144,7 +144,12 @@ impl<'de> Deserialize<'de> for Policy {
     /// The fields, then the one expansion of `presets` into `allow_hosts`.
     fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
         let mut policy = Policy::deserialize(d)?;
-        expand(&mut policy.allow_hosts, &policy.presets);
+        let read_only = crate::forge::read_only_presets(
+            &policy.presets,
+            &policy.read_only_presets,
+            &policy.repos,
+        );
+        expand_read_only(&mut policy.allow_hosts, &policy.presets, &read_only);
         Ok(policy)
     }
 }
@@ -160,7 +165,9 @@ impl Policy {
     /// labels; a policy read from a file or a body is expanded as it is read).
     pub fn with_presets(mut self, presets: Vec<PresetName>) -> Policy {
         self.presets = presets;
-        expand(&mut self.allow_hosts, &self.presets);
+        let read_only =
+            crate::forge::read_only_presets(&self.presets, &self.read_only_presets, &self.repos);
+        expand_read_only(&mut self.allow_hosts, &self.presets, &read_only);
         self
     }
 }
@@ -170,21 +177,53 @@ impl Policy {
 /// keeps its provenance. Entries already marked (an earlier expansion) are dropped first, so
 /// expanding twice changes nothing.
 pub fn expand(hosts: &mut Vec<HostEntry>, presets: &[PresetName]) {
+    expand_read_only(hosts, presets, &[]);
+}
+
+/// A preset's entry as a policy with that `access` to the preset gets it: read-only, an entry
+/// loses the ports of its own (they open direct connections no proxy reads, e.g. git over SSH)
+/// and keeps its name on `allow_ports`.
+fn read_as(entry: &HostEntry, access: Access) -> HostEntry {
+    match access {
+        Access::Full => entry.clone(),
+        Access::ReadOnly => HostEntry {
+            ports: Vec::new(),
+            access,
+            ..entry.clone()
+        },
+    }
+}
+
+/// [`expand`], the entries of the presets in `read_only` marked [`Access::ReadOnly`] (without
+/// ports of their own: [`read_as`]). An entry equal to one
+/// already there but for its access is added too: a read-only entry covers every name it
+/// matches, whatever other entries say (see `l7`).
+pub fn expand_read_only(
+    hosts: &mut Vec<HostEntry>,
+    presets: &[PresetName],
+    read_only: &[PresetName],
+) {
     hosts.retain(|h| h.preset.is_none());
     for name in presets {
         let Some(preset) = name.preset() else {
             continue;
         };
+        let access = if read_only.contains(name) {
+            Access::ReadOnly
+        } else {
+            Access::Full
+        };
         for entry in &preset.hosts {
+            let entry = read_as(entry, access);
             if hosts
                 .iter()
-                .any(|h| h.pattern == entry.pattern && h.ports == entry.ports)
+                .any(|h| h.pattern == entry.pattern && h.ports == entry.ports && h.access == access)
             {
                 continue;
             }
             hosts.push(HostEntry {
                 preset: Some(name.clone()),
-                ..entry.clone()
+                ..entry
             });
         }
     }
@@ -209,10 +248,21 @@ impl Preset {
 /// for a policy without presets). What the CLI, the API and MCP show beside a policy.
 pub fn expansion(policy: &super::Policy) -> serde_json::Value {
     let mut out = serde_json::Map::new();
+    let read_only_presets =
+        crate::forge::read_only_presets(&policy.presets, &policy.read_only_presets, &policy.repos);
     for name in &policy.presets {
+        let read_only = read_only_presets.contains(name);
         let hosts = name
             .preset()
-            .map(|p| serde_json::to_value(&p.hosts).unwrap_or_default())
+            .map(|p| {
+                let access = if read_only {
+                    Access::ReadOnly
+                } else {
+                    Access::Full
+                };
+                let hosts: Vec<HostEntry> = p.hosts.iter().map(|h| read_as(h, access)).collect();
+                serde_json::to_value(&hosts).unwrap_or_default()
+            })
             .unwrap_or_default();
         out.insert(name.to_string(), hosts);
     }
@@ -508,6 +558,85 @@ mod tests {
             p.describe(decision.rule().unwrap()),
             "allow_hosts api.github.com (preset github)"
         );
+    }
+
+    #[test]
+    fn read_only_presets_mark_their_entries_without_ports_of_their_own() {
+        let p = crate::testing::policy(
+            "presets = [\"github\", \"python\"]\nread_only_presets = [\"github\"]\nallow_hosts = [\"github.com\"]",
+        );
+        p.validate("policies.p").unwrap();
+        let of = |preset: &str| -> Vec<&HostEntry> {
+            p.allow_hosts
+                .iter()
+                .filter(|h| h.preset.as_ref().is_some_and(|n| n.as_str() == preset))
+                .collect()
+        };
+        let github = of("github");
+        assert!(!github.is_empty());
+        assert!(
+            github
+                .iter()
+                .all(|h| h.access.is_read_only() && h.ports.is_empty())
+        );
+        // The SSH entries lose their own ports (github.com stays, on allow_ports); the policy's
+        // own full github.com stays beside the preset's read-only one (read-only wins in `l7`).
+        assert!(!p.allow_hosts.iter().any(|h| h.ports == [22]));
+        assert!(github.iter().any(|h| h.pattern.to_string() == "github.com"));
+        assert!(of("python").iter().all(|h| !h.access.is_read_only()));
+        let l7 = crate::l7::L7Policy::new(&p);
+        let host = crate::name::HostName::parse("github.com").unwrap();
+        assert!(l7.read_only(&host, 443));
+        // Shown as read-only; written back as names.
+        let shown = expansion(&p);
+        assert!(
+            shown["github"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .all(|h| h["access"] == "read-only"),
+            "{shown}"
+        );
+        let text = toml::to_string(&p).unwrap();
+        assert!(text.contains("read_only_presets = [\"github\"]"), "{text}");
+        let back: crate::Policy = toml::from_str(&text).unwrap();
+        assert_eq!(back, p);
+        // Only presets the policy uses, each once.
+        let read = |t: &str| toml::from_str::<crate::Policy>(t).unwrap();
+        let e = read("presets = [\"go\"]\nread_only_presets = [\"github\"]")
+            .validate("policies.p")
+            .unwrap_err();
+        assert_eq!(e.field, "policies.p.read_only_presets[0]");
+        assert!(e.message.contains("not in presets"), "{e}");
+        let e = read("presets = [\"go\"]\nread_only_presets = [\"go\", \"go\"]")
+            .validate("policies.p")
+            .unwrap_err();
+        assert_eq!(e.field, "policies.p.read_only_presets[1]");
+    }
+
+    #[test]
+    fn read_only_host_entries_parse_show_and_round_trip() {
+        let p = crate::testing::policy(
+            "allow_hosts = [{ host = \"git.example\", access = \"read-only\" }, \"full.example\"]",
+        );
+        assert!(p.allow_hosts[0].access.is_read_only());
+        assert_eq!(p.allow_hosts[0].to_string(), "git.example (read-only)");
+        let json = serde_json::to_value(&p).unwrap();
+        assert_eq!(
+            json["allow_hosts"],
+            serde_json::json!([{ "host": "git.example", "access": "read-only" }, "full.example"])
+        );
+        let back: crate::Policy = serde_json::from_value(json).unwrap();
+        assert_eq!(back, p);
+        let read = |t: &str| toml::from_str::<crate::Policy>(t);
+        let e =
+            read("allow_hosts = [{ host = \"g.example\", access = \"read-only\", ports = [22] }]")
+                .unwrap_err();
+        assert!(e.message().contains("can't carry its own ports"), "{e}");
+        let e = read("allow_hosts = [{ host = \"g.example\", access = \"write\" }]").unwrap_err();
+        assert!(e.message().contains("read-only"), "{e}");
+        let e = read("allow_hosts = [{ host = \"g.example\", access = \"full\" }]").unwrap_err();
+        assert!(e.message().contains("ports"), "{e}");
     }
 
     #[test]

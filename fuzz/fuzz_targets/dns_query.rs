@@ -33,6 +33,7 @@ static POLICY: LazyLock<CompiledPolicy> = LazyLock::new(|| {
             pattern: HostPattern::parse("*.wild.test").unwrap(),
             ports: vec![22],
             preset: None,
+            access: Default::default(),
         },
     ];
     CompiledPolicy::new(&p)

@@ -267,7 +267,7 @@ pub fn command_env(
     bundle: &Path,
     extra: &Path,
 ) -> Vec<(String, String)> {
-    if policy.credentials.is_empty() && policy.request_rules.is_empty() {
+    if !policy.intercepts_some_host() {
         return Vec::new();
     }
     let mut env: Vec<(String, String)> = trust::CA_VARIABLES

@@ -38,7 +38,7 @@ pub fn docker_flags(config: &Config, policy: &str) -> Result<Vec<String>> {
             env(k, "localhost,127.0.0.1,::1");
         }
     }
-    let intercepts = !p.credentials.is_empty() || !p.request_rules.is_empty();
+    let intercepts = p.intercepts_some_host();
     if intercepts && p.mode == egress_policy::Mode::Allowlist {
         for v in CA_VARIABLES {
             env(

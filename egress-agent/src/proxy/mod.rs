@@ -194,7 +194,7 @@ impl ProxyContext {
         let needed = config
             .policies
             .values()
-            .any(|p| !p.credentials.is_empty() || !p.request_rules.is_empty());
+            .any(egress_policy::Policy::intercepts_some_host);
         if let Some(inner) = Arc::get_mut(&mut ctx.inner) {
             inner.intercept = Some(settings);
             inner.health = health;

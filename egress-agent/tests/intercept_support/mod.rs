@@ -487,7 +487,7 @@ pub async fn upstream(ca: &TestCa, names: &[&str]) -> Upstream {
 
 /// Names the tests use; all on loopback.
 pub const HOSTS: &str =
-    "127.0.0.1 api.test other.test plain.test rules.test basic.test sym.test audit.test\n";
+    "127.0.0.1 api.test other.test plain.test rules.test basic.test sym.test audit.test ro.test\n";
 
 /// How the clients of a test reach the agent: the explicit proxy (`HTTPS_PROXY`, `CONNECT`), or
 /// straight to the destination the way a program that ignores the proxy variables does, which the
@@ -709,6 +709,7 @@ pub async fn harness_policy(keys: &str, extra: &str, trust_upstream: bool, via: 
             "basic.test",
             "sym.test",
             "audit.test",
+            "ro.test",
         ],
     )
     .await;
@@ -733,7 +734,8 @@ timeout_ms = 500
 attempts = 1
 
 [policies.test]
-allow_hosts = ["api.test", "other.test", "plain.test", "rules.test", "basic.test", "sym.test"]
+allow_hosts = ["api.test", "other.test", "plain.test", "rules.test", "basic.test", "sym.test",
+               {{ host = "ro.test", access = "read-only" }}]
 allow_ports = [{p}]
 allow_cidrs = [{{ cidr = "127.0.0.1/32", ports = [{p}] }}]
 {keys}
