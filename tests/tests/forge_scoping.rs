@@ -73,6 +73,7 @@ fn a_push_reaches_only_the_repositories_the_policy_names() {
     let port = free_port();
     let dir = TempDir::new("forge");
     let base = dir.path();
+    std::fs::create_dir_all(base.join("cfg")).expect("cfg dir");
     let ca = TestCa::new(&base.join("cfg"), NAMES);
     let fx = Fixtures::build(&base.join("fixture"), port);
     // A second repository on the same forge, which the policy does not name.
