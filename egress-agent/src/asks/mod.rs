@@ -16,6 +16,11 @@
 //! all, at most [`MAX_TOTAL_PENDING`] waiting and [`MAX_KEPT`] kept. A grant only adds a name to
 //! `allow_hosts`: every check after the name — private and metadata addresses refused at dial
 //! time, request rules — still holds.
+//!
+//! The daemon keeps the registry in `<agent.state_dir>/requests.json` ([`persist`]): a restart or
+//! a hand-over gives each workload that still runs its requests (same ids) and run grants back
+//! when its listener is bound again, keyed by its durable identity ([`Durable`]), never by the
+//! listener number.
 mod limits;
 mod persist;
 pub mod webhook;
@@ -41,7 +46,8 @@ pub trait GrantTarget: Send + Sync {
 /// Who asked: the listener's identity, as the kernel chose it.
 #[derive(Clone)]
 pub struct Requester {
-    /// Unique per listener for this agent's lifetime: only the same listener reads its requests.
+    /// Unique per listener for this agent's lifetime: only the same listener reads its requests
+    /// (0: a request restored from before a restart whose workload's listener is not bound yet).
     pub listener: u64,
     /// The policy the listener serves.
     pub policy: String,
