@@ -580,14 +580,7 @@ pub async fn run(mut opts: RunOptions) -> Result<()> {
         }
     };
     info!(ready = %ready, "egress-agent enforcing");
-    settle_start(
-        &mut agent,
-        &sockets,
-        &runtimes,
-        &asks,
-        from_store || taking.is_some(),
-    )
-    .await;
+    settle_start(&mut agent, &runtimes, &opts, from_store || taking.is_some()).await;
     let previous = match taking {
         Some(t) => confirm_take_over(&mut agent, t, &metrics).await,
         None => None,
@@ -941,17 +934,15 @@ async fn take_over(
 /// Once every runtime reconciled: close the adopted sockets nothing claimed (`adopted`: taken
 /// from a running agent or the fd store; the start waits for that) and drop the restored access
 /// requests no workload took back (a task: a runtime that is down delays only that).
-async fn settle_start(
-    agent: &mut Agent,
-    sockets: &Arc<handover::Sockets>,
-    runtimes: &Runtimes,
-    asks: &Arc<crate::asks::Asks>,
-    adopted: bool,
-) {
+async fn settle_start(agent: &mut Agent, runtimes: &Runtimes, opts: &RunOptions, adopted: bool) {
+    let host = &opts.host;
     if adopted {
-        settle_adopted(sockets, runtimes).await;
+        settle_adopted(&host.sockets, runtimes).await;
     }
-    let (sockets, names, asks) = (sockets.clone(), runtimes.names(), asks.clone());
+    let Some(asks) = host.asks.clone() else {
+        return;
+    };
+    let (sockets, names) = (host.sockets.clone(), runtimes.names());
     agent.spawn("asks-settle", |stop| async move {
         let reconciled = async {
             while !sockets
