@@ -509,14 +509,17 @@ fn configure_webhook(webhook: &crate::asks::webhook::Webhook, config: &Config) {
     }
 }
 
-/// The task announcing new access requests (`[requests] webhook`), started before the runtimes
-/// so a request filed as soon as a proxy serves is announced.
-fn start_webhook(
+/// The access-request registry kept in `agent.state_dir` (what an earlier agent of this boot
+/// left restored, [`crate::asks::Asks::keep_in`]) and the task announcing new requests
+/// (`[requests] webhook`), both before the runtimes: every listener bound finds its workload's
+/// requests and grants, and a request filed as soon as a proxy serves is announced.
+fn start_asks(
     agent: &mut Agent,
     config: &Config,
     asks: &Arc<crate::asks::Asks>,
     metrics: &Arc<Metrics>,
 ) -> Arc<crate::asks::webhook::Webhook> {
+    asks.keep_in(&config.agent.state_dir);
     let webhook = crate::asks::webhook::Webhook::new(Some(metrics.clone()));
     configure_webhook(&webhook, config);
     let (w, a) = (webhook.clone(), asks.clone());
@@ -557,7 +560,7 @@ pub async fn run(mut opts: RunOptions) -> Result<()> {
         });
     }
 
-    let webhook = start_webhook(&mut agent, &config, &asks, &metrics);
+    let webhook = start_asks(&mut agent, &config, &asks, &metrics);
     reserve_agent_ports(&opts, &config);
     let mut runtimes = match start_runtimes(&opts, &config, &events, &metrics, &mut agent) {
         Ok(r) => r,
@@ -577,9 +580,7 @@ pub async fn run(mut opts: RunOptions) -> Result<()> {
         }
     };
     info!(ready = %ready, "egress-agent enforcing");
-    if from_store || taking.is_some() {
-        settle_adopted(&sockets, &runtimes).await;
-    }
+    settle_start(&mut agent, &runtimes, &opts, from_store || taking.is_some()).await;
     let previous = match taking {
         Some(t) => confirm_take_over(&mut agent, t, &metrics).await,
         None => None,
@@ -928,6 +929,33 @@ async fn take_over(
         "took over from the running agent: it stopped accepting and drains"
     );
     Ok(previous)
+}
+
+/// Once every runtime reconciled: close the adopted sockets nothing claimed (`adopted`: taken
+/// from a running agent or the fd store; the start waits for that) and drop the restored access
+/// requests no workload took back (a task: a runtime that is down delays only that).
+async fn settle_start(agent: &mut Agent, runtimes: &Runtimes, opts: &RunOptions, adopted: bool) {
+    let host = &opts.host;
+    if adopted {
+        settle_adopted(&host.sockets, runtimes).await;
+    }
+    let Some(asks) = host.asks.clone() else {
+        return;
+    };
+    let (sockets, names) = (host.sockets.clone(), runtimes.names());
+    agent.spawn("asks-settle", |stop| async move {
+        let reconciled = async {
+            while !sockets
+                .wait_reconciled(&names, handover::RECONCILE_WAIT)
+                .await
+                .is_empty()
+            {}
+        };
+        tokio::select! {
+            () = reconciled => { asks.forget_unclaimed(); }
+            () = stop.cancelled() => {}
+        }
+    });
 }
 
 /// Sockets adopted (from a running agent or systemd's fd store): once every runtime reconciled

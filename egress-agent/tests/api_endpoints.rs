@@ -825,6 +825,7 @@ async fn access_requests_are_listed_and_decided_through_the_change_path() {
                     workload: "web-1".into(),
                     run: Some("pr-9".into()),
                     target: std::sync::Arc::downgrade(&target),
+                    durable: None,
                 },
                 serde_json::from_value(
                     serde_json::json!({ "host": host, "port": 443, "reason": "docs build" }),

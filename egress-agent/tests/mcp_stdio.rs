@@ -255,6 +255,7 @@ async fn an_mcp_client_lists_and_calls_the_tools() {
                 workload: "web-1".into(),
                 run: None,
                 target: std::sync::Arc::downgrade(&target),
+                durable: None,
             },
             serde_json::from_value(
                 json!({ "host": "paste.test", "port": 443, "reason": "share logs" }),

@@ -33,6 +33,7 @@ fuzz_target!(|data: &[u8]| {
         workload: "w".into(),
         run: None,
         target: Arc::downgrade(&target),
+        durable: None,
     };
     let Ok(filed) = asks.file(who, wanted, SystemTime::now()) else {
         return;

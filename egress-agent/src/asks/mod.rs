@@ -16,10 +16,17 @@
 //! all, at most [`MAX_TOTAL_PENDING`] waiting and [`MAX_KEPT`] kept. A grant only adds a name to
 //! `allow_hosts`: every check after the name — private and metadata addresses refused at dial
 //! time, request rules — still holds.
+//!
+//! The daemon keeps the registry in `<agent.state_dir>/requests.json` ([`persist`]): a restart or
+//! a hand-over gives each workload that still runs its requests (same ids) and run grants back
+//! when its listener is bound again, keyed by its durable identity ([`Durable`]), never by the
+//! listener number.
 mod limits;
+mod persist;
 pub mod webhook;
 
 use std::collections::{BTreeMap, VecDeque};
+use std::path::PathBuf;
 use std::sync::{Arc, Mutex, PoisonError, Weak};
 use std::time::{Duration, SystemTime};
 
@@ -28,6 +35,7 @@ use serde::{Deserialize, Serialize};
 use tokio::sync::watch;
 
 pub use limits::{MAX_KEPT, MAX_PENDING, MAX_PER_WINDOW, MAX_REASON, MAX_TOTAL_PENDING, WINDOW};
+pub use persist::{Durable, FILE_NAME};
 
 /// Where a `run` grant goes: the listener that filed the request.
 pub trait GrantTarget: Send + Sync {
@@ -38,7 +46,8 @@ pub trait GrantTarget: Send + Sync {
 /// Who asked: the listener's identity, as the kernel chose it.
 #[derive(Clone)]
 pub struct Requester {
-    /// Unique per listener for this agent's lifetime: only the same listener reads its requests.
+    /// Unique per listener for this agent's lifetime: only the same listener reads its requests
+    /// (0: a request restored from before a restart whose workload's listener is not bound yet).
     pub listener: u64,
     /// The policy the listener serves.
     pub policy: String,
@@ -48,6 +57,10 @@ pub struct Requester {
     pub run: Option<String>,
     /// Where a `run` grant goes (gone when the workload ended).
     pub target: Weak<dyn GrantTarget>,
+    /// The workload as it outlives this agent (container, cgroup, policy, listener family):
+    /// what a restart keeps its requests and grants under. `None` (a command under a standalone
+    /// `exec`, tests): kept in memory only.
+    pub durable: Option<Durable>,
 }
 
 impl std::fmt::Debug for Requester {
@@ -57,6 +70,7 @@ impl std::fmt::Debug for Requester {
             .field("policy", &self.policy)
             .field("workload", &self.workload)
             .field("run", &self.run)
+            .field("durable", &self.durable)
             .finish_non_exhaustive()
     }
 }
@@ -157,7 +171,7 @@ impl Decision {
 }
 
 /// Where a request stands.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(tag = "state", rename_all = "snake_case")]
 pub enum Outcome {
     Pending,
@@ -165,7 +179,7 @@ pub enum Outcome {
         scope: Scope,
         by: String,
         /// A `run` grant's end (RFC 3339), if it has a TTL.
-        #[serde(skip_serializing_if = "Option::is_none")]
+        #[serde(default, skip_serializing_if = "Option::is_none")]
         until: Option<String>,
     },
     Denied {
@@ -233,6 +247,9 @@ struct Ask {
     methods: Vec<String>,
     paths: Vec<String>,
     outcome: watch::Sender<Outcome>,
+    /// The run grant given (approved with scope `run`), with its end if it has a TTL: what a
+    /// restart lays on the workload's listener again.
+    grant: Option<Option<SystemTime>>,
 }
 
 impl Ask {
@@ -266,6 +283,13 @@ struct State {
     filed: BTreeMap<u64, VecDeque<SystemTime>>,
 }
 
+/// Where the registry is kept across restarts ([`persist`]): `<agent.state_dir>/requests.json`
+/// for this boot.
+struct Store {
+    path: PathBuf,
+    boot_id: String,
+}
+
 /// The agent's access requests (one per agent, shared by its listeners and the API).
 #[derive(Default)]
 pub struct Asks {
@@ -274,6 +298,9 @@ pub struct Asks {
     auto: Mutex<Vec<egress_policy::HostEntry>>,
     /// Announces every new request and decision (the console's live list).
     changed: watch::Sender<u64>,
+    /// The file every change is written to (`None`: memory only). Taken before `state` when
+    /// both are held, so writes happen in the order of the changes.
+    store: Mutex<Option<Store>>,
 }
 
 /// A request taken: its id, whether it was already waiting (the same host:port asked again),
@@ -304,11 +331,23 @@ fn waiting(s: &State, id: u64) -> Result<&Ask, AskError> {
 
 /// Approve waiting request `id` for its workload alone (the registry's lock held): the grant
 /// goes to the listener that filed it.
-fn approve_locked(s: &State, id: u64, by: &str, ttl: Option<Duration>) -> Result<View, AskError> {
-    let a = waiting(s, id)?;
+fn approve_locked(
+    s: &mut State,
+    id: u64,
+    by: &str,
+    ttl: Option<Duration>,
+) -> Result<View, AskError> {
+    waiting(s, id)?;
+    let a = s
+        .asks
+        .iter_mut()
+        .find(|a| a.id == id)
+        .ok_or(AskError::NotFound(id))?;
     let target = a.who.target.upgrade().ok_or(AskError::Gone(id))?;
     target.grant(id, &a.host, a.port, ttl);
-    let until = ttl.map(|t| humantime::format_rfc3339_seconds(SystemTime::now() + t).to_string());
+    let end = ttl.map(|t| SystemTime::now() + t);
+    a.grant = Some(end);
+    let until = end.map(|e| humantime::format_rfc3339_seconds(e).to_string());
     a.outcome.send_replace(Outcome::Approved {
         scope: Scope::Run,
         by: by.to_owned(),
@@ -399,12 +438,14 @@ impl Asks {
             methods: checked.methods,
             paths: checked.paths,
             outcome: watch::channel(Outcome::Pending).0,
+            grant: None,
         });
         // Approved at once under the same lock: no reader (the list, the webhook) ever sees an
         // auto-approved request waiting.
-        let auto_approved =
-            self.auto_approves(&host, wanted.port) && approve_locked(&s, id, AUTO, None).is_ok();
+        let auto_approved = self.auto_approves(&host, wanted.port)
+            && approve_locked(&mut s, id, AUTO, None).is_ok();
         drop(s);
+        self.saved();
         self.changed.send_modify(|n| *n += 1);
         Ok(Filed {
             id,
@@ -482,9 +523,10 @@ impl Asks {
 
     /// Approve request `id` for its workload alone: the grant goes to the listener that filed it.
     pub fn approve_run(&self, id: u64, by: &str, ttl: Option<Duration>) -> Result<View, AskError> {
-        let s = self.lock();
-        let v = approve_locked(&s, id, by, ttl)?;
+        let mut s = self.lock();
+        let v = approve_locked(&mut s, id, by, ttl)?;
         drop(s);
+        self.saved();
         self.changed.send_modify(|n| *n += 1);
         Ok(v)
     }
@@ -497,6 +539,7 @@ impl Asks {
         a.outcome.send_replace(outcome);
         let v = a.view();
         drop(s);
+        self.saved();
         self.changed.send_modify(|n| *n += 1);
         Ok(v)
     }

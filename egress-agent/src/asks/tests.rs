@@ -26,6 +26,7 @@ fn who(listener: u64, target: &Arc<Target>) -> Requester {
         workload: format!("job-{listener}"),
         run: Some("pr-1".into()),
         target: weak,
+        durable: None,
     }
 }
 

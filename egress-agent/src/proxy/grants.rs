@@ -71,6 +71,22 @@ impl Shared {
         self.recompile(&o);
     }
 
+    /// A new listener of a workload the registry kept across a restart: it owns that
+    /// workload's requests again and gets its run grants back ([`crate::asks::Asks::adopt`]).
+    pub(crate) fn adopt_requests(&self) {
+        let (Some(asks), Some(key), Some(me)) =
+            (self.ctx.asks(), self.durable.as_ref(), self.me.upgrade())
+        else {
+            return;
+        };
+        let me: Arc<dyn crate::asks::GrantTarget> = me;
+        let n = asks.adopt(key, self.listener_id, &Arc::downgrade(&me));
+        if n > 0 {
+            tracing::info!(policy = %self.name, container = %key.container, requests = n,
+                "access requests restored to this workload's listener");
+        }
+    }
+
     fn recompile(&self, o: &Overlay) {
         self.policy
             .store(Arc::new(CompiledPolicy::new(&o.effective())));

@@ -431,6 +431,23 @@ fn socket_key(identity: Option<&Identity>, policy: &str, kind: &str) -> Option<S
     ))
 }
 
+/// A workload's identity as it outlives this process: its container (or pod sandbox, or
+/// command) id and cgroup id, the policy and the listener's family. Listeners without both ids
+/// (`exec` without a cgroup, tests) have none: what they are granted ends with the process.
+fn durable_of(
+    identity: Option<&Identity>,
+    policy: &str,
+    ipv6: bool,
+) -> Option<crate::asks::Durable> {
+    let identity = identity?;
+    Some(crate::asks::Durable {
+        container: identity.container.as_ref()?.id.clone(),
+        cgroup_id: identity.cgroup_id?,
+        policy: policy.to_owned(),
+        ipv6,
+    })
+}
+
 /// Per-listener state shared by its connections.
 pub(crate) struct Shared {
     pub(crate) name: Arc<str>,
@@ -455,6 +472,9 @@ pub(crate) struct Shared {
     pub(crate) overlay: std::sync::Mutex<grants::Overlay>,
     /// Itself, for a grant's expiry.
     pub(crate) me: std::sync::Weak<Shared>,
+    /// The workload as it outlives this process (a workload's listener only): what its access
+    /// requests and run grants are kept under across a restart ([`crate::asks::Durable`]).
+    pub(crate) durable: Option<crate::asks::Durable>,
 }
 
 impl Shared {
@@ -698,6 +718,7 @@ impl PolicyProxy {
             )));
         }
         let key = socket_key(identity.as_ref(), &policy_name, "proxy");
+        let durable = durable_of(identity.as_ref(), &policy_name, addr.is_ipv6());
         let (listener, held) = listen::listen_as(&ctx, key, addr)?;
         let local = listener.local_addr()?;
         let counters = ctx.metrics().map(|m| m.proxy_counters(&policy_name));
@@ -714,7 +735,9 @@ impl PolicyProxy {
             listener_id: grants::next_listener_id(),
             overlay: std::sync::Mutex::new(grants::Overlay::new(policy.clone())),
             me: me.clone(),
+            durable,
         });
+        shared.adopt_requests();
         let intercept = match shared.ctx.interception.clone() {
             Some(hooks) => {
                 Some(hooks::Interception::bind(local.ip(), &shared, &hooks, &policy).await?)

@@ -146,6 +146,7 @@ async fn file(req: Request<Incoming>, shared: &Arc<Shared>) -> Response<Full<Byt
             .as_ref()
             .and_then(|i| i.context.get(RUN_LABEL).cloned()),
         target: Arc::downgrade(&me),
+        durable: shared.durable.clone(),
     };
     match asks.file(who, wanted, SystemTime::now()) {
         Ok(f) => {

@@ -432,6 +432,10 @@ impl Enforcer {
                 t.precreated = None;
             }
             self.entries.remove(id);
+            // Its requests and run grants are not kept for a restart any more.
+            if let Some(asks) = self.proxy.asks() {
+                asks.forget(container_id, id);
+            }
         }
         if let Some(t) = self.tracked.get_mut(container_id) {
             t.listener = None;

@@ -15,7 +15,7 @@ use std::time::Duration;
 use bytes::Bytes;
 use egress_agent::config::Config;
 use egress_agent::events::EventSink;
-use egress_agent::proxy::{PolicyHandle, PolicyProxy, ProxyContext};
+use egress_agent::proxy::{Identity, PolicyHandle, PolicyProxy, ProxyContext};
 use http_body_util::{BodyExt, Full};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
@@ -258,6 +258,19 @@ pub async fn harness_ctx(
     policy: &str,
     tweak: impl FnOnce(ProxyContext) -> ProxyContext,
 ) -> Harness {
+    harness_for(up, proxy_extra, policy_extra, policy, None, tweak).await
+}
+
+/// [`harness_ctx`] for one workload: `identity` is what the enforcer gives a container's
+/// listener (its access requests and run grants are kept under it).
+pub async fn harness_for(
+    up: Upstreams,
+    proxy_extra: &str,
+    policy_extra: &str,
+    policy: &str,
+    identity: Option<Identity>,
+    tweak: impl FnOnce(ProxyContext) -> ProxyContext,
+) -> Harness {
     let dir = temp_dir();
     let hosts = dir.join("hosts");
     std::fs::write(&hosts, HOSTS).unwrap();
@@ -268,11 +281,12 @@ pub async fn harness_ctx(
             .unwrap()
             .admit_any_peer(),
     );
-    let proxy = PolicyProxy::bind(
+    let proxy = PolicyProxy::bind_for(
         "127.0.0.1:0".parse().unwrap(),
         policy.to_owned(),
         Arc::new(config.policy(policy).unwrap().clone()),
         ctx,
+        identity,
     )
     .await
     .unwrap();
