@@ -9,12 +9,12 @@
 //!      (`placeholder-wrong-host`), never forwarded;
 //!   2. request rules of the host:port: the path must be in normal form
 //!      (`path-not-normalized`), then the first matching rule decides (`request-denied-by-rule`,
-//!      `request-not-allowed`);
-//!   Read-only `allow_hosts` entries ([`crate::model::Access::ReadOnly`]) add rules of their
-//!   own after the policy's, on each of `allow_ports`: allow `GET`, `HEAD`, `OPTIONS` on every
-//!   path and `POST` on `/**/git-upload-pack` (git's fetch); any other request to a name such an
-//!   entry matches is `request-not-allowed` — but for writes to the policy's `repos`
-//!   ([`crate::forge`]) — and so is a protocol switch (WebSocket) there;
+//!      `request-not-allowed`). Read-only `allow_hosts` entries
+//!      ([`crate::model::Access::ReadOnly`]) add rules of their own after the policy's, on each
+//!      of `allow_ports`: allow `GET`, `HEAD`, `OPTIONS` on every path and `POST` on
+//!      `/**/git-upload-pack` (git's fetch); any other request to a name such an entry matches
+//!      is `request-not-allowed` — but for writes to the policy's `repos` ([`crate::forge`]) —
+//!      and so is a protocol switch (WebSocket) there;
 //!   3. the binding of the host:port (intercepted only): secret not loaded →
 //!      `interception-unavailable` (the agent refuses such a host:port before it dials, see
 //!      [`L7Policy::unavailable`]; this is the same refusal for a request already inside);
