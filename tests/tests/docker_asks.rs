@@ -7,7 +7,8 @@
 //! under the same policy is still refused, and a new container in the first one's place is
 //! refused again (the grant went with the workload). `--scope policy` writes the policy (a
 //! change with its diff in `/v1/changes`) and lets the second container through; a denial's
-//! reason reaches the workload's long-poll. Without the proxy, `http://egress.internal/`
+//! reason reaches the workload's long-poll; a run grant and a pending request survive
+//! `egress-agent restart`. Without the proxy, `http://egress.internal/`
 //! resolves through the agent's DNS and reaches the container's own listener (kernel redirect
 //! of the endpoint's port 80).
 use egress_tests::docker::{Env, SERIAL, egress_internal as internal, proxied_get, require_root};
@@ -123,6 +124,36 @@ fn a_container_asks_and_a_run_grant_opens_only_it_for_its_lifetime() {
     assert!(
         out.contains("host-not-allowed"),
         "another container is still refused: {out}"
+    );
+
+    // `egress-agent restart` (a hand-over to a new process): the run grant and a pending
+    // request survive it (kept in the state directory under the workload's identity), and
+    // still for that container alone.
+    let waiting = file(&env, "ask-1", "pending.test");
+    let o = env.cli(&["restart"]);
+    assert!(
+        o.status.success(),
+        "{}{}
+{}",
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr),
+        env.log()
+    );
+    let out = env.exec_out("ask-1", &proxied_get("denied.test", 8080));
+    assert!(
+        out.contains("hello-upstream"),
+        "the grant survives the restart: {out}\n{}",
+        env.log()
+    );
+    let poll = env.exec_out(
+        "ask-1",
+        &internal("GET", &format!("/v1/requests/{waiting}?wait=0"), ""),
+    );
+    assert_eq!(body_of(&poll)["state"], "pending", "{poll}");
+    let out = env.exec_out("ask-2", &proxied_get("denied.test", 8080));
+    assert!(
+        out.contains("host-not-allowed"),
+        "another container is still refused after the restart: {out}"
     );
 
     // The workload ends: its grant with it. A new container in its place is refused.
