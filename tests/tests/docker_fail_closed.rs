@@ -50,16 +50,31 @@ fn assert_canary_untouched(env: &Env, container: &str, before: usize) {
     );
 }
 
+const METRICS: &str = "127.0.0.1:18191";
+
+/// One environment for both faults (a private dockerd costs an image build and a start): the
+/// daemon on the fault socket (passing everything until told otherwise), with metrics, and a
+/// container enforced before either fault.
 #[test]
-fn a_listener_that_cannot_bind_leaves_the_container_confined_and_says_so() {
+fn fail_closed_branches_keep_docker_workloads_confined() {
     if !require_root() {
         return;
     }
     let _l = lock();
-    let env = Env::new(&[]);
+    let mut env = Env::new(&[]);
+    let fault = DockerFault::start(&env.d.socket, &env.dir.join("docker-fault.sock"));
+    env.kill_agent();
+    env.docker_socket = Some(fault.host());
+    env.agent_args = vec!["--metrics-listen".into(), METRICS.into()];
+    env.start_agent();
     env.run_labelled("steady", &["egress.policy=web"]);
     let out = env.exec_out("steady", &proxied_get("allowed.test", 8080));
     assert!(out.contains("hello-upstream"), "{out}");
+    a_listener_that_cannot_bind_leaves_the_container_confined_and_says_so(&env);
+    a_failed_docker_inspect_leaves_the_container_confined_and_is_counted(&env, &fault);
+}
+
+fn a_listener_that_cannot_bind_leaves_the_container_confined_and_says_so(env: &Env) {
     let canary = env.canary.count();
 
     // One ephemeral port left in the agent's namespace, and the test holds it.
@@ -103,8 +118,8 @@ fn a_listener_that_cannot_bind_leaves_the_container_confined_and_says_so() {
     // No listener: the proxy endpoint answers nothing, and nothing else opened.
     let out = env.exec_out("unbound", &proxied_get("allowed.test", 8080));
     assert!(!out.contains("HTTP/1."), "the proxy answered: {out}");
-    assert_canary_untouched(&env, "unbound", canary);
-    assert_canary_untouched(&env, "steady", canary);
+    assert_canary_untouched(env, "unbound", canary);
+    assert_canary_untouched(env, "steady", canary);
 
     // Ports free again: a reload binds the listener.
     assert!(
@@ -117,7 +132,7 @@ fn a_listener_that_cannot_bind_leaves_the_container_confined_and_says_so() {
     let o = env.cli(&["reload"]);
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
     let out = until_contains(
-        &env,
+        env,
         "unbound",
         &proxied_get("allowed.test", 8080),
         "hello-upstream",
@@ -125,7 +140,7 @@ fn a_listener_that_cannot_bind_leaves_the_container_confined_and_says_so() {
     assert!(out.contains("hello-upstream"), "{out}\n{}", env.log());
     let out = env.exec_out("steady", &proxied_get("allowed.test", 8080));
     assert!(out.contains("hello-upstream"), "{out}");
-    assert_canary_untouched(&env, "unbound", canary);
+    assert_canary_untouched(env, "unbound", canary);
 }
 
 /// `egress_agent_reconcile_errors_total` on the daemon's metrics address.
@@ -138,24 +153,12 @@ fn reconcile_errors(env: &Env, addr: &str) -> u64 {
         .map_or(0, |v| v as u64)
 }
 
-#[test]
-fn a_failed_docker_inspect_leaves_the_container_confined_and_is_counted() {
-    if !require_root() {
-        return;
-    }
-    let _l = lock();
-    const METRICS: &str = "127.0.0.1:18191";
-    let mut env = Env::new(&[]);
-    let fault = DockerFault::start(&env.d.socket, &env.dir.join("docker-fault.sock"));
-    env.kill_agent();
-    env.docker_socket = Some(fault.host());
-    env.agent_args = vec!["--metrics-listen".into(), METRICS.into()];
-    env.start_agent();
-    env.run_labelled("steady", &["egress.policy=web"]);
-    let out = env.exec_out("steady", &proxied_get("allowed.test", 8080));
-    assert!(out.contains("hello-upstream"), "{out}");
+fn a_failed_docker_inspect_leaves_the_container_confined_and_is_counted(
+    env: &Env,
+    fault: &DockerFault,
+) {
     let canary = env.canary.count();
-    let errors = reconcile_errors(&env, METRICS);
+    let errors = reconcile_errors(env, METRICS);
 
     fault.set_failing(true);
     env.start_ok(
@@ -164,25 +167,25 @@ fn a_failed_docker_inspect_leaves_the_container_confined_and_is_counted() {
         &["sleep", "600"],
     );
     let deadline = Instant::now() + Duration::from_secs(20);
-    while (fault.refused() < 2 || reconcile_errors(&env, METRICS) < errors + 2)
+    while (fault.refused() < 2 || reconcile_errors(env, METRICS) < errors + 2)
         && Instant::now() < deadline
     {
         std::thread::sleep(Duration::from_millis(100));
     }
     assert!(
-        fault.refused() >= 2 && reconcile_errors(&env, METRICS) >= errors + 2,
+        fault.refused() >= 2 && reconcile_errors(env, METRICS) >= errors + 2,
         "inspects refused {}, reconcile errors {} (from {errors}):\n{}",
         fault.refused(),
-        reconcile_errors(&env, METRICS),
+        reconcile_errors(env, METRICS),
         env.log()
     );
     // Docker can't say what `blind` is: nothing outside its policy opens for it, and the
     // container enforced before keeps its policy, both ways.
     assert!(env.wait_state("blind", "running", Duration::from_secs(10)));
-    assert_canary_untouched(&env, "blind", canary);
+    assert_canary_untouched(env, "blind", canary);
     let out = env.exec_out("steady", &proxied_get("allowed.test", 8080));
     assert!(out.contains("hello-upstream"), "{out}");
-    assert_canary_untouched(&env, "steady", canary);
+    assert_canary_untouched(env, "steady", canary);
     assert!(
         fault.refused() >= 2,
         "the fault went away during the checks"
@@ -197,11 +200,11 @@ fn a_failed_docker_inspect_leaves_the_container_confined_and_is_counted() {
     );
     assert!(env.wait_host_layer("blind"), "{}", env.log());
     let out = until_contains(
-        &env,
+        env,
         "blind",
         &proxied_get("allowed.test", 8080),
         "hello-upstream",
     );
     assert!(out.contains("hello-upstream"), "{out}\n{}", env.log());
-    assert_canary_untouched(&env, "blind", canary);
+    assert_canary_untouched(env, "blind", canary);
 }
