@@ -227,7 +227,7 @@ fn interception_in_a_labelled_container(env: &mut Env) {
     let ca = TestCa::new();
     let up = Upstream::start_in(
         &ca,
-        &["api.test", "pass.test"],
+        &["api.test", "pass.test", "ro.test"],
         "198.18.0.1:8443".parse().expect("test value"),
         &env.d.netns.path(),
     );
@@ -239,7 +239,7 @@ fn interception_in_a_labelled_container(env: &mut Env) {
     let hosts = std::fs::read_to_string(dir.join("hosts")).expect("hosts");
     std::fs::write(
         dir.join("hosts"),
-        format!("{hosts}198.18.0.1 api.test\n198.18.0.1 pass.test\n"),
+        format!("{hosts}198.18.0.1 api.test\n198.18.0.1 pass.test\n198.18.0.1 ro.test\n"),
     )
     .expect("hosts");
     let d = dir.display();
@@ -255,7 +255,7 @@ allow_cidrs = ["{UPSTREAM_IP}/32"]
 allow_cidrs = ["198.18.0.1/32"]
 
 [policies.agent]
-allow_hosts = ["api.test", "pass.test"]
+allow_hosts = ["api.test", "pass.test", {{ host = "ro.test", access = "read-only" }}]
 allow_ports = [8443]
 resolve_private = ["198.18.0.1/32"]
 [[policies.agent.credentials]]
@@ -296,6 +296,10 @@ echo "== t-bound"; $C --noproxy '*' -H "Authorization: Bearer $API_KEY" https://
 echo; echo "== t-missing"; $C --noproxy '*' -o /dev/null -w "%{http_code}\n" https://api.test:8443/v1/docker-t-missing
 echo "== reflect"; $C -H "Authorization: Bearer $API_KEY" https://api.test:8443/reflect/docker
 echo "== t-reflect"; $C --noproxy '*' -H "Authorization: Bearer $API_KEY" https://api.test:8443/reflect/docker-t
+echo "== ro-get"; $C https://ro.test:8443/v1/ro-get
+echo; echo "== ro-post"; $C -o /dev/null -w "%{http_code}\n" -X POST --data leak https://ro.test:8443/v1/ro-post
+echo "== t-ro-get"; $C --noproxy '*' https://ro.test:8443/v1/ro-get-t
+echo; echo "== t-ro-put"; $C --noproxy '*' -o /dev/null -w "%{http_code}\n" -X PUT --data leak https://ro.test:8443/v1/ro-put-t
 echo "== env"; env"#,
     );
     let r = up
@@ -338,6 +342,22 @@ echo "== env"; env"#,
     assert!(out.contains("upstream-ok HTTP/2.0 /v1/docker-t\n"), "{out}");
     assert!(
         out.contains("== t-missing\n403\n") && up.request("/v1/docker-t-missing").is_none(),
+        "{out}"
+    );
+    // A read-only host, through the proxy and transparently: reads arrive, writes are refused
+    // and never arrive.
+    for path in ["/v1/ro-get", "/v1/ro-get-t"] {
+        assert!(
+            up.request(path).is_some() && out.contains(&format!("upstream-ok HTTP/2.0 {path}")),
+            "read-only {path}: {out}"
+        );
+    }
+    assert!(
+        out.contains("== ro-post\n403\n") && up.request("/v1/ro-post").is_none(),
+        "{out}"
+    );
+    assert!(
+        out.contains("== t-ro-put\n403\n") && up.request("/v1/ro-put-t").is_none(),
         "{out}"
     );
     // An upstream that echoes the injected header: the container gets the placeholder back.
