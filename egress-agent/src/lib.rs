@@ -54,6 +54,7 @@ pub mod export;
 mod exposure;
 pub mod handover;
 mod host_tool;
+mod http_post;
 pub mod manage;
 pub mod mcp;
 mod mountinfo;

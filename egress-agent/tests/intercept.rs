@@ -25,6 +25,14 @@ fn bearer() -> String {
     format!("Authorization: Bearer {PLACEHOLDER}")
 }
 
+/// The `X-Egress-Deny` token of a `curl -i` answer, if it has one.
+fn deny_of(o: &Out) -> Option<String> {
+    o.text()
+        .lines()
+        .find_map(|l| l.strip_prefix("x-egress-deny: "))
+        .map(|s| s.trim().to_owned())
+}
+
 async fn curl(h: &Harness, args: &[&str]) -> Out {
     let route = h.curl_route();
     let mut a = vec!["-sS", "--max-time", "15", "-D", "-"];
@@ -205,12 +213,6 @@ async fn placeholder_to_another_host_is_refused_and_never_arrives(via: Via) {
 async fn method_and_path_rules_hold(via: Via) {
     let h = harness_via(via).await;
     let b = bearer();
-    let deny = |o: &Out| {
-        o.text()
-            .lines()
-            .find_map(|l| l.strip_prefix("x-egress-deny: "))
-            .map(|s| s.trim().to_owned())
-    };
     // Only POST /v1/messages (and /<one segment>) on api.test.
     let get = curl(
         &h,
@@ -223,7 +225,7 @@ async fn method_and_path_rules_hold(via: Via) {
     )
     .await;
     assert_eq!(
-        deny(&get).as_deref(),
+        deny_of(&get).as_deref(),
         Some("request-not-allowed"),
         "{}",
         get.text()
@@ -249,7 +251,7 @@ async fn method_and_path_rules_hold(via: Via) {
     )
     .await;
     assert_eq!(
-        deny(&other).as_deref(),
+        deny_of(&other).as_deref(),
         Some("request-not-allowed"),
         "{}",
         other.text()
@@ -268,7 +270,7 @@ async fn method_and_path_rules_hold(via: Via) {
     )
     .await;
     assert_eq!(
-        deny(&dots).as_deref(),
+        deny_of(&dots).as_deref(),
         Some("path-not-normalized"),
         "{}",
         dots.text()
@@ -286,7 +288,7 @@ async fn method_and_path_rules_hold(via: Via) {
     )
     .await;
     assert_eq!(
-        deny(&enc).as_deref(),
+        deny_of(&enc).as_deref(),
         Some("path-not-normalized"),
         "{}",
         enc.text()
@@ -303,7 +305,7 @@ async fn method_and_path_rules_hold(via: Via) {
     )
     .await;
     assert_eq!(
-        deny(&bare).as_deref(),
+        deny_of(&bare).as_deref(),
         Some("credential-placeholder-missing"),
         "{}",
         bare.text()
@@ -315,14 +317,14 @@ async fn method_and_path_rules_hold(via: Via) {
     )
     .await;
     assert_eq!(
-        deny(&del).as_deref(),
+        deny_of(&del).as_deref(),
         Some("request-denied-by-rule"),
         "{}",
         del.text()
     );
     let adm = curl(&h, &["--http2", &h.url("other.test", "/admin/users")]).await;
     assert_eq!(
-        deny(&adm).as_deref(),
+        deny_of(&adm).as_deref(),
         Some("request-denied-by-rule"),
         "{}",
         adm.text()
@@ -710,12 +712,6 @@ async fn ca_is_kept_across_restarts_and_the_key_is_0600() {
 /// `request-not-allowed` and never arrive (checked by what the upstream received).
 async fn read_only_hosts_take_reads_and_git_fetch_only(via: Via) {
     let h = harness_via(via).await;
-    let deny = |o: &Out| {
-        o.text()
-            .lines()
-            .find_map(|l| l.strip_prefix("x-egress-deny: "))
-            .map(|s| s.trim().to_owned())
-    };
     let url = |path: &str| h.url("ro.test", path);
     let allowed: Vec<Vec<String>> = vec![
         vec!["--http1.1".into(), url("/acme/api")],
@@ -736,7 +732,7 @@ async fn read_only_hosts_take_reads_and_git_fetch_only(via: Via) {
     for args in &allowed {
         let args: Vec<&str> = args.iter().map(String::as_str).collect();
         let o = curl(&h, &args).await;
-        assert_eq!(deny(&o), None, "{args:?}: {}", o.text());
+        assert_eq!(deny_of(&o), None, "{args:?}: {}", o.text());
         assert!(o.text().contains(" 200"), "{args:?}: {}", o.text());
     }
     for (version, method, path) in [
@@ -760,7 +756,7 @@ async fn read_only_hosts_take_reads_and_git_fetch_only(via: Via) {
         )
         .await;
         assert_eq!(
-            deny(&o).as_deref(),
+            deny_of(&o).as_deref(),
             Some("request-not-allowed"),
             "{method} {path}: {}",
             o.text()
@@ -813,12 +809,6 @@ async fn read_only_hosts_take_reads_and_git_fetch_only(via: Via) {
 /// arrive; the same to another repository, a gist and GraphQL are refused and never arrive.
 async fn repos_let_writes_reach_the_named_repositories_only(via: Via) {
     let h = harness_policy("repos = [\"acme/api\"]", "", true, via).await;
-    let deny = |o: &Out| {
-        o.text()
-            .lines()
-            .find_map(|l| l.strip_prefix("x-egress-deny: "))
-            .map(|s| s.trim().to_owned())
-    };
     let url = |path: &str| h.url("ro.test", path);
     let post = |version: &'static str, path: &str| {
         vec![
@@ -838,7 +828,7 @@ async fn repos_let_writes_reach_the_named_repositories_only(via: Via) {
     for args in &allowed {
         let args: Vec<&str> = args.iter().map(String::as_str).collect();
         let o = curl(&h, &args).await;
-        assert_eq!(deny(&o), None, "{args:?}: {}", o.text());
+        assert_eq!(deny_of(&o), None, "{args:?}: {}", o.text());
         assert!(o.text().contains(" 200"), "{args:?}: {}", o.text());
     }
     for args in [
@@ -851,7 +841,7 @@ async fn repos_let_writes_reach_the_named_repositories_only(via: Via) {
         let args: Vec<&str> = args.iter().map(String::as_str).collect();
         let o = curl(&h, &args).await;
         assert_eq!(
-            deny(&o).as_deref(),
+            deny_of(&o).as_deref(),
             Some("request-not-allowed"),
             "{args:?}: {}",
             o.text()

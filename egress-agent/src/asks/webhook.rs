@@ -22,8 +22,6 @@ use std::future::Future;
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
-use http_body_util::{BodyExt, Full};
-use hyper::body::Bytes;
 use rustls::pki_types::ServerName;
 use rustls::{ClientConfig, RootCertStore};
 use serde_json::{Value, json};
@@ -225,38 +223,17 @@ async fn exchange<S>(t: &Target, io: S, body: String) -> Result<(), String>
 where
     S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
 {
-    let (mut sender, conn) =
-        hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(io))
-            .await
-            .map_err(|e| format!("handshake: {e}"))?;
-    let req = hyper::Request::post(t.url.path.as_str())
-        .header(hyper::header::HOST, t.url.authority())
-        .header(hyper::header::CONTENT_TYPE, "application/json")
-        .header(
-            hyper::header::USER_AGENT,
-            concat!("egress-agent/", env!("CARGO_PKG_VERSION")),
-        )
-        .body(Full::new(Bytes::from(body)))
-        .map_err(|e| e.to_string())?;
-    let exchange = async move {
-        let resp = sender
-            .send_request(req)
-            .await
-            .map_err(|e| format!("request: {e}"))?;
-        let status = resp.status();
-        http_body_util::Limited::new(resp.into_body(), MAX_ANSWER)
-            .collect()
-            .await
-            .ok();
-        if status.is_success() {
-            Ok(())
-        } else {
-            Err(format!("the webhook answered {status}"))
-        }
+    let authority = t.url.authority();
+    let post = crate::http_post::Post {
+        path: &t.url.path,
+        authority: &authority,
+        content_type: "application/json",
+        user_agent: Some(concat!("egress-agent/", env!("CARGO_PKG_VERSION"))),
+        body: body.into_bytes(),
+        max_answer: MAX_ANSWER,
+        peer: "the webhook",
     };
-    // The connection is driven beside the exchange on this task; it ends with it.
-    let (result, _) = tokio::join!(exchange, conn);
-    result
+    crate::http_post::post_on(io, post).await
 }
 
 /// `s` safe to show inside a code span of a chat message, on one line (see the module's doc).

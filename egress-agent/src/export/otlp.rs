@@ -18,8 +18,6 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, UNIX_EPOCH};
 
-use http_body_util::{BodyExt, Full};
-use hyper::body::Bytes;
 use opentelemetry_proto::tonic::collector::logs::v1::ExportLogsServiceRequest;
 use opentelemetry_proto::tonic::common::v1::{AnyValue, InstrumentationScope, KeyValue, any_value};
 use opentelemetry_proto::tonic::logs::v1::{LogRecord, ResourceLogs, ScopeLogs, SeverityNumber};
@@ -196,38 +194,22 @@ async fn post(ep: &Endpoint, body: Vec<u8>, timeout: Duration) -> Result<(), Str
         let stream = tokio::net::TcpStream::connect((ep.host.as_str(), ep.port))
             .await
             .map_err(|e| format!("connect: {e}"))?;
-        let (mut sender, conn) =
-            hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(stream))
-                .await
-                .map_err(|e| format!("handshake: {e}"))?;
         let host = if ep.host.contains(':') {
             format!("[{}]:{}", ep.host, ep.port)
         } else {
             format!("{}:{}", ep.host, ep.port)
         };
-        let req = hyper::Request::post(ep.path.as_str())
-            .header(hyper::header::HOST, host)
-            .header(hyper::header::CONTENT_TYPE, "application/x-protobuf")
-            .body(Full::new(Bytes::from(body)))
-            .map_err(|e| e.to_string())?;
-        let exchange = async move {
-            let resp = sender
-                .send_request(req)
-                .await
-                .map_err(|e| format!("request: {e}"))?;
-            let status = resp.status();
-            // Drain the (small) answer so the connection closes cleanly.
-            resp.into_body().collect().await.ok();
-            if status.is_success() {
-                Ok(())
-            } else {
-                Err(format!("collector answered {status}"))
-            }
+        let post = crate::http_post::Post {
+            path: &ep.path,
+            authority: &host,
+            content_type: "application/x-protobuf",
+            user_agent: None,
+            body,
+            // The collector's (small) answer, whole.
+            max_answer: usize::MAX,
+            peer: "collector",
         };
-        // The connection is driven beside the exchange, on this task (no task of its own to
-        // outlive the exporter): it closes once the exchange is over and `sender` dropped.
-        let (result, _) = tokio::join!(exchange, conn);
-        result
+        crate::http_post::post_on(stream, post).await
     };
     tokio::time::timeout(timeout, go)
         .await
