@@ -95,15 +95,18 @@ impl DirectSets {
     }
 
     /// Let `container` reach `addrs` on `port` directly for `ttl` (an answer of the agent's DNS).
-    /// Written to the kernel before it returns; an address already allowed for at least as long
-    /// is not written again.
+    /// Written to the kernel before it returns; an address already allowed for about as long
+    /// (within a second) is not written again. Returns the earliest deadline at which the host
+    /// layer forgets one of `addrs` (never later than the kernel's own timeout): the cgroup
+    /// programs' allowance must end before it, or a `connect()` they let through would hang on
+    /// a dropped SYN instead of failing with `EPERM`.
     pub fn allow(
         &self,
         container: &str,
         port: u16,
         addrs: &[Ipv4Addr],
         ttl: Duration,
-    ) -> Result<(), DirectError> {
+    ) -> Result<Instant, DirectError> {
         let mut live = self.lock();
         let key = (container.to_owned(), port);
         if !live.present.contains(&key) {
@@ -127,8 +130,21 @@ impl DirectSets {
                     .is_none_or(|d| *d + Duration::from_secs(1) < deadline)
             })
             .collect();
+        let held_until = |fresh: &[Ipv4Addr], known: Option<&BTreeMap<Ipv4Addr, Instant>>| {
+            addrs
+                .iter()
+                .map(|a| {
+                    if fresh.contains(a) {
+                        deadline
+                    } else {
+                        known.and_then(|k| k.get(a)).copied().unwrap_or(deadline)
+                    }
+                })
+                .min()
+                .unwrap_or(now)
+        };
         if fresh.is_empty() {
-            return Ok(());
+            return Ok(held_until(&fresh, known));
         }
         let held = known.map_or(0, BTreeMap::len);
         if held + fresh.len() > MAX_SET_ELEMENTS {
@@ -139,10 +155,10 @@ impl DirectSets {
         }
         refresh_elements(&set_name(container, port), &fresh, ttl)?;
         let set = live.sets.entry(key).or_default();
-        for a in fresh {
-            set.insert(a, deadline);
+        for a in &fresh {
+            set.insert(*a, deadline);
         }
-        Ok(())
+        Ok(held_until(&fresh, Some(set)))
     }
 
     /// Run `write` (a ruleset rebuild) with the live elements, pruned of expired ones; on
@@ -307,6 +323,24 @@ mod tests {
             .unwrap_err();
         assert!(matches!(e, DirectError::NoSet { port: 22, .. }), "{e}");
         assert!(d.addresses("c1", 22).is_empty());
+    }
+
+    #[test]
+    fn an_element_not_written_again_keeps_its_earlier_deadline() {
+        let d = DirectSets::new();
+        let (a, b) = (Ipv4Addr::new(45, 90, 0, 1), Ipv4Addr::new(45, 90, 0, 2));
+        let key = ("c1".to_owned(), 22);
+        let soon = Instant::now() + Duration::from_millis(4500);
+        let later = Instant::now() + Duration::from_secs(60);
+        {
+            let mut live = d.lock();
+            live.present.insert(key.clone());
+            live.sets.insert(key, [(a, soon), (b, later)].into());
+        }
+        // A cached answer whose TTL counts down: within the second of slack, nothing is written
+        // (no netlink here), and the caller learns the host layer still ends at `soon`.
+        let held = d.allow("c1", 22, &[a, b], Duration::from_secs(5)).unwrap();
+        assert_eq!(held, soon, "the earliest element the host layer holds");
     }
 
     #[test]

@@ -2,7 +2,8 @@
 //! DNS opens the answered addresses on the entry's ports in **both layers**, the host layer's
 //! direct set first ([`nft::DirectSets`], the nftables second layer, which forwards a container's
 //! traffic only where its rules say), then the container cgroup's kernel allowance
-//! ([`KernelRedirects::allow_direct`]). Both forget the address when the answer's TTL runs out.
+//! ([`KernelRedirects::allow_direct`]). Both forget the address when the answer's TTL runs out,
+//! the kernel allowance a little before the host layer's element (see [`kernel_ttl`]).
 //!
 //! If the host layer can't take an address (the container's set isn't written yet, the set is
 //! full, netlink refused), the kernel allowance isn't written either: the client's `connect()`
@@ -15,10 +16,27 @@
 //! longer carries must not stay open until its TTL.
 use std::net::{IpAddr, Ipv4Addr};
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use crate::bpf::redirects::KernelRedirects;
 use crate::nft::DirectSets;
 use crate::proxy::dns::{Answer, AnswerSink};
+
+/// How much earlier than the host layer's element the kernel allowance ends: nftables counts
+/// element timeouts in jiffies (up to 10 ms each at HZ=100), so an element can go a tick before
+/// `deadline` on the monotonic clock.
+const HOST_LAYER_MARGIN: Duration = Duration::from_millis(50);
+
+/// The kernel allowance's time to live when the host layer holds the address until `held_until`:
+/// it ends [`HOST_LAYER_MARGIN`] before, so a connection after it is refused at `connect()`
+/// (`EPERM`, an event) rather than let through by the cgroup program and then dropped by the
+/// host layer (a client hanging on its SYN retries for two minutes). `None`: nothing left.
+fn kernel_ttl(held_until: Instant, now: Instant) -> Option<Duration> {
+    let ttl = held_until
+        .saturating_duration_since(now)
+        .saturating_sub(HOST_LAYER_MARGIN);
+    (!ttl.is_zero()).then_some(ttl)
+}
 
 #[derive(Debug)]
 pub struct DirectPorts {
@@ -93,19 +111,39 @@ impl AnswerSink for DirectPorts {
         }
         let addrs: Vec<IpAddr> = v4.iter().copied().map(IpAddr::V4).collect();
         for port in answer.direct_ports {
-            if let Err(e) = host.allow(&container.id, *port, &v4, answer.ttl) {
-                tracing::warn!(container = %container.id, name = %answer.name, port, error = %e,
-                    "direct port not opened; connections to it are refused");
+            let held_until = match host.allow(&container.id, *port, &v4, answer.ttl) {
+                Ok(deadline) => deadline,
+                Err(e) => {
+                    tracing::warn!(container = %container.id, name = %answer.name, port, error = %e,
+                        "direct port not opened; connections to it are refused");
+                    continue;
+                }
+            };
+            let Some(ttl) = kernel_ttl(held_until, Instant::now()) else {
                 continue;
-            }
-            if self
-                .kernel
-                .allow_direct(entry_id, &addrs, &[*port], answer.ttl)
-                > 0
+            };
+            if self.kernel.allow_direct(entry_id, &addrs, &[*port], ttl) > 0
             {
                 tracing::warn!(container = %container.id, name = %answer.name, port,
                     "writing direct allowances to the kernel failed; connections to them are refused");
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_kernel_allowance_ends_before_the_host_layer() {
+        let now = Instant::now();
+        let held = now + Duration::from_secs(2);
+        assert_eq!(
+            kernel_ttl(held, now),
+            Some(Duration::from_secs(2) - HOST_LAYER_MARGIN)
+        );
+        assert_eq!(kernel_ttl(now + HOST_LAYER_MARGIN, now), None, "nothing left");
+        assert_eq!(kernel_ttl(now, now + Duration::from_secs(1)), None, "already gone");
     }
 }
