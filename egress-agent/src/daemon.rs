@@ -413,6 +413,42 @@ impl Control for Daemon {
         Ok(serde_json::to_value(self.asks.list(pending_only)).unwrap_or(Value::Null))
     }
 
+    fn request(
+        &self,
+        id: u64,
+        wait: std::time::Duration,
+    ) -> BoxFuture<'_, Result<Value, ApiError>> {
+        Box::pin(async move {
+            let v = self
+                .asks
+                .wait_decided(id, wait)
+                .await
+                .ok_or(crate::asks::AskError::NotFound(id))?;
+            Ok(serde_json::to_value(v).unwrap_or(Value::Null))
+        })
+    }
+
+    fn file_for_command(
+        &self,
+        pid: u32,
+        req: crate::asks::commands::CommandRequest,
+    ) -> Result<Value, ApiError> {
+        let (workload, host) = (req.workload.clone(), req.request.host.clone());
+        let f = self.asks.file_for_command(pid, req)?;
+        info!(
+            workload,
+            host,
+            request = f.id,
+            existing = f.existing,
+            "access request filed by an exec"
+        );
+        Ok(serde_json::json!({
+            "id": f.id,
+            "state": if f.auto_approved { "approved" } else { "pending" },
+            "existing": f.existing,
+        }))
+    }
+
     fn decide(
         &self,
         id: u64,

@@ -25,6 +25,10 @@
 //! 6. kill what is left in the cgroup, delete the entry, remove the cgroup — on every exit path
 //!    (a guard), including errors and forwarded signals.
 //!
+//! The command's access requests (`http://egress.internal/v1/requests`) go to a running daemon
+//! when one answers on `--api-socket` at start ([`crate::asks::remote`]); without one they are
+//! refused (503: nobody could decide them).
+//!
 //! If `exec` itself is killed with SIGKILL the cgroup and its entry stay: the command keeps
 //! running confined (fail closed); the next loader prunes the entry once the cgroup is gone, and
 //! removes abandoned empty `exec-*` cgroups.
@@ -66,6 +70,9 @@ pub struct ExecOptions {
     /// `--label KEY=VALUE`: context labels (`egress.run`, ...; checked by
     /// [`crate::workload::labels::command_labels`]).
     pub labels: Vec<String>,
+    /// `--api-socket`: a daemon answering there takes the command's access requests
+    /// ([`crate::asks::remote`]); none: they are refused (503).
+    pub api_socket: PathBuf,
     pub command: Vec<OsString>,
 }
 
@@ -484,7 +491,11 @@ async fn run_async(
     );
     let mut enforcer = site::enforcer_on(
         &config,
-        exec_site(&root, &directory),
+        exec_site(
+            &root,
+            &directory,
+            crate::asks::remote::Remote::connect(&opts.api_socket).await,
+        ),
         enforcement.state,
         site::Addresses::sharing_host_network(&config)?,
         false,
@@ -601,7 +612,11 @@ fn report_unavailable_bindings(config: &Config, policy: &str, events: &crate::ev
 
 /// The exec root as a runtime's site: no host layer (a command has no interface of its own),
 /// no BPF-LSM requirement (reported instead), commands named in `directory`.
-fn exec_site(root: &Path, directory: &Directory) -> Site {
+fn exec_site(
+    root: &Path,
+    directory: &Directory,
+    remote_asks: Option<Arc<crate::asks::remote::Remote>>,
+) -> Site {
     let parent = root
         .file_name()
         .map(|n| n.to_string_lossy().into_owned())
@@ -611,6 +626,7 @@ fn exec_site(root: &Path, directory: &Directory) -> Site {
         HostOptions {
             nft: false,
             directory: directory.clone(),
+            remote_asks,
             ..HostOptions::default()
         },
         "exec",

@@ -46,6 +46,7 @@ pub mod cleanup;
 pub mod cli;
 pub mod config;
 pub mod containerd;
+pub mod control_client;
 pub mod daemon;
 mod docker;
 pub mod events;

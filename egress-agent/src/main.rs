@@ -83,6 +83,11 @@ enum Command {
         /// egress.workspace=... (`--run` and `--label run=ID` filters find them).
         #[arg(long = "label", value_name = "KEY=VALUE")]
         labels: Vec<String>,
+        /// Control API socket of a running daemon: when one answers, the command's access
+        /// requests (`POST http://egress.internal/v1/requests`) wait there for an operator;
+        /// without one they are refused.
+        #[arg(long, default_value = api::DEFAULT_SOCKET)]
+        api_socket: PathBuf,
         /// The command and its arguments (after `--`).
         #[arg(last = true, required = true)]
         command: Vec<OsString>,
@@ -370,6 +375,7 @@ fn main() -> ExitCode {
             user,
             writable,
             labels,
+            api_socket,
             command,
         } => {
             init_cli_tracing();
@@ -379,6 +385,7 @@ fn main() -> ExitCode {
                 user,
                 writable,
                 labels,
+                api_socket,
                 command,
             })
             .map(|code| ExitCode::from(code.clamp(0, 255) as u8))

@@ -1543,7 +1543,11 @@ allow_cidrs = ["198.18.0.1/32"]
         expired.contains(" err 1 "),
         "the expired attempt must be refused at once:\n{expiry}"
     );
-    let last = expired.split(' ').next().expect("attempt number").to_owned();
+    let last = expired
+        .split(' ')
+        .next()
+        .expect("attempt number")
+        .to_owned();
     assert!(
         !listeners.saw(&format!("exp-{m}-{last}")),
         "attempt {last} arrived after the TTL"

@@ -38,7 +38,8 @@
 //! own authentication ([`console`]: tokens, sessions, CSRF), refused to confined processes.
 
 pub mod backend;
-pub mod client;
+/// The CLI's client of this API (its own module: `exec` files requests through it too).
+pub use crate::control_client as client;
 pub mod console;
 pub mod peer;
 pub mod routes;
@@ -233,6 +234,23 @@ pub trait Control: Send + Sync + 'static {
     }
     /// Workloads' access requests kept (`pending_only`: those waiting), oldest first.
     fn requests(&self, _pending_only: bool) -> Result<Value, ApiError> {
+        Err(ApiError::unavailable("access requests"))
+    }
+    /// Request `id`, after waiting up to `wait` for its decision.
+    fn request(
+        &self,
+        _id: u64,
+        _wait: std::time::Duration,
+    ) -> BoxFuture<'_, Result<Value, ApiError>> {
+        Box::pin(async { Err(ApiError::unavailable("access requests")) })
+    }
+    /// File a command's request for the exec process `pid` ([`crate::asks::commands`]):
+    /// `{"id", "state", "existing"}`.
+    fn file_for_command(
+        &self,
+        _pid: u32,
+        _req: crate::asks::commands::CommandRequest,
+    ) -> Result<Value, ApiError> {
         Err(ApiError::unavailable("access requests"))
     }
     /// Decide request `id` as `who`: a run grant, a policy change (through [`Control::change`]'s

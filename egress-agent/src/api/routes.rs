@@ -48,8 +48,10 @@ pub const ENDPOINTS: &[(&str, &str)] = &[
     ("POST", "/v1/reload"),
     ("POST", "/v1/restart"),
     ("GET", "/v1/requests"),
+    ("GET", "/v1/requests/{id}"),
     ("POST", "/v1/requests/{id}/approve"),
     ("POST", "/v1/requests/{id}/deny"),
+    ("POST", "/v1/exec/requests"),
 ];
 
 /// Largest request body (a policy, a bundle).
@@ -243,9 +245,9 @@ pub async fn route(
             Err(msg) => error(StatusCode::UNPROCESSABLE_ENTITY, &msg),
         },
         (&Method::POST, ["v1", "restart"]) => answer(control.restart().await),
-        (&Method::GET, ["v1", "requests"]) => answer(control.requests(flag(query, "pending"))),
-        (&Method::POST, ["v1", "requests", id, action @ ("approve" | "deny")]) => {
-            decide(req, id, *action == "approve", who, query, control).await
+        (_, ["v1", "requests", ..] | ["v1", "exec", "requests"]) => {
+            let at = (peer, transport, query);
+            access_requests(req, &segments[1..], who, at, control).await
         }
         (
             _,
@@ -253,10 +255,9 @@ pub async fn route(
                 "v1",
                 "status" | "containers" | "policies" | "presets" | "events" | "reload" | "restart"
                 | "defaults" | "export" | "import" | "explain" | "denials" | "suggest" | "replay"
-                | "changes" | "doctor" | "requests",
+                | "changes" | "doctor",
             ],
         )
-        | (_, ["v1", "requests", _, "approve" | "deny"])
         | (_, ["v1", "policies", _])
         | (_, ["v1", "events", "sse"])
         | (_, ["ui", _]) => error(StatusCode::METHOD_NOT_ALLOWED, "method not allowed"),
@@ -501,6 +502,78 @@ async fn set_policy(
         body: ChangeBody::from_content_type(ct.as_deref(), text),
     };
     answer(control.change(change, who, flag(query, "dry_run")).await)
+}
+
+/// Workloads' access requests: `GET /v1/requests[/{id}]`, `POST /v1/requests/{id}/approve|deny`,
+/// `POST /v1/exec/requests` (`path`: after `v1/`).
+async fn access_requests(
+    req: Request<Incoming>,
+    path: &[&str],
+    who: Who,
+    (peer, transport, query): (&Peer, Transport, Option<&str>),
+    control: &dyn Control,
+) -> Response<Body> {
+    let method = req.method().clone();
+    match (&method, path) {
+        (&Method::GET, ["requests"]) => answer(control.requests(flag(query, "pending"))),
+        (&Method::GET, ["requests", id]) => match id.parse::<u64>() {
+            Ok(id) => {
+                let wait = query_param(query, "wait")
+                    .and_then(|w| w.parse::<u64>().ok())
+                    .map_or(std::time::Duration::ZERO, |s| {
+                        std::time::Duration::from_secs(s.min(MAX_REQUEST_WAIT_S))
+                    });
+                answer(control.request(id, wait).await)
+            }
+            Err(_) => error(StatusCode::NOT_FOUND, "no such request"),
+        },
+        (&Method::POST, ["requests", id, action @ ("approve" | "deny")]) => {
+            decide(req, id, *action == "approve", who, query, control).await
+        }
+        (&Method::POST, ["exec", "requests"]) => {
+            file_for_command(req, peer, transport, control).await
+        }
+        (_, ["requests"] | ["requests", _] | ["requests", _, "approve" | "deny"])
+        | (_, ["exec", "requests"]) => error(StatusCode::METHOD_NOT_ALLOWED, "method not allowed"),
+        _ => error(StatusCode::NOT_FOUND, "no such endpoint"),
+    }
+}
+
+/// Longest wait `GET /v1/requests/{id}?wait=S` takes.
+const MAX_REQUEST_WAIT_S: u64 = 60;
+
+/// `POST /v1/exec/requests`: a command under `egress-agent exec` files an access request
+/// through its exec ([`crate::asks::commands`]). The requester is the connection's process (its
+/// `SO_PEERCRED` pid), so only the control socket takes it.
+async fn file_for_command(
+    req: Request<Incoming>,
+    peer: &Peer,
+    transport: Transport,
+    control: &dyn Control,
+) -> Response<Body> {
+    let (Transport::Unix, Some(pid)) = (transport, peer.pid) else {
+        return error(
+            StatusCode::FORBIDDEN,
+            "only an exec on the control socket files requests for its command",
+        );
+    };
+    let body = match read_body(req).await {
+        Ok((_, text)) => serde_json::from_str::<crate::asks::commands::CommandRequest>(&text)
+            .map_err(|e| {
+                ApiError::new(
+                    400,
+                    format!("request body: {e} (expected {{\"workload\", \"policy\", \"run\"?, \"request\": {{\"host\", \"port\", \"reason\"}}}})"),
+                )
+            }),
+        Err(e) => Err(e),
+    };
+    match body {
+        Ok(r) => match control.file_for_command(pid, r) {
+            Ok(v) => json_response(StatusCode::ACCEPTED, &v),
+            Err(e) => api_error(e),
+        },
+        Err(e) => api_error(e),
+    }
 }
 
 /// `POST /v1/requests/{id}/approve|deny`: a workload's access request decided as `who`.

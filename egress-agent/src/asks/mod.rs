@@ -21,12 +21,15 @@
 //! a hand-over gives each workload that still runs its requests (same ids) and run grants back
 //! when its listener is bound again, keyed by its durable identity ([`Durable`]), never by the
 //! listener number.
+pub mod commands;
 mod limits;
 mod persist;
+pub mod remote;
 pub mod webhook;
 
 use std::collections::{BTreeMap, VecDeque};
 use std::path::PathBuf;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError, Weak};
 use std::time::{Duration, SystemTime};
 
@@ -36,6 +39,13 @@ use tokio::sync::watch;
 
 pub use limits::{MAX_KEPT, MAX_PENDING, MAX_PER_WINDOW, MAX_REASON, MAX_TOTAL_PENDING, WINDOW};
 pub use persist::{Durable, FILE_NAME};
+
+/// A process-wide requester number ([`Requester::listener`]: a workload's listener, or an
+/// `exec` filing for its command); 0 is never given out.
+pub fn next_listener_id() -> u64 {
+    static NEXT: AtomicU64 = AtomicU64::new(1);
+    NEXT.fetch_add(1, Ordering::Relaxed)
+}
 
 /// Where a `run` grant goes: the listener that filed the request.
 pub trait GrantTarget: Send + Sync {
@@ -223,6 +233,9 @@ pub enum AskError {
     Decided(u64),
     #[error("the workload that filed request {0} has ended: a run grant has nothing to go to")]
     Gone(u64),
+    /// The daemon a command under `exec` files through did not answer ([`remote`]).
+    #[error("{0}")]
+    Unavailable(String),
 }
 
 impl AskError {
@@ -230,7 +243,7 @@ impl AskError {
         match self {
             AskError::Invalid(_) => 400,
             AskError::TooMany(_) => 429,
-            AskError::Full(_) => 503,
+            AskError::Full(_) | AskError::Unavailable(_) => 503,
             AskError::NotFound(_) => 404,
             AskError::Decided(_) | AskError::Gone(_) => 409,
         }
@@ -301,6 +314,8 @@ pub struct Asks {
     /// The file every change is written to (`None`: memory only). Taken before `state` when
     /// both are held, so writes happen in the order of the changes.
     store: Mutex<Option<Store>>,
+    /// The `exec` processes filing their commands' requests here ([`commands`]).
+    commands: commands::Commands,
 }
 
 /// A request taken: its id, whether it was already waiting (the same host:port asked again),
@@ -506,6 +521,19 @@ impl Asks {
         self.own(id, listener)
     }
 
+    /// Wait until request `id` is decided or `wait` has passed: its view then (the operator's
+    /// long-poll, `GET /v1/requests/{id}?wait=S`; an `exec` waits on it for its command).
+    pub async fn wait_decided(&self, id: u64, wait: Duration) -> Option<View> {
+        let mut rx = {
+            let s = self.lock();
+            s.asks.iter().find(|a| a.id == id)?.outcome.subscribe()
+        };
+        tokio::time::timeout(wait, rx.wait_for(|o| *o != Outcome::Pending))
+            .await
+            .ok();
+        self.get(id)
+    }
+
     /// Every request kept, oldest first (`pending_only`: the waiting ones).
     pub fn list(&self, pending_only: bool) -> Vec<View> {
         self.lock()
@@ -521,8 +549,19 @@ impl Asks {
         self.lock().asks.iter().find(|a| a.id == id).map(Ask::view)
     }
 
+    /// File a command's request for the `exec` process `pid` ([`commands`]).
+    pub fn file_for_command(
+        &self,
+        pid: u32,
+        req: commands::CommandRequest,
+    ) -> Result<Filed, AskError> {
+        self.commands.file(self, pid, req)
+    }
+
     /// Approve request `id` for its workload alone: the grant goes to the listener that filed it.
     pub fn approve_run(&self, id: u64, by: &str, ttl: Option<Duration>) -> Result<View, AskError> {
+        // An exec that ended has no listener left: its run grant would go nowhere.
+        self.commands.prune();
         let mut s = self.lock();
         let v = approve_locked(&mut s, id, by, ttl)?;
         drop(s);

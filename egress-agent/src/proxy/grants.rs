@@ -4,7 +4,6 @@
 //! grants; a grant's TTL ending removes it; the workload ending drops the listener and its
 //! grants with it. Every change is announced like a reload, so connections the narrower policy
 //! refuses end ([`super::narrow`]).
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, PoisonError};
 use std::time::Duration;
 
@@ -13,12 +12,6 @@ use egress_policy::name::HostName;
 use egress_policy::{CompiledPolicy, HostEntry, Policy};
 
 use super::Shared;
-
-/// A process-wide listener number (0 is never given out).
-pub(crate) fn next_listener_id() -> u64 {
-    static NEXT: AtomicU64 = AtomicU64::new(1);
-    NEXT.fetch_add(1, Ordering::Relaxed)
-}
 
 /// The configured policy and the grants on top of it.
 pub(crate) struct Overlay {

@@ -153,8 +153,10 @@ pub struct ProxyContext {
     /// a successor, and the hand-over's stop-accepting and drain.
     sockets: Arc<crate::handover::Sockets>,
     /// Where workloads' access requests go (`egress.internal`), when an operator can decide
-    /// them (the daemon's; standalone `exec` has none).
+    /// them (the daemon's; `exec` files through [`Self::remote_asks`] instead, or has none).
     asks: Option<Arc<crate::asks::Asks>>,
+    /// A command under `exec` with a daemon running: its requests go to the daemon's registry.
+    remote_asks: Option<Arc<crate::asks::remote::Remote>>,
 }
 
 impl std::fmt::Debug for ProxyContext {
@@ -281,6 +283,7 @@ impl ProxyContext {
             }),
             metrics: None,
             asks: None,
+            remote_asks: None,
             interception: None,
             admit_any: false,
             kernel_relay: None,
@@ -356,6 +359,16 @@ impl ProxyContext {
 
     pub fn asks(&self) -> Option<&Arc<crate::asks::Asks>> {
         self.asks.as_ref()
+    }
+
+    /// File workloads' access requests with a running daemon ([`crate::asks::remote`]).
+    pub fn with_remote_asks(mut self, remote: Arc<crate::asks::remote::Remote>) -> ProxyContext {
+        self.remote_asks = Some(remote);
+        self
+    }
+
+    pub fn remote_asks(&self) -> Option<&Arc<crate::asks::remote::Remote>> {
+        self.remote_asks.as_ref()
     }
 
     pub fn metrics(&self) -> Option<&Arc<Metrics>> {
@@ -732,7 +745,7 @@ impl PolicyProxy {
             counters,
             policy_changed: tokio::sync::watch::channel(()).0,
             tasks: TaskTracker::new(),
-            listener_id: grants::next_listener_id(),
+            listener_id: crate::asks::next_listener_id(),
             overlay: std::sync::Mutex::new(grants::Overlay::new(policy.clone())),
             me: me.clone(),
             durable,

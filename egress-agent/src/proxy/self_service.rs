@@ -99,7 +99,7 @@ fn own(shared: &Shared) -> Value {
         "credentials_for": base.credentials.iter().map(|c| format!("{}:{}", c.host, c.port)).collect::<Vec<_>>(),
         "run_grants": grants.into_iter().map(|(id, what)| json!({ "request": id, "allows": what })).collect::<Vec<_>>(),
         "ask": format!("POST http://{NAME}/v1/requests"),
-        "takes_requests": shared.ctx.asks().is_some(),
+        "takes_requests": shared.ctx.asks().is_some() || shared.ctx.remote_asks().is_some(),
     })
 }
 
@@ -112,12 +112,12 @@ fn workload_name(shared: &Shared) -> String {
 }
 
 async fn file(req: Request<Incoming>, shared: &Arc<Shared>) -> Response<Full<Bytes>> {
-    let Some(asks) = shared.ctx.asks() else {
+    if shared.ctx.asks().is_none() && shared.ctx.remote_asks().is_none() {
         return json_answer(
             StatusCode::SERVICE_UNAVAILABLE,
             &json!({ "error": "this agent takes no access requests (a standalone `egress-agent exec` has no operator to decide them): ask the person who started it for a wider policy" }),
         );
-    };
+    }
     let body = match Limited::new(req.into_body(), MAX_BODY).collect().await {
         Ok(b) => b.to_bytes(),
         Err(_) => {
@@ -148,7 +148,12 @@ async fn file(req: Request<Incoming>, shared: &Arc<Shared>) -> Response<Full<Byt
         target: Arc::downgrade(&me),
         durable: shared.durable.clone(),
     };
-    match asks.file(who, wanted, SystemTime::now()) {
+    let filed = match (shared.ctx.asks(), shared.ctx.remote_asks()) {
+        (Some(asks), _) => asks.file(who, wanted, SystemTime::now()),
+        (None, Some(remote)) => remote.file(who, wanted).await,
+        (None, None) => return not_found(),
+    };
+    match filed {
         Ok(f) => {
             tracing::info!(policy = %shared.name, request = f.id, existing = f.existing, "access request filed");
             json_answer(
@@ -167,9 +172,6 @@ async fn file(req: Request<Incoming>, shared: &Arc<Shared>) -> Response<Full<Byt
 }
 
 async fn poll(id: u64, query: Option<&str>, shared: &Arc<Shared>) -> Response<Full<Bytes>> {
-    let Some(asks) = shared.ctx.asks() else {
-        return not_found();
-    };
     let wait = query
         .and_then(|q| form_urlencoded::parse(q.as_bytes()).find(|(k, _)| k == "wait"))
         .and_then(|(_, v)| v.parse::<u64>().ok())
@@ -182,11 +184,16 @@ async fn poll(id: u64, query: Option<&str>, shared: &Arc<Shared>) -> Response<Fu
                 .idle_timeout
                 .saturating_sub(Duration::from_secs(1)),
         );
-    match asks.wait(id, shared.listener_id, wait).await {
-        Some(v) => json_answer(
-            StatusCode::OK,
-            &serde_json::to_value(v).unwrap_or(Value::Null),
-        ),
+    let view = match (shared.ctx.asks(), shared.ctx.remote_asks()) {
+        (Some(asks), _) => asks
+            .wait(id, shared.listener_id, wait)
+            .await
+            .map(|v| serde_json::to_value(v).unwrap_or(Value::Null)),
+        (None, Some(remote)) => remote.wait(id, shared.listener_id, wait).await,
+        (None, None) => None,
+    };
+    match view {
+        Some(v) => json_answer(StatusCode::OK, &v),
         None => not_found(),
     }
 }

@@ -122,8 +122,7 @@ impl AnswerSink for DirectPorts {
             let Some(ttl) = kernel_ttl(held_until, Instant::now()) else {
                 continue;
             };
-            if self.kernel.allow_direct(entry_id, &addrs, &[*port], ttl) > 0
-            {
+            if self.kernel.allow_direct(entry_id, &addrs, &[*port], ttl) > 0 {
                 tracing::warn!(container = %container.id, name = %answer.name, port,
                     "writing direct allowances to the kernel failed; connections to them are refused");
             }
@@ -143,7 +142,15 @@ mod tests {
             kernel_ttl(held, now),
             Some(Duration::from_secs(2) - HOST_LAYER_MARGIN)
         );
-        assert_eq!(kernel_ttl(now + HOST_LAYER_MARGIN, now), None, "nothing left");
-        assert_eq!(kernel_ttl(now, now + Duration::from_secs(1)), None, "already gone");
+        assert_eq!(
+            kernel_ttl(now + HOST_LAYER_MARGIN, now),
+            None,
+            "nothing left"
+        );
+        assert_eq!(
+            kernel_ttl(now, now + Duration::from_secs(1)),
+            None,
+            "already gone"
+        );
     }
 }

@@ -41,6 +41,8 @@ pub struct HostOptions {
     /// Workloads' access requests (`egress.internal`): the daemon's, decided through its API;
     /// `None` (standalone `exec`) answers that nobody can decide them.
     pub asks: Option<Arc<crate::asks::Asks>>,
+    /// A command under `exec` while a daemon answers: its requests go there.
+    pub remote_asks: Option<Arc<crate::asks::remote::Remote>>,
 }
 
 impl Default for HostOptions {
@@ -54,6 +56,7 @@ impl Default for HostOptions {
             intercept: crate::proxy::tls::InterceptHealth::default(),
             holders: crate::exposure::Holders::default(),
             asks: None,
+            remote_asks: None,
         }
     }
 }
@@ -250,6 +253,9 @@ pub fn enforcer_on(
     }
     if let Some(a) = &site.host.asks {
         ctx = ctx.with_asks(a.clone());
+    }
+    if let Some(r) = &site.host.remote_asks {
+        ctx = ctx.with_remote_asks(r.clone());
     }
     let settings = Settings {
         root: site.root,

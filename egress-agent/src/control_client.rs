@@ -1,4 +1,5 @@
-//! A small client for the control API, used by the CLI subcommands.
+//! A small client for the control API ([`crate::api`]), used by the CLI subcommands and by
+//! `exec` to file its command's access requests with a daemon ([`crate::asks::remote`]).
 
 use std::path::{Path, PathBuf};
 
