@@ -177,6 +177,54 @@ fn pods_are_confined_per_pod_through_containerd() {
         out.contains(&format!(r#""workload":"{workload}""#)) && !workload.is_empty(),
         "the same workload in /v1/self and the operator's list: {workload} / {out}"
     );
+    // Approved for this pod's run: its long-poll reads the approval and its retry arrives; a
+    // second pod under the same policy is still refused, and nothing of it arrives.
+    let id = first["id"].as_u64().expect("request id").to_string();
+    let o = agent.cli(&["requests", "approve", &id, "--scope", "run"]);
+    assert!(o.status.success(), "approve: {o:?}");
+    let other_hits = || {
+        upstream
+            .requests()
+            .iter()
+            .filter(|r| {
+                r.header("host")
+                    .is_some_and(|h| h.starts_with("other.test"))
+            })
+            .count()
+    };
+    let before = other_hits();
+    let (code, logs) = run(
+        &c,
+        &a,
+        "granted",
+        &format!(
+            "{}; egress-probe tls-get other.test other.test 8443 /ca/ca.pem",
+            egress_tests::docker::egress_internal("GET", &format!("/v1/requests/{id}?wait=5"), "")
+        ),
+    );
+    let out = output(code, &logs);
+    assert!(
+        out.contains(r#""state":"approved""#),
+        "the long-poll: {out}"
+    );
+    assert!(
+        out.contains("TLS-OK"),
+        "the retry after the approval: {out}"
+    );
+    assert_eq!(other_hits(), before + 1, "the granted request arrived once");
+    let a2 = pod_with(&c, "ci", "a2", &[("egress.policy", "web")]);
+    let (code, logs) = run(
+        &c,
+        &a2,
+        "c",
+        "egress-probe tls-get other.test other.test 8443 /ca/ca.pem || echo A2-REFUSED",
+    );
+    assert!(
+        output(code, &logs).contains("A2-REFUSED"),
+        "{}",
+        output(code, &logs)
+    );
+    assert_eq!(other_hits(), before + 1, "the second pod's request arrived");
     assert!(
         agent.wait_event(
             |e| e["host"] == "denied.test"

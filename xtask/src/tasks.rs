@@ -2,13 +2,23 @@
 
 use std::{
     path::{Path, PathBuf},
-    process::Command,
+    process::{Command, Stdio},
+    sync::OnceLock,
+    time::Instant,
 };
 
 use anyhow::{Context, Result, bail};
 
 use crate::setup::{self, is_root, sh, workspace_root};
 use crate::{image, manifests};
+
+/// `== what (t+Ns)` on stderr: a phase of `cargo xtask test` and when it began (CI's time is
+/// budgeted: this says where it goes).
+fn phase(what: &str) {
+    static START: OnceLock<Instant> = OnceLock::new();
+    let t = START.get_or_init(Instant::now).elapsed().as_secs();
+    eprintln!("== {what} (t+{t}s)");
+}
 
 fn ensure_setup() -> Result<()> {
     if setup::needed() {
@@ -108,10 +118,10 @@ const UNIT_PACKAGES: [&str; 5] = [
 
 pub fn test(filter: Option<&str>) -> Result<()> {
     ensure_setup()?;
-    eprintln!("== Kubernetes manifests (deploy/kubernetes): schema and cross-file checks");
+    phase("Kubernetes manifests (deploy/kubernetes): schema and cross-file checks");
     manifests::validate()?;
     manifests::check().context("deploy/kubernetes")?;
-    eprintln!("== unit tests (all crates but the eBPF object and the privileged suite)");
+    phase("unit tests (all crates but the eBPF object and the privileged suite)");
     // Line tables are all a failing test's backtrace needs; full debug info makes the cold debug
     // build of every dependency noticeably slower on CI's two cores.
     let debug: &std::ffi::OsStr = "line-tables-only".as_ref();
@@ -119,25 +129,7 @@ pub fn test(filter: Option<&str>) -> Result<()> {
     let mut unit = vec!["test"];
     unit.extend(UNIT_PACKAGES);
     cargo_with(&unit, &dev)?;
-    // The fuzz targets are their own workspace (cargo-fuzz builds them with nightly): checked
-    // here so an API change can't leave one behind. No eBPF objects needed for a check.
-    eprintln!("== fuzz targets compile (cargo check; running them: docs/development.md)");
-    let skip_bpf: &std::ffi::OsStr = "1".as_ref();
-    cargo_with(
-        &[
-            "check",
-            "--manifest-path",
-            "fuzz/Cargo.toml",
-            "--bins",
-            "--target-dir",
-            "target/fuzz-check",
-        ],
-        &[
-            ("CARGO_PROFILE_DEV_DEBUG", debug),
-            ("AYA_BUILD_SKIP", skip_bpf),
-        ],
-    )?;
-    eprintln!("== privileged integration tests (egress-tests)");
+    phase("release build (the binaries the privileged suite drives)");
     if !is_root() {
         eprintln!("skipping privileged integration tests: needs root (each test says so too)");
     }
@@ -150,7 +142,7 @@ pub fn test(filter: Option<&str>) -> Result<()> {
     if is_root() {
         // Start from no pins: the agent would switch links an earlier build left to this build's
         // programs anyway, but a clean start keeps earlier runs' roots and entries out of the tests.
-        eprintln!("== removing pins of earlier runs (egress-agent cleanup)");
+        phase("removing pins of earlier runs (egress-agent cleanup)");
         let status = Command::new(release_bin("egress-agent"))
             .args(["cleanup", "--config", "/dev/null"])
             .status()
@@ -164,7 +156,7 @@ pub fn test(filter: Option<&str>) -> Result<()> {
     if is_root() && filter.is_none() {
         // The unit phase ran the proxy tests on the user-space relay; again with every
         // pass-through tunnel spliced in the kernel (`proxy.kernel_relay = "on"`, #15).
-        eprintln!("== proxy tests on the kernel relay (EGRESS_TEST_KERNEL_RELAY=on)");
+        phase("proxy tests on the kernel relay (EGRESS_TEST_KERNEL_RELAY=on)");
         let mut args = vec!["test"];
         args.extend(UNIT_PACKAGES);
         for t in KERNEL_RELAY_TESTS {
@@ -183,7 +175,7 @@ pub fn test(filter: Option<&str>) -> Result<()> {
         // Every relayed byte compared with what was sent (#34), optimized: the saturated
         // downloads that reach the kernel relay's hand-back need a reader at release speed (a
         // debug build's checking client keeps them in user space). Root, else it skips loudly.
-        eprintln!("== kernel relay integrity (release build, content-checked)");
+        phase("kernel relay integrity (release build, content-checked)");
         cargo(&[
             "test",
             "--release",
@@ -197,6 +189,10 @@ pub fn test(filter: Option<&str>) -> Result<()> {
         ])
         .context("the kernel relay integrity test failed")?;
     }
+    // The fuzz targets compile meanwhile, on one job: the suite mostly waits on dockerd,
+    // containerd and its clients.
+    let fuzz = FuzzCheck::spawn()?;
+    phase("privileged integration tests (egress-tests)");
     // --no-fail-fast: one failing suite must not hide what the suites after it would say.
     let mut args = vec!["test", "--no-fail-fast", "-p", "egress-tests", "--"];
     if let Some(f) = filter {
@@ -205,7 +201,7 @@ pub fn test(filter: Option<&str>) -> Result<()> {
     // Tests share cgroups, netns names and one private dockerd: run them one at a time.
     args.push("--test-threads=1");
     let agent = release_bin("egress-agent");
-    cargo_with(
+    let suite = cargo_with(
         &args,
         &[
             ("EGRESS_AGENT_BIN", agent.as_os_str()),
@@ -213,7 +209,67 @@ pub fn test(filter: Option<&str>) -> Result<()> {
             dev[0],
         ],
     )
-    .context("privileged integration tests failed")
+    .context("privileged integration tests failed");
+    let fuzz = fuzz.finish();
+    phase("done");
+    suite.and(fuzz)
+}
+
+/// `cargo check` of the fuzz targets of both fuzz workspaces (`fuzz/`, `egress-policy/fuzz/`:
+/// their own workspaces, which cargo-fuzz builds with nightly), so an API change can't leave one
+/// behind (running them: docs/development.md). No eBPF objects needed for a check. Run in the
+/// background on one job, output to `target/fuzz-check.log`, shown if it fails.
+struct FuzzCheck {
+    worker: std::thread::JoinHandle<Result<()>>,
+    log: PathBuf,
+}
+
+impl FuzzCheck {
+    fn spawn() -> Result<FuzzCheck> {
+        phase(
+            "fuzz targets compile, in the background (cargo check -j 1; log: target/fuzz-check.log)",
+        );
+        let log = workspace_root().join("target/fuzz-check.log");
+        let out =
+            std::fs::File::create(&log).with_context(|| format!("creating {}", log.display()))?;
+        let worker = std::thread::spawn(move || {
+            for manifest in ["fuzz/Cargo.toml", "egress-policy/fuzz/Cargo.toml"] {
+                let status = Command::new(env!("CARGO"))
+                    .args(["check", "--manifest-path", manifest, "--bins"])
+                    .args(["--target-dir", "target/fuzz-check", "-j", "1"])
+                    .env("CARGO_PROFILE_DEV_DEBUG", "line-tables-only")
+                    .env("AYA_BUILD_SKIP", "1")
+                    .current_dir(workspace_root())
+                    .stdin(Stdio::null())
+                    .stdout(out.try_clone()?)
+                    .stderr(out.try_clone()?)
+                    .status()
+                    .context("running cargo check of the fuzz targets")?;
+                if !status.success() {
+                    bail!("the fuzz targets of {manifest} don't compile ({status})");
+                }
+            }
+            Ok(())
+        });
+        Ok(FuzzCheck { worker, log })
+    }
+
+    fn finish(self) -> Result<()> {
+        let result = self
+            .worker
+            .join()
+            .map_err(|_| anyhow::anyhow!("the fuzz targets' check panicked"))?;
+        match result {
+            Ok(()) => {
+                phase("fuzz targets compile: ok");
+                Ok(())
+            }
+            Err(e) => {
+                eprintln!("{}", std::fs::read_to_string(&self.log).unwrap_or_default());
+                Err(e.context(format!("output above, also in {}", self.log.display())))
+            }
+        }
+    }
 }
 
 /// `cargo xtask image`: the release build, then the archive; `verify` also imports and runs it.
@@ -232,7 +288,7 @@ pub fn image(verify: bool) -> Result<()> {
 /// same archive as a pod): it is the quick check without CRI, and the only one that says the
 /// image itself is broken rather than the pod around it.
 fn image_smoke_test(archive: &Path) -> Result<()> {
-    eprintln!("== container image (cargo xtask image --verify)");
+    phase("container image (cargo xtask image --verify)");
     let have = |tool: &str| {
         Command::new(tool)
             .arg("--version")
