@@ -757,7 +757,7 @@ fn pods_are_confined_per_pod_through_containerd() {
 
     // 9. Pods removed leave no entries, no listeners, no host rules and no metrics series
     // behind.
-    let removed = [&a, &b, &plain, &team, &late, &again, &hostnet];
+    let removed = [&a, &a2, &b, &plain, &team, &late, &again, &hostnet];
     let pod_series = |metrics: &str| -> Vec<String> {
         removed
             .iter()
