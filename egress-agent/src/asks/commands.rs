@@ -174,7 +174,7 @@ mod tests {
     fn an_exec_that_ended_gets_no_run_grant() {
         let asks = Asks::new();
         let commands = Commands::default();
-        let mut child = std::process::Command::new("sleep")
+        let mut child = std::process::Command::new(crate::host_tool::find("sleep").unwrap())
             .arg("30")
             .spawn()
             .unwrap();

@@ -148,7 +148,7 @@ impl Remote {
         let id = v["id"]
             .as_u64()
             .ok_or_else(|| unavailable(&self.socket, &"no id in its answer"))?;
-        let filed = Filed {
+        let mut filed = Filed {
             id,
             existing: v["existing"].as_bool().unwrap_or(false),
             auto_approved: v["state"] == "approved",
@@ -170,10 +170,16 @@ impl Remote {
             }
         };
         if filed.auto_approved {
-            // Approved at once by `[requests]`: granted before the command hears "approved".
-            if let Ok(view) = self.read(id, Duration::ZERO).await {
-                self.settle(id, &who.target, view);
-            }
+            // Approved at once by `[requests]`: granted before the command hears "approved". If
+            // the daemon can't be read back now, the command hears "pending" and the follower
+            // grants it, then tells it.
+            filed.auto_approved = match self.read(id, Duration::ZERO).await {
+                Ok(view) => {
+                    self.settle(id, &who.target, view);
+                    true
+                }
+                Err(_) => false,
+            };
         }
         if new && !filed.auto_approved {
             let me = Arc::clone(self);
