@@ -507,17 +507,8 @@ impl Asks {
 
     /// Wait until request `id` (of `listener`) is decided or `wait` has passed: its view then.
     pub async fn wait(&self, id: u64, listener: u64, wait: Duration) -> Option<View> {
-        let mut rx = {
-            let s = self.lock();
-            let a = s
-                .asks
-                .iter()
-                .find(|a| a.id == id && a.who.listener == listener)?;
-            a.outcome.subscribe()
-        };
-        tokio::time::timeout(wait, rx.wait_for(|o| *o != Outcome::Pending))
-            .await
-            .ok();
+        self.own(id, listener)?;
+        self.wait_decided(id, wait).await?;
         self.own(id, listener)
     }
 
