@@ -289,6 +289,26 @@ pub fn api_wait_event(
     }
 }
 
+/// Wait until the daemon on `socket` answers its own status (`uptime_s`: `status` falls back to
+/// reading the pins, `events` to the event store, when no daemon answers). `Err`: the last
+/// attempt's stderr when `timeout` passed.
+pub fn api_ready(bin: &Path, socket: &Path, timeout: std::time::Duration) -> Result<(), String> {
+    let deadline = std::time::Instant::now() + timeout;
+    loop {
+        let o = api_cli(bin, socket, &["status", "--json"]);
+        if o.status.success()
+            && serde_json::from_slice::<serde_json::Value>(&o.stdout)
+                .is_ok_and(|v| v.get("uptime_s").is_some())
+        {
+            return Ok(());
+        }
+        if std::time::Instant::now() >= deadline {
+            return Err(String::from_utf8_lossy(&o.stderr).into_owned());
+        }
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    }
+}
+
 /// A child (an `exec`) stopped with SIGTERM when dropped, so `exec` cleans up and a failing
 /// assertion does not leave it behind holding ports and the kernel events lock.
 pub struct StopOnDrop(pub Child);

@@ -650,24 +650,10 @@ nameservers = []
             self.log()
         );
         // The control API answers once the daemon is ready.
-        let deadline = Instant::now() + Duration::from_secs(10);
-        loop {
-            // Only the daemon's own status has `uptime_s` (`status` falls back to reading the
-            // pins, `events` to reading the event store, when no daemon answers).
-            let o = self.cli(&["status", "--json"]);
-            if o.status.success()
-                && serde_json::from_slice::<serde_json::Value>(&o.stdout)
-                    .is_ok_and(|v| v.get("uptime_s").is_some())
-            {
-                break;
-            }
-            assert!(
-                Instant::now() < deadline,
-                "control API not answering: {}\n{}",
-                String::from_utf8_lossy(&o.stderr),
-                self.log()
-            );
-            std::thread::sleep(Duration::from_millis(100));
+        if let Err(stderr) =
+            crate::agent::api_ready(&self.agent_bin, &self.api_socket(), Duration::from_secs(10))
+        {
+            panic!("control API not answering: {stderr}\n{}", self.log());
         }
     }
 

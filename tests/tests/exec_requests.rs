@@ -14,7 +14,9 @@ use std::process::{Child, ChildStdin, Command, Stdio};
 use std::sync::mpsc::{Receiver, channel};
 use std::time::{Duration, Instant};
 
-use egress_tests::agent::{StopOnDrop, TestConfig, agent_bin, api_cli, assert_enforcement_intact};
+use egress_tests::agent::{
+    StopOnDrop, TestConfig, agent_bin, api_cli, api_ready, assert_enforcement_intact,
+};
 use egress_tests::docker::NetNs;
 use egress_tests::upstreams::{TempDir, WebServer};
 use egress_tests::{marker, root_or_skip};
@@ -93,22 +95,10 @@ impl Daemon {
             web: dir.join("policies.d").join("web.toml"),
             _netns: netns,
         };
-        let deadline = Instant::now() + Duration::from_secs(30);
-        loop {
-            let o = d.cli(&["status", "--json"]);
-            if o.status.success()
-                && serde_json::from_slice::<serde_json::Value>(&o.stdout)
-                    .is_ok_and(|v| v.get("uptime_s").is_some())
-            {
-                return d;
-            }
-            assert!(
-                Instant::now() < deadline,
-                "the daemon did not answer:\n{}",
-                d.log()
-            );
-            std::thread::sleep(Duration::from_millis(100));
+        if let Err(stderr) = api_ready(&agent_bin(), &d.socket, Duration::from_secs(30)) {
+            panic!("the daemon did not answer: {stderr}\n{}", d.log());
         }
+        d
     }
 
     fn cli(&self, args: &[&str]) -> std::process::Output {
