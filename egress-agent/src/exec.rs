@@ -55,8 +55,9 @@ use egress_policy::{self as policy, Mode};
 
 /// Name of the exec enforcement root under the cgroup2 mount.
 pub const EXEC_ROOT: &str = "egress-agent";
-/// `NO_PROXY` for confined commands: their own loopback servers.
-pub const LOOPBACK_NO_PROXY: &str = "localhost,127.0.0.1,::1";
+/// `NO_PROXY` for confined commands: their own loopback servers, and the host's services
+/// (`host.docker.internal`, reached directly when the policy has `allow_host_services`).
+pub const LOOPBACK_NO_PROXY: &str = "localhost,127.0.0.1,::1,host.docker.internal";
 
 /// Options of `egress-agent exec`.
 #[derive(Debug, Clone)]

@@ -217,7 +217,17 @@ pub fn explain(
 ) -> Value {
     let compiled = CompiledPolicy::new(policy);
     let endpoints = endpoints(config);
-    let kp = KernelPolicy::compile(policy, endpoints, &[]);
+    // Host services: where the workload reaches its host is known here only for the host's
+    // network namespace (loopback); a bridge workload's gateway is learned at run time.
+    let host: Vec<IpAddr> = match netns {
+        Netns::Host => vec![
+            IpAddr::V4(std::net::Ipv4Addr::LOCALHOST),
+            IpAddr::V6(std::net::Ipv6Addr::LOCALHOST),
+        ],
+        Netns::Own => Vec::new(),
+    };
+    let kp = KernelPolicy::compile(policy, endpoints, &[])
+        .and_then(|k| k.with_host_services(policy, &host));
     // An address as written (`::1` too, without brackets) is an IP destination.
     let dest = match target.host.parse::<IpAddr>() {
         Ok(ip) => Ok(Destination::Ip(ip)),
@@ -231,6 +241,13 @@ pub fn explain(
         "authority": "the kernel programs and the proxy decide at run time; this is their decision code run on the compiled policy",
     });
     let mut out = base;
+    let host_ports = policy.host_service_ports();
+    if !host_ports.is_empty() {
+        out["host_services"] = json!({
+            "ports": host_ports,
+            "at": "the workload's own host only: its bridge's gateway (what the agent's DNS answers for host.docker.internal), loopback under exec or --network host; TCP and UDP",
+        });
+    }
     let dest = match dest {
         Ok(d) => d,
         Err(e) => {

@@ -60,7 +60,10 @@ pub const MAX_ENTRY_PORTS: usize = 30;
 /// the proxy (CONNECT) like any allowed port, and **directly** (plain TCP, any protocol) to the
 /// addresses the agent's DNS responder answered for the name to that cgroup, until the answer's
 /// TTL runs out (the kernel keeps those addresses; see docs/architecture.md). Addresses that are
-/// allowed only through `resolve_private` are never opened directly.
+/// allowed only through `resolve_private` are never opened directly — unless the entry says
+/// `lan = true` (a named endpoint on the operator's network, e.g. an inference server): then
+/// the answered addresses inside `resolve_private` open directly on its ports too (never
+/// loopback or link-local ones: the host is `allow_host_services`).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct HostEntry {
     pub pattern: HostPattern,
@@ -71,6 +74,9 @@ pub struct HostEntry {
     pub preset: Option<PresetName>,
     /// `{ host = "...", access = "read-only" }`, or an entry of a preset in `read_only_presets`.
     pub access: Access,
+    /// `{ host = "gpu-box.lan", ports = [8000], lan = true }`: its private answers (inside
+    /// `resolve_private`) open directly on its ports, like public ones.
+    pub lan: bool,
 }
 
 impl From<HostPattern> for HostEntry {
@@ -80,6 +86,7 @@ impl From<HostPattern> for HostEntry {
             ports: Vec::new(),
             preset: None,
             access: Access::Full,
+            lan: false,
         }
     }
 }
@@ -96,6 +103,9 @@ impl fmt::Display for HostEntry {
         if self.access.is_read_only() {
             write!(f, " (read-only)")?;
         }
+        if self.lan {
+            write!(f, " (lan)")?;
+        }
         if let Some(p) = &self.preset {
             write!(f, " (preset {p})")?;
         }
@@ -109,13 +119,16 @@ impl Serialize for HostEntry {
         if self.ports.is_empty() && !self.access.is_read_only() {
             return s.collect_str(&self.pattern);
         }
-        let mut st = s.serialize_struct("HostEntry", 3)?;
+        let mut st = s.serialize_struct("HostEntry", 4)?;
         st.serialize_field("host", &self.pattern.to_string())?;
         if !self.ports.is_empty() {
             st.serialize_field("ports", &self.ports)?;
         }
         if self.access.is_read_only() {
             st.serialize_field("access", &self.access)?;
+        }
+        if self.lan {
+            st.serialize_field("lan", &true)?;
         }
         st.end()
     }
@@ -128,7 +141,7 @@ impl<'de> Deserialize<'de> for HostEntry {
             type Value = HostEntry;
             fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
                 f.write_str(
-                    "a host pattern or { host = \"...\", ports = [...] } or { host = \"...\", access = \"read-only\" }",
+                    "a host pattern or { host = \"...\", ports = [...] } (with lan = true for a private address) or { host = \"...\", access = \"read-only\" }",
                 )
             }
             fn visit_str<E: de::Error>(self, s: &str) -> Result<HostEntry, E> {
@@ -138,25 +151,33 @@ impl<'de> Deserialize<'de> for HostEntry {
                 let mut host: Option<String> = None;
                 let mut ports: Option<Vec<u16>> = None;
                 let mut access: Option<Access> = None;
+                let mut lan: Option<bool> = None;
                 while let Some(key) = map.next_key::<String>()? {
                     match key.as_str() {
                         "host" if host.is_none() => host = Some(map.next_value()?),
                         "ports" if ports.is_none() => ports = Some(map.next_value()?),
                         "access" if access.is_none() => access = Some(map.next_value()?),
-                        "host" | "ports" | "access" => {
-                            return Err(de::Error::duplicate_field("host/ports/access"));
+                        "lan" if lan.is_none() => lan = Some(map.next_value()?),
+                        "host" | "ports" | "access" | "lan" => {
+                            return Err(de::Error::duplicate_field("host/ports/access/lan"));
                         }
                         other => {
                             return Err(de::Error::unknown_field(
                                 other,
-                                &["host", "ports", "access"],
+                                &["host", "ports", "access", "lan"],
                             ));
                         }
                     }
                 }
+                let lan = lan.unwrap_or(false);
                 let host = host.ok_or_else(|| de::Error::missing_field("host"))?;
                 let pattern = HostPattern::parse(&host).map_err(de::Error::custom)?;
                 let access = access.unwrap_or_default();
+                if lan && (access.is_read_only() || ports.is_none()) {
+                    return Err(de::Error::custom(
+                        "lan = true opens the entry's own ports directly to its private addresses: give it ports (and no access)",
+                    ));
+                }
                 if access.is_read_only() {
                     if ports.is_some() {
                         return Err(de::Error::custom(
@@ -184,11 +205,17 @@ impl<'de> Deserialize<'de> for HostEntry {
                         "at most {MAX_ENTRY_PORTS} ports per allow_hosts entry"
                     )));
                 }
+                if lan && pattern.to_string().starts_with('*') {
+                    return Err(de::Error::custom(
+                        "a lan entry names one endpoint: no wildcards",
+                    ));
+                }
                 Ok(HostEntry {
                     pattern,
                     ports,
                     preset: None,
                     access,
+                    lan,
                 })
             }
         }

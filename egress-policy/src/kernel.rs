@@ -213,6 +213,26 @@ impl KernelPolicy {
         })
     }
 
+    /// Open the policy's `allow_host_services` ports (TCP and UDP, as every direct allow) at
+    /// `host`: the addresses at which this cgroup reaches its own host (its bridge's gateway;
+    /// loopback for a workload in the host's network namespace). Nothing for a policy without
+    /// host services, or a mode whose direct allows the kernel doesn't read.
+    pub fn with_host_services(
+        mut self,
+        policy: &model::Policy,
+        host: &[IpAddr],
+    ) -> Result<KernelPolicy, KernelPolicyError> {
+        let ports = policy.host_service_ports();
+        if ports.is_empty() {
+            return Ok(self);
+        }
+        for ip in host {
+            self.allow
+                .push(fits("allow_host_services", &IpNet::from(*ip), &ports)?);
+        }
+        Ok(self)
+    }
+
     /// The map entry for a cgroup whose rules are keyed by `rules_id`.
     pub fn entry(&self, rules_id: u64) -> PolicyEntry {
         let v4 = |a: Option<SocketAddr>| match a {
@@ -581,5 +601,46 @@ mod tests {
             ..model::Policy::deny_all()
         };
         assert!(KernelPolicy::compile(&p, Endpoints::default(), &[]).is_err());
+    }
+
+    #[test]
+    fn host_services_open_their_ports_at_the_host_addresses_only() {
+        let p = model::Policy {
+            mode: Mode::Allowlist,
+            allow_host_services: vec![
+                model::HostService {
+                    port: 11434,
+                    name: Some("ollama".into()),
+                },
+                model::HostService {
+                    port: 8080,
+                    name: None,
+                },
+            ],
+            ..model::Policy::deny_all()
+        };
+        let host: Vec<IpAddr> = vec!["172.17.0.1".parse().expect("ip")];
+        let k = KernelPolicy::compile(&p, Endpoints::default(), &[])
+            .and_then(|k| k.with_host_services(&p, &host))
+            .expect("compiles");
+        let rules = k.rules();
+        assert_eq!(rules.len(), 1, "{rules:?}");
+        let (net, rule) = &rules[0];
+        assert_eq!(net.to_string(), "172.17.0.1/32");
+        let ports: Vec<u16> = rule.ports[..rule.nports as usize].to_vec();
+        assert_eq!(ports, vec![8080, 11434]);
+        // Without a host address (not learned yet), nothing opens; nor for another mode.
+        let none = KernelPolicy::compile(&p, Endpoints::default(), &[])
+            .and_then(|k| k.with_host_services(&p, &[]))
+            .expect("compiles");
+        assert!(none.rules().is_empty());
+        let deny = model::Policy {
+            mode: Mode::DenyAll,
+            ..p.clone()
+        };
+        let k = KernelPolicy::compile(&deny, Endpoints::default(), &[])
+            .and_then(|k| k.with_host_services(&deny, &host))
+            .expect("compiles");
+        assert!(k.rules().is_empty());
     }
 }

@@ -397,6 +397,10 @@ pub struct CompiledPolicy {
     allow_cidrs: Vec<CidrRule>,
     deny_cidrs: Vec<IpNet>,
     resolve_private: Vec<IpNet>,
+    /// The names of `lan = true` entries: their private answers open directly.
+    lan: Vec<matcher::HostPattern>,
+    /// The policy has `allow_host_services` (the DNS answers `host.docker.internal`).
+    host_services: bool,
     transparent: bool,
     l7: l7::L7Policy,
     /// What it was built from: [`CompiledPolicy::describe`] names a decision's rule as
@@ -421,6 +425,13 @@ impl CompiledPolicy {
             allow_cidrs: p.allow_cidrs.clone(),
             deny_cidrs: p.deny_cidrs.clone(),
             resolve_private: p.resolve_private.clone(),
+            lan: p
+                .allow_hosts
+                .iter()
+                .filter(|e| e.lan)
+                .map(|e| e.pattern.clone())
+                .collect(),
+            host_services: !p.host_service_ports().is_empty(),
             transparent: p.transparent(),
             l7: l7::L7Policy::new(p),
             source: std::sync::Arc::new(p.clone()),
@@ -459,6 +470,16 @@ impl CompiledPolicy {
             _ => Vec::new(),
         };
         (self.decide(enforced, || Ok(Rule::AllowAll)), ports)
+    }
+
+    /// Is `name` a `lan = true` entry's (its answers in `resolve_private` open directly)?
+    pub fn is_lan_name(&self, name: &name::HostName) -> bool {
+        self.lan.iter().any(|p| p.matches(name))
+    }
+
+    /// Does the policy allow host services (`allow_host_services`)?
+    pub fn has_host_services(&self) -> bool {
+        self.host_services
     }
 
     /// True when refusals of the allowlist are recorded, not enforced.

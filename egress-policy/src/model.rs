@@ -133,7 +133,37 @@ pub struct Policy {
     /// `allowlist`; setting it for another mode is an error. See [`Policy::transparent`].
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub transparent: Option<bool>,
+    /// Services of the workload's own host it may reach directly (a local inference server):
+    /// `[{ port = 11434 }]`, optionally `{ port = 11434, name = "ollama" }`. Reached at the
+    /// host's address as the workload sees it and nowhere else: the gateway of its bridge
+    /// network (what the agent's DNS answers for `host.docker.internal`), loopback for `exec`
+    /// and host-network workloads. TCP and UDP to that port only. Allowlist only. Default none.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub allow_host_services: Vec<HostService>,
 }
+
+/// One `allow_host_services` entry: a port of the workload's own host, and an optional label.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct HostService {
+    pub port: u16,
+    /// What it is (`"ollama"`): shown where the policy is shown, nothing else.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub name: Option<String>,
+}
+
+impl fmt::Display for HostService {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match &self.name {
+            Some(n) => write!(f, "host port {} ({n})", self.port),
+            None => write!(f, "host port {}", self.port),
+        }
+    }
+}
+
+/// The name the agent's DNS answers with the workload's host address when its policy allows
+/// host services (`allow_host_services`); Docker Desktop's name for the host.
+pub const HOST_SERVICES_NAME: &str = "host.docker.internal";
 
 fn default_true() -> bool {
     true
@@ -168,6 +198,7 @@ impl Policy {
             request_rules: Vec::new(),
             resolve_private: Vec::new(),
             transparent: None,
+            allow_host_services: Vec::new(),
         }
     }
     /// The built-in [`AUDIT`] policy.
@@ -217,6 +248,18 @@ impl Policy {
     /// The policy's own `allow_hosts` entries (what it says itself, without its presets').
     pub fn own_hosts(&self) -> impl Iterator<Item = &HostEntry> {
         self.allow_hosts.iter().filter(|h| h.preset.is_none())
+    }
+
+    /// The ports of `allow_host_services` (sorted, deduplicated); empty unless the policy is an
+    /// allowlist (the only mode whose direct allows the kernel reads).
+    pub fn host_service_ports(&self) -> Vec<u16> {
+        if self.mode != Mode::Allowlist {
+            return Vec::new();
+        }
+        let mut ports: Vec<u16> = self.allow_host_services.iter().map(|s| s.port).collect();
+        ports.sort_unstable();
+        ports.dedup();
+        ports
     }
 
     /// The ports of `{ host, ports }` entries (sorted, deduplicated): direct TCP to the addresses
@@ -486,6 +529,7 @@ impl Policy {
                 }
             }
         }
+        self.validate_local(base)?;
         let patterns: Vec<HostPattern> =
             self.allow_hosts.iter().map(|e| e.pattern.clone()).collect();
         let scope = super::credentials::Scope {
@@ -496,6 +540,63 @@ impl Policy {
         };
         super::credentials::validate(&self.credentials, &scope, base)?;
         super::rules::validate(&self.request_rules, base)?;
+        Ok(())
+    }
+}
+
+impl Policy {
+    /// `allow_host_services` and the `lan` entries of `allow_hosts` (local model access).
+    fn validate_local(&self, base: &str) -> Result<(), ValidationError> {
+        for (i, s) in self.allow_host_services.iter().enumerate() {
+            let field = format!("{base}.allow_host_services[{i}]");
+            if self.mode != Mode::Allowlist {
+                return Err(verr(
+                    field,
+                    "host services are direct allows: they need mode = \"allowlist\"",
+                ));
+            }
+            match s.port {
+                0 => return Err(verr(field, "port 0 is not a port")),
+                53 => {
+                    return Err(verr(
+                        field,
+                        "port 53 always goes to the agent's DNS responder; a host resolver can't be allowed",
+                    ));
+                }
+                _ => {}
+            }
+            if self.allow_host_services[..i].iter().any(|o| o.port == s.port) {
+                return Err(verr(field, format!("port {} is listed twice", s.port)));
+            }
+            if let Some(n) = &s.name
+                && (n.is_empty() || n.len() > 64 || n.chars().any(char::is_control))
+            {
+                return Err(verr(
+                    field,
+                    "name: 1 to 64 characters, no control characters",
+                ));
+            }
+        }
+        if self.allow_host_services.len() > egress_common::MAX_RULE_PORTS {
+            return Err(verr(
+                format!("{base}.allow_host_services"),
+                format!(
+                    "at most {} host services per policy",
+                    egress_common::MAX_RULE_PORTS
+                ),
+            ));
+        }
+        for (i, e) in self.allow_hosts.iter().enumerate() {
+            if e.lan && self.resolve_private.is_empty() {
+                return Err(verr(
+                    format!("{base}.allow_hosts[{i}]"),
+                    format!(
+                        "{} is a LAN entry, and resolve_private is empty: list the private ranges its addresses may be in (e.g. resolve_private = [\"192.168.0.0/16\"])",
+                        e.pattern
+                    ),
+                ));
+            }
+        }
         Ok(())
     }
 }

@@ -93,8 +93,10 @@ impl Topo {
                         veth: "ev1".into(),
                         mac: C1_MAC,
                         ipv4: Ipv4Addr::new(198, 18, 1, 2),
+                        gateway: Some(Ipv4Addr::new(198, 18, 1, 1)),
                     }],
                     direct_ports: vec![2222],
+                    host_ports: vec![11434],
                 },
             );
         }
@@ -197,6 +199,9 @@ fn host_layer_filters_real_packets() {
     let own = tcp_server(&t.h, "169.254.100.1:4001");
     let _other = tcp_server(&t.h, "169.254.100.1:4002");
     let _host_port = tcp_server(&t.h, "198.18.1.1:2222");
+    // A host service (allow_host_services = [{ port = 11434 }]) on every address of H.
+    let host_service = tcp_server(&t.h, "0.0.0.0:11434");
+    let host_service_udp = udp_sink(&t.h, "0.0.0.0:11434");
     let _u80 = tcp_server(&t.u, "198.18.2.2:80");
     let _u81 = tcp_server(&t.u, "198.18.2.2:81");
     let _c1_server = tcp_server(&t.c1, "198.18.1.2:8080");
@@ -282,6 +287,36 @@ fn host_layer_filters_real_packets() {
     assert!(
         !reach(&t.c1, "198.18.1.1:2222"),
         "enforced container must not reach host ports"
+    );
+    // ... but its policy's host service, at its gateway only (TCP and UDP).
+    assert!(
+        reach(&t.c1, "198.18.1.1:11434"),
+        "the host service at the gateway"
+    );
+    let served = host_service.load(Ordering::SeqCst);
+    for elsewhere in ["198.18.2.1:11434", "169.254.100.1:11434"] {
+        assert!(
+            !reach(&t.c1, elsewhere),
+            "the host service at another address of the host: {elsewhere}"
+        );
+    }
+    send_udp(&t.c1, "198.18.1.1:11434");
+    let deadline = std::time::Instant::now() + Duration::from_secs(3);
+    while host_service_udp.load(Ordering::SeqCst) < 3 && std::time::Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert_eq!(host_service_udp.load(Ordering::SeqCst), 3, "UDP to the host service");
+    send_udp(&t.c1, "198.18.2.1:11434");
+    settle();
+    assert_eq!(
+        host_service.load(Ordering::SeqCst),
+        served,
+        "nothing arrived at the host service by another address"
+    );
+    assert_eq!(
+        host_service_udp.load(Ordering::SeqCst),
+        3,
+        "no datagram arrived by another address"
     );
     assert!(reach(&t.c2, "198.18.1.1:2222"));
     // (b) forwarded: only allow_cidrs (198.18.2.2:80).

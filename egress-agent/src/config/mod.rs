@@ -1027,6 +1027,74 @@ transparent = false
     }
 
     #[test]
+    fn host_services_and_lan_entries_are_checked_where_they_are_written() {
+        let ok = parse(
+            "[policies.local]\nallow_host_services = [{ port = 11434, name = \"ollama\" }, { port = 8080 }]\nallow_hosts = [{ host = \"gpu-box.lan\", ports = [8000], lan = true }]\nresolve_private = [\"192.168.0.0/16\"]\n",
+        )
+        .unwrap();
+        let p = ok.policy("local").unwrap();
+        assert_eq!(p.host_service_ports(), vec![8080, 11434]);
+        assert!(p.allow_hosts[0].lan);
+        assert_eq!(p.allow_hosts[0].to_string(), "gpu-box.lan (ports 8000) (lan)");
+        // Written back as read.
+        let back = toml::to_string(p).unwrap();
+        assert!(
+            back.contains("lan = true") && back.contains("name = \"ollama\""),
+            "{back}"
+        );
+        for (text, start, needle) in [
+            (
+                "[policies.ci]\nallow_host_services = [{ port = 0 }]\n",
+                "/etc/egress-agent/test.toml:2:",
+                "port 0",
+            ),
+            (
+                "[policies.ci]\nallow_host_services = [{ port = 53 }]\n",
+                "/etc/egress-agent/test.toml:2:",
+                "DNS responder",
+            ),
+            (
+                "[policies.ci]\nallow_host_services = [{ port = 80 }, { port = 80 }]\n",
+                "/etc/egress-agent/test.toml:2:",
+                "listed twice",
+            ),
+            (
+                "[policies.ci]\nallow_host_services = [{ port = 80, host = \"x\" }]\n",
+                "/etc/egress-agent/test.toml:2:",
+                "unknown field",
+            ),
+            (
+                "[policies.ci]\nmode = \"deny_all\"\nallow_host_services = [{ port = 80 }]\n",
+                "/etc/egress-agent/test.toml:3:",
+                "allowlist",
+            ),
+            (
+                "[api]\nui_listen = \"127.0.0.1:9400\"\n[policies.ci]\nallow_host_services = [{ port = 9400 }]\n",
+                "/etc/egress-agent/test.toml:4:",
+                "console",
+            ),
+            (
+                "[policies.ci]\nallow_hosts = [{ host = \"gpu-box.lan\", ports = [8000], lan = true }]\n",
+                "/etc/egress-agent/test.toml:2:",
+                "resolve_private is empty",
+            ),
+            (
+                "[policies.ci]\nallow_hosts = [{ host = \"gpu-box.lan\", lan = true }]\nresolve_private = [\"10.0.0.0/8\"]\n",
+                "/etc/egress-agent/test.toml:2:",
+                "give it ports",
+            ),
+            (
+                "[policies.ci]\nallow_hosts = [{ host = \"*.lan\", ports = [8000], lan = true }]\nresolve_private = [\"10.0.0.0/8\"]\n",
+                "/etc/egress-agent/test.toml:2:",
+                "no wildcards",
+            ),
+        ] {
+            let e = err(text);
+            assert!(e.starts_with(start) && e.contains(needle), "{text:?}: {e}");
+        }
+    }
+
+    #[test]
     fn unspecified_listen_is_refused_unless_explicit() {
         let e = err("[proxy]\nlisten = \"0.0.0.0\"\n");
         assert!(e.contains("proxy.listen") && e.contains(":2:"), "{e}");

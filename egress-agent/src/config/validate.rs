@@ -134,6 +134,20 @@ impl Config {
             let base = format!("policies.{name}");
             check_policy_name(name).map_err(|m| verr(&base, m))?;
             policy.validate(&base)?;
+            if let Some(ui) = self.api.ui_listen
+                && let Some(i) = policy
+                    .allow_host_services
+                    .iter()
+                    .position(|s| s.port == ui.port())
+            {
+                return Err(verr(
+                    format!("{base}.allow_host_services[{i}]"),
+                    format!(
+                        "port {} is the agent's own console (api.ui_listen): no workload reaches it",
+                        ui.port()
+                    ),
+                ));
+            }
         }
         Ok(())
     }

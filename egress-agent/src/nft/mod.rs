@@ -15,8 +15,10 @@
 //!   containers, each only on its own policy's listener port — not from the LAN, not from
 //!   unlabelled containers; (b) forwarded traffic from an enforced container goes only to its
 //!   `allow_cidrs` (replies of inbound connections, e.g. published ports, pass as established);
-//!   (c) an enforced container reaches no other host port; (d) nor, whatever its `allow_cidrs`
-//!   say, the agent's own services (the console on `api.ui_listen`, metrics).
+//!   (c) an enforced container reaches no other host port — but its policy's
+//!   `allow_host_services` ports at its bridge's own address (the gateway); (d) nor, whatever
+//!   its `allow_cidrs` or host services say, the agent's own services (the console on
+//!   `api.ui_listen`, metrics).
 //!
 //! **The guard (unclassified ports).** Until the agent has handled a container's `start`, its
 //! frames must get nowhere — the kernel can't refuse `socket(AF_PACKET)` where BPF-LSM does not
@@ -102,6 +104,9 @@ pub struct Endpoint {
     pub veth: String,
     pub mac: [u8; 6],
     pub ipv4: Ipv4Addr,
+    /// The bridge's own IPv4 address in the agent's namespace (the endpoint's gateway: where
+    /// it reaches the host, and the `allow_host_services` rules open), if it has one.
+    pub gateway: Option<Ipv4Addr>,
 }
 
 /// A port on the proxy address an enforced container may reach besides its listener.
@@ -132,6 +137,9 @@ pub struct Enforced {
     /// let through to the addresses in the container's direct set of that port
     /// ([`direct`]: filled from the agent's DNS answers, each until its TTL).
     pub direct_ports: Vec<u16>,
+    /// Its policy's `allow_host_services` ports (sorted, deduplicated): TCP and UDP to them on
+    /// each endpoint's [`Endpoint::gateway`] reach the host; no other address of the host.
+    pub host_ports: Vec<u16>,
 }
 
 /// The whole ruleset: built from scratch on every change.
@@ -207,7 +215,9 @@ impl Ruleset {
         let endpoints: usize = self
             .containers
             .values()
-            .map(|c| c.endpoints.len() + c.allow_cidrs.len())
+            .map(|c| {
+                c.endpoints.len() * (1 + c.host_ports.len().div_ceil(8)) + c.allow_cidrs.len()
+            })
             .sum::<usize>()
             // Known ports and guarded bridges: two small rules each (< 1 KiB), counted generously.
             + self.unrestricted.values().map(Vec::len).sum::<usize>().div_ceil(8)
@@ -376,6 +386,26 @@ impl Ruleset {
                     r.add_expr(&nft_expr!(cmp == port.to_be()));
                     drop_(&mut r);
                     batch.add(&r, MsgType::Add);
+                }
+                // (c) the host services its policy allows, at its gateway only.
+                if let Some(gw) = ep.gateway {
+                    for port in &c.host_ports {
+                        for proto in [IPPROTO_TCP, IPPROTO_UDP] {
+                            let mut r = rule(&i_in, &short)?;
+                            from(&mut r);
+                            r.add_expr(&nft_expr!(payload ipv4 daddr));
+                            r.add_expr(&nft_expr!(cmp == gw));
+                            l4(&mut r, proto);
+                            if proto == IPPROTO_TCP {
+                                r.add_expr(&nft_expr!(payload tcp dport));
+                            } else {
+                                r.add_expr(&nft_expr!(payload udp dport));
+                            }
+                            r.add_expr(&nft_expr!(cmp == port.to_be()));
+                            r.add_expr(&nft_expr!(verdict accept));
+                            batch.add(&r, MsgType::Add);
+                        }
+                    }
                 }
                 // (b) allow_cidrs, forwarded or local; direct ports to the addresses in their set.
                 for chain in [&i_in, &i_fwd] {
@@ -778,8 +808,10 @@ mod tests {
                         veth: format!("veth{i:07x}"),
                         mac: [2, 0x42, 198, 18, 0, i as u8],
                         ipv4: Ipv4Addr::new(198, 18, (i / 250) as u8, (i % 250) as u8 + 2),
+                        gateway: Some(Ipv4Addr::new(198, 18, 0, 1)),
                     }],
                     direct_ports: vec![22, 2222],
+                    host_ports: vec![11434],
                 },
             );
             // As many unlabelled containers, known ports on the same bridge.
@@ -790,6 +822,7 @@ mod tests {
                     veth: format!("vethu{i:06x}"),
                     mac: [2, 0x42, 198, 19, 0, i as u8],
                     ipv4: Ipv4Addr::new(198, 19, (i / 250) as u8, (i % 250) as u8 + 2),
+                    gateway: None,
                 }],
             );
         }

@@ -414,6 +414,11 @@ impl PolicyHandle {
         self.shared.set_base(policy);
     }
 
+    /// The workload reaches its host at `addrs` (see [`Shared::host`]).
+    pub fn set_host(&self, addrs: &[std::net::IpAddr]) {
+        self.shared.host.store(Arc::new(addrs.to_vec()));
+    }
+
     /// The listener as a [`GrantTarget`](crate::asks::GrantTarget) (tests approve through it).
     pub fn grant_target(&self) -> std::sync::Weak<dyn crate::asks::GrantTarget> {
         let me: Arc<dyn crate::asks::GrantTarget> = self.shared.clone();
@@ -488,6 +493,10 @@ pub(crate) struct Shared {
     /// The workload as it outlives this process (a workload's listener only): what its access
     /// requests and run grants are kept under across a restart ([`crate::asks::Durable`]).
     pub(crate) durable: Option<crate::asks::Durable>,
+    /// Where the workload reaches its own host (its bridge's gateway, loopback for the host's
+    /// network namespace): what the DNS answers for `host.docker.internal` when the policy
+    /// allows host services. Empty until the enforcer learned it.
+    pub(crate) host: ArcSwap<Vec<std::net::IpAddr>>,
 }
 
 impl Shared {
@@ -749,6 +758,7 @@ impl PolicyProxy {
             overlay: std::sync::Mutex::new(grants::Overlay::new(policy.clone())),
             me: me.clone(),
             durable,
+            host: ArcSwap::from_pointee(Vec::new()),
         });
         shared.adopt_requests();
         let intercept = match shared.ctx.interception.clone() {

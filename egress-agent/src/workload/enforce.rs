@@ -64,6 +64,23 @@ struct Tracked {
     listener: Option<Listener>,
     /// Refused for these reasons (the event was emitted).
     refused: Option<String>,
+    /// The gateways of its bridge endpoints, as the host layer last found them: where it
+    /// reaches its host ([`host_addrs`]).
+    gateways: Vec<IpAddr>,
+}
+
+/// Where a workload reaches its own host (and its policy's `allow_host_services` open):
+/// loopback in the host's network namespace (`exec`, `--network host`), else the gateways of
+/// its bridge endpoints the host layer found (none yet, or no host layer: nothing opens).
+fn host_addrs(info: &ContainerInfo, gateways: &[IpAddr]) -> Vec<IpAddr> {
+    if info.host_network() {
+        vec![
+            IpAddr::V4(std::net::Ipv4Addr::LOCALHOST),
+            IpAddr::V6(std::net::Ipv6Addr::LOCALHOST),
+        ]
+    } else {
+        gateways.to_vec()
+    }
 }
 
 /// A policy's `{ host, ports }` entries: what direct allowances were given for.
@@ -495,11 +512,20 @@ impl Enforcer {
             None
         };
         let addrs = listener.as_ref().map(|l| l.bound).unwrap_or_default();
+        let gateways = self
+            .tracked
+            .get(&info.id)
+            .map(|t| t.gateways.clone())
+            .unwrap_or_default();
+        let host = host_addrs(info, &gateways);
+        if let Some(l) = &listener {
+            l.set_host(&host);
+        }
         let written_name = match self.entries.write_or_deny(
             id,
             &plan.policy,
             addrs,
-            &plan.published,
+            (&plan.published, &host),
         ) {
             Written::Policy => plan.policy_name.clone(),
             Written::DenyAll(why) => {
@@ -627,13 +653,71 @@ impl Enforcer {
         if let Err(e) = nft::Ruleset::check_endpoints(&endpoints) {
             return self.host_layer_failed(info, &e.to_string());
         }
+        let gateways = endpoints_gateways(&endpoints);
         let entry = match plan::host_entry(opted_in, &plan, listener, proxy_ip, endpoints) {
             Ok(e) => e,
             Err(why) => return self.host_layer_failed(info, &why),
         };
         match self.host.put(&info.id, &info.name, entry).await {
-            Ok(()) => Outcome::Ok,
+            // The host layer's rules first, then the kernel's: a host service the cgroup
+            // program lets through is never dropped by a rule not yet written.
+            Ok(()) => self.learn_gateways(info, gateways),
             Err(why) => self.host_layer_failed(info, &why),
+        }
+    }
+
+    /// The host layer found the workload's gateways: remember them, and where its policy
+    /// allows host services, rewrite its kernel entry so they open there (and its DNS answers
+    /// `host.docker.internal` with them). A workload confined as `deny_all` after a failed write
+    /// stays so: only an entry that holds its policy is rewritten.
+    fn learn_gateways(&mut self, info: &ContainerInfo, gateways: Vec<IpAddr>) -> Outcome {
+        let Some(t) = self.tracked.get_mut(&info.id) else {
+            return Outcome::Ok;
+        };
+        if t.gateways == gateways {
+            return Outcome::Ok;
+        }
+        t.gateways = gateways;
+        let plan = plan::plan(info, &t.resolved);
+        let Some((_, id)) = t.cgroup.clone() else {
+            return Outcome::Ok;
+        };
+        let holds_policy = self
+            .entries
+            .directory()
+            .get(id)
+            .is_some_and(|d| d.policy == plan.policy_name);
+        if plan.policy.host_service_ports().is_empty() || !holds_policy {
+            return Outcome::Ok;
+        }
+        let host = host_addrs(info, &t.gateways);
+        let bound = match &t.listener {
+            Some(l) => {
+                l.set_host(&host);
+                l.bound
+            }
+            None => Default::default(),
+        };
+        let resolved = t.resolved.clone();
+        match self
+            .entries
+            .write_or_deny(id, &plan.policy, bound, (&plan.published, &host))
+        {
+            Written::Policy => {
+                tracing::info!(cgroup_id = id, host = ?host, "host services opened at the workload's gateway");
+                Outcome::Ok
+            }
+            Written::DenyAll(why) => {
+                tracing::error!(cgroup_id = id, error = %why, "writing policy entry failed; wrote deny_all");
+                self.event(info, &resolved, Some(id), &format!("entry-failed: {why}"));
+                self.entries
+                    .record_denied(id, container_ref(info), resolved.context.clone());
+                Outcome::Ok
+            }
+            Written::Failed(why) => {
+                self.event(info, &resolved, Some(id), &format!("entry-failed: {why}"));
+                Outcome::Refuse(format!("cannot write a kernel entry: {why}"))
+            }
         }
     }
 
@@ -750,7 +834,11 @@ impl Enforcer {
         precreated: Option<PathBuf>,
         listener: Option<Listener>,
     ) {
-        let refused = self.tracked.get(&info.id).and_then(|t| t.refused.clone());
+        let (refused, gateways) = self
+            .tracked
+            .get(&info.id)
+            .map(|t| (t.refused.clone(), t.gateways.clone()))
+            .unwrap_or_default();
         self.tracked.insert(
             info.id.clone(),
             Tracked {
@@ -760,6 +848,7 @@ impl Enforcer {
                 precreated,
                 listener,
                 refused,
+                gateways,
             },
         );
     }
@@ -851,6 +940,17 @@ impl Enforcer {
             t.listener = None;
         }
     }
+}
+
+/// The distinct gateways of a workload's endpoints, in endpoint order.
+fn endpoints_gateways(endpoints: &[nft::Endpoint]) -> Vec<IpAddr> {
+    let mut out: Vec<IpAddr> = Vec::new();
+    for gw in endpoints.iter().filter_map(|e| e.gateway) {
+        if !out.contains(&IpAddr::V4(gw)) {
+            out.push(IpAddr::V4(gw));
+        }
+    }
+    out
 }
 
 fn container_ref(info: &ContainerInfo) -> ContainerRef {

@@ -7,7 +7,7 @@
 //! The map is reached through [`KernelMap`], implemented by [`PinnedState`] (the only
 //! implementation outside tests): a seam so unit tests can make writes fail.
 use std::collections::HashSet;
-use std::net::{SocketAddr, SocketAddrV4};
+use std::net::{IpAddr, SocketAddr, SocketAddrV4};
 use std::path::Path;
 
 use super::directory::{DirEntry, Directory};
@@ -109,13 +109,14 @@ impl Entries {
     }
 
     /// Write `policy` for `cgroup_id` with the workload's `listener` (and its interception
-    /// sockets) and `published` TCP ports.
+    /// sockets), `published` TCP ports and the addresses at which it reaches its `host` (where
+    /// the policy's host services open).
     fn write(
         &mut self,
         cgroup_id: u64,
         policy: &Policy,
         listener: Bound,
-        published: &[u16],
+        (published, host): (&[u16], &[IpAddr]),
     ) -> Result<(), String> {
         let v4 = listener.v4.filter(|(a, _)| a.is_ipv4());
         let v6 = listener.v6.filter(|(a, _)| a.is_ipv6());
@@ -127,23 +128,24 @@ impl Entries {
             intercept4: v4.map(|(_, i)| i).unwrap_or_default(),
             intercept6: v6.map(|(_, i)| i).unwrap_or_default(),
         };
-        let kp =
-            KernelPolicy::compile(policy, endpoints, published).map_err(|e| with_sources(&e))?;
+        let kp = KernelPolicy::compile(policy, endpoints, published)
+            .and_then(|k| k.with_host_services(policy, host))
+            .map_err(|e| with_sources(&e))?;
         self.state
             .set_policy(cgroup_id, &kp)
             .map_err(|e| with_sources(&e))
     }
 
-    /// Write the container's policy, or `deny_all` (no listener, no published ports) if that
-    /// fails.
+    /// Write the container's policy, or `deny_all` (no listener, no published ports, no host
+    /// services) if that fails. `reach`: its published TCP ports and its host's addresses.
     pub fn write_or_deny(
         &mut self,
         cgroup_id: u64,
         policy: &Policy,
         listener: Bound,
-        published: &[u16],
+        reach: (&[u16], &[IpAddr]),
     ) -> Written {
-        match self.write(cgroup_id, policy, listener, published) {
+        match self.write(cgroup_id, policy, listener, reach) {
             Ok(()) => Written::Policy,
             Err(why) => self.deny(cgroup_id, why),
         }
@@ -151,12 +153,12 @@ impl Entries {
 
     /// The agent's own cgroup: `allow_all`, no listener (see [`super::Enforcer::exempt_self`]).
     pub fn write_self(&mut self, cgroup_id: u64) -> Result<(), String> {
-        self.write(cgroup_id, &Policy::allow_all(), Bound::default(), &[])
+        self.write(cgroup_id, &Policy::allow_all(), Bound::default(), (&[], &[]))
     }
 
     /// Confine `cgroup_id` as `deny_all` because of `why`.
     pub fn deny(&mut self, cgroup_id: u64, why: String) -> Written {
-        match self.write(cgroup_id, &Policy::deny_all(), Bound::default(), &[]) {
+        match self.write(cgroup_id, &Policy::deny_all(), Bound::default(), (&[], &[])) {
             Ok(()) => Written::DenyAll(why),
             Err(again) => Written::Failed(format!("{why}; writing deny_all failed too: {again}")),
         }
@@ -318,7 +320,7 @@ mod tests {
                 v4: Some((LISTENER.parse().unwrap(), InterceptAddrs::default())),
                 v6: None,
             },
-            &[8080],
+            (&[8080], &["172.17.0.1".parse().unwrap()]),
         );
         assert_eq!(w, Written::Policy);
         let written = map.written.lock().unwrap();
@@ -337,7 +339,7 @@ mod tests {
                 v4: Some((LISTENER.parse().unwrap(), InterceptAddrs::default())),
                 v6: None,
             },
-            &[8080],
+            (&[8080], &["172.17.0.1".parse().unwrap()]),
         );
         let Written::DenyAll(why) = w else {
             panic!("expected deny_all, got {w:?}");
@@ -367,7 +369,7 @@ mod tests {
                 v4: Some((LISTENER.parse().unwrap(), InterceptAddrs::default())),
                 v6: None,
             },
-            &[8080],
+            (&[8080], &["172.17.0.1".parse().unwrap()]),
         );
         let Written::Failed(why) = w else {
             panic!("expected a failure, got {w:?}");

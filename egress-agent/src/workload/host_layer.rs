@@ -420,11 +420,13 @@ mod tests {
             allow_inbound: Vec::new(),
             redirects: Vec::new(),
             direct_ports: Vec::new(),
+            host_ports: Vec::new(),
             endpoints: vec![nft::Endpoint {
                 bridge: "br-test".into(),
                 veth: format!("veth{n}"),
                 mac: [2, 0, 0, 0, 0, n],
                 ipv4: std::net::Ipv4Addr::new(198, 18, 0, n),
+                gateway: None,
             }],
         })
     }

@@ -108,6 +108,14 @@ impl Listener {
         })
     }
 
+    /// The workload reaches its own host at `addrs` (the DNS answers them for
+    /// `host.docker.internal` when the policy allows host services).
+    pub fn set_host(&self, addrs: &[IpAddr]) {
+        for h in &self.handles {
+            h.set_host(addrs);
+        }
+    }
+
     /// Keep serving, with the new content of the same policy.
     pub fn set(&self, policy: &Policy) {
         for h in &self.handles {

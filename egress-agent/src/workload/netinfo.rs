@@ -42,6 +42,8 @@ struct AddrInfo {
     /// Either family's address (parsed per `family`).
     #[serde(default)]
     local: Option<String>,
+    #[serde(default)]
+    prefixlen: Option<u8>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -65,6 +67,26 @@ impl Link {
             .filter(|a| a.family == "inet")
             .find_map(|a| a.local.as_deref()?.parse().ok())
     }
+}
+
+/// The IPv4 address of `bridge` (in the agent's namespace) on the subnet of `inside`: the
+/// endpoint's gateway, where it reaches the host. The first IPv4 address when none is on that
+/// subnet; `None` for a bridge without one.
+fn gateway(host: &[Link], bridge: &str, inside: std::net::Ipv4Addr) -> Option<std::net::Ipv4Addr> {
+    let link = host.iter().find(|l| l.ifname == bridge)?;
+    let addrs: Vec<(std::net::Ipv4Addr, u8)> = link
+        .addr_info
+        .iter()
+        .filter(|a| a.family == "inet")
+        .filter_map(|a| Some((a.local.as_deref()?.parse().ok()?, a.prefixlen.unwrap_or(32))))
+        .collect();
+    addrs
+        .iter()
+        .find(|(a, len)| {
+            ipnet::Ipv4Net::new(*a, *len).is_ok_and(|n| n.trunc().contains(&inside))
+        })
+        .or(addrs.first())
+        .map(|(a, _)| *a)
 }
 
 fn ip_links() -> Result<Vec<Link>, NetInfoError> {
@@ -130,6 +152,7 @@ pub fn host_endpoints(pid: u32, endpoints: &[NetEndpoint]) -> Result<Vec<Endpoin
             .clone()
             .ok_or(NetInfoError::NoPeer(peer_index))?;
         out.push(Endpoint {
+            gateway: gateway(&host, &bridge, ep.ipv4),
             bridge,
             veth: peer.ifname.clone(),
             mac: ep.mac,
@@ -178,6 +201,7 @@ fn pod_endpoints_of(
                 veth: peer.ifname.clone(),
             })?;
         out.push(Endpoint {
+            gateway: gateway(host, &bridge, ipv4),
             bridge,
             veth: peer.ifname.clone(),
             mac,
@@ -198,7 +222,7 @@ mod tests {
     /// `ip -j addr show` as iproute2 prints it: inside a CNI bridge pod, and on the host.
     const INSIDE: &str = r#"[{"ifindex":1,"ifname":"lo","flags":["LOOPBACK","UP"],"mtu":65536,"link_type":"loopback","address":"00:00:00:00:00:00","addr_info":[{"family":"inet","local":"127.0.0.1","prefixlen":8}]},
       {"ifindex":2,"link_index":17,"ifname":"eth0","flags":["BROADCAST","UP"],"mtu":1500,"link_type":"ether","address":"5a:0c:2e:91:aa:01","link_netnsid":0,"addr_info":[{"family":"inet","local":"198.18.8.5","prefixlen":24},{"family":"inet6","local":"fe80::1","prefixlen":64}]}]"#;
-    const HOST: &str = r#"[{"ifindex":16,"ifname":"cni0","flags":["UP"],"address":"aa:bb:cc:dd:ee:ff","addr_info":[]},
+    const HOST: &str = r#"[{"ifindex":16,"ifname":"cni0","flags":["UP"],"address":"aa:bb:cc:dd:ee:ff","addr_info":[{"family":"inet","local":"10.9.0.1","prefixlen":16},{"family":"inet","local":"198.18.8.1","prefixlen":24}]},
       {"ifindex":17,"link_index":2,"ifname":"veth1a2b3c4d","master":"cni0","address":"d2:00:00:00:00:01","link_netnsid":1,"addr_info":[]}]"#;
 
     fn links(json: &str) -> Vec<Link> {
@@ -215,8 +239,17 @@ mod tests {
                 veth: "veth1a2b3c4d".to_owned(),
                 mac: [0x5a, 0x0c, 0x2e, 0x91, 0xaa, 0x01],
                 ipv4: "198.18.8.5".parse().unwrap(),
+                // The bridge's address on the pod's subnet, not its first one.
+                gateway: Some("198.18.8.1".parse().unwrap()),
             }]
         );
+        // A bridge without an address of its own: no gateway (no host services open).
+        let bare = HOST.replace(
+            r#"[{"family":"inet","local":"10.9.0.1","prefixlen":16},{"family":"inet","local":"198.18.8.1","prefixlen":24}]"#,
+            "[]",
+        );
+        let eps = pod_endpoints_of(7, &links(INSIDE), &links(&bare)).unwrap();
+        assert_eq!(eps[0].gateway, None);
     }
 
     #[test]

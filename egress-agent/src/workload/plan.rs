@@ -111,10 +111,13 @@ pub fn host_entry(
         .collect();
     // Direct ports (`{ host, ports }`): to the addresses the agent's DNS answers this container,
     // each for its TTL (an auditing policy is open anyway).
-    let direct_ports = if plan.policy.audits() {
-        Vec::new()
+    let (direct_ports, host_ports) = if plan.policy.audits() {
+        (Vec::new(), Vec::new())
     } else {
-        plan.policy.direct_ports()
+        (
+            plan.policy.direct_ports(),
+            plan.policy.host_service_ports(),
+        )
     };
     Ok(HostEntry::Enforced(nft::Enforced {
         listener,
@@ -123,6 +126,7 @@ pub fn host_entry(
         allow_inbound,
         endpoints,
         direct_ports,
+        host_ports,
     }))
 }
 

@@ -36,11 +36,14 @@ pub enum Planned {
     Failed(String),
 }
 
-/// Check every address of `names` (both families) and shape the `record_type` answer.
+/// Check every address of `names` (both families) and shape the `record_type` answer. `lan`:
+/// the name is a `lan = true` entry's, so its addresses inside `resolve_private` may be opened
+/// directly too ([`lan_direct`]).
 pub fn plan(
     policy: &CompiledPolicy,
     names: &NameRecords,
     record_type: RecordType,
+    lan: bool,
     now: Instant,
 ) -> Planned {
     let mut public: Vec<IpAddr> = Vec::new();
@@ -50,6 +53,7 @@ pub fn plan(
         // could only give the same refusal.
         match policy.classify_addr(ip, None, true) {
             Ok(AddrClass::Public) => public.push(ip),
+            Ok(AddrClass::ResolvePrivate) if lan && lan_direct(ip) => public.push(ip),
             Ok(AddrClass::Cidr | AddrClass::ResolvePrivate) => {}
             Err(refused) => return Planned::Denied { refused, ip },
         }
@@ -86,6 +90,22 @@ pub fn plan(
                 direct_addrs,
                 ttl,
             }
+        }
+    }
+}
+
+/// A private address a `lan = true` entry may open directly: anything `resolve_private` covers
+/// but the host itself (loopback, unspecified: that is `allow_host_services`) and link-local
+/// ranges (metadata services live there).
+fn lan_direct(ip: IpAddr) -> bool {
+    let ip = match ip {
+        IpAddr::V6(v6) => v6.to_ipv4_mapped().map_or(ip, IpAddr::V4),
+        v4 => v4,
+    };
+    match ip {
+        IpAddr::V4(a) => !(a.is_loopback() || a.is_unspecified() || a.is_link_local()),
+        IpAddr::V6(a) => {
+            !(a.is_loopback() || a.is_unspecified() || a.is_unicast_link_local())
         }
     }
 }
@@ -137,7 +157,7 @@ mod tests {
             ),
             v6: Family::NoData,
         };
-        match plan(&p, &names, RecordType::A, now) {
+        match plan(&p, &names, RecordType::A, false, now) {
             Planned::Answer {
                 records,
                 addrs,
@@ -153,13 +173,13 @@ mod tests {
             }
             other => panic!("{other:?}"),
         }
-        assert_eq!(plan(&p, &names, RecordType::AAAA, now), Planned::NoData);
+        assert_eq!(plan(&p, &names, RecordType::AAAA, false, now), Planned::NoData);
         // Short TTLs are raised to the floor, remaining cache time counts.
         let short = NameRecords {
             v4: family(vec![a("www.test.", "140.82.112.3", 0)], 0, now),
             v6: Family::NoData,
         };
-        let Planned::Answer { ttl, .. } = plan(&p, &short, RecordType::A, now) else {
+        let Planned::Answer { ttl, .. } = plan(&p, &short, RecordType::A, false, now) else {
             panic!()
         };
         assert_eq!(ttl, MIN_ANSWER_TTL);
@@ -167,7 +187,7 @@ mod tests {
             v4: family(vec![a("www.test.", "140.82.112.3", 120)], 60, now),
             v6: Family::NoData,
         };
-        let Planned::Answer { ttl, .. } = plan(&p, &mid, RecordType::A, now) else {
+        let Planned::Answer { ttl, .. } = plan(&p, &mid, RecordType::A, false, now) else {
             panic!()
         };
         assert_eq!(ttl, Duration::from_secs(60));
@@ -188,7 +208,7 @@ mod tests {
         };
         // Asking for A alone still sees the loopback AAAA.
         assert_eq!(
-            plan(&p, &names, RecordType::A, now),
+            plan(&p, &names, RecordType::A, false, now),
             Planned::Denied {
                 refused: Refused {
                     reason: egress_policy::DenyReason::AddressDenied,
@@ -220,7 +240,7 @@ mod tests {
             addrs,
             direct_addrs,
             ..
-        } = plan(&p, &names, RecordType::A, now)
+        } = plan(&p, &names, RecordType::A, false, now)
         else {
             panic!()
         };
@@ -230,8 +250,44 @@ mod tests {
             vec!["140.82.112.3".parse::<IpAddr>().unwrap()]
         );
         assert!(matches!(
-            plan(&p, &names, RecordType::AAAA, now),
+            plan(&p, &names, RecordType::AAAA, false, now),
             Planned::Failed(_)
         ));
+    }
+
+    #[test]
+    fn a_lan_entry_opens_its_private_answers_but_never_the_host_or_link_local() {
+        let p = policy(
+            "allow_hosts = [{ host = \"gpu-box.lan\", ports = [8000], lan = true }]\nresolve_private = [\"192.168.0.0/16\", \"127.0.0.0/8\", \"169.254.0.0/16\"]",
+        );
+        let now = Instant::now();
+        let names = |ips: &[&str]| NameRecords {
+            v4: family(
+                ips.iter().map(|ip| a("gpu-box.lan.", ip, 60)).collect(),
+                60,
+                now,
+            ),
+            v6: Family::NoData,
+        };
+        let direct = |n: &NameRecords, lan: bool| match plan(&p, n, RecordType::A, lan, now) {
+            Planned::Answer { direct_addrs, .. } => direct_addrs,
+            other => panic!("{other:?}"),
+        };
+        let lan = names(&["192.168.1.50"]);
+        assert_eq!(direct(&lan, true), vec!["192.168.1.50".parse::<IpAddr>().unwrap()]);
+        // The same answer for a name that is not a lan entry's: proxy only, as before.
+        assert!(direct(&lan, false).is_empty());
+        // Loopback and link-local are answered (resolve_private covers them) but never opened.
+        let host = names(&["127.0.0.1", "169.254.169.254", "192.168.1.51"]);
+        assert_eq!(direct(&host, true), vec!["192.168.1.51".parse::<IpAddr>().unwrap()]);
+        // Outside resolve_private: refused whole, lan or not.
+        let other = names(&["10.0.0.5"]);
+        assert!(matches!(
+            plan(&p, &other, RecordType::A, true, now),
+            Planned::Denied { .. }
+        ));
+        assert!(!lan_direct("::ffff:127.0.0.1".parse().unwrap()));
+        assert!(!lan_direct("fe80::1".parse().unwrap()));
+        assert!(lan_direct("fd00::5".parse().unwrap()));
     }
 }

@@ -21,6 +21,9 @@ pub enum Decision {
     /// The agent's own name (`egress.internal`): answered by the agent with its endpoint's
     /// address, under any policy, never resolved upstream and never an event.
     Agent { record_type: RecordType },
+    /// `host.docker.internal` under a policy with `allow_host_services`: answered with the
+    /// address at which the workload reaches its host, never resolved upstream.
+    Host { record_type: RecordType },
     /// The name is allowed: resolve it (both families) and answer `record_type` after the address
     /// check. `direct_ports`: the ports its `allow_hosts` entries carry. `decision`: the policy's
     /// on the name, `Allow` or — the policy audits and would refuse it — `WouldDeny` (answered
@@ -29,6 +32,8 @@ pub enum Decision {
         name: HostName,
         record_type: RecordType,
         direct_ports: Vec<u16>,
+        /// A `lan = true` entry's name: its answers in `resolve_private` open directly too.
+        lan: bool,
         decision: PolicyDecision,
     },
 }
@@ -90,6 +95,11 @@ pub fn decide(policy: &CompiledPolicy, request: &MessageRequest) -> Decision {
             record_type: query.query_type(),
         };
     }
+    if name.as_str() == egress_policy::model::HOST_SERVICES_NAME && policy.has_host_services() {
+        return Decision::Host {
+            record_type: query.query_type(),
+        };
+    }
     // The policy's decision on the name, audit applied as at every enforcement point: an
     // audited refusal is resolved and reported as a would-deny.
     let record_type = query.query_type();
@@ -103,6 +113,7 @@ pub fn decide(policy: &CompiledPolicy, request: &MessageRequest) -> Decision {
             refused(code, Some(name), Some(r))
         }
         (decision, direct_ports) => Decision::Resolve {
+            lan: !direct_ports.is_empty() && policy.is_lan_name(&name),
             name,
             record_type,
             direct_ports,
@@ -162,6 +173,7 @@ mod tests {
                 name: HostName::parse("allowed.test").unwrap(),
                 record_type: RecordType::A,
                 direct_ports: vec![],
+                lan: false,
                 decision: PolicyDecision::Allow(Rule::Host {
                     index: 0,
                     port: None
@@ -174,6 +186,7 @@ mod tests {
                 name: HostName::parse("git.ssh.test").unwrap(),
                 record_type: RecordType::AAAA,
                 direct_ports: vec![22],
+                lan: false,
                 decision: PolicyDecision::Allow(Rule::Host {
                     index: 1,
                     port: None
@@ -311,6 +324,7 @@ mod tests {
                 name: HostName::parse("other.test").unwrap(),
                 record_type: RecordType::A,
                 direct_ports: vec![],
+                lan: false,
                 decision: PolicyDecision::WouldDeny(Refused::because(DenyReason::HostNotAllowed)),
             }
         );
@@ -319,5 +333,39 @@ mod tests {
             decide(&p, &request("other.test.", RecordType::TXT)),
             Decision::Reply { .. }
         ));
+    }
+
+    #[test]
+    fn host_docker_internal_is_the_agents_only_under_host_services_and_lan_names_say_so() {
+        let with = policy(
+            "allow_host_services = [{ port = 11434 }]\nallow_hosts = [{ host = \"gpu-box.lan\", ports = [8000], lan = true }]\nresolve_private = [\"192.168.0.0/16\"]",
+        );
+        for rt in [RecordType::A, RecordType::AAAA] {
+            assert_eq!(
+                decide(&with, &request("Host.Docker.Internal.", rt)),
+                Decision::Host { record_type: rt }
+            );
+        }
+        let Decision::Resolve {
+            lan, direct_ports, ..
+        } = decide(&with, &request("gpu-box.lan", RecordType::A))
+        else {
+            panic!("gpu-box.lan is allowed")
+        };
+        assert!(lan);
+        assert_eq!(direct_ports, vec![8000]);
+        // Without host services the name is like any other: not allowed, not answered here.
+        let without = policy("allow_hosts = [\"allowed.test\"]");
+        assert_eq!(
+            denied(decide(
+                &without,
+                &request("host.docker.internal", RecordType::A)
+            )),
+            (
+                ResponseCode::NXDomain,
+                Some("host.docker.internal".to_owned()),
+                Some("host-not-allowed")
+            )
+        );
     }
 }

@@ -53,6 +53,7 @@ struct Pending {
     name: HostName,
     record_type: RecordType,
     direct_ports: Vec<u16>,
+    lan: bool,
 }
 
 /// What [`Core::now`] made of one message.
@@ -116,6 +117,12 @@ impl Core {
                     .encode(&request, transport, &reply)
                     .map_or(Now::Drop, Now::Send);
             }
+            Decision::Host { record_type } => {
+                let reply = self.host_name(&request, record_type);
+                return self
+                    .encode(&request, transport, &reply)
+                    .map_or(Now::Drop, Now::Send);
+            }
             Decision::Reply { code, denied } => {
                 let reply = if let Some(Denied { host, refused }) = denied {
                     let at = at(host.as_ref(), None);
@@ -134,6 +141,7 @@ impl Core {
                 name,
                 record_type,
                 direct_ports,
+                lan,
                 decision,
             } => {
                 // An allowed name goes on (counted when answered); an audited one is reported.
@@ -153,6 +161,7 @@ impl Core {
                     name,
                     record_type,
                     direct_ports,
+                    lan,
                 }
             }
         };
@@ -191,6 +200,40 @@ impl Core {
                 self.count(DnsOutcome::Empty);
                 Reply::code(ResponseCode::NoError)
             }
+        }
+    }
+
+    /// `host.docker.internal` (the policy allows host services): the addresses at which this
+    /// listener's workload reaches its host, of the asked family (none known yet, or none of
+    /// that family: NOERROR without records). Not reported to the answer sink: the kernel
+    /// entry opens the host services at these addresses already.
+    fn host_name(&self, request: &Request, record_type: RecordType) -> Reply {
+        let owner = request
+            .queries
+            .queries()
+            .first()
+            .map(|q| hickory_server::proto::rr::Name::from(q.name().clone()));
+        let host = self.shared.host.load();
+        let records: Vec<Record> = owner
+            .map(|owner| {
+                host.iter()
+                    .filter_map(|ip| match (record_type, ip) {
+                        (RecordType::A, IpAddr::V4(a)) => Some(RData::A((*a).into())),
+                        (RecordType::AAAA, IpAddr::V6(a)) => Some(RData::AAAA((*a).into())),
+                        _ => None,
+                    })
+                    .map(|rdata| Record::from_rdata(owner.clone(), AGENT_NAME_TTL, rdata))
+                    .collect()
+            })
+            .unwrap_or_default();
+        self.count(if records.is_empty() {
+            DnsOutcome::Empty
+        } else {
+            DnsOutcome::Allowed
+        });
+        Reply {
+            records,
+            ..Reply::code(ResponseCode::NoError)
         }
     }
 
@@ -235,7 +278,13 @@ impl Core {
         names: &NameRecords,
     ) -> Reply {
         let name = &pending.name;
-        match plan(&pending.policy, names, pending.record_type, Instant::now()) {
+        match plan(
+            &pending.policy,
+            names,
+            pending.record_type,
+            pending.lan,
+            Instant::now(),
+        ) {
             Planned::Answer {
                 records,
                 addrs,
