@@ -217,17 +217,8 @@ pub fn explain(
 ) -> Value {
     let compiled = CompiledPolicy::new(policy);
     let endpoints = endpoints(config);
-    // Host services: where the workload reaches its host is known here only for the host's
-    // network namespace (loopback); a bridge workload's gateway is learned at run time.
-    let host: Vec<IpAddr> = match netns {
-        Netns::Host => vec![
-            IpAddr::V4(std::net::Ipv4Addr::LOCALHOST),
-            IpAddr::V6(std::net::Ipv6Addr::LOCALHOST),
-        ],
-        Netns::Own => Vec::new(),
-    };
     let kp = KernelPolicy::compile(policy, endpoints, &[])
-        .and_then(|k| k.with_host_services(policy, &host));
+        .and_then(|k| k.with_host_services(policy, &host_addrs(netns)));
     // An address as written (`::1` too, without brackets) is an IP destination.
     let dest = match target.host.parse::<IpAddr>() {
         Ok(ip) => Ok(Destination::Ip(ip)),
@@ -241,12 +232,8 @@ pub fn explain(
         "authority": "the kernel programs and the proxy decide at run time; this is their decision code run on the compiled policy",
     });
     let mut out = base;
-    let host_ports = policy.host_service_ports();
-    if !host_ports.is_empty() {
-        out["host_services"] = json!({
-            "ports": host_ports,
-            "at": "the workload's own host only: its bridge's gateway (what the agent's DNS answers for host.docker.internal), loopback under exec or --network host; TCP and UDP",
-        });
+    if let Some(h) = host_services(policy) {
+        out["host_services"] = h;
     }
     let dest = match dest {
         Ok(d) => d,
@@ -348,6 +335,29 @@ fn reason_of(v: &KernelVerdict) -> &'static str {
     }
 }
 
+/// Where a workload reaches its host, as far as `explain` can know: loopback in the host's
+/// network namespace; a bridge workload's gateway is learned at run time (none here).
+fn host_addrs(netns: Netns) -> Vec<IpAddr> {
+    match netns {
+        Netns::Host => vec![
+            IpAddr::V4(std::net::Ipv4Addr::LOCALHOST),
+            IpAddr::V6(std::net::Ipv6Addr::LOCALHOST),
+        ],
+        Netns::Own => Vec::new(),
+    }
+}
+
+/// The policy's host services, said where they open (`None` without any).
+fn host_services(policy: &Policy) -> Option<Value> {
+    let ports = policy.host_service_ports();
+    (!ports.is_empty()).then(|| {
+        json!({
+            "ports": ports,
+            "at": "the workload's own host only: its bridge's gateway (what the agent's DNS answers for host.docker.internal), loopback under exec or --network host; TCP and UDP",
+        })
+    })
+}
+
 /// The proxy endpoint(s), with a placeholder listener (the real one is per cgroup): what
 /// [`KernelPolicy::compile`] needs to evaluate a policy without a cgroup (`explain`, `replay`).
 pub fn endpoints(config: ProxyEndpoint) -> Endpoints {
@@ -395,11 +405,16 @@ deny_cidrs = ["192.0.2.0/24"]
             }
             "watch" => "allow_hosts = [\"github.com\"]\nenforce = \"audit\"",
             "agent" => "presets = [\"anthropic\"]\nallow_hosts = [\"example.com\"]",
+            "local" => "allow_host_services = [{ port = 11434 }]",
             other => panic!("no test policy {other}"),
         })
     }
 
     fn run(policy_name: &str, target: &str) -> Value {
+        run_in(policy_name, target, Netns::Own)
+    }
+
+    fn run_in(policy_name: &str, target: &str, netns: Netns) -> Value {
         let chosen = Chosen {
             name: policy_name.to_owned(),
             why: "asked for".to_owned(),
@@ -412,8 +427,30 @@ deny_cidrs = ["192.0.2.0/24"]
             &chosen,
             &policy(policy_name),
             &Target::parse(target).unwrap(),
-            Netns::Own,
+            netns,
         )
+    }
+
+    #[test]
+    fn host_services_are_said_and_open_at_loopback_in_the_hosts_namespace() {
+        let exec = run_in("local", "127.0.0.1:11434", Netns::Host);
+        assert_eq!(exec["host_services"]["ports"], json!([11434]), "{exec:#}");
+        assert!(
+            exec["summary"]
+                .as_str()
+                .is_some_and(|s| s.starts_with("allowed directly by the kernel")),
+            "{exec:#}"
+        );
+        let other_port = run_in("local", "127.0.0.1:11435", Netns::Host);
+        assert!(
+            other_port["summary"]
+                .as_str()
+                .is_some_and(|s| s.starts_with("refused")),
+            "{other_port:#}"
+        );
+        // A bridge workload's gateway is learned at run time: not opened here, but said.
+        let bridge = run("local", "172.17.0.1:11434");
+        assert!(bridge["host_services"]["at"].as_str().is_some_and(|s| s.contains("gateway")));
     }
 
     #[test]

@@ -34,8 +34,13 @@ static POLICY: LazyLock<CompiledPolicy> = LazyLock::new(|| {
             ports: vec![22],
             preset: None,
             access: Default::default(),
+            lan: false,
         },
     ];
+    p.allow_host_services = vec![egress_policy::model::HostService {
+        port: 11434,
+        name: None,
+    }];
     CompiledPolicy::new(&p)
 });
 
@@ -82,6 +87,13 @@ fuzz_target!(|data: &[u8]| {
                 q.name().to_ascii().trim_end_matches('.').eq_ignore_ascii_case("egress.internal")
             }));
         }
+        Decision::Host { record_type } => {
+            // Only the host's own name (the fuzzed policy has host services).
+            assert!(matches!(record_type, RecordType::A | RecordType::AAAA));
+            assert!(req.queries.queries().iter().all(|q| {
+                q.name().to_ascii().trim_end_matches('.').eq_ignore_ascii_case("host.docker.internal")
+            }));
+        }
         Decision::Reply { code, denied } => {
             if let Some(d) = &denied
                 && let Some(h) = &d.host
@@ -100,8 +112,10 @@ fuzz_target!(|data: &[u8]| {
             name,
             record_type,
             direct_ports,
+            lan,
             decision,
         } => {
+            assert!(!lan, "the fuzzed policy has no lan entry");
             assert!(
                 matches!(decision, egress_policy::Decision::Allow(_)),
                 "the fuzzed policy does not audit: {decision:?}"
@@ -127,7 +141,7 @@ fuzz_target!(|data: &[u8]| {
                 },
                 v6: Family::NoData,
             };
-            match plan(&POLICY, &names, record_type, now) {
+            match plan(&POLICY, &names, record_type, false, now) {
                 Planned::Answer { records, .. } => {
                     let reply = if fits(&req, transport, &records) {
                         Reply {

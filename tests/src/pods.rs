@@ -13,6 +13,9 @@ pub const PROXY: &str = "169.254.100.1:3128";
 pub const ALLOWED_PORT: u16 = 9200;
 pub const DENIED_PORT: u16 = 9300;
 pub const TLS_PORT: u16 = 8443;
+/// The web policy's host service (`allow_host_services`): a port of the node at the pods'
+/// gateway.
+pub const HOST_SERVICE_PORT: u16 = 9400;
 /// The raw TCP listeners' address (a second address on the harness bridge); the TLS upstream
 /// is on the gateway address.
 /// The status page of the pod tests' agent (in the harness's namespace).
@@ -86,6 +89,7 @@ allow_hosts = ["allowed.test"]
 allow_ports = [{TLS_PORT}]
 allow_cidrs = [{{ cidr = "{CANARY_IP}/32", ports = [{ALLOWED_PORT}] }}]
 resolve_private = ["{GATEWAY}/32"]
+allow_host_services = [{{ port = {HOST_SERVICE_PORT}, name = "model" }}]
 [policies.other]
 allow_hosts = ["other.test"]
 allow_ports = [{TLS_PORT}]

@@ -13,8 +13,8 @@ use std::time::{Duration, Instant};
 use egress_tests::containerd::{Containerd, GATEWAY, require_root};
 use egress_tests::cri::Pod;
 use egress_tests::pods::{
-    ALLOWED_PORT, Agent, CANARY_IP, DENIED_PORT, STATUS_PAGE, context_of, listener_ports, output,
-    pod_in, run_in,
+    ALLOWED_PORT, Agent, CANARY_IP, DENIED_PORT, HOST_SERVICE_PORT, STATUS_PAGE, context_of,
+    listener_ports, output, pod_in, run_in,
 };
 use egress_tests::tls_upstream::TestCa;
 
@@ -141,6 +141,60 @@ fn pods_are_confined_per_pod_through_containerd() {
         !canary.saw(&format!("FIRST-A-{pid}")),
         "the denied first instruction arrived"
     );
+    // 2a. Its policy's host service (a local model server on the node): at the pod's gateway
+    //     (host.docker.internal, answered by the agent), not another port, not another address
+    //     of the node.
+    let node = c.netns().run(|| {
+        egress_tests::canary::Canary::on(
+            &[
+                std::net::SocketAddr::from((GATEWAY, HOST_SERVICE_PORT)),
+                std::net::SocketAddr::from((GATEWAY, HOST_SERVICE_PORT + 1)),
+                std::net::SocketAddr::from((CANARY_IP, HOST_SERVICE_PORT)),
+            ],
+            &[],
+        )
+    });
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !agent.log().contains("host services opened") {
+        assert!(
+            Instant::now() < deadline,
+            "the agent never opened pod a's host service:\n{}",
+            agent.log()
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let (code, logs) = run(
+        &c,
+        &a,
+        "model",
+        &format!(
+            "nslookup host.docker.internal; \
+             egress-probe tcp {GATEWAY} {HOST_SERVICE_PORT} HS-A-{pid}; \
+             egress-probe tcp {GATEWAY} {} HS-PORT-{pid} || echo HS-PORT-REFUSED; \
+             egress-probe tcp {CANARY_IP} {HOST_SERVICE_PORT} HS-ADDR-{pid} || echo HS-ADDR-REFUSED",
+            HOST_SERVICE_PORT + 1
+        ),
+    );
+    let out = output(code, &logs);
+    assert!(
+        out.contains(&GATEWAY.to_string()),
+        "host.docker.internal is the pod's gateway: {out}"
+    );
+    assert!(
+        out.contains("HS-PORT-REFUSED") && out.contains("HS-ADDR-REFUSED"),
+        "{out}"
+    );
+    assert!(
+        node.wait_for(&format!("HS-A-{pid}"), Duration::from_secs(5)),
+        "the host service never got pod a's connection: {out}"
+    );
+    for refused in ["HS-PORT", "HS-ADDR"] {
+        assert!(
+            !node.saw(&format!("{refused}-{pid}")),
+            "{refused} arrived: {out}"
+        );
+    }
+
     // 2b. The pod reads its policy and asks for a host at egress.internal through its proxy;
     //     the daemon holds the request under the pod's name, as its listener identifies it.
     let ask = r#"{"host": "other.test", "port": 8443, "reason": "the pod test asks"}"#;
@@ -365,10 +419,15 @@ fn pods_are_confined_per_pod_through_containerd() {
         + &format!(
             "egress-probe tcp {CANARY_IP} {ALLOWED_PORT} DIRECT-B-{pid}; \
              egress-probe tls-get other.test other.test 8443 /ca/ca.pem; \
-             egress-probe tls-get allowed.test allowed.test 8443 /ca/ca.pem || echo B-ALLOWED-REFUSED"
+             egress-probe tls-get allowed.test allowed.test 8443 /ca/ca.pem || echo B-ALLOWED-REFUSED; \
+             egress-probe tcp {GATEWAY} {HOST_SERVICE_PORT} HS-B-{pid} || echo B-HS-REFUSED"
         );
     let (code, logs) = run(&c, &b, "borrow", &script);
     let out = output(code, &logs);
+    assert!(
+        out.contains("B-HS-REFUSED") && !node.saw(&format!("HS-B-{pid}")),
+        "pod b reached pod a's host service: {out}"
+    );
     assert!(out.contains("TLS-OK"), "pod b's own policy: {out}");
     assert!(
         out.contains("B-ALLOWED-REFUSED"),

@@ -59,8 +59,16 @@ impl Denial {
             (Some(h), _) => format!(" {h}"),
             (None, _) => String::new(),
         };
+        // The workload's own host is never proxied: its services open directly or not at all.
+        let local = if host.as_deref() == Some(egress_policy::model::HOST_SERVICES_NAME) {
+            "host.docker.internal is this workload's own host, which the proxy never dials: a \
+             policy's allow_host_services opens its ports directly, so leave the proxy out \
+             (add host.docker.internal to NO_PROXY). "
+        } else {
+            ""
+        };
         let help = format!(
-            "This is the network policy of this workload, not a network failure: retrying, \
+            "{local}This is the network policy of this workload, not a network failure: retrying, \
              another address or another proxy is refused the same way. To ask for access: \
              POST http://egress.internal/v1/requests {{\"host\", \"port\", \"reason\"}} \
              through this proxy, then GET the request for the operator's answer. The operator \
@@ -279,5 +287,20 @@ mod tests {
         ));
         assert!(!head_wants_json(b"GET / HTTP/1.1\r\nHost: a\r\n\r\n"));
         assert!(!head_wants_json(b"\x16\x03\x01garbage"));
+    }
+
+    #[test]
+    fn the_hosts_own_name_says_to_leave_the_proxy_out() {
+        let d = Denial::new(
+            DenyReason::HostNotAllowed,
+            "local",
+            Some("host.docker.internal"),
+            11434,
+            None,
+            None,
+        );
+        assert!(d.text().contains("add host.docker.internal to NO_PROXY"), "{}", d.text());
+        let other = Denial::new(DenyReason::HostNotAllowed, "local", Some("a.test"), 443, None, None);
+        assert!(!other.text().contains("NO_PROXY"), "{}", other.text());
     }
 }
