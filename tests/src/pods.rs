@@ -44,7 +44,9 @@ impl Agent {
         std::fs::write(dir.join("ca/ca.pem"), ca_pem).expect("CA");
         std::fs::write(
             dir.join("hosts"),
-            format!("{GATEWAY} allowed.test\n{GATEWAY} denied.test\n{GATEWAY} other.test\n"),
+            format!(
+                "{GATEWAY} allowed.test\n{GATEWAY} denied.test\n{GATEWAY} other.test\n{GATEWAY} ro.test\n"
+            ),
         )
         .expect("hosts");
         std::fs::write(dir.join("containerd-config.toml"), c.config_toml())
@@ -79,13 +81,15 @@ endpoint = "{PROXY}"
 [dns]
 hosts_file = "{d}/hosts"
 nameservers = []
+[intercept]
+upstream_ca_file = "{d}/ca/ca.pem"
 [kubernetes]
 containerd_socket = "{socket}"
 containerd_config = "{d}/containerd-config.toml"
 cgroup_root = "{root}"
 namespace_defaults = {{ team = "other" }}
 [policies.web]
-allow_hosts = ["allowed.test"]
+allow_hosts = ["allowed.test", {{ host = "ro.test", access = "read-only" }}]
 allow_ports = [{TLS_PORT}]
 allow_cidrs = [{{ cidr = "{CANARY_IP}/32", ports = [{ALLOWED_PORT}] }}]
 resolve_private = ["{GATEWAY}/32"]

@@ -24,7 +24,11 @@ fn pods_are_confined_per_pod_through_containerd() {
         return;
     }
     let pid = std::process::id();
-    let mut c = Containerd::start_with(&[Path::new(env!("CARGO_BIN_EXE_egress-probe"))]);
+    let mut c = Containerd::start_with(&[
+        Path::new(env!("CARGO_BIN_EXE_egress-probe")),
+        // Debian's curl (its libraries come along), for the read-only host under interception.
+        Path::new("/usr/bin/curl"),
+    ]);
     c.kubelet_root = format!("/egress-test-{pid}/kubepods");
 
     let ca = TestCa::new();
@@ -34,7 +38,11 @@ fn pods_are_confined_per_pod_through_containerd() {
     // What arrives: raw TCP on the gateway (allowed CIDR port, denied port), and the TLS
     // upstream serving the names.
     let (canary, upstream) =
-        egress_tests::pods::listeners(&c, &ca, &["allowed.test", "denied.test", "other.test"]);
+        egress_tests::pods::listeners(
+        &c,
+        &ca,
+        &["allowed.test", "denied.test", "other.test", "ro.test"],
+    );
     // policies.d as a ConfigMap volume (the kubelet's ..data layout): policy `swap`.
     let policies = dir.join("policies.d");
     let swap_policy =
@@ -194,6 +202,41 @@ fn pods_are_confined_per_pod_through_containerd() {
             "{refused} arrived: {out}"
         );
     }
+
+    // 2c. A read-only host (TLS interception, transparent: pods get no proxy variables): a read
+    //     arrives, a write is refused and never arrives. The pod trusts the agent's CA bundle.
+    let bundle = dir.join("state/ca-bundle.pem");
+    std::fs::copy(&bundle, dir.join("ca/agent-bundle.pem"))
+        .unwrap_or_else(|e| panic!("the agent's CA bundle {}: {e}", bundle.display()));
+    let (code, logs) = run(
+        &c,
+        &a,
+        "readonly",
+        &format!(
+            "C='curl -sS --max-time 15 --cacert /ca/agent-bundle.pem'; \
+             echo \"ro-get $($C https://ro.test:8443/v1/pod-ro-get-{pid})\"; \
+             echo \"ro-post $($C -o /dev/null -w '%{{http_code}}' -X POST --data leak https://ro.test:8443/v1/pod-ro-post-{pid})\"; \
+             echo \"ro-put $($C -o /dev/null -w '%{{http_code}}' -X PUT --data leak https://ro.test:8443/v1/pod-ro-put-{pid})\""
+        ),
+    );
+    let out = output(code, &logs);
+    assert!(
+        out.contains(&format!("ro-get upstream-ok HTTP/2.0 /v1/pod-ro-get-{pid}")),
+        "a read of the read-only host: {out}"
+    );
+    assert!(
+        out.contains("ro-post 403") && out.contains("ro-put 403"),
+        "writes to the read-only host: {out}"
+    );
+    let paths: Vec<String> = upstream.requests().into_iter().map(|r| r.target).collect();
+    assert!(
+        paths.contains(&format!("/v1/pod-ro-get-{pid}")),
+        "the read never arrived: {paths:?}"
+    );
+    assert!(
+        !paths.iter().any(|p| p.contains("pod-ro-post") || p.contains("pod-ro-put")),
+        "a write arrived: {paths:?}"
+    );
 
     // 2b. The pod reads its policy and asks for a host at egress.internal through its proxy;
     //     the daemon holds the request under the pod's name, as its listener identifies it.

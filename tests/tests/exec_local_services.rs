@@ -113,6 +113,7 @@ fn host_services_and_lan_entries_open_exactly_what_they_name() {
              echo \"dns-lan $(getent ahostsv4 gpu-box.lan | tr '\\n' ' ')\"; \
              echo \"lan $({probe} tcp {LAN_IP} 18000 lan-{m})\"; \
              echo \"lanport $({probe} tcp {LAN_IP} 18001 lanport-{m})\"; \
+             echo \"lanproxy $(curl -sS -m 5 -o /dev/null -w '%{{http_code}}' --noproxy '' -x \"$HTTP_PROXY\" http://gpu-box.lan:18000/lanproxy-{m})\"; \
              echo \"dns-db $(getent ahostsv4 db.lan | tr '\\n' ' ')\"; \
              echo \"db $({probe} tcp {DB_IP} 15432 db-{m})\"",
             SERVICE + 1
@@ -176,7 +177,8 @@ fn host_services_and_lan_entries_open_exactly_what_they_name() {
             "{refused}:\n{other}"
         );
     }
-    for arrived in ["hs", "hs6", "hsudp", "lan"] {
+    // The lan entry's name through the proxy too (the proxy dials it: resolve_private).
+    for arrived in ["hs", "hs6", "hsudp", "lan", "lanproxy"] {
         assert!(
             listeners.wait_for(&format!("{arrived}-{m}"), Duration::from_secs(3)),
             "{arrived} never arrived:\n{out}"
