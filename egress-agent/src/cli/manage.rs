@@ -457,6 +457,13 @@ pub fn render_explanation(v: &Value) -> String {
     if let Some(d) = k["direct"].as_str() {
         out.push_str(&format!("kernel:  {d}\n"));
     }
+    if let Some(h) = v.get("host_services") {
+        out.push_str(&format!(
+            "host services: ports {} at {}\n",
+            h["ports"],
+            s(&h["at"])
+        ));
+    }
     out.push_str(&format!("summary: {}\n", s(&v["summary"])));
     out
 }
@@ -533,6 +540,22 @@ mod tests {
             "# presets add these allow_hosts entries (a name: allow_ports; ports: those too):\n\
              #   github: api.github.com, github.com (ports 22)\n\
              #   go: proxy.golang.org\n"
+        );
+    }
+
+    #[test]
+    fn explain_text_says_where_host_services_open() {
+        let v = json!({
+            "policy": {"name": "agent", "badge": "allowlist", "why": "asked for"},
+            "target": {"host": "172.17.0.1", "port": 11434},
+            "kernel": {},
+            "host_services": {"ports": [11434], "at": "the workload's own host only"},
+            "summary": "refused",
+        });
+        let text = super::render_explanation(&v);
+        assert!(
+            text.contains("host services: ports [11434] at the workload's own host only\n"),
+            "{text}"
         );
     }
 }
