@@ -19,7 +19,9 @@
 //!    kernel event pump last, so it drains what the ring buffer still holds;
 //! 3. every other task on the tracker (the workloads' listeners, each with its connections) is
 //!    awaited, at most [`TASK_DEADLINE`] in all; after a hand-over they ended with the drain;
-//! 4. the store writes everything emitted so far ([`StoreHandle::shutdown`]);
+//! 4. the counts of identical refusals not yet recorded are recorded
+//!    ([`EventSink::flush_collapsed`]), and the store writes everything emitted so far
+//!    ([`StoreHandle::shutdown`]);
 //! 5. the sink's taps are closed and every exporter sends what it has queued, together at most
 //!    [`EXPORT_DEADLINE`]; what a dead receiver could not take by then is logged as lost.
 use std::future::Future;
@@ -153,7 +155,14 @@ impl Agent {
     /// tokio runtime. `metrics`: the daemon's registry (denials counted, drops and export
     /// errors); `exec` runs without one.
     pub fn start(config: &Config, metrics: Option<Arc<Metrics>>) -> Result<Agent, AgentError> {
-        let events = EventSink::new(crate::events::DEFAULT_RING);
+        // Identical refusals within a second are recorded once, then as a count (issue #38
+        // item 5: a workload retrying a refused destination must not cost every attempt a log
+        // line, a store row and an export).
+        let events = EventSink::with_collapse(
+            crate::events::DEFAULT_RING,
+            crate::events::collapse::DEFAULT_WINDOW,
+        );
+        let sweeper = events.collapse_sweeper();
         let counter = metrics
             .as_ref()
             .map(|m| crate::metrics::denial_counter(&events, m.clone()));
@@ -169,6 +178,12 @@ impl Agent {
             store,
             exporters,
         };
+        agent.spawn("event collapse", |stop| async move {
+            tokio::select! {
+                () = sweeper => {}
+                () = stop.cancelled() => {}
+            }
+        });
         if let Some(counter) = counter {
             agent.spawn("denial counter", |stop| async move {
                 tokio::select! {
@@ -269,6 +284,8 @@ impl Agent {
                 "listeners or their connections did not stop in time; left behind"
             );
         }
+        // The counts of identical refusals not yet recorded, before the store's last write.
+        self.events.flush_collapsed();
         if let Some(store) = self.store.take() {
             store.shutdown().await;
         }
@@ -284,10 +301,11 @@ impl Agent {
 }
 
 /// One shutdown (issue #37 item 3): `Agent::shutdown` leaves no task of the agent running — a
-/// workload's proxy listener and its open connection, the exporter, the denial counter, a task
-/// started on the agent's stop — and every event emitted before the exporters are flushed
-/// reaches the OTLP collector: those still queued when the stop began, and one a task of the
-/// agent records after the stop (which only a stop that waits for its tasks gets).
+/// workload's proxy listener and its open connection, the exporter, the denial counter, the
+/// collapse sweeper, a task started on the agent's stop — and every event emitted before the
+/// exporters are flushed reaches the OTLP collector: those still queued when the stop began, one
+/// a task of the agent records after the stop (which only a stop that waits for its tasks gets),
+/// and the count of identical refusals still pending at the stop (issue #38 item 5).
 #[cfg(test)]
 #[expect(clippy::unwrap_used, reason = "test assertions")]
 mod tests {
@@ -316,10 +334,13 @@ mod tests {
     const EMITTED: usize = 25;
     /// How long after the stop a task of the agent records its last event.
     const LATE: Duration = Duration::from_millis(300);
+    /// Identical refusals emitted before the stop (one event and one summary).
+    const DUPLICATES: i64 = 40;
 
     /// A slow loopback OTLP/HTTP logs collector on a thread and runtime of its own (so its tasks are
-    /// not the agent's): the `egress.host` attribute of every record it took, in order.
-    fn collector() -> (std::net::SocketAddr, mpsc::Receiver<String>) {
+    /// not the agent's): the `egress.host` and `egress.count` attributes of every record it took,
+    /// in order.
+    fn collector() -> (std::net::SocketAddr, mpsc::Receiver<(String, i64)>) {
         let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
         l.set_nonblocking(true).unwrap();
         let addr = l.local_addr().unwrap();
@@ -358,7 +379,16 @@ mod tests {
                                             Some(any_value::Value::StringValue(h)) => h.clone(),
                                             other => format!("{other:?}"),
                                         };
-                                        tx.send(host).ok();
+                                        let count = r
+                                            .attributes
+                                            .iter()
+                                            .find(|a| a.key == "egress.count")
+                                            .and_then(|a| a.value.as_ref()?.value.as_ref());
+                                        let count = match count {
+                                            Some(any_value::Value::IntValue(n)) => *n,
+                                            _ => -1,
+                                        };
+                                        tx.send((host, count)).ok();
                                     }
                                     Ok::<_, std::convert::Infallible>(hyper::Response::new(
                                         Full::new(hyper::body::Bytes::new()),
@@ -455,6 +485,19 @@ mod tests {
             ));
             expected.insert(host);
         }
+        // A refusal retried in a loop: recorded at once, then counted; its count is recorded by
+        // the sweep once the window has passed or, at the latest, by the stop.
+        for _ in 0..DUPLICATES {
+            agent.events().emit(DenialEvent::proxy(
+                "p",
+                Some("again.test".into()),
+                None,
+                443,
+                "tls",
+                "host-not-allowed",
+            ));
+        }
+        expected.insert("again.test".to_owned());
         // A task started on the agent's stop that records an event a while after the stop (as a
         // connection records its end): the stop waits for it before it flushes the exporters.
         let stop = agent.stop();
@@ -479,7 +522,7 @@ mod tests {
             running >= baseline + 5,
             "{running} tasks alive (baseline {baseline}): the listener, its connection, the exporter, the denial counter and the late task should be"
         );
-        let mut exported: Vec<String> = received.try_iter().collect();
+        let mut exported: Vec<(String, i64)> = received.try_iter().collect();
         let before_stop = exported.len();
         assert!(
             before_stop < expected.len() / 2,
@@ -503,10 +546,20 @@ mod tests {
             .unwrap();
         assert_eq!(n, 0, "{}", String::from_utf8_lossy(&rest));
         // Every event emitted before the stop reached the collector, once, by the time `shutdown`
-        // returned.
+        // returned; the retried refusal as its first attempt and the summary of the others.
         exported.extend(received.try_iter());
-        assert_eq!(exported.len(), expected.len(), "{exported:?}");
-        assert_eq!(exported.into_iter().collect::<BTreeSet<_>>(), expected);
+        let (again, exported): (Vec<_>, Vec<_>) =
+            exported.into_iter().partition(|(h, _)| h == "again.test");
+        assert_eq!(
+            again.iter().map(|(_, n)| *n).collect::<Vec<_>>(),
+            [1, DUPLICATES - 1],
+            "{again:?}"
+        );
+        assert!(exported.iter().all(|(_, n)| *n == 1), "{exported:?}");
+        assert_eq!(exported.len() + 1, expected.len(), "{exported:?}");
+        let mut hosts: BTreeSet<String> = exported.into_iter().map(|(h, _)| h).collect();
+        hosts.insert("again.test".to_owned());
+        assert_eq!(hosts, expected);
         drop(listener);
     }
 }

@@ -9,14 +9,21 @@
 //! line, no ring). Nothing here blocks on a slow reader: the ring drops its oldest entry, the
 //! broadcast channel makes lagging receivers skip, a full tap drops the event and counts it.
 //!
+//! A sink made with [`EventSink::with_collapse`] (the agent's) records identical refusals within
+//! a window once, then as one summary with a [`DenialEvent::count`] ([`collapse`]): a workload
+//! hammering a refused destination costs the proxy a counter increment per attempt, not a log
+//! line, a store row and an export.
+//!
 //! What an event holds is fixed by its type: destination host (normalised name, never a URL),
 //! IP, port, protocol, policy, reason. There is no field for a path, query string, header or body,
 //! so none can leak into an event or its log line.
+pub mod collapse;
+
 use std::collections::{BTreeMap, VecDeque};
 use std::net::IpAddr;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::SystemTime;
+use std::time::{Duration, Instant, SystemTime};
 
 use arc_swap::ArcSwap;
 use serde::{Deserialize, Serialize};
@@ -131,6 +138,16 @@ pub struct DenialEvent {
     /// an event written before events named their rule).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub rule: Option<String>,
+    /// How many attempts this event stands for: 1, or, for a summary of identical attempts
+    /// collapsed within a window ([`collapse`]), how many there were (its `time` is the last of
+    /// them). The events of one destination add up: their counts sum to its attempts. 1 when
+    /// reading events of older agents.
+    #[serde(default = "one")]
+    pub count: u64,
+}
+
+fn one() -> u64 {
+    1
 }
 
 impl DenialEvent {
@@ -158,6 +175,7 @@ impl DenialEvent {
             reason: reason.to_owned(),
             verdict: Verdict::Deny,
             rule: None,
+            count: 1,
         }
     }
 
@@ -198,6 +216,8 @@ struct Inner {
     taps: ArcSwap<Vec<Arc<Tap>>>,
     /// Some tap takes allowed events (so the proxy builds them at all).
     wants_allowed: AtomicBool,
+    /// Identical refusals collapsed ([`EventSink::with_collapse`]).
+    collapse: Option<Mutex<collapse::Collapser>>,
 }
 
 struct Tap {
@@ -236,7 +256,19 @@ impl std::fmt::Debug for EventSink {
 }
 
 impl EventSink {
+    /// A sink that records every event as it comes.
     pub fn new(capacity: usize) -> EventSink {
+        EventSink::build(capacity, None)
+    }
+
+    /// A sink that collapses identical refusals within `window` (see [`collapse`]): the
+    /// agent's. Run [`EventSink::collapse_sweeper`] beside it and call
+    /// [`EventSink::flush_collapsed`] before the store and the exporters are flushed at a stop.
+    pub fn with_collapse(capacity: usize, window: Duration) -> EventSink {
+        EventSink::build(capacity, Some(collapse::Collapser::new(window)))
+    }
+
+    fn build(capacity: usize, collapse: Option<collapse::Collapser>) -> EventSink {
         let capacity = capacity.max(1);
         let (tx, _) = broadcast::channel(capacity.min(1024));
         EventSink {
@@ -247,6 +279,7 @@ impl EventSink {
                 total: AtomicU64::new(0),
                 taps: ArcSwap::from_pointee(Vec::new()),
                 wants_allowed: AtomicBool::new(false),
+                collapse: collapse.map(Mutex::new),
             }),
         }
     }
@@ -273,10 +306,52 @@ impl EventSink {
         TapReceiver { rx, dropped }
     }
 
-    /// Close every tap: their readers get what is queued, then the end of the stream (how the
+    /// Close every tap: their readers get what is queued — the pending counts of identical
+    /// refusals too ([`EventSink::flush_collapsed`]) — then the end of the stream (how the
     /// agent's shutdown lets the store and the exporters finish). Taps opened later work as usual.
     pub fn close_taps(&self) {
+        self.flush_collapsed();
         self.inner.taps.store(Arc::new(Vec::new()));
+    }
+
+    fn collapser(&self) -> Option<std::sync::MutexGuard<'_, collapse::Collapser>> {
+        let c = self.inner.collapse.as_ref()?;
+        Some(c.lock().unwrap_or_else(std::sync::PoisonError::into_inner))
+    }
+
+    /// Record every pending count of identical refusals now, as summary events (a stop: nothing
+    /// counted is lost). A no-op on a sink that does not collapse.
+    pub fn flush_collapsed(&self) {
+        let mut due = Vec::new();
+        if let Some(mut c) = self.collapser() {
+            c.flush(&mut due);
+        }
+        for ev in due {
+            self.record(ev);
+        }
+    }
+
+    /// Records the summaries of identical refusals whose window has ended when no further
+    /// attempt comes to do it: every half window, for as long as it runs (the agent runs it as
+    /// a task until its stop). Ends at once on a sink that does not collapse.
+    pub fn collapse_sweeper(&self) -> impl std::future::Future<Output = ()> + Send + 'static {
+        let sink = self.clone();
+        let period = self.collapser().map(|c| c.window() / 2);
+        async move {
+            let Some(period) = period else { return };
+            let mut tick = tokio::time::interval(period);
+            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            loop {
+                tick.tick().await;
+                let mut due = Vec::new();
+                if let Some(mut c) = sink.collapser() {
+                    c.sweep(Instant::now(), &mut due);
+                }
+                for ev in due {
+                    sink.record(ev);
+                }
+            }
+        }
     }
 
     /// True when some tap records allowed traffic (build allowed events only then).
@@ -296,14 +371,30 @@ impl EventSink {
         }
     }
 
-    /// Record one event. Denials and would-denials: log line, ring, subscribers, taps; allowed
-    /// events: the taps that take them. Never blocks on readers.
+    /// Record one event. Denials and would-denials: log line, ring, subscribers, taps (on a
+    /// collapsing sink, an identical one within the window is only counted, see [`collapse`]);
+    /// allowed events: the taps that take them. Never blocks on readers.
     pub fn emit(&self, ev: DenialEvent) {
         if ev.verdict == Verdict::Allow {
             self.to_taps(&ev);
             return;
         }
-        self.inner.total.fetch_add(1, Ordering::Relaxed);
+        self.inner.total.fetch_add(ev.count, Ordering::Relaxed);
+        let mut due = Vec::new();
+        let now = match self.collapser() {
+            Some(mut c) => c.note(ev, Instant::now(), &mut due),
+            None => Some(ev),
+        };
+        for summary in due {
+            self.record(summary);
+        }
+        if let Some(ev) = now {
+            self.record(ev);
+        }
+    }
+
+    /// A denial or would-deny, recorded: taps, log line, ring, subscribers.
+    fn record(&self, ev: DenialEvent) {
         self.to_taps(&ev);
         // Context labels as one JSON object in a string field (tracing fields have static names).
         let context = (!ev.context.is_empty())
@@ -319,6 +410,7 @@ impl EventSink {
             protocol = %ev.protocol,
             reason = %ev.reason,
             rule = ev.rule.as_deref(),
+            count = ev.count,
             cgroup_id = ev.cgroup_id,
             container_id = ev.container.as_ref().map(|c| c.id.as_str()),
             container_name = ev.container.as_ref().map(|c| c.name.as_str()),
@@ -360,8 +452,8 @@ impl EventSink {
         self.inner.tx.subscribe()
     }
 
-    /// Denial and would-deny events emitted since start (including those the ring no longer
-    /// holds).
+    /// Denials and would-denials emitted since start: every attempt, including those the ring
+    /// no longer holds and identical ones counted but not yet (or only as a summary) recorded.
     pub fn total(&self) -> u64 {
         self.inner.total.load(Ordering::Relaxed)
     }

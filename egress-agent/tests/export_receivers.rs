@@ -164,7 +164,7 @@ async fn syslog_rfc5424_reaches_rsyslog_over_udp_tcp_and_unix() {
         sink.emit(event(&format!("d{i}.example"), Verdict::Deny));
         let lines = wait_lines(&out, 2 * (i + 1));
         let want_would = format!(
-            "local3 notice egress-agent would-deny [egress@32473 verdict=\"would-deny\" source=\"proxy\" policy=\"ci\" host=\"t{i}.example\" port=\"443\" protocol=\"connect\" reason=\"host-not-allowed\" container_id=\"c0ffee\" container_name=\"job\" cgroup_id=\"77\" time=\""
+            "local3 notice egress-agent would-deny [egress@32473 verdict=\"would-deny\" source=\"proxy\" policy=\"ci\" host=\"t{i}.example\" port=\"443\" protocol=\"connect\" reason=\"host-not-allowed\" count=\"1\" container_id=\"c0ffee\" container_name=\"job\" cgroup_id=\"77\" time=\""
         );
         let line = lines
             .iter()

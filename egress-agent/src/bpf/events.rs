@@ -260,6 +260,7 @@ pub fn to_denial(ev: &Event, time: SystemTime, policy: &str) -> DenialEvent {
         },
         verdict,
         rule: None,
+        count: 1,
     }
 }
 

@@ -63,8 +63,14 @@ pub fn human(ev: &DenialEvent) -> String {
         .map(|c| format!(" container={}", c.name))
         .unwrap_or_default();
     let labels: Vec<String> = ev.context.iter().map(|(k, v)| format!("{k}={v}")).collect();
+    // A summary of identical attempts (its time is the last of them).
+    let count = if ev.count == 1 {
+        String::new()
+    } else {
+        format!(" count={}", ev.count)
+    };
     format!(
-        "{} {:<10} {:<6} policy={}{who} {} {dest} {}{}{}",
+        "{} {:<10} {:<6} policy={}{who} {} {dest} {}{}{count}{}",
         humantime::format_rfc3339_millis(ev.time),
         ev.verdict.as_str(),
         ev.source.as_str(),
@@ -290,6 +296,15 @@ mod tests {
         ev.rule = None;
         let v = serde_json::to_value(&ev).unwrap();
         assert!(v.get("rule").is_none(), "{v}");
+        assert_eq!(v["count"], 1, "{v}");
+        // A summary of identical attempts says how many, after the rule.
+        ev.count = 12;
+        assert!(
+            human(&ev).ends_with(" api.github.com:22 port-not-allowed count=12 [run=42]"),
+            "{}",
+            human(&ev)
+        );
+        assert_eq!(serde_json::to_value(&ev).unwrap()["count"], 12);
     }
 
     #[test]

@@ -160,8 +160,13 @@ pub(crate) fn summary(ev: &crate::events::DenialEvent) -> String {
         (None, Some(ip)) => ip.to_string(),
         (None, None) => "-".to_owned(),
     };
+    let count = if ev.count == 1 {
+        String::new()
+    } else {
+        format!(" count={}", ev.count)
+    };
     format!(
-        "{} {} {}:{} policy={} reason={}",
+        "{} {} {}:{} policy={} reason={}{count}",
         ev.verdict, ev.protocol, dest, ev.port, ev.policy, ev.reason
     )
 }

@@ -6,7 +6,8 @@
 //! (would-deny) or INFO (allow), `severity_text` = the verdict, body = a one-line summary, and the
 //! event's fields as attributes (`egress.verdict`, `egress.source`, `egress.policy`,
 //! `egress.host`, `egress.ip`, `egress.port`, `egress.protocol`, `egress.reason`, `egress.rule`
-//! (the rule of the policy that decided, when the event names one), `egress.container.id`, `egress.container.name`, `egress.cgroup_id`, and each context label as
+//! (the rule of the policy that decided, when the event names one), `egress.count` (the attempts
+//! the event stands for: 1, more for a summary of identical ones), `egress.container.id`, `egress.container.name`, `egress.cgroup_id`, and each context label as
 //! `egress.context.<name>`). Resource: `service.name = egress-agent`, `host.name`; a Kubernetes
 //! pod's events are in a resource of their own that also carries OpenTelemetry's Kubernetes
 //! attributes (`k8s.namespace.name`, `k8s.pod.name`, `k8s.pod.uid`, and `k8s.container.name` when
@@ -107,6 +108,10 @@ pub fn record(ev: &DenialEvent) -> LogRecord {
     if let Some(r) = &ev.rule {
         attributes.push(kv("egress.rule", s(r.clone())));
     }
+    attributes.push(kv(
+        "egress.count",
+        any_value::Value::IntValue(i64::try_from(ev.count).unwrap_or(i64::MAX)),
+    ));
     if let Some(c) = &ev.container {
         attributes.push(kv("egress.container.id", s(c.id.clone())));
         attributes.push(kv("egress.container.name", s(c.name.clone())));
@@ -317,6 +322,25 @@ mod tests {
             string_attr(&record(&ev), "egress.rule").as_deref(),
             Some("allow_hosts api.github.com")
         );
+    }
+
+    /// `egress.count`: 1, or the attempts a summary of identical ones stands for.
+    #[test]
+    fn the_count_is_an_attribute() {
+        let count = |ev: &DenialEvent| {
+            record(ev)
+                .attributes
+                .iter()
+                .find(|a| a.key == "egress.count")
+                .and_then(|a| match a.value.as_ref()?.value.as_ref()? {
+                    any_value::Value::IntValue(n) => Some(*n),
+                    _ => None,
+                })
+        };
+        let mut ev = DenialEvent::proxy("ci", Some("a.test".into()), None, 443, "connect", "x");
+        assert_eq!(count(&ev), Some(1));
+        ev.count = 250;
+        assert_eq!(count(&ev), Some(250));
     }
 
     #[test]

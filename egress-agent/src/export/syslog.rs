@@ -5,7 +5,7 @@
 //!
 //! One message per event:
 //! `<PRI>1 TIME HOST egress-agent PID would-deny [egress@32473 verdict=".." source=".." policy=".."
-//! host=".." ip=".." port=".." protocol=".." reason=".." rule=".." container_id=".."
+//! host=".." ip=".." port=".." protocol=".." reason=".." rule=".." count=".." container_id=".."
 //! container_name=".." cgroup_id=".." time=".."][context@32473 run=".." ...] would-deny connect evil.example:443 ...`.
 //! Severity: deny → warning, would-deny → notice, allow → info. `32473` is the private
 //! enterprise number RFC 5612 reserves for documentation; SD-IDs with it are never registered.
@@ -95,6 +95,7 @@ pub fn format(ctx: &SyslogContext, ev: &DenialEvent) -> String {
     if let Some(r) = &ev.rule {
         add(&mut fields, "rule", r.clone());
     }
+    add(&mut fields, "count", ev.count.to_string());
     if let Some(c) = &ev.container {
         add(&mut fields, "container_id", c.id.clone());
         add(&mut fields, "container_name", c.name.clone());
@@ -276,6 +277,15 @@ mod tests {
         );
         // No rule behind host-not-allowed: no field.
         assert!(!m.contains("rule="), "{m}");
+        // One attempt; a summary of identical ones says how many (`time` is the last).
+        assert!(m.contains("reason=\"host-not-allowed\" count=\"1\""), "{m}");
+        ev.count = 40;
+        let m = format(&ctx, &ev);
+        assert!(
+            m.contains("reason=\"host-not-allowed\" count=\"40\""),
+            "{m}"
+        );
+        assert!(m.ends_with("reason=host-not-allowed count=40"), "{m}");
     }
 
     #[test]

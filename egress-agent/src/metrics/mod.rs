@@ -621,8 +621,9 @@ impl Metrics {
         self.reload_errors.inc();
     }
 
-    /// Counts one denial event: a `deny` decision by reason and policy, and for kernel events the
-    /// hook. Kernel and proxy reasons and hooks come from typed enums; agent reasons carry a
+    /// Counts one denial event — its [`count`](crate::events::DenialEvent::count) attempts: a
+    /// summary of identical ones counts them all — as `deny` decisions by reason and policy, and
+    /// for kernel events the hook. Kernel and proxy reasons and hooks come from typed enums; agent reasons carry a
     /// free-text detail after `:` (`labels-invalid: unknown policy "x"`), which is cut off so the
     /// label values stay bounded.
     /// Would-deny events (audit) count as `verdict="would-deny"`, not as kernel denials; allowed
@@ -639,7 +640,7 @@ impl Metrics {
                 reason: reason.to_owned(),
                 policy: ev.policy.clone(),
             })
-            .inc();
+            .inc_by(ev.count);
         if let (Some(namespace), Some(pod)) = (
             ev.context.get(crate::events::CTX_NAMESPACE),
             ev.context.get(crate::events::CTX_POD),
@@ -654,7 +655,7 @@ impl Metrics {
                     pod: pod.clone(),
                     verdict: verdict.as_str(),
                 })
-                .inc();
+                .inc_by(ev.count);
         }
         if ev.source == crate::events::Source::Kernel && verdict == Verdict::Deny {
             let hook = ev.context.get("hook").map_or("unknown", String::as_str);
@@ -662,7 +663,7 @@ impl Metrics {
                 .get_or_create(&HookLabels {
                     hook: hook.to_owned(),
                 })
-                .inc();
+                .inc_by(ev.count);
         }
     }
 

@@ -4,7 +4,8 @@
 //! Two tables (and `changes`, the policy changes made through the control API, see
 //! [`changes`]):
 //! - `events`: every denial and would-deny, one row each, with exactly the fields of a
-//!   [`DenialEvent`] (the context labels as a JSON object).
+//!   [`DenialEvent`] (the context labels as a JSON object; `count`, the attempts a summary of
+//!   identical ones stands for, see [`crate::events::collapse`]).
 //! - `flows`: every event (allowed ones too) aggregated by what it was — verdict, source, policy,
 //!   container, context labels (without the pid), host or address, port, protocol, reason —
 //!   with a count, first/last seen and the rule that decided it last. `suggest` reads these.
@@ -14,6 +15,11 @@
 //! TABLE ... ADD COLUMN`), and a version-1 agent still draining after a hand-over to this one
 //! goes on writing the same tables unchanged (its rows have no rule). [`Store::open_read_only`]
 //! reads a version-1 file as it is (no rule).
+//!
+//! Schema version 3 added `events.count` (how many identical attempts the row stands for,
+//! [`DenialEvent::count`]; `DEFAULT 1`), the same way: one `ALTER TABLE ... ADD COLUMN` at
+//! [`Store::open`], an older agent still draining writes rows of count 1 unchanged, and
+//! [`Store::open_read_only`] reads an older file's rows as count 1.
 //!
 //! Durability: each batch is one transaction with `synchronous = FULL`, so a committed batch
 //! survives a crash of the agent (kill -9) and of the machine; an interrupted one is rolled back
@@ -64,8 +70,9 @@ pub fn start(
 pub use crate::config::STORE_DB_FILE as DB_FILE;
 
 /// Schema version in `PRAGMA user_version`. 1: the first; 2: `events.rule` and `flows.rule` (the
-/// rule of the policy that decided, see [`DenialEvent::rule`]), `rule` part of a flow's key.
-const SCHEMA_VERSION: i64 = 2;
+/// rule of the policy that decided, see [`DenialEvent::rule`]), `rule` part of a flow's key; 3:
+/// `events.count` (the attempts a row stands for, see [`DenialEvent::count`]).
+const SCHEMA_VERSION: i64 = 3;
 
 const EVENTS_TABLE: &str = "
 CREATE TABLE IF NOT EXISTS events(
@@ -83,7 +90,8 @@ CREATE TABLE IF NOT EXISTS events(
     port INTEGER NOT NULL,
     protocol TEXT NOT NULL,
     reason TEXT NOT NULL,
-    rule TEXT
+    rule TEXT,
+    count INTEGER NOT NULL DEFAULT 1
 );
 ";
 
@@ -136,6 +144,9 @@ fn migrate(conn: &Connection) -> Result<(), rusqlite::Error> {
     if has_table(conn, "flows")? && !has_column(conn, "flows", "rule")? {
         conn.execute_batch("ALTER TABLE flows ADD COLUMN rule TEXT NOT NULL DEFAULT '';")?;
     }
+    if has_table(conn, "events")? && !has_column(conn, "events", "count")? {
+        conn.execute_batch("ALTER TABLE events ADD COLUMN count INTEGER NOT NULL DEFAULT 1;")?;
+    }
     Ok(())
 }
 
@@ -171,6 +182,8 @@ pub struct Store {
     /// The tables have `rule` (version 2). Always after [`Store::open`] (which migrates); a
     /// version-1 file opened with [`Store::open_read_only`] has not, and reads as `rule` unknown.
     has_rule: bool,
+    /// `events` has `count` (version 3). As `has_rule`; an older file reads as count 1.
+    has_count: bool,
 }
 
 impl std::fmt::Debug for Store {
@@ -253,14 +266,14 @@ pub struct FlowStats {
 /// Flows aggregated in memory before a write.
 pub type FlowBatch = std::collections::HashMap<FlowKey, FlowStats>;
 
-/// Add one event to a batch of flows.
+/// Add one event (its [`DenialEvent::count`] attempts) to a batch of flows.
 pub fn add_flow(batch: &mut FlowBatch, ev: &DenialEvent) {
     let t = micros(ev.time);
     let rule = || ev.rule.clone().unwrap_or_default();
     batch
         .entry(FlowKey::of(ev))
         .and_modify(|s| {
-            s.count += 1;
+            s.count += ev.count;
             s.first_us = s.first_us.min(t);
             if t >= s.last_us {
                 s.last_us = t;
@@ -268,7 +281,7 @@ pub fn add_flow(batch: &mut FlowBatch, ev: &DenialEvent) {
             }
         })
         .or_insert_with(|| FlowStats {
-            count: 1,
+            count: ev.count,
             first_us: t,
             last_us: t,
             rule: rule(),
@@ -332,6 +345,7 @@ impl Store {
             path: path.to_owned(),
             // `init` migrates.
             has_rule: true,
+            has_count: true,
         };
         store.init().map_err(|source| store.err(source))?;
         Ok(store)
@@ -356,6 +370,7 @@ impl Store {
             conn,
             path: path.to_owned(),
             has_rule: false,
+            has_count: false,
         };
         let found: i64 = store
             .conn
@@ -369,6 +384,7 @@ impl Store {
         }
         // Not migrated here (read-only): an older daemon's store is read as it is.
         store.has_rule = store.read_has_rule()?;
+        store.has_count = has_column(&store.conn, "events", "count").map_err(|e| store.err(e))?;
         Ok(store)
     }
 
@@ -380,6 +396,11 @@ impl Store {
     /// Do the tables have `rule`? (No: a version-1 file opened read-only.)
     pub(crate) fn has_rule(&self) -> bool {
         self.has_rule
+    }
+
+    /// Does `events` have `count`? (No: a file older than version 3 opened read-only.)
+    pub(crate) fn has_count(&self) -> bool {
+        self.has_count
     }
 
     pub fn path(&self) -> &Path {
@@ -443,8 +464,9 @@ impl Store {
         {
             let mut ins = tx.prepare_cached(
                 "INSERT INTO events(time_us, verdict, source, policy, container_id,
-                    container_name, cgroup_id, context, host, ip, port, protocol, reason, rule)
-                 VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14)",
+                    container_name, cgroup_id, context, host, ip, port, protocol, reason, rule,
+                    count)
+                 VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15)",
             )?;
             for ev in events.iter().filter(|e| e.verdict != Verdict::Allow) {
                 ins.execute(params![
@@ -462,6 +484,7 @@ impl Store {
                     ev.protocol,
                     ev.reason,
                     ev.rule,
+                    i64::try_from(ev.count).unwrap_or(i64::MAX),
                 ])?;
             }
             let mut up = tx.prepare_cached(
@@ -781,6 +804,42 @@ mod tests {
             last_us = max(last_us, excluded.last_us);
         COMMIT;";
 
+    /// What a version-2 agent inserts: an event with its rule, without a count.
+    const V2_INSERT: &str = "
+        INSERT INTO events(time_us, verdict, source, policy, container_id, container_name,
+            cgroup_id, context, host, ip, port, protocol, reason, rule)
+        VALUES (4000, 'deny', 'proxy', 'ci', 'abc123', 'job', NULL, '{}', 'evil.example', NULL,
+            443, 'connect', 'policy-deny-all', 'mode deny_all');";
+
+    /// A summary of identical attempts is one row keeping its count; its flow counts every
+    /// attempt.
+    #[test]
+    fn a_summary_is_one_row_with_its_count_and_its_flow_counts_every_attempt() {
+        use crate::store::query::EventFilter;
+        let path = temp_db("count");
+        let mut s = Store::open(&path).unwrap();
+        let mut first = ev("denied.example", 443, Verdict::Deny);
+        first.time = from_micros(1_000_000);
+        let mut summary = first.clone();
+        summary.time = from_micros(2_000_000);
+        summary.count = 4_999;
+        let mut batch = FlowBatch::new();
+        add_flow(&mut batch, &first);
+        add_flow(&mut batch, &summary);
+        s.write(&[first, summary.clone()], &batch).unwrap();
+        let events = s.events(&EventFilter::default(), 0, 10).unwrap();
+        assert_eq!(
+            events.iter().map(|e| e.event.count).collect::<Vec<_>>(),
+            [1, 4_999]
+        );
+        assert_eq!(events[1].event, summary);
+        let flows = s.flows(&EventFilter::default()).unwrap();
+        assert_eq!(flows.len(), 1);
+        assert_eq!(flows[0].count, 5_000);
+        assert_eq!(flows[0].last_seen, summary.time);
+        std::fs::remove_dir_all(path.parent().unwrap().parent().unwrap()).ok();
+    }
+
     #[test]
     fn a_version_1_store_is_migrated_in_place() {
         use crate::store::query::EventFilter;
@@ -794,6 +853,7 @@ mod tests {
         assert_eq!(version, SCHEMA_VERSION);
         assert!(has_column(s.conn(), "events", "rule").unwrap());
         assert!(has_column(s.conn(), "flows", "rule").unwrap());
+        assert!(has_column(s.conn(), "events", "count").unwrap());
         let index: i64 = s
             .conn()
             .query_row(
@@ -808,6 +868,7 @@ mod tests {
         assert_eq!(events.len(), 1);
         assert_eq!(events[0].event.host.as_deref(), Some("evil.example"));
         assert_eq!(events[0].event.rule, None);
+        assert_eq!(events[0].event.count, 1);
         let flows = s.flows(&EventFilter::default()).unwrap();
         assert_eq!(flows.len(), 1);
         assert_eq!((flows[0].host.as_str(), flows[0].count), ("github.com", 5));
@@ -834,6 +895,14 @@ mod tests {
             flows.iter().map(|f| (f.count, f.rule.as_deref())).collect();
         assert_eq!(counts, [(7, Some("allow_hosts github.com"))]);
         assert_eq!(s.events(&EventFilter::default(), 0, 10).unwrap().len(), 2);
+        // So does a version-2 agent (its insert names the rule, not the count): one attempt.
+        old.execute_batch(V2_INSERT).unwrap();
+        let events = s.events(&EventFilter::default(), 0, 10).unwrap();
+        let last = &events.last().unwrap().event;
+        assert_eq!(
+            (last.rule.as_deref(), last.count),
+            (Some("mode deny_all"), 1)
+        );
         drop(s);
         // Opening again changes nothing.
         Store::open(&path).unwrap();
@@ -849,9 +918,11 @@ mod tests {
         write_v1(&path);
         let s = Store::open_read_only(&path).unwrap();
         assert!(!s.has_rule());
+        assert!(!s.has_count());
         let events = s.events(&EventFilter::default(), 0, 10).unwrap();
         assert_eq!(events.len(), 1);
         assert_eq!(events[0].event.rule, None);
+        assert_eq!(events[0].event.count, 1);
         let flows = s.flows(&EventFilter::default()).unwrap();
         assert_eq!(flows.len(), 1);
         assert_eq!(flows[0].rule, None);

@@ -142,6 +142,11 @@ impl Store {
         if self.has_rule() { "rule" } else { absent }
     }
 
+    /// `count`, or 1 in a file older than version 3 read without migrating it.
+    fn count_column(&self) -> &'static str {
+        if self.has_count() { "count" } else { "1" }
+    }
+
     /// The newest `limit` events matching `filter` with an id above `after`, oldest first.
     pub fn events(
         &self,
@@ -155,9 +160,10 @@ impl Store {
         params.push(Value::Integer(i64::try_from(limit).unwrap_or(i64::MAX)));
         let limit_n = params.len();
         let rule = self.rule_column("NULL");
+        let count = self.count_column();
         let sql = format!(
             "SELECT id, time_us, verdict, source, policy, container_id, container_name, cgroup_id,
-                    context, host, ip, port, protocol, reason, {rule}
+                    context, host, ip, port, protocol, reason, {rule}, {count}
              FROM (SELECT * FROM events WHERE {cond} AND id > ?{after_n}
                    ORDER BY id DESC LIMIT ?{limit_n})
              ORDER BY id"
@@ -193,6 +199,7 @@ impl Store {
                         reason: r.get(13)?,
                         verdict: verdict.parse().unwrap_or_default(),
                         rule: r.get(14)?,
+                        count: u64::try_from(r.get::<_, i64>(15)?).unwrap_or(1),
                     },
                 })
             })

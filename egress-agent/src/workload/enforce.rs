@@ -894,6 +894,7 @@ impl Enforcer {
             reason: reason.to_owned(),
             verdict: crate::events::Verdict::Deny,
             rule: None,
+            count: 1,
         }
     }
 
