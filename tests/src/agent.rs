@@ -179,6 +179,21 @@ pub fn probe_exec(policy: &str, config: Option<&Path>, args: &[&str]) -> ProbeOu
         .into()
 }
 
+/// Run `script` with `sh -c` under `exec --policy <policy> --config <cfg>`, no stdin: what it
+/// prints (stdout, then stderr after a `--- stderr ---` line).
+pub fn exec_script(cfg: &TestConfig, policy: &str, script: &str) -> String {
+    let out = exec_cmd(policy, Some(&cfg.path))
+        .args(["sh", "-c", script])
+        .stdin(Stdio::null())
+        .output()
+        .expect("run egress-agent exec");
+    format!(
+        "{}\n--- stderr ---\n{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    )
+}
+
 /// `egress-agent exec --policy P [--config F] --` (append the command).
 pub fn exec_cmd(policy: &str, config: Option<&Path>) -> Command {
     let mut cmd = Command::new(agent_bin());

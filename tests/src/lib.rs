@@ -131,6 +131,15 @@ pub fn sh_quiet(cmd: &str) -> bool {
         .unwrap_or(false)
 }
 
+/// The line of `text` that starts with `key` and a space (a probe script's `echo "key $(...)"`),
+/// empty if there is none.
+pub fn keyed_line(text: &str, key: &str) -> String {
+    text.lines()
+        .find(|l| l.starts_with(&format!("{key} ")))
+        .unwrap_or_default()
+        .to_owned()
+}
+
 /// A unique marker for one attempt (payload tag the canary looks for).
 pub fn marker(case: &str) -> String {
     use std::sync::atomic::{AtomicU32, Ordering};

@@ -14,6 +14,7 @@ use std::time::Duration;
 
 use egress_tests::canary::Canary;
 use egress_tests::docker::{Env, GATEWAY, SERIAL, require_root};
+use egress_tests::keyed_line as line;
 
 /// "LAN" addresses (a private range the policy's `resolve_private` covers), on the loopback of
 /// the test's network namespace: reached from a container through the host, like a LAN peer.
@@ -125,12 +126,6 @@ fn host_services_and_lan_entries_open_exactly_what_they_name() {
              echo \"lan2 $(egress-probe tcp {LAN_IP} 8000 lan2-{m})\"; echo END"
         ),
     );
-    let line = |text: &str, key: &str| -> String {
-        text.lines()
-            .find(|l| l.starts_with(&format!("{key} ")))
-            .unwrap_or_default()
-            .to_owned()
-    };
     // host.docker.internal is the gateway, answered by the agent for the policy with host
     // services; the other policy's DNS has no such name.
     assert!(line(&out, "dns-host").contains(GATEWAY), "{out}");

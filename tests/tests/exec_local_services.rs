@@ -8,13 +8,12 @@
 //!
 //! Run as root (CI is root); unprivileged, the test says it skipped.
 use std::net::{IpAddr, SocketAddr};
-use std::process::Stdio;
 use std::time::Duration;
 
-use egress_tests::agent::{TestConfig, assert_enforcement_intact, exec_cmd};
+use egress_tests::agent::{TestConfig, assert_enforcement_intact, exec_script};
 use egress_tests::canary::Canary;
 use egress_tests::upstreams::{Dnsmasq, DummyNet, TempDir};
-use egress_tests::{marker, root_or_skip};
+use egress_tests::{keyed_line as line, marker, root_or_skip};
 
 const DNS: &str = "127.0.0.1:15354";
 /// "LAN" addresses (private, covered by the policy's `resolve_private`) on a local veth.
@@ -41,27 +40,6 @@ allow_hosts = ["gpu-box.lan"]
 allow_ports = [443]
 resolve_private = ["10.77.0.0/16"]
 "#;
-
-/// Run `script` with `sh -c` under `exec --policy <policy>`: what it prints.
-fn run_confined(cfg: &TestConfig, policy: &str, script: &str) -> String {
-    let out = exec_cmd(policy, Some(&cfg.path))
-        .args(["sh", "-c", script])
-        .stdin(Stdio::null())
-        .output()
-        .expect("run egress-agent exec");
-    format!(
-        "{}\n--- stderr ---\n{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    )
-}
-
-fn line(text: &str, key: &str) -> String {
-    text.lines()
-        .find(|l| l.starts_with(&format!("{key} ")))
-        .unwrap_or_default()
-        .to_owned()
-}
 
 #[test]
 fn host_services_and_lan_entries_open_exactly_what_they_name() {
@@ -96,7 +74,7 @@ fn host_services_and_lan_entries_open_exactly_what_they_name() {
     ));
     let probe = env!("CARGO_BIN_EXE_egress-probe");
     let m = marker("local");
-    let out = run_confined(
+    let out = exec_script(
         &cfg,
         "local",
         &format!(
@@ -119,7 +97,7 @@ fn host_services_and_lan_entries_open_exactly_what_they_name() {
             SERVICE + 1
         ),
     );
-    let other = run_confined(
+    let other = exec_script(
         &cfg,
         "plain",
         &format!(

@@ -14,7 +14,7 @@ use std::process::{Command, Stdio};
 use std::sync::Mutex;
 use std::time::Duration;
 
-use egress_tests::agent::{TestConfig, assert_enforcement_intact, exec_cmd};
+use egress_tests::agent::{TestConfig, assert_enforcement_intact, exec_cmd, exec_script};
 use egress_tests::canary::Canary;
 use egress_tests::upstreams::{Dnsmasq, DummyNet, TempDir, TestCa, WebServer};
 use egress_tests::{marker, root_or_skip};
@@ -108,18 +108,12 @@ resolve_private = ["127.0.0.0/8", "::1/128"]
 /// Run `script` with `sh -c` under `exec --policy <policy>`, proxy variables removed: what the
 /// command prints (stdout + stderr).
 fn run_confined(cfg: &TestConfig, policy: &str, script: &str) -> String {
-    let script = format!(
-        "unset HTTP_PROXY HTTPS_PROXY http_proxy https_proxy ALL_PROXY all_proxy NO_PROXY no_proxy\n{script}"
-    );
-    let out = exec_cmd(policy, Some(&cfg.path))
-        .args(["sh", "-c", &script])
-        .stdin(Stdio::null())
-        .output()
-        .expect("run egress-agent exec");
-    format!(
-        "{}\n--- stderr ---\n{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
+    exec_script(
+        cfg,
+        policy,
+        &format!(
+            "unset HTTP_PROXY HTTPS_PROXY http_proxy https_proxy ALL_PROXY all_proxy NO_PROXY no_proxy\n{script}"
+        ),
     )
 }
 
