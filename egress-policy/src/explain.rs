@@ -339,10 +339,7 @@ fn reason_of(v: &KernelVerdict) -> &'static str {
 /// network namespace; a bridge workload's gateway is learned at run time (none here).
 fn host_addrs(netns: Netns) -> Vec<IpAddr> {
     match netns {
-        Netns::Host => vec![
-            IpAddr::V4(std::net::Ipv4Addr::LOCALHOST),
-            IpAddr::V6(std::net::Ipv6Addr::LOCALHOST),
-        ],
+        Netns::Host => super::kernel::HOST_NETNS_HOST.to_vec(),
         Netns::Own => Vec::new(),
     }
 }

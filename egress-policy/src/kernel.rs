@@ -13,6 +13,13 @@ use ipnet::IpNet;
 
 use super::model::{self, ALLOW_ALL, DENY_ALL, Mode};
 
+/// Where a workload in the host's network namespace (`exec`, `--network host`) reaches its
+/// own host: loopback, both families (its `allow_host_services` open there).
+pub const HOST_NETNS_HOST: [IpAddr; 2] = [
+    IpAddr::V4(Ipv4Addr::LOCALHOST),
+    IpAddr::V6(Ipv6Addr::LOCALHOST),
+];
+
 /// A policy the kernel maps can't express.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[error("policy can't be written to the kernel: {0}")]

@@ -22,7 +22,7 @@
 //! At most [`MAX_KEYS`] keys are tracked; an attempt of another key while that many are is
 //! recorded as it comes.
 use std::collections::HashMap;
-use std::hash::{BuildHasher, Hash, Hasher, RandomState};
+use std::hash::{BuildHasher, Hash, RandomState};
 use std::time::{Duration, Instant};
 
 use super::DenialEvent;
@@ -53,40 +53,50 @@ pub(super) struct Collapser {
     next_sweep: Instant,
 }
 
-/// What identifies an attempt: every field but the time (and the count).
+/// What identifies an attempt: every field but the time (and the count). One list of fields
+/// for both the hash and the comparison, so the two can't disagree.
+#[derive(PartialEq, Eq, Hash)]
+struct Key<'a> {
+    source: &'static str,
+    cgroup_id: Option<u64>,
+    task_cgroup_id: Option<u64>,
+    container: Option<(&'a str, &'a str)>,
+    context: &'a std::collections::BTreeMap<String, String>,
+    policy: &'a str,
+    host: Option<&'a str>,
+    ip: Option<std::net::IpAddr>,
+    port: u16,
+    protocol: &'a str,
+    reason: &'a str,
+    verdict: super::Verdict,
+    rule: Option<&'a str>,
+}
+
+fn key(ev: &DenialEvent) -> Key<'_> {
+    Key {
+        source: ev.source.as_str(),
+        cgroup_id: ev.cgroup_id,
+        task_cgroup_id: ev.task_cgroup_id,
+        container: ev.container.as_ref().map(|c| (c.id.as_str(), c.name.as_str())),
+        context: &ev.context,
+        policy: &ev.policy,
+        host: ev.host.as_deref(),
+        ip: ev.ip,
+        port: ev.port,
+        protocol: &ev.protocol,
+        reason: &ev.reason,
+        verdict: ev.verdict,
+        rule: ev.rule.as_deref(),
+    }
+}
+
 fn key_hash(hasher: &RandomState, ev: &DenialEvent) -> u64 {
-    let mut h = hasher.build_hasher();
-    ev.source.as_str().hash(&mut h);
-    ev.cgroup_id.hash(&mut h);
-    ev.task_cgroup_id.hash(&mut h);
-    ev.container.as_ref().map(|c| (&c.id, &c.name)).hash(&mut h);
-    ev.context.hash(&mut h);
-    ev.policy.hash(&mut h);
-    ev.host.hash(&mut h);
-    ev.ip.hash(&mut h);
-    ev.port.hash(&mut h);
-    ev.protocol.hash(&mut h);
-    ev.reason.hash(&mut h);
-    ev.verdict.hash(&mut h);
-    ev.rule.hash(&mut h);
-    h.finish()
+    hasher.hash_one(key(ev))
 }
 
 /// `a` and `b` are the same attempt (at other times).
 fn same(a: &DenialEvent, b: &DenialEvent) -> bool {
-    a.source == b.source
-        && a.cgroup_id == b.cgroup_id
-        && a.task_cgroup_id == b.task_cgroup_id
-        && a.container == b.container
-        && a.context == b.context
-        && a.policy == b.policy
-        && a.host == b.host
-        && a.ip == b.ip
-        && a.port == b.port
-        && a.protocol == b.protocol
-        && a.reason == b.reason
-        && a.verdict == b.verdict
-        && a.rule == b.rule
+    key(a) == key(b)
 }
 
 impl Pending {

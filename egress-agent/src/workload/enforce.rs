@@ -74,10 +74,7 @@ struct Tracked {
 /// its bridge endpoints the host layer found (none yet, or no host layer: nothing opens).
 fn host_addrs(info: &ContainerInfo, gateways: &[IpAddr]) -> Vec<IpAddr> {
     if info.host_network() {
-        vec![
-            IpAddr::V4(std::net::Ipv4Addr::LOCALHOST),
-            IpAddr::V6(std::net::Ipv6Addr::LOCALHOST),
-        ]
+        egress_policy::kernel::HOST_NETNS_HOST.to_vec()
     } else {
         gateways.to_vec()
     }

@@ -33,6 +33,15 @@ use egress_policy::name::HostName;
 /// TTL of the `egress.internal` answer (seconds).
 const AGENT_NAME_TTL: u32 = 60;
 
+/// The name the request asked for, as asked (the owner of the records answered for it).
+fn question_name(request: &Request) -> Option<hickory_server::proto::rr::Name> {
+    request
+        .queries
+        .queries()
+        .first()
+        .map(|q| hickory_server::proto::rr::Name::from(q.name().clone()))
+}
+
 pub(crate) struct Core {
     pub(crate) shared: Arc<Shared>,
     pub(crate) sink: Arc<dyn AnswerSink>,
@@ -179,11 +188,7 @@ impl Core {
     /// IPv4 endpoint only). Never reported to the answer sink — it opens nothing directly: the
     /// kernel sends port 80 there to the transparent listener, which serves the name by Host.
     fn agent_name(&self, request: &Request, record_type: RecordType) -> Reply {
-        let owner = request
-            .queries
-            .queries()
-            .first()
-            .map(|q| hickory_server::proto::rr::Name::from(q.name().clone()));
+        let owner = question_name(request);
         match (record_type, self.shared.ctx.agent_v4(), owner) {
             (RecordType::A, Some(ip), Some(owner)) => {
                 self.count(DnsOutcome::Allowed);
@@ -208,11 +213,7 @@ impl Core {
     /// that family: NOERROR without records). Not reported to the answer sink: the kernel
     /// entry opens the host services at these addresses already.
     fn host_name(&self, request: &Request, record_type: RecordType) -> Reply {
-        let owner = request
-            .queries
-            .queries()
-            .first()
-            .map(|q| hickory_server::proto::rr::Name::from(q.name().clone()));
+        let owner = question_name(request);
         let host = self.shared.host.load();
         let records: Vec<Record> = owner
             .map(|owner| {
