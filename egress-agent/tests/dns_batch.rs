@@ -21,7 +21,7 @@ use egress_agent::metrics::Metrics;
 use egress_agent::proxy::admission::StaticAdmission;
 use egress_agent::proxy::dns::tcp::MAX_TCP_CONNECTIONS;
 use egress_agent::proxy::dns::{Answer, AnswerSink};
-use egress_agent::proxy::{InterceptHooks, PolicyProxy, ProxyContext};
+use egress_agent::proxy::{InterceptHooks, PolicyHandle, PolicyProxy, ProxyContext};
 use hickory_server::proto::op::{Edns, Message, OpCode, Query, ResponseCode};
 use hickory_server::proto::rr::rdata::A;
 use hickory_server::proto::rr::{Name, RData, Record, RecordType};
@@ -95,6 +95,8 @@ async fn upstream() -> Upstream {
 #[derive(Default)]
 struct Recorder {
     heard: Mutex<Vec<(String, Vec<IpAddr>)>>,
+    /// The TTL and direct ports of each report.
+    ttls: Mutex<Vec<(u64, Vec<u16>)>>,
     n: AtomicUsize,
 }
 
@@ -105,6 +107,10 @@ impl AnswerSink for Recorder {
             .lock()
             .unwrap()
             .push((a.name.to_string(), a.addrs.to_vec()));
+        self.ttls
+            .lock()
+            .unwrap()
+            .push((a.ttl.as_secs(), a.direct_ports.to_vec()));
     }
 }
 
@@ -115,6 +121,8 @@ struct Fixture {
     metrics: Arc<Metrics>,
     udp: SocketAddr,
     tcp: SocketAddr,
+    handle: PolicyHandle,
+    config: Arc<Config>,
     _dir: TempDir,
 }
 
@@ -139,7 +147,7 @@ timeout_ms = 5000
 attempts = 1
 
 [policies.test]
-allow_hosts = ["*.hit.test", "big.test", "*.slow.test"]
+allow_hosts = ["*.hit.test", "big.test", "*.slow.test", {{ host = "h7.hit.test", ports = [22] }}]
 "#,
         up = up.addr,
         hosts = hosts.display()
@@ -164,6 +172,7 @@ allow_hosts = ["*.hit.test", "big.test", "*.slow.test"]
     .await
     .unwrap();
     let a = proxy.intercept_addrs().unwrap();
+    let handle = proxy.policy_handle();
     tokio::spawn(proxy.run(std::future::pending()));
     Fixture {
         up,
@@ -172,6 +181,8 @@ allow_hosts = ["*.hit.test", "big.test", "*.slow.test"]
         metrics,
         udp: a.dns_udp.unwrap(),
         tcp: a.dns_tcp.unwrap(),
+        handle,
+        config,
         _dir: dir,
     }
 }
@@ -524,4 +535,173 @@ async fn tcp_connections_beyond_the_bound_are_refused_and_counted() {
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     assert!(again.is_some(), "a slot came free");
+}
+
+/// The raw answer on `s` (`None`: nothing within [`T`]).
+async fn recv_raw(s: &UdpSocket) -> Option<Vec<u8>> {
+    let mut b = vec![0u8; 65_535];
+    let n = tokio::time::timeout(T, s.recv(&mut b)).await.ok()?.unwrap();
+    b.truncate(n);
+    Some(b)
+}
+
+/// `q` over DNS-over-TCP (a new connection): the full path, whose answers are never kept.
+async fn tcp_raw(f: &Fixture, q: &[u8]) -> Vec<u8> {
+    let mut t = TcpStream::connect(f.tcp).await.unwrap();
+    let mut framed = (q.len() as u16).to_be_bytes().to_vec();
+    framed.extend_from_slice(q);
+    t.write_all(&framed).await.unwrap();
+    let len = tokio::time::timeout(T, t.read_u16())
+        .await
+        .unwrap()
+        .unwrap();
+    let mut b = vec![0; usize::from(len)];
+    t.read_exact(&mut b).await.unwrap();
+    b
+}
+
+/// Queries asked again are answered from the responder's memo: the same bytes as the full path
+/// (TCP, never kept) but for each query's own id, and every effect of the full path on each —
+/// the sink report (with the entry's direct ports), the counters, a denied name's event, never
+/// the upstream; a name spelled otherwise or another record type is another answer; a policy
+/// change refuses a kept name at once.
+#[tokio::test]
+async fn repeated_queries_get_the_full_paths_bytes_and_every_effect() {
+    let f = fixture().await;
+    warm(&f).await;
+    let s = client().await;
+    let reference = tcp_raw(&f, &query(1, "h7.hit.test.", RecordType::A, Some(1232))).await;
+    let (heard, allowed) = (
+        f.sink.n.load(Ordering::SeqCst),
+        metric(&f.metrics, "dns_answers", "outcome=\"allowed\""),
+    );
+    for id in 100..150u16 {
+        s.send_to(&query(id, "h7.hit.test.", RecordType::A, Some(1232)), f.udp)
+            .await
+            .unwrap();
+        let got = recv_raw(&s).await.unwrap();
+        assert_eq!(got[..2], id.to_be_bytes(), "the query's own id");
+        assert_eq!(
+            got[2..],
+            reference[2..],
+            "the full path's bytes (query {id})"
+        );
+    }
+    assert_eq!(f.sink.n.load(Ordering::SeqCst) - heard, 50);
+    assert!(
+        f.sink.ttls.lock().unwrap()[heard..]
+            .iter()
+            .all(|(ttl, ports)| *ttl == 300 && ports == &[22]),
+        "every report carries the TTL answered and the entry's ports"
+    );
+    assert_eq!(
+        metric(&f.metrics, "dns_answers", "outcome=\"allowed\"") - allowed,
+        50
+    );
+    // Spelled otherwise, or AAAA: another answer (the question echoed as asked).
+    for (name, rt) in [
+        ("H7.Hit.TEST.", RecordType::A),
+        ("h7.hit.test.", RecordType::AAAA),
+    ] {
+        let reference = tcp_raw(&f, &query(2, name, rt, None)).await;
+        for id in [300u16, 301] {
+            s.send_to(&query(id, name, rt, None), f.udp).await.unwrap();
+            let got = recv_raw(&s).await.unwrap();
+            assert_eq!(
+                (got[..2] == id.to_be_bytes(), &got[2..]),
+                (true, &reference[2..]),
+                "{name} {rt}"
+            );
+        }
+    }
+    // A denied name: every query an NXDOMAIN with its id and an event; the upstream never asked.
+    let events = f.events.total();
+    for id in 400..420u16 {
+        s.send_to(&query(id, "x.denied.test.", RecordType::A, None), f.udp)
+            .await
+            .unwrap();
+        let m = recv(&s).await.unwrap();
+        assert_eq!(
+            (m.metadata.id, m.metadata.response_code),
+            (id, ResponseCode::NXDomain)
+        );
+    }
+    assert_eq!(f.events.total() - events, 20);
+    assert!(
+        f.events
+            .recent(20)
+            .iter()
+            .all(|e| e.host.as_deref() == Some("x.denied.test"))
+    );
+    assert!(
+        !f.up
+            .asked
+            .lock()
+            .unwrap()
+            .iter()
+            .any(|a| a.contains("denied"))
+    );
+    // The policy changes: the kept answer is refused at the next query.
+    let mut narrowed = f.config.policy("test").unwrap().clone();
+    narrowed
+        .allow_hosts
+        .retain(|h| !h.to_string().contains("hit.test"));
+    f.handle.set(&narrowed);
+    let events = f.events.total();
+    s.send_to(
+        &query(500, "h7.hit.test.", RecordType::A, Some(1232)),
+        f.udp,
+    )
+    .await
+    .unwrap();
+    let m = recv(&s).await.unwrap();
+    assert_eq!(
+        (m.metadata.id, m.metadata.response_code),
+        (500, ResponseCode::NXDomain)
+    );
+    assert_eq!(f.events.total() - events, 1);
+}
+
+/// A kept answer's TTL follows the records' remaining lifetime: asked again and again, the
+/// TTL answered goes down second by second (the memo re-plans when its second has passed), and
+/// each report to the sink carries the TTL the client got.
+#[tokio::test]
+async fn a_kept_answers_ttl_counts_down_with_its_records() {
+    let f = fixture().await;
+    f.up.release.send(true).unwrap();
+    let s = client().await;
+    let ask = |id: u16| query(id, "t.slow.test.", RecordType::A, None);
+    s.send_to(&ask(1), f.udp).await.unwrap();
+    let first = recv(&s).await.unwrap();
+    assert_eq!(first.answers.len(), 1, "{first:?}");
+    let mut ttls = vec![first.answers[0].ttl];
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(4);
+    let mut id = 2;
+    while ttls.last() == ttls.first() && tokio::time::Instant::now() < deadline {
+        s.send_to(&ask(id), f.udp).await.unwrap();
+        let m = recv(&s).await.unwrap();
+        assert_eq!(m.metadata.id, id);
+        ttls.push(m.answers[0].ttl);
+        id += 1;
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let (first, last) = (ttls[0], *ttls.last().unwrap());
+    assert!(
+        first <= 60 && last == first - 1,
+        "one second less: {ttls:?}"
+    );
+    assert!(ttls.windows(2).all(|w| w[1] <= w[0]), "never up: {ttls:?}");
+    let reported: Vec<u64> = f
+        .sink
+        .ttls
+        .lock()
+        .unwrap()
+        .iter()
+        .map(|(t, _)| *t)
+        .collect();
+    assert_eq!(
+        reported,
+        ttls.iter().map(|t| u64::from(*t)).collect::<Vec<_>>(),
+        "each report is the TTL answered"
+    );
 }

@@ -447,7 +447,11 @@ deny_cidrs = ["192.0.2.0/24"]
         );
         // A bridge workload's gateway is learned at run time: not opened here, but said.
         let bridge = run("local", "172.17.0.1:11434");
-        assert!(bridge["host_services"]["at"].as_str().is_some_and(|s| s.contains("gateway")));
+        assert!(
+            bridge["host_services"]["at"]
+                .as_str()
+                .is_some_and(|s| s.contains("gateway"))
+        );
     }
 
     #[test]

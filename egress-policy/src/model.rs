@@ -565,7 +565,10 @@ impl Policy {
                 }
                 _ => {}
             }
-            if self.allow_host_services[..i].iter().any(|o| o.port == s.port) {
+            if self.allow_host_services[..i]
+                .iter()
+                .any(|o| o.port == s.port)
+            {
                 return Err(verr(field, format!("port {} is listed twice", s.port)));
             }
             if let Some(n) = &s.name

@@ -37,8 +37,7 @@ fn pods_are_confined_per_pod_through_containerd() {
 
     // What arrives: raw TCP on the gateway (allowed CIDR port, denied port), and the TLS
     // upstream serving the names.
-    let (canary, upstream) =
-        egress_tests::pods::listeners(
+    let (canary, upstream) = egress_tests::pods::listeners(
         &c,
         &ca,
         &["allowed.test", "denied.test", "other.test", "ro.test"],
@@ -234,7 +233,9 @@ fn pods_are_confined_per_pod_through_containerd() {
         "the read never arrived: {paths:?}"
     );
     assert!(
-        !paths.iter().any(|p| p.contains("pod-ro-post") || p.contains("pod-ro-put")),
+        !paths
+            .iter()
+            .any(|p| p.contains("pod-ro-post") || p.contains("pod-ro-put")),
         "a write arrived: {paths:?}"
     );
 

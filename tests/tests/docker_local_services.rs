@@ -96,7 +96,10 @@ fn host_services_and_lan_entries_open_exactly_what_they_name() {
         "the agent never opened ls-1's host services:\n{}",
         env.log()
     );
-    assert!(env.wait_host_layer("ls-2"), "host layer never enforced for ls-2");
+    assert!(
+        env.wait_host_layer("ls-2"),
+        "host layer never enforced for ls-2"
+    );
 
     let m = std::process::id();
     let out = env.exec_out(
@@ -188,7 +191,10 @@ fn host_services_and_lan_entries_open_exactly_what_they_name() {
     );
     assert!(line(&again, "hs3").starts_with("hs3 err 1 "), "{again}");
     assert!(line(&again, "dns-host3").contains("NXDOMAIN"), "{again}");
-    assert!(!listeners.saw(&format!("hs3-{m}")), "hs3 arrived after the reload");
+    assert!(
+        !listeners.saw(&format!("hs3-{m}")),
+        "hs3 arrived after the reload"
+    );
     let rules = env.d.netns.sh("nft list table inet egress_agent");
     assert!(
         !rules.contains(&format!("dport {SERVICE}")),

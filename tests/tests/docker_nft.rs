@@ -305,7 +305,11 @@ fn host_layer_filters_real_packets() {
     while host_service_udp.load(Ordering::SeqCst) < 3 && std::time::Instant::now() < deadline {
         std::thread::sleep(Duration::from_millis(20));
     }
-    assert_eq!(host_service_udp.load(Ordering::SeqCst), 3, "UDP to the host service");
+    assert_eq!(
+        host_service_udp.load(Ordering::SeqCst),
+        3,
+        "UDP to the host service"
+    );
     send_udp(&t.c1, "198.18.2.1:11434");
     settle();
     assert_eq!(

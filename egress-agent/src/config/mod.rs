@@ -1035,7 +1035,10 @@ transparent = false
         let p = ok.policy("local").unwrap();
         assert_eq!(p.host_service_ports(), vec![8080, 11434]);
         assert!(p.allow_hosts[0].lan);
-        assert_eq!(p.allow_hosts[0].to_string(), "gpu-box.lan (ports 8000) (lan)");
+        assert_eq!(
+            p.allow_hosts[0].to_string(),
+            "gpu-box.lan (ports 8000) (lan)"
+        );
         // Written back as read.
         let back = toml::to_string(p).unwrap();
         assert!(

@@ -77,7 +77,10 @@ fn key(ev: &DenialEvent) -> Key<'_> {
         source: ev.source.as_str(),
         cgroup_id: ev.cgroup_id,
         task_cgroup_id: ev.task_cgroup_id,
-        container: ev.container.as_ref().map(|c| (c.id.as_str(), c.name.as_str())),
+        container: ev
+            .container
+            .as_ref()
+            .map(|c| (c.id.as_str(), c.name.as_str())),
         context: &ev.context,
         policy: &ev.policy,
         host: ev.host.as_deref(),

@@ -156,9 +156,21 @@ impl Shared {
     /// [`Shared::act`] on a refusal: its denial event (with the rule that refused). Returns
     /// what the client is told.
     pub(crate) fn deny(&self, policy: &CompiledPolicy, at: &At<'_>, r: Refused) -> Denial {
+        let rule = self.deny_recorded(policy, at, r);
+        self.denial(at, r.reason, rule)
+    }
+
+    /// [`Shared::deny`]'s event alone, for a refusal whose answer the caller kept (the DNS
+    /// responder's memo). Returns the rule described.
+    pub(crate) fn deny_recorded(
+        &self,
+        policy: &CompiledPolicy,
+        at: &At<'_>,
+        r: Refused,
+    ) -> Option<String> {
         let rule = r.rule.map(|rule| policy.describe(rule));
         self.event(at, r.reason.as_str(), Verdict::Deny, rule.clone());
-        self.denial(at, r.reason, rule)
+        rule
     }
 
     /// A refusal that is no rule of the policy (request shape, TLS, admission, a missing

@@ -299,8 +299,19 @@ mod tests {
             None,
             None,
         );
-        assert!(d.text().contains("add host.docker.internal to NO_PROXY"), "{}", d.text());
-        let other = Denial::new(DenyReason::HostNotAllowed, "local", Some("a.test"), 443, None, None);
+        assert!(
+            d.text().contains("add host.docker.internal to NO_PROXY"),
+            "{}",
+            d.text()
+        );
+        let other = Denial::new(
+            DenyReason::HostNotAllowed,
+            "local",
+            Some("a.test"),
+            443,
+            None,
+            None,
+        );
         assert!(!other.text().contains("NO_PROXY"), "{}", other.text());
     }
 }

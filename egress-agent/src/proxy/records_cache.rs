@@ -43,9 +43,15 @@ fn expiry(records: &NameRecords, now: Instant) -> Instant {
 
 impl RecordsCache {
     pub fn get(&self, name: &HostName, now: Instant) -> Option<Arc<NameRecords>> {
+        self.get_until(name, now).map(|(_, r)| r)
+    }
+
+    /// [`RecordsCache::get`] with the instant the entry stops being reused: what is built from
+    /// it (the responder's memo of answers) lives no longer.
+    pub fn get_until(&self, name: &HostName, now: Instant) -> Option<(Instant, Arc<NameRecords>)> {
         let map = self.map.lock().ok()?;
         match map.get(name) {
-            Some((until, r)) if *until > now => Some(r.clone()),
+            Some((until, r)) if *until > now => Some((*until, r.clone())),
             _ => None,
         }
     }
@@ -104,6 +110,10 @@ mod tests {
             now,
         );
         assert!(c.get(&n, now + Duration::from_secs(1)).is_some());
+        assert_eq!(
+            c.get_until(&n, now).map(|(until, _)| until),
+            Some(now + Duration::from_secs(2))
+        );
         assert!(c.get(&n, now + Duration::from_secs(2)).is_none());
         let m = HostName::parse("b.test").unwrap();
         c.put(

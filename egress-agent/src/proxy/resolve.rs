@@ -257,9 +257,10 @@ impl DnsResolver {
     }
 
     /// The [`DnsResolver::lookup_records`] answer for `name` if it is still cached, without
-    /// waiting: the DNS responder answers such queries on its receive loop.
-    pub fn cached_records(&self, name: &HostName) -> Option<Arc<NameRecords>> {
-        self.records.get(name, Instant::now())
+    /// waiting (the DNS responder answers such queries on its receive loop), with the instant
+    /// they stop being reused.
+    pub fn cached_records(&self, name: &HostName) -> Option<(Instant, Arc<NameRecords>)> {
+        self.records.get_until(name, Instant::now())
     }
 
     async fn lookup_records_uncached(&self, name: &HostName) -> NameRecords {

@@ -153,7 +153,12 @@ impl Entries {
 
     /// The agent's own cgroup: `allow_all`, no listener (see [`super::Enforcer::exempt_self`]).
     pub fn write_self(&mut self, cgroup_id: u64) -> Result<(), String> {
-        self.write(cgroup_id, &Policy::allow_all(), Bound::default(), (&[], &[]))
+        self.write(
+            cgroup_id,
+            &Policy::allow_all(),
+            Bound::default(),
+            (&[], &[]),
+        )
     }
 
     /// Confine `cgroup_id` as `deny_all` because of `why`.

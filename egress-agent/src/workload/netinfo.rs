@@ -82,9 +82,7 @@ fn gateway(host: &[Link], bridge: &str, inside: std::net::Ipv4Addr) -> Option<st
         .collect();
     addrs
         .iter()
-        .find(|(a, len)| {
-            ipnet::Ipv4Net::new(*a, *len).is_ok_and(|n| n.trunc().contains(&inside))
-        })
+        .find(|(a, len)| ipnet::Ipv4Net::new(*a, *len).is_ok_and(|n| n.trunc().contains(&inside)))
         .or(addrs.first())
         .map(|(a, _)| *a)
 }

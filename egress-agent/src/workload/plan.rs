@@ -114,10 +114,7 @@ pub fn host_entry(
     let (direct_ports, host_ports) = if plan.policy.audits() {
         (Vec::new(), Vec::new())
     } else {
-        (
-            plan.policy.direct_ports(),
-            plan.policy.host_service_ports(),
-        )
+        (plan.policy.direct_ports(), plan.policy.host_service_ports())
     };
     Ok(HostEntry::Enforced(nft::Enforced {
         listener,

@@ -25,6 +25,8 @@ pub enum Planned {
         addrs: Vec<IpAddr>,
         direct_addrs: Vec<IpAddr>,
         ttl: Duration,
+        /// How `ttl` goes down: an answer kept for reuse is re-planned when it would change.
+        clock: Clock,
     },
     /// NOERROR, no records of the asked type.
     NoData,
@@ -34,6 +36,30 @@ pub enum Planned {
     Denied { refused: Refused, ip: IpAddr },
     /// The resolver failed for the asked family (SERVFAIL).
     Failed(String),
+}
+
+/// What an answer's TTL follows: the asked family's cache lifetime and its records' lowest TTL.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Clock {
+    valid_until: Instant,
+    /// `None`: no records (the cache lifetime alone).
+    lowest: Option<Duration>,
+}
+
+impl Clock {
+    /// The TTL to answer at `now`: the remaining cache lifetime, no more than the lowest record
+    /// TTL, within [`MIN_ANSWER_TTL`]..=[`MAX_ANSWER_TTL`].
+    pub fn ttl(&self, now: Instant) -> Duration {
+        let remaining = self.valid_until.saturating_duration_since(now);
+        remaining
+            .min(self.lowest.unwrap_or(remaining))
+            .clamp(MIN_ANSWER_TTL, MAX_ANSWER_TTL)
+    }
+}
+
+/// Whole seconds of a TTL, as a record carries them.
+pub fn ttl_secs(ttl: Duration) -> u32 {
+    u32::try_from(ttl.as_secs()).unwrap_or(u32::MAX)
 }
 
 /// Check every address of `names` (both families) and shape the `record_type` answer. `lan`:
@@ -66,14 +92,15 @@ pub fn plan(
             records,
             valid_until,
         } => {
-            let remaining = valid_until.saturating_duration_since(now);
-            let lowest = records
-                .iter()
-                .map(|r| Duration::from_secs(u64::from(r.ttl)))
-                .min()
-                .unwrap_or(remaining);
-            let ttl = remaining.min(lowest).clamp(MIN_ANSWER_TTL, MAX_ANSWER_TTL);
-            let secs = u32::try_from(ttl.as_secs()).unwrap_or(u32::MAX);
+            let clock = Clock {
+                valid_until: *valid_until,
+                lowest: records
+                    .iter()
+                    .map(|r| Duration::from_secs(u64::from(r.ttl)))
+                    .min(),
+            };
+            let ttl = clock.ttl(now);
+            let secs = ttl_secs(ttl);
             let mut out = records.clone();
             for r in &mut out {
                 r.ttl = secs;
@@ -89,6 +116,7 @@ pub fn plan(
                 addrs,
                 direct_addrs,
                 ttl,
+                clock,
             }
         }
     }
@@ -104,9 +132,7 @@ fn lan_direct(ip: IpAddr) -> bool {
     };
     match ip {
         IpAddr::V4(a) => !(a.is_loopback() || a.is_unspecified() || a.is_link_local()),
-        IpAddr::V6(a) => {
-            !(a.is_loopback() || a.is_unspecified() || a.is_unicast_link_local())
-        }
+        IpAddr::V6(a) => !(a.is_loopback() || a.is_unspecified() || a.is_unicast_link_local()),
     }
 }
 
@@ -163,7 +189,14 @@ mod tests {
                 addrs,
                 direct_addrs,
                 ttl,
+                clock,
             } => {
+                assert_eq!(clock.ttl(now + Duration::from_secs(86_000)), MAX_ANSWER_TTL);
+                assert_eq!(
+                    clock.ttl(now + Duration::from_secs(86_340)),
+                    Duration::from_secs(60)
+                );
+                assert_eq!(clock.ttl(now + Duration::from_secs(86_399)), MIN_ANSWER_TTL);
                 assert_eq!(records.len(), 2);
                 assert_eq!(records[0].record_type(), RecordType::CNAME);
                 assert!(records.iter().all(|r| r.ttl == 300));
@@ -173,7 +206,10 @@ mod tests {
             }
             other => panic!("{other:?}"),
         }
-        assert_eq!(plan(&p, &names, RecordType::AAAA, false, now), Planned::NoData);
+        assert_eq!(
+            plan(&p, &names, RecordType::AAAA, false, now),
+            Planned::NoData
+        );
         // Short TTLs are raised to the floor, remaining cache time counts.
         let short = NameRecords {
             v4: family(vec![a("www.test.", "140.82.112.3", 0)], 0, now),
@@ -274,12 +310,18 @@ mod tests {
             other => panic!("{other:?}"),
         };
         let lan = names(&["192.168.1.50"]);
-        assert_eq!(direct(&lan, true), vec!["192.168.1.50".parse::<IpAddr>().unwrap()]);
+        assert_eq!(
+            direct(&lan, true),
+            vec!["192.168.1.50".parse::<IpAddr>().unwrap()]
+        );
         // The same answer for a name that is not a lan entry's: proxy only, as before.
         assert!(direct(&lan, false).is_empty());
         // Loopback and link-local are answered (resolve_private covers them) but never opened.
         let host = names(&["127.0.0.1", "169.254.169.254", "192.168.1.51"]);
-        assert_eq!(direct(&host, true), vec!["192.168.1.51".parse::<IpAddr>().unwrap()]);
+        assert_eq!(
+            direct(&host, true),
+            vec!["192.168.1.51".parse::<IpAddr>().unwrap()]
+        );
         // Outside resolve_private: refused whole, lan or not.
         let other = names(&["10.0.0.5"]);
         assert!(matches!(

@@ -3,6 +3,7 @@
 //! readiness (`UdpSocket::try_io`), so `WouldBlock` clears the socket's readiness as usual.
 use std::io::{self, IoSlice, IoSliceMut};
 use std::net::SocketAddr;
+use std::ops::Range;
 use std::os::fd::RawFd;
 
 use nix::sys::socket::{
@@ -84,15 +85,23 @@ impl RecvBatch {
     }
 }
 
-/// Answers waiting to go out in one `sendmmsg` call.
+/// Answers waiting to go out in one `sendmmsg` call, in one buffer reused from batch to batch.
 #[derive(Default)]
 pub struct SendBatch {
-    out: Vec<(Vec<u8>, SocketAddr)>,
+    bytes: Vec<u8>,
+    out: Vec<(Range<usize>, SocketAddr)>,
 }
 
 impl SendBatch {
-    pub fn push(&mut self, bytes: Vec<u8>, to: SocketAddr) {
-        self.out.push((bytes, to));
+    pub fn push(&mut self, bytes: &[u8], to: SocketAddr) {
+        self.push_with(to, |out| out.extend_from_slice(bytes));
+    }
+
+    /// Queue for `to` what `write` appends to the batch's buffer.
+    pub fn push_with(&mut self, to: SocketAddr, write: impl FnOnce(&mut Vec<u8>)) {
+        let start = self.bytes.len();
+        write(&mut self.bytes);
+        self.out.push((start..self.bytes.len(), to));
     }
 
     pub fn len(&self) -> usize {
@@ -108,8 +117,10 @@ impl SendBatch {
         }
         let n = rest.len().min(BATCH);
         let mut headers = MultiHeaders::<SockaddrStorage>::preallocate(n, None);
-        let iovs: Vec<[IoSlice<'_>; 1]> =
-            rest[..n].iter().map(|(b, _)| [IoSlice::new(b)]).collect();
+        let iovs: Vec<[IoSlice<'_>; 1]> = rest[..n]
+            .iter()
+            .map(|(at, _)| [IoSlice::new(self.bytes.get(at.clone()).unwrap_or_default())])
+            .collect();
         let addrs: Vec<Option<SockaddrStorage>> = rest[..n]
             .iter()
             .map(|(_, to)| Some(SockaddrStorage::from(*to)))
@@ -128,6 +139,7 @@ impl SendBatch {
     }
 
     pub fn clear(&mut self) {
+        self.bytes.clear();
         self.out.clear();
     }
 }
@@ -167,7 +179,7 @@ mod tests {
         assert!(got[3].0.cut, "{:?}", got[3].0);
         let mut tx = SendBatch::default();
         for (r, b) in got.iter().take(3) {
-            tx.push(b.clone(), r.src.unwrap());
+            tx.push(b, r.src.unwrap());
         }
         assert_eq!(tx.send(server.as_raw_fd(), 0).unwrap(), 3);
         assert_eq!(tx.send(server.as_raw_fd(), 3).unwrap(), 0);

@@ -10,16 +10,22 @@
 //! [`Core::finish`] is the only place that [`plan`]s an answer, decides truncation, reports to the
 //! [`AnswerSink`] (before the bytes exist, so before any client can see the addresses), emits the
 //! address denial, and counts the outcome. Every path answers or drops; none panics.
+//!
+//! The UDP loop keeps what [`Core::now`] answered without the network ([`Kept`]) in its
+//! [`super::memo`], and answers the same query bytes again through [`Core::reuse`]: the same
+//! act on the name, denial event, sink report and counters, the kept bytes.
 use std::net::{IpAddr, SocketAddr};
 use std::sync::Arc;
 use std::time::Instant;
+
+use super::memo::{Answered, Entry, Kept, Kind};
 
 use hickory_server::proto::op::ResponseCode;
 use hickory_server::proto::rr::{RData, Record, RecordType};
 use hickory_server::server::Request;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
-use super::answer::{Planned, plan};
+use super::answer::{Planned, plan, ttl_secs};
 use super::decide::{Decision, Denied, decide};
 use super::wire::{self, Read, Reply, Transport};
 use super::{Answer, AnswerSink, DNS_PORT};
@@ -27,8 +33,8 @@ use crate::metrics::{DnsCounters, DnsDrop, DnsOutcome};
 use crate::proxy::Shared;
 use crate::proxy::act::{Act, At, Stage};
 use crate::proxy::resolve::NameRecords;
-use egress_policy::CompiledPolicy;
 use egress_policy::name::HostName;
+use egress_policy::{CompiledPolicy, Decision as PolicyDecision};
 
 /// TTL of the `egress.internal` answer (seconds).
 const AGENT_NAME_TTL: u32 = 60;
@@ -63,12 +69,13 @@ struct Pending {
     record_type: RecordType,
     direct_ports: Vec<u16>,
     lan: bool,
+    decision: PolicyDecision,
 }
 
 /// What [`Core::now`] made of one message.
 pub(crate) enum Now {
-    /// Send these bytes.
-    Send(Vec<u8>),
+    /// Send these bytes; the same query may get them again while `Kept` holds.
+    Send(Vec<u8>, Option<Kept>),
     /// Send nothing (counted).
     Drop,
     /// Needs the resolver.
@@ -107,7 +114,7 @@ impl Core {
             Read::Message(r) => r,
             Read::FormErr(out) => {
                 self.count(DnsOutcome::FormErr);
-                return Now::Send(out);
+                return Now::Send(out, None);
             }
             Read::Drop(why) => {
                 self.dropped(why);
@@ -122,29 +129,26 @@ impl Core {
             }
             Decision::Agent { record_type } => {
                 let reply = self.agent_name(&request, record_type);
-                return self
-                    .encode(&request, transport, &reply)
-                    .map_or(Now::Drop, Now::Send);
+                return self.send(&request, transport, &reply, None);
             }
             Decision::Host { record_type } => {
                 let reply = self.host_name(&request, record_type);
-                return self
-                    .encode(&request, transport, &reply)
-                    .map_or(Now::Drop, Now::Send);
+                return self.send(&request, transport, &reply, None);
             }
             Decision::Reply { code, denied } => {
-                let reply = if let Some(Denied { host, refused }) = denied {
-                    let at = at(host.as_ref(), None);
-                    let denial = self.shared.deny(&policy, &at, refused);
-                    self.count(DnsOutcome::Denied);
-                    Reply::refused(code, &denial.summary())
-                } else {
+                let Some(denied) = denied else {
                     self.count(DnsOutcome::FormErr);
-                    Reply::code(code)
+                    return self.send(&request, transport, &Reply::code(code), None);
                 };
-                return self
-                    .encode(&request, transport, &reply)
-                    .map_or(Now::Drop, Now::Send);
+                let at = at(denied.host.as_ref(), None);
+                let denial = self.shared.deny(&policy, &at, denied.refused);
+                self.count(DnsOutcome::Denied);
+                let reply = Reply::refused(code, &denial.summary());
+                let kept = Kept {
+                    policy: policy.clone(),
+                    kind: Kind::Denied(denied),
+                };
+                return self.send(&request, transport, &reply, Some(kept));
             }
             Decision::Resolve {
                 name,
@@ -161,9 +165,7 @@ impl Core {
                     // `decide` hands over no denial here; refused all the same if it did.
                     self.count(DnsOutcome::Denied);
                     let reply = Reply::refused(ResponseCode::NXDomain, &denial.summary());
-                    return self
-                        .encode(&request, transport, &reply)
-                        .map_or(Now::Drop, Now::Send);
+                    return self.send(&request, transport, &reply, None);
                 }
                 Pending {
                     policy,
@@ -171,17 +173,72 @@ impl Core {
                     record_type,
                     direct_ports,
                     lan,
+                    decision,
                 }
             }
         };
         match self.shared.ctx.resolver().cached_records(&pending.name) {
-            Some(names) => {
-                let reply = self.finish(&request, transport, &pending, &names);
-                self.encode(&request, transport, &reply)
-                    .map_or(Now::Drop, Now::Send)
+            Some((until, names)) => {
+                let (reply, answered) =
+                    self.finish(&request, transport, &pending, &names, Some(until));
+                let kept = answered.map(|a| Kept {
+                    policy: pending.policy.clone(),
+                    kind: Kind::Answer(a),
+                });
+                self.send(&request, transport, &reply, kept)
             }
             None => Now::Miss(Miss { request, pending }),
         }
+    }
+
+    fn send(
+        &self,
+        request: &Request,
+        transport: Transport,
+        reply: &Reply,
+        kept: Option<Kept>,
+    ) -> Now {
+        match self.encode(request, transport, reply) {
+            Some(out) => Now::Send(out, kept),
+            None => Now::Drop,
+        }
+    }
+
+    /// A kept answer for the same query bytes again, from `src`, under `policy` (the one the
+    /// memo follows): [`Reuse::Stale`] when its records or its TTL's second ran out (the full
+    /// path answers then, and its answer replaces the entry).
+    pub(crate) fn reuse(&self, entry: &Entry, policy: &CompiledPolicy, src: SocketAddr) -> Reuse {
+        match &entry.kind {
+            Kind::Denied(Denied { host, refused }) => {
+                self.shared
+                    .deny_recorded(policy, &at(host.as_ref(), None), *refused);
+                self.count(DnsOutcome::Denied);
+            }
+            Kind::Answer(a) => {
+                let now = Instant::now();
+                let ttl = a.clock.ttl(now);
+                if now >= a.until || ttl_secs(ttl) != a.secs {
+                    return Reuse::Stale;
+                }
+                let at = at(Some(&a.name), None);
+                if let Act::Refuse(_) = self.shared.act(policy, &at, a.decision, Stage::Checked) {
+                    // `decide` kept no denial here; the full path answers if it did.
+                    return Reuse::Stale;
+                }
+                self.sink.answered(&Answer {
+                    policy: &self.shared.name,
+                    identity: self.shared.identity.as_ref(),
+                    client: src,
+                    name: &a.name,
+                    addrs: &a.addrs,
+                    ttl,
+                    direct_ports: &a.direct_ports,
+                    direct_addrs: &a.direct_addrs,
+                });
+                self.count(DnsOutcome::Allowed);
+            }
+        }
+        Reuse::Send
     }
 
     /// `egress.internal`: the endpoint's IPv4 address for `A` (no `AAAA`: the name leads to the
@@ -265,41 +322,47 @@ impl Core {
             .resolver()
             .lookup_records(&miss.pending.name)
             .await;
-        let reply = self.finish(&miss.request, transport, &miss.pending, &names);
+        let (reply, _) = self.finish(&miss.request, transport, &miss.pending, &names, None);
         self.encode(&miss.request, transport, &reply)
     }
 
     /// The answer to an allowed name from its records: the address check, truncation, the sink
-    /// report, events and counters. The only place an answer is planned.
+    /// report, events and counters. The only place an answer is planned. With `until` (the
+    /// records come from the cache and are reused until then), an answer also says what the
+    /// memo may keep of it.
     fn finish(
         &self,
         request: &Request,
         transport: Transport,
         pending: &Pending,
         names: &NameRecords,
-    ) -> Reply {
+        until: Option<Instant>,
+    ) -> (Reply, Option<Answered>) {
         let name = &pending.name;
-        match plan(
+        let planned = plan(
             &pending.policy,
             names,
             pending.record_type,
             pending.lan,
             Instant::now(),
-        ) {
+        );
+        let reply = match planned {
             Planned::Answer {
                 records,
                 addrs,
                 direct_addrs,
                 ttl,
+                clock,
             } => {
                 if !wire::fits(request, transport, &records) {
                     // Too big for this UDP client: truncated, it retries over TCP (and is
                     // reported to the sink then, with the addresses it gets).
                     self.count(DnsOutcome::Truncated);
-                    return Reply {
+                    let reply = Reply {
                         truncated: true,
                         ..Reply::code(ResponseCode::NoError)
                     };
+                    return (reply, None);
                 }
                 // Before the client can see the addresses (and connect to them).
                 self.sink.answered(&Answer {
@@ -313,10 +376,21 @@ impl Core {
                     direct_addrs: &direct_addrs,
                 });
                 self.count(DnsOutcome::Allowed);
-                Reply {
+                let reply = Reply {
                     records,
                     ..Reply::code(ResponseCode::NoError)
-                }
+                };
+                let answered = until.map(|until| Answered {
+                    name: name.clone(),
+                    decision: pending.decision,
+                    direct_ports: pending.direct_ports.clone(),
+                    addrs,
+                    direct_addrs,
+                    clock,
+                    secs: ttl_secs(ttl),
+                    until,
+                });
+                return (reply, answered);
             }
             Planned::NoData => {
                 self.count(DnsOutcome::Empty);
@@ -338,8 +412,19 @@ impl Core {
                 self.count(DnsOutcome::ServFail);
                 Reply::code(ResponseCode::ServFail)
             }
-        }
+        };
+        (reply, None)
     }
+}
+
+/// What [`Core::reuse`] made of a kept answer.
+#[must_use]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Reuse {
+    /// Send its bytes (everything else is done).
+    Send,
+    /// It ran out: answer the query through [`Core::now`].
+    Stale,
 }
 
 /// Where a DNS decision is taken, for [`Shared::act`]: the name asked (an address of its answer:

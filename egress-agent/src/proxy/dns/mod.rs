@@ -30,7 +30,10 @@
 //! `deny_all`; such policies get no responder at bind time). Upstream failures are SERVFAIL.
 //!
 //! What needs no network is answered on the UDP receive loop, synchronously: refusals, denials
-//! and allowed names whose records the resolver caches. A miss is resolved on a task of its own
+//! and allowed names whose records the resolver caches. The loop keeps those answers' bytes
+//! ([`memo`]): the same query bytes again (any id) are answered from them with the same effects
+//! (events, sink report, counters) until the policy changes, the records expire or the TTL's
+//! second passes. A miss is resolved on a task of its own
 //! (at most `proxy.max_connections_per_listener` at once per responder; beyond it SERVFAIL) that
 //! sends its answer when done.
 //!
@@ -43,6 +46,7 @@ pub mod answer;
 mod batch;
 pub mod decide;
 mod handler;
+mod memo;
 pub mod responder;
 pub mod tcp;
 mod udp;

@@ -114,7 +114,7 @@ async fn connection(mut stream: TcpStream, peer: SocketAddr, core: &Core, idle: 
             return;
         }
         let out = match core.now(&buf, peer, Transport::Tcp) {
-            Now::Send(out) => Some(out),
+            Now::Send(out, _) => Some(out),
             Now::Drop => None,
             Now::Miss(miss) => match core.admit() {
                 Some(_permit) => core.resolve(&miss, Transport::Tcp).await,

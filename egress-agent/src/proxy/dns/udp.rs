@@ -1,10 +1,12 @@
 //! The responder's UDP loop: a batch of queries per `recvmmsg`, each answered on the loop when no
 //! network is needed ([`Core::now`]: denied names, refused types, malformed queries, allowed
-//! names whose records are cached), the answers of the batch sent with one `sendmmsg`. A miss
+//! names whose records are cached; the same query bytes again from the loop's [`Memo`] through
+//! [`Core::reuse`]), the answers of the batch sent with one `sendmmsg`. A miss
 //! takes a slot of the in-flight bound and is resolved on a task of its own, which sends its
 //! answer when done; without a slot it is SERVFAIL in the same batch. Hits keep flowing while
 //! misses resolve.
 use std::io;
+use std::net::SocketAddr;
 use std::os::fd::AsRawFd;
 use std::sync::Arc;
 use std::time::Duration;
@@ -14,10 +16,13 @@ use tokio::net::UdpSocket;
 use tokio_util::sync::CancellationToken;
 
 use super::batch::{RecvBatch, SendBatch};
-use super::handler::{Core, Now};
+use super::handler::{Core, Now, Reuse};
+use super::memo::{self, Memo};
+use super::wire;
 use super::wire::Transport;
 use crate::metrics::DnsDrop;
 use crate::proxy::client::{CLIENT, Client};
+use egress_policy::CompiledPolicy;
 
 /// Pause after a receive error that is not `WouldBlock` (the socket stays readable: without it
 /// the loop would spin).
@@ -34,6 +39,7 @@ pub(crate) async fn serve(socket: Arc<UdpSocket>, core: Arc<Core>, stop: Cancell
         .and_then(|_| socket.local_addr().ok());
     let mut rx = RecvBatch::default();
     let mut tx = SendBatch::default();
+    let mut memo = Memo::default();
     loop {
         if stop.is_cancelled() {
             return;
@@ -57,6 +63,8 @@ pub(crate) async fn serve(socket: Arc<UdpSocket>, core: Arc<Core>, stop: Cancell
                 continue;
             }
         }
+        let policy = core.shared.policy.load_full();
+        memo.follow(&policy);
         for (r, bytes) in rx.iter() {
             let Some(src) = r.src else {
                 core.dropped(DnsDrop::BadSource);
@@ -66,15 +74,14 @@ pub(crate) async fn serve(socket: Arc<UdpSocket>, core: Arc<Core>, stop: Cancell
                 core.dropped(DnsDrop::Malformed);
                 continue;
             }
-            let now = || core.now(bytes, src, Transport::Udp);
+            let mut answer = || answer(&core, &mut memo, &policy, bytes, src, &mut tx);
             let now = match local {
-                Some(local) => CLIENT.sync_scope(Client::udp(src, local), now),
-                None => now(),
+                Some(local) => CLIENT.sync_scope(Client::udp(src, local), answer),
+                None => answer(),
             };
             match now {
-                Now::Send(out) => tx.push(out, src),
-                Now::Drop => {}
-                Now::Miss(miss) => match core.admit() {
+                None | Some(Now::Send(..) | Now::Drop) => {}
+                Some(Now::Miss(miss)) => match core.admit() {
                     Some(permit) => {
                         let (core, socket) = (core.clone(), socket.clone());
                         // A successor may serve the socket now: this process stays until the
@@ -98,13 +105,47 @@ pub(crate) async fn serve(socket: Arc<UdpSocket>, core: Arc<Core>, stop: Cancell
                     }
                     None => {
                         if let Some(out) = core.servfail(&miss, Transport::Udp) {
-                            tx.push(out, src);
+                            tx.push(&out, src);
                         }
                     }
                 },
             }
         }
         flush(&socket, &core, &mut tx).await;
+    }
+}
+
+/// One query from `src`, answered from the memo when it holds the answer, else through
+/// [`Core::now`] (its answer kept when it may be). An answer is queued on `tx`; what is left
+/// (a miss) is returned.
+fn answer(
+    core: &Core,
+    memo: &mut Memo,
+    policy: &CompiledPolicy,
+    bytes: &[u8],
+    src: SocketAddr,
+    tx: &mut SendBatch,
+) -> Option<Now> {
+    if let (Some(entry), Some(id)) = (memo.get(bytes), memo::id(bytes))
+        && wire::answerable(src)
+    {
+        match core.reuse(entry, policy, src) {
+            Reuse::Send => {
+                tx.push_with(src, |out| entry.write(id, out));
+                return None;
+            }
+            Reuse::Stale => memo.forget(bytes),
+        }
+    }
+    match core.now(bytes, src, Transport::Udp) {
+        Now::Send(out, kept) => {
+            tx.push(&out, src);
+            if let Some(kept) = kept {
+                memo.keep(bytes, &out, kept);
+            }
+            None
+        }
+        other => Some(other),
     }
 }
 
