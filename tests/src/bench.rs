@@ -1,5 +1,7 @@
-//! What `dns-bench` and `transparent-bench` share: CPU pinning, a process's CPU time, pinned peer
-//! processes that are stopped on drop, and waiting for a peer to report its address.
+//! What the benchmark binaries share: CPU pinning, a process's CPU time, pinned peer processes
+//! that are stopped on drop, waiting for a peer to report its address, and [`Target`]: a
+//! performance target reported as one `target:` line, which `cargo xtask bench` collects into its
+//! summary.
 use std::net::SocketAddr;
 use std::path::Path;
 use std::process::{Child, Command, Stdio};
@@ -144,4 +146,211 @@ pub fn rss_kib(pid: u32) -> u64 {
         .find_map(|l| l.strip_prefix("VmRSS:"))
         .and_then(|v| v.split_whitespace().next()?.parse().ok())
         .unwrap_or(0)
+}
+
+/// The ratio `num / den` of two medians; none when either is missing or `den` is not positive.
+pub fn ratio(num: Option<f64>, den: Option<f64>) -> Option<f64> {
+    match (num, den) {
+        (Some(n), Some(d)) if d > 0.0 => Some(n / d),
+        _ => None,
+    }
+}
+
+/// The prefix of a [`Target`]'s line. `cargo xtask bench` (xtask/src/bench_targets.rs) reads
+/// the lines that start with it; keep the two in step.
+pub const TARGET_PREFIX: &str = "target: ";
+
+/// Which side of its bound a [`Target`]'s figure must stay on.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Bound {
+    AtMost(f64),
+    AtLeast(f64),
+}
+
+/// What a [`Target`]'s figure says.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Verdict {
+    Met,
+    NotMet,
+    /// No figure (a peer missing, a phase skipped, a failed measurement): never met.
+    NotMeasured,
+}
+
+impl Verdict {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Verdict::Met => "met",
+            Verdict::NotMet => "NOT met",
+            Verdict::NotMeasured => "not measured",
+        }
+    }
+}
+
+/// A performance target: a metric, its measured figure (a median of the benchmark's rounds, or
+/// a ratio of such medians), and the bound it should stay within. Benchmarks assert nothing: a
+/// target is reported, met or not.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Target {
+    /// The metric, e.g. `connect() inside/outside an enforced cgroup`.
+    pub name: String,
+    pub measured: Option<f64>,
+    pub bound: Bound,
+    /// `×` for a ratio, else a unit (`s`, `µs`, `KiB`).
+    pub unit: &'static str,
+}
+
+impl Target {
+    pub fn at_most(
+        name: impl Into<String>,
+        measured: Option<f64>,
+        bound: f64,
+        unit: &'static str,
+    ) -> Target {
+        Target {
+            name: name.into(),
+            measured,
+            bound: Bound::AtMost(bound),
+            unit,
+        }
+    }
+
+    pub fn at_least(
+        name: impl Into<String>,
+        measured: Option<f64>,
+        bound: f64,
+        unit: &'static str,
+    ) -> Target {
+        Target {
+            name: name.into(),
+            measured,
+            bound: Bound::AtLeast(bound),
+            unit,
+        }
+    }
+
+    /// Met or not; a missing or non-finite figure is [`Verdict::NotMeasured`].
+    pub fn verdict(&self) -> Verdict {
+        let Some(v) = self.measured.filter(|v| v.is_finite()) else {
+            return Verdict::NotMeasured;
+        };
+        let met = match self.bound {
+            Bound::AtMost(b) => v <= b,
+            Bound::AtLeast(b) => v >= b,
+        };
+        if met { Verdict::Met } else { Verdict::NotMet }
+    }
+
+    /// `target: <name> | <measured> | <= <bound> | met` (or `>=`; `NOT met`; `-` and
+    /// `not measured` without a figure). `|` in the name becomes `/`, so the line always has
+    /// four fields.
+    pub fn line(&self) -> String {
+        let (op, bound) = match self.bound {
+            Bound::AtMost(b) => ("<=", b),
+            Bound::AtLeast(b) => (">=", b),
+        };
+        let verdict = self.verdict();
+        let measured = match self.measured {
+            Some(v) if verdict != Verdict::NotMeasured => self.figure(v),
+            _ => "-".to_owned(),
+        };
+        format!(
+            "{TARGET_PREFIX}{} | {measured} | {op} {} | {}",
+            self.name.replace('|', "/"),
+            self.figure(bound),
+            verdict.as_str()
+        )
+    }
+
+    /// Print [`Target::line`] on stdout.
+    pub fn report(&self) {
+        println!("{}", self.line());
+    }
+
+    /// `1.045×`, `1.850 s`, `26.2 µs`, `12515 tunnels/s`: three decimals below 10, one below
+    /// 1000, none above.
+    fn figure(&self, v: f64) -> String {
+        let digits = match v.abs() {
+            a if a < 10.0 => 3,
+            a if a < 1000.0 => 1,
+            _ => 0,
+        };
+        let sep = if self.unit == "×" { "" } else { " " };
+        format!("{v:.digits$}{sep}{}", self.unit)
+    }
+}
+
+/// Print every target's line (after a benchmark's own table).
+pub fn report_all(targets: &[Target]) {
+    for t in targets {
+        t.report();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_target_line_says_met_not_met_or_not_measured() {
+        let t = Target::at_most("connect() inside/outside", Some(1.0449), 1.05, "×");
+        assert_eq!(t.verdict(), Verdict::Met);
+        assert_eq!(
+            t.line(),
+            "target: connect() inside/outside | 1.045× | <= 1.050× | met"
+        );
+        let t = Target::at_most("connect() inside/outside", Some(1.0501), 1.05, "×");
+        assert_eq!(t.verdict(), Verdict::NotMet);
+        assert!(
+            t.line().ends_with("| 1.050× | <= 1.050× | NOT met"),
+            "{}",
+            t.line()
+        );
+        // The bound itself is within it.
+        assert_eq!(
+            Target::at_most("x", Some(2.0), 2.0, "s").verdict(),
+            Verdict::Met
+        );
+        assert_eq!(
+            Target::at_least("x", Some(0.95), 0.95, "×").verdict(),
+            Verdict::Met
+        );
+        let t = Target::at_least("allowed tunnels/s flood/no flood", Some(0.898), 0.95, "×");
+        assert_eq!(
+            t.line(),
+            "target: allowed tunnels/s flood/no flood | 0.898× | >= 0.950× | NOT met"
+        );
+        assert_eq!(
+            Target::at_most("added p99, agent", Some(254.4), 1000.0, "µs").line(),
+            "target: added p99, agent | 254.4 µs | <= 1000 µs | met"
+        );
+    }
+
+    #[test]
+    fn a_missing_figure_is_never_met() {
+        for measured in [None, Some(f64::NAN), Some(f64::INFINITY)] {
+            for t in [
+                Target::at_most("m", measured, 1.0, "×"),
+                Target::at_least("m", measured, 1.0, "×"),
+            ] {
+                assert_eq!(t.verdict(), Verdict::NotMeasured);
+                assert!(t.line().ends_with(" | not measured"), "{}", t.line());
+                assert!(t.line().contains(" | - | "), "{}", t.line());
+            }
+        }
+    }
+
+    #[test]
+    fn a_bar_in_the_name_cannot_add_a_field() {
+        let line = Target::at_most("a | b", Some(1.0), 2.0, "s").line();
+        assert_eq!(line, "target: a / b | 1.000 s | <= 2.000 s | met");
+        assert_eq!(line.split(" | ").count(), 4);
+    }
+
+    #[test]
+    fn ratios_need_both_medians_and_a_positive_denominator() {
+        assert_eq!(ratio(Some(3.0), Some(2.0)), Some(1.5));
+        assert_eq!(ratio(None, Some(2.0)), None);
+        assert_eq!(ratio(Some(3.0), None), None);
+        assert_eq!(ratio(Some(3.0), Some(0.0)), None);
+    }
 }

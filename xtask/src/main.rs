@@ -5,6 +5,7 @@
 //! fresh machine of this project's kind goes from a clean clone to a green test run with one command.
 #![forbid(unsafe_code)]
 
+mod bench_targets;
 mod image;
 mod manifests;
 mod setup;
@@ -38,7 +39,8 @@ enum Task {
         #[arg(long)]
         filter: Option<String>,
     },
-    /// Benchmarks: enforced connect() cost, proxy vs squid/tinyproxy. Prints ratios; asserts nothing.
+    /// Benchmarks: enforced connect() cost, proxy vs squid/tinyproxy, DNS, event store, replay.
+    /// Prints ratios and ends with every performance target, met or NOT met; asserts nothing.
     Bench {
         /// Shorter runs (fewer iterations), for a smoke check.
         #[arg(long)]

@@ -10,7 +10,7 @@ use std::{
 use anyhow::{Context, Result, bail};
 
 use crate::setup::{self, is_root, sh, workspace_root};
-use crate::{image, manifests};
+use crate::{bench_targets, image, manifests};
 
 /// `== what (t+Ns)` on stderr: a phase of `cargo xtask test` and when it began (CI's time is
 /// budgeted: this says where it goes).
@@ -306,6 +306,31 @@ fn image_smoke_test(archive: &Path) -> Result<()> {
     image::verify_with_containerd(archive).context("the container image")
 }
 
+/// The benchmark binaries `cargo xtask bench` runs, in order, with their arguments (besides
+/// `--agent` and `--quick`).
+const BENCH_RUNS: [(&str, &[&str]); 9] = [
+    ("connect-bench", &[]),
+    ("proxy-bench", &[]),
+    // 200 content-checked tunnels at once through the kernel relay (#34): mismatches and
+    // resets must be 0 (a failure of the run), hand-backs and fallbacks counted.
+    ("relay-soak", &[]),
+    // Every proxy with the same half CPU, so tunnels/s compares the proxies rather than the
+    // client's ceiling on this machine's two cores.
+    ("proxy-bench", &["--rate-only", "--cpu-quota", "50"]),
+    // TLS interception (credential injection) vs squid ssl-bump and mitmproxy.
+    ("proxy-bench", &["--intercept"]),
+    // Event store ingest, and allowed tunnels/s with and without a flood of refusals.
+    ("store-bench", &[]),
+    // `egress-agent replay` of 1M stored events (target: 2 s), in 20k flows and in 1M.
+    ("replay-bench", &[]),
+    // The agent's DNS responder vs dnsmasq; transparent tunnels vs explicit CONNECT.
+    ("dns-bench", &[]),
+    ("transparent-bench", &[]),
+];
+
+/// `cargo xtask bench`: the benchmark binaries, then the benchmarks that are ignored tests, then
+/// the summary of every target the binaries reported (docs/benchmarks.md, "Targets"). A target
+/// not met fails nothing; a benchmark that fails fails the run, after the summary.
 pub fn bench(quick: bool) -> Result<()> {
     ensure_setup()?;
     if !is_root() {
@@ -313,32 +338,18 @@ pub fn bench(quick: bool) -> Result<()> {
     }
     cargo(&RELEASE_BUILD)?;
     let mut failed = Vec::new();
-    // The second proxy-bench run gives every proxy the same half CPU, so tunnels/s compares the
-    // proxies rather than the client's ceiling on this machine's two cores.
-    // The fourth: TLS interception (credential injection) vs squid ssl-bump and mitmproxy.
-    let runs: [(&str, &[&str]); 9] = [
-        ("connect-bench", &[]),
-        ("proxy-bench", &[]),
-        // 200 content-checked tunnels at once through the kernel relay (#34): mismatches and
-        // resets must be 0 (a failure of the run), hand-backs and fallbacks counted.
-        ("relay-soak", &[]),
-        ("proxy-bench", &["--rate-only", "--cpu-quota", "50"]),
-        ("proxy-bench", &["--intercept"]),
-        // Event store ingest, and allowed tunnels/s with and without a flood of refusals.
-        ("store-bench", &[]),
-        // `egress-agent replay` of 1M stored events (target: 2 s), in 20k flows and in 1M.
-        ("replay-bench", &[]),
-        // The agent's DNS responder vs dnsmasq; transparent tunnels vs explicit CONNECT.
-        ("dns-bench", &[]),
-        ("transparent-bench", &[]),
-    ];
-    for (bench, extra) in runs {
+    let mut targets = Vec::new();
+    for (bench, extra) in BENCH_RUNS {
         let bin = release_bin(bench);
         if !bin.exists() {
             failed.push(format!("{bench}: binary missing"));
             continue;
         }
-        eprintln!("== {bench} {}", extra.join(" "));
+        let label = std::iter::once(bench)
+            .chain(extra.iter().copied())
+            .collect::<Vec<_>>()
+            .join(" ");
+        eprintln!("== {label}");
         let mut cmd = Command::new(&bin);
         cmd.arg("--agent")
             .arg(release_bin("egress-agent"))
@@ -346,20 +357,32 @@ pub fn bench(quick: bool) -> Result<()> {
         if quick {
             cmd.arg("--quick");
         }
-        let status = cmd.status().with_context(|| format!("running {bench}"))?;
+        let (status, reported) = bench_targets::run_capturing(&mut cmd, &label, std::io::stdout())?;
+        targets.extend(reported);
         if !status.success() {
-            failed.push(format!("{bench}: {status}"));
+            failed.push(format!("{label}: {status}"));
         }
     }
-    // Benchmarks that are ignored tests of egress-tests (a private dockerd or containerd), each
-    // with its size: Docker start → enforced and memory with N containers; the same for
-    // Kubernetes pods; restarts under load, the hand-over beside a stop and start.
+    failed.extend(bench_suites(quick));
+    print!("{}", bench_targets::summary(&targets));
+    if !failed.is_empty() {
+        bail!("benchmarks failed: {}", failed.join("; "));
+    }
+    Ok(())
+}
+
+/// Benchmarks that are ignored tests of egress-tests (a private dockerd or containerd), each
+/// with its size: Docker start → enforced and memory with N containers; the same for Kubernetes
+/// pods; restarts under load, the hand-over beside a stop and start. They report no `target:`
+/// lines. Returns what failed.
+fn bench_suites(quick: bool) -> Vec<String> {
     let agent = release_bin("egress-agent");
     let suites: [(&str, &str, &str, &str); 3] = [
         ("docker_bench", "EGRESS_BENCH_CONTAINERS", "20", "200"),
         ("containerd_bench", "EGRESS_BENCH_PODS", "20", "100"),
         ("handover_bench", "EGRESS_BENCH_RESTARTS", "3", "5"),
     ];
+    let mut failed = Vec::new();
     for (suite, size_var, small, full) in suites {
         eprintln!("== {suite}");
         let size = if quick { small } else { full };
@@ -383,10 +406,7 @@ pub fn bench(quick: bool) -> Result<()> {
             failed.push(format!("{suite}: {e}"));
         }
     }
-    if !failed.is_empty() {
-        bail!("benchmarks failed: {}", failed.join("; "));
-    }
-    Ok(())
+    failed
 }
 
 pub fn install(destdir: &Path) -> Result<()> {

@@ -10,7 +10,8 @@
 //! response bit and sets the code), so its CPU per answer is what any UDP responder pays here.
 //! Peer `mmsg` is the same floor with batches: one blocking `recvmmsg` (up to 32 datagrams, back
 //! as soon as one is there) and one `sendmmsg` per batch — the least a batched responder pays. It
-//! prints medians and the ratios to dnsmasq; it asserts nothing.
+//! prints medians and the ratios to dnsmasq, then the targets of issue #38 as `target:` lines
+//! ([`targets`]); it asserts nothing.
 //!
 //! Usage: `dns-bench [--quick] [--rounds N] [--secs N] [--clients N] [--loads allowed,denied]
 //!         [--agent PATH (ignored)] [--before PATH]`. `--before` names another build of this
@@ -28,7 +29,9 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use anyhow::{Result, bail};
-use egress_tests::bench::{Peer, cpu_ticks, free_port, median, pin_to_cpu, us_per_op, wait_addr};
+use egress_tests::bench::{
+    Peer, Target, cpu_ticks, free_port, median, pin_to_cpu, ratio, report_all, us_per_op, wait_addr,
+};
 use hickory_proto::op::{Message, Query, ResponseCode};
 use hickory_proto::rr::{Name, RecordType};
 use hickory_proto::serialize::binary::{BinDecodable, BinDecoder};
@@ -421,6 +424,34 @@ async fn rate(server: &Server, qs: &Arc<Vec<Vec<u8>>>, want: ResponseCode, o: &O
 
 // ---------------------------------------------------------------- driver
 
+/// Issue #38's targets for the agent's CPU per answer (the medians' ratios): an allowed (cached)
+/// answer at most 0.9× dnsmasq's and 1.15× the `mmsg` floor's (the least a batched responder
+/// pays here), a denied one at most 1.15× the floor's.
+fn targets(m: &BTreeMap<(&str, &str), f64>) -> Vec<Target> {
+    let cpu = |peer: &str, k: &str| m.get(&(peer, k)).copied();
+    let (allowed, denied) = ("CPU µs/answer, allowed", "CPU µs/answer, denied");
+    vec![
+        Target::at_most(
+            "DNS CPU µs per allowed (cached) answer, agent/dnsmasq",
+            ratio(cpu("agent", allowed), cpu("dnsmasq", allowed)),
+            0.9,
+            "×",
+        ),
+        Target::at_most(
+            "DNS CPU µs per allowed (cached) answer, agent/mmsg floor",
+            ratio(cpu("agent", allowed), cpu("mmsg", allowed)),
+            1.15,
+            "×",
+        ),
+        Target::at_most(
+            "DNS CPU µs per denied answer, agent/mmsg floor",
+            ratio(cpu("agent", denied), cpu("mmsg", denied)),
+            1.15,
+            "×",
+        ),
+    ]
+}
+
 async fn run(o: Opts) -> Result<()> {
     let dir = PathBuf::from(format!("/dev/shm/dns-bench-{}", std::process::id()));
     std::fs::create_dir_all(&dir)?;
@@ -565,6 +596,7 @@ async fn run(o: Opts) -> Result<()> {
     if wrong > 0 {
         println!("({wrong} queries timed out or got an unexpected answer)");
     }
+    report_all(&targets(&m));
     drop(servers);
     std::fs::remove_dir_all(&dir).ok();
     Ok(())

@@ -7,7 +7,8 @@
 //! real TLS ClientHello (rustls, SNI `bench.test`) echoed back, close; transparent = connect, the
 //! same ClientHello (the proxy reads its SNI, dials, replays it) echoed back, close. It prints
 //! tunnels/s and the agent's CPU µs per tunnel with 1 and 64 clients, medians over rounds, and
-//! the ratio transparent/explicit (target ≤ 1.1× CPU per tunnel); it asserts nothing.
+//! the ratio transparent/explicit, then the target (≤ 1.1× CPU per tunnel, [`TARGET`]) for each
+//! client count as a `target:` line (`egress_tests::bench::Target`); it asserts nothing.
 //!
 //! Usage: `transparent-bench [--quick] [--rounds N] [--agent PATH (ignored)]`.
 //! Internal: `transparent-bench serve CONFIG OUT ORIGINAL`.
@@ -21,11 +22,15 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use anyhow::{Result, bail};
-use egress_tests::bench::{Peer, cpu_ticks, median, pin_to_cpu, us_per_op, wait_addr};
+use egress_tests::bench::{
+    Peer, Target, cpu_ticks, median, pin_to_cpu, ratio, report_all, us_per_op, wait_addr,
+};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 
 const NAME: &str = "bench.test";
+/// A transparent tunnel's proxy CPU over an explicit one's, at most.
+const TARGET: f64 = 1.1;
 
 struct Opts {
     quick: bool,
@@ -354,6 +359,20 @@ resolve_private = ["127.0.0.1/32"]
     if errors > 0 {
         println!("({errors} tunnels failed)");
     }
+    let targets: Vec<Target> = [1, 64]
+        .into_iter()
+        .map(|clients| {
+            let k = format!("proxy CPU µs/tunnel, {clients} client(s)");
+            let cpu = |p: &str| m.get(&(p, k.clone())).copied();
+            Target::at_most(
+                format!("proxy CPU µs per tunnel, {clients} client(s), transparent/explicit"),
+                ratio(cpu("transparent"), cpu("explicit")),
+                TARGET,
+                "×",
+            )
+        })
+        .collect();
+    report_all(&targets);
     drop(agent);
     std::fs::remove_dir_all(&dir).ok();
     Ok(())
