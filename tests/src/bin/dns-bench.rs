@@ -18,7 +18,8 @@
 //! benchmark (e.g. from the previous commit): its `serve` runs as one more peer, `before`, so an
 //! old and a new responder are measured in the same run.
 //! Internal: `dns-bench serve CONFIG OUT` runs the agent's responder for policy `bench` (with the
-//! daemon's shape: a metrics registry, one worker thread, an `AnswerSink` that counts).
+//! daemon's shape: a metrics registry, one worker thread, the daemon's event sink — identical
+//! refusals collapsed — and an `AnswerSink` that counts).
 #![forbid(unsafe_code)]
 
 use std::collections::BTreeMap;
@@ -124,7 +125,13 @@ fn serve(config: &Path, out: &Path) -> Result<()> {
         .build()?;
     rt.block_on(async {
         let config = Arc::new(egress_agent::config::Config::load(config)?);
-        let events = egress_agent::events::EventSink::default();
+        // The daemon's event sink: identical refusals within a second recorded once, then as a
+        // count (`egress_agent::agent::Agent::start`).
+        let events = egress_agent::events::EventSink::with_collapse(
+            egress_agent::events::DEFAULT_RING,
+            egress_agent::events::collapse::DEFAULT_WINDOW,
+        );
+        tokio::spawn(events.collapse_sweeper());
         let ctx = egress_agent::proxy::ProxyContext::new(&config, events)?
             .with_metrics(Arc::new(egress_agent::metrics::Metrics::new()))
             .with_interception(egress_agent::proxy::InterceptHooks {
