@@ -26,6 +26,8 @@ pub(crate) struct Slot {
     _permits: (OwnedSemaphorePermit, OwnedSemaphorePermit),
     _open: Open,
     which: Listener,
+    /// The connection's local address (the listener's, when it is bound to one address).
+    local: Option<SocketAddr>,
 }
 
 impl Slot {
@@ -35,24 +37,21 @@ impl Slot {
         shared: &Shared,
         permits: (OwnedSemaphorePermit, OwnedSemaphorePermit),
         which: Listener,
+        local: Option<SocketAddr>,
     ) -> Slot {
         Slot {
             _permits: permits,
             _open: shared.ctx.sockets().open_one(),
             which,
+            local,
         }
     }
 
-    /// Admit `stream` (accepted from `peer`) by the kernel's record, before a byte of it is
-    /// read; `None`: refused (an event was recorded), close it unread. A map lookup, on the
+    /// Admit the connection (accepted from `peer`) by the kernel's record, before a byte of it
+    /// is read; `None`: refused (an event was recorded), close it unread. A map lookup, on the
     /// connection's task rather than the accept loop's.
-    pub(crate) fn admit(
-        &self,
-        shared: &Shared,
-        stream: &TcpStream,
-        peer: SocketAddr,
-    ) -> Option<Admitted> {
-        admission::admit(shared, stream, peer, self.which)
+    pub(crate) fn admit(&self, shared: &Shared, peer: SocketAddr) -> Option<Admitted> {
+        admission::admit(shared, peer, self.local, self.which)
     }
 }
 
@@ -77,6 +76,12 @@ pub(crate) async fn accept_loop<F, Fut>(
 {
     let conns = shared.ctx.inner.conns.clone();
     let mine = shared.conns.clone();
+    // A listener bound to one address: every connection's local address is that one (no
+    // `getsockname` per connection); bound to a wildcard, each connection is asked.
+    let bound = listener
+        .local_addr()
+        .ok()
+        .filter(|a| !a.ip().is_unspecified());
     tokio::pin!(shutdown);
     loop {
         // Backpressure: at this listener's bound, then at the global one, stop accepting (the
@@ -101,13 +106,14 @@ pub(crate) async fn accept_loop<F, Fut>(
                 }
                 let span = tracing::debug_span!("conn", policy = %shared.name, %peer);
                 // Where the identity has several workloads (a pod), its events name the client.
+                let local = bound.or_else(|| stream.local_addr().ok());
                 let client = shared
                     .identity
                     .as_ref()
                     .and_then(|i| i.clients.as_ref())
-                    .and_then(|_| stream.local_addr().ok())
+                    .and(local)
                     .map(|local| Client::tcp(peer, local));
-                let slot = Slot::new(&shared, permits, which);
+                let slot = Slot::new(&shared, permits, which, local);
                 // The handler's future is the task's (no block around it): a block awaiting it
                 // would hold the handler's arguments (and the client) once more beside the
                 // future made from them, for the connection's whole life, and awaiting a future

@@ -27,8 +27,6 @@ use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::sync::Mutex;
 
-use tokio::net::TcpStream;
-
 use super::Shared;
 use super::act::At;
 use egress_policy::DenyReason;
@@ -128,15 +126,15 @@ impl Listener {
     }
 }
 
-/// Admit `stream` (accepted from `peer` on `which` listener of `shared`), or refuse it: an event
-/// naming the peer, and `None` — the caller closes the connection without reading from it.
+/// Admit the connection accepted from `peer` at `local` on `which` listener of `shared`, or
+/// refuse it: an event naming the peer, and `None` — the caller closes the connection without
+/// reading from it. `local` unknown: refused.
 pub(crate) fn admit(
     shared: &Shared,
-    stream: &TcpStream,
     peer: SocketAddr,
+    local: Option<SocketAddr>,
     which: Listener,
 ) -> Option<Admitted> {
-    let local = stream.local_addr().ok();
     let found = match (shared.ctx.interception(), local) {
         (Some(hooks), Some(local)) => hooks.admission.admit(&ConnKey { peer, local }),
         // No kernel records: only a context built for tests and benchmarks admits anyone.

@@ -115,7 +115,7 @@ impl Interception {
                 stop.clone(),
                 Listener::Transparent,
                 |stream, peer, shared, stop, slot| async move {
-                    let Some(admitted) = slot.admit(&shared, &stream, peer) else {
+                    let Some(admitted) = slot.admit(&shared, peer) else {
                         return;
                     };
                     transparent::handle(stream, peer, admitted, &shared, stop).await;

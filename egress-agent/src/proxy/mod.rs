@@ -631,6 +631,7 @@ impl Shared {
                 let act = self.act(&policy, &at.ip(ip), decision, Stage::Carried);
                 Ok(Checked {
                     stream: d.stream,
+                    addr: d.addr,
                     audited: matches!(act, Act::Go { audited: true }),
                 })
             }
@@ -658,6 +659,8 @@ impl Shared {
 /// A checked, dialled upstream connection.
 pub(crate) struct Checked {
     pub(crate) stream: TcpStream,
+    /// The address dialled (`stream`'s peer, without asking the kernel).
+    pub(crate) addr: SocketAddr,
     /// The policy refused the target and audits: its would-deny is recorded.
     pub(crate) audited: bool,
 }
@@ -926,7 +929,7 @@ fn handle_connection(
         let _ = &slot;
         let shared = &shared;
         // Nothing is read from a connection the kernel did not send from this workload.
-        let Some(admitted) = slot.admit(shared, &stream, peer) else {
+        let Some(admitted) = slot.admit(shared, peer) else {
             return;
         };
         let max_header_bytes = shared.ctx.limits().max_header_bytes;
@@ -1181,7 +1184,7 @@ mod size_tests {
                 .try_acquire_owned()
                 .unwrap(),
         );
-        let slot = accept::Slot::new(&proxy.shared, permits, admission::Listener::Explicit);
+        let slot = accept::Slot::new(&proxy.shared, permits, admission::Listener::Explicit, None);
         let shared = proxy.shared.clone();
         let f = handle_connection(client, peer, shared, CancellationToken::new(), slot);
         let task = std::mem::size_of_val(&f);

@@ -128,7 +128,7 @@ pub(crate) fn carry(
     async move {
         let intercepted = intercept::intercepts(shared, &target);
         // Ends the connection on `stop`, or when a reload refuses its target (`narrow`).
-        let addr = upstream.stream.peer_addr().ok().map(|a| a.ip());
+        let addr = Some(upstream.addr.ip());
         let until = |target: &Target| {
             narrow::until_stopped_or_refused(shared.clone(), target.clone(), addr, stop.clone())
         };

@@ -79,7 +79,14 @@ pub(crate) async fn serve(
         core.shared.tasks.clone().spawn(async move {
             // Only connections the kernel sent from this responder's workload (port 53 over
             // TCP) are answered; anyone else is closed unread (`proxy::admission`).
-            if admission::admit(&core.shared, &stream, peer, Listener::DnsTcp).is_none() {
+            if admission::admit(
+                &core.shared,
+                peer,
+                stream.local_addr().ok(),
+                Listener::DnsTcp,
+            )
+            .is_none()
+            {
                 drop(permit);
                 drop(open);
                 return;
