@@ -1,6 +1,13 @@
 //! Many datagrams per system call: `recvmmsg(2)` and `sendmmsg(2)` through nix's safe wrappers
 //! (no `unsafe` here). Non-blocking (`MSG_DONTWAIT`): the caller runs them inside tokio's
 //! readiness (`UdpSocket::try_io`), so `WouldBlock` clears the socket's readiness as usual.
+//!
+//! Batches are small when clients wait for each answer (one or two datagrams per wake-up), so
+//! what a call allocates is paid per query: the slices and addresses live on the stack, the
+//! send headers are made once per thread ([`SEND_HEADERS`]). The receive headers are made per
+//! call: nix leaves each header's address length as the kernel last wrote it, so a reused
+//! header would cut an IPv6 source after an IPv4 one.
+use std::cell::RefCell;
 use std::io::{self, IoSlice, IoSliceMut};
 use std::net::SocketAddr;
 use std::ops::Range;
@@ -53,11 +60,9 @@ impl RecvBatch {
     pub fn recv(&mut self, fd: RawFd) -> io::Result<usize> {
         self.got.clear();
         let mut headers = MultiHeaders::<SockaddrStorage>::preallocate(BATCH, None);
-        let mut iovs: Vec<[IoSliceMut<'_>; 1]> = self
-            .bufs
-            .chunks_mut(DATAGRAM)
-            .map(|c| [IoSliceMut::new(c)])
-            .collect();
+        let mut chunks = self.bufs.chunks_mut(DATAGRAM);
+        let mut iovs: [[IoSliceMut<'_>; 1]; BATCH] =
+            std::array::from_fn(|_| [IoSliceMut::new(chunks.next().unwrap_or_default())]);
         let results = recvmmsg(
             fd,
             &mut headers,
@@ -83,6 +88,15 @@ impl RecvBatch {
             .enumerate()
             .map(|(i, r)| (*r, &self.bufs[i * DATAGRAM..i * DATAGRAM + r.len]))
     }
+}
+
+thread_local! {
+    /// `sendmmsg` headers, made once per thread: each call sets every field the kernel reads
+    /// (the slice, the address and its length), and the kernel writes none back but the count.
+    /// Per thread, not per responder: they hold raw pointers (not `Send`), and a responder's
+    /// loop is a future that moves between threads.
+    static SEND_HEADERS: RefCell<Option<MultiHeaders<SockaddrStorage>>> =
+        const { RefCell::new(None) };
 }
 
 /// Answers waiting to go out in one `sendmmsg` call, in one buffer reused from batch to batch.
@@ -115,27 +129,29 @@ impl SendBatch {
         if rest.is_empty() {
             return Ok(0);
         }
-        let n = rest.len().min(BATCH);
-        let mut headers = MultiHeaders::<SockaddrStorage>::preallocate(n, None);
-        let iovs: Vec<[IoSlice<'_>; 1]> = rest[..n]
-            .iter()
-            .map(|(at, _)| [IoSlice::new(self.bytes.get(at.clone()).unwrap_or_default())])
-            .collect();
-        let addrs: Vec<Option<SockaddrStorage>> = rest[..n]
-            .iter()
-            .map(|(_, to)| Some(SockaddrStorage::from(*to)))
-            .collect();
+        let rest = &rest[..rest.len().min(BATCH)];
+        let iovs: [[IoSlice<'_>; 1]; BATCH] = std::array::from_fn(|i| {
+            let bytes = rest.get(i).and_then(|(at, _)| self.bytes.get(at.clone()));
+            [IoSlice::new(bytes.unwrap_or_default())]
+        });
+        let addrs: [Option<SockaddrStorage>; BATCH] =
+            std::array::from_fn(|i| rest.get(i).map(|(_, to)| SockaddrStorage::from(*to)));
         let none: [ControlMessage<'_>; 0] = [];
-        let sent = sendmmsg(
-            fd,
-            &mut headers,
-            &iovs,
-            &addrs,
-            none,
-            MsgFlags::MSG_DONTWAIT,
-        )
-        .map_err(io::Error::from)?;
-        Ok(sent.count())
+        SEND_HEADERS.with(|h| {
+            let mut h = h.borrow_mut();
+            let headers = h.get_or_insert_with(|| MultiHeaders::preallocate(BATCH, None));
+            // The first `rest.len()` slices and addresses: sendmmsg sends as many as it zips.
+            let sent = sendmmsg(
+                fd,
+                headers,
+                &iovs[..rest.len()],
+                &addrs[..rest.len()],
+                none,
+                MsgFlags::MSG_DONTWAIT,
+            )
+            .map_err(io::Error::from)?;
+            Ok(sent.count())
+        })
     }
 
     pub fn clear(&mut self) {
@@ -187,6 +203,38 @@ mod tests {
             let mut b = [0u8; 64];
             let n = c.recv(&mut b).unwrap();
             assert_eq!(&b[..n], &[i as u8; 20]);
+        }
+    }
+
+    /// The send headers are reused from call to call on a thread: batches to IPv6 and IPv4
+    /// clients, one after the other, each reach their own client whole.
+    #[test]
+    fn send_headers_reused_across_families_and_sizes() {
+        let Ok(server6) = std::net::UdpSocket::bind("[::1]:0") else {
+            eprintln!("skipping: no IPv6 loopback");
+            return;
+        };
+        let server4 = std::net::UdpSocket::bind("127.0.0.1:0").unwrap();
+        let c6 = std::net::UdpSocket::bind("[::1]:0").unwrap();
+        let c4: Vec<_> = (0..3)
+            .map(|_| std::net::UdpSocket::bind("127.0.0.1:0").unwrap())
+            .collect();
+        for round in 0..3u8 {
+            let mut tx = SendBatch::default();
+            tx.push(&[round; 300], c6.local_addr().unwrap());
+            assert_eq!(tx.send(server6.as_raw_fd(), 0).unwrap(), 1);
+            let mut tx = SendBatch::default();
+            for (i, c) in c4.iter().enumerate() {
+                tx.push(&vec![round + i as u8; 10 + i], c.local_addr().unwrap());
+            }
+            assert_eq!(tx.send(server4.as_raw_fd(), 0).unwrap(), 3);
+            let mut b = [0u8; 512];
+            let n = c6.recv(&mut b).unwrap();
+            assert_eq!(&b[..n], &[round; 300][..]);
+            for (i, c) in c4.iter().enumerate() {
+                let n = c.recv(&mut b).unwrap();
+                assert_eq!(&b[..n], &vec![round + i as u8; 10 + i][..]);
+            }
         }
     }
 }
