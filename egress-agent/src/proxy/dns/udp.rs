@@ -15,7 +15,7 @@ use tokio::io::Interest;
 use tokio::net::UdpSocket;
 use tokio_util::sync::CancellationToken;
 
-use super::batch::{RecvBatch, SendBatch};
+use super::batch::{BATCH, RecvBatch, SendBatch};
 use super::handler::{Core, Now, Reuse};
 use super::memo::{self, Memo};
 use super::wire;
@@ -54,8 +54,22 @@ pub(crate) async fn serve(socket: Arc<UdpSocket>, core: Arc<Core>, stop: Cancell
             }
             () = stop.cancelled() => return,
         }
-        match socket.try_io(Interest::READABLE, || rx.recv(fd)) {
-            Ok(_) => {}
+        // A batch shorter than the most one call takes drained the socket: its readiness is
+        // cleared with it (try_io clears it on `WouldBlock`), rather than by one more
+        // `recvmmsg` that would find nothing. A datagram that came in meanwhile is not lost:
+        // its epoll event is still pending (edge-triggered), and tokio clears only the
+        // readiness of the event this receive answered.
+        let mut got = 0;
+        let drained = socket.try_io(Interest::READABLE, || {
+            got = rx.recv(fd)?;
+            if got < BATCH {
+                return Err(io::ErrorKind::WouldBlock.into());
+            }
+            Ok(())
+        });
+        match drained {
+            Ok(()) => {}
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock && got > 0 => {}
             Err(e) if e.kind() == io::ErrorKind::WouldBlock => continue,
             Err(e) => {
                 tracing::debug!(policy = %core.shared.name, error = %e, "dns: receive failed");
