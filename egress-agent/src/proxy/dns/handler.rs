@@ -18,8 +18,6 @@ use std::net::{IpAddr, SocketAddr};
 use std::sync::Arc;
 use std::time::Instant;
 
-use super::memo::{Answered, Entry, Kept, Kind};
-
 use hickory_server::proto::op::ResponseCode;
 use hickory_server::proto::rr::{RData, Record, RecordType};
 use hickory_server::server::Request;
@@ -27,6 +25,7 @@ use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
 use super::answer::{Planned, plan, ttl_secs};
 use super::decide::{Decision, Denied, decide};
+use super::memo::{Answered, Entry, Kept, Kind};
 use super::wire::{self, Read, Reply, Transport};
 use super::{Answer, AnswerSink, DNS_PORT};
 use crate::metrics::{DnsCounters, DnsDrop, DnsOutcome};
