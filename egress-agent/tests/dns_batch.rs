@@ -205,9 +205,7 @@ async fn client() -> UdpSocket {
 }
 
 async fn recv(s: &UdpSocket) -> Option<Message> {
-    let mut b = vec![0u8; 65_535];
-    let n = tokio::time::timeout(T, s.recv(&mut b)).await.ok()?.unwrap();
-    Some(Message::from_vec(&b[..n]).unwrap())
+    Some(Message::from_vec(&recv_raw(s).await?).unwrap())
 }
 
 /// `(id, code, answers)` of every reply arriving on `s` until `n` have come (or a timeout).
@@ -399,17 +397,7 @@ async fn answers_too_big_for_udp_are_truncated_then_answered_whole_over_tcp() {
     assert!(!m.metadata.truncation);
     assert_eq!(m.answers.len(), BIG);
     // TCP: the whole answer, without EDNS.
-    let mut t = TcpStream::connect(f.tcp).await.unwrap();
-    let q = query(4, "big.test.", RecordType::A, None);
-    let mut framed = (q.len() as u16).to_be_bytes().to_vec();
-    framed.extend_from_slice(&q);
-    t.write_all(&framed).await.unwrap();
-    let len = tokio::time::timeout(T, t.read_u16())
-        .await
-        .unwrap()
-        .unwrap();
-    let mut b = vec![0; usize::from(len)];
-    t.read_exact(&mut b).await.unwrap();
+    let b = tcp_raw(&f, &query(4, "big.test.", RecordType::A, None)).await;
     let m = Message::from_vec(&b).unwrap();
     assert_eq!((m.metadata.id, m.answers.len()), (4, BIG));
     assert!(!m.metadata.truncation);
