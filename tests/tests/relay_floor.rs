@@ -1,6 +1,7 @@
-//! `relay-floor` (the benchmark's lower-bound relay) really relays: its tunnels/s figures only
-//! mean something if every counted tunnel carried the bytes both ways and passed both EOFs on.
-//! Loopback only; no privileges needed.
+//! `relay-floor` and `relay-floor-tokio` (the benchmark's reference relays: io_uring, and tokio's
+//! readiness model) really relay: their tunnels/s and CPU figures only mean something if every
+//! counted tunnel carried the bytes both ways and passed both EOFs on. Loopback only; no
+//! privileges needed.
 
 use std::io::{self, BufRead, BufReader, Read, Write};
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
@@ -55,13 +56,16 @@ fn io_uring_available() -> bool {
     }
 }
 
-fn start() -> Relay {
+const URING: &str = env!("CARGO_BIN_EXE_relay-floor");
+const TOKIO: &str = env!("CARGO_BIN_EXE_relay-floor-tokio");
+
+fn start(bin: &str) -> Relay {
     let dir = tempdir::Dir::new();
     let out = dir.0.join("addr");
-    let mut child = Command::new(env!("CARGO_BIN_EXE_relay-floor"))
+    let mut child = Command::new(bin)
         .arg(&out)
         .spawn()
-        .expect("spawn relay-floor");
+        .unwrap_or_else(|e| panic!("spawn {bin}: {e}"));
     let deadline = Instant::now() + Duration::from_secs(10);
     let addr = loop {
         if let Some(a) = std::fs::read_to_string(&out)
@@ -72,10 +76,10 @@ fn start() -> Relay {
         }
         if let Ok(Some(st)) = child.try_wait() {
             panic!(
-                "relay-floor exited: {st} (is io_uring disabled? /proc/sys/kernel/io_uring_disabled)"
+                "{bin} exited: {st} (relay-floor: is io_uring disabled? /proc/sys/kernel/io_uring_disabled)"
             );
         }
-        assert!(Instant::now() < deadline, "relay-floor did not start");
+        assert!(Instant::now() < deadline, "{bin} did not start");
         std::thread::sleep(Duration::from_millis(20));
     };
     Relay {
@@ -108,7 +112,29 @@ fn relays_both_ways_and_passes_both_eofs_on() -> io::Result<()> {
     if !io_uring_available() {
         return Ok(());
     }
-    let relay = start();
+    relays_both_ways(URING)
+}
+
+#[test]
+fn the_tokio_floor_relays_both_ways_and_passes_both_eofs_on() -> io::Result<()> {
+    relays_both_ways(TOKIO)
+}
+
+#[test]
+fn refuses_anything_but_the_bench_name() -> io::Result<()> {
+    if !io_uring_available() {
+        return Ok(());
+    }
+    refuses_others(URING)
+}
+
+#[test]
+fn the_tokio_floor_refuses_anything_but_the_bench_name() -> io::Result<()> {
+    refuses_others(TOKIO)
+}
+
+fn relays_both_ways(bin: &str) -> io::Result<()> {
+    let relay = start(bin);
     let upstream = TcpListener::bind("127.0.0.1:0")?;
     let port = upstream.local_addr()?.port();
     let server = std::thread::spawn(move || -> io::Result<Vec<u8>> {
@@ -143,12 +169,8 @@ fn relays_both_ways_and_passes_both_eofs_on() -> io::Result<()> {
     Ok(())
 }
 
-#[test]
-fn refuses_anything_but_the_bench_name() -> io::Result<()> {
-    if !io_uring_available() {
-        return Ok(());
-    }
-    let relay = start();
+fn refuses_others(bin: &str) -> io::Result<()> {
+    let relay = start(bin);
     let upstream = TcpListener::bind("127.0.0.1:0")?;
     upstream.set_nonblocking(true)?;
     let port = upstream.local_addr()?.port();

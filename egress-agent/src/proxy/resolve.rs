@@ -3,10 +3,12 @@
 //! The proxy resolves once per request and dials only addresses it has checked (see
 //! [`super::dial`]), so a rebinding answer between check and connect is impossible.
 //!
-//! The DNS responder ([`crate::dns`]) asks the same resolver (same cache, hosts file and
-//! nameservers) for whole records — the CNAME chain and A/AAAA answers with their remaining
-//! lifetime — through [`DnsResolver::lookup_records`], for both families at once, so it can check
-//! every address of a name exactly as the proxy does before answering either family.
+//! Both the proxy ([`DnsResolver::lookup`]) and the DNS responder ([`crate::dns`]) take a name's
+//! whole records — the CNAME chain and A/AAAA answers with their remaining lifetime — from
+//! [`DnsResolver::lookup_records`], for both families at once and through one cache
+//! ([`RecordsCache`]): the responder checks every address of a name exactly as the proxy does
+//! before answering either family, and a connection dials the addresses the workload's DNS
+//! answer named.
 use std::net::IpAddr;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -39,8 +41,6 @@ pub enum ResolveError {
     NoAddress(String),
     #[error("lookup of {0} failed: {1}")]
     Lookup(String, String),
-    #[error("lookup of {0} timed out after {1:?}")]
-    Timeout(String, Duration),
 }
 
 /// Clone-able DNS resolver.
@@ -137,57 +137,33 @@ impl DnsResolver {
         })
     }
 
-    /// The answer hickory would give from the hosts file alone, without its lookup machinery:
-    /// both families in the hosts file, or one family and no nameservers to ask for the other
-    /// (outside the special-use zones hickory answers itself). `None`: ask hickory.
-    fn hosts_answer(&self, fqdn: &str) -> Option<Vec<IpAddr>> {
-        let name = Name::from_ascii(fqdn).ok()?;
-        let a = self
-            .hosts
-            .lookup_static_host(&Query::query(name.clone(), RecordType::A));
-        let aaaa = self
-            .hosts
-            .lookup_static_host(&Query::query(name, RecordType::AAAA));
-        let complete = match (&a, &aaaa) {
-            (Some(_), Some(_)) => true,
-            (Some(_), None) | (None, Some(_)) => self.no_nameservers && !special_use(fqdn),
-            (None, None) => false,
-        };
-        if !complete {
-            return None;
-        }
-        // hickory's order: A answers, then AAAA answers ([`distinct`] drops repeats).
-        let mut ips = Vec::with_capacity(4);
-        for lookup in [a, aaaa].into_iter().flatten() {
-            ips.extend(lookup.answers().iter().filter_map(|r| r.data.ip_addr()));
-        }
-        Some(ips)
-    }
-
-    /// All addresses of `name` (A and AAAA), deduplicated, in answer order.
+    /// All addresses of `name` (A and AAAA), deduplicated, in answer order: the addresses of
+    /// [`DnsResolver::lookup_records`]'s answer, so a connection dials what the DNS responder
+    /// answered the workload for that name (the same records, the same cache), and a cached name
+    /// costs one map lookup rather than a trip through hickory's lookup machinery. A family with
+    /// no data is kept as long as [`RecordsCache`] keeps negative answers even when its answer
+    /// carried no SOA (hickory would ask again for every connection: its default negative TTL
+    /// is 0).
     pub async fn lookup(&self, name: &HostName) -> Result<Vec<IpAddr>, ResolveError> {
-        // Fully qualified: no search-list expansion, one query per family.
-        let fqdn = format!("{}.", name.as_str());
-        if let Some(ips) = self.hosts_answer(&fqdn) {
-            return distinct(name, ips);
-        }
-        // Boxed: hickory's lookup state (~1 KiB) would otherwise size every future that
-        // awaits a dial, an idle tunnel's among them, for the connection's whole life.
-        Box::pin(self.lookup_hickory(name, &fqdn)).await
+        let records = match self.records.get(name, Instant::now()) {
+            Some(hit) => hit,
+            // Boxed: hickory's lookup state (~1 KiB) would otherwise size every future that
+            // awaits a dial, an idle tunnel's among them, for the connection's whole life.
+            None => Box::pin(self.lookup_records(name)).await,
+        };
+        addresses(name, &records)
     }
+}
 
-    /// The full hickory lookup (hosts file, special-use names, cache, nameservers).
-    async fn lookup_hickory(
-        &self,
-        name: &HostName,
-        fqdn: &str,
-    ) -> Result<Vec<IpAddr>, ResolveError> {
-        let res = tokio::time::timeout(self.timeout, self.inner.lookup_ip(fqdn))
-            .await
-            .map_err(|_| ResolveError::Timeout(name.to_string(), self.timeout))?
-            .map_err(|e| ResolveError::Lookup(name.to_string(), e.to_string()))?;
-        distinct(name, res.iter())
-    }
+/// The addresses of `records`, A then AAAA, without repeats. None: why — a family's failure
+/// (timeout, SERVFAIL, ...) if there was one, else [`ResolveError::NoAddress`].
+fn addresses(name: &HostName, records: &NameRecords) -> Result<Vec<IpAddr>, ResolveError> {
+    distinct(name, records.addrs()).map_err(|none| match (&records.v4, &records.v6) {
+        (Family::Failed(why), _) | (_, Family::Failed(why)) => {
+            ResolveError::Lookup(name.to_string(), why.clone())
+        }
+        _ => none,
+    })
 }
 
 /// What the resolver said for one record type of a name.
@@ -359,10 +335,14 @@ fn distinct(
 }
 
 /// Names hickory answers (or refuses) itself instead of asking a nameserver: the localhost zone
-/// (loopback answers) and reverse zones. Conservative: the hosts fast path skips them.
+/// (loopback answers) and reverse zones. Without nameservers, other names missing from the hosts
+/// file fail at once; these still go to hickory.
 fn special_use(fqdn: &str) -> bool {
-    let f = fqdn.to_ascii_lowercase();
-    f == "localhost." || f.ends_with(".localhost.") || f.ends_with(".arpa.")
+    let ends = |suffix: &str| {
+        fqdn.len() >= suffix.len()
+            && fqdn.as_bytes()[fqdn.len() - suffix.len()..].eq_ignore_ascii_case(suffix.as_bytes())
+    };
+    fqdn.eq_ignore_ascii_case("localhost.") || ends(".localhost.") || ends(".arpa.")
 }
 
 #[cfg(test)]
@@ -421,12 +401,13 @@ mod tests {
         ));
     }
 
-    /// The hosts fast path answers exactly what hickory answers (addresses, order, errors).
+    /// `lookup` (the records the DNS responder answers from) gives a connection exactly what
+    /// hickory's own `lookup_ip` would (addresses, order, which names fail), from the hosts file
+    /// with and without nameservers, the special-use names hickory answers itself included.
     #[tokio::test]
-    async fn hosts_fast_path_matches_hickory() {
+    async fn lookup_answers_what_hickory_lookup_ip_answers() {
         for nameservers in [Some(vec![]), Some(vec!["127.0.0.1".parse().unwrap()])] {
-            let no_ns = nameservers.as_ref().is_some_and(Vec::is_empty);
-            let r = resolver(HOSTS, nameservers);
+            let r = resolver(HOSTS, nameservers.clone());
             for n in [
                 "v4.test",
                 "both.test",
@@ -436,19 +417,129 @@ mod tests {
                 "none.test",
             ] {
                 let name = HostName::parse(n).unwrap();
-                let fqdn = format!("{n}.");
-                let fast = r.hosts_answer(&fqdn);
-                match n {
-                    "both.test" => assert!(fast.is_some(), "{n}"),
-                    "v4.test" | "v6.test" => assert_eq!(fast.is_some(), no_ns, "{n}"),
-                    _ => {}
-                }
-                if no_ns || fast.is_some() {
-                    let slow = r.lookup_hickory(&name, &fqdn).await.ok();
-                    let fast = r.lookup(&name).await.ok();
-                    assert_eq!(fast, slow, "{n}");
-                }
+                let hickory = r
+                    .inner
+                    .lookup_ip(format!("{n}."))
+                    .await
+                    .ok()
+                    .and_then(|l| distinct(&name, l.iter()).ok());
+                let ours = r.lookup(&name).await.ok();
+                assert_eq!(ours, hickory, "{n} with nameservers {nameservers:?}");
+                // Again, from the cache: the same.
+                assert_eq!(r.lookup(&name).await.ok(), hickory, "{n} cached");
             }
         }
+    }
+
+    #[test]
+    fn special_use_names_in_any_case() {
+        for n in [
+            "localhost.",
+            "LocalHost.",
+            "a.localhost.",
+            "1.0.0.127.in-addr.ARPA.",
+        ] {
+            assert!(special_use(n), "{n}");
+        }
+        for n in [
+            "notlocalhost.",
+            "arpa.",
+            "localhost.test.",
+            "x.arpa.test.",
+            ".",
+        ] {
+            assert!(!special_use(n), "{n}");
+        }
+    }
+
+    /// A nameserver the test controls: `x.test` has A 140.82.112.7 (TTL 60) and no AAAA — a
+    /// NOERROR answer without records and without an SOA, as dnsmasq gives for a local name;
+    /// `fail.test` gets SERVFAIL. Logs every question it gets.
+    async fn nameserver() -> (std::net::SocketAddr, Arc<std::sync::Mutex<Vec<String>>>) {
+        use hickory_resolver::proto::op::{Message, OpCode};
+        use hickory_resolver::proto::rr::RData;
+        use hickory_resolver::proto::rr::rdata::A;
+        let s = tokio::net::UdpSocket::bind("127.0.0.1:0").await.unwrap();
+        let addr = s.local_addr().unwrap();
+        let asked = Arc::new(std::sync::Mutex::new(Vec::new()));
+        let log = asked.clone();
+        tokio::spawn(async move {
+            let mut buf = [0u8; 1500];
+            while let Ok((n, from)) = s.recv_from(&mut buf).await {
+                let Ok(q) = Message::from_vec(&buf[..n]) else {
+                    continue;
+                };
+                let Some(query) = q.queries.first().cloned() else {
+                    continue;
+                };
+                let name = query.name().to_ascii().to_ascii_lowercase();
+                log.lock()
+                    .unwrap()
+                    .push(format!("{name} {}", query.query_type()));
+                let mut r = Message::response(q.metadata.id, OpCode::Query);
+                r.metadata.recursion_desired = q.metadata.recursion_desired;
+                r.metadata.recursion_available = true;
+                r.add_query(query.clone());
+                if name == "fail.test." {
+                    r.metadata.response_code = ResponseCode::ServFail;
+                } else if name == "x.test." && query.query_type() == RecordType::A {
+                    r.add_answer(Record::from_rdata(
+                        query.name().clone(),
+                        60,
+                        RData::A(A::new(140, 82, 112, 7)),
+                    ));
+                }
+                s.send_to(&r.to_vec().unwrap(), from).await.ok();
+            }
+        });
+        (addr, asked)
+    }
+
+    /// A name's addresses are asked for once: the next connections to it (and the DNS
+    /// responder's answers) reuse them, the AAAA family's no-data answer without an SOA too
+    /// (hickory alone asked the nameserver again for every connection); a failure says why.
+    #[tokio::test]
+    async fn a_names_addresses_are_asked_once_and_shared_with_the_dns_responder() {
+        let (ns, asked) = nameserver().await;
+        let path = std::env::temp_dir().join(format!(
+            "egress-agent-resolve-ns-test-{}",
+            std::process::id()
+        ));
+        std::fs::write(&path, "").unwrap();
+        let cfg = DnsConfig {
+            nameservers: Some(vec![crate::config::NameServer(ns)]),
+            hosts_file: path.clone(),
+            timeout_ms: 500,
+            attempts: 1,
+            ..DnsConfig::default()
+        };
+        let r = DnsResolver::from_config(&cfg).unwrap();
+        std::fs::remove_file(&path).ok();
+        let x = HostName::parse("x.test").unwrap();
+        let want: Vec<IpAddr> = vec!["140.82.112.7".parse().unwrap()];
+        for _ in 0..20 {
+            assert_eq!(r.lookup(&x).await.unwrap(), want);
+        }
+        let records = r.lookup_records(&x).await;
+        assert!(matches!(records.v6, Family::NoData), "{records:?}");
+        let mut heard = asked.lock().unwrap().clone();
+        heard.sort();
+        assert_eq!(
+            heard,
+            ["x.test. A", "x.test. AAAA"],
+            "asked once per family"
+        );
+
+        let fail = HostName::parse("fail.test").unwrap();
+        let e = r.lookup(&fail).await.unwrap_err().to_string();
+        assert!(
+            e.starts_with("lookup of fail.test failed: "),
+            "a failure says so: {e}"
+        );
+        let none = HostName::parse("none.test").unwrap();
+        assert_eq!(
+            r.lookup(&none).await.unwrap_err().to_string(),
+            "no address for none.test"
+        );
     }
 }

@@ -12,16 +12,19 @@
 //! `--intercept` measures TLS interception instead (agent vs squid ssl-bump vs mitmproxy; see the
 //! `intercept` module at the end).
 //!
-//! Usage: `proxy-bench [--quick] [--rounds N] [--idle N] [--peers direct,agent,agent-user,squid,tinyproxy,floor]
+//! Usage: `proxy-bench [--quick] [--rounds N] [--idle N] [--peers direct,agent,agent-user,squid,tinyproxy,floor,tokio-floor]
 //!         [--rate-only | --bulk-only] [--io-buffer BYTES] [--agent-buffer BYTES]
-//!         [--agent-splice-after READS] [--peer-logs off|default] [--cpu-quota PERCENT]
+//!         [--agent-splice-after READS] [--agent-dns] [--peer-logs off|default] [--cpu-quota PERCENT]
 //!         [--agent PATH (ignored: the agent's proxy runs from this binary)]`
 //! `--cpu-quota 50` runs every proxy in a cgroup limited to 50% of one CPU (cgroup v1 `cpu` or v2
 //! `cpu.max`), so tunnels/s compares the proxies at an equal CPU budget instead of at the client's
 //! ceiling.
 //! Peer `floor` is `relay-floor` (a sibling binary): a relay without policy that does only the
 //! TCP work of a tunnel through io_uring. It takes part in the tunnels/s rows only; `floor/squid`
-//! is about the most any proxy can reach against squid on the machine at hand.
+//! is about the most any proxy can reach against squid on the machine at hand. Peer
+//! `tokio-floor` is `relay-floor-tokio`: the same work on tokio's readiness model (the agent's),
+//! so `agent/tokio-floor` is what the agent's own work adds and `tokio-floor/floor` what the I/O
+//! model costs; tunnels/s rows and the long tunnel's CPU only, as `floor`.
 //! By default squid's access log is off and tinyproxy logs only critical messages (to tmpfs): the
 //! peers do the least work they can, so the ratios are conservative. The agent logs denials only.
 //! Internal: `proxy-bench serve CONFIG ADDR_FILE` runs the agent's proxy (`egress_agent::proxy::serve`),
@@ -52,7 +55,8 @@ const CHATTY_HOST_CPU: &str = "host CPU µs/ping, long tunnel";
 
 struct Opts {
     quick: bool,
-    /// Which peers to run (default all): direct, agent, squid, tinyproxy, floor.
+    /// Which peers to run (default all): direct, agent, agent-user, squid, tinyproxy, floor,
+    /// tokio-floor.
     peers: Vec<String>,
     /// Rate measurements only (no bulk/latency/idle), e.g. for profiling.
     rate_only: bool,
@@ -63,6 +67,10 @@ struct Opts {
     /// `proxy.kernel_relay_after_reads` for peer `agent` (`--agent-splice-after`; default: the
     /// agent's default), e.g. 0 to splice every tunnel at once.
     agent_splice_after: Option<usize>,
+    /// `--agent-dns`: the agent peers resolve the bench name through a nameserver (a dnsmasq
+    /// this run starts) instead of the hosts file — the path a workload's connection to a name
+    /// takes in production. The other peers keep the hosts file.
+    agent_dns: bool,
     /// Read/write size of the bench's own clients and upstreams (an application's buffer).
     io_buffer: usize,
     /// Peers' own logging: `off` (access log off, least work for them; default) or `default`
@@ -105,6 +113,7 @@ fn main() -> Result<()> {
                     "squid".into(),
                     "tinyproxy".into(),
                     "floor".into(),
+                    "tokio-floor".into(),
                 ]
             },
             |v| v.split(',').map(str::to_owned).collect(),
@@ -116,6 +125,7 @@ fn main() -> Result<()> {
         bulk_only: args.iter().any(|a| a == "--bulk-only"),
         agent_buffer: flag("--agent-buffer"),
         agent_splice_after: flag("--agent-splice-after"),
+        agent_dns: args.iter().any(|a| a == "--agent-dns"),
         io_buffer: flag("--io-buffer").unwrap_or(64 * 1024),
         peer_logs_default: args
             .windows(2)
@@ -447,6 +457,7 @@ async fn start_agent(
     o_agent_buffer: Option<usize>,
     kernel_relay: &str,
     splice_after: Option<usize>,
+    nameserver: Option<SocketAddr>,
 ) -> Result<Peer> {
     let name: &'static str = if kernel_relay == "off" {
         "agent-user"
@@ -454,6 +465,14 @@ async fn start_agent(
         "agent"
     };
     let cfg = dir.join(format!("{name}.toml"));
+    // With a nameserver (`--agent-dns`), the hosts file is empty: the name goes to it.
+    let hosts_file = if nameserver.is_some() {
+        let empty = dir.join("hosts.empty");
+        std::fs::write(&empty, "")?;
+        empty
+    } else {
+        dir.join("hosts")
+    };
     std::fs::write(
         &cfg,
         format!(
@@ -465,7 +484,7 @@ max_connections_per_listener = 19000
 idle_timeout_ms = 600000
 kernel_relay = "{kernel_relay}"
 [dns]
-nameservers = []
+nameservers = [{ns}]
 hosts_file = "{hosts}"
 [policies.bench]
 mode = "allowlist"
@@ -473,7 +492,8 @@ allow_hosts = ["{NAME}"]
 allow_ports = [{e}, {s}]
 allow_cidrs = [{{ cidr = "127.0.0.1/32", ports = [{e}, {s}] }}]
 "#,
-            hosts = dir.join("hosts").display(),
+            hosts = hosts_file.display(),
+            ns = nameserver.map(|n| format!("\"{n}\"")).unwrap_or_default(),
             e = up.echo.port(),
             s = up.source.port()
         ),
@@ -532,22 +552,76 @@ async fn started(
     })
 }
 
-/// `relay-floor` (next to this binary), pinned and confined like the proxies.
-async fn start_floor(dir: &Path) -> Result<Peer> {
-    let bin = std::env::current_exe()?.with_file_name("relay-floor");
+/// The nameserver of `--agent-dns`: a dnsmasq on CPU 0 (the clients' side) answering the bench
+/// name's A (127.0.0.1, TTL 300) and, for its AAAA, no data without an SOA — what dnsmasq says
+/// for a local name, and what a resolver says for many names with no IPv6 address.
+fn start_nameserver(dir: &Path) -> Result<(egress_tests::bench::Peer, SocketAddr)> {
+    let port = egress_tests::bench::free_port()?;
+    let user = nix::unistd::User::from_uid(nix::unistd::geteuid())
+        .ok()
+        .flatten()
+        .map_or_else(|| "root".to_owned(), |u| u.name);
+    let argv: Vec<String> = [
+        "dnsmasq",
+        "--keep-in-foreground",
+        "--conf-file=/dev/null",
+        "--no-resolv",
+        "--no-hosts",
+        "--bind-interfaces",
+        "--listen-address=127.0.0.1",
+        "--pid-file=",
+        "--local-ttl=300",
+    ]
+    .iter()
+    .map(|s| (*s).to_owned())
+    .chain([
+        format!("--port={port}"),
+        format!("--user={user}"),
+        format!("--local=/{NAME}/"),
+        format!("--host-record={NAME},127.0.0.1"),
+    ])
+    .collect();
+    let peer = egress_tests::bench::Peer::spawn("dnsmasq", 0, &argv, &dir.join("dnsmasq.log"))?;
+    let addr = SocketAddr::from(([127, 0, 0, 1], port));
+    // Up once its TCP port accepts (dnsmasq opens its UDP and TCP sockets together).
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while std::net::TcpStream::connect(addr).is_err() {
+        if Instant::now() > deadline {
+            bail!(
+                "dnsmasq did not start; see {}",
+                dir.join("dnsmasq.log").display()
+            );
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    Ok((peer, addr))
+}
+
+/// Whether `peer` is a reference relay (`floor`, `tokio-floor`) rather than a proxy: it takes
+/// part in the per-tunnel and per-ping CPU rows only.
+fn is_floor(peer: &str) -> bool {
+    matches!(peer, "floor" | "tokio-floor")
+}
+
+/// Reference relay `name` (`floor`: `relay-floor`, `tokio-floor`: `relay-floor-tokio`, next to
+/// this binary), pinned and confined like the proxies.
+async fn start_floor(dir: &Path, name: &'static str) -> Result<Peer> {
+    let file = if name == "floor" {
+        "relay-floor"
+    } else {
+        "relay-floor-tokio"
+    };
+    let bin = std::env::current_exe()?.with_file_name(file);
     if !bin.exists() {
         bail!(
             "{} missing (cargo build --release -p egress-tests --bins)",
             bin.display()
         );
     }
-    let out = dir.join("floor.addrs");
-    let child = spawn_pinned(
-        dir,
-        &format!("{} {}", bin.display(), out.display()),
-        "floor.log",
-    )?;
-    started("floor", "relay-floor", child, &out, &dir.join("floor.log")).await
+    let out = dir.join(format!("{name}.addrs"));
+    let log = format!("{name}.log");
+    let child = spawn_pinned(dir, &format!("{} {}", bin.display(), out.display()), &log)?;
+    started(name, file, child, &out, &dir.join(&log)).await
 }
 
 async fn start_squid(dir: &Path, up: &Upstreams, logs_default: bool) -> Result<Peer> {
@@ -1003,6 +1077,14 @@ async fn run(o: Opts) -> Result<()> {
     let mut corrupt: Vec<String> = Vec::new();
 
     let want = |n: &str| o.peers.iter().any(|p| p == n);
+    // `--agent-dns`: the nameserver the agent peers resolve the bench name through (kept
+    // running until the end of the run).
+    let dns = if o.agent_dns {
+        Some(start_nameserver(&dir)?)
+    } else {
+        None
+    };
+    let nameserver = dns.as_ref().map(|(_, addr)| *addr);
     let mut peers = Vec::new();
     if want("direct") {
         peers.push(Peer {
@@ -1012,10 +1094,20 @@ async fn run(o: Opts) -> Result<()> {
         });
     }
     if want("agent") {
-        peers.push(start_agent(&dir, &up, o.agent_buffer, "auto", o.agent_splice_after).await?);
+        peers.push(
+            start_agent(
+                &dir,
+                &up,
+                o.agent_buffer,
+                "auto",
+                o.agent_splice_after,
+                nameserver,
+            )
+            .await?,
+        );
     }
     if want("agent-user") {
-        peers.push(start_agent(&dir, &up, o.agent_buffer, "off", None).await?);
+        peers.push(start_agent(&dir, &up, o.agent_buffer, "off", None, nameserver).await?);
     }
     if want("squid") {
         match start_squid(&dir, &up, o.peer_logs_default).await {
@@ -1029,10 +1121,12 @@ async fn run(o: Opts) -> Result<()> {
             Err(e) => eprintln!("warning: tinyproxy not available: {e:#}"),
         }
     }
-    if want("floor") {
-        match start_floor(&dir).await {
-            Ok(p) => peers.push(p),
-            Err(e) => eprintln!("warning: relay-floor not available: {e:#}"),
+    for name in ["floor", "tokio-floor"] {
+        if want(name) {
+            match start_floor(&dir, name).await {
+                Ok(p) => peers.push(p),
+                Err(e) => eprintln!("warning: {name} not available: {e:#}"),
+            }
         }
     }
     if peers.is_empty() {
@@ -1097,8 +1191,8 @@ async fn run(o: Opts) -> Result<()> {
             if o.rate_only {
                 continue;
             }
-            // The floor is a reference for per-tunnel and per-round-trip CPU only.
-            if p.name != "floor" {
+            // The floors are references for per-tunnel and per-round-trip CPU only.
+            if !is_floor(p.name) {
                 match bulk(p, &up, o.io_buffer).await {
                     Ok(v) => add(&mut s, p.name, "bulk MB/s, 1 tunnel", v),
                     Err(e) => {
@@ -1146,7 +1240,7 @@ async fn run(o: Opts) -> Result<()> {
     }
     for p in peers
         .iter()
-        .filter(|p| p.child.is_some() && p.name != "floor" && !o.rate_only && !o.bulk_only)
+        .filter(|p| p.child.is_some() && !is_floor(p.name) && !o.rate_only && !o.bulk_only)
     {
         match idle_memory(p, up.echo, o.idle).await {
             Ok(v) => add(&mut s, p.name, "RSS KiB/idle tunnel", v),
@@ -1250,6 +1344,11 @@ fn print_table(m: &BTreeMap<(&str, &str), f64>, o: &Opts) {
     println!(
         "host TCP congestion control: {host_cc} (direct, peers, upstream sockets); agent's client-facing sockets: cubic"
     );
+    if o.agent_dns {
+        println!(
+            "agent peers resolve {NAME} through a nameserver (dnsmasq: A, and no data without an SOA for AAAA); the others through the hosts file"
+        );
+    }
     if let Some(pct) = o.cpu_quota {
         println!(
             "every proxy limited to {pct}% of one CPU (cgroup): tunnels/s compares equal CPU budgets"
@@ -1264,6 +1363,7 @@ fn print_table(m: &BTreeMap<(&str, &str), f64>, o: &Opts) {
         "squid",
         "tinyproxy",
         "floor",
+        "tokio-floor",
     ];
     let ratios = [
         ("agent", "direct"),
@@ -1271,14 +1371,16 @@ fn print_table(m: &BTreeMap<(&str, &str), f64>, o: &Opts) {
         ("agent", "squid"),
         ("agent", "tinyproxy"),
         ("agent", "floor"),
+        ("agent", "tokio-floor"),
+        ("tokio-floor", "floor"),
         ("agent-user", "squid"),
         ("floor", "squid"),
     ];
     let mut head = format!("| {:<37} |", "metric");
     let mut rule = format!("|{}|", "-".repeat(39));
     for c in cols {
-        head += &format!(" {c:>10} |");
-        rule += &format!("{}|", "-".repeat(12));
+        head += &format!(" {c:>11} |");
+        rule += &format!("{}|", "-".repeat(13));
     }
     for (a, b) in ratios {
         let r = format!("{a}/{b}");
@@ -1290,7 +1392,7 @@ fn print_table(m: &BTreeMap<(&str, &str), f64>, o: &Opts) {
     for k in metrics {
         let mut row = format!("| {k:<37} |");
         for c in cols {
-            row += &format!(" {:>10} |", cell(c, k));
+            row += &format!(" {:>11} |", cell(c, k));
         }
         for (a, b) in ratios {
             row += &format!(" {:>16} |", ratio(a, b, k));
@@ -1299,7 +1401,7 @@ fn print_table(m: &BTreeMap<(&str, &str), f64>, o: &Opts) {
     }
     println!();
     println!(
-        "floor: relay-floor, only the TCP work of a tunnel (io_uring, no policy), so floor/squid is about the most any proxy reaches against squid here; {ENDS_CPU}: this process's side (the most tunnels/s it can drive is 1e6 / that)"
+        "floor: relay-floor, only the TCP work of a tunnel (io_uring, no policy), so floor/squid is about the most any proxy reaches against squid here; tokio-floor: relay-floor-tokio, the same work on tokio's readiness model (the agent's), so agent/tokio-floor is what the agent's own work adds and tokio-floor/floor what the I/O model costs; {ENDS_CPU}: this process's side (the most tunnels/s it can drive is 1e6 / that)"
     );
     println!(
         "long tunnel (what the kernel relay is for): proxy CPU µs/ping agent {} vs agent-user {} ({}x), floor {}; host CPU µs/ping agent {} vs agent-user {} ({}x), direct {}",
