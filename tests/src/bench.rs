@@ -111,6 +111,32 @@ pub fn wait_addr(peer: &mut Peer, out: &Path, key: &str, log: &Path) -> Result<S
     }
 }
 
+/// A dnsmasq on 127.0.0.1:`port` in the foreground with nothing of the host's (no config file,
+/// resolv.conf or hosts file, no pid file), running as the current user, plus `extra` options.
+pub fn dnsmasq(port: u16, extra: &[String]) -> Vec<String> {
+    let user = nix::unistd::User::from_uid(nix::unistd::geteuid())
+        .ok()
+        .flatten()
+        .map_or_else(|| "root".to_owned(), |u| u.name);
+    let mut v: Vec<String> = [
+        "dnsmasq",
+        "--keep-in-foreground",
+        "--conf-file=/dev/null",
+        "--no-resolv",
+        "--no-hosts",
+        "--bind-interfaces",
+        "--listen-address=127.0.0.1",
+        "--pid-file=",
+    ]
+    .iter()
+    .map(|s| (*s).to_owned())
+    .collect();
+    v.push(format!("--port={port}"));
+    v.push(format!("--user={user}"));
+    v.extend_from_slice(extra);
+    v
+}
+
 /// A port free on 127.0.0.1 for both UDP and TCP.
 pub fn free_port() -> Result<u16> {
     for _ in 0..100 {

@@ -240,30 +240,6 @@ fn floor_mmsg(out: &Path) -> Result<()> {
 
 // ---------------------------------------------------------------- peers
 
-fn dnsmasq(port: u16, extra: &[String]) -> Vec<String> {
-    let user = nix::unistd::User::from_uid(nix::unistd::geteuid())
-        .ok()
-        .flatten()
-        .map_or_else(|| "root".to_owned(), |u| u.name);
-    let mut v: Vec<String> = [
-        "dnsmasq",
-        "--keep-in-foreground",
-        "--conf-file=/dev/null",
-        "--no-resolv",
-        "--no-hosts",
-        "--bind-interfaces",
-        "--listen-address=127.0.0.1",
-        "--pid-file=",
-    ]
-    .iter()
-    .map(|s| (*s).to_owned())
-    .collect();
-    v.push(format!("--port={port}"));
-    v.push(format!("--user={user}"));
-    v.extend_from_slice(extra);
-    v
-}
-
 struct Server {
     peer: Peer,
     addr: SocketAddr,
@@ -271,7 +247,7 @@ struct Server {
 
 fn start_dnsmasq_peer(dir: &Path, upstream: SocketAddr) -> Result<Server> {
     let port = free_port()?;
-    let argv = dnsmasq(
+    let argv = egress_tests::bench::dnsmasq(
         port,
         &[
             format!("--server=/bench.test/{}#{}", upstream.ip(), upstream.port()),
@@ -467,7 +443,7 @@ async fn run(o: Opts) -> Result<()> {
     let _upstream = Peer::spawn(
         "upstream",
         0,
-        &dnsmasq(
+        &egress_tests::bench::dnsmasq(
             up_port,
             &[
                 "--address=/bench.test/140.82.112.3".to_owned(),

@@ -557,30 +557,14 @@ async fn started(
 /// for a local name, and what a resolver says for many names with no IPv6 address.
 fn start_nameserver(dir: &Path) -> Result<(egress_tests::bench::Peer, SocketAddr)> {
     let port = egress_tests::bench::free_port()?;
-    let user = nix::unistd::User::from_uid(nix::unistd::geteuid())
-        .ok()
-        .flatten()
-        .map_or_else(|| "root".to_owned(), |u| u.name);
-    let argv: Vec<String> = [
-        "dnsmasq",
-        "--keep-in-foreground",
-        "--conf-file=/dev/null",
-        "--no-resolv",
-        "--no-hosts",
-        "--bind-interfaces",
-        "--listen-address=127.0.0.1",
-        "--pid-file=",
-        "--local-ttl=300",
-    ]
-    .iter()
-    .map(|s| (*s).to_owned())
-    .chain([
-        format!("--port={port}"),
-        format!("--user={user}"),
-        format!("--local=/{NAME}/"),
-        format!("--host-record={NAME},127.0.0.1"),
-    ])
-    .collect();
+    let argv = egress_tests::bench::dnsmasq(
+        port,
+        &[
+            "--local-ttl=300".to_owned(),
+            format!("--local=/{NAME}/"),
+            format!("--host-record={NAME},127.0.0.1"),
+        ],
+    );
     let peer = egress_tests::bench::Peer::spawn("dnsmasq", 0, &argv, &dir.join("dnsmasq.log"))?;
     let addr = SocketAddr::from(([127, 0, 0, 1], port));
     // Up once its TCP port accepts (dnsmasq opens its UDP and TCP sockets together).
