@@ -2,7 +2,8 @@
 //! at once, bursts larger than one `recvmmsg` batch (32), malformed datagrams inside a batch,
 //! truncation (TC) and the TCP retry, a slow upstream lookup that doesn't hold up cached answers,
 //! the answer sink hearing every allowed answer on both transports, the TCP connection bound, and
-//! the DNS metrics. The upstream is a resolver the test controls (it can hold an answer until
+//! the DNS metrics, and connections through the proxy dialling from the responder's records (no
+//! upstream query per connection). The upstream is a resolver the test controls (it can hold an answer until
 //! released, and logs every name it is asked), so each test checks what arrived upstream too.
 #![expect(clippy::unwrap_used, reason = "test assertions")]
 
@@ -34,8 +35,9 @@ const T: Duration = Duration::from_secs(5);
 /// Names in the hosts file with this many addresses: too big for a 512-byte answer.
 const BIG: usize = 40;
 
-/// The agent's upstream nameserver: NOERROR without records for every name, except `slow.*`
-/// names, answered A 140.82.112.7 only once `release` turns true.
+/// The agent's upstream nameserver: NOERROR without records (and without an SOA) for every name,
+/// except `slow.*` names, answered A 140.82.112.7 only once `release` turns true, and
+/// `*.loop.test`, A 127.0.0.1 (the test's echo server is there).
 struct Upstream {
     addr: SocketAddr,
     release: watch::Sender<bool>,
@@ -74,6 +76,13 @@ async fn upstream() -> Upstream {
                     query.name().clone(),
                     60,
                     RData::A(A::new(140, 82, 112, 7)),
+                ));
+            }
+            if name.ends_with(".loop.test.") && query.query_type() == RecordType::A {
+                r.add_answer(Record::from_rdata(
+                    query.name().clone(),
+                    60,
+                    RData::A(A::new(127, 0, 0, 1)),
                 ));
             }
             let (s, mut rx) = (s.clone(), rx.clone());
@@ -123,12 +132,16 @@ struct Fixture {
     tcp: SocketAddr,
     handle: PolicyHandle,
     config: Arc<Config>,
+    /// The policy's explicit proxy listener, and an echo server the `*.loop.test` names reach.
+    proxy: SocketAddr,
+    echo: SocketAddr,
     _dir: TempDir,
 }
 
 async fn fixture() -> Fixture {
     let dir = temp_dir();
     let up = upstream().await;
+    let echo = proxy_support::echo_server().await;
     let hosts = dir.join("hosts");
     let mut text = String::new();
     for i in 0..8 {
@@ -147,10 +160,13 @@ timeout_ms = 5000
 attempts = 1
 
 [policies.test]
-allow_hosts = ["*.hit.test", "big.test", "*.slow.test", {{ host = "h7.hit.test", ports = [22] }}]
+allow_hosts = ["*.hit.test", "big.test", "*.slow.test", {{ host = "h7.hit.test", ports = [22] }},
+    {{ host = "*.loop.test", ports = [{echo}] }}]
+resolve_private = ["127.0.0.1/32"]
 "#,
         up = up.addr,
-        hosts = hosts.display()
+        hosts = hosts.display(),
+        echo = echo.port()
     );
     let config = Arc::new(Config::from_toml_str(&toml, Path::new("test.toml")).unwrap());
     let events = EventSink::new(4096);
@@ -173,6 +189,7 @@ allow_hosts = ["*.hit.test", "big.test", "*.slow.test", {{ host = "h7.hit.test",
     .unwrap();
     let a = proxy.intercept_addrs().unwrap();
     let handle = proxy.policy_handle();
+    let proxy_addr = proxy.local_addr();
     tokio::spawn(proxy.run(std::future::pending()));
     Fixture {
         up,
@@ -183,6 +200,8 @@ allow_hosts = ["*.hit.test", "big.test", "*.slow.test", {{ host = "h7.hit.test",
         tcp: a.dns_tcp.unwrap(),
         handle,
         config,
+        proxy: proxy_addr,
+        echo,
         _dir: dir,
     }
 }
@@ -691,5 +710,68 @@ async fn a_kept_answers_ttl_counts_down_with_its_records() {
         reported,
         ttls.iter().map(|t| u64::from(*t)).collect::<Vec<_>>(),
         "each report is the TTL answered"
+    );
+}
+
+/// What the upstream was asked about `name` (its questions, sorted).
+fn asked_about(f: &Fixture, name: &str) -> Vec<String> {
+    let mut v: Vec<String> =
+        f.up.asked
+            .lock()
+            .unwrap()
+            .iter()
+            .filter(|q| q.split(' ').next() == Some(name))
+            .cloned()
+            .collect();
+    v.sort();
+    v
+}
+
+/// CONNECT `name`:echo through the explicit proxy, and one byte echoed through the tunnel.
+async fn connect_and_echo(f: &Fixture, name: &str, byte: u8) {
+    let (resp, mut s) = proxy_support::connect(f.proxy, &format!("{name}:{}", f.echo.port())).await;
+    assert_eq!(resp.status, 200, "CONNECT {name}: {}", resp.text());
+    s.write_all(&[byte]).await.unwrap();
+    let mut back = [0u8; 1];
+    tokio::time::timeout(T, s.read_exact(&mut back))
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(back, [byte], "{name}: the echo came back as sent");
+}
+
+/// A connection to a name dials from the records the responder answers from (one resolver, one
+/// cache): after the workload's DNS answer, connections to that name ask the upstream nothing
+/// more, and a name the workload never asked is asked once per family by its first connection
+/// and then reused. The upstream's no-AAAA answer carries no SOA — hickory alone kept it for 0 s
+/// and asked again for every connection.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn connections_to_a_name_reuse_the_responders_records() {
+    let f = fixture().await;
+    let s = client().await;
+    s.send_to(&query(7, "a.loop.test.", RecordType::A, None), f.udp)
+        .await
+        .unwrap();
+    let m = recv(&s).await.expect("an answer");
+    assert_eq!(m.metadata.response_code, ResponseCode::NoError);
+    let addrs: Vec<IpAddr> = m.answers.iter().filter_map(|r| r.data.ip_addr()).collect();
+    assert_eq!(addrs, ["127.0.0.1".parse::<IpAddr>().unwrap()]);
+    let both = ["a.loop.test. A", "a.loop.test. AAAA"];
+    assert_eq!(asked_about(&f, "a.loop.test."), both);
+    for i in 0..5 {
+        connect_and_echo(&f, "a.loop.test", b'a' + i).await;
+    }
+    assert_eq!(
+        asked_about(&f, "a.loop.test."),
+        both,
+        "the connections asked the upstream nothing more"
+    );
+    for i in 0..5 {
+        connect_and_echo(&f, "b.loop.test", b'k' + i).await;
+    }
+    assert_eq!(
+        asked_about(&f, "b.loop.test."),
+        ["b.loop.test. A", "b.loop.test. AAAA"],
+        "once per family for five connections"
     );
 }
