@@ -86,9 +86,11 @@ async fn pump(
     dst: &mut WriteHalf<'_>,
     done: &std::sync::atomic::AtomicBool,
 ) -> io::Result<()> {
-    let mut buf = vec![0u8; BUF];
+    // Never zeroed (as the agent's burst buffers): reads fill it through `read_buf`.
+    let mut buf: Vec<u8> = Vec::with_capacity(BUF);
     loop {
-        let n = src.read(&mut buf).await?;
+        buf.clear();
+        let n = src.read_buf(&mut buf).await?;
         if n == 0 {
             if !done.swap(true, std::sync::atomic::Ordering::Relaxed) {
                 socket2::SockRef::from(dst.as_ref()).shutdown(Shutdown::Write)?;
