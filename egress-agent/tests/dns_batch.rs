@@ -26,18 +26,17 @@ use egress_agent::proxy::{InterceptHooks, PolicyHandle, PolicyProxy, ProxyContex
 use hickory_server::proto::op::{Edns, Message, OpCode, Query, ResponseCode};
 use hickory_server::proto::rr::rdata::A;
 use hickory_server::proto::rr::{Name, RData, Record, RecordType};
-use proxy_support::{TempDir, temp_dir};
+use proxy_support::{T, TempDir, temp_dir};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpStream, UdpSocket};
 use tokio::sync::watch;
 
-const T: Duration = Duration::from_secs(5);
 /// Names in the hosts file with this many addresses: too big for a 512-byte answer.
 const BIG: usize = 40;
 
 /// The agent's upstream nameserver: NOERROR without records (and without an SOA) for every name,
-/// except `slow.*` names, answered A 140.82.112.7 only once `release` turns true, and
-/// `*.loop.test`, A 127.0.0.1 (the test's echo server is there).
+/// except `slow.*` names, answered A 140.82.112.7 only once `release` turns true,
+/// `*.loop.test`, A 127.0.0.1 (the test's echo server is there), and `fail.test`, SERVFAIL.
 struct Upstream {
     addr: SocketAddr,
     release: watch::Sender<bool>,
@@ -77,6 +76,9 @@ async fn upstream() -> Upstream {
                     60,
                     RData::A(A::new(140, 82, 112, 7)),
                 ));
+            }
+            if name == "fail.test." {
+                r.metadata.response_code = ResponseCode::ServFail;
             }
             if name.ends_with(".loop.test.") && query.query_type() == RecordType::A {
                 r.add_answer(Record::from_rdata(
@@ -731,13 +733,7 @@ fn asked_about(f: &Fixture, name: &str) -> Vec<String> {
 async fn connect_and_echo(f: &Fixture, name: &str, byte: u8) {
     let (resp, mut s) = proxy_support::connect(f.proxy, &format!("{name}:{}", f.echo.port())).await;
     assert_eq!(resp.status, 200, "CONNECT {name}: {}", resp.text());
-    s.write_all(&[byte]).await.unwrap();
-    let mut back = [0u8; 1];
-    tokio::time::timeout(T, s.read_exact(&mut back))
-        .await
-        .unwrap()
-        .unwrap();
-    assert_eq!(back, [byte], "{name}: the echo came back as sent");
+    proxy_support::assert_echo(&mut s, &[byte]).await;
 }
 
 /// A connection to a name dials from the records the responder answers from (one resolver, one
@@ -773,5 +769,53 @@ async fn connections_to_a_name_reuse_the_responders_records() {
         asked_about(&f, "b.loop.test."),
         ["b.loop.test. A", "b.loop.test. AAAA"],
         "once per family for five connections"
+    );
+}
+
+/// The resolver alone (no responder, no proxy) on the same upstream: a name's addresses are asked
+/// for once per family however often it is looked up (its AAAA no-data answer without an SOA
+/// included), the responder's records are that same answer, and a failure says why.
+#[tokio::test]
+async fn the_resolver_asks_once_per_family_and_says_why_a_lookup_failed() {
+    use egress_agent::config::{DnsConfig, NameServer};
+    use egress_agent::proxy::resolve::{DnsResolver, Family};
+    use egress_policy::name::HostName;
+    let dir = temp_dir();
+    let up = upstream().await;
+    let hosts = dir.join("hosts");
+    std::fs::write(&hosts, "").unwrap();
+    let cfg = DnsConfig {
+        nameservers: Some(vec![NameServer(up.addr)]),
+        hosts_file: hosts,
+        timeout_ms: 500,
+        attempts: 1,
+        ..DnsConfig::default()
+    };
+    let r = DnsResolver::from_config(&cfg).unwrap();
+    let x = HostName::parse("x.loop.test").unwrap();
+    let want: Vec<IpAddr> = vec!["127.0.0.1".parse().unwrap()];
+    for _ in 0..20 {
+        assert_eq!(r.lookup(&x).await.unwrap(), want);
+    }
+    let records = r.lookup_records(&x).await;
+    assert!(matches!(records.v6, Family::NoData), "{records:?}");
+    let mut heard = up.asked.lock().unwrap().clone();
+    heard.sort();
+    assert_eq!(
+        heard,
+        ["x.loop.test. A", "x.loop.test. AAAA"],
+        "asked once per family"
+    );
+
+    let fail = HostName::parse("fail.test").unwrap();
+    let e = r.lookup(&fail).await.unwrap_err().to_string();
+    assert!(
+        e.starts_with("lookup of fail.test failed: "),
+        "a failure says so: {e}"
+    );
+    let none = HostName::parse("none.test").unwrap();
+    assert_eq!(
+        r.lookup(&none).await.unwrap_err().to_string(),
+        "no address for none.test"
     );
 }

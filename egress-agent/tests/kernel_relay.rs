@@ -381,17 +381,6 @@ async fn a_stalled_upstream_hands_the_tunnel_back_to_user_space_without_losing_b
     assert_eq!((st.aborted, st.program.passed_bytes), (0, 0), "{st:?}");
 }
 
-/// One 1-byte echo through `s`.
-async fn ping(s: &mut TcpStream, byte: u8) {
-    s.write_all(&[byte]).await.unwrap();
-    let mut b = [0u8; 1];
-    tokio::time::timeout(T, s.read_exact(&mut b))
-        .await
-        .unwrap()
-        .unwrap();
-    assert_eq!(b[0], byte);
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_short_tunnel_stays_in_user_space_and_a_long_lived_one_is_spliced_mid_stream() {
     // A 4 MiB window: the first grant (16 MiB hard) covers the whole 8 MiB stream each way, so
@@ -406,13 +395,13 @@ async fn a_short_tunnel_stays_in_user_space_and_a_long_lived_one_is_spliced_mid_
     let h = harness(echo, echo, &relay, "").await;
     // A one-request tunnel: 2 reads, never spliced, never attempted.
     let (mut short, _) = tunnel(h.addr, echo.port(), b"").await;
-    ping(&mut short, b'a').await;
+    proxy_support::assert_echo(&mut short, b"a").await;
     drop(short);
     // A chatty one: 3 exchanges (6 reads) still in user space ...
     let (s, _) = tunnel(h.addr, echo.port(), b"").await;
     let mut s = s;
     for i in 0..3 {
-        ping(&mut s, b'0' + i).await;
+        proxy_support::assert_echo(&mut s, &[b'0' + i]).await;
     }
     let st = relay.stats();
     assert_eq!((st.spliced, st.fallbacks, st.active), (0, 0, 0), "{st:?}");
@@ -441,7 +430,7 @@ async fn a_short_tunnel_stays_in_user_space_and_a_long_lived_one_is_spliced_mid_
     assert!(st.program.redirected_bytes > 0, "{st:?}");
     // Spliced now: a ping still goes through, and closing frees everything.
     let mut s = r.reunite(writer.await.unwrap()).unwrap();
-    ping(&mut s, b'z').await;
+    proxy_support::assert_echo(&mut s, b"z").await;
     s.shutdown().await.unwrap();
     let mut rest = Vec::new();
     tokio::time::timeout(T, s.read_to_end(&mut rest))

@@ -36,16 +36,6 @@ fn same_fields(a: &DenialEvent, b: &DenialEvent) {
     assert_eq!(a, b);
 }
 
-async fn echo_through(s: &mut TcpStream) {
-    s.write_all(b"ping").await.unwrap();
-    let mut b = [0u8; 4];
-    tokio::time::timeout(T, s.read_exact(&mut b))
-        .await
-        .unwrap()
-        .unwrap();
-    assert_eq!(&b, b"ping");
-}
-
 #[tokio::test]
 async fn audit_records_would_deny_lets_it_through_and_reload_enforces() {
     let up = upstreams().await;
@@ -85,7 +75,7 @@ allow_cidrs = [{{ cidr = "127.0.0.1/32", ports = [{echo}, {http}, {closed}] }}]
     // A name the allowlist does not list: through, and a would-deny.
     let (r, mut s) = connect(h.addr, &format!("other.test:{echo}")).await;
     assert_eq!(r.status, 200);
-    echo_through(&mut s).await;
+    proxy_support::assert_echo(&mut s, b"ping").await;
     let would = last(&h);
     assert_eq!(would.verdict, Verdict::WouldDeny);
     assert_eq!(would.reason, "host-not-allowed");

@@ -442,6 +442,18 @@ pub async fn assert_connect_waits(s: &mut TcpStream, target: &str, why: &str) {
     );
 }
 
+/// Write `data` on `s` (a tunnel to an echo server) and assert the same bytes come back within
+/// [`T`].
+pub async fn assert_echo(s: &mut TcpStream, data: &[u8]) {
+    s.write_all(data).await.unwrap();
+    let mut back = vec![0u8; data.len()];
+    tokio::time::timeout(T, s.read_exact(&mut back))
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(back, data, "the echo came back as sent");
+}
+
 /// Assert the peer closes the connection within `within` (reads until EOF or error).
 pub async fn assert_closed(s: &mut TcpStream, within: Duration) {
     let mut b = [0u8; 1024];
