@@ -1,6 +1,6 @@
 //! Kubernetes pod benchmarks (root; ignored by default), beside `docker_bench` in
 //! `cargo xtask bench`:
-//! `cargo test -p egress-tests --test containerd_bench -- --ignored --nocapture`
+//! `cargo test --release -p egress-tests --test containerd_bench -- --ignored --nocapture`
 //!
 //! - sandbox created → pod entry written: containerd's `CreatedAt` of the sandbox record to the
 //!   agent's "container enforced" log line for it (p50/p99);

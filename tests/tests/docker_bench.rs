@@ -1,5 +1,5 @@
 //! Docker benchmarks (root; ignored by default):
-//! `cargo test -p egress-tests --test docker_bench -- --ignored --nocapture`
+//! `cargo test --release -p egress-tests --test docker_bench -- --ignored --nocapture`
 //!
 //! - start → enforced: for each `docker run`, the agent's own timestamps (JSON log): the kernel
 //!   entry written from `create` (before `start` reached runc: lead time reported), and Docker's

@@ -1,5 +1,5 @@
 //! Restart benchmark (root; ignored by default, run by `cargo xtask bench`):
-//! `cargo test -p egress-tests --test handover_bench -- --ignored --nocapture`
+//! `cargo test --release -p egress-tests --test handover_bench -- --ignored --nocapture`
 //!
 //! A labelled container runs `egress-workload` (DNS and a proxied GET every 20 ms, two tunnels)
 //! while the agent is restarted `EGRESS_BENCH_RESTARTS` times (default 5) each way, in one run:

@@ -80,7 +80,7 @@ fn bulk_plans(rng: &mut Rng) -> Vec<Plan> {
 #[test]
 #[cfg_attr(
     debug_assertions,
-    ignore = "run optimized by `cargo xtask test` (cargo test --release -p egress-tests --test relay_integrity): a debug build's checking client is too slow to reach the hand-back"
+    ignore = "run optimized (`cargo xtask test` builds the privileged suite --release; alone: cargo test --release -p egress-tests --test relay_integrity): a debug build's checking client is too slow to reach the hand-back"
 )]
 fn every_relayed_byte_arrives_exactly_once_in_order_at_every_hand_off_stage() {
     if !egress_tests::root_or_skip("the kernel relay loads eBPF (sockhash, sk_skb)") {
