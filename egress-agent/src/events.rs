@@ -393,6 +393,31 @@ impl EventSink {
         }
     }
 
+    /// Record another attempt identical to `template` but for its time (now): what
+    /// [`EventSink::emit`] of a copy would record, without building the copy while a collapsing
+    /// sink only counts the attempt (its key's window is open). For a caller that refuses the
+    /// same thing again and again and keeps the event it built the first time (the DNS
+    /// responder's kept refusals: no allocation per refused query in a flood).
+    pub fn emit_again(&self, template: &DenialEvent) {
+        if template.verdict != Verdict::Allow {
+            let mut due = Vec::new();
+            let counted = self.collapser().is_some_and(|mut c| {
+                c.count_again(template, SystemTime::now(), Instant::now(), &mut due)
+            });
+            for summary in due {
+                self.record(summary);
+            }
+            if counted {
+                self.inner.total.fetch_add(1, Ordering::Relaxed);
+                return;
+            }
+        }
+        let mut ev = template.clone();
+        ev.time = SystemTime::now();
+        ev.count = 1;
+        self.emit(ev);
+    }
+
     /// A denial or would-deny, recorded: taps, log line, ring, subscribers.
     fn record(&self, ev: DenialEvent) {
         self.to_taps(&ev);

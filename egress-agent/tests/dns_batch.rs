@@ -141,6 +141,11 @@ struct Fixture {
 }
 
 async fn fixture() -> Fixture {
+    fixture_with(EventSink::new(4096)).await
+}
+
+/// The fixture with `events` as the proxy's event sink (the daemon's collapses).
+async fn fixture_with(events: EventSink) -> Fixture {
     let dir = temp_dir();
     let up = upstream().await;
     let echo = proxy_support::echo_server().await;
@@ -171,7 +176,6 @@ resolve_private = ["127.0.0.1/32"]
         echo = echo.port()
     );
     let config = Arc::new(Config::from_toml_str(&toml, Path::new("test.toml")).unwrap());
-    let events = EventSink::new(4096);
     let sink = Arc::new(Recorder::default());
     let metrics = Arc::new(Metrics::new());
     let ctx = ProxyContext::new(&config, events.clone())
@@ -636,12 +640,19 @@ async fn repeated_queries_get_the_full_paths_bytes_and_every_effect() {
         );
     }
     assert_eq!(f.events.total() - events, 20);
+    let denied = f.events.recent(20);
     assert!(
-        f.events
-            .recent(20)
+        denied
             .iter()
-            .all(|e| e.host.as_deref() == Some("x.denied.test"))
+            .all(|e| e.host.as_deref() == Some("x.denied.test") && e.count == 1)
     );
+    // The reused ones are copies of the first (the full path's), each with its own time.
+    for pair in denied.windows(2) {
+        let mut later = pair[1].clone();
+        assert!(later.time >= pair[0].time);
+        later.time = pair[0].time;
+        assert_eq!(later, pair[0]);
+    }
     assert!(
         !f.up
             .asked
@@ -669,6 +680,64 @@ async fn repeated_queries_get_the_full_paths_bytes_and_every_effect() {
         (500, ResponseCode::NXDomain)
     );
     assert_eq!(f.events.total() - events, 1);
+}
+
+/// With the daemon's sink (identical refusals collapsed), a denied name asked again and again
+/// is answered from the memo with the full path's bytes, and its refusals are the full path's
+/// event — the first one recorded at once — then a count: one summary at the stop, the counts
+/// adding up to every query. The kept event is the full path's field for field (else its
+/// attempts would be another key: a second event recorded at once).
+#[tokio::test]
+async fn kept_refusals_are_the_full_paths_event_then_a_count() {
+    let f = fixture_with(EventSink::with_collapse(4096, Duration::from_secs(3600))).await;
+    warm(&f).await;
+    let s = client().await;
+    let q = |id| query(id, "x.denied.test.", RecordType::A, None);
+    // The full path (DNS over TCP is never kept): the refusal's event, recorded at once.
+    let reference = tcp_raw(&f, &q(1)).await;
+    let first: Vec<_> = f
+        .events
+        .recent(100)
+        .into_iter()
+        .filter(|e| e.host.as_deref() == Some("x.denied.test"))
+        .collect();
+    assert_eq!(first.len(), 1);
+    let total = f.events.total();
+    for id in 400..450u16 {
+        s.send_to(&q(id), f.udp).await.unwrap();
+        let got = recv_raw(&s).await.unwrap();
+        assert_eq!(got[..2], id.to_be_bytes());
+        assert_eq!(
+            got[2..],
+            reference[2..],
+            "the full path's bytes (query {id})"
+        );
+    }
+    assert_eq!(f.events.total() - total, 50, "every query counted at once");
+    f.events.flush_collapsed();
+    let denied: Vec<_> = f
+        .events
+        .recent(100)
+        .into_iter()
+        .filter(|e| e.host.as_deref() == Some("x.denied.test"))
+        .collect();
+    assert_eq!(
+        denied.iter().map(|e| e.count).collect::<Vec<_>>(),
+        [1, 50],
+        "the first, then one summary of the rest: {denied:?}"
+    );
+    let mut summary = denied[1].clone();
+    assert!(summary.time >= first[0].time);
+    (summary.time, summary.count) = (first[0].time, 1);
+    assert_eq!(summary, first[0], "the kept event is the full path's");
+    assert!(
+        !f.up
+            .asked
+            .lock()
+            .unwrap()
+            .iter()
+            .any(|a| a.contains("denied"))
+    );
 }
 
 /// A kept answer's TTL follows the records' remaining lifetime: asked again and again, the

@@ -174,6 +174,32 @@ impl Collapser {
         Some(ev)
     }
 
+    /// [`Collapser::note`] for an attempt identical to `ev` but for its time (`time`), known by
+    /// reference: `true` when it is only counted — its key's window is open — so nothing is
+    /// built or recorded; `false`: record it through [`Collapser::note`] (which decides the same
+    /// for every other case: a first attempt, a window that ended, a hash shared with another
+    /// key).
+    pub(super) fn count_again(
+        &mut self,
+        ev: &DenialEvent,
+        time: std::time::SystemTime,
+        now: Instant,
+        due: &mut Vec<DenialEvent>,
+    ) -> bool {
+        if now >= self.next_sweep {
+            self.sweep(now, due);
+        }
+        let key = key_hash(&self.hasher, ev);
+        match self.pending.get_mut(&key) {
+            Some(p) if now < p.due && same(&p.ev, ev) => {
+                p.count += 1;
+                p.last = time;
+                true
+            }
+            _ => false,
+        }
+    }
+
     /// The summaries of the windows ended by `now`; forget the keys that were quiet in theirs.
     pub(super) fn sweep(&mut self, now: Instant, due: &mut Vec<DenialEvent>) {
         let window = self.window;
@@ -337,6 +363,92 @@ mod tests {
         let ring = sink.recent(10);
         assert_eq!(ring.iter().map(|e| e.count).sum::<u64>(), 500);
         assert_eq!(sink.total(), 500, "a summary adds nothing to the total");
+    }
+
+    /// `count_again` (with `note` of a copy when it declines) decides what `note` of a copy
+    /// decides, attempt for attempt: the first recorded, the rest of a window counted, a window
+    /// that ended without a sweep, a quiet key forgotten, another key between them.
+    #[test]
+    fn count_again_decides_what_note_of_a_copy_decides() {
+        let t0 = Instant::now();
+        let base = SystemTime::now();
+        let template = refusal("kept.example", 443);
+        let other = refusal("other.example", 443);
+        // Attempts (ms after t0, which key): inside the first window, past it without a sweep,
+        // then after a quiet spell long enough to be forgotten.
+        let mut plan: Vec<(u64, bool)> = (0..50).map(|i| (i * 10, i % 7 == 0)).collect();
+        plan.extend((0..20).map(|i| (1200 + i * 20, false)));
+        plan.extend((0..5).map(|i| (5000 + i, i == 2)));
+        let run = |again: bool| {
+            let mut c = Collapser::new(Duration::from_secs(1));
+            let mut recorded = Vec::new();
+            for &(ms, is_other) in &plan {
+                let now = t0 + Duration::from_millis(ms);
+                let time = base + Duration::from_millis(ms);
+                let ev = if is_other { &other } else { &template };
+                let mut due = Vec::new();
+                if !(again && c.count_again(ev, time, now, &mut due)) {
+                    let mut copy = ev.clone();
+                    copy.time = time;
+                    recorded.extend(c.note(copy, now, &mut due));
+                }
+                recorded.extend(due);
+            }
+            let mut due = Vec::new();
+            c.flush(&mut due);
+            recorded.extend(due);
+            recorded
+                .into_iter()
+                .map(|e| (e.host.unwrap(), e.count, e.time))
+                .collect::<Vec<_>>()
+        };
+        // (Summaries due at one sweep come in the map's order: compared sorted.)
+        let (mut again, mut copies) = (run(true), run(false));
+        again.sort();
+        copies.sort();
+        assert_eq!(again, copies);
+        let total = |host: &str| {
+            again
+                .iter()
+                .filter(|e| e.0 == host)
+                .map(|e| e.1)
+                .sum::<u64>()
+        };
+        assert_eq!(total("kept.example"), 66);
+        assert_eq!(total("other.example"), 9);
+        assert!(again.len() < 10, "collapsed: {again:?}");
+    }
+
+    /// Through the sink: `emit_again` of a kept event is counted in the total and recorded as
+    /// the copies `emit` records would be (on a plain sink, every attempt), each with the
+    /// attempt's time, not the template's.
+    #[tokio::test]
+    async fn emit_again_records_copies_with_their_own_time() {
+        let mut template = refusal("kept.example", 443);
+        template.time = SystemTime::UNIX_EPOCH;
+        let started = SystemTime::now();
+        for collapse in [true, false] {
+            let sink = match collapse {
+                true => EventSink::with_collapse(64, Duration::from_secs(3600)),
+                false => EventSink::new(64),
+            };
+            let mut tap = sink.tap(64, false);
+            for _ in 0..30 {
+                sink.emit_again(&template);
+            }
+            assert_eq!(sink.total(), 30);
+            sink.close_taps();
+            let mut got = Vec::new();
+            while let Some(ev) = tap.rx.recv().await {
+                assert!(ev.time >= started, "the attempt's time: {ev:?}");
+                let mut like = ev.clone();
+                (like.time, like.count) = (template.time, 1);
+                assert_eq!(like, template);
+                got.push(ev.count);
+            }
+            let expected = if collapse { vec![1, 29] } else { vec![1; 30] };
+            assert_eq!(got, expected, "collapse {collapse}");
+        }
     }
 
     /// The stop loses nothing: pending counts are recorded by `flush_collapsed` (the agent calls

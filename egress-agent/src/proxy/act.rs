@@ -189,9 +189,49 @@ impl Shared {
         Denial::new(reason, &self.name, at.host, at.port, rule, run)
     }
 
+    /// [`Shared::deny_recorded`] once more for a refusal its caller keeps (the DNS responder's
+    /// memo, `template` held in the kept entry, which lives under one policy): the event is built
+    /// into `template` the first time, and each attempt after that is recorded as a copy of it
+    /// or, while the sink collapses identical refusals, only counted — no event built. A
+    /// listener that names the client within its workload builds each event (the client's
+    /// names belong to the attempt).
+    pub(crate) fn deny_again(
+        &self,
+        policy: &CompiledPolicy,
+        at: &At<'_>,
+        r: Refused,
+        template: &KeptDenial,
+    ) {
+        if self
+            .identity
+            .as_ref()
+            .is_some_and(|id| id.clients.is_some())
+        {
+            let _rule = self.deny_recorded(policy, at, r);
+            return;
+        }
+        let ev = template.0.get_or_init(|| {
+            let rule = r.rule.map(|rule| policy.describe(rule));
+            Box::new(self.build_event(at, r.reason.as_str(), Verdict::Deny, rule))
+        });
+        self.ctx.events().emit_again(ev);
+    }
+
     /// One event with this listener's identity (container, cgroup, context labels, the
     /// client within the workload).
     fn event(&self, at: &At<'_>, reason: &str, verdict: Verdict, rule: Option<String>) {
+        let ev = self.build_event(at, reason, verdict, rule);
+        self.ctx.events().emit(ev);
+    }
+
+    /// The event [`Shared::event`] records.
+    fn build_event(
+        &self,
+        at: &At<'_>,
+        reason: &str,
+        verdict: Verdict,
+        rule: Option<String>,
+    ) -> DenialEvent {
         let mut ev = DenialEvent::proxy(
             &self.name,
             at.host.map(str::to_owned),
@@ -214,9 +254,15 @@ impl Shared {
                 ev.context.extend(super::client::current_names(by.as_ref()));
             }
         }
-        self.ctx.events().emit(ev);
+        ev
     }
 }
+
+/// The denial event of a refusal its caller keeps and repeats (a DNS memo entry's), built at
+/// the first repeat by [`Shared::deny_again`]; opaque outside this module (events are made
+/// here only).
+#[derive(Default)]
+pub(crate) struct KeptDenial(std::cell::OnceCell<Box<DenialEvent>>);
 
 /// A request's event context: its method and path (never the query string or fragment).
 pub(crate) fn request_context<'a>(method: &'a str, path: &'a str) -> [(&'static str, &'a str); 2] {

@@ -30,6 +30,7 @@ use super::wire::{self, Read, Reply, Transport};
 use super::{Answer, AnswerSink, DNS_PORT};
 use crate::metrics::{DnsCounters, DnsDrop, DnsOutcome};
 use crate::proxy::Shared;
+use crate::proxy::act::KeptDenial;
 use crate::proxy::act::{Act, At, Stage};
 use crate::proxy::resolve::NameRecords;
 use egress_policy::name::HostName;
@@ -145,7 +146,7 @@ impl Core {
                 let reply = Reply::refused(code, &denial.summary());
                 let kept = Kept {
                     policy: policy.clone(),
-                    kind: Kind::Denied(denied),
+                    kind: Kind::Denied(denied, KeptDenial::default()),
                 };
                 return self.send(&request, transport, &reply, Some(kept));
             }
@@ -208,9 +209,9 @@ impl Core {
     /// path answers then, and its answer replaces the entry).
     pub(crate) fn reuse(&self, entry: &Entry, policy: &CompiledPolicy, src: SocketAddr) -> Reuse {
         match &entry.kind {
-            Kind::Denied(Denied { host, refused }) => {
+            Kind::Denied(Denied { host, refused }, event) => {
                 self.shared
-                    .deny_recorded(policy, &at(host.as_ref(), None), *refused);
+                    .deny_again(policy, &at(host.as_ref(), None), *refused, event);
                 self.count(DnsOutcome::Denied);
             }
             Kind::Answer(a) => {

@@ -13,7 +13,7 @@
 //!
 //! What each reuse still does, as the full path does ([`super::handler::Core::reuse`]): the
 //! policy's act on the name (an audited name's would-deny event), the denial event of a denied
-//! name, the [`super::AnswerSink`] report (direct ports follow every answer), the counters.
+//! name (built once per entry, then copied or, while the sink collapses it, only counted), the [`super::AnswerSink`] report (direct ports follow every answer), the counters.
 //! Only answers that need no network are kept: cached allowed names (not truncated) and names
 //! refused by the policy. Entries are per responder (one loop, no lock), at most
 //! [`MAX_ENTRIES`]; a full memo is emptied (a flood of distinct names costs the flood, not the
@@ -26,6 +26,7 @@ use foldhash::HashMap;
 
 use super::answer::Clock;
 use super::decide::Denied;
+use crate::proxy::act::KeptDenial;
 use egress_policy::name::HostName;
 use egress_policy::{CompiledPolicy, Decision as PolicyDecision};
 
@@ -42,8 +43,11 @@ pub(crate) struct Kept {
 
 /// What an answer was.
 pub(crate) enum Kind {
-    /// A name the policy refuses: NXDOMAIN (or REFUSED) and a denial event per query.
-    Denied(Denied),
+    /// A name the policy refuses: NXDOMAIN (or REFUSED) and a denial event per query — built
+    /// once, at the first reuse, into the cell (the entry lives under one policy and one
+    /// listener, so the event is the same every time but for its time; see
+    /// `Shared::deny_again`).
+    Denied(Denied, KeptDenial),
     /// An allowed name's records.
     Answer(Answered),
 }
@@ -155,10 +159,13 @@ mod tests {
     }
 
     fn denied() -> Kind {
-        Kind::Denied(Denied {
-            host: HostName::parse("evil.test").ok(),
-            refused: Refused::because(DenyReason::HostNotAllowed),
-        })
+        Kind::Denied(
+            Denied {
+                host: HostName::parse("evil.test").ok(),
+                refused: Refused::because(DenyReason::HostNotAllowed),
+            },
+            KeptDenial::default(),
+        )
     }
 
     /// The same query bytes under another id get the kept response with their own id; other
