@@ -13,7 +13,8 @@
 //!
 //! What each reuse still does, as the full path does ([`super::handler::Core::reuse`]): the
 //! policy's act on the name (an audited name's would-deny event), the denial event of a denied
-//! name (built once per entry, then copied or, while the sink collapses it, only counted), the [`super::AnswerSink`] report (direct ports follow every answer), the counters.
+//! name (built once per entry, then copied or, while the sink collapses it, only counted), the
+//! [`super::AnswerSink`] report (direct ports follow every answer), the counters.
 //! Only answers that need no network are kept: cached allowed names (not truncated) and names
 //! refused by the policy. Entries are per responder (one loop, no lock), at most
 //! [`MAX_ENTRIES`]; a full memo is emptied (a flood of distinct names costs the flood, not the
