@@ -750,6 +750,7 @@ fn lifecycle_restarts_and_agent_failure() {
     assert_eq!(env.canary.count(), before);
 
     // Agent restart: adopts the pinned programs (no duplicates) and re-enforces r1.
+    let restarted_at = env.log().len();
     env.start_agent();
     let root = cgroup2_mount().join(&env.d.cgroup_parent);
     let f = std::fs::File::open(&root).expect("open root");
@@ -779,6 +780,29 @@ fn lifecycle_restarts_and_agent_failure() {
         "restart must adopt pinned links"
     );
     check(&env, "after agent restart");
+    // The restarted agent replays the last second of Docker events, among them r1's `die` of
+    // its `docker restart` above: r1 runs in the cgroup its new entry is for, so that `die` must
+    // not release the entry (the kernel would refuse r1 until the `start` after it is applied)
+    // nor rebind r1's listener.
+    let since_restart = env.log()[restarted_at..].to_owned();
+    let r1_lines = |what: &str| {
+        since_restart
+            .lines()
+            .filter(|l| l.contains(what) && l.contains("name\":\"r1\""))
+            .map(str::to_owned)
+            .collect::<Vec<_>>()
+    };
+    assert_eq!(
+        r1_lines("kernel-no-policy-entry"),
+        Vec::<String>::new(),
+        "r1 lost its entry after the agent's restart"
+    );
+    assert_eq!(
+        r1_lines("workload proxy listener").len(),
+        1,
+        "r1's listener rebound after the agent's restart: {:?}",
+        r1_lines("workload proxy listener")
+    );
     // One listener per opted-in container, none left over from before the restart. After a
     // restart the agent replays the last second of Docker events: a listener for a container that
     // is already gone may exist until its queued `destroy` is applied, so let it settle.

@@ -320,7 +320,9 @@ async fn apply(
     id: &str,
     info: Option<ContainerInfo>,
 ) {
-    if action == "die" {
+    // A `die` of an earlier run (the container runs again, in the cgroup its entry is for) has
+    // nothing to release: the `start` after it is handled, or comes next.
+    if action == "die" && !info.as_ref().is_some_and(|i| enforcer.runs_in_its_entry(i)) {
         enforcer.stopped(id).await;
     }
     match (action, info) {

@@ -433,6 +433,24 @@ impl Enforcer {
         self.host.remove(sandbox_id, "pod sandbox stopped").await;
     }
 
+    /// Whether `info` (inspected after an event) runs in the very cgroup this container's
+    /// entry is written for. A `die` seen then belongs to an earlier run of it — one replayed
+    /// after the watcher (re)subscribed a second back, or whose restart is handled already —
+    /// and releasing the entry would only deny the running container (and rebind its listener)
+    /// until the `start` after it is applied again. Cgroup ids are not reused, so a container
+    /// that really stopped and started since runs in another cgroup: `false`.
+    pub fn runs_in_its_entry(&self, info: &ContainerInfo) -> bool {
+        let (true, Some(pid)) = (info.running, info.pid) else {
+            return false;
+        };
+        let Some((_, entry)) = self.tracked.get(&info.id).and_then(|t| t.cgroup.as_ref()) else {
+            return false;
+        };
+        cgroup::cgroup_of_pid(pid)
+            .and_then(|dir| cgroup::cgroup_id(&dir))
+            .is_ok_and(|now| now == *entry)
+    }
+
     /// The container stopped: release its entry, listener and host rules. Call [`Self::prepare`]
     /// afterwards if it still exists (restart).
     #[tracing::instrument(skip(self))]
