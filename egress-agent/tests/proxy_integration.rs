@@ -13,23 +13,13 @@ use proxy_support::*;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 
-async fn echo_roundtrip(s: &mut TcpStream, msg: &[u8]) {
-    s.write_all(msg).await.unwrap();
-    let mut got = vec![0u8; msg.len()];
-    tokio::time::timeout(T, s.read_exact(&mut got))
-        .await
-        .unwrap()
-        .unwrap();
-    assert_eq!(got, msg);
-}
-
 #[tokio::test]
 async fn connect_allowed_name_tunnels_bytes_both_ways() {
     let h = harness().await;
     let (r, mut s) = connect(h.addr, &format!("allowed.test:{}", h.up.echo.port())).await;
     assert_eq!(r.status, 200);
-    echo_roundtrip(&mut s, b"hello through the tunnel").await;
-    echo_roundtrip(&mut s, &vec![7u8; 300_000]).await;
+    assert_echo(&mut s, b"hello through the tunnel").await;
+    assert_echo(&mut s, &vec![7u8; 300_000]).await;
     // Half-close propagates: our EOF reaches the echo server, whose EOF comes back.
     s.shutdown().await.unwrap();
     assert_closed(&mut s, T).await;
@@ -164,10 +154,10 @@ async fn connect_ip_literals_need_allow_cidrs() {
     // Covered by allow_cidrs 127.0.0.1/32 on this port: allowed, also in v4-mapped form.
     let (r, mut s) = connect(h.addr, &format!("127.0.0.1:{p}")).await;
     assert_eq!(r.status, 200);
-    echo_roundtrip(&mut s, b"ip literal").await;
+    assert_echo(&mut s, b"ip literal").await;
     let (r, mut s) = connect(h.addr, &format!("[::ffff:127.0.0.1]:{p}")).await;
     assert_eq!(r.status, 200);
-    echo_roundtrip(&mut s, b"mapped").await;
+    assert_echo(&mut s, b"mapped").await;
     for (auth, reason) in [
         (format!("127.0.0.2:{p}"), "address-denied"),
         (format!("[::1]:{p}"), "address-denied"),
@@ -377,7 +367,7 @@ async fn keep_alive_connect_after_get_is_checked_and_tunnels() {
         .unwrap();
     let (r, _) = read_response(&mut s, true).await;
     assert_eq!(r.status, 200);
-    echo_roundtrip(&mut s, b"tunnel after keep-alive").await;
+    assert_echo(&mut s, b"tunnel after keep-alive").await;
 }
 
 #[tokio::test]
@@ -500,7 +490,7 @@ async fn idle_tunnel_is_closed() {
     let h = harness_with("idle_timeout_ms = 300", "", "test").await;
     let (r, mut s) = connect(h.addr, &format!("allowed.test:{}", h.up.echo.port())).await;
     assert_eq!(r.status, 200);
-    echo_roundtrip(&mut s, b"x").await;
+    assert_echo(&mut s, b"x").await;
     assert_closed(&mut s, Duration::from_secs(3)).await;
 }
 
@@ -624,8 +614,8 @@ async fn a_reload_that_refuses_an_open_tunnels_target_ends_it() {
     assert_eq!(r.status, 200);
     let (r, mut kept) = connect(h.addr, &format!("api.wild.test:{echo}")).await;
     assert_eq!(r.status, 200);
-    echo_roundtrip(&mut refused, b"before the reload").await;
-    echo_roundtrip(&mut kept, b"before the reload").await;
+    assert_echo(&mut refused, b"before the reload").await;
+    assert_echo(&mut kept, b"before the reload").await;
     let before = h.events.total();
     // The same policy without `allowed.test`.
     let mut narrowed: Policy = h.config.policy("test").unwrap().clone();
@@ -636,7 +626,7 @@ async fn a_reload_that_refuses_an_open_tunnels_target_ends_it() {
     h.handle.set(&narrowed);
     assert_closed(&mut refused, T).await;
     // The other tunnel is untouched, and relays both ways.
-    echo_roundtrip(&mut kept, b"after the reload").await;
+    assert_echo(&mut kept, b"after the reload").await;
     let ev = h
         .events
         .recent(10)
@@ -653,7 +643,7 @@ async fn a_reload_that_refuses_an_open_tunnels_target_ends_it() {
     );
     // A second reload that changes nothing for the kept tunnel leaves it alone too.
     h.handle.set(&narrowed);
-    echo_roundtrip(&mut kept, b"after a second reload").await;
+    assert_echo(&mut kept, b"after a second reload").await;
 }
 
 #[tokio::test]
@@ -678,7 +668,7 @@ async fn serve_binds_ipv6_siblings_sharing_the_policy() {
     assert!(v6.is_ipv6() && v6.ip().is_loopback());
     let (r, mut s) = connect(v6, &format!("allowed.test:{}", up.echo.port())).await;
     assert_eq!(r.status, 200);
-    echo_roundtrip(&mut s, b"over v6 listener").await;
+    assert_echo(&mut s, b"over v6 listener").await;
     // One swap handle covers both listeners.
     server
         .policy_handle("test")
@@ -772,14 +762,14 @@ async fn per_listener_bound_keeps_one_client_from_taking_every_connection() {
         .await
         .unwrap();
     assert_eq!(read_response(&mut first, true).await.0.status, 200);
-    echo_roundtrip(&mut first, b"held").await;
+    assert_echo(&mut first, b"held").await;
     // A second client of listener a waits: the tunnel still holds a's only place.
     let mut second = TcpStream::connect(a).await.unwrap();
     assert_connect_waits(&mut second, &target, "listener a's bound").await;
     // Listener b is unaffected.
     let (r, mut other) = connect(b, &target).await;
     assert_eq!(r.status, 200);
-    echo_roundtrip(&mut other, b"b still serves").await;
+    assert_echo(&mut other, b"b still serves").await;
     // When the tunnel ends, a's waiting client gets its turn.
     drop(first);
     let (r, _) = read_response(&mut second, true).await;
@@ -1045,7 +1035,7 @@ async fn a_preset_s_host_is_allowed_and_a_host_of_another_preset_is_not() {
     let p = h.up.echo.port();
     let (r, mut s) = connect(h.addr, &format!("api.anthropic.com:{p}")).await;
     assert_eq!(r.status, 200);
-    echo_roundtrip(&mut s, b"through a preset's entry").await;
+    assert_echo(&mut s, b"through a preset's entry").await;
     // Resolves to the same upstream, but no preset of this policy names it.
     let (r, mut s) = connect(h.addr, &format!("api.openai.com:{p}")).await;
     assert_eq!((r.status, r.deny()), (403, Some("host-not-allowed")));

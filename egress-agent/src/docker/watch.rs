@@ -11,7 +11,7 @@
 //! |-----------|----------------------------------------------------------------------|
 //! | `create`  | resolve labels; pre-create the cgroup dir; write its entry (before `start`) |
 //! | `start`   | write/refresh the entry for the real cgroup; host-side nftables rules; refuse (stop) unconfinable containers |
-//! | `die`     | release entry, listener and rules; prepare again if the container still exists (restart) |
+//! | `die`     | release entry, listener and rules; prepare again if the container still exists (restart); nothing if it runs again in its entry's cgroup (a `die` of an earlier run) |
 //! | `destroy` | release everything, remove a pre-created dir                         |
 //! | network `create`/`destroy` | guard / unguard the bridge of a Docker bridge network (nft) |
 //! | network `connect`/`disconnect` | a running container's ports changed: classify it again |
